@@ -1,0 +1,23 @@
+"""What every loadable model shares: its config class, checkpoint format and config.json writer."""
+
+from typing import ClassVar
+
+import equinox as eqx
+
+
+class PretrainedModel(eqx.Module):
+    """Base of modules that ``eqxdiff.load`` builds. Subclasses set ``config_class``, hold the parsed config in a
+    static ``config`` field and are constructed as ``Model(config, *, dtype, key)``."""
+
+    config_class: ClassVar[type]
+    CHECKPOINT_FORMAT: ClassVar[str] = "diffusers"  # or "transformers"
+    CHECKPOINT_IGNORE: ClassVar[tuple[str, ...]] = ()  # regexes of checkpoint tensors that carry no weights
+
+    def checkpoint_config(self) -> dict:
+        """The config.json dict that diffusers/transformers need to rebuild this model."""
+        d = self.config.to_dict()  # type: ignore[attr-defined]
+        if self.CHECKPOINT_FORMAT == "transformers":
+            d["architectures"] = [type(self).__name__]
+        else:
+            d["_class_name"] = type(self).__name__
+        return d

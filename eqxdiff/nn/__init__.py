@@ -1,0 +1,8 @@
+"""Channels-last layers that load from PyTorch checkpoints."""
+
+from ._layers import Conv2d as Conv2d
+from ._layers import Embedding as Embedding
+from ._layers import GroupNorm as GroupNorm
+from ._layers import LayerNorm as LayerNorm
+from ._layers import Linear as Linear
+from ._layers import activation as activation

@@ -1,0 +1,170 @@
+"""Channels-last building blocks whose parameters map one-to-one onto PyTorch checkpoints.
+
+Each layer names its parameters as PyTorch does (``weight``, ``bias``). A layer whose layout differs from
+PyTorch's declares ``TORCH_PERMUTATIONS``: ``ours = numpy.transpose(torch_tensor, perm)``. The loader in
+:mod:`eqxdiff.loading` reads these declarations; layers never load anything themselves.
+"""
+
+import math
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .._typing import Array, Float, PRNGKeyArray, typechecked
+
+
+def _uniform(key, shape, bound, dtype):
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class Linear(eqx.Module):
+    """``y = x @ weight.T + bias``; ``weight`` is stored as PyTorch stores it, ``[out_features, in_features]``."""
+
+    weight: Float[Array, "out in"]
+    bias: Float[Array, " out"] | None
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
+                 dtype=jnp.float32, key: PRNGKeyArray):
+        wkey, bkey = jax.random.split(key)
+        bound = 1.0 / math.sqrt(in_features)
+        self.weight = _uniform(wkey, (out_features, in_features), bound, dtype)
+        self.bias = _uniform(bkey, (out_features,), bound, dtype) if use_bias else None
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @typechecked
+    def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"Linear expects {self.in_features} input features in the last axis, got x of shape "
+                             f"{x.shape}")
+        y = jnp.einsum("...i,oi->...o", x, self.weight.astype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.astype(x.dtype)
+        return y
+
+
+class Conv2d(eqx.Module):
+    """2-D convolution on ``[batch, height, width, channels]``; ``weight`` is ``[kh, kw, in, out]`` (HWIO)."""
+
+    TORCH_PERMUTATIONS: ClassVar[dict[str, tuple[int, ...]]] = {"weight": (2, 3, 1, 0)}
+
+    weight: Float[Array, "kh kw cin cout"]
+    bias: Float[Array, " cout"] | None
+    stride: int = eqx.field(static=True)
+    padding: int = eqx.field(static=True)
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, *, stride: int = 1,
+                 padding: int = 0, use_bias: bool = True, dtype=jnp.float32, key: PRNGKeyArray):
+        wkey, bkey = jax.random.split(key)
+        bound = 1.0 / math.sqrt(in_channels * kernel_size * kernel_size)
+        self.weight = _uniform(wkey, (kernel_size, kernel_size, in_channels, out_channels), bound, dtype)
+        self.bias = _uniform(bkey, (out_channels,), bound, dtype) if use_bias else None
+        self.stride = stride
+        self.padding = padding
+
+    @typechecked
+    def __call__(self, x: Float[Array, "batch height width cin"]) -> Float[Array, "batch h2 w2 cout"]:
+        if x.shape[-1] != self.weight.shape[2]:
+            raise ValueError(f"Conv2d expects channels-last input [batch, height, width, cin={self.weight.shape[2]}], "
+                             f"got shape {x.shape}")
+        p = self.padding
+        y = jax.lax.conv_general_dilated(
+            x, self.weight.astype(x.dtype), window_strides=(self.stride, self.stride),
+            padding=((p, p), (p, p)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        if self.bias is not None:
+            y = y + self.bias.astype(x.dtype)
+        return y
+
+
+class GroupNorm(eqx.Module):
+    """Group normalisation over a channels-last tensor, statistics in float32."""
+
+    weight: Float[Array, " channels"] | None
+    bias: Float[Array, " channels"] | None
+    num_groups: int = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, num_groups: int, num_channels: int, *, eps: float = 1e-5, affine: bool = True,
+                 dtype=jnp.float32):
+        if num_channels % num_groups:
+            raise ValueError(f"GroupNorm: num_channels={num_channels} is not divisible by "
+                             f"num_groups={num_groups}; choose a norm_num_groups that divides every width.")
+        self.weight = jnp.ones((num_channels,), dtype) if affine else None
+        self.bias = jnp.zeros((num_channels,), dtype) if affine else None
+        self.num_groups = num_groups
+        self.eps = eps
+
+    @typechecked
+    def __call__(self, x: Float[Array, "batch *spatial channels"]) -> Float[Array, "batch *spatial channels"]:
+        c = x.shape[-1]
+        g = x.astype(jnp.float32).reshape(*x.shape[:-1], self.num_groups, c // self.num_groups)
+        axes = tuple(range(1, x.ndim - 1)) + (x.ndim,)
+        mean = jnp.mean(g, axis=axes, keepdims=True)
+        var = jnp.mean(jnp.square(g - mean), axis=axes, keepdims=True)
+        y = ((g - mean) * jax.lax.rsqrt(var + self.eps)).reshape(x.shape)
+        if self.weight is not None:
+            y = y * self.weight.astype(jnp.float32) + self.bias.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+class LayerNorm(eqx.Module):
+    """Layer normalisation over the last axis, statistics in float32; affine parameters optional."""
+
+    weight: Float[Array, " dim"] | None
+    bias: Float[Array, " dim"] | None
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, *, eps: float = 1e-5, elementwise_affine: bool = True, use_bias: bool = True,
+                 dtype=jnp.float32):
+        self.weight = jnp.ones((dim,), dtype) if elementwise_affine else None
+        self.bias = jnp.zeros((dim,), dtype) if elementwise_affine and use_bias else None
+        self.eps = eps
+
+    @typechecked
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.astype(jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+class Embedding(eqx.Module):
+    """A lookup table ``[num_embeddings, dim]``, as PyTorch's ``nn.Embedding``."""
+
+    weight: Float[Array, "num dim"]
+
+    def __init__(self, num_embeddings: int, dim: int, *, dtype=jnp.float32, key: PRNGKeyArray):
+        self.weight = jax.random.normal(key, (num_embeddings, dim), dtype)
+
+    def __call__(self, ids: Array) -> Array:
+        return jnp.take(self.weight, ids, axis=0)
+
+
+def activation(name: str):
+    """Return the activation function PyTorch configs name ``name`` (``silu``, ``gelu``, ``quick_gelu`` ...)."""
+    table = {
+        "silu": jax.nn.silu,
+        "swish": jax.nn.silu,
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+        "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+        "relu": jax.nn.relu,
+        "mish": lambda x: x * jnp.tanh(jax.nn.softplus(x)),
+    }
+    if name not in table:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(table)}")
+    return table[name]

@@ -1,0 +1,1 @@
+"""eqxdiff.pipelines"""

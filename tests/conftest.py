@@ -1,0 +1,28 @@
+"""Test setup: 8 simulated CPU devices, float32 matmuls at full precision, jaxtyping + beartype checks on."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import random  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture
+def getkey():
+    """A function returning fresh PRNG keys; prints the seed so a failure can be replayed."""
+    seed = random.randint(0, 2**31 - 1)
+    print(f"getkey seed: {seed}")
+    key = [jax.random.key(seed)]
+
+    def _next():
+        key[0], sub = jax.random.split(key[0])
+        return sub
+
+    return _next

@@ -1,0 +1,105 @@
+"""Layer parity with PyTorch (1e-5) and the state-dict mapping the loader relies on."""
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+import torch
+
+from eqxdiff import nn
+from eqxdiff.loading import CheckpointError, fill_module, leaf_specs, state_dict
+
+from ._util import assert_close, nchw_to_nhwc, nhwc_to_nchw, to_jax
+
+
+class _Checkpoint(dict):
+    def names(self):
+        return list(self)
+
+    def shape(self, name):
+        return self[name].shape
+
+    def get(self, name):
+        return self[name]
+
+
+def _load_torch(module, torch_module):
+    sd = _Checkpoint({k: v.detach().numpy() for k, v in torch_module.state_dict().items()})
+    return fill_module(eqx.filter_eval_shape(lambda: module), sd)
+
+
+@pytest.mark.parametrize("stride,padding,k", [(1, 1, 3), (2, 1, 3), (1, 0, 1), (2, 0, 3)])
+def test_conv2d_matches_torch(stride, padding, k):
+    torch.manual_seed(0)
+    ref = torch.nn.Conv2d(6, 10, k, stride=stride, padding=padding)
+    ours = _load_torch(nn.Conv2d(6, 10, k, stride=stride, padding=padding, key=jax.random.key(0)), ref)
+    x = torch.randn(2, 6, 9, 11)
+    assert_close(ours(nchw_to_nhwc(x)), nchw_to_nhwc(ref(x)), 1e-5)
+
+
+def test_linear_groupnorm_layernorm_match_torch():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(7, 5)
+    gn = torch.nn.GroupNorm(4, 12, eps=1e-6)
+    ln = torch.nn.LayerNorm(12, eps=1e-5)
+    for p in list(gn.parameters()) + list(ln.parameters()):
+        torch.nn.init.normal_(p)
+    x = torch.randn(3, 4, 7)
+    assert_close(_load_torch(nn.Linear(7, 5, key=jax.random.key(0)), lin)(to_jax(x)), lin(x).detach(), 1e-5)
+    y = torch.randn(2, 12, 5, 6)
+    assert_close(_load_torch(nn.GroupNorm(4, 12, eps=1e-6), gn)(nchw_to_nhwc(y)), nchw_to_nhwc(gn(y)), 1e-5)
+    z = torch.randn(2, 3, 12)
+    assert_close(_load_torch(nn.LayerNorm(12), ln)(to_jax(z)), ln(z).detach(), 1e-5)
+
+
+class _Block(eqx.Module):
+    TORCH_RENAMES = {"proj": "to_out.0"}
+    proj: nn.Linear
+    convs: list
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.proj = nn.Linear(4, 3, key=k1)
+        self.convs = [nn.Conv2d(3, 5, 3, key=k2), nn.Conv2d(5, 2, 1, use_bias=False, key=k3)]
+
+
+def test_state_dict_names_permutations_and_round_trip():
+    block = _Block(jax.random.key(0))
+    _, specs, _ = leaf_specs(block)
+    assert [s.name for s in specs] == ["to_out.0.weight", "to_out.0.bias", "convs.0.weight", "convs.0.bias",
+                                        "convs.1.weight"]
+    sd = state_dict(block)
+    assert sd["convs.0.weight"].shape == (5, 3, 3, 3)  # PyTorch OIHW
+    again = fill_module(eqx.filter_eval_shape(_Block, jax.random.key(1)), _Checkpoint(sd))
+    for a, b in zip(jax.tree_util.tree_leaves(block), jax.tree_util.tree_leaves(again)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fill_reports_missing_unexpected_and_wrong_shapes():
+    abstract = eqx.filter_eval_shape(_Block, jax.random.key(0))
+    sd = state_dict(_Block(jax.random.key(0)))
+    bad = _Checkpoint(sd)
+    del bad["convs.1.weight"]
+    bad["extra.weight"] = np.zeros(3)
+    bad["to_out.0.bias"] = np.zeros(4, np.float32)
+    with pytest.raises(CheckpointError) as info:
+        fill_module(abstract, bad)
+    msg = str(info.value)
+    assert "missing" in msg and "convs.1.weight" in msg
+    assert "unexpected" in msg and "extra.weight" in msg
+    assert "'to_out.0.bias' has shape (4,)" in msg and "expects (3,)" in msg
+    # ignored names may be present without being used
+    ok = _Checkpoint(sd)
+    ok["position_ids"] = np.arange(3)
+    fill_module(abstract, ok, ignore=[r"position_ids"])
+
+
+def test_wrong_input_shape_is_rejected_readably():
+    conv = nn.Conv2d(3, 4, 3, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"cin=3.*got shape \(1, 8, 8, 5\)"):
+        conv(to_jax(np.zeros((1, 8, 8, 5), np.float32)))
+
+
+def test_conv_nchw_helper_round_trip():
+    x = np.random.randn(2, 3, 4, 5).astype(np.float32)
+    np.testing.assert_array_equal(nhwc_to_nchw(nchw_to_nhwc(x)).numpy(), x)
