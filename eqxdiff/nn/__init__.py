@@ -6,3 +6,6 @@ from ._layers import GroupNorm as GroupNorm
 from ._layers import LayerNorm as LayerNorm
 from ._layers import Linear as Linear
 from ._layers import activation as activation
+from ._attention import Attention as Attention
+from ._attention import with_attention_implementation as with_attention_implementation
+from ._attention import replace_static as replace_static
