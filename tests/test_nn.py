@@ -103,3 +103,28 @@ def test_wrong_input_shape_is_rejected_readably():
 def test_conv_nchw_helper_round_trip():
     x = np.random.randn(2, 3, 4, 5).astype(np.float32)
     np.testing.assert_array_equal(nhwc_to_nchw(nchw_to_nhwc(x)).numpy(), x)
+
+
+@pytest.mark.parametrize("cin,cout,temb,padding", [(8, 8, 16, 1), (8, 16, None, 0)])
+def test_resnet_and_sampling_blocks_match_diffusers(cin, cout, temb, padding):
+    from diffusers.models.resnet import Downsample2D as TDown
+    from diffusers.models.resnet import ResnetBlock2D as TRes
+    from diffusers.models.resnet import Upsample2D as TUp
+
+    torch.manual_seed(0)
+    ref = TRes(in_channels=cin, out_channels=cout, temb_channels=temb, groups=4, eps=1e-6)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ours = _load_torch(nn.ResnetBlock2D(cin, cout, temb_channels=temb, groups=4, key=jax.random.key(0)), ref)
+    x = torch.randn(2, cin, 6, 6)
+    t = torch.randn(2, temb) if temb else None
+    expected = nchw_to_nhwc(ref(x, t))
+    assert_close(ours(nchw_to_nhwc(x), to_jax(t) if temb else None), expected, 1e-5)
+
+    down = TDown(cin, use_conv=True, out_channels=cout, padding=padding, name="op")
+    ours_down = _load_torch(nn.Downsample2D(cin, cout, padding=padding, key=jax.random.key(0)), down)
+    assert_close(ours_down(nchw_to_nhwc(x)), nchw_to_nhwc(down(x)), 1e-5)
+    up = TUp(cin, use_conv=True, out_channels=cout)
+    ours_up = _load_torch(nn.Upsample2D(cin, cout, key=jax.random.key(0)), up)
+    assert_close(ours_up(nchw_to_nhwc(x)), nchw_to_nhwc(up(x)), 1e-5)
+    assert_close(ours_up(nchw_to_nhwc(x), (9, 11)), nchw_to_nhwc(up(x, output_size=(9, 11))), 1e-5)

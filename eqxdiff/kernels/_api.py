@@ -24,14 +24,15 @@ def attention(
     *,
     mask: Bool[Array, "batch kv_seq"] | None = None,
     scale: float | None = None,
+    causal: bool = False,
     implementation: str | None = None,
 ) -> Float[Array, "batch q_seq heads head_dim"]:
     """Scaled dot-product attention over ``[batch, seq, heads, head_dim]`` tensors.
 
-    ``mask`` is a key-padding mask (``True`` = attend). ``implementation`` picks a backend by name;
+    ``mask`` is a key-padding mask (``True`` = attend); ``causal`` masks keys after each query. ``implementation`` picks a backend by name;
     ``None`` chooses one for the platform. Every backend matches ``"xla"``, the float32 reference.
     """
     _check_inputs(q, k, v, mask)
     if implementation not in (None, "xla"):
         raise ValueError(f"attention: unknown implementation {implementation!r}; available: ['xla']")
-    return reference_attention(q, k, v, mask=mask, scale=scale)
+    return reference_attention(q, k, v, mask=mask, scale=scale, causal=causal)

@@ -9,3 +9,6 @@ from ._layers import activation as activation
 from ._attention import Attention as Attention
 from ._attention import with_attention_implementation as with_attention_implementation
 from ._attention import replace_static as replace_static
+from ._resnet import Downsample2D as Downsample2D
+from ._resnet import ResnetBlock2D as ResnetBlock2D
+from ._resnet import Upsample2D as Upsample2D
