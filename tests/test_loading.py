@@ -1,0 +1,164 @@
+"""Checkpoint loading and saving: files, formats, dtypes, sharded indexes and every error a user can hit."""
+
+import dataclasses
+import json
+import sys
+import types
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import eqxdiff
+from eqxdiff import nn
+from eqxdiff.loading import CheckpointError, SafetensorsFile, write_safetensors
+from eqxdiff.models._base import PretrainedModel
+from eqxdiff.models._config import ConfigError, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyConfig(ModelConfig):
+    SUPPORTED_VALUES = {"act_fn": ("silu",)}
+    width: int = 4
+    act_fn: str = "silu"
+
+
+class TinyModel(PretrainedModel):
+    config_class = TinyConfig
+    CHECKPOINT_IGNORE = (r"buffers\..*",)
+    config: TinyConfig = eqx.field(static=True)
+    proj: nn.Linear
+    conv: nn.Conv2d
+
+    def __init__(self, config, *, dtype=jnp.float32, key):
+        k1, k2 = jax.random.split(key)
+        self.config = config
+        self.proj = nn.Linear(3, config.width, dtype=dtype, key=k1)
+        self.conv = nn.Conv2d(config.width, 2, 3, padding=1, dtype=dtype, key=k2)
+
+
+@pytest.fixture(autouse=True)
+def _register_tiny(monkeypatch):
+    module = types.ModuleType("eqxdiff_test_tiny")
+    module.TinyModel = TinyModel
+    monkeypatch.setitem(sys.modules, "eqxdiff_test_tiny", module)
+    monkeypatch.setitem(eqxdiff.loading.MODEL_CLASSES, "TinyModel", "eqxdiff_test_tiny:TinyModel")
+
+
+def _torch_weights(width=4):
+    torch.manual_seed(0)
+    return {"proj.weight": torch.randn(width, 3), "proj.bias": torch.randn(width),
+            "conv.weight": torch.randn(2, width, 3, 3), "conv.bias": torch.randn(2)}
+
+
+def _write_folder(path, weights=None, config=None, name="diffusion_pytorch_model.safetensors"):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config or {"_class_name": "TinyModel", "width": 4}))
+    save_file(weights if weights is not None else _torch_weights(), str(path / name))
+    return path
+
+
+def test_load_converts_layouts_and_fills_every_leaf(tmp_path):
+    folder = _write_folder(tmp_path / "m")
+    model = eqxdiff.load(folder)
+    w = _torch_weights()
+    np.testing.assert_array_equal(model.proj.weight, w["proj.weight"].numpy())
+    np.testing.assert_array_equal(model.conv.weight, w["conv.weight"].permute(2, 3, 1, 0).numpy())
+    assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(model))
+
+
+def test_load_in_bfloat16_and_save_round_trip(tmp_path):
+    folder = _write_folder(tmp_path / "m", {k: v.to(torch.bfloat16) for k, v in _torch_weights().items()})
+    model = eqxdiff.load(folder, dtype=jnp.bfloat16)
+    assert {x.dtype for x in jax.tree_util.tree_leaves(model)} == {jnp.dtype(jnp.bfloat16)}
+    out = eqxdiff.save_pretrained(model, tmp_path / "saved")
+    assert json.loads((out / "config.json").read_text())["_class_name"] == "TinyModel"
+    again = load_file(str(out / "diffusion_pytorch_model.safetensors"))
+    for k, v in _torch_weights().items():
+        torch.testing.assert_close(again[k], v.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_sharded_index_and_variant(tmp_path):
+    w = _torch_weights()
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"_class_name": "TinyModel", "width": 4}))
+    save_file({k: w[k] for k in ("proj.weight", "proj.bias")}, str(folder / "part-1.safetensors"))
+    save_file({k: w[k] for k in ("conv.weight", "conv.bias")}, str(folder / "part-2.safetensors"))
+    index = {"weight_map": {k: "part-1.safetensors" if k.startswith("proj") else "part-2.safetensors" for k in w}}
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+    np.testing.assert_array_equal(eqxdiff.load(folder).conv.bias, w["conv.bias"].numpy())
+    variant = _write_folder(tmp_path / "v", name="diffusion_pytorch_model.fp16.safetensors")
+    eqxdiff.load(variant, variant="fp16")
+    with pytest.raises(CheckpointError, match="is the variant right"):
+        eqxdiff.load(variant)
+
+
+def test_sharded_loading_reads_slices_onto_a_mesh(tmp_path):
+    folder = _write_folder(tmp_path / "m", _torch_weights(width=8), {"_class_name": "TinyModel", "width": 8})
+    mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[:8])
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    model = eqxdiff.load(folder, sharding=lambda name, shape: spec if name == "proj.weight" else None)
+    assert model.proj.weight.sharding == spec
+    assert len(model.proj.weight.addressable_shards) == 8
+    np.testing.assert_array_equal(model.proj.weight, _torch_weights(8)["proj.weight"].numpy())
+
+
+def test_errors_name_the_problem(tmp_path, monkeypatch):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        eqxdiff.load(tmp_path / "nope")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        eqxdiff.load(empty)
+    with pytest.raises(CheckpointError, match="unknown model class 'Mystery'"):
+        eqxdiff.load(_write_folder(tmp_path / "u", config={"_class_name": "Mystery"}))
+    with pytest.raises(CheckpointError, match="names no model class"):
+        eqxdiff.load(_write_folder(tmp_path / "n", config={"width": 4}))
+    bin_only = tmp_path / "bin"
+    bin_only.mkdir()
+    (bin_only / "config.json").write_text(json.dumps({"_class_name": "TinyModel"}))
+    torch.save(_torch_weights(), bin_only / "diffusion_pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="only PyTorch pickle weights.*safe_serialization=True"):
+        eqxdiff.load(bin_only)
+    w = _torch_weights()
+    w["extra.weight"] = torch.zeros(2)
+    del w["proj.bias"]
+    w["conv.bias"] = torch.zeros(5)
+    with pytest.raises(CheckpointError, match=r"missing.*proj\.bias.*unexpected.*extra\.weight.*\(5,\).*expects \(2,\)"):
+        eqxdiff.load(_write_folder(tmp_path / "bad", w))
+    ok = _torch_weights()
+    ok["buffers.position_ids"] = torch.arange(3)
+    eqxdiff.load(_write_folder(tmp_path / "ignored", ok))  # declared non-weight tensors may be present
+    for dtype in (jnp.int8, "float64", "nonsense"):
+        with pytest.raises(CheckpointError, match="dtype"):
+            eqxdiff.load(_write_folder(tmp_path / "d"), dtype=dtype)
+    with pytest.raises(ConfigError, match="act_fn='gelu'.*supports act_fn in \\['silu'\\]"):
+        eqxdiff.load(_write_folder(tmp_path / "c", config={"_class_name": "TinyModel", "act_fn": "gelu"}))
+    with pytest.raises(CheckpointError, match="is a file"):
+        eqxdiff.load(_write_folder(tmp_path / "f") / "config.json")
+
+
+def test_hub_id_offline_gives_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(CheckpointError, match="could not fetch 'someone/some-model'.*hf download"):
+        eqxdiff.load("someone/some-model")
+
+
+def test_safetensors_reader_and_writer_agree_with_the_library(tmp_path):
+    import ml_dtypes
+
+    tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones((4,), ml_dtypes.bfloat16),
+               "c": np.arange(3, dtype=np.int64)}
+    write_safetensors(tensors, tmp_path / "x.safetensors", metadata={"format": "pt"})
+    theirs = load_file(str(tmp_path / "x.safetensors"))
+    assert theirs["b"].dtype == torch.bfloat16 and theirs["c"].tolist() == [0, 1, 2]
+    ours = SafetensorsFile(tmp_path / "x.safetensors")
+    assert ours.metadata == {"format": "pt"}
+    np.testing.assert_array_equal(ours.get("a"), tensors["a"])
+    assert ours.get("b").dtype == ml_dtypes.bfloat16
