@@ -3,6 +3,7 @@
 import importlib
 import json
 import os
+import re
 from pathlib import Path
 
 import equinox as eqx
@@ -87,20 +88,35 @@ def read_config(folder: Path, name: str = "config.json") -> dict:
 
 
 class CheckpointFiles:
-    """One or several safetensors shards seen as one name -> tensor mapping."""
+    """One or several safetensors shards seen as one name -> tensor mapping.
 
-    def __init__(self, paths):
+    ``key_map``: ``(pattern, replacement)`` regexes applied in turn (``re.sub``) to every stored name, so a model
+    can read the names another library version wrote (a model class declares them as ``CHECKPOINT_KEY_MAP``).
+    """
+
+    def __init__(self, paths, key_map=()):
         self.files = [SafetensorsFile(p) for p in paths]
-        self._where = {n: f for f in self.files for n in f.names()}
+        self._where = {}
+        for f in self.files:
+            for stored in f.names():
+                name = stored
+                for pattern, replacement in key_map:
+                    name = re.sub(pattern, replacement, name)
+                if key_map and name in self._where:
+                    raise CheckpointError(f"checkpoint tensors {self._where[name][1]!r} and {stored!r} both read "
+                                          f"as {name!r}; keep only one of them")
+                self._where[name] = (f, stored)
 
     def names(self):
         return list(self._where)
 
     def shape(self, name):
-        return self._where[name].shape(name)
+        f, stored = self._where[name]
+        return f.shape(stored)
 
     def get(self, name):
-        return self._where[name].get(name)
+        f, stored = self._where[name]
+        return f.get(stored)
 
 
 def weight_files(folder: Path, variant: str | None = None) -> list[Path]:
@@ -155,7 +171,8 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
     config = cls.config_class.from_dict(raw)
     files = weight_files(folder, variant)
     abstract = eqx.filter_eval_shape(lambda: cls(config, dtype=dt, key=jax.random.key(0)))
-    return fill_module(abstract, CheckpointFiles(files), dtype=dt, sharding=sharding,
+    checkpoint = CheckpointFiles(files, key_map=getattr(cls, "CHECKPOINT_KEY_MAP", ()))
+    return fill_module(abstract, checkpoint, dtype=dt, sharding=sharding,
                        ignore=getattr(cls, "CHECKPOINT_IGNORE", ()), where=f"checkpoint in {os.fspath(folder)!r}")
 
 

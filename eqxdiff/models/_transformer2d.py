@@ -1,0 +1,125 @@
+"""The spatial transformer of the Stable Diffusion UNets: diffusers' ``Transformer2DModel`` (continuous input,
+``layer_norm``) built from ``BasicTransformerBlock`` s with a GEGLU feed-forward. Channels-last throughout."""
+
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .._typing import Array, Bool, Float, PRNGKeyArray, typechecked
+from ..nn import Attention, Conv2d, GroupNorm, LayerNorm, Linear
+
+
+class GEGLU(eqx.Module):
+    """``h * gelu(gate)`` where ``[h, gate] = proj(x)`` (exact, erf-based GELU as PyTorch's default)."""
+
+    proj: Linear
+
+    def __init__(self, dim_in: int, dim_out: int, *, dtype=jnp.float32, key: PRNGKeyArray):
+        self.proj = Linear(dim_in, 2 * dim_out, dtype=dtype, key=key)
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch inner"]:
+        h, gate = jnp.split(self.proj(x), 2, axis=-1)
+        return h * jax.nn.gelu(gate, approximate=False)
+
+
+class FeedForward(eqx.Module):
+    """``net.2(GEGLU(x))`` with diffusers' names: ``net.0.proj`` in, ``net.2`` out (``net.1`` is dropout)."""
+
+    TORCH_RENAMES: ClassVar[dict[str, str]] = {"geglu": "net.0", "proj_out": "net.2"}
+
+    geglu: GEGLU
+    proj_out: Linear
+
+    def __init__(self, dim: int, *, mult: int = 4, dtype=jnp.float32, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.geglu = GEGLU(dim, dim * mult, dtype=dtype, key=k1)
+        self.proj_out = Linear(dim * mult, dim, dtype=dtype, key=k2)
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        return self.proj_out(self.geglu(x))
+
+
+class BasicTransformerBlock(eqx.Module):
+    """Pre-norm self-attention, cross-attention and feed-forward, each added back to the residual stream.
+
+    With ``only_cross_attention`` the first attention also attends to the context (and, as in diffusers, without
+    the context mask, which diffusers routes only to the second attention).
+    """
+
+    norm1: LayerNorm
+    attn1: Attention
+    norm2: LayerNorm
+    attn2: Attention
+    norm3: LayerNorm
+    ff: FeedForward
+    only_cross_attention: bool = eqx.field(static=True)
+
+    def __init__(self, dim: int, *, heads: int, dim_head: int, cross_attention_dim: int,
+                 only_cross_attention: bool = False, dtype=jnp.float32, key: PRNGKeyArray):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.norm1 = LayerNorm(dim, dtype=dtype)
+        self.attn1 = Attention(dim, cross_attention_dim=cross_attention_dim if only_cross_attention else None,
+                               heads=heads, dim_head=dim_head, dtype=dtype, key=k1)
+        self.norm2 = LayerNorm(dim, dtype=dtype)
+        self.attn2 = Attention(dim, cross_attention_dim=cross_attention_dim, heads=heads, dim_head=dim_head,
+                               dtype=dtype, key=k2)
+        self.norm3 = LayerNorm(dim, dtype=dtype)
+        self.ff = FeedForward(dim, dtype=dtype, key=k3)
+        self.only_cross_attention = only_cross_attention
+
+    @typechecked
+    def __call__(self, x: Float[Array, "batch seq dim"], context: Float[Array, "batch ctx_seq ctx_dim"], *,
+                 mask: Bool[Array, "batch ctx_seq"] | None = None) -> Float[Array, "batch seq dim"]:
+        h = self.norm1(x)
+        x = x + (self.attn1(h, context) if self.only_cross_attention else self.attn1(h))
+        x = x + self.attn2(self.norm2(x), context, mask=mask)
+        return x + self.ff(self.norm3(x))
+
+
+class Transformer2DModel(eqx.Module):
+    """GroupNorm, ``proj_in``, transformer blocks over the ``height * width`` tokens, ``proj_out``, residual.
+
+    ``proj_in`` / ``proj_out`` are 1x1 convolutions, or linear layers with ``use_linear_projection`` (SD 2.x, SDXL).
+    """
+
+    norm: GroupNorm
+    proj_in: Conv2d | Linear
+    transformer_blocks: list[BasicTransformerBlock]
+    proj_out: Conv2d | Linear
+
+    def __init__(self, channels: int, *, heads: int, dim_head: int, cross_attention_dim: int, num_layers: int = 1,
+                 groups: int = 32, use_linear_projection: bool = False, only_cross_attention: bool = False,
+                 dtype=jnp.float32, key: PRNGKeyArray):
+        kin, kout, kblocks = jax.random.split(key, 3)
+        inner = heads * dim_head
+        self.norm = GroupNorm(groups, channels, eps=1e-6, dtype=dtype)
+        if use_linear_projection:
+            self.proj_in = Linear(channels, inner, dtype=dtype, key=kin)
+            self.proj_out = Linear(inner, channels, dtype=dtype, key=kout)
+        else:
+            self.proj_in = Conv2d(channels, inner, 1, dtype=dtype, key=kin)
+            self.proj_out = Conv2d(inner, channels, 1, dtype=dtype, key=kout)
+        self.transformer_blocks = [
+            BasicTransformerBlock(inner, heads=heads, dim_head=dim_head, cross_attention_dim=cross_attention_dim,
+                                  only_cross_attention=only_cross_attention, dtype=dtype, key=k)
+            for k in jax.random.split(kblocks, num_layers)]
+
+    @typechecked
+    def __call__(self, x: Float[Array, "batch height width channels"],
+                 context: Float[Array, "batch ctx_seq ctx_dim"], *,
+                 mask: Bool[Array, "batch ctx_seq"] | None = None) -> Float[Array, "batch height width channels"]:
+        b, height, width, _ = x.shape
+        h = self.norm(x)
+        # A 1x1 convolution and a linear layer are the same map on channels-last tokens; only the order of the
+        # reshape differs, and that is a no-op here.
+        h = self.proj_in(h) if isinstance(self.proj_in, Conv2d) else self.proj_in(h.reshape(b, height * width, -1))
+        h = h.reshape(b, height * width, -1)
+        for block in self.transformer_blocks:
+            h = block(h, context, mask=mask)
+        if isinstance(self.proj_out, Conv2d):
+            h = self.proj_out(h.reshape(b, height, width, -1))
+        else:
+            h = self.proj_out(h).reshape(b, height, width, -1)
+        return h + x

@@ -1,0 +1,215 @@
+"""The UNet's pieces: timestep embeddings and the down, mid and up blocks, each built from a typed spec.
+
+One class covers diffusers' ``DownBlock2D`` and ``CrossAttnDownBlock2D`` (``attentions`` is ``None`` for the
+former), one covers ``UpBlock2D`` and ``CrossAttnUpBlock2D``; the state-dict names are diffusers' either way.
+"""
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._typing import Array, Bool, Float, PRNGKeyArray, typechecked
+from ..nn import Downsample2D, Linear, ResnetBlock2D, Upsample2D, activation
+from ._transformer2d import Transformer2DModel
+
+
+@dataclasses.dataclass(frozen=True)
+class ResnetSpec:
+    """What every ResNet of a UNet shares."""
+
+    temb_channels: int
+    groups: int
+    eps: float
+    act_fn: str
+    output_scale_factor: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """The spatial transformers of one block: ``layers[i]`` transformer blocks after the block's ``i``-th ResNet."""
+
+    heads: int
+    cross_attention_dim: int
+    layers: tuple[int, ...]
+    use_linear_projection: bool
+    only_cross_attention: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DownBlockSpec:
+    in_channels: int
+    out_channels: int
+    num_layers: int
+    attention: AttentionSpec | None
+    downsample: bool
+    downsample_padding: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MidBlockSpec:
+    channels: int
+    attention: AttentionSpec  # len(attention.layers) (transformer, ResNet) pairs after a first ResNet
+
+
+@dataclasses.dataclass(frozen=True)
+class UpBlockSpec:
+    prev_channels: int  # channels coming from the block below
+    out_channels: int
+    skip_channels: tuple[int, ...]  # of the skip concatenated before each ResNet, in the order they are used
+    attention: AttentionSpec | None
+    upsample: bool
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.skip_channels)
+
+
+def timestep_embedding(t: Float[Array, " n"], dim: int, *, flip_sin_to_cos: bool, freq_shift: float,
+                       max_period: float = 10000.0) -> Float[Array, "n dim"]:
+    """Sinusoidal embeddings of (possibly fractional) timesteps, in float32, as diffusers' ``Timesteps``."""
+    half = dim // 2
+    # Frequencies as a float32 constant, rounded once from float64 (PyTorch computes exp in float32).
+    freqs = np.exp(-math.log(max_period) * np.arange(half, dtype=np.float64) / (half - freq_shift))
+    args = t.astype(jnp.float32)[:, None] * jnp.asarray(freqs, jnp.float32)[None, :]
+    sin, cos = jnp.sin(args), jnp.cos(args)
+    emb = jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)
+    if dim % 2:
+        emb = jnp.pad(emb, ((0, 0), (0, 1)))
+    return emb
+
+
+class TimestepEmbedding(eqx.Module):
+    """``post_act(linear_2(act(linear_1(x + cond_proj(cond)))))``: diffusers' ``TimestepEmbedding``."""
+
+    linear_1: Linear
+    linear_2: Linear
+    cond_proj: Linear | None
+    act_fn: str = eqx.field(static=True)
+    post_act_fn: str | None = eqx.field(static=True)
+
+    def __init__(self, in_channels: int, dim: int, *, act_fn: str = "silu", post_act_fn: str | None = None,
+                 cond_proj_dim: int | None = None, dtype=jnp.float32, key: PRNGKeyArray):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.linear_1 = Linear(in_channels, dim, dtype=dtype, key=k1)
+        self.linear_2 = Linear(dim, dim, dtype=dtype, key=k2)
+        self.cond_proj = (Linear(cond_proj_dim, in_channels, use_bias=False, dtype=dtype, key=k3)
+                          if cond_proj_dim is not None else None)
+        self.act_fn = act_fn
+        self.post_act_fn = post_act_fn
+
+    @typechecked
+    def __call__(self, x: Float[Array, "batch cin"],
+                 cond: Float[Array, "batch cond"] | None = None) -> Float[Array, "batch dim"]:
+        if cond is not None:
+            if self.cond_proj is None:
+                raise ValueError("timestep_cond was given but the model has no cond_proj (time_cond_proj_dim=None)")
+            x = x + self.cond_proj(cond.astype(x.dtype))
+        h = self.linear_2(activation(self.act_fn)(self.linear_1(x)))
+        return activation(self.post_act_fn)(h) if self.post_act_fn else h
+
+
+def _resnet(cin: int, cout: int, spec: ResnetSpec, *, dtype, key) -> ResnetBlock2D:
+    return ResnetBlock2D(cin, cout, temb_channels=spec.temb_channels, groups=spec.groups, eps=spec.eps,
+                         act_fn=spec.act_fn, output_scale_factor=spec.output_scale_factor, dtype=dtype, key=key)
+
+
+def _transformers(channels: int, spec: AttentionSpec | None, groups: int, *, dtype, key):
+    if spec is None:
+        return None
+    return [Transformer2DModel(channels, heads=spec.heads, dim_head=channels // spec.heads,
+                               cross_attention_dim=spec.cross_attention_dim, num_layers=n, groups=groups,
+                               use_linear_projection=spec.use_linear_projection,
+                               only_cross_attention=spec.only_cross_attention, dtype=dtype, key=k)
+            for n, k in zip(spec.layers, jax.random.split(key, len(spec.layers)))]
+
+
+Context = Float[Array, "batch ctx_seq ctx_dim"]
+Mask = Bool[Array, "batch ctx_seq"] | None
+
+
+class DownBlock(eqx.Module):
+    """ResNets (each followed by a spatial transformer if ``attentions``), then an optional stride-2 conv.
+
+    Returns the output and the skips the up path consumes: every ResNet/transformer output and the downsampled one.
+    """
+
+    TORCH_RENAMES: ClassVar[dict[str, str]] = {"downsampler": "downsamplers.0"}
+
+    resnets: list[ResnetBlock2D]
+    attentions: list[Transformer2DModel] | None
+    downsampler: Downsample2D | None
+
+    def __init__(self, spec: DownBlockSpec, resnet: ResnetSpec, *, dtype=jnp.float32, key: PRNGKeyArray):
+        kr, ka, kd = jax.random.split(key, 3)
+        cout = spec.out_channels
+        self.resnets = [_resnet(spec.in_channels if i == 0 else cout, cout, resnet, dtype=dtype, key=k)
+                        for i, k in enumerate(jax.random.split(kr, spec.num_layers))]
+        self.attentions = _transformers(cout, spec.attention, resnet.groups, dtype=dtype, key=ka)
+        self.downsampler = (Downsample2D(cout, cout, padding=spec.downsample_padding, dtype=dtype, key=kd)
+                            if spec.downsample else None)
+
+    def __call__(self, x, temb, context: Context, mask: Mask):
+        skips = []
+        for i, resnet in enumerate(self.resnets):
+            x = resnet(x, temb)
+            if self.attentions is not None:
+                x = self.attentions[i](x, context, mask=mask)
+            skips.append(x)
+        if self.downsampler is not None:
+            x = self.downsampler(x)
+            skips.append(x)
+        return x, skips
+
+
+class MidBlock(eqx.Module):
+    """``UNetMidBlock2DCrossAttn``: a ResNet, then (transformer, ResNet) pairs."""
+
+    resnets: list[ResnetBlock2D]
+    attentions: list[Transformer2DModel]
+
+    def __init__(self, spec: MidBlockSpec, resnet: ResnetSpec, *, dtype=jnp.float32, key: PRNGKeyArray):
+        kr, ka = jax.random.split(key)
+        c = spec.channels
+        self.resnets = [_resnet(c, c, resnet, dtype=dtype, key=k)
+                        for k in jax.random.split(kr, len(spec.attention.layers) + 1)]
+        self.attentions = _transformers(c, spec.attention, resnet.groups, dtype=dtype, key=ka)
+
+    def __call__(self, x, temb, context: Context, mask: Mask):
+        x = self.resnets[0](x, temb)
+        for attn, resnet in zip(self.attentions, self.resnets[1:]):
+            x = resnet(attn(x, context, mask=mask), temb)
+        return x
+
+
+class UpBlock(eqx.Module):
+    """For each ResNet: concatenate the next skip, ResNet, optional transformer; then optional 2x upsampling."""
+
+    TORCH_RENAMES: ClassVar[dict[str, str]] = {"upsampler": "upsamplers.0"}
+
+    resnets: list[ResnetBlock2D]
+    attentions: list[Transformer2DModel] | None
+    upsampler: Upsample2D | None
+
+    def __init__(self, spec: UpBlockSpec, resnet: ResnetSpec, *, dtype=jnp.float32, key: PRNGKeyArray):
+        kr, ka, ku = jax.random.split(key, 3)
+        cout = spec.out_channels
+        self.resnets = [_resnet((spec.prev_channels if i == 0 else cout) + skip, cout, resnet, dtype=dtype, key=k)
+                        for i, (skip, k) in enumerate(zip(spec.skip_channels,
+                                                          jax.random.split(kr, spec.num_layers)))]
+        self.attentions = _transformers(cout, spec.attention, resnet.groups, dtype=dtype, key=ka)
+        self.upsampler = Upsample2D(cout, cout, dtype=dtype, key=ku) if spec.upsample else None
+
+    def __call__(self, x, skips, temb, context: Context, mask: Mask, upsample_size: tuple[int, int] | None = None):
+        """``skips`` in the order the down path produced them; the last one is used first."""
+        for i, resnet in enumerate(self.resnets):
+            x = resnet(jnp.concatenate([x, skips[-1 - i]], axis=-1), temb)
+            if self.attentions is not None:
+                x = self.attentions[i](x, context, mask=mask)
+        if self.upsampler is not None:
+            x = self.upsampler(x, upsample_size)
+        return x

@@ -1,0 +1,428 @@
+"""``AutoencoderKL``: the KL-regularised VAE of latent diffusion, with diffusers' parameter names and numerics.
+
+Images and latents are channels-last: ``[batch, height, width, channels]``. ``encode`` returns a
+:class:`DiagonalGaussian` over latents, ``decode`` maps latents back to images; ``decode_tiled`` /
+``encode_tiled`` and ``batch_slice_size`` bound memory as diffusers' ``enable_tiling()`` / ``enable_slicing()``
+do, with the same results. ``scale_latents`` / ``unscale_latents`` move between the VAE's latent space and the
+normalised one a diffusion model works in.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .._typing import Array, Float, PRNGKeyArray, typechecked
+from ..nn import Attention, Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D, activation
+from ._base import PretrainedModel
+from ._config import ConfigError, ModelConfig
+
+_EPS = 1e-6  # every norm in diffusers' VAE
+_ACTIVATIONS = ("silu", "swish", "mish", "gelu", "relu")  # diffusers' get_activation table
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoencoderKLConfig(ModelConfig):
+    """diffusers' ``AutoencoderKL`` config.json. ``latents_mean``/``latents_std``/``force_upcast`` are carried for
+    pipelines; the model itself only uses them in :meth:`AutoencoderKL.scale_latents`."""
+
+    in_channels: int = 3
+    out_channels: int = 3
+    down_block_types: tuple[str, ...] = ("DownEncoderBlock2D",)
+    up_block_types: tuple[str, ...] = ("UpDecoderBlock2D",)
+    block_out_channels: tuple[int, ...] = (64,)
+    layers_per_block: int = 1
+    act_fn: str = "silu"
+    latent_channels: int = 4
+    norm_num_groups: int = 32
+    sample_size: int | tuple[int, ...] = 32
+    scaling_factor: float = 0.18215
+    shift_factor: float | None = None
+    latents_mean: tuple[float, ...] | None = None
+    latents_std: tuple[float, ...] | None = None
+    force_upcast: bool = True
+    use_quant_conv: bool = True
+    use_post_quant_conv: bool = True
+    mid_block_add_attention: bool = True
+
+    def __post_init__(self):
+        n = len(self.block_out_channels)
+        self.check(n >= 1 and all(c > 0 for c in self.block_out_channels), "block_out_channels",
+                   "must be a non-empty list of positive widths")
+        self.check(all(t == "DownEncoderBlock2D" for t in self.down_block_types), "down_block_types",
+                   "is not supported; eqxdiff supports only 'DownEncoderBlock2D' blocks")
+        self.check(all(t == "UpDecoderBlock2D" for t in self.up_block_types), "up_block_types",
+                   "is not supported; eqxdiff supports only 'UpDecoderBlock2D' blocks")
+        self.check(len(self.down_block_types) == n, "down_block_types",
+                   f"must have one entry per block_out_channels entry ({n})")
+        self.check(len(self.up_block_types) == n, "up_block_types",
+                   f"must have one entry per block_out_channels entry ({n})")
+        self.check(self.act_fn in _ACTIVATIONS, "act_fn", f"is not supported; use one of {list(_ACTIVATIONS)}")
+        self.check(self.layers_per_block >= 1, "layers_per_block", "must be at least 1")
+        self.check(self.norm_num_groups > 0 and all(c % self.norm_num_groups == 0 for c in self.block_out_channels),
+                   "norm_num_groups", f"must divide every block_out_channels entry {list(self.block_out_channels)}")
+        for key in ("latents_mean", "latents_std"):
+            value = getattr(self, key)
+            self.check(value is None or len(value) == self.latent_channels, key,
+                       f"must have latent_channels={self.latent_channels} entries")
+        self.check(self.scaling_factor != 0, "scaling_factor", "must be non-zero")
+
+    @property
+    def downsample_factor(self) -> int:
+        """Image pixels per latent pixel along each axis."""
+        return 2 ** (len(self.block_out_channels) - 1)
+
+    @property
+    def tile_sample_min_size(self) -> int:
+        """diffusers' default tile size for tiled encode/decode: ``sample_size`` (its first entry if a list)."""
+        size = self.sample_size
+        return int(size[0] if isinstance(size, tuple) else size)
+
+
+class VAEAttentionBlock(eqx.Module):
+    """diffusers' single-head spatial self-attention: ``x + attn(group_norm(x))`` over the ``height*width`` tokens."""
+
+    TORCH_RENAMES: ClassVar[dict[str, str]] = {"attn": ""}  # to_q, to_k ... sit beside group_norm
+
+    group_norm: GroupNorm
+    attn: Attention
+
+    def __init__(self, channels: int, *, groups: int, dtype=jnp.float32, key: PRNGKeyArray):
+        self.group_norm = GroupNorm(groups, channels, eps=_EPS, dtype=dtype)
+        self.attn = Attention(channels, heads=1, dim_head=channels, bias=True, dtype=dtype, key=key)
+
+    @typechecked
+    def __call__(self, x: Float[Array, "batch height width channels"]) -> Float[Array, "batch height width channels"]:
+        b, h, w, c = x.shape
+        return x + self.attn(self.group_norm(x).reshape(b, h * w, c)).reshape(b, h, w, c)
+
+
+def _resnet(cin: int, cout: int, config: AutoencoderKLConfig, dtype, key) -> ResnetBlock2D:
+    return ResnetBlock2D(cin, cout, temb_channels=None, groups=config.norm_num_groups, eps=_EPS,
+                         act_fn=config.act_fn, dtype=dtype, key=key)
+
+
+class MidBlock(eqx.Module):
+    """``resnets[0]``, then (``attentions[0]`` if any, ``resnets[1]``), at the bottleneck width."""
+
+    resnets: list[ResnetBlock2D]
+    attentions: list[VAEAttentionBlock | None]
+
+    def __init__(self, channels: int, config: AutoencoderKLConfig, *, dtype, key: PRNGKeyArray):
+        k0, k1, ka = jax.random.split(key, 3)
+        self.resnets = [_resnet(channels, channels, config, dtype, k0), _resnet(channels, channels, config, dtype, k1)]
+        self.attentions = [VAEAttentionBlock(channels, groups=config.norm_num_groups, dtype=dtype, key=ka)
+                           if config.mid_block_add_attention else None]
+
+    def __call__(self, x):
+        x = self.resnets[0](x)
+        for attn, resnet in zip(self.attentions, self.resnets[1:]):
+            x = resnet(x if attn is None else attn(x))
+        return x
+
+
+class DownEncoderBlock2D(eqx.Module):
+    resnets: list[ResnetBlock2D]
+    downsamplers: list[Downsample2D] | None
+
+    def __init__(self, cin: int, cout: int, num_layers: int, add_downsample: bool, config: AutoencoderKLConfig, *,
+                 dtype, key: PRNGKeyArray):
+        keys = jax.random.split(key, num_layers + 1)
+        self.resnets = [_resnet(cin if i == 0 else cout, cout, config, dtype, keys[i]) for i in range(num_layers)]
+        self.downsamplers = [Downsample2D(cout, padding=0, dtype=dtype, key=keys[-1])] if add_downsample else None
+
+    def __call__(self, x):
+        for resnet in self.resnets:
+            x = resnet(x)
+        return x if self.downsamplers is None else self.downsamplers[0](x)
+
+
+class UpDecoderBlock2D(eqx.Module):
+    resnets: list[ResnetBlock2D]
+    upsamplers: list[Upsample2D] | None
+
+    def __init__(self, cin: int, cout: int, num_layers: int, add_upsample: bool, config: AutoencoderKLConfig, *,
+                 dtype, key: PRNGKeyArray):
+        keys = jax.random.split(key, num_layers + 1)
+        self.resnets = [_resnet(cin if i == 0 else cout, cout, config, dtype, keys[i]) for i in range(num_layers)]
+        self.upsamplers = [Upsample2D(cout, dtype=dtype, key=keys[-1])] if add_upsample else None
+
+    def __call__(self, x):
+        for resnet in self.resnets:
+            x = resnet(x)
+        return x if self.upsamplers is None else self.upsamplers[0](x)
+
+
+class Encoder(eqx.Module):
+    """Image -> Gaussian moments ``[mean, logvar]`` (``2 * latent_channels``), before ``quant_conv``."""
+
+    conv_in: Conv2d
+    down_blocks: list[DownEncoderBlock2D]
+    mid_block: MidBlock
+    conv_norm_out: GroupNorm
+    conv_out: Conv2d
+
+    def __init__(self, config: AutoencoderKLConfig, *, dtype, key: PRNGKeyArray):
+        widths = config.block_out_channels
+        kin, kmid, kout, *kblocks = jax.random.split(key, 3 + len(widths))
+        self.conv_in = Conv2d(config.in_channels, widths[0], 3, padding=1, dtype=dtype, key=kin)
+        self.down_blocks = [
+            DownEncoderBlock2D(widths[max(i - 1, 0)], w, config.layers_per_block, i < len(widths) - 1, config,
+                               dtype=dtype, key=k) for i, (w, k) in enumerate(zip(widths, kblocks))]
+        self.mid_block = MidBlock(widths[-1], config, dtype=dtype, key=kmid)
+        self.conv_norm_out = GroupNorm(config.norm_num_groups, widths[-1], eps=_EPS, dtype=dtype)
+        self.conv_out = Conv2d(widths[-1], 2 * config.latent_channels, 3, padding=1, dtype=dtype, key=kout)
+
+    def __call__(self, x):
+        x = self.conv_in(x)
+        for block in self.down_blocks:
+            x = block(x)
+        x = self.mid_block(x)
+        return self.conv_out(jax.nn.silu(self.conv_norm_out(x)))  # diffusers' conv_act is SiLU whatever act_fn
+
+
+class Decoder(eqx.Module):
+    """Latents (after ``post_quant_conv``) -> image."""
+
+    conv_in: Conv2d
+    mid_block: MidBlock
+    up_blocks: list[UpDecoderBlock2D]
+    conv_norm_out: GroupNorm
+    conv_out: Conv2d
+
+    def __init__(self, config: AutoencoderKLConfig, *, dtype, key: PRNGKeyArray):
+        widths = tuple(reversed(config.block_out_channels))
+        kin, kmid, kout, *kblocks = jax.random.split(key, 3 + len(widths))
+        self.conv_in = Conv2d(config.latent_channels, widths[0], 3, padding=1, dtype=dtype, key=kin)
+        self.mid_block = MidBlock(widths[0], config, dtype=dtype, key=kmid)
+        self.up_blocks = [
+            UpDecoderBlock2D(widths[max(i - 1, 0)], w, config.layers_per_block + 1, i < len(widths) - 1, config,
+                             dtype=dtype, key=k) for i, (w, k) in enumerate(zip(widths, kblocks))]
+        self.conv_norm_out = GroupNorm(config.norm_num_groups, widths[-1], eps=_EPS, dtype=dtype)
+        self.conv_out = Conv2d(widths[-1], config.out_channels, 3, padding=1, dtype=dtype, key=kout)
+
+    def __call__(self, z):
+        x = self.mid_block(self.conv_in(z))
+        for block in self.up_blocks:
+            x = block(x)
+        return self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
+
+
+class DiagonalGaussian(eqx.Module):
+    """The posterior ``N(mean, exp(logvar))`` per latent element, as diffusers' ``DiagonalGaussianDistribution``."""
+
+    mean: Float[Array, "batch height width latent"]
+    logvar: Float[Array, "batch height width latent"]
+
+    @classmethod
+    def from_moments(cls, moments: Float[Array, "batch height width channels"]) -> "DiagonalGaussian":
+        """Split ``[mean, logvar]`` along channels; ``logvar`` is clipped to ``[-30, 20]`` as in diffusers."""
+        mean, logvar = jnp.split(moments, 2, axis=-1)
+        return cls(mean, jnp.clip(logvar, -30.0, 20.0))
+
+    @property
+    def std(self) -> Array:
+        return jnp.exp(0.5 * self.logvar)
+
+    @property
+    def var(self) -> Array:
+        return jnp.exp(self.logvar)
+
+    def sample(self, *, key: PRNGKeyArray) -> Float[Array, "batch height width latent"]:
+        return self.mean + self.std * jax.random.normal(key, self.mean.shape, self.mean.dtype)
+
+    def mode(self) -> Float[Array, "batch height width latent"]:
+        return self.mean
+
+    def kl(self, other: "DiagonalGaussian | None" = None) -> Float[Array, " batch"]:
+        """KL(self || other) summed over each sample; ``other=None`` is the standard normal."""
+        if other is None:
+            terms = jnp.square(self.mean) + self.var - 1.0 - self.logvar
+        else:
+            terms = (jnp.square(self.mean - other.mean) / other.var + self.var / other.var - 1.0 - self.logvar
+                     + other.logvar)
+        return 0.5 * jnp.sum(terms, axis=(1, 2, 3))
+
+
+def _batch_sliced(fn: Callable, x, size: int | None):
+    """``fn(x)`` computed ``size`` samples at a time (``lax.map``), so only one slice's activations are live."""
+    if size is None or size >= x.shape[0]:
+        return fn(x)
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"batch_slice_size must be a positive int or None, got {size!r}")
+    n = x.shape[0] // size
+    main = jax.lax.map(fn, x[:n * size].reshape(n, size, *x.shape[1:]))
+    out = main.reshape(n * size, *main.shape[2:])
+    return out if n * size == x.shape[0] else jnp.concatenate([out, fn(x[n * size:])])
+
+
+def _blend(a, b, extent: int, axis: int):
+    """diffusers' ``blend_v``/``blend_h``: fade the first ``extent`` rows of ``b`` in from the last rows of ``a``."""
+    extent = min(a.shape[axis], b.shape[axis], extent)
+    if extent <= 0:
+        return b
+    shape = [1] * b.ndim
+    shape[axis] = extent
+    w = (jnp.arange(extent, dtype=jnp.float32) / extent).astype(b.dtype).reshape(shape)
+    tail_a = jax.lax.slice_in_dim(a, a.shape[axis] - extent, a.shape[axis], axis=axis)
+    head = tail_a * (1 - w) + jax.lax.slice_in_dim(b, 0, extent, axis=axis) * w
+    return jnp.concatenate([head, jax.lax.slice_in_dim(b, extent, b.shape[axis], axis=axis)], axis=axis)
+
+
+def _tiled(fn: Callable, x, tile_in: int, tile_out: int, overlap_factor: float):
+    """diffusers' tiled encode/decode: ``fn`` on overlapping ``tile_in`` tiles of ``x``, blended, cropped, joined.
+
+    Tiles of equal shape go through one ``lax.map``, so ``fn`` is compiled once per tile shape and only one
+    tile's activations are live at a time.
+    """
+    stride = int(tile_in * (1 - overlap_factor))
+    extent = int(tile_out * overlap_factor)
+    limit = tile_out - extent
+    if stride < 1 or limit < 1:
+        raise ValueError(f"tile size {tile_in} with tile_overlap_factor={overlap_factor} leaves no stride; use a "
+                         "larger tile or a smaller overlap")
+    starts = [(i, j) for i in range(0, x.shape[1], stride) for j in range(0, x.shape[2], stride)]
+    tiles = {s: x[:, s[0]:s[0] + tile_in, s[1]:s[1] + tile_in] for s in starts}
+    out = {}
+    for shape in dict.fromkeys(t.shape for t in tiles.values()):
+        group = [s for s in starts if tiles[s].shape == shape]
+        results = jax.lax.map(fn, jnp.stack([tiles[s] for s in group]))
+        out.update({s: results[n] for n, s in enumerate(group)})
+    rows = []
+    for i in range(0, x.shape[1], stride):
+        row = []
+        for j in range(0, x.shape[2], stride):
+            t = out[i, j]  # blended tiles replace raw ones, as diffusers' in-place blends do
+            if i > 0:
+                t = _blend(out[i - stride, j], t, extent, axis=1)
+            if j > 0:
+                t = _blend(out[i, j - stride], t, extent, axis=2)
+            out[i, j] = t
+            row.append(t[:, :limit, :limit])
+        rows.append(jnp.concatenate(row, axis=2))
+    return jnp.concatenate(rows, axis=1)
+
+
+class AutoencoderKL(PretrainedModel):
+    """diffusers' ``AutoencoderKL`` on channels-last tensors. Build with ``AutoencoderKL(config, key=...)`` or load
+    with ``eqxdiff.load(folder)``."""
+
+    config_class: ClassVar[type] = AutoencoderKLConfig
+
+    encoder: Encoder
+    decoder: Decoder
+    quant_conv: Conv2d | None
+    post_quant_conv: Conv2d | None
+    config: AutoencoderKLConfig = eqx.field(static=True)
+
+    def __init__(self, config: AutoencoderKLConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
+        kenc, kdec, kq, kpq = jax.random.split(key, 4)
+        lat = config.latent_channels
+        self.encoder = Encoder(config, dtype=dtype, key=kenc)
+        self.decoder = Decoder(config, dtype=dtype, key=kdec)
+        self.quant_conv = Conv2d(2 * lat, 2 * lat, 1, dtype=dtype, key=kq) if config.use_quant_conv else None
+        self.post_quant_conv = Conv2d(lat, lat, 1, dtype=dtype, key=kpq) if config.use_post_quant_conv else None
+        self.config = config
+
+    # -- checks ------------------------------------------------------------------------------------------------
+    def _check(self, x, channels: int, what: str, method: str) -> None:
+        if x.shape[-1] != channels:
+            hint = (" It looks channels-first; eqxdiff is channels-last: pass jnp.moveaxis(x, 1, -1)."
+                    if x.shape[1] == channels else "")
+            raise ValueError(f"AutoencoderKL.{method} expects {what} of shape [batch, height, width, {channels}] "
+                             f"(channels last), got shape {x.shape}.{hint}")
+        if x.shape[1] < 1 or x.shape[2] < 1:
+            raise ValueError(f"AutoencoderKL.{method}: {what} has an empty spatial axis, shape {x.shape}")
+
+    def _tile_sizes(self, tile_sample_min_size: int | None) -> tuple[int, int]:
+        size = self.config.tile_sample_min_size if tile_sample_min_size is None else tile_sample_min_size
+        factor = self.config.downsample_factor
+        if not isinstance(size, int) or size < factor:
+            raise ValueError(f"tile_sample_min_size must be an int of at least downsample_factor={factor}, "
+                             f"got {size!r}")
+        return size, int(size / factor)  # diffusers' tile_latent_min_size
+
+    # -- encode ------------------------------------------------------------------------------------------------
+    def _moments(self, x):
+        h = self.encoder(x)
+        return h if self.quant_conv is None else self.quant_conv(h)
+
+    @typechecked
+    def encode(self, x: Float[Array, "batch height width channels"], *,
+               batch_slice_size: int | None = None) -> DiagonalGaussian:
+        """The posterior over latents of images ``x``; ``batch_slice_size`` encodes that many images at a time."""
+        self._check(x, self.config.in_channels, "images", "encode")
+        return DiagonalGaussian.from_moments(_batch_sliced(self._moments, x, batch_slice_size))
+
+    @typechecked
+    def encode_tiled(self, x: Float[Array, "batch height width channels"], *, tile_sample_min_size: int | None = None,
+                     tile_overlap_factor: float = 0.25) -> DiagonalGaussian:
+        """``encode`` over overlapping tiles, blended as diffusers' ``enable_tiling()`` does (and, like it, the plain
+        ``encode`` when ``x`` fits in one tile). Tiles default to ``config.sample_size`` pixels."""
+        self._check(x, self.config.in_channels, "images", "encode_tiled")
+        tile, latent = self._tile_sizes(tile_sample_min_size)
+        if x.shape[1] <= tile and x.shape[2] <= tile:
+            return self.encode(x)
+        return DiagonalGaussian.from_moments(_tiled(self._moments, x, tile, latent, tile_overlap_factor))
+
+    # -- decode ------------------------------------------------------------------------------------------------
+    def _decode(self, z):
+        return self.decoder(z if self.post_quant_conv is None else self.post_quant_conv(z))
+
+    @typechecked
+    def decode(self, z: Float[Array, "batch h w latent"], *,
+               batch_slice_size: int | None = None) -> Float[Array, "batch height width out_channels"]:
+        """Images from (unscaled) latents ``z``; ``batch_slice_size`` decodes that many at a time, same result."""
+        self._check(z, self.config.latent_channels, "latents", "decode")
+        return _batch_sliced(self._decode, z, batch_slice_size)
+
+    @typechecked
+    def decode_tiled(self, z: Float[Array, "batch h w latent"], *, tile_sample_min_size: int | None = None,
+                     tile_overlap_factor: float = 0.25) -> Float[Array, "batch height width out_channels"]:
+        """``decode`` over overlapping latent tiles of ``tile_sample_min_size // downsample_factor``, blended as
+        diffusers' ``enable_tiling()`` does (and, like it, the plain ``decode`` when ``z`` fits in one tile)."""
+        self._check(z, self.config.latent_channels, "latents", "decode_tiled")
+        tile, latent = self._tile_sizes(tile_sample_min_size)
+        if z.shape[1] <= latent and z.shape[2] <= latent:
+            return self.decode(z)
+        return _tiled(self._decode, z, latent, tile, tile_overlap_factor)
+
+    @typechecked
+    def __call__(self, x: Float[Array, "batch height width channels"], *, key: PRNGKeyArray | None = None,
+                 sample_posterior: bool = False) -> Float[Array, "batch height2 width2 out_channels"]:
+        """Reconstruct ``x``: decode the posterior's mode, or a sample of it (``sample_posterior=True`` needs ``key``)."""
+        posterior = self.encode(x)
+        if sample_posterior:
+            if key is None:
+                raise ValueError("AutoencoderKL: sample_posterior=True needs a PRNG key: pass key=jax.random.key(0)")
+            z = posterior.sample(key=key)
+        else:
+            z = posterior.mode()
+        return self.decode(z)
+
+    # -- latent normalisation ----------------------------------------------------------------------------------
+    def _latent_stats(self, z):
+        """``(mean, std)`` such that the diffusion model sees ``(z - mean) * scaling_factor / std``."""
+        c = self.config
+        if c.latents_mean is not None and c.latents_std is not None:
+            return jnp.asarray(c.latents_mean, z.dtype), jnp.asarray(c.latents_std, z.dtype)
+        return (c.shift_factor or 0.0), 1.0
+
+    @typechecked
+    def scale_latents(self, z: Float[Array, "*batch latent"]) -> Float[Array, "*batch latent"]:
+        """VAE latents -> diffusion latents: ``(z - shift_factor) * scaling_factor`` (per-channel ``latents_mean``
+        and ``latents_std``, when the config sets both, take the place of the shift: ``(z - mean) * scale / std``)."""
+        mean, std = self._latent_stats(z)
+        return (z - mean) * self.config.scaling_factor / std
+
+    @typechecked
+    def unscale_latents(self, z: Float[Array, "*batch latent"]) -> Float[Array, "*batch latent"]:
+        """The inverse of :meth:`scale_latents`: ``z / scaling_factor + shift_factor``, ready for :meth:`decode`."""
+        mean, std = self._latent_stats(z)
+        return z * std / self.config.scaling_factor + mean
+
+
+__all__ = ["AutoencoderKL", "AutoencoderKLConfig", "DiagonalGaussian", "ConfigError"]

@@ -1,0 +1,51 @@
+"""``load_pipeline``: a diffusers pipeline folder (``model_index.json``) to an eqxdiff pipeline."""
+
+import os
+
+from ..loading import CheckpointError, check_dtype, load, read_config, resolve_folder
+
+# model_index.json `_class_name` -> the eqxdiff pipeline class that serves it.
+PIPELINES = {
+    "StableDiffusionPipeline": "stable_diffusion",
+    "StableDiffusionImg2ImgPipeline": "stable_diffusion",
+}
+
+
+def load_tokenizer(folder):
+    """The checkpoint's own tokenizer through transformers (no download)."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"tokenizer folder {os.fspath(folder)!r} not found")
+    return AutoTokenizer.from_pretrained(os.fspath(folder))
+
+
+def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, variant: str | None = None,
+                  scheduler: str | None = None, attention: str | None = None, activations_dtype=None,
+                  sharding=None):
+    """Load every component a ``model_index.json`` lists and return the matching pipeline.
+
+    ``dtype`` sets the weights (default float32); ``scheduler`` swaps the checkpoint's scheduler by name
+    (see :data:`eqxdiff.schedulers.SCHEDULERS`); ``attention`` picks the attention kernel;
+    ``activations_dtype`` (default: the weights' dtype) is the dtype of latents and activations.
+    """
+    from ..schedulers import scheduler_from_config
+    from .stable_diffusion import StableDiffusionPipeline
+
+    weights_dtype = check_dtype(dtype) or check_dtype("float32")
+    act_dtype = check_dtype(activations_dtype) or weights_dtype
+    folder = resolve_folder(path_or_hub_id, revision=revision)
+    index = read_config(folder, "model_index.json")
+    name = index.get("_class_name")
+    if name not in PIPELINES:
+        raise CheckpointError(f"unknown pipeline class {name!r} in model_index.json; eqxdiff serves "
+                              f"{sorted(PIPELINES)}")
+    needed = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
+    missing = [c for c in needed if not index.get(c) or index[c][0] is None]
+    if missing:
+        raise CheckpointError(f"model_index.json in {os.fspath(folder)!r} lacks component(s) {missing}")
+    models = {c: load(folder, c, dtype=dtype, variant=variant, sharding=sharding)
+              for c in ("text_encoder", "unet", "vae")}
+    sched = scheduler_from_config(read_config(folder / "scheduler", "scheduler_config.json"), name=scheduler)
+    return StableDiffusionPipeline(tokenizer=load_tokenizer(folder / "tokenizer"), scheduler=sched,
+                                   attention=attention, activations_dtype=act_dtype, **models)
