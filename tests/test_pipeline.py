@@ -1,0 +1,124 @@
+"""End to end: eqxdiff's Stable Diffusion pipeline against diffusers', pixel for pixel (<= 2/255)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import eqxdiff
+from eqxdiff.pipelines import StableDiffusionPipeline, read_parameters, save_images
+from eqxdiff.pipelines import stable_diffusion as sd
+
+from ._tiny_sd import build_pipeline
+from ._util import nhwc_to_nchw
+
+PROMPTS = ["a red cat", "two dogs"]
+
+
+def _reference_images(pipe, latents, **kwargs):
+    with torch.no_grad():
+        out = pipe(PROMPTS, latents=nhwc_to_nchw(latents), output_type="np", height=32, width=32, **kwargs).images
+    return np.asarray(out)
+
+
+def _max_pixel_diff(ours_uint8, ref_float):
+    return int(np.max(np.abs(ours_uint8.astype(int) - (ref_float * 255).round().astype(int))))
+
+
+@pytest.mark.parametrize("scheduler,prediction,sd2,kwargs", [
+    ("pndm", "epsilon", False, dict(num_inference_steps=4, guidance_scale=7.5)),
+    ("ddim", "v_prediction", True, dict(num_inference_steps=3, guidance_scale=5.0, guidance_rescale=0.7,
+                                        negative_prompt=["blurry", "ugly"])),
+    ("euler", "epsilon", False, dict(num_inference_steps=3, guidance_scale=1.0, clip_skip=1)),
+])
+def test_text_to_image_matches_diffusers(tmp_path, scheduler, prediction, sd2, kwargs):
+    ref = build_pipeline(tmp_path, scheduler=scheduler, prediction_type=prediction, sd2=sd2)
+    pipe = eqxdiff.load_pipeline(tmp_path)
+    latents = np.random.default_rng(0).standard_normal((2, 16, 16, 4)).astype(np.float32)
+    expected = _reference_images(ref, latents, **kwargs)
+    ours = pipe(PROMPTS, kwargs.pop("negative_prompt", None), latents=latents, height=32, width=32,
+                progress=False, **kwargs)
+    assert ours.dtype == np.uint8 and ours.shape == (2, 32, 32, 3)
+    assert _max_pixel_diff(ours, expected) <= 2
+    assert np.std(ours) > 1  # a real image, not a constant
+
+
+def test_image_to_image_matches_diffusers(tmp_path, monkeypatch):
+    from diffusers.pipelines.stable_diffusion import pipeline_stable_diffusion_img2img as img2img_module
+
+    ref = build_pipeline(tmp_path, scheduler="ddim")
+    ref_img2img = img2img_module.StableDiffusionImg2ImgPipeline(**ref.components)
+    ref_img2img.set_progress_bar_config(disable=True)
+    rng = np.random.default_rng(1)
+    image = rng.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    posterior_noise = rng.standard_normal((2, 16, 16, 4)).astype(np.float32)
+    noise = rng.standard_normal((2, 16, 16, 4)).astype(np.float32)
+    draws = iter([posterior_noise, noise])
+    monkeypatch.setattr(img2img_module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(next(draws)))
+    monkeypatch.setattr(img2img_module, "retrieve_latents",
+                        lambda out, generator=None, sample_mode="sample": out.latent_dist.mean
+                        + out.latent_dist.std * nhwc_to_nchw(next(draws)))
+    with torch.no_grad():
+        expected = ref_img2img(PROMPTS, image=torch.from_numpy(image).permute(0, 3, 1, 2).float() / 255,
+                               strength=0.6, num_inference_steps=5, guidance_scale=6.0, output_type="np").images
+
+    pipe = eqxdiff.load_pipeline(tmp_path)
+    state = pipe.scheduler.init(5, strength=0.6)
+    embeds = pipe.embed(PROMPTS, ["", ""], guidance=sd.Guidance(6.0))
+    clean = sd.encode_image_latents(pipe.vae, sd.to_model_range(image), jnp.asarray(posterior_noise))
+    t = jnp.broadcast_to(pipe.scheduler.current_timestep(state), (2,))
+    x = pipe.scheduler.add_noise(clean, jnp.asarray(noise), t)
+    x = sd.denoise(pipe.unet, pipe.scheduler, state, x, embeds, jax.random.key(0), guidance=sd.Guidance(6.0))
+    ours = sd.to_uint8(sd.decode_latents(pipe.vae, x))
+    assert _max_pixel_diff(ours, expected) <= 2
+
+    # the pipeline call runs the same steps, drawing its noise from the key
+    out = pipe(PROMPTS, image=image, strength=0.6, num_inference_steps=5, guidance_scale=6.0, seed=3,
+               progress=False)
+    assert out.shape == (2, 32, 32, 3) and out.dtype == np.uint8
+
+
+def test_pipeline_options_and_errors(tmp_path):
+    build_pipeline(tmp_path)
+    pipe = eqxdiff.load_pipeline(tmp_path, scheduler="euler")
+    assert type(pipe.scheduler).__name__.lower().startswith("euler")
+    a = pipe("a cat", num_images_per_prompt=3, num_inference_steps=2, seed=1, height=32, width=48, progress=False)
+    b = pipe("a cat", num_images_per_prompt=3, num_inference_steps=2, seed=1, height=32, width=48, progress=False)
+    assert a.shape == (3, 32, 48, 3)
+    np.testing.assert_array_equal(a, b)  # a seed reproduces
+    assert not np.array_equal(a[0], a[1])  # images per prompt differ
+    with pytest.raises(ValueError, match="height=30 must be a multiple of 2"):
+        pipe("a cat", height=30, width=32)
+    with pytest.raises(ValueError, match=r"latents must have shape \(1, 16, 16, 4\)"):
+        pipe("a cat", latents=np.zeros((1, 4, 16, 16), np.float32), height=32, width=32)
+    with pytest.raises(ValueError, match="strength must be in"):
+        pipe("a cat", image=np.zeros((1, 32, 32, 3), np.uint8), strength=0.0)
+    with pytest.raises(ValueError, match="negative_prompt has 2 entries"):
+        pipe("a cat", ["x", "y"])
+    with pytest.raises(ValueError, match="unknown scheduler|scheduler"):
+        eqxdiff.load_pipeline(tmp_path, scheduler="nope")
+
+
+def test_load_pipeline_errors(tmp_path):
+    build_pipeline(tmp_path / "ok")
+    index = json.loads((tmp_path / "ok" / "model_index.json").read_text())
+    bad = dict(index, _class_name="FancyPipeline")
+    (tmp_path / "ok" / "model_index.json").write_text(json.dumps(bad))
+    with pytest.raises(eqxdiff.CheckpointError, match="unknown pipeline class 'FancyPipeline'"):
+        eqxdiff.load_pipeline(tmp_path / "ok")
+    with pytest.raises(eqxdiff.CheckpointError, match="model_index.json not found"):
+        eqxdiff.load_pipeline(tmp_path)
+
+
+def test_saved_images_carry_their_parameters(tmp_path):
+    images = np.zeros((2, 8, 8, 3), np.uint8)
+    paths = save_images(images, tmp_path, {"prompt": "a cat", "seed": 3, "steps": 20})
+    assert [p.name for p in paths] == ["image_0.png", "image_1.png"]
+    assert read_parameters(paths[1]) == {"prompt": "a cat", "seed": 3, "steps": 20, "index": 1}
+
+
+def test_pipeline_class_is_exported():
+    assert StableDiffusionPipeline is sd.StableDiffusionPipeline
