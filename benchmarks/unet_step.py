@@ -1,0 +1,143 @@
+"""Time one classifier-free-guided UNet step, eqxdiff (jitted) against diffusers (PyTorch), same random weights.
+
+    python benchmarks/unet_step.py                      # SD 1.5 UNet, UNet batch 2, 64x64x4 latents, float32
+    python benchmarks/unet_step.py --repeats 5 --batch 2 --dtype bfloat16
+    python benchmarks/unet_step.py --preset tiny        # a seconds-long smoke run
+
+A step runs the UNet on ``2 * batch`` latents (unconditional and conditional halves) with 77 text tokens and
+combines them, ``u + s * (c - u)``. diffusers' model is built with random weights and saved; eqxdiff loads that
+folder, so both run the same weights. Prints the compile time, the median step time of each and their ratio.
+"""
+
+import dataclasses
+import statistics
+import tempfile
+import time
+from typing import Literal
+
+import tyro
+
+PRESETS = {
+    "sd15": dict(attention_head_dim=8, block_out_channels=(320, 640, 1280, 1280), cross_attention_dim=768,
+                 down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",), layers_per_block=2,
+                 up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3, sample_size=64),
+    "tiny": dict(attention_head_dim=2, block_out_channels=(32, 64), cross_attention_dim=32, norm_num_groups=8,
+                 down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), layers_per_block=1,
+                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), sample_size=16),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    """Time a classifier-free-guided UNet step in eqxdiff and in diffusers."""
+
+    preset: Literal["sd15", "tiny"] = "sd15"
+    """UNet config: the full-size Stable Diffusion 1.5 UNet, or a tiny one for a smoke run."""
+    batch: int = 1
+    """Images per step; the UNet runs on 2 * batch latents (unconditional + conditional)."""
+    repeats: int = 3
+    """Timed steps per framework (after one warm-up step); the median is reported."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights and activations dtype, for both frameworks."""
+    text_tokens: int = 77
+    """Text sequence length."""
+    guidance_scale: float = 7.5
+    """Classifier-free guidance scale."""
+    attention: str | None = None
+    """eqxdiff attention implementation (default: chosen for the platform)."""
+    skip_diffusers: bool = False
+    """Time eqxdiff only."""
+
+
+def _median_time(fn, repeats: int) -> tuple[float, list[float]]:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def main(args: Args) -> None:
+    import diffusers
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    import eqxdiff
+    from eqxdiff.nn import with_attention_implementation
+
+    config = PRESETS[args.preset]
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads); preset={args.preset} dtype={args.dtype} "
+          f"UNet batch={2 * args.batch}")
+
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    ref = diffusers.UNet2DConditionModel(**config).eval()
+    with tempfile.TemporaryDirectory() as folder:
+        ref.save_pretrained(folder)
+        unet = eqxdiff.load(folder, dtype=args.dtype)
+    if torch_dtype != torch.float32:
+        ref = ref.to(torch_dtype)
+    unet = with_attention_implementation(unet, args.attention)
+    print(f"built and loaded both models in {time.perf_counter() - t0:.1f}s "
+          f"({sum(p.numel() for p in ref.parameters()) / 1e6:.0f}M parameters)")
+
+    rng = np.random.default_rng(0)
+    side, cin = config["sample_size"], 4
+    latents = rng.standard_normal((args.batch, cin, side, side), np.float32)
+    text = rng.standard_normal((2 * args.batch, args.text_tokens, config["cross_attention_dim"]), np.float32)
+    timestep = 981
+
+    # eqxdiff: weights are arguments (not constants) of one compiled step.
+    params, static = eqx.partition(unet, eqx.is_array)
+
+    def step(params, latents, t, text, scale):
+        model = eqx.combine(params, static)
+        eps = model(jnp.concatenate([latents, latents]), t, text)
+        uncond, cond = jnp.split(eps, 2)
+        return uncond + scale * (cond - uncond)
+
+    jdt = jnp.dtype(args.dtype)
+    j_inputs = (params, jnp.asarray(np.moveaxis(latents, 1, -1), jdt), jnp.asarray(timestep),
+                jnp.asarray(text, jdt), jnp.asarray(args.guidance_scale, jdt))
+    t0 = time.perf_counter()
+    compiled = jax.jit(step).lower(*j_inputs).compile()
+    compile_s = time.perf_counter() - t0
+    print(f"eqxdiff compile: {compile_s:.1f}s")
+    j_out = None
+
+    def run_jax():
+        nonlocal j_out
+        j_out = jax.block_until_ready(compiled(*j_inputs))
+
+    j_med, j_times = _median_time(run_jax, args.repeats)
+    print(f"eqxdiff step: median {j_med:.3f}s  (runs: {', '.join(f'{t:.3f}' for t in j_times)})")
+    if args.skip_diffusers:
+        return
+
+    t_latents = torch.from_numpy(latents).to(torch_dtype)
+    t_text = torch.from_numpy(text).to(torch_dtype)
+    t_out = None
+
+    def run_torch():
+        nonlocal t_out
+        with torch.no_grad():
+            eps = ref(torch.cat([t_latents, t_latents]), timestep, t_text).sample
+            uncond, cond = eps.chunk(2)
+            t_out = uncond + args.guidance_scale * (cond - uncond)
+
+    t_med, t_times = _median_time(run_torch, args.repeats)
+    print(f"diffusers step: median {t_med:.3f}s  (runs: {', '.join(f'{t:.3f}' for t in t_times)})")
+    expected = np.moveaxis(t_out.float().numpy(), 1, -1)
+    err = np.max(np.abs(np.asarray(j_out, np.float32) - expected)) / np.max(np.abs(expected))
+    print(f"ratio eqxdiff/diffusers: {j_med / t_med:.2f}   (outputs agree to relative error {err:.1e})")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
