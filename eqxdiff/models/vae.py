@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
-from ..nn import Attention, Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D, activation
+from ..nn import Attention, Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D
 from ._base import PretrainedModel
 from ._config import ConfigError, ModelConfig
 
@@ -117,7 +117,8 @@ class MidBlock(eqx.Module):
         self.attentions = [VAEAttentionBlock(channels, groups=config.norm_num_groups, dtype=dtype, key=ka)
                            if config.mid_block_add_attention else None]
 
-    def __call__(self, x):
+    @typechecked
+    def __call__(self, x: Float[Array, "batch height width channels"]) -> Float[Array, "batch height width channels"]:
         x = self.resnets[0](x)
         for attn, resnet in zip(self.attentions, self.resnets[1:]):
             x = resnet(x if attn is None else attn(x))
@@ -134,7 +135,8 @@ class DownEncoderBlock2D(eqx.Module):
         self.resnets = [_resnet(cin if i == 0 else cout, cout, config, dtype, keys[i]) for i in range(num_layers)]
         self.downsamplers = [Downsample2D(cout, padding=0, dtype=dtype, key=keys[-1])] if add_downsample else None
 
-    def __call__(self, x):
+    @typechecked
+    def __call__(self, x: Float[Array, "batch height width cin"]) -> Float[Array, "batch h2 w2 cout"]:
         for resnet in self.resnets:
             x = resnet(x)
         return x if self.downsamplers is None else self.downsamplers[0](x)
@@ -150,7 +152,8 @@ class UpDecoderBlock2D(eqx.Module):
         self.resnets = [_resnet(cin if i == 0 else cout, cout, config, dtype, keys[i]) for i in range(num_layers)]
         self.upsamplers = [Upsample2D(cout, dtype=dtype, key=keys[-1])] if add_upsample else None
 
-    def __call__(self, x):
+    @typechecked
+    def __call__(self, x: Float[Array, "batch height width cin"]) -> Float[Array, "batch h2 w2 cout"]:
         for resnet in self.resnets:
             x = resnet(x)
         return x if self.upsamplers is None else self.upsamplers[0](x)
@@ -176,7 +179,8 @@ class Encoder(eqx.Module):
         self.conv_norm_out = GroupNorm(config.norm_num_groups, widths[-1], eps=_EPS, dtype=dtype)
         self.conv_out = Conv2d(widths[-1], 2 * config.latent_channels, 3, padding=1, dtype=dtype, key=kout)
 
-    def __call__(self, x):
+    @typechecked
+    def __call__(self, x: Float[Array, "batch height width channels"]) -> Float[Array, "batch h w moments"]:
         x = self.conv_in(x)
         for block in self.down_blocks:
             x = block(x)
@@ -204,7 +208,8 @@ class Decoder(eqx.Module):
         self.conv_norm_out = GroupNorm(config.norm_num_groups, widths[-1], eps=_EPS, dtype=dtype)
         self.conv_out = Conv2d(widths[-1], config.out_channels, 3, padding=1, dtype=dtype, key=kout)
 
-    def __call__(self, z):
+    @typechecked
+    def __call__(self, z: Float[Array, "batch h w latent"]) -> Float[Array, "batch height width channels"]:
         x = self.mid_block(self.conv_in(z))
         for block in self.up_blocks:
             x = block(x)
@@ -249,10 +254,10 @@ class DiagonalGaussian(eqx.Module):
 
 def _batch_sliced(fn: Callable, x, size: int | None):
     """``fn(x)`` computed ``size`` samples at a time (``lax.map``), so only one slice's activations are live."""
+    if size is not None and (not isinstance(size, int) or size < 1):
+        raise ValueError(f"batch_slice_size must be a positive int or None, got {size!r}")
     if size is None or size >= x.shape[0]:
         return fn(x)
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"batch_slice_size must be a positive int or None, got {size!r}")
     n = x.shape[0] // size
     main = jax.lax.map(fn, x[:n * size].reshape(n, size, *x.shape[1:]))
     out = main.reshape(n * size, *main.shape[2:])
@@ -393,15 +398,12 @@ class AutoencoderKL(PretrainedModel):
     @typechecked
     def __call__(self, x: Float[Array, "batch height width channels"], *, key: PRNGKeyArray | None = None,
                  sample_posterior: bool = False) -> Float[Array, "batch height2 width2 out_channels"]:
-        """Reconstruct ``x``: decode the posterior's mode, or a sample of it (``sample_posterior=True`` needs ``key``)."""
+        """Reconstruct ``x``: decode the posterior's mode or, with ``sample_posterior=True``, a sample drawn with
+        ``key`` (diffusers' ``forward``)."""
+        if sample_posterior and key is None:
+            raise ValueError("AutoencoderKL: sample_posterior=True needs a PRNG key: pass key=jax.random.key(0)")
         posterior = self.encode(x)
-        if sample_posterior:
-            if key is None:
-                raise ValueError("AutoencoderKL: sample_posterior=True needs a PRNG key: pass key=jax.random.key(0)")
-            z = posterior.sample(key=key)
-        else:
-            z = posterior.mode()
-        return self.decode(z)
+        return self.decode(posterior.sample(key=key) if sample_posterior else posterior.mode())
 
     # -- latent normalisation ----------------------------------------------------------------------------------
     def _latent_stats(self, z):
