@@ -13,7 +13,7 @@ from eqxdiff.pipelines import StableDiffusionPipeline, read_parameters, save_ima
 from eqxdiff.pipelines import stable_diffusion as sd
 
 from ._tiny_sd import build_pipeline
-from ._util import nhwc_to_nchw
+from ._util import assert_close, nhwc_to_nchw, rel_error
 
 PROMPTS = ["a red cat", "two dogs"]
 
@@ -32,7 +32,7 @@ def _max_pixel_diff(ours_uint8, ref_float):
     ("pndm", "epsilon", False, dict(num_inference_steps=4, guidance_scale=7.5)),
     ("ddim", "v_prediction", True, dict(num_inference_steps=3, guidance_scale=5.0, guidance_rescale=0.7,
                                         negative_prompt=["blurry", "ugly"])),
-    ("euler", "epsilon", False, dict(num_inference_steps=3, guidance_scale=1.0, clip_skip=1)),
+    ("euler", "epsilon", False, dict(num_inference_steps=3, guidance_scale=1.0)),
 ])
 def test_text_to_image_matches_diffusers(tmp_path, scheduler, prediction, sd2, kwargs):
     ref = build_pipeline(tmp_path, scheduler=scheduler, prediction_type=prediction, sd2=sd2)
@@ -90,8 +90,8 @@ def test_pipeline_options_and_errors(tmp_path):
     assert a.shape == (3, 32, 48, 3)
     np.testing.assert_array_equal(a, b)  # a seed reproduces
     assert not np.array_equal(a[0], a[1])  # images per prompt differ
-    with pytest.raises(ValueError, match="height=30 must be a multiple of 2"):
-        pipe("a cat", height=30, width=32)
+    with pytest.raises(ValueError, match="height=31 must be a multiple of 2"):
+        pipe("a cat", height=31, width=32)
     with pytest.raises(ValueError, match=r"latents must have shape \(1, 16, 16, 4\)"):
         pipe("a cat", latents=np.zeros((1, 4, 16, 16), np.float32), height=32, width=32)
     with pytest.raises(ValueError, match="strength must be in"):
@@ -100,6 +100,19 @@ def test_pipeline_options_and_errors(tmp_path):
         pipe("a cat", ["x", "y"])
     with pytest.raises(ValueError, match="unknown scheduler|scheduler"):
         eqxdiff.load_pipeline(tmp_path, scheduler="nope")
+
+
+def test_clip_skip_takes_an_earlier_layer_through_the_final_norm(tmp_path):
+    ref = build_pipeline(tmp_path)
+    pipe = eqxdiff.load_pipeline(tmp_path, attention="xla")
+    ids = sd.tokenize(pipe.tokenizer, PROMPTS)
+    with torch.no_grad():
+        out = ref.text_encoder(torch.from_numpy(ids).long(), output_hidden_states=True)
+        norm = getattr(ref.text_encoder, "text_model", ref.text_encoder).final_layer_norm
+        expected = norm(out.hidden_states[-2]).numpy()
+    ours = sd.encode_prompt(pipe.text_encoder, jnp.asarray(ids), clip_skip=1)
+    assert_close(ours, expected, 1e-4)
+    assert rel_error(ours, sd.encode_prompt(pipe.text_encoder, jnp.asarray(ids))) > 1e-2
 
 
 def test_load_pipeline_errors(tmp_path):

@@ -53,15 +53,18 @@ class Attention(eqx.Module):
 
 
 def with_attention_implementation(model, implementation: str | None):
-    """Return ``model`` with every :class:`Attention` inside it using ``implementation``."""
-    is_attn = lambda m: isinstance(m, Attention)  # noqa: E731
-    blocks = [m for m in jax.tree_util.tree_leaves(model, is_leaf=is_attn) if is_attn(m)]
-    if not blocks:
-        return model
+    """Return ``model`` with every attention layer inside it (any module with an ``implementation`` field,
+    :class:`Attention` and the model families' own) using ``implementation``."""
+
+    def is_attn(m):
+        return isinstance(m, eqx.Module) and any(f.name == "implementation" for f in dataclasses.fields(m))
 
     def where(m):
         return [x for x in jax.tree_util.tree_leaves(m, is_leaf=is_attn) if is_attn(x)]
 
+    blocks = where(model)
+    if not blocks:
+        return model
     return eqx.tree_at(where, model, [replace_static(b, implementation=implementation) for b in blocks])
 
 
