@@ -1,1 +1,43 @@
-"""eqxdiff.schedulers"""
+"""Noise schedulers as pure functions of an explicit state.
+
+>>> sched = scheduler_from_config(raw_scheduler_config)            # or name="euler_a", "dpm++2m_karras", ...
+>>> state = sched.init(25, sample_shape=latents.shape)             # strength=0.6 for img2img
+>>> x = noise * sched.init_noise_sigma(state)                      # img2img: sched.add_noise_at_step(state, x0, noise)
+>>> def body(_, carry):
+...     x, state, key = carry
+...     key, sub = jax.random.split(key)
+...     out = unet(sched.scale_model_input(state, x), sched.current_timestep(state))
+...     x, state = sched.step(state, out, x, key=sub)
+...     return x, state, key
+>>> x, state, _ = jax.lax.fori_loop(0, sched.remaining_steps(state), body, (x, state, key))
+"""
+
+from ..models._config import ConfigError as ConfigError
+from ._common import AbstractScheduler as AbstractScheduler
+from ._common import AbstractSchedulerState as AbstractSchedulerState
+from ._common import SchedulerConfig as SchedulerConfig
+from ._registry import SCHEDULER_CLASSES as SCHEDULER_CLASSES
+from ._registry import SCHEDULERS as SCHEDULERS
+from ._registry import SchedulerChoice as SchedulerChoice
+from ._registry import scheduler_from_config as scheduler_from_config
+from .ddim import DDIMConfig as DDIMConfig
+from .ddim import DDIMScheduler as DDIMScheduler
+from .ddim import DDIMState as DDIMState
+from .ddpm import DDPMConfig as DDPMConfig
+from .ddpm import DDPMScheduler as DDPMScheduler
+from .ddpm import DDPMState as DDPMState
+from .dpm_solver import DPMSolverConfig as DPMSolverConfig
+from .dpm_solver import DPMSolverMultistepScheduler as DPMSolverMultistepScheduler
+from .dpm_solver import DPMSolverState as DPMSolverState
+from .euler import AbstractSigmaState as AbstractSigmaState
+from .euler import EulerAncestralConfig as EulerAncestralConfig
+from .euler import EulerAncestralDiscreteScheduler as EulerAncestralDiscreteScheduler
+from .euler import EulerConfig as EulerConfig
+from .euler import EulerDiscreteScheduler as EulerDiscreteScheduler
+from .euler import SigmaState as SigmaState
+from .lms import LMSConfig as LMSConfig
+from .lms import LMSDiscreteScheduler as LMSDiscreteScheduler
+from .lms import LMSState as LMSState
+from .pndm import PNDMConfig as PNDMConfig
+from .pndm import PNDMScheduler as PNDMScheduler
+from .pndm import PNDMState as PNDMState

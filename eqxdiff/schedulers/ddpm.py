@@ -1,0 +1,114 @@
+"""DDPM (Ho et al. 2020) ancestral sampling, matching ``diffusers.DDPMScheduler``; the training-side
+``add_noise`` / ``get_velocity`` live on the scheduler base class."""
+
+import dataclasses
+from typing import ClassVar
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+
+from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
+from ._common import (
+    BOOLS,
+    AbstractScheduler,
+    AbstractSchedulerState,
+    SchedulerConfig,
+    check_num_steps,
+    check_train_indices,
+    resolve_begin_index,
+    spaced_timesteps,
+    step_noise,
+    x0_and_eps,
+)
+from .ddim import clip_or_threshold
+
+VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large", "learned", "learned_range")
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPMConfig(SchedulerConfig):
+    SUPPORTED_VALUES: ClassVar = {**SchedulerConfig.SUPPORTED_VALUES, "variance_type": VARIANCE_TYPES,
+                                  "clip_sample": BOOLS, "thresholding": BOOLS, "rescale_betas_zero_snr": BOOLS}
+
+    variance_type: str = "fixed_small"
+    clip_sample: bool = True
+    clip_sample_range: float = 1.0
+    thresholding: bool = False
+    dynamic_thresholding_ratio: float = 0.995
+    sample_max_value: float = 1.0
+    rescale_betas_zero_snr: bool = False
+
+
+class DDPMState(AbstractSchedulerState):
+    timesteps: Int[Array, " steps"]
+    alpha_prod: Float[Array, " steps"]
+    alpha_prod_prev: Float[Array, " steps"]
+    step_index: Int[Array, ""]
+    begin_index: int = eqx.field(static=True)
+
+
+class DDPMScheduler(AbstractScheduler):
+    """DDPM. With ``variance_type`` ``"learned"`` / ``"learned_range"`` the model output carries the predicted
+    variance in the second half of its channels (the last axis)."""
+
+    CONFIG: ClassVar[type[DDPMConfig]] = DDPMConfig
+    config: DDPMConfig = eqx.field(static=True, default=DDPMConfig())
+
+    def init(self, num_inference_steps: int | None = None, *, sample_shape: tuple[int, ...] | None = None,
+             strength: float | None = None, begin_index: int | None = None) -> DDPMState:
+        cfg = self.config
+        num_inference_steps = cfg.num_train_timesteps if num_inference_steps is None else num_inference_steps
+        check_num_steps(cfg, num_inference_steps)
+        timesteps = spaced_timesteps(cfg, num_inference_steps).astype(np.int64)
+        check_train_indices("timesteps", timesteps, cfg)
+        acp = self.alphas_cumprod
+        # The previous timestep is the next entry of the schedule; past the last one alpha_prod is 1.
+        alpha_prev = np.concatenate([acp[timesteps[1:]], np.ones(1, np.float32)])
+        begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
+        return DDPMState(timesteps=jnp.asarray(timesteps, jnp.int32), alpha_prod=jnp.asarray(acp[timesteps]),
+                         alpha_prod_prev=jnp.asarray(alpha_prev), step_index=jnp.asarray(begin, jnp.int32),
+                         begin_index=begin)
+
+    @typechecked
+    def step(self, state: DDPMState, model_output: Float[Array, "..."], sample: Float[Array, "*dims"], *,
+             key: PRNGKeyArray | None = None,
+             noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], DDPMState]:
+        cfg = self.config
+        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
+        predicted_variance = None
+        learned = cfg.variance_type in ("learned", "learned_range")
+        if learned and out.shape[-1] == 2 * x.shape[-1]:
+            out, predicted_variance = out[..., :x.shape[-1]], out[..., x.shape[-1]:]
+        elif learned:
+            raise ValueError(f"variance_type={cfg.variance_type!r} needs a model output with twice the sample's "
+                             f"channels (last axis); got {out.shape} for a sample of shape {x.shape}")
+        if out.shape != x.shape:
+            raise ValueError(f"model_output shape {out.shape} must equal the sample shape {x.shape}")
+
+        t = state.timesteps[state.step_index]
+        a_t, a_prev = state.alpha_prod[state.step_index], state.alpha_prod_prev[state.step_index]
+        b_t, b_prev = 1 - a_t, 1 - a_prev
+        cur_alpha = a_t / a_prev
+        cur_beta = 1 - cur_alpha
+        x0, _ = x0_and_eps(cfg.prediction_type, out, x, a_t)
+        x0 = clip_or_threshold(cfg, x0)
+        x0_coeff = (jnp.sqrt(a_prev) * cur_beta) / b_t
+        x_coeff = jnp.sqrt(cur_alpha) * b_prev / b_t
+        prev = x0_coeff * x0 + x_coeff * x
+
+        variance = jnp.maximum((1 - a_prev) / (1 - a_t) * cur_beta, 1e-20)
+        if cfg.variance_type == "fixed_small":
+            std = jnp.sqrt(variance)
+        elif cfg.variance_type == "fixed_small_log":
+            std = jnp.exp(0.5 * jnp.log(variance))
+        elif cfg.variance_type == "fixed_large":
+            std = jnp.sqrt(cur_beta)
+        elif cfg.variance_type == "learned":
+            std = jnp.sqrt(predicted_variance)
+        else:  # learned_range
+            frac = (predicted_variance + 1) / 2
+            std = jnp.exp(0.5 * (frac * jnp.log(cur_beta) + (1 - frac) * jnp.log(variance)))
+        eps = step_noise("DDPMScheduler", x.shape, x.dtype, key, noise)
+        prev = prev + jnp.where(t > 0, std * eps, 0.0)
+        return prev.astype(sample.dtype), dataclasses.replace(state, step_index=state.step_index + 1)

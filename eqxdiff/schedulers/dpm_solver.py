@@ -1,0 +1,203 @@
+"""Multistep DPM-Solver++ (Lu et al. 2022), orders 1 and 2 (``2M``), matching
+``diffusers.DPMSolverMultistepScheduler`` with ``algorithm_type="dpmsolver++"``."""
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
+from ._common import (
+    BOOLS,
+    AbstractScheduler,
+    AbstractSchedulerState,
+    SchedulerConfig,
+    check_num_steps,
+    check_train_indices,
+    exponential_sigmas,
+    karras_sigmas,
+    resolve_begin_index,
+    sigma_to_t,
+    threshold_sample,
+    train_sigmas,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DPMSolverConfig(SchedulerConfig):
+    SUPPORTED_VALUES: ClassVar = {
+        **SchedulerConfig.SUPPORTED_VALUES, "algorithm_type": ("dpmsolver++",), "solver_order": (1, 2),
+        "solver_type": ("midpoint", "heun"), "lower_order_final": BOOLS, "euler_at_final": BOOLS,
+        "use_karras_sigmas": BOOLS, "use_exponential_sigmas": BOOLS, "use_beta_sigmas": (False,),
+        "use_lu_lambdas": (False,), "use_flow_sigmas": (False,), "use_dynamic_shifting": (False,),
+        "final_sigmas_type": ("zero", "sigma_min"), "variance_type": (None, "learned", "learned_range"),
+        "thresholding": BOOLS, "rescale_betas_zero_snr": BOOLS}
+
+    timestep_spacing: str = "linspace"
+    solver_order: int = 2
+    algorithm_type: str = "dpmsolver++"
+    solver_type: str = "midpoint"
+    lower_order_final: bool = True
+    euler_at_final: bool = False
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    use_lu_lambdas: bool = False
+    use_flow_sigmas: bool = False
+    use_dynamic_shifting: bool = False
+    final_sigmas_type: str = "zero"
+    lambda_min_clipped: float = -math.inf
+    variance_type: str | None = None
+    thresholding: bool = False
+    dynamic_thresholding_ratio: float = 0.995
+    sample_max_value: float = 1.0
+    rescale_betas_zero_snr: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.check(not (self.use_karras_sigmas and self.use_exponential_sigmas), "use_karras_sigmas",
+                   "cannot be combined with use_exponential_sigmas=True")
+
+
+class DPMSolverState(AbstractSchedulerState):
+    """``model_outputs`` holds the last ``solver_order`` data predictions, oldest first; ``lower_order_nums``
+    counts the steps taken since ``begin_index`` (capped at ``solver_order``)."""
+
+    timesteps: Int[Array, " steps"]
+    sigmas: Float[Array, " steps_plus_one"]
+    model_outputs: Float[Array, "order *dims"]
+    lower_order_nums: Int[Array, ""]
+    step_index: Int[Array, ""]
+    begin_index: int = eqx.field(static=True)
+
+
+def _alpha_sigma(sigma):
+    alpha_t = 1 / jnp.sqrt(sigma * sigma + 1)
+    return alpha_t, sigma * alpha_t
+
+
+def _lambda(alpha, sigma):
+    return jnp.log(alpha) - jnp.log(sigma)
+
+
+class DPMSolverMultistepScheduler(AbstractScheduler):
+    CONFIG: ClassVar[type[DPMSolverConfig]] = DPMSolverConfig
+    config: DPMSolverConfig = eqx.field(static=True, default=DPMSolverConfig())
+    TERMINAL_FLOOR: ClassVar[bool] = True
+
+    def _timesteps(self, num_inference_steps: int) -> np.ndarray:
+        cfg = self.config
+        n, t = num_inference_steps, cfg.num_train_timesteps
+        acp = self.alphas_cumprod
+        lambdas = np.log(np.sqrt(acp)) - np.log(np.sqrt(np.float32(1) - acp))
+        last = t - int(np.searchsorted(lambdas[::-1], cfg.lambda_min_clipped, side="left"))
+        if cfg.timestep_spacing == "linspace":
+            return np.linspace(0, last - 1, n + 1).round()[::-1][:-1].astype(np.int64)
+        if cfg.timestep_spacing == "leading":
+            ratio = last // (n + 1)
+            return (np.arange(0, n + 1) * ratio).round()[::-1][:-1].astype(np.int64) + cfg.steps_offset
+        return np.arange(last, 0, -t / n).round().astype(np.int64) - 1
+
+    def init(self, num_inference_steps: int, *, sample_shape: tuple[int, ...] | None = None,
+             strength: float | None = None, begin_index: int | None = None) -> DPMSolverState:
+        cfg = self.config
+        check_num_steps(cfg, num_inference_steps)
+        if sample_shape is None:
+            raise ValueError("DPMSolverMultistepScheduler.init needs sample_shape= (the latents' shape) for its "
+                             "history buffer")
+        timesteps = self._timesteps(num_inference_steps)
+        acp = self.alphas_cumprod
+        sigmas = train_sigmas(acp)
+        log_sigmas = np.log(sigmas)
+        if cfg.use_karras_sigmas or cfg.use_exponential_sigmas:
+            flipped = sigmas[::-1]
+            convert = karras_sigmas if cfg.use_karras_sigmas else exponential_sigmas
+            sigmas = convert(flipped[-1].item(), flipped[0].item(), num_inference_steps)
+            timesteps = sigma_to_t(sigmas, log_sigmas)
+            if cfg.use_karras_sigmas and cfg.beta_schedule != "squaredcos_cap_v2":
+                timesteps = timesteps.round()
+            timesteps = timesteps.astype(np.int64)  # torch's .to(int64) truncates
+        else:
+            sigmas = np.interp(timesteps, np.arange(0, len(sigmas)), sigmas)
+        check_train_indices("timesteps", timesteps, cfg)
+        last = np.sqrt((np.float32(1) - acp[0]) / acp[0]) if cfg.final_sigmas_type == "sigma_min" else 0.0
+        sigmas = np.concatenate([sigmas, [last]]).astype(np.float32)
+        begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
+        return DPMSolverState(timesteps=jnp.asarray(timesteps, jnp.int32), sigmas=jnp.asarray(sigmas),
+                              model_outputs=jnp.zeros((cfg.solver_order, *sample_shape), jnp.float32),
+                              lower_order_nums=jnp.zeros((), jnp.int32), step_index=jnp.asarray(begin, jnp.int32),
+                              begin_index=begin)
+
+    def _data_prediction(self, state: DPMSolverState, out, x):
+        cfg = self.config
+        if cfg.prediction_type == "sample":
+            x0 = out
+        else:
+            alpha_t, sigma_t = _alpha_sigma(state.sigmas[state.step_index])
+            if cfg.prediction_type == "epsilon":
+                x0 = (x - sigma_t * out) / alpha_t
+            else:
+                x0 = alpha_t * x - sigma_t * out
+        if cfg.thresholding:
+            x0 = threshold_sample(x0, cfg.dynamic_thresholding_ratio, cfg.sample_max_value)
+        return x0
+
+    def _first_order(self, state: DPMSolverState, m, x):
+        i = state.step_index
+        alpha_t, sigma_t = _alpha_sigma(state.sigmas[i + 1])
+        alpha_s, sigma_s = _alpha_sigma(state.sigmas[i])
+        h = _lambda(alpha_t, sigma_t) - _lambda(alpha_s, sigma_s)
+        return (sigma_t / sigma_s) * x - (alpha_t * (jnp.exp(-h) - 1.0)) * m[-1]
+
+    def _second_order(self, state: DPMSolverState, m, x):
+        i = state.step_index
+        alpha_t, sigma_t = _alpha_sigma(state.sigmas[i + 1])
+        alpha_s0, sigma_s0 = _alpha_sigma(state.sigmas[i])
+        alpha_s1, sigma_s1 = _alpha_sigma(state.sigmas[jnp.maximum(i - 1, 0)])
+        lambda_t, lambda_s0 = _lambda(alpha_t, sigma_t), _lambda(alpha_s0, sigma_s0)
+        lambda_s1 = _lambda(alpha_s1, sigma_s1)
+        m0, m1 = m[-1], m[-2]
+        h, h_0 = lambda_t - lambda_s0, lambda_s0 - lambda_s1
+        r0 = h_0 / h
+        d0, d1 = m0, (1.0 / r0) * (m0 - m1)
+        first = (sigma_t / sigma_s0) * x - (alpha_t * (jnp.exp(-h) - 1.0)) * d0
+        if self.config.solver_type == "midpoint":
+            return first - 0.5 * (alpha_t * (jnp.exp(-h) - 1.0)) * d1
+        return first + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1
+
+    @typechecked
+    def step(self, state: DPMSolverState, model_output: Float[Array, "..."], sample: Float[Array, "*dims"], *,
+             key: PRNGKeyArray | None = None,
+             noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], DPMSolverState]:
+        cfg = self.config
+        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
+        if cfg.variance_type is not None and cfg.prediction_type == "epsilon" and out.shape[-1] == 2 * x.shape[-1]:
+            out = out[..., :x.shape[-1]]  # drop the predicted variance (the channels' second half)
+        if out.shape != x.shape:
+            raise ValueError(f"model_output shape {out.shape} must equal the sample shape {x.shape}")
+        n = state.timesteps.shape[0]
+        i = state.step_index
+        final_first_order = cfg.euler_at_final or (cfg.lower_order_final and n < 15) or cfg.final_sigmas_type == "zero"
+        # (diffusers' "lower_order_second" only matters for third order, which eqxdiff does not implement.)
+        lower_final = (i == n - 1) & final_first_order
+        x0 = self._data_prediction(state, out, x)
+        m = jnp.concatenate([state.model_outputs[1:], x0[None]])
+        if cfg.solver_order == 1:
+            prev = self._first_order(state, m, x)
+        else:
+            use_first = (state.lower_order_nums < 1) | lower_final
+            prev = lax.cond(use_first, self._first_order, self._second_order, state, m, x)
+        new = dataclasses.replace(state, step_index=i + 1, model_outputs=m,
+                                  lower_order_nums=jnp.minimum(state.lower_order_nums + 1, cfg.solver_order))
+        return prev.astype(sample.dtype), new
+
+    @typechecked
+    def add_noise_at_step(self, state: DPMSolverState, original: Float[Array, "*dims"],
+                          noise: Float[Array, "*dims"]) -> Float[Array, "*dims"]:
+        """``alpha_t * original + sigma_t * noise`` at ``sigmas[step]`` (diffusers after ``set_begin_index``)."""
+        alpha_t, sigma_t = _alpha_sigma(state.sigmas[state.step_index])
+        return (alpha_t * original + sigma_t * noise).astype(original.dtype)

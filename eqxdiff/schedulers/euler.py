@@ -1,0 +1,191 @@
+"""Euler and Euler-ancestral samplers in the sigma parameterisation (Karras et al. 2022), matching
+``diffusers.EulerDiscreteScheduler`` and ``diffusers.EulerAncestralDiscreteScheduler``."""
+
+import dataclasses
+from typing import ClassVar
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+
+from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
+from ._common import (
+    BOOLS,
+    AbstractScheduler,
+    AbstractSchedulerState,
+    SchedulerConfig,
+    check_num_steps,
+    exponential_sigmas,
+    karras_sigmas,
+    per_sample,
+    resolve_begin_index,
+    sigma_to_t,
+    spaced_timesteps,
+    step_noise,
+    train_sigmas,
+    x0_from_sigma,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EulerAncestralConfig(SchedulerConfig):
+    SUPPORTED_VALUES: ClassVar = {**SchedulerConfig.SUPPORTED_VALUES, "prediction_type": ("epsilon", "v_prediction"),
+                                  "rescale_betas_zero_snr": BOOLS}
+
+    timestep_spacing: str = "linspace"
+    rescale_betas_zero_snr: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EulerConfig(SchedulerConfig):
+    SUPPORTED_VALUES: ClassVar = {
+        **SchedulerConfig.SUPPORTED_VALUES, "interpolation_type": ("linear",), "use_karras_sigmas": BOOLS,
+        "use_exponential_sigmas": BOOLS, "use_beta_sigmas": (False,), "timestep_type": ("discrete", "continuous"),
+        "final_sigmas_type": ("zero", "sigma_min"), "rescale_betas_zero_snr": BOOLS}
+
+    timestep_spacing: str = "linspace"
+    interpolation_type: str = "linear"
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    sigma_min: float | None = None
+    sigma_max: float | None = None
+    timestep_type: str = "discrete"
+    final_sigmas_type: str = "zero"
+    rescale_betas_zero_snr: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.check(not (self.use_karras_sigmas and self.use_exponential_sigmas), "use_karras_sigmas",
+                   "cannot be combined with use_exponential_sigmas=True")
+
+
+class AbstractSigmaState(AbstractSchedulerState):
+    """State of a sigma-space scheduler: ``sigmas`` has one more entry than ``timesteps`` (the final level)."""
+
+    sigmas: eqx.AbstractVar[Float[Array, " steps_plus_one"]]
+
+
+class SigmaState(AbstractSigmaState):
+    """State of Euler and Euler ancestral."""
+
+    timesteps: Float[Array, " steps"]
+    sigmas: Float[Array, " steps_plus_one"]
+    step_index: Int[Array, ""]
+    begin_index: int = eqx.field(static=True)
+
+
+def euler_timesteps_and_sigmas(scheduler, num_inference_steps: int):
+    """Float timesteps, float64 sigmas (without the final entry) and log training sigmas, as Euler-type
+    ``set_timesteps`` computes them."""
+    cfg = scheduler.config
+    check_num_steps(cfg, num_inference_steps)
+    if cfg.timestep_spacing == "linspace":
+        timesteps = np.linspace(0, cfg.num_train_timesteps - 1, num_inference_steps, dtype=np.float32)[::-1].copy()
+    else:
+        timesteps = spaced_timesteps(cfg, num_inference_steps).astype(np.float32)
+    sigmas = train_sigmas(scheduler.alphas_cumprod)
+    return timesteps, np.interp(timesteps, np.arange(0, len(sigmas)), sigmas), np.log(sigmas)
+
+
+class AbstractSigmaScheduler(AbstractScheduler):
+    """Shared by Euler, Euler ancestral and LMS: sigma-space input scaling and ``init_noise_sigma``."""
+
+    TERMINAL_FLOOR: ClassVar[bool] = True
+
+    def init_noise_sigma(self, state: AbstractSigmaState) -> Float[Array, ""]:
+        max_sigma = jnp.max(state.sigmas)
+        if self.config.timestep_spacing in ("linspace", "trailing"):
+            return max_sigma
+        return jnp.sqrt(max_sigma * max_sigma + 1)
+
+    @typechecked
+    def scale_model_input(self, state: AbstractSigmaState, sample: Float[Array, "*dims"]) -> Float[Array, "*dims"]:
+        sigma = state.sigmas[state.step_index]
+        return (sample / jnp.sqrt(sigma * sigma + 1)).astype(sample.dtype)
+
+    @typechecked
+    def add_noise(self, original: Float[Array, "batch *dims"], noise: Float[Array, "batch *dims"],
+                  timesteps: Float[Array, "*b"] | Int[Array, "*b"]) -> Float[Array, "batch *dims"]:
+        """``original + sigma(t) * noise``, ``sigma`` linearly interpolated between training timesteps.
+
+        At integer ``t`` this is diffusers' Euler-type ``add_noise`` on the training schedule; at a timestep of a
+        non-Karras schedule it is that step's sigma. For img2img with Karras / exponential sigmas use
+        :meth:`add_noise_at_step` (diffusers' ``add_noise`` after ``set_begin_index``)."""
+        sigmas = jnp.asarray(train_sigmas(self.alphas_cumprod))
+        t = timesteps.astype(jnp.float32)
+        sigma = jnp.interp(t, jnp.arange(sigmas.shape[0], dtype=jnp.float32), sigmas)
+        return (original + noise * per_sample(sigma, original)).astype(original.dtype)
+
+    @typechecked
+    def add_noise_at_step(self, state: AbstractSigmaState, original: Float[Array, "*dims"],
+                          noise: Float[Array, "*dims"]) -> Float[Array, "*dims"]:
+        """``original + sigmas[step] * noise``: diffusers' ``add_noise`` after ``set_begin_index`` (img2img)."""
+        return (original + noise * state.sigmas[state.step_index]).astype(original.dtype)
+
+
+class EulerDiscreteScheduler(AbstractSigmaScheduler):
+    """Euler's method on the probability-flow ODE (k-diffusion's ``sample_euler`` without churn)."""
+
+    CONFIG: ClassVar[type[EulerConfig]] = EulerConfig
+    config: EulerConfig = eqx.field(static=True, default=EulerConfig())
+
+    def init(self, num_inference_steps: int, *, sample_shape: tuple[int, ...] | None = None,
+             strength: float | None = None, begin_index: int | None = None) -> SigmaState:
+        cfg = self.config
+        timesteps, sigmas, log_sigmas = euler_timesteps_and_sigmas(self, num_inference_steps)
+        if cfg.use_karras_sigmas or cfg.use_exponential_sigmas:
+            lo = cfg.sigma_min if cfg.sigma_min is not None else sigmas[-1].item()
+            hi = cfg.sigma_max if cfg.sigma_max is not None else sigmas[0].item()
+            convert = karras_sigmas if cfg.use_karras_sigmas else exponential_sigmas
+            sigmas = convert(lo, hi, num_inference_steps)
+            timesteps = sigma_to_t(sigmas, log_sigmas)
+        acp0 = self.alphas_cumprod[0]
+        last = np.sqrt((np.float32(1) - acp0) / acp0) if cfg.final_sigmas_type == "sigma_min" else 0.0
+        sigmas = np.concatenate([sigmas, [last]]).astype(np.float32)
+        if cfg.timestep_type == "continuous" and cfg.prediction_type == "v_prediction":
+            timesteps = np.float32(0.25) * np.log(sigmas[:-1])
+        begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
+        return SigmaState(timesteps=jnp.asarray(timesteps, jnp.float32), sigmas=jnp.asarray(sigmas),
+                          step_index=jnp.asarray(begin, jnp.int32), begin_index=begin)
+
+    @typechecked
+    def step(self, state: SigmaState, model_output: Float[Array, "*dims"], sample: Float[Array, "*dims"], *,
+             key: PRNGKeyArray | None = None,
+             noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], SigmaState]:
+        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
+        sigma = state.sigmas[state.step_index]
+        x0 = x0_from_sigma(self.config.prediction_type, out, x, sigma)
+        derivative = (x - x0) / sigma
+        prev = x + derivative * (state.sigmas[state.step_index + 1] - sigma)
+        return prev.astype(sample.dtype), dataclasses.replace(state, step_index=state.step_index + 1)
+
+
+class EulerAncestralDiscreteScheduler(AbstractSigmaScheduler):
+    """Euler ancestral (k-diffusion's ``sample_euler_ancestral``): an Euler step to ``sigma_down`` plus fresh noise
+    of size ``sigma_up``. ``step`` needs ``key=`` (or ``noise=``)."""
+
+    CONFIG: ClassVar[type[EulerAncestralConfig]] = EulerAncestralConfig
+    config: EulerAncestralConfig = eqx.field(static=True, default=EulerAncestralConfig())
+
+    def init(self, num_inference_steps: int, *, sample_shape: tuple[int, ...] | None = None,
+             strength: float | None = None, begin_index: int | None = None) -> SigmaState:
+        timesteps, sigmas, _ = euler_timesteps_and_sigmas(self, num_inference_steps)
+        sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
+        begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
+        return SigmaState(timesteps=jnp.asarray(timesteps, jnp.float32), sigmas=jnp.asarray(sigmas),
+                          step_index=jnp.asarray(begin, jnp.int32), begin_index=begin)
+
+    @typechecked
+    def step(self, state: SigmaState, model_output: Float[Array, "*dims"], sample: Float[Array, "*dims"], *,
+             key: PRNGKeyArray | None = None,
+             noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], SigmaState]:
+        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
+        sigma_from, sigma_to = state.sigmas[state.step_index], state.sigmas[state.step_index + 1]
+        x0 = x0_from_sigma(self.config.prediction_type, out, x, sigma_from)
+        sigma_up = jnp.sqrt(sigma_to**2 * (sigma_from**2 - sigma_to**2) / sigma_from**2)
+        sigma_down = jnp.sqrt(sigma_to**2 - sigma_up**2)
+        derivative = (x - x0) / sigma_from
+        prev = x + derivative * (sigma_down - sigma_from)
+        prev = prev + step_noise("EulerAncestralDiscreteScheduler", x.shape, x.dtype, key, noise) * sigma_up
+        return prev.astype(sample.dtype), dataclasses.replace(state, step_index=state.step_index + 1)

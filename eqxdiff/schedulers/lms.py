@@ -1,0 +1,110 @@
+"""Linear multistep (k-diffusion's ``sample_lms``, order 4), matching ``diffusers.LMSDiscreteScheduler``.
+
+diffusers integrates each Lagrange basis polynomial with ``scipy.integrate.quad``; the integrand is a polynomial of
+degree < 4, so ``init`` integrates it exactly in closed form (float64) instead.
+"""
+
+import dataclasses
+from typing import ClassVar
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from numpy.polynomial import Polynomial
+
+from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
+from ._common import (
+    BOOLS,
+    SchedulerConfig,
+    exponential_sigmas,
+    karras_sigmas,
+    resolve_begin_index,
+    sigma_to_t,
+    x0_from_sigma,
+)
+from .euler import AbstractSigmaState, AbstractSigmaScheduler, euler_timesteps_and_sigmas
+
+LMS_ORDER = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class LMSConfig(SchedulerConfig):
+    SUPPORTED_VALUES: ClassVar = {**SchedulerConfig.SUPPORTED_VALUES, "use_karras_sigmas": BOOLS,
+                                  "use_exponential_sigmas": BOOLS, "use_beta_sigmas": (False,)}
+
+    timestep_spacing: str = "linspace"
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.check(not (self.use_karras_sigmas and self.use_exponential_sigmas), "use_karras_sigmas",
+                   "cannot be combined with use_exponential_sigmas=True")
+
+
+class LMSState(AbstractSigmaState):
+    """``coeffs[i, j]`` weighs the ``j``-th newest derivative at step ``i``; ``derivatives`` is newest first."""
+
+    timesteps: Float[Array, " steps"]
+    sigmas: Float[Array, " steps_plus_one"]
+    coeffs: Float[Array, "steps 4"]
+    derivatives: Float[Array, "4 *dims"]
+    step_index: Int[Array, ""]
+    begin_index: int = eqx.field(static=True)
+
+
+def lms_coefficients(sigmas: np.ndarray, num_steps: int) -> np.ndarray:
+    """``coeffs[i, j] = integral from sigmas[i] to sigmas[i+1] of the j-th Lagrange basis polynomial`` on the
+    nodes ``sigmas[i], sigmas[i-1], ...`` (order ``min(i + 1, 4)``)."""
+    s = sigmas.astype(np.float64)
+    coeffs = np.zeros((num_steps, LMS_ORDER), np.float64)
+    for i in range(num_steps):
+        order = min(i + 1, LMS_ORDER)
+        for j in range(order):
+            basis = Polynomial([1.0])
+            for k in range(order):
+                if k != j:
+                    basis = basis * Polynomial([-s[i - k], 1.0]) / (s[i - j] - s[i - k])
+            antiderivative = basis.integ()
+            coeffs[i, j] = antiderivative(s[i + 1]) - antiderivative(s[i])
+    return coeffs.astype(np.float32)
+
+
+class LMSDiscreteScheduler(AbstractSigmaScheduler):
+    CONFIG: ClassVar[type[LMSConfig]] = LMSConfig
+    config: LMSConfig = eqx.field(static=True, default=LMSConfig())
+    TERMINAL_FLOOR: ClassVar[bool] = False
+
+    def init(self, num_inference_steps: int, *, sample_shape: tuple[int, ...] | None = None,
+             strength: float | None = None, begin_index: int | None = None) -> LMSState:
+        cfg = self.config
+        if sample_shape is None:
+            raise ValueError("LMSDiscreteScheduler.init needs sample_shape= (the latents' shape) for its history")
+        timesteps, sigmas, log_sigmas = euler_timesteps_and_sigmas(self, num_inference_steps)
+        if cfg.use_karras_sigmas or cfg.use_exponential_sigmas:
+            convert = karras_sigmas if cfg.use_karras_sigmas else exponential_sigmas
+            sigmas = convert(sigmas[-1].item(), sigmas[0].item(), num_inference_steps)
+            timesteps = sigma_to_t(sigmas, log_sigmas)
+        sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
+        begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
+        return LMSState(timesteps=jnp.asarray(timesteps, jnp.float32), sigmas=jnp.asarray(sigmas),
+                        step_index=jnp.asarray(begin, jnp.int32), begin_index=begin,
+                        coeffs=jnp.asarray(lms_coefficients(sigmas, num_inference_steps)),
+                        derivatives=jnp.zeros((LMS_ORDER, *sample_shape), jnp.float32))
+
+    @typechecked
+    def step(self, state: LMSState, model_output: Float[Array, "*dims"], sample: Float[Array, "*dims"], *,
+             key: PRNGKeyArray | None = None,
+             noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], LMSState]:
+        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
+        sigma = state.sigmas[state.step_index]
+        x0 = x0_from_sigma(self.config.prediction_type, out, x, sigma)
+        derivatives = jnp.concatenate([((x - x0) / sigma)[None], state.derivatives[:-1]])
+        coeffs = state.coeffs[state.step_index]
+        # Summed newest first like diffusers; after a (re)start the missing derivatives are zeros.
+        update = coeffs[0] * derivatives[0]
+        for j in range(1, LMS_ORDER):
+            update = update + coeffs[j] * derivatives[j]
+        prev = x + update
+        return prev.astype(sample.dtype), dataclasses.replace(state, step_index=state.step_index + 1, derivatives=derivatives)
