@@ -1,21 +1,179 @@
 """``attention(q, k, v, ...)``: the one call every model makes; a registry of implementations behind it."""
 
+import dataclasses
+import functools
+import logging
+from typing import Callable, NamedTuple
+
+from jax.sharding import Mesh
+
 from .._typing import Array, Bool, Float, typechecked
-from ._reference import reference_attention
+from ._block_sizes import BlockSizes
+from ._chunked import chunked_attention_fn, chunked_kernel
+from ._common import AttentionUnavailableError, attention_from_kernel
+from ._context import context_problem, context_size, shard_over_context
+from ._cudnn import cudnn_attention, cudnn_unavailable_reason
+from ._flash import flash_attention_fn, flash_kernel
+from ._reference import dense_kernel, reference_attention
+from ._ring import ring_kernel
+from ._select import AttentionCall, choose
+from ._ulysses import ulysses_attention
+
+logger = logging.getLogger("eqxdiff.kernels")
+
+
+class _Options(NamedTuple):
+    block_sizes: BlockSizes | None
+    mesh: Mesh | None
+    interpret: bool
+    local_implementation: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One entry of :data:`IMPLEMENTATIONS`: what it supports, when it cannot serve a call, and how to run it."""
+
+    name: str
+    summary: str
+    unavailable: Callable[[AttentionCall], str | None]  # why it cannot serve the call, or None
+    run: Callable  # (q, k, v, mask, scale, causal, call, options) -> out
+
+
+def _always(call):
+    return None
+
+
+def _chunk_sizes(call, opts):
+    return opts.block_sizes or BlockSizes.default(call.platform, "chunked")
+
+
+def _flash_unavailable(call):
+    if call.platform not in ("gpu", "tpu") and not call.interpret:
+        return (f"flash has Pallas lowerings for GPU (Triton) and TPU (Mosaic), not {call.platform!r}; pass "
+                f"interpret=True to run it in interpret mode (slow: for tests)")
+    return None
+
+
+def _context_unavailable(what):
+    def unavailable(call):
+        problem = context_problem(call.mesh_axes, what)
+        if problem:
+            return problem
+        if what == "ring" and call.causal and call.q_len != call.kv_len:
+            return f"causal ring attention needs q_seq == kv_seq, got {call.q_len} and {call.kv_len}"
+        if what == "ulysses" and call.heads % call.context:
+            return (f"ulysses gives each of the {call.context} devices on the 'context' axis heads/{call.context} "
+                    f"heads, but heads={call.heads} does not divide by {call.context}; use 'ring'")
+        return None
+
+    return unavailable
+
+
+def _local_name(call, opts, allowed):
+    name = opts.local_implementation or ("chunked" if "chunked" in allowed else choose(call)[0])
+    if name not in allowed:
+        raise ValueError(f"attention: local_implementation={name!r} cannot run per shard here; choose from {allowed}")
+    return name
+
+
+def _run_ring(q, k, v, mask, scale, causal, call, opts):
+    size = context_size(opts.mesh, "ring")
+    kernels = {"chunked": lambda: chunked_kernel(_chunk_sizes(call, opts).block_q, _chunk_sizes(call, opts).block_kv),
+               "xla": lambda: dense_kernel,
+               "flash": lambda: flash_kernel(opts.block_sizes, interpret=opts.interpret)}
+    local = kernels[_local_name(call, opts, tuple(kernels))]()
+    attn = attention_from_kernel(ring_kernel(local, size))
+    return shard_over_context(lambda q, k, v, m: attn(q, k, v, m, scale, causal), opts.mesh, q, k, v, mask)
+
+
+def _run_ulysses(q, k, v, mask, scale, causal, call, opts):
+    context_size(opts.mesh, "ulysses")
+    local_call = call.per_device()
+    local = IMPLEMENTATIONS[_local_name(local_call, opts, ("xla", "chunked", "flash", "cudnn"))]
+    _raise_if_unavailable(local, local_call)
+    local_opts = opts._replace(mesh=None)
+
+    def local_attention(q, k, v, m):
+        return local.run(q, k, v, m, scale, causal, local_call, local_opts)
+
+    return shard_over_context(functools.partial(ulysses_attention, local_attention), opts.mesh, q, k, v, mask)
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    impl.name: impl
+    for impl in (
+        Implementation("xla", "dense jnp reference, float32 softmax; any platform; mask, causal, grad",
+                       _always, lambda q, k, v, m, s, c, call, o: reference_attention(q, k, v, mask=m, scale=s,
+                                                                                       causal=c)),
+        Implementation("chunked", "query x key/value chunks with an online softmax in plain JAX, O(seq) memory; "
+                       "any platform; mask, causal, grad (custom_vjp)", _always,
+                       lambda q, k, v, m, s, c, call, o: chunked_attention_fn(
+                           _chunk_sizes(call, o).block_q, _chunk_sizes(call, o).block_kv)(q, k, v, m, s, c)),
+        Implementation("cudnn", "cuDNN fused attention via jax.nn.dot_product_attention; NVIDIA GPU, bf16/fp16; "
+                       "mask, causal, grad", lambda call: cudnn_unavailable_reason(call.platform, call.dtype,
+                                                                                   call.head_dim),
+                       lambda q, k, v, m, s, c, call, o: cudnn_attention(q, k, v, m, s, c)),
+        Implementation("flash", "Pallas flash attention (Triton on GPU, Mosaic on TPU, interpret=True anywhere); "
+                       "mask, causal, grad (Pallas backward kernels)", _flash_unavailable,
+                       lambda q, k, v, m, s, c, call, o: flash_attention_fn(o.block_sizes, o.interpret)(
+                           q, k, v, m, s, c)),
+        Implementation("ring", "ring attention over the mesh's 'context' axis (ppermute, log-sum-exp merge); "
+                       "mask, causal (q_seq == kv_seq), grad", _context_unavailable("ring"), _run_ring),
+        Implementation("ulysses", "all-to-all from sequence to head sharding over 'context', any local "
+                       "implementation inside; mask, causal, grad", _context_unavailable("ulysses"), _run_ulysses),
+    )
+}
+
+
+def _raise_if_unavailable(impl: Implementation, call: AttentionCall) -> None:
+    reason = impl.unavailable(call)
+    if reason:
+        raise AttentionUnavailableError(f"attention: implementation={impl.name!r} cannot serve this call: {reason}")
 
 
 def _check_inputs(q, k, v, mask):
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.ndim != 4:
-            raise ValueError(f"attention: {name} must be [batch, seq, heads, head_dim], got shape {t.shape}")
+        if getattr(t, "ndim", None) != 4:
+            raise ValueError(f"attention: {name} must be [batch, seq, heads, head_dim], got shape "
+                             f"{getattr(t, 'shape', None)}")
     if k.shape != v.shape:
         raise ValueError(f"attention: k and v must have the same shape, got {k.shape} and {v.shape}")
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"attention: q {q.shape} and k {k.shape} must agree in batch, heads and head_dim")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"attention: q has {q.shape[2]} heads but k and v have {k.shape[2]} (q {q.shape}, "
+                         f"k {k.shape}); grouped heads are not supported: repeat k and v first")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention: q {q.shape} and k {k.shape} must agree in batch and head_dim")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"attention: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if mask is not None and mask.shape != (k.shape[0], k.shape[1]):
         raise ValueError(f"attention: mask must be [batch, kv_seq] = {(k.shape[0], k.shape[1])}, got {mask.shape}")
 
 
+def _inputs_checked_first(fn):
+    """Run :func:`_check_inputs` before the jaxtyping check, so shape mistakes get messages that name them."""
+
+    @functools.wraps(fn)
+    def checked(q, k, v, **kwargs):
+        _check_inputs(q, k, v, kwargs.get("mask"))
+        return fn(q, k, v, **kwargs)
+
+    return checked
+
+
+def _resolve(q, k, *, mask, causal, implementation, mesh, interpret) -> tuple[Implementation, AttentionCall, str]:
+    call = AttentionCall.of(q, k, mask=mask, causal=causal, mesh=mesh, interpret=interpret)
+    if implementation is None:
+        name, reason = choose(call)
+    elif implementation in IMPLEMENTATIONS:
+        name, reason = implementation, "asked for by name"
+    else:
+        raise ValueError(f"attention: unknown implementation {implementation!r}; available: {list(IMPLEMENTATIONS)}")
+    impl = IMPLEMENTATIONS[name]
+    _raise_if_unavailable(impl, call)
+    return impl, call, reason
+
+
+@_inputs_checked_first
 @typechecked
 def attention(
     q: Float[Array, "batch q_seq heads head_dim"],
@@ -26,13 +184,39 @@ def attention(
     scale: float | None = None,
     causal: bool = False,
     implementation: str | None = None,
+    block_sizes: BlockSizes | None = None,
+    mesh: Mesh | None = None,
+    interpret: bool = False,
+    local_implementation: str | None = None,
 ) -> Float[Array, "batch q_seq heads head_dim"]:
     """Scaled dot-product attention over ``[batch, seq, heads, head_dim]`` tensors.
 
-    ``mask`` is a key-padding mask (``True`` = attend); ``causal`` masks keys after each query. ``implementation`` picks a backend by name;
-    ``None`` chooses one for the platform. Every backend matches ``"xla"``, the float32 reference.
+    ``mask`` is a key-padding mask (``True`` = attend); ``causal`` masks keys after each query (query ``i`` sees
+    keys ``j <= i``). ``implementation`` names a backend in :data:`IMPLEMENTATIONS` ("xla", "chunked", "cudnn",
+    "flash", "ring", "ulysses"); ``None`` chooses one (:func:`explain_choice` says which and why). One that cannot
+    serve the call raises :class:`AttentionUnavailableError` saying why. Every backend matches "xla", the float32
+    reference, in value and gradient.
+
+    ``block_sizes`` sets the tiles of "flash" and the chunks of "chunked" (per-platform defaults otherwise);
+    ``interpret=True`` runs "flash" in Pallas interpret mode (any platform). "ring" and "ulysses" need ``mesh``, a
+    ``jax.sharding.Mesh`` with a ``"context"`` axis, and run ``local_implementation`` on each shard.
     """
-    _check_inputs(q, k, v, mask)
-    if implementation not in (None, "xla"):
-        raise ValueError(f"attention: unknown implementation {implementation!r}; available: ['xla']")
-    return reference_attention(q, k, v, mask=mask, scale=scale, causal=causal)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    impl, call, reason = _resolve(q, k, mask=mask, causal=causal, implementation=implementation, mesh=mesh,
+                                  interpret=interpret)
+    if implementation is None:
+        logger.debug("attention: chose %r: %s", impl.name, reason)
+    return impl.run(q, k, v, mask, scale, causal, call, _Options(block_sizes, mesh, interpret, local_implementation))
+
+
+def explain_choice(q, k, *, mask=None, causal: bool = False, mesh: Mesh | None = None,
+                   interpret: bool = False, implementation: str | None = None) -> str:
+    """Which implementation :func:`attention` would use for these inputs, and why (shapes and dtypes suffice:
+    ``jax.ShapeDtypeStruct`` works). Raises like :func:`attention` when the named implementation cannot serve."""
+    impl, call, reason = _resolve(q, k, mask=mask, causal=causal, implementation=implementation, mesh=mesh,
+                                  interpret=interpret)
+    text = f"{impl.name}: {reason}"
+    if impl.name in ("ring", "ulysses"):
+        local_call = call if impl.name == "ring" else call.per_device()
+        text += f"; per shard: {'chunked' if impl.name == 'ring' else choose(local_call)[0]}"
+    return text

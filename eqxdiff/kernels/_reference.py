@@ -1,6 +1,12 @@
-"""The reference attention: plain ``jnp``, float32 softmax and accumulation. The ground truth for every test."""
+"""The reference attention: plain ``jnp``, float32 softmax and accumulation. The ground truth for every test.
+
+Also the dense :class:`~._common.Kernel` (``dense_kernel``): the same maths with an explicit backward pass, the
+"xla" choice for the per-shard block of ring attention.
+"""
 
 import jax.numpy as jnp
+
+from ._common import Kernel, allowed_pairs, finish_softmax, lse_for_backward, safe_max
 
 
 def reference_attention(q, k, v, *, mask=None, scale=None, causal=False):
@@ -26,4 +32,30 @@ def reference_attention(q, k, v, *, mask=None, scale=None, causal=False):
     return out.astype(q.dtype)
 
 
-__all__ = ["reference_attention"]
+def _dense_logits(q, k, valid, scale, causal):
+    logits = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    ok = allowed_pairs(valid, jnp.arange(q.shape[2]), jnp.arange(k.shape[2]), causal)
+    return logits if ok is None else jnp.where(ok, logits, -jnp.inf)
+
+
+def dense_forward(q, k, v, valid, *, scale, causal):
+    logits = _dense_logits(q, k, valid, scale, causal)
+    m = safe_max(jnp.max(logits, axis=-1))
+    p = jnp.exp(logits - m[..., None])
+    acc = jnp.einsum("bhqk,bhkd->bhqd", p, v.astype(jnp.float32))
+    return finish_softmax(acc, m, jnp.sum(p, axis=-1))
+
+
+def dense_backward(q, k, v, valid, do, lse, delta, *, scale, causal):
+    q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+    p = jnp.exp(_dense_logits(q, k, valid, scale, causal) - lse_for_backward(lse)[..., None])
+    dv = jnp.einsum("bhqk,bhqd->bhkd", p, do)
+    ds = p * (jnp.einsum("bhqd,bhkd->bhqk", do, v.astype(jnp.float32)) - delta[..., None])
+    dq = jnp.einsum("bhqk,bhkd->bhqd", ds, k32) * scale
+    dk = jnp.einsum("bhqk,bhqd->bhkd", ds, q32) * scale
+    return dq, dk, dv
+
+
+dense_kernel = Kernel(dense_forward, dense_backward)
+
+__all__ = ["reference_attention", "dense_kernel"]

@@ -1,0 +1,139 @@
+"""Memory-efficient attention in plain JAX: query chunks times key/value chunks with an online softmax.
+
+Memory is O(sequence): one ``[block_q, block_kv]`` logits tile per (batch, head) lives at a time, and the backward
+pass (a :class:`~._common.Kernel`, so a ``custom_vjp``) recomputes the tiles from the saved log-sum-exp instead of
+storing probabilities. Everything is computed in float32. Causal tiles above the diagonal are skipped.
+"""
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from ._common import (Kernel, allowed_pairs, attention_from_kernel, finish_softmax, key_valid, lse_for_backward,
+                      pad_axis, round_up, safe_max)
+
+
+def _layout(q, k, v, valid, block_q, block_kv):
+    """Pad to whole chunks, cast to float32; return the pieces and sizes the loops need."""
+    q_len, kv_len = q.shape[2], k.shape[2]
+    bq, bk = min(block_q, q_len), min(block_kv, kv_len)
+    q_pad, kv_pad = round_up(q_len, bq), round_up(kv_len, bk)
+    q = pad_axis(q.astype(jnp.float32), 2, q_pad)
+    k = pad_axis(k.astype(jnp.float32), 2, kv_pad)
+    v = pad_axis(v.astype(jnp.float32), 2, kv_pad)
+    return q, k, v, key_valid(valid, kv_len, kv_pad), bq, bk
+
+
+def _tiles(x, size):
+    """``[b, h, n * size, ...]`` -> ``[n, b, h, size, ...]`` (the leading axis is scanned over)."""
+    b, h, s = x.shape[:3]
+    return jnp.moveaxis(x.reshape(b, h, s // size, size, *x.shape[3:]), 2, 0)
+
+
+def _untile(x, length):
+    n, b, h, size = x.shape[:4]
+    return jnp.moveaxis(x, 0, 2).reshape(b, h, n * size, *x.shape[4:])[:, :, :length]
+
+
+def _kv_chunk(k, v, valid, j, bk):
+    kj = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+    vj = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
+    valid_j = None if valid is None else lax.dynamic_slice_in_dim(valid, j * bk, bk, axis=1)
+    return kj, vj, valid_j, j * bk + jnp.arange(bk)
+
+
+def _logits(qi, kj, valid_j, q_pos, k_pos, causal):
+    s = jnp.einsum("bhqd,bhkd->bhqk", qi, kj)
+    ok = allowed_pairs(valid_j, q_pos, k_pos, causal)
+    return s if ok is None else jnp.where(ok, s, -jnp.inf)
+
+
+def _num_kv_chunks(i, bq, bk, nk, causal):
+    """Key chunks that query chunk ``i`` can see: all of them, or those up to the diagonal when causal."""
+    return jnp.minimum(nk, ((i + 1) * bq + bk - 1) // bk) if causal else nk
+
+
+def chunked_forward(q, k, v, valid, *, scale, causal, block_q, block_kv):
+    q_len = q.shape[2]
+    q, k, v, valid, bq, bk = _layout(q * scale, k, v, valid, block_q, block_kv)
+    nk = k.shape[2] // bk
+
+    def one_q_chunk(args):
+        i, qi = args
+        q_pos = i * bq + jnp.arange(bq)
+        if nk == 1:  # one key chunk: a plain softmax, no rescaling
+            s = _logits(qi, k, valid, q_pos, jnp.arange(bk), causal)
+            m = safe_max(jnp.max(s, axis=-1))
+            p = jnp.exp(s - m[..., None])
+            return finish_softmax(jnp.einsum("bhqk,bhkd->bhqd", p, v), m, jnp.sum(p, axis=-1))
+
+        def one_kv_chunk(j, carry):
+            m, denom, acc = carry
+            kj, vj, valid_j, k_pos = _kv_chunk(k, v, valid, j, bk)
+            s = _logits(qi, kj, valid_j, q_pos, k_pos, causal)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = safe_max(m_new)
+            p = jnp.exp(s - m_safe[..., None])
+            rescale = jnp.exp(m - m_safe)
+            acc = acc * rescale[..., None] + jnp.einsum("bhqk,bhkd->bhqd", p, vj)
+            return m_new, denom * rescale + jnp.sum(p, axis=-1), acc
+
+        init = (jnp.full(qi.shape[:-1], -jnp.inf), jnp.zeros(qi.shape[:-1]), jnp.zeros(qi.shape))
+        m, denom, acc = lax.fori_loop(0, _num_kv_chunks(i, bq, bk, nk, causal), one_kv_chunk, init)
+        return finish_softmax(acc, safe_max(m), denom)
+
+    out, lse = lax.map(one_q_chunk, (jnp.arange(q.shape[2] // bq), _tiles(q, bq)))
+    return _untile(out, q_len), _untile(lse, q_len)
+
+
+def chunked_backward(q, k, v, valid, do, lse, delta, *, scale, causal, block_q, block_kv):
+    q_len, kv_len = q.shape[2], k.shape[2]
+    q, k, v, valid, bq, bk = _layout(q * scale, k, v, valid, block_q, block_kv)
+    q_pad, nk = q.shape[2], k.shape[2] // bk
+    do = pad_axis(do, 2, q_pad)
+    lse = pad_axis(lse_for_backward(lse), 2, q_pad)
+    delta = pad_axis(delta, 2, q_pad)
+
+    def tile_grads(qi, doi, lse_i, delta_i, kj, vj, valid_j, q_pos, k_pos):
+        p = jnp.exp(_logits(qi, kj, valid_j, q_pos, k_pos, causal) - lse_i[..., None])
+        ds = p * (jnp.einsum("bhqd,bhkd->bhqk", doi, vj) - delta_i[..., None])
+        dqi = jnp.einsum("bhqk,bhkd->bhqd", ds, kj)
+        return dqi, jnp.einsum("bhqk,bhqd->bhkd", ds, qi), jnp.einsum("bhqk,bhqd->bhkd", p, doi)
+
+    def one_q_chunk(carry, args):
+        dk, dv = carry
+        i, qi, doi, lse_i, delta_i = args
+        q_pos = i * bq + jnp.arange(bq)
+        if nk == 1:
+            dqi, dk_i, dv_i = tile_grads(qi, doi, lse_i, delta_i, k, v, valid, q_pos, jnp.arange(bk))
+            return (dk + dk_i, dv + dv_i), dqi
+
+        def one_kv_chunk(j, inner):
+            dqi, dk, dv = inner
+            kj, vj, valid_j, k_pos = _kv_chunk(k, v, valid, j, bk)
+            dq_ij, dk_ij, dv_ij = tile_grads(qi, doi, lse_i, delta_i, kj, vj, valid_j, q_pos, k_pos)
+            dk = lax.dynamic_update_slice_in_dim(dk, lax.dynamic_slice_in_dim(dk, j * bk, bk, 2) + dk_ij, j * bk, 2)
+            dv = lax.dynamic_update_slice_in_dim(dv, lax.dynamic_slice_in_dim(dv, j * bk, bk, 2) + dv_ij, j * bk, 2)
+            return dqi + dq_ij, dk, dv
+
+        dqi, dk, dv = lax.fori_loop(0, _num_kv_chunks(i, bq, bk, nk, causal), one_kv_chunk,
+                                    (jnp.zeros_like(qi), dk, dv))
+        return (dk, dv), dqi
+
+    xs = (jnp.arange(q_pad // bq), _tiles(q, bq), _tiles(do, bq), _tiles(lse, bq), _tiles(delta, bq))
+    (dk, dv), dq = lax.scan(one_q_chunk, (jnp.zeros_like(k), jnp.zeros_like(v)), xs)
+    # q was scaled on the way in, so dk already carries the scale; dq gets it here.
+    return _untile(dq, q_len) * scale, dk[:, :, :kv_len], dv[:, :, :kv_len]
+
+
+def chunked_kernel(block_q: int, block_kv: int) -> Kernel:
+    """The chunked :class:`~._common.Kernel` with the given query and key/value chunk lengths."""
+    return Kernel(functools.partial(chunked_forward, block_q=block_q, block_kv=block_kv),
+                  functools.partial(chunked_backward, block_q=block_q, block_kv=block_kv))
+
+
+@functools.cache
+def chunked_attention_fn(block_q: int, block_kv: int):
+    """``attention(q, k, v, mask, scale, causal)`` on ``[batch, seq, heads, head_dim]``, differentiable."""
+    return attention_from_kernel(chunked_kernel(block_q, block_kv))

@@ -1,0 +1,61 @@
+"""What ``implementation=None`` picks, and why: by platform, dtype, sequence lengths and mesh."""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from ._common import platform_of
+from ._context import CONTEXT_AXIS
+from ._cudnn import cudnn_unavailable_reason
+
+# Up to this many logits per (batch, head) the dense reference is the fastest path on the CPU and its
+# [batch, heads, q, kv] float32 logits stay small (at 2048 x 2048 it is 16 MiB per head); above it "chunked" wins.
+XLA_MAX_LOGITS = 2048 * 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """The static facts about one call that decide which implementations can serve it."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    heads: int
+    head_dim: int
+    dtype: str
+    masked: bool
+    causal: bool
+    platform: str
+    mesh_axes: tuple[str, ...] | None  # None: no mesh
+    context: int  # size of the mesh's context axis (1 without one)
+    interpret: bool
+
+    @classmethod
+    def of(cls, q, k, *, mask, causal, mesh, interpret):
+        platform = platform_of(mesh.devices.flat[0].platform if mesh is not None else None)
+        axes = None if mesh is None else tuple(mesh.axis_names)
+        context = mesh.shape[CONTEXT_AXIS] if axes and CONTEXT_AXIS in axes else 1
+        return cls(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], jnp.dtype(q.dtype).name,
+                   mask is not None, causal, platform, axes, context, interpret)
+
+    def per_device(self) -> "AttentionCall":
+        """This call as each device sees it after Ulysses' all-to-all: whole sequences, ``heads / context``."""
+        return dataclasses.replace(self, heads=self.heads // self.context, mesh_axes=None, context=1)
+
+
+def choose(call: AttentionCall) -> tuple[str, str]:
+    """``(implementation, reason)`` for ``implementation=None``."""
+    if call.context > 1:
+        if call.heads % call.context == 0:
+            return "ulysses", (f"the mesh's context axis has {call.context} devices and heads={call.heads} divide by "
+                               f"it: one all-to-all each way moves every token once")
+        if not call.causal or call.q_len == call.kv_len:
+            return "ring", (f"the mesh's context axis has {call.context} devices and heads={call.heads} do not divide "
+                            f"by it: key/value shards travel round the ring")
+    where = f"{call.platform}, {call.dtype}, q_seq={call.q_len} x kv_seq={call.kv_len}"
+    if call.platform == "gpu" and cudnn_unavailable_reason(call.platform, call.dtype, call.head_dim) is None:
+        return "cudnn", f"{where}: cuDNN's fused flash attention is the vendor's fastest path"
+    if call.q_len * call.kv_len <= XLA_MAX_LOGITS:
+        return "xla", f"{where}: few enough logits per head that the dense reference is fastest"
+    return "chunked", (f"{where}: too many logits per head to hold at once; chunked keeps memory O(seq) "
+                       f"('flash' is used only when asked for by name until benchmarked on GPU/TPU)")
