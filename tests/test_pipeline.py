@@ -66,11 +66,10 @@ def test_image_to_image_matches_diffusers(tmp_path, monkeypatch):
                                strength=0.6, num_inference_steps=5, guidance_scale=6.0, output_type="np").images
 
     pipe = eqxdiff.load_pipeline(tmp_path)
-    state = pipe.scheduler.init(5, strength=0.6)
+    state = pipe.scheduler.init(5, sample_shape=(2, 16, 16, 4), strength=0.6)
     embeds = pipe.embed(PROMPTS, ["", ""], guidance=sd.Guidance(6.0))
     clean = sd.encode_image_latents(pipe.vae, sd.to_model_range(image), jnp.asarray(posterior_noise))
-    t = jnp.broadcast_to(pipe.scheduler.current_timestep(state), (2,))
-    x = pipe.scheduler.add_noise(clean, jnp.asarray(noise), t)
+    x = pipe.scheduler.add_noise_at_step(state, clean, jnp.asarray(noise))
     x = sd.denoise(pipe.unet, pipe.scheduler, state, x, embeds, jax.random.key(0), guidance=sd.Guidance(6.0))
     ours = sd.to_uint8(sd.decode_latents(pipe.vae, x))
     assert _max_pixel_diff(ours, expected) <= 2

@@ -36,7 +36,7 @@ def encode_prompt(text_encoder, input_ids: Int[Array, "batch seq"], *,
     if clip_skip is None:
         return text_encoder(input_ids).last_hidden_state
     out = text_encoder(input_ids, output_hidden_states=True)
-    return text_encoder.final_layer_norm(out.hidden_states[-(clip_skip + 1)])
+    return text_encoder.text_model.final_layer_norm(out.hidden_states[-(clip_skip + 1)])
 
 
 def rescale_noise_cfg(noise_cfg, noise_text, guidance_rescale: float):
@@ -185,8 +185,8 @@ class StableDiffusionPipeline:
             height = height or self.unet.config.sample_size * f
             width = width or self.unet.config.sample_size * f
             self._check_size(height, width)
-            state = self.scheduler.init(num_inference_steps)
             shape = (n, height // f, width // f, self.unet.config.in_channels)
+            state = self.scheduler.init(num_inference_steps, sample_shape=shape)
             if latents is None:
                 x = prepare_latents(noise_key, shape, self.scheduler, state)
             else:
@@ -199,12 +199,12 @@ class StableDiffusionPipeline:
             self._check_size(pixels.shape[1], pixels.shape[2])
             if not 0.0 < strength <= 1.0:
                 raise ValueError(f"strength must be in (0, 1], got {strength}")
-            state = self.scheduler.init(num_inference_steps, strength=strength)
             shape = (n, pixels.shape[1] // f, pixels.shape[2] // f, self.unet.config.in_channels)
+            state = self.scheduler.init(num_inference_steps, sample_shape=shape, strength=strength)
             posterior_noise = jax.random.normal(posterior_key, shape)
             clean = encode_image_latents(self.vae, pixels, posterior_noise)
             noise = jax.random.normal(noise_key, shape) if latents is None else self._given_latents(latents, shape)
-            x = self.scheduler.add_noise(clean, noise, jnp.broadcast_to(self.scheduler.current_timestep(state), (n,)))
+            x = self.scheduler.add_noise_at_step(state, clean, noise)
         x = jax.block_until_ready(x.astype(self.activations_dtype))
         self.timings["encode"] = time.perf_counter() - t0
 
