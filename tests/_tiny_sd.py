@@ -3,20 +3,7 @@
 import numpy as np
 import torch
 
-CHARS = "abcdefghijklmnopqrstuvwxyz"
-
-
-def char_tokenizer(max_length: int = 16):
-    """A character-level CLIP tokenizer: no download, every lowercase word tokenizes."""
-    from transformers import CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in CHARS:
-        vocab[c] = len(vocab)
-    for c in CHARS:
-        vocab[c + "</w>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
-
+from eqxdiff.data import character_tokenizer
 
 def randomize_(module: torch.nn.Module, std: float = 0.05, seed: int = 0) -> None:
     """Non-trivial values for every parameter (norm scales around 1) so a wrong mapping cannot hide."""
@@ -40,7 +27,7 @@ def build_pipeline(folder, *, scheduler: str = "pndm", prediction_type: str = "e
     from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(seed)
-    tokenizer = char_tokenizer()
+    tokenizer = character_tokenizer()
     text_encoder = CLIPTextModel(CLIPTextConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, max_position_embeddings=tokenizer.model_max_length, projection_dim=32,

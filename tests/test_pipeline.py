@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import eqxdiff
-from eqxdiff.pipelines import StableDiffusionPipeline, read_parameters, save_images
+from eqxdiff.pipelines import StableDiffusionPipeline, read_parameters, save_images, save_pipeline
 from eqxdiff.pipelines import stable_diffusion as sd
 
 from ._tiny_sd import build_pipeline
@@ -123,6 +123,25 @@ def test_load_pipeline_errors(tmp_path):
         eqxdiff.load_pipeline(tmp_path / "ok")
     with pytest.raises(eqxdiff.CheckpointError, match="model_index.json not found"):
         eqxdiff.load_pipeline(tmp_path)
+
+
+def test_save_pipeline_round_trips_through_diffusers(tmp_path):
+    from diffusers import StableDiffusionPipeline as DiffusersPipeline
+
+    build_pipeline(tmp_path / "a", scheduler="ddim")
+    pipe = eqxdiff.load_pipeline(tmp_path / "a")
+    save_pipeline(pipe, tmp_path / "b")
+    again = eqxdiff.load_pipeline(tmp_path / "b")
+    latents = np.random.default_rng(0).standard_normal((1, 16, 16, 4)).astype(np.float32)
+    kwargs = dict(num_inference_steps=2, height=32, width=32)
+    ours = pipe("a cat", latents=latents, progress=False, **kwargs)
+    np.testing.assert_array_equal(ours, again("a cat", latents=latents, progress=False, **kwargs))
+    ref = DiffusersPipeline.from_pretrained(tmp_path / "b", safety_checker=None)
+    ref.set_progress_bar_config(disable=True)
+    assert type(ref.scheduler).__name__ == "DDIMScheduler"
+    with torch.no_grad():
+        expected = ref("a cat", latents=nhwc_to_nchw(latents), output_type="np", **kwargs).images
+    assert _max_pixel_diff(ours, expected) <= 2
 
 
 def test_saved_images_carry_their_parameters(tmp_path):

@@ -20,6 +20,35 @@ def load_tokenizer(folder):
     return AutoTokenizer.from_pretrained(os.fspath(folder))
 
 
+def save_pipeline(pipe, folder, *, dtype=None):
+    """Write ``pipe`` as a diffusers pipeline folder (model_index.json, one subfolder per component) that
+    :func:`load_pipeline` and diffusers' ``StableDiffusionPipeline.from_pretrained`` both load."""
+    import json
+    from pathlib import Path
+
+    from ..loading import save_pretrained
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    index = {"_class_name": "StableDiffusionPipeline", "_diffusers_version": "0.30.0",
+             "feature_extractor": [None, None], "safety_checker": [None, None], "requires_safety_checker": False,
+             "image_encoder": [None, None]}
+    for name in ("text_encoder", "unet", "vae"):
+        module = getattr(pipe, name)
+        save_pretrained(module, folder / name, dtype=dtype)
+        library = "transformers" if module.CHECKPOINT_FORMAT == "transformers" else "diffusers"
+        index[name] = [library, type(module).__name__]
+    pipe.tokenizer.save_pretrained(folder / "tokenizer")
+    index["tokenizer"] = ["transformers", type(pipe.tokenizer).__name__]
+    (folder / "scheduler").mkdir(exist_ok=True)
+    sched = {k: v for k, v in pipe.scheduler.config.to_dict().items() if k != "_use_default_values"}
+    sched["_class_name"] = type(pipe.scheduler).__name__
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(sched, indent=2))
+    index["scheduler"] = ["diffusers", sched["_class_name"]]
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+    return folder
+
+
 def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, variant: str | None = None,
                   scheduler: str | None = None, attention: str | None = None, activations_dtype=None,
                   sharding=None):
