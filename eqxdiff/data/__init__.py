@@ -1,3 +1,20 @@
-"""Data sources and input pipelines."""
+"""Data sources and input pipelines.
 
+Sources (``len`` + ``[i]`` of raw image/caption records, checked when built): ``ImageFolderSource``,
+``HFDatasetSource``, ``TFRecordSource``, ``SyntheticSource``. ``make_dataset`` turns one into a grain stream of
+``{"pixel_values": float32 [batch, height, width, 3] in [-1, 1], "input_ids": int32 [batch, seq]}`` whose
+iterator has ``get_state()``/``set_state()``; ``to_global_batch`` puts a host batch on a mesh.
+"""
+
+from ._common import DataError as DataError
+from ._folder import ImageFolderSource as ImageFolderSource
+from ._hf import HFDatasetSource as HFDatasetSource
+from ._pipeline import make_dataset as make_dataset
+from ._pipeline import validate_decode as validate_decode
+from ._sharding import batch_sharding as batch_sharding
+from ._sharding import to_global_batch as to_global_batch
+from ._synthetic import SyntheticSource as SyntheticSource
+from ._tfrecord import TFRecordSource as TFRecordSource
+from ._tfrecord import write_tfrecord as write_tfrecord
 from ._tokenizer import character_tokenizer as character_tokenizer
+from ._transforms import ImageCaptionTransform as ImageCaptionTransform
