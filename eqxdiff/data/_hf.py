@@ -8,6 +8,15 @@ from ._common import DataError, caption_problem, check_level, image_problem, rai
 _FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
 
 
+def _import_datasets():
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("HFDatasetSource needs the Hugging Face `datasets` package: "
+                          "pip install 'eqxdiff[data]' (or pip install datasets)") from e
+    return datasets
+
+
 def _hub_offline() -> bool:
     from huggingface_hub import constants
 
@@ -25,7 +34,7 @@ def _pick_split(ds, split: str, where: str):
 
 
 def _load(path, split: str, load_kwargs: dict):
-    import datasets
+    datasets = _import_datasets()
 
     if isinstance(path, (datasets.Dataset, datasets.DatasetDict)):
         return _pick_split(path, split, "the given dataset"), "the given dataset"
@@ -72,8 +81,7 @@ class HFDatasetSource:
 
     def __init__(self, path, *, split: str = "train", image_column: str = "image", caption_column: str = "text",
                  check: str = "headers", **load_kwargs):
-        import datasets
-
+        datasets = _import_datasets()
         check_level(check)
         ds, self.where = _load(path, split, load_kwargs)
         self.image_column, self.caption_column = image_column, caption_column
