@@ -386,3 +386,15 @@ def test_pipeline_errors(tokenizer):
         make_dataset(source, tokenizer=tokenizer, batch_size=8, resolution=8, num_epochs=1)
     with pytest.raises(ValueError, match="interpolation='cubic'"):
         make_dataset(source, tokenizer=tokenizer, batch_size=2, resolution=8, interpolation="cubic")
+
+
+def test_worker_processes_same_batches_and_state(tokenizer):
+    source = SyntheticSource(12, height=10, width=12)
+    kwargs = dict(tokenizer=tokenizer, batch_size=4, resolution=8, seed=4)
+    expected = _take(make_dataset(source, **kwargs), 4)
+    it = iter(make_dataset(source, worker_count=1, **kwargs))
+    _assert_same_batches([next(it) for _ in range(2)], expected[:2])
+    state = it.get_state()
+    restored = iter(make_dataset(source, worker_count=1, **kwargs))
+    restored.set_state(state)
+    _assert_same_batches([next(restored) for _ in range(2)], expected[2:])

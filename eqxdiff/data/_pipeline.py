@@ -104,6 +104,10 @@ def make_dataset(
                                          prefetch_buffer_size=max(2 * host_batch, 8))
     it_ds = ds.to_iter_dataset(read_options).batch(host_batch, drop_remainder=drop_remainder)
     if worker_count > 0:
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # grain <= 0.2.18 reads an absl flag in mp_prefetch (grain issue 1355)
+            flags.FLAGS.mark_as_parsed()
         it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
     return it_ds
 
