@@ -10,6 +10,7 @@ do). ``name`` says where the record came from (a file, or a dataset row) and is 
 import io
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import numpy as np
@@ -108,3 +109,11 @@ def image_problem(image: Any, name: str, check: str) -> str | None:
     except DataError as e:
         return str(e)
     return None
+
+
+def image_problems(images: Sequence, names: Sequence[str], check: str) -> list[str]:
+    """``image_problem`` over many images, in threads (PIL decodes without the GIL)."""
+    if check == "index":
+        return []
+    with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
+        return [p for p in pool.map(lambda i: image_problem(images[i], names[i], check), range(len(images))) if p]

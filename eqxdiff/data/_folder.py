@@ -15,7 +15,7 @@ from ._common import (
     DataError,
     caption_problem,
     check_level,
-    image_problem,
+    image_problems,
     raise_problems,
     require_nonempty,
 )
@@ -51,7 +51,7 @@ class ImageFolderSource:
         self.paths = [str(p) for p, _ in rows]
         self.captions = [c for _, c in rows]
         where = str(self.index_file or self.root)
-        raise_problems([p for path in self.paths if (p := image_problem(path, path, check))], where)
+        raise_problems(image_problems(self.paths, self.paths, check), where)
 
     def _read_metadata(self, path: Path):
         rows, problems = [], []

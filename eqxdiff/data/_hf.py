@@ -3,7 +3,7 @@
 import os
 from pathlib import Path
 
-from ._common import DataError, caption_problem, check_level, image_problem, raise_problems, require_nonempty
+from ._common import DataError, caption_problem, check_level, image_problems, raise_problems, require_nonempty
 
 _FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
 
@@ -98,11 +98,11 @@ class HFDatasetSource:
         bad = [(i, why) for i, caption in enumerate(ds[caption_column]) if (why := caption_problem(caption))]
         problems = [f"{self._name(i, ds[i][image_column])}: {why}" for i, why in bad]
         raise_problems(problems, self.where)
-        if check != "index":
-            for i, image in enumerate(ds[image_column]):
-                if why := image_problem(self._resolve(image), self._name(i, image), check):
-                    problems.append(why)
-            raise_problems(problems, self.where)
+        for start in range(0, len(ds) if check != "index" else 0, 1024):  # in chunks: images may be embedded
+            images = list(ds[start : start + 1024][image_column])
+            names = [self._name(start + i, image) for i, image in enumerate(images)]
+            problems += image_problems([self._resolve(image) for image in images], names, check)
+        raise_problems(problems, self.where)
 
     def _resolve(self, image):
         if isinstance(image, str) and self.base is not None and not os.path.isabs(image):
