@@ -309,6 +309,8 @@ def test_folder_errors(tmp_path):
         ImageFolderSource(meta)
     with pytest.raises(DataError, match=r"no 'prompt' field"):
         ImageFolderSource(_colored_folder(tmp_path / "meta2"), caption_column="prompt")
+    with pytest.raises(DataError, match=r"line 1: no 'image' field"):
+        ImageFolderSource(tmp_path / "meta2", image_column="image")
     (meta / "metadata.jsonl").write_text("")
     with pytest.raises(DataError, match="empty dataset"):
         ImageFolderSource(meta)
