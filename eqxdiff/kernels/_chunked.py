@@ -96,10 +96,16 @@ def chunked_backward(q, k, v, valid, do, lse, delta, *, scale, causal, block_q, 
     delta = pad_axis(delta, 2, q_pad)
 
     def tile_grads(qi, doi, lse_i, delta_i, kj, vj, valid_j, q_pos, k_pos):
-        p = jnp.exp(_logits(qi, kj, valid_j, q_pos, k_pos, causal) - lse_i[..., None])
-        ds = p * (jnp.einsum("bhqd,bhkd->bhqk", doi, vj) - delta_i[..., None])
-        dqi = jnp.einsum("bhqk,bhkd->bhqd", ds, kj)
-        return dqi, jnp.einsum("bhqk,bhqd->bhkd", ds, qi), jnp.einsum("bhqk,bhqd->bhkd", p, doi)
+        # Work with transposed [kv, q] tiles so that dk and dv (the two grads per tile that sum over queries)
+        # are plain matmuls; only dq contracts over the leading axis.
+        s_t = jnp.einsum("bhkd,bhqd->bhkq", kj, qi)
+        ok = allowed_pairs(valid_j, q_pos, k_pos, causal)
+        if ok is not None:
+            s_t = jnp.where(jnp.swapaxes(ok, -1, -2), s_t, -jnp.inf)
+        p_t = jnp.exp(s_t - lse_i[:, :, None, :])
+        ds_t = p_t * (jnp.einsum("bhkd,bhqd->bhkq", vj, doi) - delta_i[:, :, None, :])
+        dqi = jnp.einsum("bhkq,bhkd->bhqd", ds_t, kj)
+        return dqi, jnp.einsum("bhkq,bhqd->bhkd", ds_t, qi), jnp.einsum("bhkq,bhqd->bhkd", p_t, doi)
 
     def one_q_chunk(carry, args):
         dk, dv = carry

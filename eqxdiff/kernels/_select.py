@@ -8,9 +8,10 @@ from ._common import platform_of
 from ._context import CONTEXT_AXIS
 from ._cudnn import cudnn_unavailable_reason
 
-# Up to this many logits per (batch, head) the dense reference is the fastest path on the CPU and its
-# [batch, heads, q, kv] float32 logits stay small (at 2048 x 2048 it is 16 MiB per head); above it "chunked" wins.
-XLA_MAX_LOGITS = 2048 * 2048
+# Up to this many logits per (batch, head) the dense reference is used. On the CPU "chunked" is faster from about
+# 256 x 256 on (benchmarks/attention.py: 2-3x at 1k-4k tokens); elsewhere the dense path is fast until its
+# [batch, heads, q, kv] float32 logits get large (16 MiB per head at 2048 x 2048).
+DENSE_MAX_LOGITS = {"cpu": 256 * 256, "gpu": 2048 * 2048, "tpu": 2048 * 2048}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ def choose(call: AttentionCall) -> tuple[str, str]:
     where = f"{call.platform}, {call.dtype}, q_seq={call.q_len} x kv_seq={call.kv_len}"
     if call.platform == "gpu" and cudnn_unavailable_reason(call.platform, call.dtype, call.head_dim) is None:
         return "cudnn", f"{where}: cuDNN's fused flash attention is the vendor's fastest path"
-    if call.q_len * call.kv_len <= XLA_MAX_LOGITS:
-        return "xla", f"{where}: few enough logits per head that the dense reference is fastest"
-    return "chunked", (f"{where}: too many logits per head to hold at once; chunked keeps memory O(seq) "
+    if call.q_len * call.kv_len <= DENSE_MAX_LOGITS.get(call.platform, DENSE_MAX_LOGITS["gpu"]):
+        return "xla", f"{where}: few logits per head: the dense reference"
+    return "chunked", (f"{where}: many logits per head: chunked is faster on the CPU and keeps memory O(seq) "
                        f"('flash' is used only when asked for by name until benchmarked on GPU/TPU)")

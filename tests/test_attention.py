@@ -1,0 +1,295 @@
+"""Every attention implementation against the float32 reference: forward values and gradients w.r.t. q, k, v.
+
+One base class (:class:`AttentionTestBase`) holds the cases; each backend is a subclass saying how to call it.
+The Pallas kernels run in interpret mode and ring/Ulysses on the 8 simulated CPU devices of ``conftest.py``,
+so everything here runs on a CPU. Shapes are small: interpret-mode Pallas is slow to compile.
+"""
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from eqxdiff.kernels import (IMPLEMENTATIONS, AttentionUnavailableError, BlockSizes, attention, explain_choice,
+                             reference_attention)
+
+from ._util import assert_close
+
+# max |error| / max |expected|. float32: summation order only. bfloat16: the output is rounded to bf16 (2^-8
+# relative) and flash feeds bf16 probabilities to its matmuls, as flash kernels do: a few bf16 roundings.
+TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    q_len: int
+    kv_len: int
+    heads: int
+    head_dim: int
+    masked: bool = False
+    causal: bool = False
+
+    def inputs(self, getkey, dtype):
+        """``q, k, v, mask, cotangent``; with a mask, batch row 0 keeps a third of its keys, row 1 all but one,
+        and (causal cases) row 0 loses all of them, which must give zeros."""
+        # numpy draws (seeded from getkey) cost no compilation per shape; the kernels' compiles are slow enough.
+        rng = np.random.default_rng(np.asarray(jax.random.key_data(getkey())))
+        normal = lambda s: jnp.asarray(rng.standard_normal((self.batch, s, self.heads, self.head_dim)), dtype)  # noqa: E731
+        q, k, v, cotangent = normal(self.q_len), normal(self.kv_len), normal(self.kv_len), normal(self.q_len)
+        mask = None
+        if self.masked:
+            keep = np.array([self.kv_len // 3, self.kv_len - 1][: self.batch])
+            mask = np.arange(self.kv_len)[None, :] < keep[:, None]
+            if self.causal:
+                mask[0] = False
+            mask = jnp.asarray(mask)
+        return q, k, v, mask, cotangent
+
+
+CASES = (
+    Case("self_odd_len", 1, 33, 33, 4, 64),
+    Case("cross_masked", 2, 40, 77, 4, 64, masked=True),  # text cross-attention with padded tokens
+    Case("causal_d128", 2, 29, 29, 4, 128, causal=True),
+    Case("causal_masked", 2, 37, 37, 4, 64, masked=True, causal=True),
+)
+DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrize each backend's test over its class's ``cases`` x ``dtypes``."""
+    if {"case", "dtype"} <= set(metafunc.fixturenames):
+        cls = metafunc.cls
+        params = [(c, d) for c in cls.cases for d in cls.dtypes]
+        metafunc.parametrize(("case", "dtype"), params,
+                             ids=[f"{c.name}-{jnp.dtype(d).name}" for c, d in params])
+
+
+def _mesh(shape, explicit: bool):
+    axes = ("data", "context")
+    if explicit:
+        return jax.make_mesh(shape, axes)
+    return Mesh(np.array(jax.devices()[: np.prod(shape)]).reshape(shape), axes)
+
+
+class AttentionTestBase:
+    """Forward and ``jax.vjp`` of ``attention(..., implementation=...)`` against :func:`reference_attention`."""
+
+    implementation: str
+    cases = CASES
+    dtypes = DTYPES
+
+    def options(self) -> dict:
+        return {}
+
+    def test_matches_reference(self, case, dtype, getkey):
+        q, k, v, mask, cotangent = case.inputs(getkey, dtype)
+        options = self.options()
+
+        @jax.jit
+        def run(q, k, v, cotangent):
+            out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, mask=mask, causal=case.causal,
+                                                         implementation=self.implementation, **options), q, k, v)
+            return out, vjp(cotangent)
+
+        @jax.jit
+        def run_reference(q, k, v, cotangent):
+            out, vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, mask=mask, causal=case.causal), q, k, v)
+            return out, vjp(cotangent)
+
+        out, grads = run(q, k, v, cotangent)
+        expected, expected_grads = run_reference(q, k, v, cotangent)
+        assert out.dtype == expected.dtype and all(g.dtype == dtype for g in grads)
+        tol = TOLERANCE[jnp.dtype(dtype)]
+        assert_close(out, expected, tol, "output")
+        for name, g, g_ref in zip(("dq", "dk", "dv"), grads, expected_grads):
+            assert_close(g, g_ref, tol, name)
+        if case.masked and case.causal:
+            assert not np.any(np.asarray(out[0], np.float32)), "a row with every key masked must give zeros"
+
+
+class TestChunked(AttentionTestBase):
+    """Small chunks: several query and key chunks, padding and the online softmax."""
+
+    implementation = "chunked"
+
+    def options(self):
+        return dict(block_sizes=BlockSizes(block_q=16, block_kv=16))
+
+
+class TestChunkedDefaultChunks(AttentionTestBase):
+    """The CPU default chunks: one key chunk, so a plain softmax per query chunk."""
+
+    implementation = "chunked"
+    dtypes = (jnp.float32,)
+
+
+class TestFlashInterpret(AttentionTestBase):
+    """The Pallas kernels (forward, dk/dv and dq) in interpret mode, with different forward and backward tiles."""
+
+    implementation = "flash"
+
+    def options(self):
+        return dict(interpret=True, block_sizes=BlockSizes(block_q=16, block_kv=16, block_q_dkv=32, block_kv_dq=32))
+
+
+class TestRing(AttentionTestBase):
+    """Ring attention over a context axis of 4 (times 2 on the batch), chunked blocks per shard."""
+
+    implementation = "ring"
+
+    def options(self):
+        return dict(mesh=_mesh((2, 4), explicit=True), block_sizes=BlockSizes(block_q=8, block_kv=8))
+
+
+class TestRingFlashLocal(AttentionTestBase):
+    implementation = "ring"
+    cases = (CASES[3],)
+    dtypes = (jnp.float32,)
+
+    def options(self):
+        return dict(mesh=_mesh((1, 8), explicit=False), local_implementation="flash", interpret=True,
+                    block_sizes=BlockSizes(block_q=8, block_kv=8))
+
+
+class TestRingDenseLocal(AttentionTestBase):
+    implementation = "ring"
+    cases = CASES[1:2]
+    dtypes = (jnp.float32,)
+
+    def options(self):
+        return dict(mesh=_mesh((2, 4), explicit=False), local_implementation="xla")
+
+
+class TestUlysses(AttentionTestBase):
+    """Ulysses over a context axis of 4: 4 heads become one per device."""
+
+    implementation = "ulysses"
+
+    def options(self):
+        return dict(mesh=_mesh((2, 4), explicit=False))
+
+
+class TestDefaultChoice(AttentionTestBase):
+    """``implementation=None`` (the dense reference at these sizes on a CPU)."""
+
+    implementation = None
+    dtypes = (jnp.float32,)
+
+
+def _qkv(batch=1, q_len=8, kv_len=8, heads=4, head_dim=16, dtype=jnp.float32):
+    q = jnp.ones((batch, q_len, heads, head_dim), dtype)
+    k = jnp.ones((batch, kv_len, heads, head_dim), dtype)
+    return q, k, k
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda q, k, v: (q[0], k, v), r"q must be \[batch, seq, heads, head_dim\], got shape \(8, 4, 16\)"),
+        (lambda q, k, v: (q, k[..., None], v), r"k must be \[batch, seq, heads, head_dim\]"),
+        (lambda q, k, v: (q[:, :, :2], k, v), "q has 2 heads but k and v have 4"),
+        (lambda q, k, v: (q, k, v[:, :5]), "k and v must have the same shape"),
+        (lambda q, k, v: (q[..., :8], k, v), "must agree in batch and head_dim"),
+        (lambda q, k, v: (q.astype(jnp.bfloat16), k, v), "must share a dtype"),
+    ],
+)
+def test_bad_shapes_raise(change, match):
+    with pytest.raises(ValueError, match=match):
+        attention(*change(*_qkv()))
+
+
+def test_bad_mask_and_names_raise():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"mask must be \[batch, kv_seq\]"):
+        attention(q, k, v, mask=jnp.ones((1, 9), bool))
+    with pytest.raises(ValueError, match=r"unknown implementation 'flsh'; available: \['xla', 'chunked'"):
+        attention(q, k, v, implementation="flsh")
+    with pytest.raises(ValueError, match="local_implementation='ring' cannot run per shard"):
+        attention(q, k, v, implementation="ring", mesh=_mesh((1, 8), explicit=False), local_implementation="ring")
+
+
+def test_unavailable_implementations_say_why():
+    q, k, v = _qkv()
+    with pytest.raises(AttentionUnavailableError, match="cudnn needs an NVIDIA GPU; the platform here is 'cpu'"):
+        attention(q, k, v, implementation="cudnn")
+    with pytest.raises(AttentionUnavailableError, match="pass interpret=True"):
+        attention(q, k, v, implementation="flash")
+    with pytest.raises(AttentionUnavailableError, match="ring attention needs mesh="):
+        attention(q, k, v, implementation="ring")
+    no_context = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
+    with pytest.raises(AttentionUnavailableError, match=r"'context' mesh axis, but the mesh's axes are \('data', "):
+        attention(q, k, v, implementation="ring", mesh=no_context)
+    with pytest.raises(AttentionUnavailableError, match="heads=4 does not divide by 8; use 'ring'"):
+        attention(q, k, v, implementation="ulysses", mesh=_mesh((1, 8), explicit=False))
+    q_long, k, v = _qkv(q_len=16)
+    with pytest.raises(AttentionUnavailableError, match="causal ring attention needs q_seq == kv_seq, got 16 and 8"):
+        attention(q_long, k, v, causal=True, implementation="ring", mesh=_mesh((1, 8), explicit=False))
+    assert issubclass(AttentionUnavailableError, ValueError)
+
+
+def test_block_sizes_are_validated():
+    with pytest.raises(ValueError, match="BlockSizes.block_q must be a positive int, got 0"):
+        BlockSizes(block_q=0)
+    with pytest.raises(ValueError, match="BlockSizes.block_q_dkv=48 must divide the largest q block 64"):
+        BlockSizes(block_q=64, block_q_dkv=48)
+    with pytest.raises(ValueError, match="block_kv_dq=24 must divide the largest kv block 32"):
+        BlockSizes(block_q=64, block_kv=32, block_kv_dq=24)
+    with pytest.raises(ValueError, match="BlockSizes.block_q=96: Triton needs a power of two >= 16 on GPU"):
+        BlockSizes(block_q=96, block_kv=64).check_platform("gpu")
+    with pytest.raises(ValueError, match="BlockSizes.block_kv=64 must be a multiple of 128 on TPU"):
+        BlockSizes(block_q=128, block_kv=64).check_platform("tpu")
+    assert BlockSizes(block_q=32, block_kv=16).block_q_dq == 32 and BlockSizes(32, 16).block_kv_dkv == 16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        BlockSizes().block_q = 8
+
+
+def test_block_sizes_shrink_for_short_sequences_with_one_log_line(caplog):
+    blocks = BlockSizes.default("gpu")
+    with caplog.at_level(logging.INFO, logger="eqxdiff.kernels"):
+        fitted = blocks.fit(4096, 77, "gpu")
+        assert blocks.fit(4096, 77, "gpu") == fitted
+    assert fitted == blocks  # 77 keys still fill 64-key blocks: nothing to shrink
+    with caplog.at_level(logging.INFO, logger="eqxdiff.kernels"):
+        fitted = BlockSizes(block_q=128, block_kv=128).fit(10, 77, "gpu")
+        BlockSizes(block_q=128, block_kv=128).fit(10, 77, "gpu")
+    assert (fitted.block_q, fitted.block_q_dq, fitted.block_kv) == (16, 16, 128)
+    lines = [r.getMessage() for r in caplog.records if "shrunk" in r.getMessage()]
+    assert lines == ["flash attention: block sizes shrunk for q_seq=10, kv_seq=77: block_q 128->16, "
+                     "block_q_dkv 128->16, block_q_dq 128->16"]
+    assert BlockSizes(block_q=512, block_kv=512).fit(4096, 77, "tpu").block_kv == 128
+
+
+def test_explain_choice():
+    shape = lambda s, h=8: jax.ShapeDtypeStruct((2, s, h, 64), jnp.float32)  # noqa: E731
+    assert explain_choice(shape(4096), shape(4096)).startswith("chunked: cpu, float32, q_seq=4096 x kv_seq=4096")
+    assert explain_choice(shape(4096), shape(77)).startswith("chunked: ")  # image tokens x text tokens
+    assert explain_choice(shape(77), shape(77), causal=True).startswith("xla: cpu, float32, q_seq=77 x kv_seq=77")
+    mesh = _mesh((2, 4), explicit=False)
+    assert explain_choice(shape(4096), shape(4096), mesh=mesh).startswith("ulysses: the mesh's context axis has 4")
+    assert explain_choice(shape(4096, 6), shape(4096, 6), mesh=mesh).startswith("ring: ")
+    assert explain_choice(shape(64), shape(64), implementation="chunked") == "chunked: asked for by name"
+    assert set(IMPLEMENTATIONS) == {"xla", "chunked", "cudnn", "flash", "ring", "ulysses"}
+
+
+@pytest.mark.parametrize(("platform", "custom_call"), [("cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu_custom_call")])
+def test_flash_lowers_for_gpu_and_tpu(platform, custom_call):
+    """The flash kernels (forward and both backward kernels) lower to Triton and to Mosaic, here on a CPU."""
+    from eqxdiff.kernels._flash import flash_attention_fn
+
+    fn = flash_attention_fn(None, False, platform)
+    q = jax.ShapeDtypeStruct((2, 300, 4, 40), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 77, 4, 40), jnp.bfloat16)
+
+    def loss(q, k, v, mask):
+        return jax.grad(lambda q, k, v: fn(q, k, v, mask, 0.125, True).astype(jnp.float32).sum(),
+                        argnums=(0, 1, 2))(q, k, v)
+
+    text = (jax.jit(loss).trace(q, kv, kv, jax.ShapeDtypeStruct((2, 77), jnp.bool_))
+            .lower(lowering_platforms=(platform,)).as_text())
+    assert text.count(f"custom_call @{custom_call}") == 3
