@@ -1,7 +1,7 @@
 """Time one classifier-free-guided UNet step, eqxdiff (jitted) against diffusers (PyTorch), same random weights.
 
     python benchmarks/unet_step.py                      # SD 1.5 UNet, UNet batch 2, 64x64x4 latents, float32
-    python benchmarks/unet_step.py --repeats 5 --batch 2 --dtype bfloat16
+    python benchmarks/unet_step.py --repeats 5 --batch 2 --dtype bfloat16 --attention xla chunked
     python benchmarks/unet_step.py --preset tiny        # a seconds-long smoke run
 
 A step runs the UNet on ``2 * batch`` latents (unconditional and conditional halves) with 77 text tokens and
@@ -10,6 +10,8 @@ folder, so both run the same weights. Prints the compile time, the median step t
 """
 
 import dataclasses
+import functools
+import os
 import statistics
 import tempfile
 import time
@@ -43,20 +45,11 @@ class Args:
     """Text sequence length."""
     guidance_scale: float = 7.5
     """Classifier-free guidance scale."""
-    attention: str | None = None
-    """eqxdiff attention implementation (default: chosen for the platform)."""
+    attention: tuple[str, ...] = ("auto",)
+    """eqxdiff attention implementation(s) to time, each compiled separately ("auto": chosen for the platform;
+    else a name in eqxdiff.kernels, e.g. "xla", "chunked")."""
     skip_diffusers: bool = False
     """Time eqxdiff only."""
-
-
-def _median_time(fn, repeats: int) -> tuple[float, list[float]]:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
 
 
 def main(args: Args) -> None:
@@ -84,7 +77,6 @@ def main(args: Args) -> None:
         unet = eqxdiff.load(folder, dtype=args.dtype)
     if torch_dtype != torch.float32:
         ref = ref.to(torch_dtype)
-    unet = with_attention_implementation(unet, args.attention)
     print(f"built and loaded both models in {time.perf_counter() - t0:.1f}s "
           f"({sum(p.numel() for p in ref.parameters()) / 1e6:.0f}M parameters)")
 
@@ -95,48 +87,63 @@ def main(args: Args) -> None:
     timestep = 981
 
     # eqxdiff: weights are arguments (not constants) of one compiled step.
-    params, static = eqx.partition(unet, eqx.is_array)
-
-    def step(params, latents, t, text, scale):
+    def step(params, latents, t, text, scale, *, static):
         model = eqx.combine(params, static)
         eps = model(jnp.concatenate([latents, latents]), t, text)
         uncond, cond = jnp.split(eps, 2)
         return uncond + scale * (cond - uncond)
 
     jdt = jnp.dtype(args.dtype)
-    j_inputs = (params, jnp.asarray(np.moveaxis(latents, 1, -1), jdt), jnp.asarray(timestep),
-                jnp.asarray(text, jdt), jnp.asarray(args.guidance_scale, jdt))
-    t0 = time.perf_counter()
-    compiled = jax.jit(step).lower(*j_inputs).compile()
-    compile_s = time.perf_counter() - t0
-    print(f"eqxdiff compile: {compile_s:.1f}s")
-    j_out = None
+    j_inputs = (jnp.asarray(np.moveaxis(latents, 1, -1), jdt), jnp.asarray(timestep), jnp.asarray(text, jdt),
+                jnp.asarray(args.guidance_scale, jdt))
+    runners, outputs = {}, {}
 
-    def run_jax():
-        nonlocal j_out
-        j_out = jax.block_until_ready(compiled(*j_inputs))
+    def jax_runner(compiled, params, name):
+        def run():
+            outputs[name] = np.asarray(jax.block_until_ready(compiled(params, *j_inputs)))
+        return run
 
-    j_med, j_times = _median_time(run_jax, args.repeats)
-    print(f"eqxdiff step: median {j_med:.3f}s  (runs: {', '.join(f'{t:.3f}' for t in j_times)})")
+    for name in args.attention:
+        params, static = eqx.partition(with_attention_implementation(unet, None if name == "auto" else name),
+                                       eqx.is_array)
+        t0 = time.perf_counter()
+        compiled = jax.jit(functools.partial(step, static=static)).lower(params, *j_inputs).compile()
+        print(f"eqxdiff [attention={name}] compile: {time.perf_counter() - t0:.1f}s")
+        runners[f"eqxdiff [attention={name}]"] = jax_runner(compiled, params, name)
+
+    if not args.skip_diffusers:
+        t_latents = torch.from_numpy(latents).to(torch_dtype)
+        t_text = torch.from_numpy(text).to(torch_dtype)
+
+        def run_torch():
+            with torch.no_grad():
+                eps = ref(torch.cat([t_latents, t_latents]), timestep, t_text).sample
+                uncond, cond = eps.chunk(2)
+                outputs["diffusers"] = (uncond + args.guidance_scale * (cond - uncond)).float().numpy()
+
+        runners["diffusers"] = run_torch
+
+    # One warm-up each, then the variants take turns, so that a shared machine's load falls on all of them alike.
+    times = {name: [] for name in runners}
+    for name, run in runners.items():
+        run()
+    for _ in range(args.repeats):
+        for name, run in runners.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    for name, ts in times.items():
+        print(f"{name} step: median {med[name]:.3f}s  (runs: {', '.join(f'{t:.3f}' for t in ts)})")
+    print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     if args.skip_diffusers:
         return
-
-    t_latents = torch.from_numpy(latents).to(torch_dtype)
-    t_text = torch.from_numpy(text).to(torch_dtype)
-    t_out = None
-
-    def run_torch():
-        nonlocal t_out
-        with torch.no_grad():
-            eps = ref(torch.cat([t_latents, t_latents]), timestep, t_text).sample
-            uncond, cond = eps.chunk(2)
-            t_out = uncond + args.guidance_scale * (cond - uncond)
-
-    t_med, t_times = _median_time(run_torch, args.repeats)
-    print(f"diffusers step: median {t_med:.3f}s  (runs: {', '.join(f'{t:.3f}' for t in t_times)})")
-    expected = np.moveaxis(t_out.float().numpy(), 1, -1)
-    err = np.max(np.abs(np.asarray(j_out, np.float32) - expected)) / np.max(np.abs(expected))
-    print(f"ratio eqxdiff/diffusers: {j_med / t_med:.2f}   (outputs agree to relative error {err:.1e})")
+    expected = np.moveaxis(outputs["diffusers"], 1, -1)
+    for name in args.attention:
+        got = outputs[name].astype(np.float32)
+        err = np.max(np.abs(got - expected)) / np.max(np.abs(expected))
+        print(f"ratio eqxdiff/diffusers [attention={name}]: {med[f'eqxdiff [attention={name}]'] / med['diffusers']:.2f}"
+              f"   (outputs agree to relative error {err:.1e})")
 
 
 if __name__ == "__main__":
