@@ -1,12 +1,13 @@
-"""Benchmark every attention implementation available here: forward and forward+backward.
+"""Benchmark every single-device attention implementation available here: forward and forward+backward.
 
-    python benchmarks/attention.py                                  # 1k..32k tokens, head_dim 64/128, f32/bf16
+    python benchmarks/attention.py                       # 1k..32k tokens (64k chunked only), head_dim 64/128, f32/bf16
     python benchmarks/attention.py --seq-lens 1024 4096 --head-dims 40 --heads 8 --dtypes float32 --modes fwd
 
-Each row: best-of-``--repeats`` wall time (after a compile and a warm-up run), TFLOP/s, the compiled program's
-temporary memory (``memory_analysis().temp_size_in_bytes``: XLA's peak scratch, where the backend reports it), and
-the time relative to the best vendor path measured in the same run for the same shape (cuDNN on GPU; the XLA
-reference and torch's ``scaled_dot_product_attention`` on the CPU). FLOPs: ``4 * b * h * q * kv * d`` forward
+Each row: the best of ``--repeats`` timings (wall clock, or ``--timer process``: CPU time of all threads) after a
+compile and a warm-up run, TFLOP/s, the compiled program's temporary memory (``memory_analysis()``'s
+``temp_size_in_bytes``: XLA's peak scratch, where the backend reports it), and the time relative to the best vendor
+path measured in the same run for the same shape (cuDNN on GPU; the XLA reference and torch's
+``scaled_dot_product_attention`` on the CPU). FLOPs: ``4 * b * h * q * kv * d`` forward
 (halved when causal), 3.5x that forward+backward (the backward recomputes the logits: 5 matmuls).
 """
 
@@ -25,7 +26,7 @@ VENDOR = {"gpu": ("cudnn",), "cpu": ("xla", "torch-sdpa"), "tpu": ("xla",)}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768],
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 65536],
                    help="sequence lengths (q and kv)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -36,10 +37,15 @@ def parse_args(argv=None):
                    help="default: every implementation that can run here, plus torch-sdpa on the CPU")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timer", choices=["wall", "process"], default="wall",
+                   help="wall clock, or the process's CPU time over all threads (steadier on a shared CPU)")
     p.add_argument("--max-dense-gib", type=float, default=4.0,
-                   help="skip dense paths (xla, torch-sdpa) whose [b, h, q, kv] float32 logits exceed this")
-    p.add_argument("--max-seq-chunked-only", type=int, default=None,
-                   help="above this length run only 'chunked' (default: no limit)")
+                   help="skip 'xla' (the dense reference) when its [b, h, q, kv] float32 logits exceed this")
+    p.add_argument("--max-seq-all", type=int, default=32768,
+                   help="above this sequence length run only 'chunked' (the O(seq)-memory path)")
+    p.add_argument("--check", action="store_true",
+                   help="also report each implementation's max relative error (output and grads) against the "
+                        "float32 'xla' reference on the same inputs (needs the dense logits to fit)")
     p.add_argument("--block-q", type=int, default=None, help="block/chunk size along q for chunked and flash")
     p.add_argument("--block-kv", type=int, default=None, help="block/chunk size along kv for chunked and flash")
     return p.parse_args(argv)
@@ -50,30 +56,47 @@ def _platform():
     return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
 
 
-def _best_time(fn, repeats):
-    fn()  # warm-up
-    best = math.inf
+def _best_times(runners, repeats, clock):
+    """Best time of each runner; the repeats are interleaved so that a shared machine's load hits all alike."""
+    for run in runners.values():
+        run()  # warm-up
+    best = dict.fromkeys(runners, math.inf)
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
+        for name, run in runners.items():
+            t = clock()
+            run()
+            best[name] = min(best[name], clock() - t)
     return best
 
 
-def _jax_case(impl, q, k, v, mode, causal, block_sizes):
+def _jax_fn(impl, mode, causal, block_sizes):
+    """``f(q, k, v, cotangent)``: the output ("fwd"), or the output and its vjp with ``cotangent`` ("fwd+bwd")."""
     options = {} if block_sizes is None or impl not in ("chunked", "flash") else {"block_sizes": block_sizes}
 
     def fwd(q, k, v):
         return attention(q, k, v, causal=causal, implementation=impl, **options)
 
-    if mode == "fwd":
-        fn = jax.jit(fwd)
-    else:
-        fn = jax.jit(jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
-    compiled = fn.lower(q, k, v).compile()
+    def fn(q, k, v, cotangent):
+        if mode == "fwd":
+            return fwd(q, k, v)
+        out, vjp = jax.vjp(fwd, q, k, v)
+        return out, vjp(cotangent)
+
+    return jax.jit(fn)
+
+
+def _jax_case(impl, args, mode, causal, block_sizes):
+    compiled = _jax_fn(impl, mode, causal, block_sizes).lower(*args).compile()
     memory = compiled.memory_analysis()
     temp = getattr(memory, "temp_size_in_bytes", None) if memory is not None else None
-    return (lambda: jax.block_until_ready(compiled(q, k, v))), temp
+    return (lambda: jax.block_until_ready(compiled(*args))), temp, compiled
+
+
+def _max_rel_error(actual, expected):
+    """max over outputs of max |a - e| / max |e|, against the float32 reference."""
+    errors = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - e)) / jnp.maximum(jnp.max(jnp.abs(e)), 1e-30))
+              for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected))]
+    return max(errors)
 
 
 def _torch_case(q, k, v, mode, causal):
@@ -96,6 +119,44 @@ def _torch_case(q, k, v, mode, causal):
     return run, None
 
 
+def _config_rows(args, names, platform, block_sizes, clock, dtype, d, s, mode):
+    """Measure every implementation at one shape; return the table rows."""
+    key = jax.random.key(s * 1000 + d)
+    q, k, v, cotangent = (jax.random.normal(kk, (args.batch, s, args.heads, d), jnp.float32).astype(dtype)
+                          for kk in jax.random.split(key, 4))
+    dense_gib = args.batch * args.heads * s * s * 4 / 2**30
+    expected = None
+    if args.check and dense_gib <= args.max_dense_gib:
+        expected = _jax_fn("xla", mode, args.causal, None)(*(x.astype(jnp.float32) for x in (q, k, v, cotangent)))
+    runners, temps, errors = {}, {}, {}
+    for name in names:
+        if (name == "xla" and dense_gib > args.max_dense_gib) or (s > args.max_seq_all and name != "chunked"):
+            continue
+        try:
+            if name == "torch-sdpa":
+                runners[name], temps[name] = _torch_case(q, k, v, mode, args.causal)
+                continue
+            runners[name], temps[name], compiled = _jax_case(name, (q, k, v, cotangent), mode, args.causal,
+                                                             block_sizes)
+        except AttentionUnavailableError:
+            continue
+        if expected is not None:
+            errors[name] = _max_rel_error(compiled(q, k, v, cotangent), expected)
+    times = _best_times(runners, args.repeats, clock)
+    vendor = [times[n] for n in VENDOR.get(platform, ()) if n in times]
+    best_vendor = min(vendor) if vendor else None
+    flops = 4 * args.batch * args.heads * s * s * d * (0.5 if args.causal else 1.0) * (1.0 if mode == "fwd" else 3.5)
+    rows = []
+    for name, t in times.items():
+        ratio = f"{t / best_vendor:.2f}x" if best_vendor else "-"
+        mem = "-" if temps[name] is None else f"{temps[name] / 2**20:.0f}"
+        row = f"| {name} | {s} | {d} | {dtype} | {mode} | {t * 1e3:.1f} | {flops / t / 1e12:.3f} | {mem} | {ratio} |"
+        if args.check:
+            row += f" {errors[name]:.1e} |" if name in errors else " - |"
+        rows.append(row)
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
     platform = _platform()
@@ -106,41 +167,16 @@ def main(argv=None):
         block_sizes = BlockSizes(block_q=args.block_q or 128, block_kv=args.block_kv or 128)
     names = args.implementations or [n for n in IMPLEMENTATIONS if n not in ("ring", "ulysses")] + (
         ["torch-sdpa"] if platform == "cpu" else [])
+    clock = time.perf_counter if args.timer == "wall" else time.process_time
+    check = " err vs f32 xla |" if args.check else ""
+    print(f"| impl | seq | head_dim | dtype | mode | ms ({args.timer}) | TFLOP/s | temp MiB | vs best vendor |{check}")
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if args.check else ""))
     rows = []
-    print("| impl | seq | head_dim | dtype | mode | ms | TFLOP/s | temp MiB | vs best vendor |")
-    print("|---|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes:
         for d in args.head_dims:
             for s in args.seq_lens:
-                key = jax.random.key(s * 1000 + d)
-                q, k, v = (jax.random.normal(kk, (args.batch, s, args.heads, d), jnp.float32).astype(dtype)
-                           for kk in jax.random.split(key, 3))
-                dense_gib = args.batch * args.heads * s * s * 4 / 2**30
                 for mode in args.modes:
-                    results = {}
-                    for name in names:
-                        dense = name in ("xla", "torch-sdpa")
-                        if dense and dense_gib > args.max_dense_gib:
-                            continue
-                        if args.max_seq_chunked_only and s > args.max_seq_chunked_only and name != "chunked":
-                            continue
-                        try:
-                            if name == "torch-sdpa":
-                                run, temp = _torch_case(q, k, v, mode, args.causal)
-                            else:
-                                run, temp = _jax_case(name, q, k, v, mode, args.causal, block_sizes)
-                        except AttentionUnavailableError:
-                            continue
-                        results[name] = (_best_time(run, args.repeats), temp)
-                    vendor = [results[n][0] for n in VENDOR.get(platform, ()) if n in results]
-                    best_vendor = min(vendor) if vendor else None
-                    flops = 4 * args.batch * args.heads * s * s * d * (0.5 if args.causal else 1.0)
-                    flops *= 1.0 if mode == "fwd" else 3.5
-                    for name, (t, temp) in results.items():
-                        ratio = f"{t / best_vendor:.2f}x" if best_vendor else "-"
-                        mem = "-" if temp is None else f"{temp / 2**20:.0f}"
-                        row = f"| {name} | {s} | {d} | {dtype} | {mode} | {t * 1e3:.0f} | {flops / t / 1e12:.3f} | " \
-                              f"{mem} | {ratio} |"
+                    for row in _config_rows(args, names, platform, block_sizes, clock, dtype, d, s, mode):
                         rows.append(row)
                         print(row, flush=True)
     return rows

@@ -70,8 +70,7 @@ def pytest_generate_tests(metafunc):
                              ids=[f"{c.name}-{jnp.dtype(d).name}" for c, d in params])
 
 
-def _mesh(shape, explicit: bool):
-    axes = ("data", "context")
+def _mesh(shape, explicit: bool, axes=("data", "context")):
     if explicit:
         return jax.make_mesh(shape, axes)
     return Mesh(np.array(jax.devices()[: np.prod(shape)]).reshape(shape), axes)
@@ -158,12 +157,15 @@ class TestRingFlashLocal(AttentionTestBase):
 
 
 class TestRingDenseLocal(AttentionTestBase):
+    """Dense blocks per shard; heads split over a "tensor" axis too."""
+
     implementation = "ring"
     cases = CASES[1:2]
     dtypes = (jnp.float32,)
 
     def options(self):
-        return dict(mesh=_mesh((2, 4), explicit=False), local_implementation="xla")
+        return dict(mesh=_mesh((2, 2, 2), explicit=False, axes=("data", "context", "tensor")),
+                    local_implementation="xla")
 
 
 class TestUlysses(AttentionTestBase):
@@ -173,6 +175,17 @@ class TestUlysses(AttentionTestBase):
 
     def options(self):
         return dict(mesh=_mesh((2, 4), explicit=False))
+
+
+class TestUlyssesTensorAxis(AttentionTestBase):
+    """Heads split over "tensor" (2) first, then over "context" (2) by the all-to-all."""
+
+    implementation = "ulysses"
+    cases = CASES[3:]
+    dtypes = (jnp.float32,)
+
+    def options(self):
+        return dict(mesh=_mesh((2, 2, 2), explicit=True, axes=("data", "context", "tensor")))
 
 
 class TestDefaultChoice(AttentionTestBase):
@@ -227,6 +240,9 @@ def test_unavailable_implementations_say_why():
         attention(q, k, v, implementation="ring", mesh=no_context)
     with pytest.raises(AttentionUnavailableError, match="heads=4 does not divide by 8; use 'ring'"):
         attention(q, k, v, implementation="ulysses", mesh=_mesh((1, 8), explicit=False))
+    tensor = _mesh((1, 4, 2), explicit=False, axes=("data", "context", "tensor"))
+    with pytest.raises(AttentionUnavailableError, match=r"heads=4 \(/2 over 'tensor'\) does not divide by 4"):
+        attention(q, k, v, implementation="ulysses", mesh=tensor)
     q_long, k, v = _qkv(q_len=16)
     with pytest.raises(AttentionUnavailableError, match="causal ring attention needs q_seq == kv_seq, got 16 and 8"):
         attention(q_long, k, v, causal=True, implementation="ring", mesh=_mesh((1, 8), explicit=False))
@@ -273,6 +289,10 @@ def test_explain_choice():
     mesh = _mesh((2, 4), explicit=False)
     assert explain_choice(shape(4096), shape(4096), mesh=mesh).startswith("ulysses: the mesh's context axis has 4")
     assert explain_choice(shape(4096, 6), shape(4096, 6), mesh=mesh).startswith("ring: ")
+    tensor = _mesh((1, 4, 2), explicit=False, axes=("data", "context", "tensor"))
+    assert explain_choice(shape(4096), shape(4096), mesh=tensor).startswith(
+        "ulysses: the mesh's context axis has 4 devices and 4 heads per device divide by it")
+    assert explain_choice(shape(4096, 4), shape(4096, 4), mesh=tensor).startswith("ring: ")
     assert explain_choice(shape(64), shape(64), implementation="chunked") == "chunked: asked for by name"
     assert set(IMPLEMENTATIONS) == {"xla", "chunked", "cudnn", "flash", "ring", "ulysses"}
 

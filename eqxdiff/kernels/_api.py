@@ -61,35 +61,59 @@ def _context_unavailable(what):
             return problem
         if what == "ring" and call.causal and call.q_len != call.kv_len:
             return f"causal ring attention needs q_seq == kv_seq, got {call.q_len} and {call.kv_len}"
-        if what == "ulysses" and call.heads % call.context:
-            return (f"ulysses gives each of the {call.context} devices on the 'context' axis heads/{call.context} "
-                    f"heads, but heads={call.heads} does not divide by {call.context}; use 'ring'")
+        if what == "ulysses" and call.local_heads % call.context:
+            heads = f"heads={call.heads}" + (f" (/{call.head_shards} over 'tensor')" if call.head_shards > 1 else "")
+            return (f"ulysses splits each device's heads over the {call.context} devices of the 'context' axis, "
+                    f"but {heads} does not divide by {call.context}; use 'ring'")
         return None
 
     return unavailable
 
 
-def _local_name(call, opts, allowed):
-    name = opts.local_implementation or ("chunked" if "chunked" in allowed else choose(call)[0])
+def _run_xla(q, k, v, mask, scale, causal, call, opts):
+    return reference_attention(q, k, v, mask=mask, scale=scale, causal=causal)
+
+
+def _run_chunked(q, k, v, mask, scale, causal, call, opts):
+    sizes = _chunk_sizes(call, opts)
+    return chunked_attention_fn(sizes.block_q, sizes.block_kv)(q, k, v, mask, scale, causal)
+
+
+def _run_cudnn(q, k, v, mask, scale, causal, call, opts):
+    return cudnn_attention(q, k, v, mask, scale, causal)
+
+
+def _run_flash(q, k, v, mask, scale, causal, call, opts):
+    return flash_attention_fn(opts.block_sizes, opts.interpret)(q, k, v, mask, scale, causal)
+
+
+_RING_LOCAL = ("chunked", "xla", "flash")  # the blockwise kernels: (out, lse) forward, backward from lse
+_ULYSSES_LOCAL = ("chunked", "xla", "flash", "cudnn")
+
+
+def _local_name(default, opts, allowed):
+    name = opts.local_implementation or default
     if name not in allowed:
         raise ValueError(f"attention: local_implementation={name!r} cannot run per shard here; choose from {allowed}")
     return name
 
 
 def _run_ring(q, k, v, mask, scale, causal, call, opts):
-    size = context_size(opts.mesh, "ring")
-    kernels = {"chunked": lambda: chunked_kernel(_chunk_sizes(call, opts).block_q, _chunk_sizes(call, opts).block_kv),
-               "xla": lambda: dense_kernel,
-               "flash": lambda: flash_kernel(opts.block_sizes, interpret=opts.interpret)}
-    local = kernels[_local_name(call, opts, tuple(kernels))]()
-    attn = attention_from_kernel(ring_kernel(local, size))
+    name = _local_name("chunked", opts, _RING_LOCAL)
+    if name == "xla":
+        local = dense_kernel
+    elif name == "chunked":
+        local = chunked_kernel(_chunk_sizes(call, opts).block_q, _chunk_sizes(call, opts).block_kv)
+    else:
+        local = flash_kernel(opts.block_sizes, interpret=opts.interpret)
+    attn = attention_from_kernel(ring_kernel(local, context_size(opts.mesh, "ring")))
     return shard_over_context(lambda q, k, v, m: attn(q, k, v, m, scale, causal), opts.mesh, q, k, v, mask)
 
 
 def _run_ulysses(q, k, v, mask, scale, causal, call, opts):
     context_size(opts.mesh, "ulysses")
     local_call = call.per_device()
-    local = IMPLEMENTATIONS[_local_name(local_call, opts, ("xla", "chunked", "flash", "cudnn"))]
+    local = IMPLEMENTATIONS[_local_name(choose(local_call)[0], opts, _ULYSSES_LOCAL)]
     _raise_if_unavailable(local, local_call)
     local_opts = opts._replace(mesh=None)
 
@@ -102,21 +126,15 @@ def _run_ulysses(q, k, v, mask, scale, causal, call, opts):
 IMPLEMENTATIONS: dict[str, Implementation] = {
     impl.name: impl
     for impl in (
-        Implementation("xla", "dense jnp reference, float32 softmax; any platform; mask, causal, grad",
-                       _always, lambda q, k, v, m, s, c, call, o: reference_attention(q, k, v, mask=m, scale=s,
-                                                                                       causal=c)),
+        Implementation("xla", "dense jnp reference, float32 softmax; any platform; mask, causal, grad (autodiff)",
+                       _always, _run_xla),
         Implementation("chunked", "query x key/value chunks with an online softmax in plain JAX, O(seq) memory; "
-                       "any platform; mask, causal, grad (custom_vjp)", _always,
-                       lambda q, k, v, m, s, c, call, o: chunked_attention_fn(
-                           _chunk_sizes(call, o).block_q, _chunk_sizes(call, o).block_kv)(q, k, v, m, s, c)),
+                       "any platform; mask, causal, grad (custom_vjp)", _always, _run_chunked),
         Implementation("cudnn", "cuDNN fused attention via jax.nn.dot_product_attention; NVIDIA GPU, bf16/fp16; "
-                       "mask, causal, grad", lambda call: cudnn_unavailable_reason(call.platform, call.dtype,
-                                                                                   call.head_dim),
-                       lambda q, k, v, m, s, c, call, o: cudnn_attention(q, k, v, m, s, c)),
+                       "mask, causal, grad",
+                       lambda call: cudnn_unavailable_reason(call.platform, call.dtype, call.head_dim), _run_cudnn),
         Implementation("flash", "Pallas flash attention (Triton on GPU, Mosaic on TPU, interpret=True anywhere); "
-                       "mask, causal, grad (Pallas backward kernels)", _flash_unavailable,
-                       lambda q, k, v, m, s, c, call, o: flash_attention_fn(o.block_sizes, o.interpret)(
-                           q, k, v, m, s, c)),
+                       "mask, causal, grad (Pallas backward kernels)", _flash_unavailable, _run_flash),
         Implementation("ring", "ring attention over the mesh's 'context' axis (ppermute, log-sum-exp merge); "
                        "mask, causal (q_seq == kv_seq), grad", _context_unavailable("ring"), _run_ring),
         Implementation("ulysses", "all-to-all from sequence to head sharding over 'context', any local "
@@ -215,8 +233,8 @@ def explain_choice(q, k, *, mask=None, causal: bool = False, mesh: Mesh | None =
     ``jax.ShapeDtypeStruct`` works). Raises like :func:`attention` when the named implementation cannot serve."""
     impl, call, reason = _resolve(q, k, mask=mask, causal=causal, implementation=implementation, mesh=mesh,
                                   interpret=interpret)
-    text = f"{impl.name}: {reason}"
-    if impl.name in ("ring", "ulysses"):
-        local_call = call if impl.name == "ring" else call.per_device()
-        text += f"; per shard: {'chunked' if impl.name == 'ring' else choose(local_call)[0]}"
-    return text
+    if impl.name == "ring":
+        reason += "; per shard: chunked"
+    elif impl.name == "ulysses":
+        reason += f"; per device: {choose(call.per_device())[0]}"
+    return f"{impl.name}: {reason}"

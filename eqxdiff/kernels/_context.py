@@ -1,7 +1,8 @@
 """Context parallelism plumbing shared by "ring" and "ulysses": the mesh's axes, padding and the ``shard_map``.
 
 The sequence axis of ``q``, ``k``, ``v`` (and of the key mask) is split over the mesh axis ``"context"``; the batch
-axis over ``"data"``/``"fsdp"`` where the mesh has them and they divide the batch; everything else is replicated.
+axis over ``"data"``/``"fsdp"`` and the heads over ``"tensor"`` where the mesh has them and they divide the batch
+and the heads (as ``eqxdiff.parallel``'s rules lay activations out); head_dim is replicated.
 Sequences that do not divide by the context size are padded (padded keys are masked, padded queries dropped).
 """
 
@@ -15,6 +16,7 @@ from ._common import AttentionUnavailableError, key_valid, pad_axis, round_up
 
 CONTEXT_AXIS = "context"
 BATCH_AXES = ("data", "fsdp")
+HEAD_AXIS = "tensor"
 
 
 def context_problem(mesh_axes: tuple[str, ...] | None, what: str) -> str | None:
@@ -42,6 +44,12 @@ def _batch_axes(mesh, batch: int):
     return axes[0] if len(axes) == 1 else axes
 
 
+def head_shards(mesh_shape, heads: int) -> int:
+    """How many ways the heads are split over the ``"tensor"`` axis of a mesh with this ``{axis: size}`` shape."""
+    size = dict(mesh_shape).get(HEAD_AXIS, 1)
+    return size if heads % size == 0 else 1
+
+
 def shard_over_context(local_fn, mesh, q, k, v, mask):
     """``local_fn(q, k, v, mask)`` on each device's sequence shard of ``[batch, seq, heads, head_dim]`` inputs.
 
@@ -56,7 +64,7 @@ def shard_over_context(local_fn, mesh, q, k, v, mask):
     k, v = pad_axis(k, 1, kv_pad), pad_axis(v, 1, kv_pad)
     mask = key_valid(mask, kv_len, kv_pad)
     batch = _batch_axes(mesh, q.shape[0])
-    spec = P(batch, CONTEXT_AXIS, None, None)
+    spec = P(batch, CONTEXT_AXIS, HEAD_AXIS if head_shards(mesh.shape, q.shape[2]) > 1 else None, None)
     if mask is None:
         fn, args, in_specs = (lambda q, k, v: local_fn(q, k, v, None)), (q, k, v), (spec, spec, spec)
     else:

@@ -5,7 +5,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from ._common import platform_of
-from ._context import CONTEXT_AXIS
+from ._context import CONTEXT_AXIS, head_shards
 from ._cudnn import cudnn_unavailable_reason
 
 # Up to this many logits per (batch, head) the dense reference is used. On the CPU "chunked" is faster from about
@@ -29,6 +29,7 @@ class AttentionCall:
     platform: str
     mesh_axes: tuple[str, ...] | None  # None: no mesh
     context: int  # size of the mesh's context axis (1 without one)
+    head_shards: int  # how many ways the heads are split over the mesh's "tensor" axis (1 without one)
     interpret: bool
 
     @classmethod
@@ -36,23 +37,31 @@ class AttentionCall:
         platform = platform_of(mesh.devices.flat[0].platform if mesh is not None else None)
         axes = None if mesh is None else tuple(mesh.axis_names)
         context = mesh.shape[CONTEXT_AXIS] if axes and CONTEXT_AXIS in axes else 1
+        shards = 1 if mesh is None else head_shards(mesh.shape, q.shape[2])
         return cls(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], jnp.dtype(q.dtype).name,
-                   mask is not None, causal, platform, axes, context, interpret)
+                   mask is not None, causal, platform, axes, context, shards, interpret)
+
+    @property
+    def local_heads(self) -> int:
+        """Heads on each device of the context axis (after the split over "tensor")."""
+        return self.heads // self.head_shards
 
     def per_device(self) -> "AttentionCall":
-        """This call as each device sees it after Ulysses' all-to-all: whole sequences, ``heads / context``."""
-        return dataclasses.replace(self, heads=self.heads // self.context, mesh_axes=None, context=1)
+        """This call as each device sees it after Ulysses' all-to-all: whole sequences, a slice of the heads."""
+        return dataclasses.replace(self, heads=self.local_heads // self.context, mesh_axes=None, context=1,
+                                   head_shards=1)
 
 
 def choose(call: AttentionCall) -> tuple[str, str]:
     """``(implementation, reason)`` for ``implementation=None``."""
     if call.context > 1:
-        if call.heads % call.context == 0:
-            return "ulysses", (f"the mesh's context axis has {call.context} devices and heads={call.heads} divide by "
-                               f"it: one all-to-all each way moves every token once")
+        heads = f"{call.local_heads} heads per device" if call.head_shards > 1 else f"heads={call.heads}"
+        if call.local_heads % call.context == 0:
+            return "ulysses", (f"the mesh's context axis has {call.context} devices and {heads} divide by it: "
+                               f"one all-to-all each way moves every token once")
         if not call.causal or call.q_len == call.kv_len:
-            return "ring", (f"the mesh's context axis has {call.context} devices and heads={call.heads} do not divide "
-                            f"by it: key/value shards travel round the ring")
+            return "ring", (f"the mesh's context axis has {call.context} devices and {heads} do not divide by it: "
+                            f"key/value shards travel round the ring")
     where = f"{call.platform}, {call.dtype}, q_seq={call.q_len} x kv_seq={call.kv_len}"
     if call.platform == "gpu" and cudnn_unavailable_reason(call.platform, call.dtype, call.head_dim) is None:
         return "cudnn", f"{where}: cuDNN's fused flash attention is the vendor's fastest path"
