@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from .._typing import Array, Bool, Float, PRNGKeyArray, typechecked
 from ..nn import Attention, Conv2d, GroupNorm, LayerNorm, Linear
+from ..parallel._plan import Plan, constrain
 
 
 class GEGLU(eqx.Module):
@@ -31,6 +32,7 @@ class FeedForward(eqx.Module):
 
     geglu: GEGLU
     proj_out: Linear
+    plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
 
     def __init__(self, dim: int, *, mult: int = 4, dtype=jnp.float32, key: PRNGKeyArray):
         k1, k2 = jax.random.split(key)
@@ -38,7 +40,7 @@ class FeedForward(eqx.Module):
         self.proj_out = Linear(dim * mult, dim, dtype=dtype, key=k2)
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        return self.proj_out(self.geglu(x))
+        return self.proj_out(constrain(self.geglu(x), self.plan, ("batch", "seq", "mlp")))
 
 
 class BasicTransformerBlock(eqx.Module):
@@ -88,6 +90,7 @@ class Transformer2DModel(eqx.Module):
     proj_in: Conv2d | Linear
     transformer_blocks: list[BasicTransformerBlock]
     proj_out: Conv2d | Linear
+    plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
 
     def __init__(self, channels: int, *, heads: int, dim_head: int, cross_attention_dim: int, num_layers: int = 1,
                  groups: int = 32, use_linear_projection: bool = False, only_cross_attention: bool = False,
@@ -117,7 +120,8 @@ class Transformer2DModel(eqx.Module):
         h = self.proj_in(h) if isinstance(self.proj_in, Conv2d) else self.proj_in(h.reshape(b, height * width, -1))
         h = h.reshape(b, height * width, -1)
         for block in self.transformer_blocks:
-            h = block(h, context, mask=mask)
+            h = constrain(block(constrain(h, self.plan, ("batch", "seq", "embed")), context, mask=mask), self.plan,
+                          ("batch", "seq", "embed"))
         if isinstance(self.proj_out, Conv2d):
             h = self.proj_out(h.reshape(b, height, width, -1))
         else:

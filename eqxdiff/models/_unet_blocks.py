@@ -12,6 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from .._typing import Array, Bool, Float, PRNGKeyArray, typechecked
 from ..nn import Downsample2D, Linear, ResnetBlock2D, Upsample2D, activation
@@ -156,9 +157,9 @@ class DownBlock(eqx.Module):
     def __call__(self, x, temb, context: Context, mask: Mask):
         skips = []
         for i, resnet in enumerate(self.resnets):
-            x = resnet(x, temb)
+            x = checkpoint_name(resnet(x, temb), "resnet")
             if self.attentions is not None:
-                x = self.attentions[i](x, context, mask=mask)
+                x = checkpoint_name(self.attentions[i](x, context, mask=mask), "transformer")
             skips.append(x)
         if self.downsampler is not None:
             x = self.downsampler(x)
@@ -180,9 +181,10 @@ class MidBlock(eqx.Module):
         self.attentions = _transformers(c, spec.attention, resnet.groups, dtype=dtype, key=ka)
 
     def __call__(self, x, temb, context: Context, mask: Mask):
-        x = self.resnets[0](x, temb)
+        x = checkpoint_name(self.resnets[0](x, temb), "resnet")
         for attn, resnet in zip(self.attentions, self.resnets[1:]):
-            x = resnet(attn(x, context, mask=mask), temb)
+            x = checkpoint_name(attn(x, context, mask=mask), "transformer")
+            x = checkpoint_name(resnet(x, temb), "resnet")
         return x
 
 
@@ -207,9 +209,9 @@ class UpBlock(eqx.Module):
     def __call__(self, x, skips, temb, context: Context, mask: Mask, upsample_size: tuple[int, int] | None = None):
         """``skips`` in the order the down path produced them; the last one is used first."""
         for i, resnet in enumerate(self.resnets):
-            x = resnet(jnp.concatenate([x, skips[-1 - i]], axis=-1), temb)
+            x = checkpoint_name(resnet(jnp.concatenate([x, skips[-1 - i]], axis=-1), temb), "resnet")
             if self.attentions is not None:
-                x = self.attentions[i](x, context, mask=mask)
+                x = checkpoint_name(self.attentions[i](x, context, mask=mask), "transformer")
         if self.upsampler is not None:
             x = self.upsampler(x, upsample_size)
         return x

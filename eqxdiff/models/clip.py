@@ -16,10 +16,12 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from .. import nn
 from .._typing import Array, Bool, Float, Int, PRNGKeyArray, typechecked
 from ..kernels import attention as attention_op
+from ..parallel._plan import Plan, checkpoint_block, constrain
 from ._base import PretrainedModel
 from ._config import ModelConfig
 
@@ -169,6 +171,7 @@ class CLIPTextTransformer(eqx.Module):
     layers: tuple[CLIPEncoderLayer, ...]
     final_layer_norm: nn.LayerNorm
     config: CLIPTextConfig = eqx.field(static=True)
+    plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
 
     def __init__(self, config: CLIPTextConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         kt, kp, kl = jax.random.split(key, 3)
@@ -190,8 +193,10 @@ class CLIPTextTransformer(eqx.Module):
         mask = None if attention_mask is None else attention_mask.astype(bool)
         x = self.token_embedding(input_ids) + self.position_embedding.weight[:seq]
         hidden = [x]
-        for layer in self.layers:
-            x = layer(x, mask)
+        tokens = ("batch", None, "embed")  # 77 text tokens: not split over the context axis
+        for layer in self.layers:  # layer boundaries: sharding constraints and the remat policy
+            x = checkpoint_name(checkpoint_block(layer, self.plan)(constrain(x, self.plan, tokens), mask),
+                                "clip_layer")
             hidden.append(x)
         last = self.final_layer_norm(x)
         if self.config.legacy_pooling:

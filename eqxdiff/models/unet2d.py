@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from .._typing import Array, Bool, Float, Int, PRNGKeyArray, typechecked
 from ..nn import Conv2d, GroupNorm, activation
+from ..parallel._plan import Plan, checkpoint_block, constrain
 from ._base import PretrainedModel
 from ._config import ConfigError, ModelConfig
 from ._unet_blocks import (AttentionSpec, DownBlock, DownBlockSpec, MidBlock, MidBlockSpec, ResnetSpec,
@@ -248,6 +249,7 @@ class UNet2DConditionModel(PretrainedModel):
     conv_norm_out: GroupNorm
     conv_out: Conv2d
     config: UNet2DConditionConfig = eqx.field(static=True)
+    plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
 
     def __init__(self, config: UNet2DConditionConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         c = config
@@ -318,15 +320,17 @@ class UNet2DConditionModel(PretrainedModel):
         context = encoder_hidden_states.astype(dtype)
         mask = encoder_attention_mask
 
-        h = self.conv_in(sample)
+        plan, image = self.plan, ("batch", "height", "width", "channels")
+        h = constrain(self.conv_in(constrain(sample, plan, image)), plan, image)
         skips = [h]
-        for block in self.down_blocks:
-            h, block_skips = block(h, emb, context, mask)
+        for block in self.down_blocks:  # block boundaries: sharding constraints and the remat policy
+            h, block_skips = checkpoint_block(block, plan)(h, emb, context, mask)
+            h = constrain(h, plan, image)
             skips.extend(block_skips)
         if down_block_additional_residuals is not None:
             skips = _add_residuals(skips, down_block_additional_residuals)
         if self.mid_block is not None:
-            h = self.mid_block(h, emb, context, mask)
+            h = constrain(checkpoint_block(self.mid_block, plan)(h, emb, context, mask), plan, image)
         if mid_block_additional_residual is not None:
             h = h + mid_block_additional_residual.astype(dtype)
 
@@ -336,10 +340,10 @@ class UNet2DConditionModel(PretrainedModel):
             n = len(block.resnets)
             block_skips, skips = skips[-n:], skips[:-n]
             size = tuple(skips[-1].shape[1:3]) if forward_size and i < len(self.up_blocks) - 1 else None
-            h = block(h, block_skips, emb, context, mask, size)
+            h = constrain(checkpoint_block(block, plan)(h, block_skips, emb, context, mask, size), plan, image)
 
         h = activation(c.act_fn)(self.conv_norm_out(h))
-        return self.conv_out(h)
+        return constrain(self.conv_out(h), plan, image)
 
     def _check_inputs(self, sample, context, text_embeds, time_ids, down_res, mid_res):
         c = self.config

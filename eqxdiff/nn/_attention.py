@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from .._typing import Array, Bool, Float, PRNGKeyArray, typechecked
 from ..kernels import attention as attention_op
+from ..parallel._plan import Plan, constrain
 from ._layers import Linear
 
 
@@ -26,6 +27,7 @@ class Attention(eqx.Module):
     to_out: Linear
     heads: int = eqx.field(static=True)
     implementation: str | None = eqx.field(static=True)
+    plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
 
     def __init__(self, query_dim: int, *, cross_attention_dim: int | None = None, heads: int, dim_head: int,
                  bias: bool = False, out_bias: bool = True, implementation: str | None = None,
@@ -48,8 +50,14 @@ class Attention(eqx.Module):
         q = self.to_q(x).reshape(b, s, self.heads, -1)
         k = self.to_k(context).reshape(b, context.shape[1], self.heads, -1)
         v = self.to_v(context).reshape(b, context.shape[1], self.heads, -1)
-        out = attention_op(q, k, v, mask=mask, implementation=self.implementation)
-        return self.to_out(out.reshape(b, s, -1))
+        q = constrain(q, self.plan, ("batch", "seq", "heads", "head_dim"))
+        k, v = (constrain(t, self.plan, ("batch", "kv_seq", "heads", "head_dim")) for t in (k, v))
+        # With a context axis, the kernel's default choice is ring/Ulysses over it; a named local kernel (e.g.
+        # "xla") sees all-gathered keys/values instead.
+        mesh = self.plan.mesh if self.plan is not None and self.plan.context > 1 else None
+        out = attention_op(q, k, v, mask=mask, implementation=self.implementation, mesh=mesh)
+        out = constrain(out, self.plan, ("batch", "seq", "heads", "head_dim"))
+        return constrain(self.to_out(out.reshape(b, s, -1)), self.plan, ("batch", "seq", "embed"))
 
 
 def with_attention_implementation(model, implementation: str | None):

@@ -51,12 +51,15 @@ def save_pipeline(pipe, folder, *, dtype=None):
 
 def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, variant: str | None = None,
                   scheduler: str | None = None, attention: str | None = None, activations_dtype=None,
-                  sharding=None):
+                  sharding=None, mesh=None, rules=None, offload_encoders: bool = False):
     """Load every component a ``model_index.json`` lists and return the matching pipeline.
 
     ``dtype`` sets the weights (default float32); ``scheduler`` swaps the checkpoint's scheduler by name
     (see :data:`eqxdiff.schedulers.SCHEDULERS`); ``attention`` picks the attention kernel;
-    ``activations_dtype`` (default: the weights' dtype) is the dtype of latents and activations.
+    ``activations_dtype`` (default: the weights' dtype) is the dtype of latents and activations. ``mesh``
+    (:func:`eqxdiff.parallel.make_mesh`) loads every weight straight onto its rule-given sharding (``rules``,
+    default :data:`eqxdiff.parallel.DEFAULT_RULES`; each device reads only its slices) and runs the pipeline on
+    the mesh; ``offload_encoders`` keeps the text encoder in host memory outside prompt encoding.
     """
     from ..schedulers import scheduler_from_config
     from .stable_diffusion import StableDiffusionPipeline
@@ -73,8 +76,15 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     missing = [c for c in needed if not index.get(c) or index[c][0] is None]
     if missing:
         raise CheckpointError(f"model_index.json in {os.fspath(folder)!r} lacks component(s) {missing}")
-    models = {c: load(folder, c, dtype=dtype, variant=variant, sharding=sharding)
+    if mesh is not None and sharding is None:
+        from ..parallel import DEFAULT_RULES, sharding_fn
+
+        rules = rules or DEFAULT_RULES
+        sharding = sharding_fn(mesh, rules)
+    models = {c: load(folder, c, dtype=dtype, variant=variant,
+                      sharding=None if offload_encoders and c == "text_encoder" else sharding)
               for c in ("text_encoder", "unet", "vae")}
     sched = scheduler_from_config(read_config(folder / "scheduler", "scheduler_config.json"), name=scheduler)
     return StableDiffusionPipeline(tokenizer=load_tokenizer(folder / "tokenizer"), scheduler=sched,
-                                   attention=attention, activations_dtype=act_dtype, **models)
+                                   attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
+                                   offload_encoders=offload_encoders, **models)

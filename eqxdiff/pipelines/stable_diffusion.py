@@ -120,7 +120,11 @@ class StableDiffusionPipeline:
     """
 
     def __init__(self, *, tokenizer, text_encoder, unet, vae, scheduler, attention: str | None = None,
-                 activations_dtype=jnp.float32):
+                 activations_dtype=jnp.float32, mesh=None, rules=None, offload_encoders: bool = False):
+        """``mesh`` (an :func:`eqxdiff.parallel.make_mesh` mesh) runs every model on it: parameters placed by
+        ``rules`` (default :data:`eqxdiff.parallel.DEFAULT_RULES`), activations constrained at block boundaries,
+        the batch split over data+fsdp. ``offload_encoders`` keeps the text encoder's weights in host memory
+        and puts them on the devices only while prompts are encoded, so they are gone before the loop."""
         self.activations_dtype = jnp.dtype(activations_dtype)
         self.tokenizer = tokenizer
         self.text_encoder = text_encoder
@@ -128,6 +132,19 @@ class StableDiffusionPipeline:
         self.vae = with_attention_implementation(vae, attention) if attention else vae
         self.scheduler = scheduler
         self.timings: dict[str, float] = {}
+        self.mesh, self.rules, self.offload_encoders = mesh, rules, offload_encoders
+        if mesh is not None:
+            from ..parallel import DEFAULT_RULES, Plan, shard_params, with_plan
+
+            self.rules = rules = rules or DEFAULT_RULES
+            plan = Plan(mesh, rules)
+            for name in ("text_encoder", "unet", "vae"):
+                model = getattr(self, name)
+                if not (offload_encoders and name == "text_encoder"):
+                    model = shard_params(model, mesh, rules)
+                setattr(self, name, with_plan(model, plan))
+        if offload_encoders:
+            self.text_encoder = jax.device_get(self.text_encoder)
 
     @property
     def vae_scale_factor(self) -> int:
@@ -154,7 +171,20 @@ class StableDiffusionPipeline:
     def embed(self, prompts: Sequence[str], negative: Sequence[str], *, guidance: Guidance,
               clip_skip: int | None = None):
         ids = tokenize(self.tokenizer, list(negative) + list(prompts) if guidance.enabled else prompts)
-        return encode_prompt(self.text_encoder, jnp.asarray(ids), clip_skip=clip_skip)
+        encoder = self.text_encoder
+        if self.offload_encoders:  # host -> devices for this call only; released when `encoder` goes
+            from ..parallel import shard_params
+
+            encoder = (jax.tree.map(jnp.asarray, encoder) if self.mesh is None
+                       else shard_params(encoder, self.mesh, self.rules))
+        return encode_prompt(encoder, self._shard(jnp.asarray(ids)), clip_skip=clip_skip)
+
+    def _shard(self, x):
+        if self.mesh is None:
+            return x
+        from ..parallel import shard_batch
+
+        return shard_batch(x, self.mesh, self.rules)
 
     def __call__(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] | None = None, *,
                  num_inference_steps: int = 50, guidance_scale: float = 7.5, guidance_rescale: float = 0.0,
@@ -211,11 +241,17 @@ class StableDiffusionPipeline:
         t0 = time.perf_counter()
         steps = int(self.scheduler.remaining_steps(state))
         with progress_bar(steps, "denoising", enabled=progress):
+            x, embeds = self._shard(x), self._shard(embeds)
             x = jax.block_until_ready(denoise(self.unet, self.scheduler, state, x, embeds, loop_key,
                                               guidance=guidance, progress=progress))
         self.timings["denoise"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        images = to_uint8(decode_latents(self.vae, x))
+        decoded = decode_latents(self.vae, x)
+        if self.mesh is not None and not decoded.is_fully_addressable:  # multi-host: every host gets every image
+            from jax.experimental import multihost_utils
+
+            decoded = multihost_utils.process_allgather(decoded, tiled=True)
+        images = to_uint8(decoded)
         self.timings["decode"] = time.perf_counter() - t0
         return images
 
