@@ -1,1 +1,44 @@
-"""eqxdiff.train"""
+"""Training: train state, pure jitted train step, objectives, optimizer, data-parallel loop, checkpoints, metrics.
+
+>>> from eqxdiff import train
+>>> state, frozen, losses = train.run(train.TrainConfig(steps=1500))     # the digits model, from scratch
+"""
+
+from ._autoencoder import fit_scaling_factor as fit_scaling_factor
+from ._checkpoint import Checkpointer as Checkpointer
+from ._autoencoder import train_autoencoder as train_autoencoder
+from ._autoencoder import vae_loss as vae_loss
+from ._data import ArrayBatches as ArrayBatches
+from ._data import DataError as DataError
+from ._data import cache_arrays as cache_arrays
+from ._data import check_batch as check_batch
+from ._digits import DigitsArchitecture as DigitsArchitecture
+from ._digits import build_digits_model as build_digits_model
+from ._init import host_init as host_init
+from ._loop import data_parallel_mesh as data_parallel_mesh
+from ._loop import fit as fit
+from ._loop import shard_batch as shard_batch
+from ._metrics import MetricsLogger as MetricsLogger
+from ._metrics import image_grid as image_grid
+from ._objectives import Objective as Objective
+from ._objectives import TimestepBias as TimestepBias
+from ._objectives import diffusion_loss as diffusion_loss
+from ._objectives import flow_matching_loss as flow_matching_loss
+from ._objectives import flow_matching_pair as flow_matching_pair
+from ._objectives import flow_sigmas as flow_sigmas
+from ._objectives import min_snr_weights as min_snr_weights
+from ._objectives import offset_noise as offset_noise
+from ._objectives import sample_timesteps as sample_timesteps
+from ._objectives import snr as snr
+from ._objectives import target as target
+from ._run import TrainConfig as TrainConfig
+from ._run import export_pipeline as export_pipeline
+from ._run import run as run
+from ._step import LatentDiffusion as LatentDiffusion
+from ._step import OptimizerConfig as OptimizerConfig
+from ._step import TrainState as TrainState
+from ._step import batch_loss as batch_loss
+from ._step import init_state as init_state
+from ._step import make_optimizer as make_optimizer
+from ._step import train_step as train_step
+from ._step import trainable_filter as trainable_filter

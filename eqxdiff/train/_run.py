@@ -1,0 +1,262 @@
+"""``run(config)``: everything ``scripts/train.py`` does, callable from a notebook.
+
+Data (checked before anything is built), model (a pretrained pipeline, or the from-scratch digits architecture
+with its autoencoder stage), optional caching of latents and text embeddings, the train loop with metrics,
+checkpoints and samples, and the export of the trained pipeline in the diffusers format.
+"""
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._data import ArrayBatches, DataError, cache_arrays, check_batch
+from ._digits import SD_NOISE_SCHEDULE, DigitsArchitecture, build_digits_model
+from ._objectives import Objective
+from ._step import LatentDiffusion, OptimizerConfig, init_state, make_optimizer, trainable_filter
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run. ``model=None`` trains the digits architecture from scratch (``architecture``)."""
+
+    model: str | None = None
+    """A diffusers pipeline folder or Hub id to fine-tune; None: build ``architecture`` from scratch."""
+    data: str = "digits"
+    """``digits`` (scikit-learn's handwritten digits) or an image folder with captions (metadata.jsonl / .txt)."""
+    resolution: int = 16
+    """Training image size (digits are upscaled to it; folders are resized and center-cropped)."""
+    batch_size: int = 64
+    """Samples per micro-step (over all devices)."""
+    steps: int = 1000
+    """Micro-steps to train (optimizer updates = steps / optimizer.accumulation_steps)."""
+    seed: int = 0
+    """Seed of the initialisation, the data order and the training noise."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    objective: Objective = Objective()
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the trained weights with this decay (exported instead of them)."""
+    train_text_encoder: bool = False
+    """Train the text encoder too (default: frozen)."""
+    cache: bool = True
+    """Encode latents and text embeddings once before training (only while the VAE and text encoder are frozen)."""
+    architecture: DigitsArchitecture = DigitsArchitecture()
+    autoencoder_steps: int = 600
+    """From scratch: steps of the autoencoder stage that trains the VAE before the UNet."""
+    autoencoder_batch_size: int = 32
+    autoencoder_learning_rate: float = 2e-3
+    kl_weight: float = 1e-4
+    """From scratch: weight of the VAE's KL term (per latent element) against the pixel MSE."""
+    data_parallel: bool = False
+    """Shard each batch over all devices (a 1-D ``data`` mesh); the state is replicated."""
+    output_dir: Path = Path("runs/train")
+    """Metrics (metrics.jsonl, tensorboard/), samples, profiles, checkpoints and the autoencoder stage go here."""
+    export_dir: Path | None = None
+    """Save the trained pipeline here in the diffusers format (default: ``output_dir/pipeline``)."""
+    export_dtype: str | None = None
+    """Dtype of the exported weights (float32 if None; float16 / bfloat16 halve the folder)."""
+    export_scheduler: str = "dpm++2m"
+    """Scheduler written to the exported pipeline (same betas as training)."""
+    log_every: int = 25
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (0: never)."""
+    keep_checkpoints: int = 3
+    resume: bool = True
+    """Continue from the latest checkpoint in ``output_dir/checkpoints`` if there is one."""
+    profile_steps: tuple[int, ...] = ()
+    """Steps (0-based) to record a JAX profiler trace of, into ``output_dir/profile``."""
+    sample_every: int = 0
+    """Generate images from ``sample_prompts`` every this many steps (0: only at the end if exporting)."""
+    sample_prompts: tuple[str, ...] = ()
+    sample_steps: int = 20
+    sample_guidance_scale: float = 4.0
+    progress: bool = True
+
+    def __post_init__(self):
+        for key in ("batch_size", "steps", "log_every", "keep_checkpoints"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.checkpoint_every < 0 or self.sample_every < 0:
+            raise ValueError("checkpoint_every and sample_every must be >= 0")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay={self.ema_decay} must be in (0, 1)")
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def load_data(config: TrainConfig, tokenizer) -> dict[str, np.ndarray]:
+    """The whole training set as arrays (``pixel_values``, ``input_ids``), checked."""
+    if config.data == "digits":
+        from ..data.digits import DigitsSource
+
+        arrays = DigitsSource(config.resolution, tokenizer=tokenizer).arrays
+    else:
+        arrays = _folder_arrays(config, tokenizer)
+    check_batch(arrays, where=f"dataset {config.data!r}")
+    if len(arrays["pixel_values"]) < config.batch_size:
+        raise DataError(f"dataset {config.data!r} has {len(arrays['pixel_values'])} samples, fewer than "
+                        f"batch_size={config.batch_size}")
+    return arrays
+
+
+def _folder_arrays(config: TrainConfig, tokenizer) -> dict[str, np.ndarray]:
+    path = Path(config.data)
+    if not path.is_dir():
+        raise DataError(f"data={config.data!r} is neither 'digits' nor an image folder")
+    from ..data import ImageFolderSource  # the folder reader of eqxdiff.data
+
+    source = ImageFolderSource(path)
+    from PIL import Image
+
+    images = []
+    for p in source.paths:
+        img = Image.open(p).convert("RGB")
+        s = min(img.size)
+        left, top = (img.width - s) // 2, (img.height - s) // 2
+        img = img.crop((left, top, left + s, top + s)).resize((config.resolution,) * 2, Image.BICUBIC)
+        images.append(np.asarray(img, np.float32) / 127.5 - 1.0)
+    ids = tokenizer(list(source.captions), padding="max_length", max_length=tokenizer.model_max_length,
+                    truncation=True, return_tensors="np").input_ids
+    return {"pixel_values": np.stack(images), "input_ids": np.asarray(ids, np.int32)}
+
+
+def build_model(config: TrainConfig):
+    """``(model, tokenizer, noise_scheduler)``; from scratch, the VAE is trained first (autoencoder stage) and
+    saved to ``output_dir/autoencoder`` so a resumed run reuses it."""
+    from ..schedulers import DDPMScheduler
+
+    if config.model is not None:
+        from ..pipelines import load_pipeline
+
+        pipe = load_pipeline(config.model)
+        model = LatentDiffusion(pipe.unet, pipe.text_encoder, pipe.vae, jnp.asarray(
+            pipe.tokenizer([""], padding="max_length", max_length=pipe.tokenizer.model_max_length,
+                           return_tensors="np").input_ids[0], jnp.int32))
+        raw = pipe.scheduler.config.to_dict()
+        return model, pipe.tokenizer, DDPMScheduler.from_config(raw)
+    from ..data import character_tokenizer
+
+    tokenizer = character_tokenizer(max_length=32)
+    model = build_digits_model(config.architecture, tokenizer, seed=config.seed)
+    return model, tokenizer, DDPMScheduler.from_config({**SD_NOISE_SCHEDULE, "prediction_type":
+                                                        config.objective.prediction_type or "epsilon"})
+
+
+def autoencoder_stage(config: TrainConfig, model: LatentDiffusion, arrays) -> LatentDiffusion:
+    import equinox as eqx
+
+    from ..loading import load, save_pretrained
+    from ._autoencoder import fit_scaling_factor, train_autoencoder
+
+    folder = Path(config.output_dir) / "autoencoder"
+    if (folder / "config.json").is_file():
+        _log(f"autoencoder stage: reusing {folder}")
+        return eqx.tree_at(lambda m: m.vae, model, load(folder))
+    t0 = time.perf_counter()
+    batches = ArrayBatches({"pixel_values": arrays["pixel_values"]}, config.autoencoder_batch_size,
+                           seed=config.seed + 1)
+    vae, _ = train_autoencoder(model.vae, batches, steps=config.autoencoder_steps,
+                               key=jax.random.key(config.seed + 1), learning_rate=config.autoencoder_learning_rate,
+                               kl_weight=config.kl_weight, log_every=max(config.autoencoder_steps // 10, 1),
+                               log=_log)
+    vae = fit_scaling_factor(vae, arrays["pixel_values"], key=jax.random.key(config.seed + 2))
+    save_pretrained(vae, folder)
+    _log(f"autoencoder stage: {time.perf_counter() - t0:.0f} s, scaling_factor "
+         f"{vae.config.scaling_factor:.4f}, saved to {folder}")
+    return eqx.tree_at(lambda m: m.vae, model, vae)
+
+
+def export_pipeline(model: LatentDiffusion, tokenizer, noise_scheduler, folder, *, scheduler: str = "dpm++2m",
+                    dtype=None):
+    """Save ``model`` as a diffusers ``StableDiffusionPipeline`` folder sampling with ``scheduler``."""
+    from ..pipelines import StableDiffusionPipeline, save_pipeline
+    from ..schedulers import scheduler_from_config
+
+    sched = scheduler_from_config(noise_scheduler.config.to_dict(), name=scheduler)
+    pipe = StableDiffusionPipeline(tokenizer=tokenizer, text_encoder=model.text_encoder, unet=model.unet,
+                                   vae=model.vae, scheduler=sched)
+    save_pipeline(pipe, folder, dtype=dtype)
+    return pipe
+
+
+def run(config: TrainConfig):
+    """Train as ``config`` says; returns ``(state, frozen, losses)``."""
+    from ._loop import data_parallel_mesh, fit
+    from ._metrics import MetricsLogger
+
+    t_start = time.perf_counter()
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str))
+    model, tokenizer, noise_scheduler = build_model(config)
+    arrays = load_data(config, tokenizer)
+    mesh = data_parallel_mesh() if config.data_parallel else None
+    if mesh is not None and config.batch_size % mesh.size:
+        raise DataError(f"batch_size={config.batch_size} must be a multiple of the {mesh.size} devices")
+    _log(f"data: {len(arrays['pixel_values'])} samples of {arrays['pixel_values'].shape[1:]}")
+    if config.model is None:
+        model = autoencoder_stage(config, model, arrays)
+    if config.cache and not config.train_text_encoder:
+        arrays = cache_arrays(model, arrays, log=_log)
+    batches = ArrayBatches(arrays, config.batch_size, seed=config.seed)
+    optimizer = make_optimizer(config.optimizer)
+    spec = trainable_filter(model, train_text_encoder=config.train_text_encoder)
+    state, frozen = init_state(model, optimizer, key=jax.random.key(config.seed), filter_spec=spec,
+                               ema=config.ema_decay is not None)
+    checkpointer = None
+    if config.checkpoint_every:
+        from ._checkpoint import Checkpointer
+
+        checkpointer = Checkpointer(out / "checkpoints", every=config.checkpoint_every, keep=config.keep_checkpoints)
+        if config.resume and checkpointer.latest_step() is not None:
+            state = checkpointer.restore(state, batches)
+            _log(f"resumed from step {int(state.step)}")
+    logger = MetricsLogger(out, total_steps=config.steps, start_step=int(state.step), progress=config.progress)
+    sample_fn = None
+    if config.sample_prompts:
+        sample_fn = _sampler(config, tokenizer, noise_scheduler, frozen)
+    objective = config.objective
+    if objective.prediction_type is None:
+        objective = dataclasses.replace(objective, prediction_type=noise_scheduler.config.prediction_type)
+    try:
+        state, losses = fit(state, frozen, batches, steps=config.steps, scheduler=noise_scheduler,
+                            objective=objective, optimizer=optimizer, ema_decay=config.ema_decay or 0.0, mesh=mesh,
+                            logger=logger, log_every=config.log_every, checkpointer=checkpointer,
+                            profile_steps=config.profile_steps, profile_dir=out / "profile",
+                            sample_every=config.sample_every, sample_fn=sample_fn)
+        if sample_fn is not None:
+            logger.images(int(state.step), "samples", sample_fn(state))
+    finally:
+        logger.close()
+        if checkpointer is not None:
+            checkpointer.close()
+    _log(f"trained to step {int(state.step)} in {time.perf_counter() - t_start:.0f} s (wall, from the start)")
+    trained = state.model(jax.device_get(frozen), use_ema=True)
+    trained = jax.device_get(trained)
+    folder = config.export_dir or out / "pipeline"
+    export_pipeline(trained, tokenizer, noise_scheduler, folder, scheduler=config.export_scheduler,
+                    dtype=config.export_dtype)
+    _log(f"exported the pipeline to {folder}; total {time.perf_counter() - t_start:.0f} s")
+    return state, frozen, losses
+
+
+def _sampler(config: TrainConfig, tokenizer, noise_scheduler, frozen):
+    from ..pipelines import StableDiffusionPipeline
+    from ..schedulers import scheduler_from_config
+
+    sched = scheduler_from_config(noise_scheduler.config.to_dict(), name=config.export_scheduler)
+
+    def sample(state):
+        m = state.model(frozen, use_ema=True)
+        pipe = StableDiffusionPipeline(tokenizer=tokenizer, text_encoder=m.text_encoder, unet=m.unet, vae=m.vae,
+                                       scheduler=sched)
+        return pipe(list(config.sample_prompts), num_inference_steps=config.sample_steps,
+                    guidance_scale=config.sample_guidance_scale, seed=0, progress=False)
+
+    return sample

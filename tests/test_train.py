@@ -1,0 +1,263 @@
+"""eqxdiff.train: objectives against hand-computed values, the train step, accumulation, checkpoints that resume
+exactly, data parallelism on the 8 simulated CPU devices, and the errors a user can hit."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqxdiff.data import character_tokenizer
+from eqxdiff.schedulers import DDPMScheduler
+from eqxdiff.train import (ArrayBatches, Checkpointer, DataError, DigitsArchitecture, Objective, OptimizerConfig,
+                           TimestepBias, batch_loss, build_digits_model, cache_arrays, check_batch, data_parallel_mesh,
+                           diffusion_loss, fit, flow_matching_pair, init_state, make_optimizer, min_snr_weights,
+                           offset_noise, shard_batch, snr, target, train_step, trainable_filter)
+
+SCHED = DDPMScheduler.from_config(dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+                                       beta_schedule="scaled_linear"))
+TINY = DigitsArchitecture(image_size=8, vae_channels=(8, 8), latent_channels=4, unet_channels=(8,),
+                          attention_heads=2, text_hidden_size=8, text_layers=1, text_heads=2, norm_num_groups=4)
+OBJECTIVE = Objective(caption_dropout=0.3, snr_gamma=5.0)  # one objective and batch size: one compiled step
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny LatentDiffusion (one UNet level with cross-attention) and 32 cached samples (latents 4x4x4)."""
+    tok = character_tokenizer(max_length=16)
+    model = build_digits_model(TINY, tok, seed=0)
+    rng = np.random.default_rng(0)
+    ids = tok([f"digit {w}" for w in ("one", "two", "three", "four")] * 8, padding="max_length", max_length=16,
+              return_tensors="np").input_ids.astype(np.int32)
+    arrays = {"pixel_values": rng.uniform(-1, 1, (32, 8, 8, 3)).astype(np.float32), "input_ids": ids}
+    return model, arrays, cache_arrays(model, arrays, log=lambda *_: None)
+
+
+# -- objectives, by hand ---------------------------------------------------------------------------------------
+
+def test_min_snr_weights_by_hand():
+    s = jnp.asarray([0.25, 1.0, 5.0, 40.0])
+    gamma = 5.0
+    np.testing.assert_allclose(min_snr_weights(s, gamma, "epsilon"), [1.0, 1.0, 1.0, 5.0 / 40.0], rtol=1e-6)
+    np.testing.assert_allclose(min_snr_weights(s, gamma, "v_prediction"),
+                               [0.25 / 1.25, 1.0 / 2.0, 5.0 / 6.0, 5.0 / 41.0], rtol=1e-6)
+    np.testing.assert_allclose(min_snr_weights(s, gamma, "sample"), [0.25, 1.0, 5.0, 5.0], rtol=1e-6)
+    acp = SCHED.alphas_cumprod
+    t = jnp.asarray([0, 499, 999])
+    np.testing.assert_allclose(snr(acp, t), acp[[0, 499, 999]] / (1 - acp[[0, 499, 999]]), rtol=1e-6)
+
+
+def test_v_prediction_target_is_ddpm_velocity(getkey):
+    x = jax.random.normal(getkey(), (3, 4, 4, 4))
+    noise = jax.random.normal(getkey(), (3, 4, 4, 4))
+    t = jnp.asarray([10, 500, 990])
+    v = target(SCHED, "v_prediction", x, noise, t)
+    np.testing.assert_array_equal(v, SCHED.get_velocity(x, noise, t))
+    a = np.sqrt(SCHED.alphas_cumprod[[10, 500, 990]]).reshape(3, 1, 1, 1)
+    s = np.sqrt(1 - SCHED.alphas_cumprod[[10, 500, 990]]).reshape(3, 1, 1, 1)
+    np.testing.assert_allclose(v, a * np.asarray(noise) - s * np.asarray(x), atol=1e-6)
+    np.testing.assert_array_equal(target(SCHED, "epsilon", x, noise, t), noise)
+    np.testing.assert_array_equal(target(SCHED, "sample", x, noise, t), x)
+
+
+@pytest.mark.parametrize("kind,gamma", [("epsilon", None), ("epsilon", 5.0), ("v_prediction", 5.0)])
+def test_diffusion_loss_by_hand(getkey, kind, gamma):
+    """A denoiser that records its inputs and predicts zero: the loss is the weighted mean square of the target,
+    recomputed here in float64 from the recorded noisy latents and timesteps."""
+    x0 = np.asarray(jax.random.normal(getkey(), (4, 4, 4, 4)), np.float64)
+    seen = {}
+
+    def denoiser(noisy, t, context):
+        seen["noisy"], seen["t"] = np.asarray(noisy, np.float64), np.asarray(t)
+        return jnp.zeros_like(noisy)
+
+    loss = diffusion_loss(denoiser, SCHED, Objective(prediction_type=kind, snr_gamma=gamma), jnp.asarray(x0, jnp.float32),
+                          None, getkey())
+    acp = SCHED.alphas_cumprod[seen["t"]].astype(np.float64).reshape(-1, 1, 1, 1)
+    noise = (seen["noisy"] - np.sqrt(acp) * x0) / np.sqrt(1 - acp)
+    goal = noise if kind == "epsilon" else np.sqrt(acp) * noise - np.sqrt(1 - acp) * x0
+    per = np.mean(goal ** 2, axis=(1, 2, 3))
+    r = acp.ravel() / (1 - acp.ravel())
+    w = np.ones(4) if gamma is None else np.minimum(r, gamma) / (r if kind == "epsilon" else r + 1)
+    np.testing.assert_allclose(float(loss), np.mean(per * w), rtol=1e-4)
+
+
+def test_timestep_bias_weights_and_sampling(getkey):
+    w = TimestepBias("later", multiplier=3.0, portion=0.25).weights(8)
+    np.testing.assert_allclose(w, np.array([1, 1, 1, 1, 1, 1, 3, 3]) / 12)
+    w = TimestepBias("range", multiplier=0.0, begin=2, end=6).weights(8)
+    np.testing.assert_allclose(w, np.array([1, 1, 0, 0, 0, 0, 1, 1]) / 4)
+    from eqxdiff.train import sample_timesteps
+
+    t = np.asarray(sample_timesteps(getkey(), 4000, 1000, TimestepBias("earlier", multiplier=0.0, portion=0.5)))
+    assert t.min() >= 500 and t.max() <= 999
+    t = np.asarray(sample_timesteps(getkey(), 4000, 1000))
+    assert t.min() < 50 and t.max() > 950
+
+
+def test_noise_offset_adds_a_per_channel_constant(getkey):
+    x = jnp.zeros((2, 5, 5, 3))
+    key = getkey()
+    plain, offset = offset_noise(key, x, 0.0), offset_noise(key, x, 0.5)
+    diff = np.asarray(offset - plain)
+    np.testing.assert_allclose(diff, np.broadcast_to(diff[:, :1, :1, :], diff.shape), atol=1e-6)
+    _, k_off = jax.random.split(key)
+    np.testing.assert_allclose(diff[:, 0, 0, :], 0.5 * np.asarray(jax.random.normal(k_off, (2, 3))), atol=1e-6)
+
+
+def test_flow_matching_pair_by_hand():
+    x0, noise = jnp.full((2, 1, 1, 1), 2.0), jnp.full((2, 1, 1, 1), -1.0)
+    x_s, v = flow_matching_pair(x0, noise, jnp.asarray([0.0, 0.25]))
+    np.testing.assert_allclose(np.ravel(x_s), [2.0, 0.75 * 2.0 - 0.25])
+    np.testing.assert_allclose(np.ravel(v), [-3.0, -3.0])
+
+
+# -- the train step --------------------------------------------------------------------------------------------
+
+def _state(model, **opt):
+    optimizer = make_optimizer(OptimizerConfig(**{"learning_rate": 3e-3, "warmup_steps": 0, "total_steps": 100,
+                                                  "schedule": "constant", **opt}))
+    state, frozen = init_state(model, optimizer, key=jax.random.key(1), ema=True)
+    return state, frozen, optimizer
+
+
+def test_train_step_lowers_the_loss_and_changes_only_trainable_leaves(tiny):
+    model, _, cached = tiny
+    state, frozen, optimizer = _state(model)
+    batch = {k: jnp.asarray(v[:8]) for k, v in cached.items()}
+    kw = dict(scheduler=SCHED, objective=OBJECTIVE, optimizer=optimizer, ema_decay=0.9)
+    eval_loss = eqx.filter_jit(lambda p: batch_loss(p, frozen, batch, jax.random.key(7), scheduler=SCHED,
+                                                    objective=Objective()))
+    before = float(eval_loss(state.params))
+    start = state
+    for _ in range(25):
+        state, metrics = train_step(state, frozen, batch, **kw)
+    assert float(eval_loss(state.params)) < 0.8 * before
+    assert set(metrics) == {"loss", "grad_norm", "learning_rate"} and float(metrics["learning_rate"]) == 3e-3
+    assert int(state.step) == 25
+    spec = trainable_filter(model)
+    trained, frozen_part = eqx.partition(state.model(frozen), spec)
+    initial, initial_frozen = eqx.partition(model, spec)
+    assert all(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(initial)))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(frozen_part), jax.tree.leaves(initial_frozen)))
+    assert jax.tree.structure(state.params) == jax.tree.structure(start.params)
+    ema_gap = max(float(jnp.max(jnp.abs(e - p))) for e, p in zip(jax.tree.leaves(state.ema),
+                                                                  jax.tree.leaves(state.params)))
+    assert ema_gap > 0  # the EMA trails the weights
+    with_text = trainable_filter(model, train_text_encoder=True)
+    assert any(jax.tree.leaves(with_text.text_encoder)) and not any(jax.tree.leaves(spec.text_encoder))
+    assert not any(jax.tree.leaves(spec.vae))
+
+
+def test_gradient_accumulation_updates_every_k_steps(tiny):
+    model, _, cached = tiny
+    state, frozen, optimizer = _state(model, accumulation_steps=2)
+    batch = {k: jnp.asarray(v[:8]) for k, v in cached.items()}
+    kw = dict(scheduler=SCHED, objective=OBJECTIVE, optimizer=optimizer, ema_decay=0.9)
+    p0 = jax.tree.leaves(state.params)
+    s1, _ = train_step(state, frozen, batch, **kw)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1.params), p0))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1.ema), p0))
+    s2, _ = train_step(s1, frozen, batch, **kw)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s2.params), p0))
+
+
+def test_checkpoints_resume_exactly(tiny, tmp_path):
+    """6 steps straight == 3 steps, a checkpoint, a fresh process state restored from it, 3 more steps."""
+    model, _, cached = tiny
+    kw = dict(scheduler=SCHED, objective=OBJECTIVE, ema_decay=0.9, log_every=1)
+
+    state, frozen, optimizer = _state(model)
+    _, straight = fit(state, frozen, ArrayBatches(cached, 8, seed=3), steps=6, optimizer=optimizer, **kw)
+
+    state, frozen, optimizer = _state(model)
+    ckpt = Checkpointer(tmp_path / "ckpt", every=3, keep=1)
+    batches = ArrayBatches(cached, 8, seed=3)
+    _, first = fit(state, frozen, batches, steps=3, optimizer=optimizer, checkpointer=ckpt, **kw)
+    ckpt.close()
+    assert batches.position == 3
+
+    fresh, frozen, optimizer = _state(model)
+    ckpt = Checkpointer(tmp_path / "ckpt", every=3, keep=1)
+    assert ckpt.all_steps() == [3]
+    resumed_batches = ArrayBatches(cached, 8, seed=3)
+    restored = ckpt.restore(fresh, resumed_batches)
+    assert int(restored.step) == 3 and resumed_batches.position == 3
+    _, second = fit(restored, frozen, resumed_batches, steps=6, optimizer=optimizer, checkpointer=ckpt, **kw)
+    ckpt.close()
+    assert first + second == straight
+    assert Checkpointer(tmp_path / "ckpt", every=3, keep=1).all_steps() == [6]  # keep=1 dropped step 3
+
+
+def test_data_parallel_step_equals_single_device(tiny):
+    """The batch split over 8 devices gives the single-device loss and gradients (read from Adam's first moment,
+    ``0.1 * grad`` after one step: Adam's update itself, ~``lr * sign(grad)``, magnifies rounding in ~0 gradients)."""
+    from jax.sharding import PartitionSpec
+
+    from eqxdiff.train._loop import place
+
+    model, _, cached = tiny
+    mesh = data_parallel_mesh()
+    assert mesh.size == 8
+    batch = {k: v[:8] for k, v in cached.items()}
+    kw = dict(scheduler=SCHED, objective=OBJECTIVE, ema_decay=0.9)
+    state, frozen, optimizer = _state(model)
+    single, m1 = train_step(state, frozen, shard_batch(batch, None), optimizer=optimizer, **kw)
+    state, frozen, optimizer = _state(model)
+    sharded = shard_batch(batch, mesh)
+    assert sharded["latent_mean"].sharding.shard_shape(sharded["latent_mean"].shape)[0] == 1
+    parallel, m8 = train_step(place(state, mesh, PartitionSpec()), place(frozen, mesh, PartitionSpec()), sharded,
+                              optimizer=optimizer, **kw)
+    np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m8["grad_norm"], m1["grad_norm"], rtol=1e-5)
+    mu8, mu1 = (jax.tree.leaves(s.opt_state[1][0].mu) for s in (parallel, single))
+    assert len(mu8) == len(mu1) > 0
+    for a, b in zip(mu8, mu1):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(b))))
+    leaf = jax.tree.leaves(parallel.params)[0]
+    assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 8
+
+
+# -- errors ----------------------------------------------------------------------------------------------------
+
+def test_bad_data_and_settings_raise_before_training(tiny):
+    _, arrays, _ = tiny
+    with pytest.raises(DataError, match="the dataset is empty"):
+        ArrayBatches({"pixel_values": np.zeros((0, 8, 8, 3))}, 4)
+    with pytest.raises(DataError, match=r"batch_size=64 must be in \[1, dataset size 32\]"):
+        ArrayBatches(arrays, 64)
+    with pytest.raises(DataError, match="different lengths"):
+        ArrayBatches({"a": np.zeros(3), "b": np.zeros(4)}, 1)
+    with pytest.raises(DataError, match=r"floats in \[-1, 1\]"):
+        check_batch({**arrays, "pixel_values": arrays["pixel_values"] * 255})
+    with pytest.raises(DataError, match="channels-last"):
+        check_batch({**arrays, "pixel_values": np.moveaxis(arrays["pixel_values"], -1, 1)})
+    with pytest.raises(DataError, match=r"lacks \['input_ids'\]"):
+        check_batch({"pixel_values": arrays["pixel_values"]})
+    with pytest.raises(DataError, match="batch size 12 must be a multiple of the 8 devices"):
+        shard_batch({k: v[:12] for k, v in arrays.items()}, data_parallel_mesh())
+    batches = ArrayBatches(arrays, 4, seed=1)
+    with pytest.raises(DataError, match="batch_size=8"):
+        batches.set_state({"position": 2, "seed": 1, "batch_size": 8})
+    with pytest.raises(ValueError, match="snr_gamma=-1"):
+        Objective(snr_gamma=-1.0)
+    with pytest.raises(ValueError, match="prediction_type='x0'"):
+        Objective(prediction_type="x0")
+    with pytest.raises(ValueError, match="strategy='middle'"):
+        TimestepBias("middle")
+    with pytest.raises(ValueError, match="schedule='step'"):
+        OptimizerConfig(schedule="step")
+    with pytest.raises(ValueError, match="accumulation_steps=0"):
+        OptimizerConfig(accumulation_steps=0)
+
+
+def test_array_batches_cover_each_epoch_and_resume():
+    arrays = {"x": np.arange(10)}
+    b = ArrayBatches(arrays, 3, seed=5)
+    epoch = np.concatenate([next(b)["x"] for _ in range(3)])
+    assert len(set(epoch.tolist())) == 9  # one permutation per epoch, the partial batch dropped
+    later = [next(b)["x"].tolist() for _ in range(4)]
+    again = ArrayBatches(arrays, 3, seed=5, position=3)
+    assert [next(again)["x"].tolist() for _ in range(4)] == later
