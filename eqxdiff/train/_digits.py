@@ -12,7 +12,8 @@ from ._init import host_init
 from ._step import LatentDiffusion
 
 # Stable Diffusion's training noise schedule; the saved pipeline samples with DPM-Solver++ on the same betas.
-SD_NOISE_SCHEDULE = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
+SD_NOISE_SCHEDULE = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                         steps_offset=1)
 
 
 @dataclasses.dataclass(frozen=True)
