@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-class DataError(ValueError):
-    """The training data cannot be used (empty, inconsistent, wrong shape or range)."""
+from ..data._common import DataError  # one error class for bad data, raised by every source and check
 
 
 def check_batch(batch: Mapping[str, np.ndarray], *, where: str = "batch") -> None:

@@ -27,7 +27,8 @@ class TrainConfig:
     model: str | None = None
     """A diffusers pipeline folder or Hub id to fine-tune; None: build ``architecture`` from scratch."""
     data: str = "digits"
-    """``digits`` (scikit-learn's handwritten digits) or an image folder with captions (metadata.jsonl / .txt)."""
+    """``digits`` (scikit-learn's handwritten digits), ``synthetic`` (random images, for benchmarks) or an image
+    folder with captions (metadata.jsonl / .txt)."""
     resolution: int = 16
     """Training image size (digits are upscaled to it; folders are resized and center-cropped)."""
     batch_size: int = 64
@@ -90,40 +91,33 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def load_data(config: TrainConfig, tokenizer) -> dict[str, np.ndarray]:
-    """The whole training set as arrays (``pixel_values``, ``input_ids``), checked."""
+def load_data(config: TrainConfig, tokenizer):
+    """``("arrays", dict)`` for the digits (the whole set in memory: cacheable, exactly resumable) or
+    ``("stream", grain dataset)`` for ``synthetic`` / an image folder (``eqxdiff.data.make_dataset``). Sources
+    check their files when built, so bad data fails here, before any model is built or compiled."""
     if config.data == "digits":
         from ..data.digits import DigitsSource
 
         arrays = DigitsSource(config.resolution, tokenizer=tokenizer).arrays
+        check_batch(arrays, where="dataset 'digits'")
+        if len(arrays["pixel_values"]) < config.batch_size:
+            raise DataError(f"dataset 'digits' has {len(arrays['pixel_values'])} samples, fewer than "
+                            f"batch_size={config.batch_size}")
+        return "arrays", arrays
+    from ..data import ImageFolderSource, SyntheticSource, make_dataset
+
+    if config.data == "synthetic":
+        source = SyntheticSource(max(1024, config.batch_size), height=config.resolution, width=config.resolution,
+                                 seed=config.seed)
+    elif Path(config.data).is_dir():
+        source = ImageFolderSource(config.data)
     else:
-        arrays = _folder_arrays(config, tokenizer)
-    check_batch(arrays, where=f"dataset {config.data!r}")
-    if len(arrays["pixel_values"]) < config.batch_size:
-        raise DataError(f"dataset {config.data!r} has {len(arrays['pixel_values'])} samples, fewer than "
+        raise DataError(f"data={config.data!r} is not 'digits', 'synthetic' or an image folder with captions")
+    if len(source) < config.batch_size:
+        raise DataError(f"dataset {config.data!r} has {len(source)} samples, fewer than "
                         f"batch_size={config.batch_size}")
-    return arrays
-
-
-def _folder_arrays(config: TrainConfig, tokenizer) -> dict[str, np.ndarray]:
-    path = Path(config.data)
-    if not path.is_dir():
-        raise DataError(f"data={config.data!r} is neither 'digits' nor an image folder")
-    from ..data import ImageFolderSource  # the folder reader of eqxdiff.data
-
-    source = ImageFolderSource(path)
-    from PIL import Image
-
-    images = []
-    for p in source.paths:
-        img = Image.open(p).convert("RGB")
-        s = min(img.size)
-        left, top = (img.width - s) // 2, (img.height - s) // 2
-        img = img.crop((left, top, left + s, top + s)).resize((config.resolution,) * 2, Image.BICUBIC)
-        images.append(np.asarray(img, np.float32) / 127.5 - 1.0)
-    ids = tokenizer(list(source.captions), padding="max_length", max_length=tokenizer.model_max_length,
-                    truncation=True, return_tensors="np").input_ids
-    return {"pixel_values": np.stack(images), "input_ids": np.asarray(ids, np.int32)}
+    return "stream", make_dataset(source, tokenizer=tokenizer, batch_size=config.batch_size,
+                                  resolution=config.resolution, seed=config.seed)
 
 
 def build_model(config: TrainConfig):
@@ -148,7 +142,7 @@ def build_model(config: TrainConfig):
                                                         config.objective.prediction_type or "epsilon"})
 
 
-def autoencoder_stage(config: TrainConfig, model: LatentDiffusion, arrays) -> LatentDiffusion:
+def autoencoder_stage(config: TrainConfig, model: LatentDiffusion, kind: str, data) -> LatentDiffusion:
     import equinox as eqx
 
     from ..loading import load, save_pretrained
@@ -159,13 +153,18 @@ def autoencoder_stage(config: TrainConfig, model: LatentDiffusion, arrays) -> La
         _log(f"autoencoder stage: reusing {folder}")
         return eqx.tree_at(lambda m: m.vae, model, load(folder))
     t0 = time.perf_counter()
-    batches = ArrayBatches({"pixel_values": arrays["pixel_values"]}, config.autoencoder_batch_size,
-                           seed=config.seed + 1)
+    if kind == "arrays":
+        batches = ArrayBatches({"pixel_values": data["pixel_values"]}, config.autoencoder_batch_size,
+                               seed=config.seed + 1)
+        images = data["pixel_values"]
+    else:
+        batches = iter(data)
+        images = next(iter(data))["pixel_values"]
     vae, _ = train_autoencoder(model.vae, batches, steps=config.autoencoder_steps,
                                key=jax.random.key(config.seed + 1), learning_rate=config.autoencoder_learning_rate,
                                kl_weight=config.kl_weight, log_every=max(config.autoencoder_steps // 10, 1),
                                log=_log)
-    vae = fit_scaling_factor(vae, arrays["pixel_values"], key=jax.random.key(config.seed + 2))
+    vae = fit_scaling_factor(vae, images, key=jax.random.key(config.seed + 2))
     save_pretrained(vae, folder)
     _log(f"autoencoder stage: {time.perf_counter() - t0:.0f} s, scaling_factor "
          f"{vae.config.scaling_factor:.4f}, saved to {folder}")
@@ -194,17 +193,20 @@ def run(config: TrainConfig):
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str))
-    model, tokenizer, noise_scheduler = build_model(config)
-    arrays = load_data(config, tokenizer)
     mesh = data_parallel_mesh() if config.data_parallel else None
     if mesh is not None and config.batch_size % mesh.size:
         raise DataError(f"batch_size={config.batch_size} must be a multiple of the {mesh.size} devices")
-    _log(f"data: {len(arrays['pixel_values'])} samples of {arrays['pixel_values'].shape[1:]}")
+    model, tokenizer, noise_scheduler = build_model(config)
+    kind, data = load_data(config, tokenizer)
     if config.model is None:
-        model = autoencoder_stage(config, model, arrays)
-    if config.cache and not config.train_text_encoder:
-        arrays = cache_arrays(model, arrays, log=_log)
-    batches = ArrayBatches(arrays, config.batch_size, seed=config.seed)
+        model = autoencoder_stage(config, model, kind, data)
+    if kind == "arrays":
+        _log(f"data: {len(data['pixel_values'])} samples of {data['pixel_values'].shape[1:]}")
+        if config.cache and not config.train_text_encoder:
+            data = cache_arrays(model, data, log=_log)
+        batches = ArrayBatches(data, config.batch_size, seed=config.seed)
+    else:  # a grain stream: encoded every step (caching holds a whole dataset in memory)
+        batches = iter(data)
     optimizer = make_optimizer(config.optimizer)
     spec = trainable_filter(model, train_text_encoder=config.train_text_encoder)
     state, frozen = init_state(model, optimizer, key=jax.random.key(config.seed), filter_spec=spec,
