@@ -114,6 +114,8 @@ class Transformer2DModel(eqx.Module):
                  context: Float[Array, "batch ctx_seq ctx_dim"], *,
                  mask: Bool[Array, "batch ctx_seq"] | None = None) -> Float[Array, "batch height width channels"]:
         b, height, width, _ = x.shape
+        image = ("batch", "height", "width", "channels")
+        x = constrain(x, self.plan, image)
         h = self.norm(x)
         # A 1x1 convolution and a linear layer are the same map on channels-last tokens; only the order of the
         # reshape differs, and that is a no-op here.
@@ -123,7 +125,7 @@ class Transformer2DModel(eqx.Module):
             h = constrain(block(constrain(h, self.plan, ("batch", "seq", "embed")), context, mask=mask), self.plan,
                           ("batch", "seq", "embed"))
         if isinstance(self.proj_out, Conv2d):
-            h = self.proj_out(h.reshape(b, height, width, -1))
+            h = self.proj_out(constrain(h.reshape(b, height, width, -1), self.plan, image))
         else:
             h = self.proj_out(h).reshape(b, height, width, -1)
-        return h + x
+        return constrain(h + x, self.plan, image)

@@ -58,7 +58,7 @@ class AxisRules:
 
 # The one table. Parameters: FSDP shards the model dimension ("embed") and convolution outputs over "fsdp";
 # tensor parallelism puts attention heads and the MLP's hidden units on "tensor" (Megatron: column-parallel in,
-# row-parallel out). Activations: the batch over data+fsdp, the token sequence (and image rows) over "context",
+# row-parallel out). Activations: the batch over data+fsdp, the token sequence over "context",
 # heads and MLP units over "tensor".
 DEFAULT_RULES = AxisRules.make(
     params={
@@ -77,7 +77,10 @@ DEFAULT_RULES = AxisRules.make(
     activations={
         "batch": ("data", "fsdp"),
         "seq": "context",
-        "height": "context",
+        # Image rows stay whole: convolutions on row-sharded images with FSDP-sharded kernels gave wrong kernel
+        # gradients on XLA (jax 0.10, GSPMD and Shardy alike) when "fsdp" and "context" were both > 1; the tokens
+        # of the spatial transformers are still split over "context".
+        "height": None,
         "width": None,
         "kv_seq": None,  # all-gathered keys/values unless a ring/ulysses kernel keeps them sharded
         "heads": "tensor",
