@@ -25,7 +25,7 @@ DEFAULT_MODEL = os.fspath(EMBEDDED_MODEL) if EMBEDDED_MODEL.is_dir() else "stabl
 class Args:
     """Text-to-image (or image-to-image with --image) with eqxdiff."""
 
-    prompt: str = "a photo of an astronaut riding a horse on mars"
+    prompt: str = "a handwritten digit seven"
     """What to draw."""
     model: str = DEFAULT_MODEL
     """A diffusers pipeline folder or Hugging Face Hub id."""
