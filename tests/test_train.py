@@ -73,8 +73,8 @@ def test_diffusion_loss_by_hand(getkey, kind, gamma):
         seen["noisy"], seen["t"] = np.asarray(noisy, np.float64), np.asarray(t)
         return jnp.zeros_like(noisy)
 
-    loss = diffusion_loss(denoiser, SCHED, Objective(prediction_type=kind, snr_gamma=gamma), jnp.asarray(x0, jnp.float32),
-                          None, getkey())
+    objective = Objective(prediction_type=kind, snr_gamma=gamma)
+    loss = diffusion_loss(denoiser, SCHED, objective, jnp.asarray(x0, jnp.float32), None, getkey())
     acp = SCHED.alphas_cumprod[seen["t"]].astype(np.float64).reshape(-1, 1, 1, 1)
     noise = (seen["noisy"] - np.sqrt(acp) * x0) / np.sqrt(1 - acp)
     goal = noise if kind == "epsilon" else np.sqrt(acp) * noise - np.sqrt(1 - acp) * x0

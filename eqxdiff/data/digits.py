@@ -122,4 +122,5 @@ def score_pipeline(pipe, *, per_digit: int = 20, num_inference_steps: int = 20, 
             "images": images, "predicted": predicted}
 
 
-__all__ = ["DIGIT_NAMES", "DigitsSource", "digit_classifier", "score_pipeline", "caption", "downscale", "load_digits_arrays", "upscale"]
+__all__ = ["DIGIT_NAMES", "DigitsSource", "caption", "digit_classifier", "downscale", "load_digits_arrays",
+           "score_pipeline", "upscale"]

@@ -9,7 +9,7 @@
 Only the leaves that ``trainable_filter`` marks (by default the UNet's arrays) are in ``state.params`` and get
 gradients and optimizer state; everything else (VAE, text encoder, the unconditional prompt) rides in ``frozen``,
 which the step never changes. A batch holds either ``pixel_values`` + ``input_ids`` (encoded each step) or the
-cached ``latent_mean`` + ``latent_std`` + ``encoder_hidden_states`` (see :func:`eqxdiff.train.cache_batches`).
+cached ``latent_mean`` + ``latent_std`` + ``encoder_hidden_states`` (see :func:`eqxdiff.train.cache_arrays`).
 """
 
 import dataclasses
