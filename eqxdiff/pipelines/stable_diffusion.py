@@ -142,7 +142,9 @@ class StableDiffusionPipeline:
                 model = getattr(self, name)
                 if not (offload_encoders and name == "text_encoder"):
                     model = shard_params(model, mesh, rules)
-                setattr(self, name, with_plan(model, plan))
+                # The VAE gets sharded weights but no plan: its attention's tokens split over "context" spread
+                # row sharding into its convolutions, which XLA got wrong with FSDP kernels (see DEFAULT_RULES).
+                setattr(self, name, model if name == "vae" else with_plan(model, plan))
         if offload_encoders:
             self.text_encoder = jax.device_get(self.text_encoder)
 
