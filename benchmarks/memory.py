@@ -81,7 +81,8 @@ def table(rows, batch, dtype) -> str:
                      f"| {r['argument'] / MiB:.0f} | {r['output'] / MiB:.0f} | {r['temp'] / MiB:.0f} | "
                      f"{r['total'] / MiB:.0f} | {r['compile_s']:.0f} |")
     lines += ["", "FSDP keeps 1/8 of the parameter bytes (and of the gradient bytes, the outputs) on each device; its "
-              "temporaries include the weights all-gathered for compute. Remat `full` recomputes each UNet block in "
+              "temporaries are larger than under data parallel (not analysed further; all-gathered weights are the "
+              "likely cause). Remat `full` recomputes each UNet block in "
               "the backward pass (the compiled program has more convolutions), but XLA's CPU buffer assignment does "
               "not turn that into fewer temporary bytes here; the saving has yet to be measured on GPU/TPU."]
     return "\n".join(lines) + "\n"
