@@ -165,6 +165,14 @@ def test_remat_gives_equal_gradients(unet_case, remat, names):
     _assert_same(*_forward_and_grad(model, *shard_batch(inputs, mesh)), ref_out, ref_grads)
 
 
+@pytest.mark.parametrize("remat, names", [(Remat.OFFLOAD_DOTS, ()), (Remat.OFFLOAD_NAMED, ("resnet",))])
+def test_offload_remat_gives_equal_gradients(unet_case, remat, names):
+    """Offloading saved values to pinned host memory (the CPU backend supports the memory kind)."""
+    unet, inputs, ref_out, ref_grads = unet_case
+    _assert_same(*_forward_and_grad(with_plan(unet, Plan(remat=remat, remat_names=names)), *inputs), ref_out,
+                 ref_grads)
+
+
 def test_remat_really_rematerialises(unet_case):
     unet, inputs, _, _ = unet_case
     plain = jax.make_jaxpr(eqx.filter_grad(_loss))(unet, *inputs)
