@@ -3,8 +3,8 @@
     python benchmarks/attention.py                       # 1k..32k tokens (64k chunked only), head_dim 64/128, f32/bf16
     python benchmarks/attention.py --seq-lens 1024 4096 --head-dims 40 --heads 8 --dtypes float32 --modes fwd
 
-Each row: the best of ``--repeats`` timings (wall clock, or ``--timer process``: CPU time of all threads) after a
-compile and a warm-up run, TFLOP/s, the compiled program's temporary memory (``memory_analysis()``'s
+Each row: the best of ``--repeats`` timings (wall clock, or ``--timer process``: CPU time of all threads), each after
+an untimed run, TFLOP/s, the compiled program's temporary memory (``memory_analysis()``'s
 ``temp_size_in_bytes``: XLA's peak scratch, where the backend reports it), and the time relative to the best vendor
 path measured in the same run for the same shape (cuDNN on GPU; the XLA reference and torch's
 ``scaled_dot_product_attention`` on the CPU). FLOPs: ``4 * b * h * q * kv * d`` forward
@@ -57,12 +57,13 @@ def _platform():
 
 
 def _best_times(runners, repeats, clock):
-    """Best time of each runner; the repeats are interleaved so that a shared machine's load hits all alike."""
-    for run in runners.values():
-        run()  # warm-up
+    """Best time of each runner over ``repeats`` rounds. Rounds interleave the implementations, so a shared
+    machine's changing load hits all alike; in each round a runner first runs untimed, so that the one before it
+    (e.g. the dense reference, which allocates gigabytes) does not leave it cold caches and page faults."""
     best = dict.fromkeys(runners, math.inf)
     for _ in range(repeats):
         for name, run in runners.items():
+            run()
             t = clock()
             run()
             best[name] = min(best[name], clock() - t)

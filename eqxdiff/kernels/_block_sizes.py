@@ -61,7 +61,8 @@ class BlockSizes:
     def default(cls, platform: str, implementation: str = "flash") -> "BlockSizes":
         """Defaults for ``implementation`` ("flash" or "chunked") on ``platform`` ("gpu", "tpu", "cpu")."""
         if implementation == "chunked":
-            # CPU: a 256 x 512 tile per (batch, head) keeps the logits in cache (benchmarks/attention.py).
+            # CPU: 256 x 512 tiles (for all batch x heads at once): smaller tiles pay XLA's per-iteration loop
+            # overhead more often, larger ones fall out of cache (benchmarks/attention.py, [2, 4096, 8, 40]).
             return cls(block_q=256, block_kv=512) if platform == "cpu" else cls(block_q=512, block_kv=2048)
         if platform == "gpu":  # Triton on A100/H100: a 128 x 64 forward tile, 64 x 64 backward tiles.
             return cls(block_q=128, block_kv=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)

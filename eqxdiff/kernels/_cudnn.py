@@ -1,7 +1,8 @@
 """cuDNN fused attention through ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (NVIDIA GPUs).
 
-The key-padding mask goes in as a ``[batch, 1, 1, kv_seq]`` boolean mask (cuDNN turns it into a bias), so any
-pattern of padded keys works, not only a padded tail. Unlike the reference, a query row whose keys are all masked
+The key-padding mask goes in as a ``[batch, 1, q_seq, kv_seq]`` boolean mask (cuDNN turns it into a bias and wants
+its full query length), so any pattern of padded keys works, not only a padded tail; it costs ``q_seq * kv_seq``
+per batch row, small for text cross-attention. Unlike the reference, a query row whose keys are all masked
 gets the mean of ``v`` rather than zeros (the masked logits are large negative numbers, not ``-inf``).
 """
 
@@ -34,6 +35,7 @@ def cudnn_attention(q, k, v, mask, scale, causal):
         q_pad, kv_pad = round_up(q_len, 2), round_up(kv_len, 2)
         q = pad_axis(q, 1, q_pad)
         k, v = pad_axis(k, 1, kv_pad), pad_axis(v, 1, kv_pad)
-        mask = pad_axis(mask, 1, kv_pad, value=False)[:, None, None, :]
+        mask = jnp.broadcast_to(pad_axis(mask, 1, kv_pad, value=False)[:, None, None, :],
+                                (q.shape[0], 1, q_pad, kv_pad))
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal, implementation="cudnn")
     return out[:, :q_len]
