@@ -178,8 +178,8 @@ def _inputs_checked_first(fn):
     return checked
 
 
-def _resolve(q, k, *, mask, causal, implementation, mesh, interpret) -> tuple[Implementation, AttentionCall, str]:
-    call = AttentionCall.of(q, k, mask=mask, causal=causal, mesh=mesh, interpret=interpret)
+def _resolve(q, k, *, causal, implementation, mesh, interpret) -> tuple[Implementation, AttentionCall, str]:
+    call = AttentionCall.of(q, k, causal=causal, mesh=mesh, interpret=interpret)
     if implementation is None:
         name, reason = choose(call)
     elif implementation in IMPLEMENTATIONS:
@@ -220,18 +220,18 @@ def attention(
     ``jax.sharding.Mesh`` with a ``"context"`` axis, and run ``local_implementation`` on each shard.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    impl, call, reason = _resolve(q, k, mask=mask, causal=causal, implementation=implementation, mesh=mesh,
+    impl, call, reason = _resolve(q, k, causal=causal, implementation=implementation, mesh=mesh,
                                   interpret=interpret)
     if implementation is None:
         logger.debug("attention: chose %r: %s", impl.name, reason)
     return impl.run(q, k, v, mask, scale, causal, call, _Options(block_sizes, mesh, interpret, local_implementation))
 
 
-def explain_choice(q, k, *, mask=None, causal: bool = False, mesh: Mesh | None = None,
+def explain_choice(q, k, *, causal: bool = False, mesh: Mesh | None = None,
                    interpret: bool = False, implementation: str | None = None) -> str:
     """Which implementation :func:`attention` would use for these inputs, and why (shapes and dtypes suffice:
     ``jax.ShapeDtypeStruct`` works). Raises like :func:`attention` when the named implementation cannot serve."""
-    impl, call, reason = _resolve(q, k, mask=mask, causal=causal, implementation=implementation, mesh=mesh,
+    impl, call, reason = _resolve(q, k, causal=causal, implementation=implementation, mesh=mesh,
                                   interpret=interpret)
     if impl.name == "ring":
         reason += "; per shard: chunked"

@@ -18,13 +18,11 @@ DENSE_MAX_LOGITS = {"cpu": 256 * 256, "gpu": 2048 * 2048, "tpu": 2048 * 2048}
 class AttentionCall:
     """The static facts about one call that decide which implementations can serve it."""
 
-    batch: int
     q_len: int
     kv_len: int
     heads: int
     head_dim: int
     dtype: str
-    masked: bool
     causal: bool
     platform: str
     mesh_axes: tuple[str, ...] | None  # None: no mesh
@@ -33,13 +31,13 @@ class AttentionCall:
     interpret: bool
 
     @classmethod
-    def of(cls, q, k, *, mask, causal, mesh, interpret):
+    def of(cls, q, k, *, causal, mesh, interpret):
         platform = platform_of(mesh.devices.flat[0].platform if mesh is not None else None)
         axes = None if mesh is None else tuple(mesh.axis_names)
         context = mesh.shape[CONTEXT_AXIS] if axes and CONTEXT_AXIS in axes else 1
         shards = 1 if mesh is None else head_shards(mesh.shape, q.shape[2])
-        return cls(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], jnp.dtype(q.dtype).name,
-                   mask is not None, causal, platform, axes, context, shards, interpret)
+        return cls(q.shape[1], k.shape[1], q.shape[2], q.shape[3], jnp.dtype(q.dtype).name, causal, platform, axes,
+                   context, shards, interpret)
 
     @property
     def local_heads(self) -> int:
