@@ -54,7 +54,8 @@ class Checkpointer:
 
     def restore(self, state, data_iterator=None, *, step: int | None = None):
         """``state``'s structure filled from checkpoint ``step`` (default: the latest); sets the iterator's
-        position. Arrays land with the sharding of ``state``'s leaves."""
+        position. Arrays land with the sharding of ``state``'s leaves, and stay uncommitted where those are (a
+        committed array is a different jit signature: the train step would compile a second time on resume)."""
         ocp = self._ocp
         self.manager.wait_until_finished()
         step = self.latest_step() if step is None else step
@@ -77,6 +78,8 @@ class Checkpointer:
             if tuple(np.shape(value)) != tuple(np.shape(jax.random.key_data(x) if _is_key(x) else x)):
                 raise ValueError(f"checkpoint {step}: array {i} has shape {np.shape(value)}, the state expects "
                                  f"{np.shape(x)}: a different model configuration")
+            if not getattr(x, "committed", True):  # keep the signature the jitted step was compiled for
+                value = jax.device_put(np.asarray(value))
             restored.append(jax.random.wrap_key_data(value, impl=jax.random.key_impl(x)) if _is_key(x) else value)
         if data_iterator is not None and out["data"]:
             data_iterator.set_state(out["data"])
