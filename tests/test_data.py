@@ -16,13 +16,13 @@ from eqxdiff.data import (
     ImageFolderSource,
     SyntheticSource,
     TFRecordSource,
-    batch_sharding,
     character_tokenizer,
     make_dataset,
     to_global_batch,
     validate_decode,
     write_tfrecord,
 )
+from eqxdiff.parallel import batch_sharding
 
 COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255),
           "black": (0, 0, 0), "yellow": (255, 255, 0)}
@@ -274,15 +274,18 @@ def test_global_batch_sharded_over_data_and_fsdp(tokenizer):
             assert shard.data.shape[0] == 2  # 8 examples over data x fsdp = 4 shards, replicated over tensor
             np.testing.assert_array_equal(np.asarray(shard.data), host[name][shard.index])
         np.testing.assert_array_equal(np.asarray(array), host[name])
-    # a given sharding is used as is; a mesh without fsdp splits over data alone
+    # a given sharding is used as is; a mesh without fsdp splits over data alone, one without batch axes replicates
     data_only = Mesh(np.array(jax.devices()), ("data",))
-    assert batch_sharding(data_only).spec == PartitionSpec(("data",))
+    assert batch_sharding(data_only, (8, 2)).spec == PartitionSpec("data")
+    assert to_global_batch({"x": np.zeros((8, 2))}, data_only)["x"].sharding.spec == PartitionSpec("data")
     replicated = NamedSharding(mesh, PartitionSpec())
     assert to_global_batch(host, replicated)["input_ids"].sharding.is_fully_replicated
-    with pytest.raises(ValueError, match="not divisible by the 8 batch shards"):
+    tensor_only = Mesh(np.array(jax.devices()), ("tensor",))
+    assert to_global_batch({"x": np.zeros((3, 2))}, tensor_only)["x"].sharding.is_fully_replicated
+    with pytest.raises(DataError, match="not divisible by the 8 batch shards"):
         to_global_batch({"x": np.zeros((6, 2))}, data_only)
-    with pytest.raises(ValueError, match="none of the batch axes"):
-        batch_sharding(Mesh(np.array(jax.devices()), ("tensor",)))
+    with pytest.raises(DataError, match="not divisible by the 4 batch shards"):
+        to_global_batch({"x": np.zeros((6, 2))}, mesh)
 
 
 # ---------------------------------------------------------------- errors

@@ -3,7 +3,8 @@
 Sources (``len`` + ``[i]`` of raw image/caption records, checked when built): ``ImageFolderSource``,
 ``HFDatasetSource``, ``TFRecordSource``, ``SyntheticSource``. ``make_dataset`` turns one into a grain stream of
 ``{"pixel_values": float32 [batch, height, width, 3] in [-1, 1], "input_ids": int32 [batch, seq]}`` whose
-iterator has ``get_state()``/``set_state()``; ``to_global_batch`` puts a host batch on a mesh.
+iterator has ``get_state()``/``set_state()``; ``to_global_batch`` puts a host batch on a mesh (sharded as
+``eqxdiff.parallel.batch_sharding`` says).
 """
 
 from ._common import DataError as DataError
@@ -11,7 +12,6 @@ from ._folder import ImageFolderSource as ImageFolderSource
 from ._hf import HFDatasetSource as HFDatasetSource
 from ._pipeline import make_dataset as make_dataset
 from ._pipeline import validate_decode as validate_decode
-from ._sharding import batch_sharding as batch_sharding
 from ._sharding import to_global_batch as to_global_batch
 from ._synthetic import SyntheticSource as SyntheticSource
 from ._tfrecord import TFRecordSource as TFRecordSource
