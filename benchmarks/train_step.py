@@ -2,13 +2,21 @@
 
     python benchmarks/train_step.py                    # full-size SD 1.5 UNet, batch 1, 64x64x4 latents, float32
     python benchmarks/train_step.py --preset tiny      # a seconds-long smoke run
+    python benchmarks/train_step.py --batch 8 --dtype bfloat16   # on an NVIDIA GPU
 
 Both steps: epsilon-prediction MSE at a random timestep, backward, AdamW (lr 1e-5, weight decay 0.01, no clipping)
 on every UNet parameter. eqxdiff runs ``eqxdiff.train.train_step`` with the state donated (updated in place, as
 PyTorch's optimizer does); text embeddings are given (cached), as is the latent. The model FLOPs of a step come
 from XLA's cost analysis of the compiled eqxdiff step and are used for both frameworks' TFLOP/s. To bound memory
 (a full-size AdamW state is ~14 GB in each framework) PyTorch runs first and is freed before eqxdiff starts, so the
-two are timed one after the other in the same process; the load average is printed.
+two are timed one after the other in the same process; the load average is printed, and on a GPU each framework's
+peak device memory.
+
+PyTorch runs on CUDA when it sees a GPU (``--torch-device``). On a GPU float32 matmuls and convolutions use TF32 in
+both frameworks unless ``--no-tf32``. ``--dtype bfloat16`` is pure bfloat16 in both, no mixed precision: diffusers'
+model is converted with ``.to(torch.bfloat16)`` (not autocast), eqxdiff loads it with ``eqxdiff.load(folder,
+dtype="bfloat16")``; weights, gradients, AdamW moments, latents and text embeddings are all bfloat16, and both
+take the MSE loss in float32.
 """
 
 import dataclasses
@@ -21,29 +29,33 @@ from typing import Literal
 
 import tyro
 
-PRESETS = {
-    "sd15": dict(attention_head_dim=8, block_out_channels=(320, 640, 1280, 1280), cross_attention_dim=768,
-                 down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",), layers_per_block=2,
-                 up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3, sample_size=64),
-    "tiny": dict(attention_head_dim=2, block_out_channels=(32, 64), cross_attention_dim=32, norm_num_groups=8,
-                 down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), layers_per_block=1,
-                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), sample_size=16),
-}
+from _unet_configs import PRESETS, TorchDevice, gib, jax_peak_bytes, setup_frameworks, torch_peak_bytes, torch_sync
 
 
 @dataclasses.dataclass(frozen=True)
 class Args:
+    """Time a UNet train step (loss, backward, AdamW) in eqxdiff and in diffusers."""
+
     preset: Literal["sd15", "tiny"] = "sd15"
     """UNet config: the full-size Stable Diffusion 1.5 UNet, or a tiny one for a smoke run."""
     batch: int = 1
     """Samples per step."""
     repeats: int = 3
     """Timed steps per framework after one warm-up step; the median is reported."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights, gradients, optimizer state and activations dtype, for both frameworks (pure, not mixed)."""
     text_tokens: int = 77
+    """Text sequence length."""
     skip_diffusers: bool = False
+    """Time eqxdiff only."""
+    torch_device: TorchDevice = "auto"
+    """Where diffusers runs ("auto": CUDA if PyTorch sees a GPU, else the CPU)."""
+    tf32: bool = True
+    """On a GPU, float32 matmuls and convolutions in TF32 in both frameworks (JAX's GPU default); --no-tf32: full
+    float32 in both. Nothing changes on the CPU."""
 
 
-def _median(fn, repeats):
+def _median(fn, repeats) -> tuple[float, list[float]]:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -68,9 +80,11 @@ def main(args: Args) -> None:
     from eqxdiff.train._metrics import step_flops
     from eqxdiff.train._step import train_step
 
+    device, header = setup_frameworks(args.torch_device, args.tf32)
     config = PRESETS[args.preset]
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads); preset={args.preset} batch={args.batch} float32")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    jdt = jnp.dtype(args.dtype)
+    print(f"{header}; preset={args.preset} batch={args.batch} dtype={args.dtype}")
     rng = np.random.default_rng(0)
     side = config["sample_size"]
     latents = rng.standard_normal((args.batch, 4, side, side), np.float32)
@@ -83,29 +97,35 @@ def main(args: Args) -> None:
     ref.save_pretrained(folder.name)
     n_params = sum(p.numel() for p in ref.parameters())
     print(f"UNet: {n_params / 1e6:.0f}M parameters")
-    results = {}
+    results, peaks = {}, {}
 
     if not args.skip_diffusers:
-        ref.train()
+        ref = (ref.to(device) if torch_dtype == torch.float32 else ref.to(device=device, dtype=torch_dtype)
+               ).train()
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-5, weight_decay=0.01)
         noise_sched = diffusers.DDPMScheduler(**sched_config)
-        x0, ctx = torch.from_numpy(latents), torch.from_numpy(text)
-        gen = torch.Generator().manual_seed(0)
+        x0 = torch.from_numpy(latents).to(device=device, dtype=torch_dtype)
+        ctx = torch.from_numpy(text).to(device=device, dtype=torch_dtype)
+        gen = torch.Generator(device=device).manual_seed(0)
 
         def torch_step():
-            noise = torch.randn(x0.shape, generator=gen)
-            t = torch.randint(0, 1000, (args.batch,), generator=gen)
+            noise = torch.randn(x0.shape, generator=gen, device=device, dtype=torch_dtype)
+            t = torch.randint(0, 1000, (args.batch,), generator=gen, device=device)
             pred = ref(noise_sched.add_noise(x0, noise, t), t, ctx).sample
-            loss = torch.nn.functional.mse_loss(pred, noise)
+            loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            torch_sync(device)
 
         results["diffusers"] = _median(torch_step, args.repeats)
-        del opt, ref
+        peaks["diffusers"] = torch_peak_bytes(device)
+        del opt, ref, torch_step
         gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the cached blocks back, for JAX
 
-    unet = eqxdiff.load(folder.name)
+    unet = eqxdiff.load(folder.name, dtype=args.dtype)
     vae = host_init(AutoencoderKL, AutoencoderKLConfig(block_out_channels=(8,), norm_num_groups=4,
                                                        scaling_factor=1.0))  # only scale_latents is used
     model = LatentDiffusion(unet=unet, text_encoder=None, vae=vae, null_input_ids=jnp.zeros((1,), jnp.int32))
@@ -119,8 +139,9 @@ def main(args: Args) -> None:
                               donate="all-except-first")
 
     def batch():
-        return {"latent_mean": jnp.asarray(np.moveaxis(latents, 1, -1)),
-                "latent_std": jnp.zeros((args.batch, side, side, 4)), "encoder_hidden_states": jnp.asarray(text)}
+        return {"latent_mean": jnp.asarray(np.moveaxis(latents, 1, -1), jdt),
+                "latent_std": jnp.zeros((args.batch, side, side, 4), jdt),
+                "encoder_hidden_states": jnp.asarray(text, jdt)}
 
     t0 = time.perf_counter()
     compiled = donating.lower(frozen, state, batch()).compile()
@@ -135,11 +156,13 @@ def main(args: Args) -> None:
         holder[0] = new
 
     results["eqxdiff"] = _median(jax_step, args.repeats)
+    peaks["eqxdiff"] = jax_peak_bytes()
     print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for name, (med, times) in results.items():
         tf = "" if flops is None else f", {flops / med / 1e12:.4f} TFLOP/s per device"
+        peak = "" if peaks[name] is None else f"; peak device memory {gib(peaks[name])}"
         print(f"{name} train step: median {med:.3f}s (runs: {', '.join(f'{t:.3f}' for t in times)}); "
-              f"{args.batch / med:.3f} samples/s{tf}")
+              f"{args.batch / med:.3f} samples/s{tf}{peak}")
     if len(results) == 2:
         print(f"ratio eqxdiff/diffusers step time: {results['eqxdiff'][0] / results['diffusers'][0]:.2f} "
               f"(throughput ratio {results['diffusers'][0] / results['eqxdiff'][0]:.2f}x)")

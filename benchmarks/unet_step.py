@@ -3,10 +3,14 @@
     python benchmarks/unet_step.py                      # SD 1.5 UNet, UNet batch 2, 64x64x4 latents, float32
     python benchmarks/unet_step.py --repeats 5 --batch 2 --dtype bfloat16 --attention xla chunked
     python benchmarks/unet_step.py --preset tiny        # a seconds-long smoke run
+    python benchmarks/unet_step.py --dtype bfloat16 --attention auto xla cudnn flash   # on an NVIDIA GPU
 
 A step runs the UNet on ``2 * batch`` latents (unconditional and conditional halves) with 77 text tokens and
 combines them, ``u + s * (c - u)``. diffusers' model is built with random weights and saved; eqxdiff loads that
-folder, so both run the same weights. Prints the compile time, the median step time of each and their ratio.
+folder, so both run the same weights. Prints the compile time, the median step time of each and their ratio, and on
+a GPU the peak device memory of each framework. PyTorch runs on CUDA when it sees a GPU (``--torch-device``); on a
+GPU float32 matmuls use TF32 in both frameworks unless ``--no-tf32``. An attention implementation that cannot
+serve this model (e.g. "cudnn" in float32) is reported as skipped and the others still run.
 """
 
 import dataclasses
@@ -19,14 +23,7 @@ from typing import Literal
 
 import tyro
 
-PRESETS = {
-    "sd15": dict(attention_head_dim=8, block_out_channels=(320, 640, 1280, 1280), cross_attention_dim=768,
-                 down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",), layers_per_block=2,
-                 up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3, sample_size=64),
-    "tiny": dict(attention_head_dim=2, block_out_channels=(32, 64), cross_attention_dim=32, norm_num_groups=8,
-                 down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), layers_per_block=1,
-                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), sample_size=16),
-}
+from _unet_configs import PRESETS, TorchDevice, gib, jax_peak_bytes, setup_frameworks, torch_peak_bytes, torch_sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +43,16 @@ class Args:
     guidance_scale: float = 7.5
     """Classifier-free guidance scale."""
     attention: tuple[str, ...] = ("auto",)
-    """eqxdiff attention implementation(s) to time, each compiled separately ("auto": chosen for the platform;
-    else a name in eqxdiff.kernels, e.g. "xla", "chunked")."""
+    """eqxdiff attention implementation(s) to time, each compiled separately ("auto": chosen per call for the
+    platform; else a name in eqxdiff.kernels.IMPLEMENTATIONS: "xla", "chunked", "cudnn" (NVIDIA GPU, bfloat16),
+    "flash" (Pallas: GPU or TPU))."""
     skip_diffusers: bool = False
     """Time eqxdiff only."""
+    torch_device: TorchDevice = "auto"
+    """Where diffusers runs ("auto": CUDA if PyTorch sees a GPU, else the CPU)."""
+    tf32: bool = True
+    """On a GPU, float32 matmuls and convolutions in TF32 in both frameworks (JAX's GPU default); --no-tf32: full
+    float32 in both. Nothing changes on the CPU."""
 
 
 def main(args: Args) -> None:
@@ -61,13 +64,17 @@ def main(args: Args) -> None:
     import torch
 
     import eqxdiff
+    from eqxdiff.kernels import IMPLEMENTATIONS
     from eqxdiff.nn import with_attention_implementation
 
+    unknown = [name for name in args.attention if name != "auto" and name not in IMPLEMENTATIONS]
+    if unknown:
+        raise ValueError(f"--attention {' '.join(unknown)}: not an eqxdiff.kernels implementation; choose from "
+                         f"{['auto', *IMPLEMENTATIONS]}")
+    device, header = setup_frameworks(args.torch_device, args.tf32)
     config = PRESETS[args.preset]
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads); preset={args.preset} dtype={args.dtype} "
-          f"UNet batch={2 * args.batch}")
+    print(f"{header}; preset={args.preset} dtype={args.dtype} UNet batch={2 * args.batch}")
 
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -75,8 +82,7 @@ def main(args: Args) -> None:
     with tempfile.TemporaryDirectory() as folder:
         ref.save_pretrained(folder)
         unet = eqxdiff.load(folder, dtype=args.dtype)
-    if torch_dtype != torch.float32:
-        ref = ref.to(torch_dtype)
+    ref = ref.to(device) if torch_dtype == torch.float32 else ref.to(device=device, dtype=torch_dtype)
     print(f"built and loaded both models in {time.perf_counter() - t0:.1f}s "
           f"({sum(p.numel() for p in ref.parameters()) / 1e6:.0f}M parameters)")
 
@@ -103,23 +109,30 @@ def main(args: Args) -> None:
             outputs[name] = np.asarray(jax.block_until_ready(compiled(params, *j_inputs)))
         return run
 
+    compiled_names = []
     for name in args.attention:
         params, static = eqx.partition(with_attention_implementation(unet, None if name == "auto" else name),
                                        eqx.is_array)
         t0 = time.perf_counter()
-        compiled = jax.jit(functools.partial(step, static=static)).lower(params, *j_inputs).compile()
+        try:
+            compiled = jax.jit(functools.partial(step, static=static)).lower(params, *j_inputs).compile()
+        except Exception as e:  # e.g. AttentionUnavailableError: the other implementations still run
+            print(f"eqxdiff [attention={name}] skipped: {type(e).__name__}: {str(e).splitlines()[0][:500]}")
+            continue
         print(f"eqxdiff [attention={name}] compile: {time.perf_counter() - t0:.1f}s")
         runners[f"eqxdiff [attention={name}]"] = jax_runner(compiled, params, name)
+        compiled_names.append(name)
 
     if not args.skip_diffusers:
-        t_latents = torch.from_numpy(latents).to(torch_dtype)
-        t_text = torch.from_numpy(text).to(torch_dtype)
+        t_latents = torch.from_numpy(latents).to(device=device, dtype=torch_dtype)
+        t_text = torch.from_numpy(text).to(device=device, dtype=torch_dtype)
 
         def run_torch():
             with torch.no_grad():
                 eps = ref(torch.cat([t_latents, t_latents]), timestep, t_text).sample
                 uncond, cond = eps.chunk(2)
-                outputs["diffusers"] = (uncond + args.guidance_scale * (cond - uncond)).float().numpy()
+                outputs["diffusers"] = (uncond + args.guidance_scale * (cond - uncond)).float().cpu().numpy()
+            torch_sync(device)
 
         runners["diffusers"] = run_torch
 
@@ -136,10 +149,15 @@ def main(args: Args) -> None:
     for name, ts in times.items():
         print(f"{name} step: median {med[name]:.3f}s  (runs: {', '.join(f'{t:.3f}' for t in ts)})")
     print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    peaks = {"eqxdiff (all attention variants)": jax_peak_bytes(),
+             "diffusers": None if args.skip_diffusers else torch_peak_bytes(device)}
+    for name, peak in peaks.items():
+        if peak is not None:
+            print(f"peak device memory, {name}: {gib(peak)}")
     if args.skip_diffusers:
         return
     expected = np.moveaxis(outputs["diffusers"], 1, -1)
-    for name in args.attention:
+    for name in compiled_names:
         got = outputs[name].astype(np.float32)
         err = np.max(np.abs(got - expected)) / np.max(np.abs(expected))
         print(f"ratio eqxdiff/diffusers [attention={name}]: {med[f'eqxdiff [attention={name}]'] / med['diffusers']:.2f}"
