@@ -12,3 +12,6 @@ from ._attention import replace_static as replace_static
 from ._resnet import Downsample2D as Downsample2D
 from ._resnet import ResnetBlock2D as ResnetBlock2D
 from ._resnet import Upsample2D as Upsample2D
+from ._stack import Stacked as Stacked
+from ._stack import run_layers as run_layers
+from ._stack import scan_layers as scan_layers
