@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .. import nn
 from ._safetensors import SafetensorsFile, write_safetensors
 from ._state import CheckpointError, fill_module, state_dict
 
@@ -156,11 +157,14 @@ def class_name_of(config: dict, folder) -> str:
 
 
 def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: str | None = None,
-         variant: str | None = None, sharding=None, config_overrides: dict | None = None):
+         variant: str | None = None, sharding=None, config_overrides: dict | None = None,
+         scan_layers: bool = False):
     """Load the model a diffusers/transformers folder (or Hub id) describes, straight from its safetensors.
 
     The module is built abstractly (``eqx.filter_eval_shape``) and each leaf read from the file in ``dtype``
-    (default: float32) and, if ``sharding(name, shape)`` returns one, onto that sharding.
+    (default: float32) and, if ``sharding(name, shape)`` returns one, onto that sharding. ``scan_layers=True``
+    builds the repeated layers stacked (``eqxdiff.nn.scan_layers``: run with ``lax.scan``, same numbers) and fills
+    each stacked leaf straight from the per-layer tensors.
     """
     dt = check_dtype(dtype) or jnp.dtype(jnp.float32)
     folder = resolve_folder(path_or_hub_id, subfolder, revision=revision)
@@ -170,7 +174,16 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
     cls = model_class(class_name_of(raw, folder))
     config = cls.config_class.from_dict(raw)
     files = weight_files(folder, variant)
-    abstract = eqx.filter_eval_shape(lambda: cls(config, dtype=dt, key=jax.random.key(0)))
+    def build():
+        model = cls(config, dtype=dt, key=jax.random.key(0))
+        if not scan_layers:
+            return model
+        try:
+            return nn.scan_layers(model)
+        except ValueError as e:
+            raise CheckpointError(f"scan_layers=True: {e}") from None
+
+    abstract = eqx.filter_eval_shape(build)
     checkpoint = CheckpointFiles(files, key_map=getattr(cls, "CHECKPOINT_KEY_MAP", ()))
     return fill_module(abstract, checkpoint, dtype=dt, sharding=sharding,
                        ignore=getattr(cls, "CHECKPOINT_IGNORE", ()), where=f"checkpoint in {os.fspath(folder)!r}")
