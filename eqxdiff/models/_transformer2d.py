@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import Array, Bool, Float, PRNGKeyArray, typechecked
-from ..nn import Attention, Conv2d, GroupNorm, LayerNorm, Linear
+from ..nn import Attention, Conv2d, GroupNorm, LayerNorm, Linear, Stacked, run_layers
 from ..parallel._plan import Plan, constrain
 
 
@@ -84,11 +84,14 @@ class Transformer2DModel(eqx.Module):
     """GroupNorm, ``proj_in``, transformer blocks over the ``height * width`` tokens, ``proj_out``, residual.
 
     ``proj_in`` / ``proj_out`` are 1x1 convolutions, or linear layers with ``use_linear_projection`` (SD 2.x, SDXL).
+    With ``eqxdiff.nn.scan_layers`` the transformer blocks (``transformer_layers_per_block`` > 1) run as one scan.
     """
+
+    SCAN_FIELDS: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     norm: GroupNorm
     proj_in: Conv2d | Linear
-    transformer_blocks: list[BasicTransformerBlock]
+    transformer_blocks: tuple[BasicTransformerBlock, ...] | Stacked[BasicTransformerBlock]
     proj_out: Conv2d | Linear
     plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
 
@@ -104,10 +107,10 @@ class Transformer2DModel(eqx.Module):
         else:
             self.proj_in = Conv2d(channels, inner, 1, dtype=dtype, key=kin)
             self.proj_out = Conv2d(inner, channels, 1, dtype=dtype, key=kout)
-        self.transformer_blocks = [
+        self.transformer_blocks = tuple(
             BasicTransformerBlock(inner, heads=heads, dim_head=dim_head, cross_attention_dim=cross_attention_dim,
                                   only_cross_attention=only_cross_attention, dtype=dtype, key=k)
-            for k in jax.random.split(kblocks, num_layers)]
+            for k in jax.random.split(kblocks, num_layers))
 
     @typechecked
     def __call__(self, x: Float[Array, "batch height width channels"],
@@ -121,9 +124,12 @@ class Transformer2DModel(eqx.Module):
         # reshape differs, and that is a no-op here.
         h = self.proj_in(h) if isinstance(self.proj_in, Conv2d) else self.proj_in(h.reshape(b, height * width, -1))
         h = h.reshape(b, height * width, -1)
-        for block in self.transformer_blocks:
-            h = constrain(block(constrain(h, self.plan, ("batch", "seq", "embed")), context, mask=mask), self.plan,
-                          ("batch", "seq", "embed"))
+        tokens = ("batch", "seq", "embed")
+
+        def step(block, h):
+            return constrain(block(constrain(h, self.plan, tokens), context, mask=mask), self.plan, tokens)
+
+        h, _ = run_layers(self.transformer_blocks, step, h)
         if isinstance(self.proj_out, Conv2d):
             h = self.proj_out(constrain(h.reshape(b, height, width, -1), self.plan, image))
         else:

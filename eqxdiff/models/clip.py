@@ -165,10 +165,11 @@ class CLIPTextTransformer(eqx.Module):
         "position_embedding": "embeddings.position_embedding",
         "layers": "encoder.layers",
     }
+    SCAN_FIELDS: ClassVar[tuple[str, ...]] = ("layers",)  # eqxdiff.nn.scan_layers stacks them
 
     token_embedding: nn.Embedding
     position_embedding: nn.Embedding
-    layers: tuple[CLIPEncoderLayer, ...]
+    layers: tuple[CLIPEncoderLayer, ...] | nn.Stacked[CLIPEncoderLayer]
     final_layer_norm: nn.LayerNorm
     config: CLIPTextConfig = eqx.field(static=True)
     plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
@@ -192,19 +193,21 @@ class CLIPTextTransformer(eqx.Module):
                              "truncation=True))")
         mask = None if attention_mask is None else attention_mask.astype(bool)
         x = self.token_embedding(input_ids) + self.position_embedding.weight[:seq]
-        hidden = [x]
         tokens = ("batch", None, "embed")  # 77 text tokens: not split over the context axis
-        for layer in self.layers:  # layer boundaries: sharding constraints and the remat policy
-            x = checkpoint_name(checkpoint_block(layer, self.plan)(constrain(x, self.plan, tokens), mask),
-                                "clip_layer")
-            hidden.append(x)
+
+        def step(layer, h):  # layer boundaries: sharding constraints and the remat policy
+            return checkpoint_name(checkpoint_block(layer, self.plan)(constrain(h, self.plan, tokens), mask),
+                                   "clip_layer")
+
+        embeddings = x
+        x, outputs = nn.run_layers(self.layers, step, x, collect=output_hidden_states)
         last = self.final_layer_norm(x)
         if self.config.legacy_pooling:
             eos_at = jnp.argmax(input_ids, axis=-1)
         else:  # the first end-of-text token: padding may repeat it
             eos_at = jnp.argmax((input_ids == self.config.eos_token_id).astype(jnp.int32), axis=-1)
         return CLIPTextOutput(last_hidden_state=last, pooler_output=last[jnp.arange(batch), eos_at],
-                              hidden_states=tuple(hidden) if output_hidden_states else None)
+                              hidden_states=(embeddings, *outputs) if output_hidden_states else None)
 
 
 class CLIPTextModel(PretrainedModel):

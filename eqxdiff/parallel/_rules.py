@@ -109,8 +109,12 @@ _GENERIC = {1: ("norm",), 2: ("out", "embed"), 4: ("kernel", "kernel", "conv_in"
 def param_logical_axes(name: str, shape: Sequence[int]) -> tuple[str | None, ...]:
     """The logical axes of the parameter called ``name`` (PyTorch state-dict name) with our-layout ``shape``.
 
-    A leading stacked-layers axis (``scan_layers``) is named ``"layers"``.
+    A leading stacked-layers axis (``scan_layers``) is named ``"layers"``; a stacked leaf's name has a ``*`` part
+    (``encoder.layers.*.fc1.weight``) and its other axes are those of one layer.
     """
+    parts = name.split(".")
+    if "*" in parts:
+        return ("layers", *param_logical_axes(".".join("0" if p == "*" else p for p in parts), shape[1:]))
     ndim = len(shape)
     for pattern, axes in PARAM_PATTERNS:
         if re.fullmatch(pattern, name):
