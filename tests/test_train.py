@@ -1,5 +1,6 @@
 """eqxdiff.train: objectives against hand-computed values, the train step, accumulation, checkpoints that resume
-exactly, data parallelism on the 8 simulated CPU devices, and the errors a user can hit."""
+exactly (without recompiling), FSDP and FSDP + data meshes of the 8 simulated CPU devices equal to one device,
+``train.run`` end to end from each data source, and the errors a user can hit."""
 
 import dataclasses
 
@@ -10,11 +11,12 @@ import numpy as np
 import pytest
 
 from eqxdiff.data import character_tokenizer
+from eqxdiff.parallel import MeshConfig, Plan, make_mesh, shard_params, with_plan
 from eqxdiff.schedulers import DDPMScheduler
 from eqxdiff.train import (ArrayBatches, Checkpointer, DataError, DigitsArchitecture, Objective, OptimizerConfig,
                            TimestepBias, batch_loss, build_digits_model, cache_arrays, check_batch, data_parallel_mesh,
                            diffusion_loss, fit, flow_matching_pair, init_state, make_optimizer, min_snr_weights,
-                           offset_noise, shard_batch, snr, target, train_step, trainable_filter)
+                           offset_noise, shard_batch, shard_state, snr, target, train_step, trainable_filter)
 
 SCHED = DDPMScheduler.from_config(dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
                                        beta_schedule="scaled_linear"))
@@ -115,28 +117,40 @@ def test_flow_matching_pair_by_hand():
 
 
 # -- the train step --------------------------------------------------------------------------------------------
+# Every single-device step below runs one compiled program: the same optimizer object (make_optimizer caches it per
+# config), objective, batch shape and uncommitted inputs. The optimizer accumulates 2 micro-steps per update, and its
+# eps = 1 makes the update a smooth function of the gradient (lr * m / (sqrt(v) + 1)): Adam's usual eps = 1e-8 turns
+# a gradient of 1e-9 into a full-size step of either sign, so rounding noise in ~zero gradients would decide whole
+# updates and no float32 comparison of sharded against single-device params could be tight.
 
-def _state(model, **opt):
-    optimizer = make_optimizer(OptimizerConfig(**{"learning_rate": 3e-3, "warmup_steps": 0, "total_steps": 100,
-                                                  "schedule": "constant", **opt}))
+OPT = OptimizerConfig(learning_rate=1.0, eps=1.0, weight_decay=0.0, warmup_steps=0, total_steps=100,
+                      schedule="constant", accumulation_steps=2)
+KW = dict(scheduler=SCHED, objective=OBJECTIVE, ema_decay=0.9)
+
+
+def _state(model):
+    optimizer = make_optimizer(OPT)
     state, frozen = init_state(model, optimizer, key=jax.random.key(1), ema=True)
     return state, frozen, optimizer
+
+
+def _batch(cached):
+    return {k: jnp.asarray(v[:8]) for k, v in cached.items()}
 
 
 def test_train_step_lowers_the_loss_and_changes_only_trainable_leaves(tiny):
     model, _, cached = tiny
     state, frozen, optimizer = _state(model)
-    batch = {k: jnp.asarray(v[:8]) for k, v in cached.items()}
-    kw = dict(scheduler=SCHED, objective=OBJECTIVE, optimizer=optimizer, ema_decay=0.9)
+    batch = _batch(cached)
     eval_loss = eqx.filter_jit(lambda p: batch_loss(p, frozen, batch, jax.random.key(7), scheduler=SCHED,
                                                     objective=Objective()))
     before = float(eval_loss(state.params))
     start = state
-    for _ in range(25):
-        state, metrics = train_step(state, frozen, batch, **kw)
+    for _ in range(30):
+        state, metrics = train_step(state, frozen, batch, optimizer=optimizer, **KW)
     assert float(eval_loss(state.params)) < 0.8 * before
-    assert set(metrics) == {"loss", "grad_norm", "learning_rate"} and float(metrics["learning_rate"]) == 3e-3
-    assert int(state.step) == 25
+    assert set(metrics) == {"loss", "grad_norm", "learning_rate"} and float(metrics["learning_rate"]) == 1.0
+    assert int(state.step) == 30
     spec = trainable_filter(model)
     trained, frozen_part = eqx.partition(state.model(frozen), spec)
     initial, initial_frozen = eqx.partition(model, spec)
@@ -153,24 +167,25 @@ def test_train_step_lowers_the_loss_and_changes_only_trainable_leaves(tiny):
 
 def test_gradient_accumulation_updates_every_k_steps(tiny):
     model, _, cached = tiny
-    state, frozen, optimizer = _state(model, accumulation_steps=2)
-    batch = {k: jnp.asarray(v[:8]) for k, v in cached.items()}
-    kw = dict(scheduler=SCHED, objective=OBJECTIVE, optimizer=optimizer, ema_decay=0.9)
+    state, frozen, optimizer = _state(model)
+    batch = _batch(cached)
     p0 = jax.tree.leaves(state.params)
-    s1, _ = train_step(state, frozen, batch, **kw)
+    s1, _ = train_step(state, frozen, batch, optimizer=optimizer, **KW)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1.params), p0))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1.ema), p0))
-    s2, _ = train_step(s1, frozen, batch, **kw)
+    s2, _ = train_step(s1, frozen, batch, optimizer=optimizer, **KW)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s2.params), p0))
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s2.ema), p0))
 
 
 def test_checkpoints_resume_exactly(tiny, tmp_path):
-    """6 steps straight == 3 steps, a checkpoint, a fresh process state restored from it, 3 more steps."""
+    """6 steps straight == 3 steps, a checkpoint (half-way through an accumulation), a fresh state restored from it,
+    3 more steps; the resumed run reuses the compiled step (a restored state must keep the jit signature)."""
     model, _, cached = tiny
-    kw = dict(scheduler=SCHED, objective=OBJECTIVE, ema_decay=0.9, log_every=1)
+    kw = dict(KW, log_every=1)
 
     state, frozen, optimizer = _state(model)
-    _, straight = fit(state, frozen, ArrayBatches(cached, 8, seed=3), steps=6, optimizer=optimizer, **kw)
+    straight_state, straight = fit(state, frozen, ArrayBatches(cached, 8, seed=3), steps=6, optimizer=optimizer, **kw)
 
     state, frozen, optimizer = _state(model)
     ckpt = Checkpointer(tmp_path / "ckpt", every=3, keep=1)
@@ -185,39 +200,80 @@ def test_checkpoints_resume_exactly(tiny, tmp_path):
     resumed_batches = ArrayBatches(cached, 8, seed=3)
     restored = ckpt.restore(fresh, resumed_batches)
     assert int(restored.step) == 3 and resumed_batches.position == 3
-    _, second = fit(restored, frozen, resumed_batches, steps=6, optimizer=optimizer, checkpointer=ckpt, **kw)
+    compiled = train_step._cached._cache_size()
+    resumed_state, second = fit(restored, frozen, resumed_batches, steps=6, optimizer=optimizer, checkpointer=ckpt,
+                                **kw)
     ckpt.close()
+    assert train_step._cached._cache_size() == compiled  # no second compile on resume
     assert first + second == straight
+    for a, b in zip(jax.tree.leaves(resumed_state), jax.tree.leaves(straight_state)):
+        np.testing.assert_array_equal(_data(a), _data(b))
     assert Checkpointer(tmp_path / "ckpt", every=3, keep=1).all_steps() == [6]  # keep=1 dropped step 3
 
 
-def test_data_parallel_step_equals_single_device(tiny):
-    """The batch split over 8 devices gives the single-device loss and gradients (read from Adam's first moment,
-    ``0.1 * grad`` after one step: Adam's update itself, ~``lr * sign(grad)``, magnifies rounding in ~0 gradients)."""
-    from jax.sharding import PartitionSpec
+def _data(x):
+    return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
-    from eqxdiff.train._loop import place
 
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def _assert_trees_close(got, want, what, tol=1e-5):
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want) > 0
+    worst = max(_rel(a, b) for a, b in zip(got, want))
+    assert worst <= tol, f"{what}: relative error {worst:.2e} > {tol:.0e}"
+
+
+@pytest.fixture(scope="module")
+def single_device_steps(tiny):
+    """Two single-device micro-steps (the first accumulates, the second updates) from the shared compiled step."""
     model, _, cached = tiny
-    mesh = data_parallel_mesh()
-    assert mesh.size == 8
-    batch = {k: v[:8] for k, v in cached.items()}
-    kw = dict(scheduler=SCHED, objective=OBJECTIVE, ema_decay=0.9)
     state, frozen, optimizer = _state(model)
-    single, m1 = train_step(state, frozen, shard_batch(batch, None), optimizer=optimizer, **kw)
-    state, frozen, optimizer = _state(model)
-    sharded = shard_batch(batch, mesh)
-    assert sharded["latent_mean"].sharding.shard_shape(sharded["latent_mean"].shape)[0] == 1
-    parallel, m8 = train_step(place(state, mesh, PartitionSpec()), place(frozen, mesh, PartitionSpec()), sharded,
-                              optimizer=optimizer, **kw)
-    np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)
-    np.testing.assert_allclose(m8["grad_norm"], m1["grad_norm"], rtol=1e-5)
-    mu8, mu1 = (jax.tree.leaves(s.opt_state[1][0].mu) for s in (parallel, single))
-    assert len(mu8) == len(mu1) > 0
-    for a, b in zip(mu8, mu1):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(b))))
-    leaf = jax.tree.leaves(parallel.params)[0]
-    assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 8
+    batch = shard_batch({k: v[:8] for k, v in cached.items()}, None)
+    s1, m1 = train_step(state, frozen, batch, optimizer=optimizer, **KW)
+    s2, m2 = train_step(s1, frozen, batch, optimizer=optimizer, **KW)
+    return (s1, m1), (s2, m2)
+
+
+@pytest.mark.parametrize("mesh_config", [MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1),
+                                         MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=-1)],
+                         ids=["fsdp", "fsdp+data"])
+def test_sharded_step_equals_single_device(tiny, single_device_steps, mesh_config):
+    """Two micro-steps on a mesh of the 8 simulated devices (the batch over data x fsdp, params, optimizer state and
+    EMA by the rules, the model's activation constraints from its Plan) equal one device: the loss, the gradients
+    (the accumulated ones after the first step), and the updated params and EMA after the second; every array of the
+    state keeps the sharding it started with."""
+    model, _, cached = tiny
+    (s1, m1), (s2, m2) = single_device_steps
+    mesh = make_mesh(mesh_config)
+    planned = with_plan(shard_params(model, mesh), Plan(mesh))
+    state, frozen, optimizer = _state(planned)
+    state, frozen, shardings = shard_state(state, frozen, mesh)
+    batch = shard_batch({k: v[:8] for k, v in cached.items()}, mesh)
+    assert batch["latent_mean"].sharding.shard_shape(batch["latent_mean"].shape)[0] == 1
+    p1, n1 = train_step(state, frozen, batch, optimizer=optimizer, shardings=shardings, **KW)
+    p2, n2 = train_step(p1, frozen, batch, optimizer=optimizer, shardings=shardings, **KW)
+    for got, want in ((n1, m1), (n2, m2)):
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+        np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-5)
+    _assert_trees_close(p1.opt_state.acc_grads, s1.opt_state.acc_grads, "gradients")
+    _assert_trees_close(p2.params, s2.params, "updated params")
+    _assert_trees_close(p2.ema, s2.ema, "updated EMA")
+    _assert_trees_close(p2.opt_state.inner_opt_state[1][0].mu, s2.opt_state.inner_opt_state[1][0].mu, "Adam's mu")
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p2.params), jax.tree.leaves(state.params)))
+    # shardings: as the rules give, kept by the step, and some really split (over fsdp: 4 or 8 ways)
+    for tree in (state, p1, p2):
+        for x, want in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+            assert x.sharding.is_equivalent_to(want, x.ndim), (x.shape, x.sharding, want)
+    params = jax.tree.leaves(p2.params)
+    split = [x for x in params if not x.sharding.is_fully_replicated]
+    assert len(split) > len(params) // 4
+    assert all(x.addressable_shards[0].data.size * mesh.shape["fsdp"] == x.size for x in split)
+    mu = jax.tree.leaves(p2.opt_state.inner_opt_state[1][0].mu)
+    assert sum(not x.sharding.is_fully_replicated for x in mu) == len(split)
 
 
 # -- errors ----------------------------------------------------------------------------------------------------

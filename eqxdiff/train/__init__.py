@@ -1,4 +1,4 @@
-"""Training: train state, pure jitted train step, objectives, optimizer, data-parallel loop, checkpoints, metrics.
+"""Training: train state, pure jitted train step, objectives, optimizer, a loop on a device mesh, checkpoints, metrics.
 
 >>> from eqxdiff import train
 >>> state, frozen, losses = train.run(train.TrainConfig(steps=1500))     # the digits model, from scratch
@@ -18,6 +18,8 @@ from ._init import host_init as host_init
 from ._loop import data_parallel_mesh as data_parallel_mesh
 from ._loop import fit as fit
 from ._loop import shard_batch as shard_batch
+from ._loop import shard_state as shard_state
+from ._loop import state_shardings as state_shardings
 from ._metrics import MetricsLogger as MetricsLogger
 from ._metrics import image_grid as image_grid
 from ._objectives import Objective as Objective

@@ -1,51 +1,83 @@
-"""The training loop: data-parallel placement, the jitted step, metrics, checkpoints, profiler traces, samples."""
+"""The training loop: placement on a device mesh, the jitted step, metrics, checkpoints, profiler traces, samples."""
 
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-import equinox as eqx
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..parallel import DEFAULT_RULES, AxisRules, MeshConfig, make_mesh, param_shardings, shard_params
 from ._data import DataError, check_batch
 from ._metrics import MetricsLogger, step_flops
-from ._step import train_step
+from ._step import TrainState, train_step
 
 
 def data_parallel_mesh(devices: Sequence | None = None) -> jax.sharding.Mesh:
-    """A 1-D ``("data",)`` mesh over ``devices`` (default: all of them)."""
-    devices = list(jax.devices() if devices is None else devices)
-    return jax.sharding.Mesh(np.asarray(devices), ("data",))
+    """The ``data, fsdp, context, tensor`` mesh of ``MeshConfig()``: pure data parallelism over ``devices``
+    (default: all of them)."""
+    return make_mesh(MeshConfig(), devices)
 
 
-def place(tree, mesh: jax.sharding.Mesh | None, spec: PartitionSpec):
-    """Put every array leaf of ``tree`` on ``mesh`` with ``spec`` (no-op without a mesh)."""
+def state_shardings(state: TrainState, mesh: jax.sharding.Mesh, rules: AxisRules = DEFAULT_RULES) -> TrainState:
+    """A :class:`TrainState` of ``NamedSharding`` s: the trainable ``params`` and their EMA by the logical-axis
+    ``rules`` (:func:`eqxdiff.parallel.param_shardings`), every optimizer-state subtree shaped like the params
+    (Adam's moments, accumulated gradients) like them, and everything else (counters, the step, the key)
+    replicated."""
+    params = param_shardings(state.params, mesh, rules)
+    treedef = jax.tree.structure(state.params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def like_params(x) -> bool:
+        return jax.tree.structure(x) == treedef
+
+    opt_state = jax.tree.map(lambda x: params if like_params(x) else replicated, state.opt_state,
+                             is_leaf=like_params)
+    return TrainState(params, opt_state, None if state.ema is None else params, replicated, replicated)
+
+
+def shard_state(state: TrainState, frozen, mesh: jax.sharding.Mesh, rules: AxisRules = DEFAULT_RULES):
+    """``(state, frozen, shardings)``: the state placed on :func:`state_shardings`, the frozen half of the model on
+    its rule shardings (:func:`eqxdiff.parallel.shard_params`), and the state's shardings (which
+    :func:`eqxdiff.train.train_step` keeps its output on)."""
+    shardings = state_shardings(state, mesh, rules)
+    return jax.device_put(state, shardings), shard_params(frozen, mesh, rules), shardings
+
+
+def batch_shards(mesh: jax.sharding.Mesh | None, rules: AxisRules = DEFAULT_RULES) -> int:
+    """How many ways a batch is split on ``mesh`` (the product of the rules' batch axes; 1 without a mesh)."""
     if mesh is None:
-        return tree
-    sharding = NamedSharding(mesh, spec)
-    return jax.tree.map(lambda x: jax.device_put(x, sharding) if eqx.is_array(x) else x, tree)
+        return 1
+    return int(np.prod([mesh.shape[a] for a in rules.lookup("activations", "batch") if a in mesh.shape]))
 
 
-def shard_batch(batch: dict, mesh: jax.sharding.Mesh | None) -> dict:
-    """The batch as device arrays, split along its first axis over the mesh's ``data`` axis."""
+def shard_batch(batch: dict, mesh: jax.sharding.Mesh | None, rules: AxisRules = DEFAULT_RULES) -> dict:
+    """The batch as device arrays; with a mesh, one global array per key split over the rules' batch axes
+    (:func:`eqxdiff.data.to_global_batch`, so on several hosts each passes its own rows)."""
     if mesh is None:
         return {k: jax.numpy.asarray(v) for k, v in batch.items()}
-    n = mesh.shape["data"]
-    b = len(next(iter(batch.values())))
+    from ..data import to_global_batch
+
+    n = batch_shards(mesh, rules)
+    b = len(next(iter(batch.values()))) * jax.process_count()
     if b % n:
-        raise DataError(f"batch size {b} must be a multiple of the {n} devices of the data-parallel mesh")
-    return {k: jax.device_put(np.asarray(v), NamedSharding(mesh, PartitionSpec("data"))) for k, v in batch.items()}
+        raise DataError(f"batch size {b} must be a multiple of the {n} devices the mesh {dict(mesh.shape)} splits "
+                        "a batch over (its data x fsdp axes)")
+    return to_global_batch(batch, mesh, rules=rules)
 
 
 def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, objective, optimizer,
-        ema_decay: float = 0.9999, mesh: jax.sharding.Mesh | None = None, logger: MetricsLogger | None = None,
+        ema_decay: float = 0.9999, mesh: jax.sharding.Mesh | None = None, rules: AxisRules = DEFAULT_RULES,
+        logger: MetricsLogger | None = None,
         log_every: int = 10, checkpointer=None, profile_steps: Sequence[int] = (), profile_dir=None,
         sample_every: int = 0, sample_fn: Callable | None = None, on_step: Callable | None = None):
     """Train until ``state.step == steps``; returns ``(state, losses)`` (the loss of every step run here).
 
-    The first batch is checked before anything is compiled (:func:`eqxdiff.train.check_batch`). With ``mesh`` the
-    state is replicated and each batch is sharded over the ``data`` axis. ``checkpointer`` (a
+    The first batch is checked before anything is compiled (:func:`eqxdiff.train.check_batch`). With ``mesh``
+    the state and the frozen half are placed by the logical-axis ``rules`` (:func:`shard_state`; replicated on a
+    pure data-parallel mesh, split over ``fsdp``/``tensor`` otherwise), each batch is split over the data and fsdp
+    axes, and the step keeps the state on those shardings. Give the model its
+    :class:`eqxdiff.parallel.Plan` (``with_plan``) before :func:`init_state` for activation constraints and remat. ``checkpointer`` (a
     :class:`eqxdiff.train.Checkpointer`) saves every ``checkpointer.every`` steps along with ``batches``'s
     position; ``profile_steps`` writes a JAX profiler trace of those steps to ``profile_dir``; ``sample_fn(state)``
     returns uint8 images logged every ``sample_every`` steps.
@@ -55,10 +87,10 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
         return state, []
     first = next(batches)
     check_batch(first, where="the first training batch")
-    state = place(state, mesh, PartitionSpec())
-    frozen = place(frozen, mesh, PartitionSpec())
     kwargs = dict(scheduler=scheduler, objective=objective, optimizer=optimizer, ema_decay=ema_decay)
-    batch = shard_batch(first, mesh)
+    if mesh is not None:  # (only then: a keyword given is a different jit signature from one left out)
+        state, frozen, kwargs["shardings"] = shard_state(state, frozen, mesh, rules)
+    batch = shard_batch(first, mesh, rules)
     if logger is not None:  # compile ahead of time once, to read the FLOPs of a step, and run that program
         step_fn = train_step.lower(state, frozen, batch, **kwargs).compile()
         flops = step_flops(step_fn)
@@ -100,7 +132,7 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
         if on_step is not None:
             on_step(done, state)
         if done < steps:
-            batch = shard_batch(next(batches), mesh)
+            batch = shard_batch(next(batches), mesh, rules)
     if tracing:
         jax.profiler.stop_trace()
     if checkpointer is not None:

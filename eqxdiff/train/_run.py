@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..parallel import MeshConfig, Plan, Remat
 from ._data import ArrayBatches, DataError, cache_arrays, check_batch
 from ._digits import SD_NOISE_SCHEDULE, DigitsArchitecture, build_digits_model
 from ._objectives import Objective
@@ -26,9 +27,26 @@ class TrainConfig:
 
     model: str | None = None
     """A diffusers pipeline folder or Hub id to fine-tune; None: build ``architecture`` from scratch."""
-    data: str = "digits"
+    data: str | None = None
     """``digits`` (scikit-learn's handwritten digits), ``synthetic`` (random images, for benchmarks) or an image
-    folder with captions (metadata.jsonl / .txt)."""
+    folder with captions (metadata.jsonl / metadata.csv, or a .txt beside each image). None: ``digits`` when
+    training from scratch and no other source is given. Give one of ``data``, ``hf_dataset``, ``tfrecord``."""
+    hf_dataset: str | None = None
+    """A Hugging Face dataset: a Hub id, a folder written by ``save_to_disk``, a .parquet/.json(l)/.csv/.arrow file,
+    or a folder ``datasets`` reads (parquet shards, an image folder with metadata.jsonl)."""
+    hf_split: str = "train"
+    """The split of ``hf_dataset`` to train on."""
+    image_column: str | None = None
+    """``hf_dataset``'s image column (default ``image``), or the file-name field of an image folder's metadata
+    (default ``file_name``)."""
+    caption_column: str | None = None
+    """``hf_dataset``'s caption column, or the caption field of an image folder's metadata (default ``text``)."""
+    tfrecord: tuple[str, ...] = ()
+    """TFRecord files of ``tf.train.Example`` records, or folders of ``*.tfrecord*`` files."""
+    image_key: str | None = None
+    """The ``tfrecord`` feature holding encoded image bytes (default ``image``)."""
+    caption_key: str | None = None
+    """The ``tfrecord`` feature holding the caption (default ``text``)."""
     resolution: int = 16
     """Training image size (digits are upscaled to it; folders are resized and center-cropped)."""
     batch_size: int = 64
@@ -52,8 +70,16 @@ class TrainConfig:
     autoencoder_learning_rate: float = 2e-3
     kl_weight: float = 1e-4
     """From scratch: weight of the VAE's KL term (per latent element) against the pixel MSE."""
-    data_parallel: bool = False
-    """Shard each batch over all devices (a 1-D ``data`` mesh); the state is replicated."""
+    mesh: MeshConfig | None = None
+    """The device mesh (``data, fsdp, context, tensor`` sizes; -1 fills): the batch is split over data x fsdp, the
+    trainable weights, their optimizer state and EMA and the frozen weights are placed by the logical-axis rules
+    (replicated under pure data parallelism, sharded over ``fsdp``/``tensor``). ``MeshConfig()``: data parallel
+    over every device. None: one device."""
+    remat: Remat = Remat.NONE
+    """Rematerialisation at block boundaries (UNet blocks, CLIP layers): recompute activations in the backward pass
+    instead of keeping them (``eqxdiff.parallel.Remat``)."""
+    remat_names: tuple[str, ...] = ()
+    """With ``remat`` ``named``/``offload_named``: the checkpoint names to keep (``resnet``, ``transformer``, ...)."""
     output_dir: Path = Path("runs/train")
     """Metrics (metrics.jsonl, tensorboard/), samples, profiles, checkpoints and the autoencoder stage go here."""
     export_dir: Path | None = None
@@ -85,6 +111,49 @@ class TrainConfig:
             raise ValueError("checkpoint_every and sample_every must be >= 0")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ValueError(f"ema_decay={self.ema_decay} must be in (0, 1)")
+        object.__setattr__(self, "tfrecord", tuple(str(p) for p in self.tfrecord))
+        object.__setattr__(self, "remat", Remat(self.remat))
+        Plan(remat=self.remat, remat_names=self.remat_names)  # a bad remat/remat_names pair raises here
+        self._source(require=False)  # conflicting data flags raise now; a missing source when training starts
+
+    @property
+    def source(self) -> str:
+        """Which data source the flags select: ``digits``, ``synthetic``, ``folder``, ``hf`` or ``tfrecord``.
+        Raises ``ValueError`` naming the flags when they select none, several, or set options of another."""
+        return self._source(require=True)
+
+    def _source(self, require: bool) -> str | None:
+        given = {"data": self.data, "hf_dataset": self.hf_dataset, "tfrecord": self.tfrecord or None}
+        given = {k: v for k, v in given.items() if v is not None and v != ""}
+        if len(given) > 1:
+            raise ValueError("give one data source, got " + " and ".join(f"{k}={v!r}" for k, v in given.items())
+                             + f"; keep one of {_SOURCE_FLAGS}")
+        if not given:
+            if self.model is not None:
+                if not require:
+                    return None
+                raise ValueError(f"fine-tuning needs training data: set one of {_SOURCE_FLAGS}")
+            source = "digits"
+        elif "hf_dataset" in given:
+            source = "hf"
+        elif "tfrecord" in given:
+            source = "tfrecord"
+        else:
+            source = self.data if self.data in ("digits", "synthetic") else "folder"
+        allowed = {"hf": ("image_column", "caption_column"), "folder": ("image_column", "caption_column"),
+                   "tfrecord": ("image_key", "caption_key")}.get(source, ())
+        for option in ("image_column", "caption_column", "image_key", "caption_key"):
+            if getattr(self, option) is not None and option not in allowed:
+                fits = ("the tfrecord source" if option.endswith("_key")
+                        else "an hf_dataset or an image folder (data=FOLDER)")
+                hint = {"image_column": "image_key", "caption_column": "caption_key",
+                        "image_key": "image_column", "caption_key": "caption_column"}[option]
+                raise ValueError(f"{option}={getattr(self, option)!r} is for {fits}, but the data source is "
+                                 f"{source!r}" + (f"; use {hint}" if hint in allowed else "; remove it"))
+        return source
+
+
+_SOURCE_FLAGS = "data (digits, synthetic or an image folder), hf_dataset, tfrecord"
 
 
 def _log(msg: str) -> None:
@@ -93,9 +162,10 @@ def _log(msg: str) -> None:
 
 def load_data(config: TrainConfig, tokenizer):
     """``("arrays", dict)`` for the digits (the whole set in memory: cacheable, exactly resumable) or
-    ``("stream", grain dataset)`` for ``synthetic`` / an image folder (``eqxdiff.data.make_dataset``). Sources
-    check their files when built, so bad data fails here, before any model is built or compiled."""
-    if config.data == "digits":
+    ``("stream", grain dataset)`` for the other sources (:func:`eqxdiff.data.make_dataset`). Sources check their
+    files when built, so bad data fails here, before any model is built or compiled."""
+    source = config.source
+    if source == "digits":
         from ..data.digits import DigitsSource
 
         arrays = DigitsSource(config.resolution, tokenizer=tokenizer).arrays
@@ -104,18 +174,29 @@ def load_data(config: TrainConfig, tokenizer):
             raise DataError(f"dataset 'digits' has {len(arrays['pixel_values'])} samples, fewer than "
                             f"batch_size={config.batch_size}")
         return "arrays", arrays
-    from ..data import ImageFolderSource, SyntheticSource, make_dataset
+    from ..data import HFDatasetSource, ImageFolderSource, SyntheticSource, TFRecordSource, make_dataset
 
-    if config.data == "synthetic":
+    columns = {k: v for k, v in (("image_column", config.image_column), ("caption_column", config.caption_column))
+               if v is not None}
+    if source == "synthetic":
         source = SyntheticSource(max(1024, config.batch_size), height=config.resolution, width=config.resolution,
                                  seed=config.seed)
+    elif source == "hf":
+        source = HFDatasetSource(config.hf_dataset, split=config.hf_split, **columns)
+    elif source == "tfrecord":
+        keys = {k: v for k, v in (("image_key", config.image_key), ("caption_key", config.caption_key))
+                if v is not None}
+        source = TFRecordSource(config.tfrecord, **keys)
     elif Path(config.data).is_dir():
-        source = ImageFolderSource(config.data)
+        source = ImageFolderSource(config.data, **columns)
     else:
-        raise DataError(f"data={config.data!r} is not 'digits', 'synthetic' or an image folder with captions")
+        name = config.data.lower()
+        hint = ("; for TFRecord files use tfrecord (--tfrecord)" if ".tfrecord" in name else
+                "; for a Hugging Face dataset (a Hub id, parquet, json, csv or arrow files) use hf_dataset "
+                "(--hf-dataset)")
+        raise DataError(f"data={config.data!r} is not 'digits', 'synthetic' or an image folder{hint}")
     if len(source) < config.batch_size:
-        raise DataError(f"dataset {config.data!r} has {len(source)} samples, fewer than "
-                        f"batch_size={config.batch_size}")
+        raise DataError(f"{source!r} has {len(source)} samples, fewer than batch_size={config.batch_size}")
     return "stream", make_dataset(source, tokenizer=tokenizer, batch_size=config.batch_size,
                                   resolution=config.resolution, seed=config.seed)
 
@@ -186,16 +267,19 @@ def export_pipeline(model: LatentDiffusion, tokenizer, noise_scheduler, folder, 
 
 def run(config: TrainConfig):
     """Train as ``config`` says; returns ``(state, frozen, losses)``."""
-    from ._loop import data_parallel_mesh, fit
+    from ..parallel import make_mesh, shard_params, with_plan
+    from ._loop import batch_shards, fit, shard_state
     from ._metrics import MetricsLogger
 
     t_start = time.perf_counter()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str))
-    mesh = data_parallel_mesh() if config.data_parallel else None
-    if mesh is not None and config.batch_size % mesh.size:
-        raise DataError(f"batch_size={config.batch_size} must be a multiple of the {mesh.size} devices")
+    mesh = None if config.mesh is None else make_mesh(config.mesh)
+    if config.batch_size % batch_shards(mesh):
+        raise DataError(f"batch_size={config.batch_size} must be a multiple of {batch_shards(mesh)}: the mesh "
+                        f"{dict(mesh.shape)} splits each batch over its data x fsdp axes; change batch_size or "
+                        "the mesh's data/fsdp parallelism")
     model, tokenizer, noise_scheduler = build_model(config)
     kind, data = load_data(config, tokenizer)
     if config.model is None:
@@ -207,10 +291,16 @@ def run(config: TrainConfig):
         batches = ArrayBatches(data, config.batch_size, seed=config.seed)
     else:  # a grain stream: encoded every step (caching holds a whole dataset in memory)
         batches = iter(data)
+    if mesh is not None or config.remat is not Remat.NONE:
+        model = with_plan(model, Plan(mesh, remat=config.remat, remat_names=config.remat_names))
+    if mesh is not None:  # placed before the optimizer state is made, so no device holds a whole copy
+        model = shard_params(model, mesh)
     optimizer = make_optimizer(config.optimizer)
     spec = trainable_filter(model, train_text_encoder=config.train_text_encoder)
     state, frozen = init_state(model, optimizer, key=jax.random.key(config.seed), filter_spec=spec,
                                ema=config.ema_decay is not None)
+    if mesh is not None:  # on their final shardings before a checkpoint is restored onto them
+        state, frozen, _ = shard_state(state, frozen, mesh)
     checkpointer = None
     if config.checkpoint_every:
         from ._checkpoint import Checkpointer

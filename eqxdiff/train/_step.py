@@ -182,10 +182,14 @@ def batch_loss(params, frozen, batch: dict, key, *, scheduler, objective: Object
 
 @eqx.filter_jit
 def train_step(state: TrainState, frozen, batch: dict, *, scheduler, objective: Objective, optimizer,
-               ema_decay: float = 0.9999):
+               ema_decay: float = 0.9999, shardings: TrainState | None = None):
     """One micro-step: loss and gradients of the trainable leaves, an optimizer update (applied every
     ``accumulation_steps`` calls), the EMA update when the optimizer applied one. Returns ``(state, metrics)``
-    with ``loss``, ``grad_norm`` and ``learning_rate``."""
+    with ``loss``, ``grad_norm`` and ``learning_rate``.
+
+    ``shardings`` (a :class:`TrainState` of shardings, :func:`eqxdiff.train.state_shardings`): the gradients are
+    constrained to the params' shardings and the new state to ``shardings``, so the output state is laid out as
+    the input was and the next call runs the same compiled program."""
     key, sub = jax.random.split(state.key)
     diff, static = eqx.partition(state.params, eqx.is_inexact_array)
 
@@ -193,6 +197,8 @@ def train_step(state: TrainState, frozen, batch: dict, *, scheduler, objective: 
         return batch_loss(eqx.combine(d, static), frozen, batch, sub, scheduler=scheduler, objective=objective)
 
     loss, grads = jax.value_and_grad(loss_of)(diff)
+    if shardings is not None:
+        grads = jax.lax.with_sharding_constraint(grads, shardings.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, diff)
     new_diff = optax.apply_updates(diff, updates)
     params = eqx.combine(new_diff, static)
@@ -206,4 +212,7 @@ def train_step(state: TrainState, frozen, batch: dict, *, scheduler, objective: 
                            is_leaf=lambda x: x is None)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                "learning_rate": optimizer.config.learning_rate_schedule()(state.step // k)}
-    return TrainState(params, opt_state, ema, state.step + 1, key), metrics
+    new_state = TrainState(params, opt_state, ema, state.step + 1, key)
+    if shardings is not None:
+        new_state = jax.lax.with_sharding_constraint(new_state, shardings)
+    return new_state, metrics
