@@ -5,6 +5,10 @@ Images and latents are channels-last: ``[batch, height, width, channels]``. ``en
 ``encode_tiled`` and ``batch_slice_size`` bound memory as diffusers' ``enable_tiling()`` / ``enable_slicing()``
 do, with the same results. ``scale_latents`` / ``unscale_latents`` move between the VAE's latent space and the
 normalised one a diffusion model works in.
+
+:func:`eqxdiff.parallel.with_plan` gives the encoder and decoder a plan: their images are constrained to the
+rules' ``("batch", "height", "width", "channels")`` sharding at every block boundary (the batch over data+fsdp, image
+rows whole by default) and each block is rematerialised by the plan's remat policy.
 """
 
 import dataclasses
@@ -14,14 +18,17 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ..nn import Attention, Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D
+from ..parallel._plan import Plan, checkpoint_block, constrain
 from ._base import PretrainedModel
 from ._config import ConfigError, ModelConfig
 
 _EPS = 1e-6  # every norm in diffusers' VAE
 _ACTIVATIONS = ("silu", "swish", "mish", "gelu", "relu")  # diffusers' get_activation table
+_IMAGE = ("batch", "height", "width", "channels")  # logical axes of every image-shaped activation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +96,7 @@ class VAEAttentionBlock(eqx.Module):
 
     group_norm: GroupNorm
     attn: Attention
+    plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
 
     def __init__(self, channels: int, *, groups: int, dtype=jnp.float32, key: PRNGKeyArray):
         self.group_norm = GroupNorm(groups, channels, eps=_EPS, dtype=dtype)
@@ -97,7 +105,10 @@ class VAEAttentionBlock(eqx.Module):
     @typechecked
     def __call__(self, x: Float[Array, "batch height width channels"]) -> Float[Array, "batch height width channels"]:
         b, h, w, c = x.shape
-        return x + self.attn(self.group_norm(x).reshape(b, h * w, c)).reshape(b, h, w, c)
+        tokens = constrain(self.group_norm(x).reshape(b, h * w, c), self.plan, ("batch", "seq", "embed"))
+        # Back in image shape the rows are whole again (the rules' "height"), whatever "seq" split.
+        out = constrain(self.attn(tokens).reshape(b, h, w, c), self.plan, _IMAGE)
+        return checkpoint_name(x + out, "attention")
 
 
 def _resnet(cin: int, cout: int, config: AutoencoderKLConfig, dtype, key) -> ResnetBlock2D:
@@ -119,9 +130,9 @@ class MidBlock(eqx.Module):
 
     @typechecked
     def __call__(self, x: Float[Array, "batch height width channels"]) -> Float[Array, "batch height width channels"]:
-        x = self.resnets[0](x)
+        x = checkpoint_name(self.resnets[0](x), "resnet")
         for attn, resnet in zip(self.attentions, self.resnets[1:]):
-            x = resnet(x if attn is None else attn(x))
+            x = checkpoint_name(resnet(x if attn is None else attn(x)), "resnet")
         return x
 
 
@@ -138,7 +149,7 @@ class DownEncoderBlock2D(eqx.Module):
     @typechecked
     def __call__(self, x: Float[Array, "batch height width cin"]) -> Float[Array, "batch h2 w2 cout"]:
         for resnet in self.resnets:
-            x = resnet(x)
+            x = checkpoint_name(resnet(x), "resnet")
         return x if self.downsamplers is None else self.downsamplers[0](x)
 
 
@@ -155,7 +166,7 @@ class UpDecoderBlock2D(eqx.Module):
     @typechecked
     def __call__(self, x: Float[Array, "batch height width cin"]) -> Float[Array, "batch h2 w2 cout"]:
         for resnet in self.resnets:
-            x = resnet(x)
+            x = checkpoint_name(resnet(x), "resnet")
         return x if self.upsamplers is None else self.upsamplers[0](x)
 
 
@@ -167,6 +178,7 @@ class Encoder(eqx.Module):
     mid_block: MidBlock
     conv_norm_out: GroupNorm
     conv_out: Conv2d
+    plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
 
     def __init__(self, config: AutoencoderKLConfig, *, dtype, key: PRNGKeyArray):
         widths = config.block_out_channels
@@ -181,11 +193,12 @@ class Encoder(eqx.Module):
 
     @typechecked
     def __call__(self, x: Float[Array, "batch height width channels"]) -> Float[Array, "batch h w moments"]:
-        x = self.conv_in(x)
-        for block in self.down_blocks:
-            x = block(x)
-        x = self.mid_block(x)
-        return self.conv_out(jax.nn.silu(self.conv_norm_out(x)))  # diffusers' conv_act is SiLU whatever act_fn
+        plan = self.plan
+        x = constrain(self.conv_in(constrain(x, plan, _IMAGE)), plan, _IMAGE)
+        for block in (*self.down_blocks, self.mid_block):  # block boundaries: sharding constraints and remat
+            x = constrain(checkpoint_block(block, plan)(x), plan, _IMAGE)
+        x = self.conv_out(jax.nn.silu(self.conv_norm_out(x)))  # diffusers' conv_act is SiLU whatever act_fn
+        return constrain(x, plan, _IMAGE)
 
 
 class Decoder(eqx.Module):
@@ -196,6 +209,7 @@ class Decoder(eqx.Module):
     up_blocks: list[UpDecoderBlock2D]
     conv_norm_out: GroupNorm
     conv_out: Conv2d
+    plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
 
     def __init__(self, config: AutoencoderKLConfig, *, dtype, key: PRNGKeyArray):
         widths = tuple(reversed(config.block_out_channels))
@@ -210,10 +224,11 @@ class Decoder(eqx.Module):
 
     @typechecked
     def __call__(self, z: Float[Array, "batch h w latent"]) -> Float[Array, "batch height width channels"]:
-        x = self.mid_block(self.conv_in(z))
-        for block in self.up_blocks:
-            x = block(x)
-        return self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
+        plan = self.plan
+        x = constrain(self.conv_in(constrain(z, plan, _IMAGE)), plan, _IMAGE)
+        for block in (self.mid_block, *self.up_blocks):  # block boundaries: sharding constraints and remat
+            x = constrain(checkpoint_block(block, plan)(x), plan, _IMAGE)
+        return constrain(self.conv_out(jax.nn.silu(self.conv_norm_out(x))), plan, _IMAGE)
 
 
 class DiagonalGaussian(eqx.Module):
