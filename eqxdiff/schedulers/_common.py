@@ -1,5 +1,6 @@
 """What every scheduler shares: the config base, the noise schedule, timestep spacing, prediction-type
-conversion, the state base class and the scheduler base class with ``add_noise`` / ``get_velocity``.
+conversion, the state base class and the scheduler base class with ``add_noise`` / ``get_velocity``; and what
+DDIM and DDPM share: their clipping/thresholding config keys and their state.
 
 Host-side work (betas, ``alphas_cumprod``, timesteps, sigmas) runs in NumPy and reproduces diffusers' float32
 values (``torch.cumprod`` accumulates in float64 on the CPU, so ours does), except the zero-SNR rescale, which
@@ -83,6 +84,23 @@ class SchedulerConfig(ModelConfig):
         if self.trained_betas is not None:
             self.check(len(self.trained_betas) == self.num_train_timesteps, "trained_betas",
                        f"must have num_train_timesteps={self.num_train_timesteps} entries")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipSampleConfig(SchedulerConfig):
+    """Keys of DDIM and DDPM beyond :class:`SchedulerConfig`: clipping (``clip_sample``) or Imagen's dynamic
+    thresholding (``thresholding``) of the predicted clean sample, and the zero-terminal-SNR rescale."""
+
+    SUPPORTED_VALUES: ClassVar[Mapping[str, tuple]] = {
+        **SchedulerConfig.SUPPORTED_VALUES, "clip_sample": BOOLS, "thresholding": BOOLS,
+        "rescale_betas_zero_snr": BOOLS}
+
+    clip_sample: bool = True
+    clip_sample_range: float = 1.0
+    thresholding: bool = False
+    dynamic_thresholding_ratio: float = 0.995
+    sample_max_value: float = 1.0
+    rescale_betas_zero_snr: bool = False
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -261,6 +279,15 @@ def threshold_sample(x0, ratio: float, max_value: float):
     return (jnp.clip(flat, -s, s) / s).reshape(x0.shape)
 
 
+def clip_or_threshold(config: ClipSampleConfig, x0):
+    """DDIM/DDPM: dynamic thresholding or plain clipping of the predicted clean sample, as configured."""
+    if config.thresholding:
+        return threshold_sample(x0, config.dynamic_thresholding_ratio, config.sample_max_value)
+    if config.clip_sample:
+        return jnp.clip(x0, -config.clip_sample_range, config.clip_sample_range)
+    return x0
+
+
 def step_noise(name: str, shape, dtype, key, noise):
     """The Gaussian noise a stochastic step adds: drawn from ``key``, or ``noise`` itself (for parity tests)."""
     if key is not None and noise is not None:
@@ -288,6 +315,17 @@ class AbstractSchedulerState(eqx.Module):
     timesteps: eqx.AbstractVar[Shaped[Array, " steps"]]
     step_index: eqx.AbstractVar[Int[Array, ""]]
     begin_index: eqx.AbstractVar[int]
+
+
+class AlphaProdState(AbstractSchedulerState):
+    """The state of DDIM and DDPM (``DDIMState`` and ``DDPMState`` are this class): per step, the timestep, its
+    ``alphas_cumprod`` value and that of the timestep the step goes to."""
+
+    timesteps: Int[Array, " steps"]
+    alpha_prod: Float[Array, " steps"]
+    alpha_prod_prev: Float[Array, " steps"]
+    step_index: Int[Array, ""]
+    begin_index: int = eqx.field(static=True)
 
 
 class AbstractScheduler(eqx.Module):

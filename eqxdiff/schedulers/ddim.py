@@ -7,52 +7,30 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
+from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ._common import (
     BOOLS,
     AbstractScheduler,
-    AbstractSchedulerState,
-    SchedulerConfig,
+    AlphaProdState,
+    ClipSampleConfig,
     check_num_steps,
     check_train_indices,
+    clip_or_threshold,
     resolve_begin_index,
     spaced_timesteps,
     step_noise,
-    threshold_sample,
     x0_and_eps,
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class DDIMConfig(SchedulerConfig):
-    SUPPORTED_VALUES: ClassVar = {**SchedulerConfig.SUPPORTED_VALUES, "clip_sample": BOOLS,
-                                  "set_alpha_to_one": BOOLS, "thresholding": BOOLS,
-                                  "rescale_betas_zero_snr": BOOLS}
+class DDIMConfig(ClipSampleConfig):
+    SUPPORTED_VALUES: ClassVar = {**ClipSampleConfig.SUPPORTED_VALUES, "set_alpha_to_one": BOOLS}
 
-    clip_sample: bool = True
-    clip_sample_range: float = 1.0
     set_alpha_to_one: bool = True
-    thresholding: bool = False
-    dynamic_thresholding_ratio: float = 0.995
-    sample_max_value: float = 1.0
-    rescale_betas_zero_snr: bool = False
 
 
-class DDIMState(AbstractSchedulerState):
-    timesteps: Int[Array, " steps"]
-    alpha_prod: Float[Array, " steps"]
-    alpha_prod_prev: Float[Array, " steps"]
-    step_index: Int[Array, ""]
-    begin_index: int = eqx.field(static=True)
-
-
-def clip_or_threshold(config, x0):
-    """DDIM/DDPM: dynamic thresholding or plain clipping of the predicted clean sample, as configured."""
-    if config.thresholding:
-        return threshold_sample(x0, config.dynamic_thresholding_ratio, config.sample_max_value)
-    if config.clip_sample:
-        return jnp.clip(x0, -config.clip_sample_range, config.clip_sample_range)
-    return x0
+DDIMState = AlphaProdState  # the same state as DDPM's
 
 
 class DDIMScheduler(AbstractScheduler):

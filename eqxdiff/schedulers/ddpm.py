@@ -8,44 +8,31 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
+from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ._common import (
-    BOOLS,
     AbstractScheduler,
-    AbstractSchedulerState,
-    SchedulerConfig,
+    AlphaProdState,
+    ClipSampleConfig,
     check_num_steps,
     check_train_indices,
+    clip_or_threshold,
     resolve_begin_index,
     spaced_timesteps,
     step_noise,
     x0_and_eps,
 )
-from .ddim import clip_or_threshold
 
 VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large", "learned", "learned_range")
 
 
 @dataclasses.dataclass(frozen=True)
-class DDPMConfig(SchedulerConfig):
-    SUPPORTED_VALUES: ClassVar = {**SchedulerConfig.SUPPORTED_VALUES, "variance_type": VARIANCE_TYPES,
-                                  "clip_sample": BOOLS, "thresholding": BOOLS, "rescale_betas_zero_snr": BOOLS}
+class DDPMConfig(ClipSampleConfig):
+    SUPPORTED_VALUES: ClassVar = {**ClipSampleConfig.SUPPORTED_VALUES, "variance_type": VARIANCE_TYPES}
 
     variance_type: str = "fixed_small"
-    clip_sample: bool = True
-    clip_sample_range: float = 1.0
-    thresholding: bool = False
-    dynamic_thresholding_ratio: float = 0.995
-    sample_max_value: float = 1.0
-    rescale_betas_zero_snr: bool = False
 
 
-class DDPMState(AbstractSchedulerState):
-    timesteps: Int[Array, " steps"]
-    alpha_prod: Float[Array, " steps"]
-    alpha_prod_prev: Float[Array, " steps"]
-    step_index: Int[Array, ""]
-    begin_index: int = eqx.field(static=True)
+DDPMState = AlphaProdState  # the same state as DDIM's
 
 
 class DDPMScheduler(AbstractScheduler):
