@@ -78,5 +78,19 @@ def jax_peak_bytes() -> int | None:
     return (stats or {}).get("peak_bytes_in_use")
 
 
+def compiled_bytes(compiled) -> int | None:
+    """Device memory one call of a compiled JAX function needs by XLA's own account: arguments, temporaries and
+    the outputs that do not reuse a donated argument. Unlike :func:`jax_peak_bytes` it leaves out the scratch
+    XLA's GPU autotuner allocates while compiling (tens of GiB for the SD 1.5 train step on an H100).
+    ``compiled``: what ``jax.jit(f).lower(...).compile()`` or ``eqx.filter_jit(f).lower(...).compile()`` return."""
+    try:
+        m = getattr(compiled, "compiled", compiled).memory_analysis()
+    except Exception:  # noqa: BLE001 - a backend without memory analysis
+        return None
+    if m is None:
+        return None
+    return m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+
+
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"

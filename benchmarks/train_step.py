@@ -10,7 +10,8 @@ PyTorch's optimizer does); text embeddings are given (cached), as is the latent.
 from XLA's cost analysis of the compiled eqxdiff step and are used for both frameworks' TFLOP/s. To bound memory
 (a full-size AdamW state is ~14 GB in each framework) PyTorch runs first and is freed before eqxdiff starts, so the
 two are timed one after the other in the same process; the load average is printed, and on a GPU each framework's
-peak device memory.
+peak device memory (for eqxdiff also XLA's own account of the compiled step, which leaves out the scratch the
+autotuner takes while compiling and which the process peak counts).
 
 PyTorch runs on CUDA when it sees a GPU (``--torch-device``). On a GPU float32 matmuls and convolutions use TF32 in
 both frameworks unless ``--no-tf32``. ``--dtype bfloat16`` is pure bfloat16 in both, no mixed precision: diffusers'
@@ -29,7 +30,8 @@ from typing import Literal
 
 import tyro
 
-from _unet_configs import PRESETS, TorchDevice, gib, jax_peak_bytes, setup_frameworks, torch_peak_bytes, torch_sync
+from _unet_configs import (PRESETS, TorchDevice, compiled_bytes, gib, jax_peak_bytes, setup_frameworks,
+                           torch_peak_bytes, torch_sync)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +159,9 @@ def main(args: Args) -> None:
 
     results["eqxdiff"] = _median(jax_step, args.repeats)
     peaks["eqxdiff"] = jax_peak_bytes()
+    if peaks["eqxdiff"] is not None and compiled_bytes(compiled) is not None:
+        print(f"eqxdiff: XLA's account of the compiled step: {gib(compiled_bytes(compiled))} (state, batch, "
+              f"temporaries); the process peak below also counts the GPU autotuner's scratch while compiling")
     print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for name, (med, times) in results.items():
         tf = "" if flops is None else f", {flops / med / 1e12:.4f} TFLOP/s per device"

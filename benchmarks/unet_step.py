@@ -23,7 +23,8 @@ from typing import Literal
 
 import tyro
 
-from _unet_configs import PRESETS, TorchDevice, gib, jax_peak_bytes, setup_frameworks, torch_peak_bytes, torch_sync
+from _unet_configs import (PRESETS, TorchDevice, compiled_bytes, gib, jax_peak_bytes, setup_frameworks,
+                           torch_peak_bytes, torch_sync)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,9 @@ def main(args: Args) -> None:
         except Exception as e:  # e.g. AttentionUnavailableError: the other implementations still run
             print(f"eqxdiff [attention={name}] skipped: {type(e).__name__}: {str(e).splitlines()[0][:500]}")
             continue
-        print(f"eqxdiff [attention={name}] compile: {time.perf_counter() - t0:.1f}s")
+        need = compiled_bytes(compiled) if jax.devices()[0].platform != "cpu" else None
+        print(f"eqxdiff [attention={name}] compile: {time.perf_counter() - t0:.1f}s"
+              + ("" if need is None else f"; XLA's account of one step: {gib(need)} (weights, inputs, temporaries)"))
         runners[f"eqxdiff [attention={name}]"] = jax_runner(compiled, params, name)
         compiled_names.append(name)
 
@@ -149,7 +152,7 @@ def main(args: Args) -> None:
     for name, ts in times.items():
         print(f"{name} step: median {med[name]:.3f}s  (runs: {', '.join(f'{t:.3f}' for t in ts)})")
     print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    peaks = {"eqxdiff (all attention variants)": jax_peak_bytes(),
+    peaks = {"eqxdiff (all attention variants, and the GPU autotuner's scratch while compiling)": jax_peak_bytes(),
              "diffusers": None if args.skip_diffusers else torch_peak_bytes(device)}
     for name, peak in peaks.items():
         if peak is not None:
