@@ -1,10 +1,12 @@
-"""What the UNet benchmarks (``unet_step.py``, ``train_step.py``) share: the UNet presets and the set-up of both
-frameworks on one machine (which device PyTorch runs on, TF32 or full float32 matmuls, peak device memory).
+"""What the UNet benchmarks (``unet_step.py``, ``train_step.py``) share: the UNet presets, the flags both take,
+and the set-up of both frameworks on one machine (which device PyTorch runs on, TF32 or full float32 matmuls,
+peak device memory).
 
 The scripts import this as ``from _unet_configs import ...``: run as ``python benchmarks/<script>.py``, the
 script's own folder is first on ``sys.path``.
 """
 
+import dataclasses
 import os
 from typing import Literal
 
@@ -18,6 +20,30 @@ PRESETS = {
 }
 
 TorchDevice = Literal["auto", "cpu", "cuda"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UNetBenchmarkArgs:
+    """The flags both UNet benchmarks take; each script's ``Args`` adds its own."""
+
+    preset: Literal["sd15", "tiny"] = "sd15"
+    """UNet config: the full-size Stable Diffusion 1.5 UNet, or a tiny one for a smoke run."""
+    batch: int = 1
+    """Images per step (unet_step: the UNet runs on 2 * batch latents, unconditional + conditional)."""
+    repeats: int = 3
+    """Timed steps per framework (after one untimed warm-up step); the median is reported."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights and activations dtype in both frameworks (train_step: gradients and AdamW moments too; pure, not
+    mixed precision)."""
+    text_tokens: int = 77
+    """Text sequence length."""
+    skip_diffusers: bool = False
+    """Time eqxdiff only."""
+    torch_device: TorchDevice = "auto"
+    """Where diffusers runs ("auto": CUDA if PyTorch sees a GPU, else the CPU)."""
+    tf32: bool = True
+    """On a GPU, float32 matmuls and convolutions in TF32 in both frameworks (JAX's GPU default); --no-tf32: full
+    float32 in both. Nothing changes on the CPU."""
 
 
 def setup_frameworks(torch_device: TorchDevice, tf32: bool):

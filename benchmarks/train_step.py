@@ -26,35 +26,16 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Literal
 
 import tyro
 
-from _unet_configs import (PRESETS, TorchDevice, compiled_bytes, gib, jax_peak_bytes, setup_frameworks,
+from _unet_configs import (PRESETS, UNetBenchmarkArgs, compiled_bytes, gib, jax_peak_bytes, setup_frameworks,
                            torch_peak_bytes, torch_sync)
 
 
 @dataclasses.dataclass(frozen=True)
-class Args:
+class Args(UNetBenchmarkArgs):
     """Time a UNet train step (loss, backward, AdamW) in eqxdiff and in diffusers."""
-
-    preset: Literal["sd15", "tiny"] = "sd15"
-    """UNet config: the full-size Stable Diffusion 1.5 UNet, or a tiny one for a smoke run."""
-    batch: int = 1
-    """Samples per step."""
-    repeats: int = 3
-    """Timed steps per framework after one warm-up step; the median is reported."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weights, gradients, optimizer state and activations dtype, for both frameworks (pure, not mixed)."""
-    text_tokens: int = 77
-    """Text sequence length."""
-    skip_diffusers: bool = False
-    """Time eqxdiff only."""
-    torch_device: TorchDevice = "auto"
-    """Where diffusers runs ("auto": CUDA if PyTorch sees a GPU, else the CPU)."""
-    tf32: bool = True
-    """On a GPU, float32 matmuls and convolutions in TF32 in both frameworks (JAX's GPU default); --no-tf32: full
-    float32 in both. Nothing changes on the CPU."""
 
 
 def _median(fn, repeats) -> tuple[float, list[float]]:

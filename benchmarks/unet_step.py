@@ -19,41 +19,23 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Literal
 
 import tyro
 
-from _unet_configs import (PRESETS, TorchDevice, compiled_bytes, gib, jax_peak_bytes, setup_frameworks,
+from _unet_configs import (PRESETS, UNetBenchmarkArgs, compiled_bytes, gib, jax_peak_bytes, setup_frameworks,
                            torch_peak_bytes, torch_sync)
 
 
 @dataclasses.dataclass(frozen=True)
-class Args:
+class Args(UNetBenchmarkArgs):
     """Time a classifier-free-guided UNet step in eqxdiff and in diffusers."""
 
-    preset: Literal["sd15", "tiny"] = "sd15"
-    """UNet config: the full-size Stable Diffusion 1.5 UNet, or a tiny one for a smoke run."""
-    batch: int = 1
-    """Images per step; the UNet runs on 2 * batch latents (unconditional + conditional)."""
-    repeats: int = 3
-    """Timed steps per framework (after one warm-up step); the median is reported."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weights and activations dtype, for both frameworks."""
-    text_tokens: int = 77
-    """Text sequence length."""
     guidance_scale: float = 7.5
     """Classifier-free guidance scale."""
     attention: tuple[str, ...] = ("auto",)
     """eqxdiff attention implementation(s) to time, each compiled separately ("auto": chosen per call for the
     platform; else a name in eqxdiff.kernels.IMPLEMENTATIONS: "xla", "chunked", "cudnn" (NVIDIA GPU, bfloat16),
     "flash" (Pallas: GPU or TPU))."""
-    skip_diffusers: bool = False
-    """Time eqxdiff only."""
-    torch_device: TorchDevice = "auto"
-    """Where diffusers runs ("auto": CUDA if PyTorch sees a GPU, else the CPU)."""
-    tf32: bool = True
-    """On a GPU, float32 matmuls and convolutions in TF32 in both frameworks (JAX's GPU default); --no-tf32: full
-    float32 in both. Nothing changes on the CPU."""
 
 
 def main(args: Args) -> None:
