@@ -1,6 +1,7 @@
 """What every scheduler shares: the config base, the noise schedule, timestep spacing, prediction-type
-conversion, the state base class and the scheduler base class with ``add_noise`` / ``get_velocity``; and what
-DDIM and DDPM share: their clipping/thresholding config keys and their state.
+conversion, the state base class and the scheduler base class with ``add_noise`` / ``get_velocity``; what DDIM
+and DDPM share (their clipping/thresholding config keys and their state); and the sigma-respacing config keys of
+Euler, LMS and DPM-Solver.
 
 Host-side work (betas, ``alphas_cumprod``, timesteps, sigmas) runs in NumPy and reproduces diffusers' float32
 values (``torch.cumprod`` accumulates in float64 on the CPU, so ours does), except the zero-SNR rescale, which
@@ -101,6 +102,26 @@ class ClipSampleConfig(SchedulerConfig):
     dynamic_thresholding_ratio: float = 0.995
     sample_max_value: float = 1.0
     rescale_betas_zero_snr: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SigmaSpacingConfig(SchedulerConfig):
+    """Keys of Euler, LMS and DPM-Solver beyond :class:`SchedulerConfig`: noise levels spaced as Karras et al.
+    (``use_karras_sigmas``) or exponentially (``use_exponential_sigmas``) instead of those of the spaced timesteps;
+    beta-distributed sigmas are not supported."""
+
+    SUPPORTED_VALUES: ClassVar[Mapping[str, tuple]] = {
+        **SchedulerConfig.SUPPORTED_VALUES, "use_karras_sigmas": BOOLS, "use_exponential_sigmas": BOOLS,
+        "use_beta_sigmas": (False,)}
+
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.check(not (self.use_karras_sigmas and self.use_exponential_sigmas), "use_karras_sigmas",
+                   "cannot be combined with use_exponential_sigmas=True")
 
 
 # ----------------------------------------------------------------------------------------------------------------

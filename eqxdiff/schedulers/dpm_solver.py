@@ -15,7 +15,7 @@ from ._common import (
     BOOLS,
     AbstractScheduler,
     AbstractSchedulerState,
-    SchedulerConfig,
+    SigmaSpacingConfig,
     check_num_steps,
     check_train_indices,
     exponential_sigmas,
@@ -28,11 +28,10 @@ from ._common import (
 
 
 @dataclasses.dataclass(frozen=True)
-class DPMSolverConfig(SchedulerConfig):
+class DPMSolverConfig(SigmaSpacingConfig):
     SUPPORTED_VALUES: ClassVar = {
-        **SchedulerConfig.SUPPORTED_VALUES, "algorithm_type": ("dpmsolver++",), "solver_order": (1, 2),
+        **SigmaSpacingConfig.SUPPORTED_VALUES, "algorithm_type": ("dpmsolver++",), "solver_order": (1, 2),
         "solver_type": ("midpoint", "heun"), "lower_order_final": BOOLS, "euler_at_final": BOOLS,
-        "use_karras_sigmas": BOOLS, "use_exponential_sigmas": BOOLS, "use_beta_sigmas": (False,),
         "use_lu_lambdas": (False,), "use_flow_sigmas": (False,), "use_dynamic_shifting": (False,),
         "final_sigmas_type": ("zero", "sigma_min"), "variance_type": (None, "learned", "learned_range"),
         "thresholding": BOOLS, "rescale_betas_zero_snr": BOOLS}
@@ -43,9 +42,6 @@ class DPMSolverConfig(SchedulerConfig):
     solver_type: str = "midpoint"
     lower_order_final: bool = True
     euler_at_final: bool = False
-    use_karras_sigmas: bool = False
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
     use_lu_lambdas: bool = False
     use_flow_sigmas: bool = False
     use_dynamic_shifting: bool = False
@@ -56,11 +52,6 @@ class DPMSolverConfig(SchedulerConfig):
     dynamic_thresholding_ratio: float = 0.995
     sample_max_value: float = 1.0
     rescale_betas_zero_snr: bool = False
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.check(not (self.use_karras_sigmas and self.use_exponential_sigmas), "use_karras_sigmas",
-                   "cannot be combined with use_exponential_sigmas=True")
 
 
 class DPMSolverState(AbstractSchedulerState):

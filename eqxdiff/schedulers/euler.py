@@ -14,6 +14,7 @@ from ._common import (
     AbstractScheduler,
     AbstractSchedulerState,
     SchedulerConfig,
+    SigmaSpacingConfig,
     check_num_steps,
     exponential_sigmas,
     karras_sigmas,
@@ -37,27 +38,19 @@ class EulerAncestralConfig(SchedulerConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class EulerConfig(SchedulerConfig):
+class EulerConfig(SigmaSpacingConfig):
     SUPPORTED_VALUES: ClassVar = {
-        **SchedulerConfig.SUPPORTED_VALUES, "interpolation_type": ("linear",), "use_karras_sigmas": BOOLS,
-        "use_exponential_sigmas": BOOLS, "use_beta_sigmas": (False,), "timestep_type": ("discrete", "continuous"),
-        "final_sigmas_type": ("zero", "sigma_min"), "rescale_betas_zero_snr": BOOLS}
+        **SigmaSpacingConfig.SUPPORTED_VALUES, "interpolation_type": ("linear",),
+        "timestep_type": ("discrete", "continuous"), "final_sigmas_type": ("zero", "sigma_min"),
+        "rescale_betas_zero_snr": BOOLS}
 
     timestep_spacing: str = "linspace"
     interpolation_type: str = "linear"
-    use_karras_sigmas: bool = False
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
     sigma_min: float | None = None
     sigma_max: float | None = None
     timestep_type: str = "discrete"
     final_sigmas_type: str = "zero"
     rescale_betas_zero_snr: bool = False
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.check(not (self.use_karras_sigmas and self.use_exponential_sigmas), "use_karras_sigmas",
-                   "cannot be combined with use_exponential_sigmas=True")
 
 
 class AbstractSigmaState(AbstractSchedulerState):

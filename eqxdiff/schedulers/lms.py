@@ -14,8 +14,7 @@ from numpy.polynomial import Polynomial
 
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
 from ._common import (
-    BOOLS,
-    SchedulerConfig,
+    SigmaSpacingConfig,
     exponential_sigmas,
     karras_sigmas,
     resolve_begin_index,
@@ -28,19 +27,8 @@ LMS_ORDER = 4
 
 
 @dataclasses.dataclass(frozen=True)
-class LMSConfig(SchedulerConfig):
-    SUPPORTED_VALUES: ClassVar = {**SchedulerConfig.SUPPORTED_VALUES, "use_karras_sigmas": BOOLS,
-                                  "use_exponential_sigmas": BOOLS, "use_beta_sigmas": (False,)}
-
+class LMSConfig(SigmaSpacingConfig):
     timestep_spacing: str = "linspace"
-    use_karras_sigmas: bool = False
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.check(not (self.use_karras_sigmas and self.use_exponential_sigmas), "use_karras_sigmas",
-                   "cannot be combined with use_exponential_sigmas=True")
 
 
 class LMSState(AbstractSigmaState):
