@@ -37,6 +37,8 @@ def parse_args(argv=None):
                    help="default: every implementation that can run here, plus torch-sdpa on the CPU")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--inner", type=int, default=None,
+                   help="calls per timing, waiting for the last one only (default: 1 on the CPU, 20 on a GPU)")
     p.add_argument("--timer", choices=["wall", "process"], default="wall",
                    help="wall clock, or the process's CPU time over all threads (steadier on a shared CPU)")
     p.add_argument("--max-dense-gib", type=float, default=4.0,
@@ -56,17 +58,21 @@ def _platform():
     return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
 
 
-def _best_times(runners, repeats, clock):
+def _best_times(runners, repeats, clock, inner=1):
     """Best time of each runner over ``repeats`` rounds. Rounds interleave the implementations, so a shared
     machine's changing load hits all alike; in each round a runner first runs untimed, so that the one before it
-    (e.g. the dense reference, which allocates gigabytes) does not leave it cold caches and page faults."""
+    (e.g. the dense reference, which allocates gigabytes) does not leave it cold caches and page faults. Each
+    timing covers ``inner`` calls issued back to back (on a GPU they queue up, hiding the dispatch cost) and waits
+    for the last result only."""
     best = dict.fromkeys(runners, math.inf)
     for _ in range(repeats):
         for name, run in runners.items():
-            run()
+            jax.block_until_ready(run())
             t = clock()
-            run()
-            best[name] = min(best[name], clock() - t)
+            for _ in range(inner):
+                out = run()
+            jax.block_until_ready(out)
+            best[name] = min(best[name], (clock() - t) / inner)
     return best
 
 
@@ -90,7 +96,7 @@ def _jax_case(impl, args, mode, causal, block_sizes):
     compiled = _jax_fn(impl, mode, causal, block_sizes).lower(*args).compile()
     memory = compiled.memory_analysis()
     temp = getattr(memory, "temp_size_in_bytes", None) if memory is not None else None
-    return (lambda: jax.block_until_ready(compiled(*args))), temp, compiled
+    return (lambda: compiled(*args)), temp, compiled
 
 
 def _max_rel_error(actual, expected):
@@ -143,7 +149,7 @@ def _config_rows(args, names, platform, block_sizes, clock, dtype, d, s, mode):
             continue
         if expected is not None:
             errors[name] = _max_rel_error(compiled(q, k, v, cotangent), expected)
-    times = _best_times(runners, args.repeats, clock)
+    times = _best_times(runners, args.repeats, clock, args.inner or (20 if platform == "gpu" else 1))
     vendor = [times[n] for n in VENDOR.get(platform, ()) if n in times]
     best_vendor = min(vendor) if vendor else None
     flops = 4 * args.batch * args.heads * s * s * d * (0.5 if args.causal else 1.0) * (1.0 if mode == "fwd" else 3.5)

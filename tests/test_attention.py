@@ -137,6 +137,51 @@ class TestFlashInterpret(AttentionTestBase):
         return dict(interpret=True, block_sizes=BlockSizes(block_q=16, block_kv=16, block_q_dkv=32, block_kv_dq=32))
 
 
+ON_GPU = jax.default_backend() == "gpu"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (runs on the device machine)")
+needs_8_devices = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (conftest simulates 8 on a CPU)")
+GPU_CASES = CASES + (Case("long_masked_d128", 2, 1000, 1000, 4, 128, masked=True),
+                     Case("image_x_text", 2, 4096, 77, 8, 64, masked=True))
+
+
+@needs_gpu
+class TestFlashGPU(AttentionTestBase):
+    """The flash kernels as chosen on this GPU: on Hopper, the Mosaic GPU forward for the cases it serves
+    (bf16, no mask, not causal), else Triton (default GPU blocks, shrunk for short sequences)."""
+
+    implementation = "flash"
+    cases = GPU_CASES + (Case("hopper_d128", 2, 1000, 1000, 4, 128), Case("hopper_x_text", 2, 1024, 77, 4, 64))
+
+
+@needs_gpu
+class TestFlashTritonGPU(AttentionTestBase):
+    implementation = "flash"
+    cases = TestFlashGPU.cases[-2:]
+
+    def options(self):
+        return dict(flash_backend="triton")
+
+
+@needs_gpu
+class TestCudnnGPU(AttentionTestBase):
+    implementation = "cudnn"
+    cases = tuple(c for c in GPU_CASES if not (c.masked and c.causal))  # cuDNN gives fully masked rows mean(v)
+    dtypes = (jnp.bfloat16,)
+
+
+@needs_8_devices
+class TestFlashHopperInterpret(AttentionTestBase):
+    """The Hopper (Mosaic GPU) forward in Pallas' GPU interpreter on the CPU, with the Triton-style backward:
+    padded queries and a masked tail of padded keys (several key tiles, two in flight)."""
+
+    implementation = "flash"
+    cases = (Case("hopper_padded", 1, 100, 300, 1, 64),)
+    dtypes = (jnp.bfloat16,)
+
+    def options(self):
+        return dict(interpret=True, flash_backend="mosaic_gpu", block_sizes=BlockSizes(block_q=32, block_kv=32))
+
+
 class TestRing(AttentionTestBase):
     """Ring attention over a context axis of 4 (times 2 on the batch), chunked blocks per shard."""
 
@@ -146,6 +191,7 @@ class TestRing(AttentionTestBase):
         return dict(mesh=_mesh((2, 4), explicit=True), block_sizes=BlockSizes(block_q=8, block_kv=8))
 
 
+@needs_8_devices
 class TestRingFlashLocal(AttentionTestBase):
     implementation = "ring"
     cases = (CASES[3],)
@@ -156,6 +202,7 @@ class TestRingFlashLocal(AttentionTestBase):
                     block_sizes=BlockSizes(block_q=8, block_kv=8))
 
 
+@needs_8_devices
 class TestRingDenseLocal(AttentionTestBase):
     """Dense blocks per shard; heads split over a "tensor" axis too."""
 
@@ -168,6 +215,7 @@ class TestRingDenseLocal(AttentionTestBase):
                     local_implementation="xla")
 
 
+@needs_8_devices
 class TestUlysses(AttentionTestBase):
     """Ulysses over a context axis of 4: 4 heads become one per device."""
 
@@ -177,6 +225,7 @@ class TestUlysses(AttentionTestBase):
         return dict(mesh=_mesh((2, 4), explicit=False))
 
 
+@needs_8_devices
 class TestUlyssesTensorAxis(AttentionTestBase):
     """Heads split over "tensor" (2) first, then over "context" (2) by the all-to-all."""
 
@@ -217,6 +266,7 @@ def test_bad_shapes_raise(change, match):
         attention(*change(*_qkv()))
 
 
+@needs_8_devices
 def test_bad_mask_and_names_raise():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"mask must be \[batch, kv_seq\]"):
@@ -227,6 +277,7 @@ def test_bad_mask_and_names_raise():
         attention(q, k, v, implementation="ring", mesh=_mesh((1, 8), explicit=False), local_implementation="ring")
 
 
+@pytest.mark.skipif(ON_GPU or jax.device_count() < 8, reason="checks the CPU's messages on 8 simulated devices")
 def test_unavailable_implementations_say_why():
     q, k, v = _qkv()
     with pytest.raises(AttentionUnavailableError, match="cudnn needs an NVIDIA GPU; the platform here is 'cpu'"):
@@ -281,6 +332,7 @@ def test_block_sizes_shrink_for_short_sequences_with_one_log_line(caplog):
     assert BlockSizes(block_q=512, block_kv=512).fit(4096, 77, "tpu").block_kv == 128
 
 
+@pytest.mark.skipif(ON_GPU or jax.device_count() < 8, reason="checks the CPU's choices on 8 simulated devices")
 def test_explain_choice():
     shape = lambda s, h=8: jax.ShapeDtypeStruct((2, s, h, 64), jnp.float32)  # noqa: E731
     assert explain_choice(shape(4096), shape(4096)).startswith("chunked: cpu, float32, q_seq=4096 x kv_seq=4096")

@@ -13,7 +13,8 @@ from ._chunked import chunked_attention_fn, chunked_kernel
 from ._common import AttentionUnavailableError, attention_from_kernel
 from ._context import context_problem, context_size, shard_over_context
 from ._cudnn import cudnn_attention, cudnn_unavailable_reason
-from ._flash import flash_attention_fn, flash_kernel
+from ._flash import flash_attention_fn, flash_backward, flash_kernel
+from ._flash_hopper import hopper_flash_kernel, hopper_unavailable_reason
 from ._reference import dense_kernel, reference_attention
 from ._ring import ring_kernel
 from ._select import AttentionCall, choose
@@ -27,7 +28,10 @@ class _Options(NamedTuple):
     mesh: Mesh | None
     interpret: bool
     local_implementation: str | None
+    flash_backend: str = "auto"
 
+
+FLASH_BACKENDS = ("auto", "triton", "mosaic_gpu")
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
@@ -83,7 +87,40 @@ def _run_cudnn(q, k, v, mask, scale, causal, call, opts):
     return cudnn_attention(q, k, v, mask, scale, causal)
 
 
+@functools.cache
+def _hopper_attention_fn(block_sizes, interpret):
+    backward = functools.partial(flash_backward, block_sizes=block_sizes, interpret=interpret)
+    return attention_from_kernel(hopper_flash_kernel(backward, interpret=interpret))
+
+
+def flash_backend_for(dtype, head_dim: int, has_mask: bool, causal: bool, platform: str, interpret: bool,
+                      backend: str = "auto") -> tuple[str, str]:
+    """``(backend, reason)``: which flash forward kernel serves a call, "mosaic_gpu" (Hopper) or "triton"/Mosaic TPU
+    (``_flash.py``). "auto" takes the Hopper kernel on an H100/H200 whenever it can serve the call."""
+    if backend not in FLASH_BACKENDS:
+        raise ValueError(f"attention: flash_backend={backend!r}; choose from {FLASH_BACKENDS}")
+    if backend == "triton":
+        return "triton", "asked for by name"
+    if platform != "gpu" and not (interpret and backend == "mosaic_gpu"):
+        if backend == "mosaic_gpu":
+            raise AttentionUnavailableError(f"attention: flash_backend='mosaic_gpu' needs a Hopper GPU (or "
+                                            f"interpret=True); the platform here is {platform!r}")
+        return "triton", f"not a GPU ({platform})"
+    if backend == "auto" and interpret:
+        return "triton", "interpret=True runs the Triton-style kernels unless flash_backend='mosaic_gpu'"
+    reason = hopper_unavailable_reason(dtype, head_dim, has_mask, causal, interpret=interpret)
+    if reason and backend == "mosaic_gpu":
+        raise AttentionUnavailableError(f"attention: flash_backend='mosaic_gpu' cannot serve this call: {reason}")
+    if reason:
+        return "triton", f"the Hopper kernel cannot serve it: {reason}"
+    return "mosaic_gpu", "the warp-specialised Hopper forward (Mosaic GPU) with the Triton backward"
+
+
 def _run_flash(q, k, v, mask, scale, causal, call, opts):
+    backend, _ = flash_backend_for(q.dtype, q.shape[-1], mask is not None, causal, call.platform, opts.interpret,
+                                   opts.flash_backend)
+    if backend == "mosaic_gpu":
+        return _hopper_attention_fn(opts.block_sizes, opts.interpret)(q, k, v, mask, scale, causal)
     return flash_attention_fn(opts.block_sizes, opts.interpret)(q, k, v, mask, scale, causal)
 
 
@@ -206,6 +243,7 @@ def attention(
     mesh: Mesh | None = None,
     interpret: bool = False,
     local_implementation: str | None = None,
+    flash_backend: str = "auto",
 ) -> Float[Array, "batch q_seq heads head_dim"]:
     """Scaled dot-product attention over ``[batch, seq, heads, head_dim]`` tensors.
 
@@ -218,13 +256,16 @@ def attention(
     ``block_sizes`` sets the tiles of "flash" and the chunks of "chunked" (per-platform defaults otherwise);
     ``interpret=True`` runs "flash" in Pallas interpret mode (any platform). "ring" and "ulysses" need ``mesh``, a
     ``jax.sharding.Mesh`` with a ``"context"`` axis, and run ``local_implementation`` on each shard.
+    ``flash_backend`` picks the "flash" forward kernel: "auto" (the Mosaic GPU kernel on Hopper GPUs where it
+    serves the call, else Triton), "triton", or "mosaic_gpu" (with ``interpret=True``: the GPU interpreter).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     impl, call, reason = _resolve(q, k, causal=causal, implementation=implementation, mesh=mesh,
                                   interpret=interpret)
     if implementation is None:
         logger.debug("attention: chose %r: %s", impl.name, reason)
-    return impl.run(q, k, v, mask, scale, causal, call, _Options(block_sizes, mesh, interpret, local_implementation))
+    return impl.run(q, k, v, mask, scale, causal, call,
+                    _Options(block_sizes, mesh, interpret, local_implementation, flash_backend))
 
 
 def explain_choice(q, k, *, causal: bool = False, mesh: Mesh | None = None,
@@ -233,7 +274,10 @@ def explain_choice(q, k, *, causal: bool = False, mesh: Mesh | None = None,
     ``jax.ShapeDtypeStruct`` works). Raises like :func:`attention` when the named implementation cannot serve."""
     impl, call, reason = _resolve(q, k, causal=causal, implementation=implementation, mesh=mesh,
                                   interpret=interpret)
-    if impl.name == "ring":
+    if impl.name == "flash":
+        backend, why = flash_backend_for(call.dtype, call.head_dim, False, causal, call.platform, interpret)
+        reason += f"; forward kernel: {backend} ({why})"
+    elif impl.name == "ring":
         reason += "; per shard: chunked"
     elif impl.name == "ulysses":
         reason += f"; per device: {choose(call.per_device())[0]}"

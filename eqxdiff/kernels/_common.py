@@ -24,10 +24,13 @@ class AttentionUnavailableError(ValueError):
 
 
 class Kernel(NamedTuple):
-    """A blockwise attention kernel: see the module docstring for the two signatures."""
+    """A blockwise attention kernel: see the module docstring for the two signatures. ``layout="bshd"``: the
+    kernel takes and gives ``[batch, seq, heads, head_dim]`` arrays instead (no transposes around it), and its
+    forward's ``out`` may be in the inputs' dtype."""
 
     forward: Callable
     backward: Callable
+    layout: str = "bhsd"
 
 
 def platform_of(platform: str | None = None) -> str:
@@ -92,17 +95,22 @@ def attention_from_kernel(kernel: Kernel) -> Callable:
     def attn(q, k, v, mask, scale, causal):
         return _fwd(q, k, v, mask, scale, causal)[0]
 
+    # the kernel's layout from and to [batch, seq, heads, head_dim]
+    convert = to_bhsd if kernel.layout == "bhsd" else (lambda x: x)
+
     def _fwd(q, k, v, mask, scale, causal):
-        qt, kt, vt = to_bhsd(q), to_bhsd(k), to_bhsd(v)
+        qt, kt, vt = convert(q), convert(k), convert(v)
         out, lse = kernel.forward(qt, kt, vt, mask, scale=scale, causal=causal)
-        return to_bhsd(out).astype(q.dtype), (qt, kt, vt, mask, out, lse)
+        return convert(out).astype(q.dtype), (qt, kt, vt, mask, out, lse)
 
     def _bwd(scale, causal, res, dout):
         qt, kt, vt, mask, out, lse = res
-        do = to_bhsd(dout).astype(jnp.float32)
-        delta = jnp.sum(do * out, axis=-1)
+        do = convert(dout).astype(jnp.float32)
+        delta = jnp.sum(do * out.astype(jnp.float32), axis=-1)
+        if kernel.layout == "bshd":
+            delta = jnp.swapaxes(delta, 1, 2)  # [b, h, q_seq], like lse
         dq, dk, dv = kernel.backward(qt, kt, vt, mask, do, lse, delta, scale=scale, causal=causal)
-        return (to_bhsd(dq).astype(qt.dtype), to_bhsd(dk).astype(kt.dtype), to_bhsd(dv).astype(vt.dtype), None)
+        return (convert(dq).astype(qt.dtype), convert(dk).astype(kt.dtype), convert(dv).astype(vt.dtype), None)
 
     attn.defvjp(_fwd, _bwd)
     return attn

@@ -4,7 +4,8 @@ The kernels only index refs with ``pl.ds`` on padded inputs and use 2-D values, 
 Triton on GPU and Mosaic on TPU, and runs anywhere with ``interpret=True`` (how the CPU tests run it).
 Inputs are laid out ``[batch * heads, seq, head_dim]``; sequences are padded to whole blocks (padded keys are
 masked through a key bias, padded queries are sliced off) and ``head_dim`` to what the platform's tiles want.
-A Mosaic-GPU (Hopper warp-specialised) variant is not provided: the Triton kernel is the GPU path.
+On Hopper GPUs the forward pass of the calls it serves runs in ``_flash_hopper.py`` (Mosaic GPU, warp-specialised)
+instead; these backward kernels serve both.
 """
 
 import functools
@@ -137,7 +138,9 @@ def _compiler_params(platform: str, interpret: bool, head_dim: int, num_grid_dim
     if platform == "gpu":
         from jax.experimental.pallas import triton as pltriton
 
-        return pltriton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+        # 3 pipeline stages: +10-35% over 2 on an H100 at 4k-32k tokens, head_dim 128 (benchmarks/RESULTS.md);
+        # 256-wide rows (head_dim 129-256) fit in shared memory with 2 only
+        return pltriton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=3 if head_dim <= 128 else 2)
     if platform == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
@@ -154,7 +157,8 @@ class _Plan:
         self.groups = self.batch * self.heads
         self.platform = platform_of(platform)
         self.interpret = interpret
-        blocks = block_sizes or BlockSizes.default(self.platform)
+        blocks = block_sizes or BlockSizes.default(self.platform, head_dim=_head_dim_padded(self.head_dim,
+                                                                                          self.platform))
         if not interpret:
             blocks.check_platform(self.platform)
         self.blocks = blocks.fit(self.q_len, self.kv_len, self.platform)

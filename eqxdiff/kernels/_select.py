@@ -66,4 +66,5 @@ def choose(call: AttentionCall) -> tuple[str, str]:
     if call.q_len * call.kv_len <= DENSE_MAX_LOGITS.get(call.platform, DENSE_MAX_LOGITS["gpu"]):
         return "xla", f"{where}: few logits per head: the dense reference"
     return "chunked", (f"{where}: many logits per head: chunked is faster on the CPU and keeps memory O(seq) "
-                       f"('flash' is used only when asked for by name until benchmarked on GPU/TPU)")
+                       f"('flash' is used only when asked for by name: on an H100 its forward matches cuDNN's but "
+                       f"its backward runs at 0.4x, benchmarks/RESULTS.md)")
