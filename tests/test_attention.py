@@ -365,3 +365,23 @@ def test_flash_lowers_for_gpu_and_tpu(platform, custom_call):
     text = (jax.jit(loss).trace(q, kv, kv, jax.ShapeDtypeStruct((2, 77), jnp.bool_))
             .lower(lowering_platforms=(platform,)).as_text())
     assert text.count(f"custom_call @{custom_call}") == 3
+
+
+def test_gpu_blocks_fit_shared_memory():
+    """Default Triton tiles shrink until the kernels fit an H100's shared memory (SD 1.x's head_dim 160 pads to 256
+    and once asked for 448 KiB); tiles the caller chose that cannot fit raise, naming the size."""
+    from eqxdiff.kernels._flash import GPU_SHARED_MEMORY, _Plan, triton_shared_memory
+
+    # Triton's own figure for the forward kernel (128 + 3 stages x 2 x 128 rows of 256 bf16) was 448 KiB
+    assert triton_shared_memory(BlockSizes(block_q=128, block_kv=128), 128, 2) == (2 * 128 + 6 * 128) * 128 * 2
+    for head_dim in (40, 64, 80, 128, 160, 256):
+        for dtype in (jnp.bfloat16, jnp.float32):
+            q = jax.ShapeDtypeStruct((2, 8, 4096, head_dim), dtype)
+            plan = _Plan(q, q, None, "gpu", False)
+            assert triton_shared_memory(plan.blocks, plan.d_pad, jnp.dtype(dtype).itemsize) <= GPU_SHARED_MEMORY
+            assert plan.blocks.block_q >= 32
+    q = jax.ShapeDtypeStruct((2, 8, 4096, 128), jnp.bfloat16)
+    assert _Plan(q, q, None, "gpu", False).blocks.block_kv == 128  # the tuned H100 tile where it fits
+    q = jax.ShapeDtypeStruct((2, 8, 4096, 160), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"needs about 384 KiB of GPU shared memory .* use smaller blocks"):
+        _Plan(q, q, BlockSizes(block_q=128, block_kv=128), "gpu", False)

@@ -132,15 +132,49 @@ def _head_dim_padded(head_dim: int, platform: str) -> int:
     return head_dim
 
 
+GPU_SHARED_MEMORY = 232448  # bytes of shared memory one program may use on an H100 (227 KiB)
+
+
+def _triton_stages(head_dim: int) -> int:
+    # 3 pipeline stages: +10-35% over 2 on an H100 at 4k-32k tokens, head_dim 128 (benchmarks/RESULTS.md);
+    # 256-wide rows (head_dim 129-256) fit in shared memory with 2 only
+    return 3 if head_dim <= 128 else 2
+
+
+def triton_shared_memory(blocks: BlockSizes, head_dim: int, itemsize: int) -> int:
+    """Bytes of shared memory the largest of the three Triton kernels asks for: the tile it keeps plus ``stages``
+    copies of the two tiles it streams (the forward at 128x128, head_dim 256, bf16, 3 stages: 448 KiB, as
+    Triton reported on an H100)."""
+    stages = _triton_stages(head_dim)
+    rows = max(blocks.block_q + stages * 2 * blocks.block_kv,
+               2 * blocks.block_kv_dkv + stages * 2 * blocks.block_q_dkv,
+               2 * blocks.block_q_dq + stages * 2 * blocks.block_kv_dq)
+    return rows * head_dim * itemsize
+
+
+def _fit_shared_memory(blocks: BlockSizes, chosen: bool, head_dim: int, itemsize: int) -> BlockSizes:
+    """Default blocks halved until they fit :data:`GPU_SHARED_MEMORY`; blocks the caller chose that do not fit
+    raise."""
+    need = triton_shared_memory(blocks, head_dim, itemsize)
+    if need <= GPU_SHARED_MEMORY:
+        return blocks
+    if chosen:
+        raise ValueError(f"flash attention: {blocks} needs about {need // 1024} KiB of GPU shared memory per program "
+                         f"at head_dim {head_dim} with {itemsize}-byte inputs; the limit is "
+                         f"{GPU_SHARED_MEMORY // 1024} KiB: use smaller blocks")
+    size = min(blocks.q_multiple, blocks.kv_multiple)
+    while size > 16 and triton_shared_memory(BlockSizes(size, size), head_dim, itemsize) > GPU_SHARED_MEMORY:
+        size //= 2
+    return BlockSizes(block_q=size, block_kv=size)
+
+
 def _compiler_params(platform: str, interpret: bool, head_dim: int, num_grid_dims: int = 2):
     if interpret:
         return None
     if platform == "gpu":
         from jax.experimental.pallas import triton as pltriton
 
-        # 3 pipeline stages: +10-35% over 2 on an H100 at 4k-32k tokens, head_dim 128 (benchmarks/RESULTS.md);
-        # 256-wide rows (head_dim 129-256) fit in shared memory with 2 only
-        return pltriton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=3 if head_dim <= 128 else 2)
+        return pltriton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=_triton_stages(head_dim))
     if platform == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
@@ -162,6 +196,9 @@ class _Plan:
         if not interpret:
             blocks.check_platform(self.platform)
         self.blocks = blocks.fit(self.q_len, self.kv_len, self.platform)
+        if self.platform == "gpu" and not interpret:
+            self.blocks = _fit_shared_memory(self.blocks, block_sizes is not None,
+                                             _head_dim_padded(self.head_dim, "gpu"), jnp.dtype(q.dtype).itemsize)
         self.q_pad = round_up(self.q_len, self.blocks.q_multiple)
         self.kv_pad = round_up(self.kv_len, self.blocks.kv_multiple)
         self.d_pad = _head_dim_padded(self.head_dim, self.platform)
