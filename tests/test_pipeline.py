@@ -153,3 +153,20 @@ def test_saved_images_carry_their_parameters(tmp_path):
 
 def test_pipeline_class_is_exported():
     assert StableDiffusionPipeline is sd.StableDiffusionPipeline
+
+
+def test_load_pipeline_with_scan_layers_gives_the_same_images(tmp_path):
+    """``load_pipeline(scan_layers=True)`` stacks the text encoder's layers (the tiny UNet has none to stack) and
+    changes no number: prompt embeddings (clip_skip too) and images equal the unrolled pipeline's."""
+    build_pipeline(tmp_path)
+    plain = eqxdiff.load_pipeline(tmp_path, attention="xla")
+    scanned = eqxdiff.load_pipeline(tmp_path, attention="xla", scan_layers=True)
+    assert isinstance(scanned.text_encoder.text_model.layers, eqxdiff.nn.Stacked)
+    assert isinstance(plain.text_encoder.text_model.layers, tuple)
+    ids = jnp.asarray(sd.tokenize(plain.tokenizer, PROMPTS))
+    for skip in (None, 1):
+        assert_close(sd.encode_prompt(scanned.text_encoder, ids, clip_skip=skip),
+                     sd.encode_prompt(plain.text_encoder, ids, clip_skip=skip), 1e-5)
+    latents = np.random.default_rng(0).standard_normal((2, 16, 16, 4)).astype(np.float32)
+    kwargs = dict(latents=latents, height=32, width=32, num_inference_steps=2, progress=False)
+    assert _max_pixel_diff(scanned(PROMPTS, **kwargs), plain(PROMPTS, **kwargs) / 255.0) <= 1  # rounding only

@@ -51,7 +51,7 @@ def save_pipeline(pipe, folder, *, dtype=None):
 
 def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, variant: str | None = None,
                   scheduler: str | None = None, attention: str | None = None, activations_dtype=None,
-                  sharding=None, mesh=None, rules=None, offload_encoders: bool = False):
+                  sharding=None, mesh=None, rules=None, offload_encoders: bool = False, scan_layers: bool = False):
     """Load every component a ``model_index.json`` lists and return the matching pipeline.
 
     ``dtype`` sets the weights (default float32); ``scheduler`` swaps the checkpoint's scheduler by name
@@ -60,6 +60,8 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     (:func:`eqxdiff.parallel.make_mesh`) loads every weight straight onto its rule-given sharding (``rules``,
     default :data:`eqxdiff.parallel.DEFAULT_RULES`; each device reads only its slices) and runs the pipeline on
     the mesh; ``offload_encoders`` keeps the text encoder in host memory outside prompt encoding.
+    ``scan_layers`` stacks the text encoder's and the UNet's repeated layers (run with ``lax.scan``: faster
+    compiles, same numbers; see :func:`eqxdiff.nn.scan_layers`).
     """
     from ..schedulers import scheduler_from_config
     from .stable_diffusion import StableDiffusionPipeline
@@ -82,7 +84,8 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
         rules = rules or DEFAULT_RULES
         sharding = sharding_fn(mesh, rules)
     models = {c: load(folder, c, dtype=dtype, variant=variant,
-                      sharding=None if offload_encoders and c == "text_encoder" else sharding)
+                      sharding=None if offload_encoders and c == "text_encoder" else sharding,
+                      scan_layers=scan_layers and c != "vae")  # the VAE has no repeated layers
               for c in ("text_encoder", "unet", "vae")}
     sched = scheduler_from_config(read_config(folder / "scheduler", "scheduler_config.json"), name=scheduler)
     return StableDiffusionPipeline(tokenizer=load_tokenizer(folder / "tokenizer"), scheduler=sched,
