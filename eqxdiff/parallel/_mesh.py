@@ -83,11 +83,17 @@ def _fill(sizes: list[int], total: int, kind: str, what: str) -> tuple[int, ...]
     return tuple(sizes)
 
 
-def _num_slices(devices) -> int:
+def _process_is_granule(devices) -> bool:
+    """Whether the ``dcn`` granules are processes (hosts) rather than TPU slices. CPUs (and GPUs) report
+    ``slice_index`` 0 on every host, or none at all: there each process is one granule."""
     slices = {getattr(d, "slice_index", None) for d in devices}
-    if None in slices:  # GPUs and CPUs: one granule per process (host)
+    return None in slices or (len(slices) == 1 and devices[0].platform != "tpu")
+
+
+def _num_slices(devices) -> int:
+    if _process_is_granule(devices):
         return len({d.process_index for d in devices})
-    return len(slices)
+    return len({d.slice_index for d in devices})
 
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices=None) -> Mesh:
@@ -99,8 +105,7 @@ def make_mesh(config: MeshConfig = MeshConfig(), devices=None) -> Mesh:
     ici, dcn = config.shapes(len(devices), slices)
     shape = tuple(i * d for i, d in zip(ici, dcn))
     if math.prod(dcn) > 1:
-        has_slices = all(getattr(d, "slice_index", None) is not None for d in devices)
-        arr = _hybrid(ici, dcn, devices, process_is_granule=not has_slices)
+        arr = _hybrid(ici, dcn, devices, process_is_granule=_process_is_granule(devices))
     else:
         try:
             arr = _device_grid(shape, devices)
