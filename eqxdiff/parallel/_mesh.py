@@ -84,8 +84,8 @@ def _fill(sizes: list[int], total: int, kind: str, what: str) -> tuple[int, ...]
 
 
 def _process_is_granule(devices) -> bool:
-    """Whether the ``dcn`` granules are processes (hosts) rather than TPU slices. CPUs (and GPUs) report
-    ``slice_index`` 0 on every host, or none at all: there each process is one granule."""
+    """Whether the ``dcn`` granules are processes (hosts) rather than TPU slices. Off TPU, devices report no
+    ``slice_index`` or (CPUs) 0 on every host: there each process is one granule."""
     slices = {getattr(d, "slice_index", None) for d in devices}
     return None in slices or (len(slices) == 1 and devices[0].platform != "tpu")
 
