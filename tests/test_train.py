@@ -14,25 +14,39 @@ from eqxdiff.data import character_tokenizer
 from eqxdiff.parallel import MeshConfig, Plan, make_mesh, shard_params, with_plan
 from eqxdiff.schedulers import DDPMScheduler
 from eqxdiff.train import (ArrayBatches, Checkpointer, DataError, DigitsArchitecture, Objective, OptimizerConfig,
-                           TimestepBias, batch_loss, build_digits_model, cache_arrays, check_batch, data_parallel_mesh,
+                           TimestepBias, TrainConfig, batch_loss, cache_arrays, check_batch, data_parallel_mesh,
                            diffusion_loss, fit, flow_matching_pair, init_state, make_optimizer, min_snr_weights,
                            offset_noise, shard_batch, shard_state, snr, target, train_step, trainable_filter)
+from eqxdiff.train._digits import SD_NOISE_SCHEDULE
 
-SCHED = DDPMScheduler.from_config(dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
-                                       beta_schedule="scaled_linear"))
 TINY = DigitsArchitecture(image_size=8, vae_channels=(8, 8), latent_channels=4, unet_channels=(8,),
                           attention_heads=2, text_hidden_size=8, text_layers=1, text_heads=2, norm_num_groups=4)
-OBJECTIVE = Objective(caption_dropout=0.3, snr_gamma=5.0)  # one objective and batch size: one compiled step
+# The scheduler, objective and optimizer train.run uses for RUN (below), so the direct steps on its mesh and its runs
+# share one compiled program. The optimizer accumulates 2 micro-steps per update, and its eps = 1 makes the update a
+# smooth function of the gradient (lr * m / (sqrt(v) + 1)): Adam's usual eps = 1e-8 turns a gradient of 1e-9 into a
+# full-size step of either sign, so rounding noise in ~zero gradients would decide whole updates and no float32
+# comparison of sharded against single-device params could be tight.
+SCHED = DDPMScheduler.from_config({**SD_NOISE_SCHEDULE, "prediction_type": "epsilon"})
+OBJECTIVE = Objective(prediction_type="epsilon", caption_dropout=0.3, snr_gamma=5.0)
+OPT = OptimizerConfig(learning_rate=1.0, eps=1.0, weight_decay=0.0, warmup_steps=0, total_steps=100,
+                      schedule="constant", accumulation_steps=2)
+KW = dict(scheduler=SCHED, objective=OBJECTIVE, ema_decay=0.9)
+FSDP_DATA = MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=-1)
+RUN = TrainConfig(resolution=8, batch_size=8, steps=1, architecture=TINY, objective=OBJECTIVE, optimizer=OPT,
+                  ema_decay=0.9, mesh=FSDP_DATA, log_every=1, progress=False)
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    """A tiny LatentDiffusion (one UNet level with cross-attention) and 32 cached samples (latents 4x4x4)."""
-    tok = character_tokenizer(max_length=16)
-    model = build_digits_model(TINY, tok, seed=0)
+    """RUN's tiny LatentDiffusion (one UNet level with cross-attention, latents 4x4x4), 32 samples of pixels and
+    token ids, and the same samples encoded by ``cache_arrays``."""
+    from eqxdiff.train._run import build_model
+
+    model, tok, sched = build_model(RUN)
+    assert sched.config == SCHED.config
     rng = np.random.default_rng(0)
-    ids = tok([f"digit {w}" for w in ("one", "two", "three", "four")] * 8, padding="max_length", max_length=16,
-              return_tensors="np").input_ids.astype(np.int32)
+    ids = tok([f"digit {w}" for w in ("one", "two", "three", "four")] * 8, padding="max_length",
+              max_length=tok.model_max_length, return_tensors="np").input_ids.astype(np.int32)
     arrays = {"pixel_values": rng.uniform(-1, 1, (32, 8, 8, 3)).astype(np.float32), "input_ids": ids}
     return model, arrays, cache_arrays(model, arrays, log=lambda *_: None)
 
@@ -118,14 +132,8 @@ def test_flow_matching_pair_by_hand():
 
 # -- the train step --------------------------------------------------------------------------------------------
 # Every single-device step below runs one compiled program: the same optimizer object (make_optimizer caches it per
-# config), objective, batch shape and uncommitted inputs. The optimizer accumulates 2 micro-steps per update, and its
-# eps = 1 makes the update a smooth function of the gradient (lr * m / (sqrt(v) + 1)): Adam's usual eps = 1e-8 turns
-# a gradient of 1e-9 into a full-size step of either sign, so rounding noise in ~zero gradients would decide whole
-# updates and no float32 comparison of sharded against single-device params could be tight.
-
-OPT = OptimizerConfig(learning_rate=1.0, eps=1.0, weight_decay=0.0, warmup_steps=0, total_steps=100,
-                      schedule="constant", accumulation_steps=2)
-KW = dict(scheduler=SCHED, objective=OBJECTIVE, ema_decay=0.9)
+# config), objective, batch shape and uncommitted inputs. Batches are pixels + token ids (encoded in the step), as a
+# stream gives them; the cached-latent layout is checked against them by its loss.
 
 
 def _state(model):
@@ -134,21 +142,37 @@ def _state(model):
     return state, frozen, optimizer
 
 
-def _batch(cached):
-    return {k: jnp.asarray(v[:8]) for k, v in cached.items()}
+def _batch(arrays):
+    return {k: jnp.asarray(v[:8]) for k, v in arrays.items()}
+
+
+@eqx.filter_jit
+def _loss(params, frozen, batch, key):
+    return batch_loss(params, frozen, batch, key, scheduler=SCHED, objective=OBJECTIVE)
+
+
+def test_cached_latents_give_the_same_loss(tiny, single_device_steps):
+    """``cache_arrays`` stores the VAE posterior and the text embeddings; the loss from them equals the loss the
+    first train step computed from the pixels and token ids (same key: the same latent sample, timesteps, noise and
+    caption dropout)."""
+    model, _, cached = tiny
+    state, frozen, _ = _state(model)
+    (_, m1), _ = single_device_steps
+    _, key = jax.random.split(state.key)  # the key train_step hands batch_loss
+    np.testing.assert_allclose(_loss(state.params, frozen, _batch(cached), key), m1["loss"], rtol=1e-5)
+    assert set(cached) == {"latent_mean", "latent_std", "encoder_hidden_states"}
+    assert cached["latent_mean"].shape == (32, 4, 4, 4) and np.all(cached["latent_std"] > 0)
 
 
 def test_train_step_lowers_the_loss_and_changes_only_trainable_leaves(tiny):
-    model, _, cached = tiny
+    model, arrays, cached = tiny
     state, frozen, optimizer = _state(model)
-    batch = _batch(cached)
-    eval_loss = eqx.filter_jit(lambda p: batch_loss(p, frozen, batch, jax.random.key(7), scheduler=SCHED,
-                                                    objective=Objective()))
-    before = float(eval_loss(state.params))
+    batch = _batch(arrays)
+    before = float(_loss(state.params, frozen, _batch(cached), jax.random.key(7)))  # the layout compiled once
     start = state
     for _ in range(30):
         state, metrics = train_step(state, frozen, batch, optimizer=optimizer, **KW)
-    assert float(eval_loss(state.params)) < 0.8 * before
+    assert float(_loss(state.params, frozen, _batch(cached), jax.random.key(7))) < 0.8 * before
     assert set(metrics) == {"loss", "grad_norm", "learning_rate"} and float(metrics["learning_rate"]) == 1.0
     assert int(state.step) == 30
     spec = trainable_filter(model)
@@ -166,9 +190,9 @@ def test_train_step_lowers_the_loss_and_changes_only_trainable_leaves(tiny):
 
 
 def test_gradient_accumulation_updates_every_k_steps(tiny):
-    model, _, cached = tiny
+    model, arrays, _ = tiny
     state, frozen, optimizer = _state(model)
-    batch = _batch(cached)
+    batch = _batch(arrays)
     p0 = jax.tree.leaves(state.params)
     s1, _ = train_step(state, frozen, batch, optimizer=optimizer, **KW)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1.params), p0))
@@ -181,15 +205,15 @@ def test_gradient_accumulation_updates_every_k_steps(tiny):
 def test_checkpoints_resume_exactly(tiny, tmp_path):
     """6 steps straight == 3 steps, a checkpoint (half-way through an accumulation), a fresh state restored from it,
     3 more steps; the resumed run reuses the compiled step (a restored state must keep the jit signature)."""
-    model, _, cached = tiny
+    model, arrays, _ = tiny
     kw = dict(KW, log_every=1)
 
     state, frozen, optimizer = _state(model)
-    straight_state, straight = fit(state, frozen, ArrayBatches(cached, 8, seed=3), steps=6, optimizer=optimizer, **kw)
+    straight_state, straight = fit(state, frozen, ArrayBatches(arrays, 8, seed=3), steps=6, optimizer=optimizer, **kw)
 
     state, frozen, optimizer = _state(model)
     ckpt = Checkpointer(tmp_path / "ckpt", every=3, keep=1)
-    batches = ArrayBatches(cached, 8, seed=3)
+    batches = ArrayBatches(arrays, 8, seed=3)
     _, first = fit(state, frozen, batches, steps=3, optimizer=optimizer, checkpointer=ckpt, **kw)
     ckpt.close()
     assert batches.position == 3
@@ -197,7 +221,7 @@ def test_checkpoints_resume_exactly(tiny, tmp_path):
     fresh, frozen, optimizer = _state(model)
     ckpt = Checkpointer(tmp_path / "ckpt", every=3, keep=1)
     assert ckpt.all_steps() == [3]
-    resumed_batches = ArrayBatches(cached, 8, seed=3)
+    resumed_batches = ArrayBatches(arrays, 8, seed=3)
     restored = ckpt.restore(fresh, resumed_batches)
     assert int(restored.step) == 3 and resumed_batches.position == 3
     compiled = train_step._cached._cache_size()
@@ -230,30 +254,29 @@ def _assert_trees_close(got, want, what, tol=1e-5):
 @pytest.fixture(scope="module")
 def single_device_steps(tiny):
     """Two single-device micro-steps (the first accumulates, the second updates) from the shared compiled step."""
-    model, _, cached = tiny
+    model, arrays, _ = tiny
     state, frozen, optimizer = _state(model)
-    batch = shard_batch({k: v[:8] for k, v in cached.items()}, None)
+    batch = shard_batch({k: v[:8] for k, v in arrays.items()}, None)
     s1, m1 = train_step(state, frozen, batch, optimizer=optimizer, **KW)
     s2, m2 = train_step(s1, frozen, batch, optimizer=optimizer, **KW)
     return (s1, m1), (s2, m2)
 
 
-@pytest.mark.parametrize("mesh_config", [MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1),
-                                         MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=-1)],
+@pytest.mark.parametrize("mesh_config", [MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1), FSDP_DATA],
                          ids=["fsdp", "fsdp+data"])
 def test_sharded_step_equals_single_device(tiny, single_device_steps, mesh_config):
     """Two micro-steps on a mesh of the 8 simulated devices (the batch over data x fsdp, params, optimizer state and
     EMA by the rules, the model's activation constraints from its Plan) equal one device: the loss, the gradients
     (the accumulated ones after the first step), and the updated params and EMA after the second; every array of the
     state keeps the sharding it started with."""
-    model, _, cached = tiny
+    model, arrays, _ = tiny
     (s1, m1), (s2, m2) = single_device_steps
     mesh = make_mesh(mesh_config)
     planned = with_plan(shard_params(model, mesh), Plan(mesh))
     state, frozen, optimizer = _state(planned)
     state, frozen, shardings = shard_state(state, frozen, mesh)
-    batch = shard_batch({k: v[:8] for k, v in cached.items()}, mesh)
-    assert batch["latent_mean"].sharding.shard_shape(batch["latent_mean"].shape)[0] == 1
+    batch = shard_batch({k: v[:8] for k, v in arrays.items()}, mesh)
+    assert batch["pixel_values"].sharding.shard_shape(batch["pixel_values"].shape)[0] == 1
     p1, n1 = train_step(state, frozen, batch, optimizer=optimizer, shardings=shardings, **KW)
     p2, n2 = train_step(p1, frozen, batch, optimizer=optimizer, shardings=shardings, **KW)
     for got, want in ((n1, m1), (n2, m2)):
@@ -274,6 +297,141 @@ def test_sharded_step_equals_single_device(tiny, single_device_steps, mesh_confi
     assert all(x.addressable_shards[0].data.size * mesh.shape["fsdp"] == x.size for x in split)
     mu = jax.tree.leaves(p2.opt_state.inner_opt_state[1][0].mu)
     assert sum(not x.sharding.is_fully_replicated for x in mu) == len(split)
+
+
+# -- train.run from every data source ---------------------------------------------------------------------------
+# Every run steps with the program test_sharded_step_equals_single_device[fsdp+data] compiled (same model, mesh,
+# plan, optimizer, objective and batch layout); the autoencoder stage is skipped by handing each run the same saved
+# VAE (a resumed run reuses it the same way).
+
+COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255), "black": (0, 0, 0),
+          "yellow": (255, 255, 0), "cyan": (0, 255, 255), "magenta": (255, 0, 255)}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """The same 8 solid-colour images, captioned ``a {colour} square``, as an image folder (.txt captions), a parquet
+    file read by Hugging Face ``datasets`` (columns ``img``/``caption``) and TFRecord shards (features
+    ``png``/``prompt``); and a saved autoencoder for the runs to reuse."""
+    from PIL import Image
+
+    from eqxdiff.data import write_tfrecord
+    from eqxdiff.loading import save_pretrained
+    from eqxdiff.train._run import build_model
+
+    root = tmp_path_factory.mktemp("sources")
+    folder = root / "folder"
+    folder.mkdir()
+    pngs = []
+    for i, (name, rgb) in enumerate(COLORS.items()):
+        Image.new("RGB", (10 + i, 12), rgb).save(folder / f"{name}.png")
+        (folder / f"{name}.txt").write_text(f"a {name} square")
+        pngs.append(((folder / f"{name}.png").read_bytes(), f"a {name} square"))
+    write_tfrecord(root / "a.tfrecord", pngs[:5], image_key="png", caption_key="prompt")
+    write_tfrecord(root / "b.tfrecord", pngs[5:], image_key="png", caption_key="prompt")
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"img": [str(folder / f"{c}.png") for c in COLORS],
+                                     "caption": [f"a {c} square" for c in COLORS]})
+    ds.cast_column("img", datasets.Image()).to_parquet(str(root / "data.parquet"))
+    model, _, _ = build_model(RUN)
+    save_pretrained(model.vae, root / "autoencoder")
+    return {"folder": folder, "parquet": root / "data.parquet", "tfrecord": (str(root / "a.tfrecord"),
+            str(root / "b.tfrecord")), "autoencoder": root / "autoencoder"}
+
+
+def _run(sources, out, **changes):
+    import shutil
+
+    from eqxdiff.train import run
+
+    if not (out / "autoencoder").exists():
+        shutil.copytree(sources["autoencoder"], out / "autoencoder")
+    return run(dataclasses.replace(RUN, output_dir=out, **changes))
+
+
+def _check_run(out, result, steps, mesh_size=8):
+    import json
+
+    state, _, losses = result
+    assert int(state.step) == steps and len(losses) >= 1 and all(np.isfinite(losses))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == steps and rows[-1]["loss"] == losses[-1]
+    assert (out / "pipeline" / "model_index.json").is_file()
+    params = jax.tree.leaves(state.params)
+    assert all(len(x.sharding.device_set) == mesh_size for x in params)
+    if mesh_size > 1:
+        assert any(not x.sharding.is_fully_replicated for x in params)  # split over fsdp
+
+
+def _captions(tok, ids):
+    return sorted(tok.batch_decode(ids, skip_special_tokens=True))
+
+
+@pytest.mark.parametrize("source", ["folder", "hf", "tfrecord"])
+def test_run_from_each_source(sources, tmp_path, source):
+    """The flags of each source select it (the first batch holds its images under their captions) and ``run``
+    trains on it end to end on the mesh."""
+    from eqxdiff.train import load_data
+
+    changes = {"folder": dict(data=str(sources["folder"])),
+               "hf": dict(hf_dataset=str(sources["parquet"]), image_column="img", caption_column="caption"),
+               "tfrecord": dict(tfrecord=sources["tfrecord"], image_key="png", caption_key="prompt")}[source]
+    tok = character_tokenizer(max_length=32)
+    kind, ds = load_data(dataclasses.replace(RUN, **changes), tok)
+    batch = next(iter(ds))
+    assert kind == "stream" and batch["pixel_values"].shape == (8, 8, 8, 3)
+    captions = [c.replace(" ", "") for c in tok.batch_decode(batch["input_ids"], skip_special_tokens=True)]
+    assert sorted(captions) == sorted(f"a{c}square" for c in COLORS)
+    for image, caption in zip(batch["pixel_values"], captions):
+        np.testing.assert_allclose(image[0, 0], np.array(COLORS[caption[1:-6]]) / 127.5 - 1, atol=1e-6)
+    _check_run(tmp_path, _run(sources, tmp_path, **changes), steps=1)
+
+
+def test_run_synthetic_resumes_exactly(sources, tmp_path):
+    """Synthetic data on one device (the program the single-device tests compiled): 2 steps straight == 1 step, a
+    checkpoint, then a resumed run of 1 more (the grain iterator's position and the state come back from it)."""
+    one = dict(data="synthetic", mesh=None)
+    straight = _run(sources, tmp_path / "a", steps=2, **one)
+    _check_run(tmp_path / "a", straight, steps=2, mesh_size=1)
+    first = _run(sources, tmp_path / "b", steps=1, checkpoint_every=1, **one)
+    second = _run(sources, tmp_path / "b", steps=2, checkpoint_every=1, **one)
+    assert first[2] + second[2] == straight[2]
+    for a, b in zip(jax.tree.leaves(second[0].params), jax.tree.leaves(straight[0].params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_run_config_errors_name_the_flag(sources, tmp_path):
+    from eqxdiff.parallel import Remat
+    from eqxdiff.train import TrainConfig, load_data
+
+    with pytest.raises(ValueError, match=r"give one data source, got data='synthetic' and hf_dataset='x'"):
+        TrainConfig(data="synthetic", hf_dataset="x")
+    with pytest.raises(ValueError, match=r"give one data source, got hf_dataset='x' and tfrecord=\('a',\)"):
+        TrainConfig(hf_dataset="x", tfrecord=("a",))
+    with pytest.raises(ValueError, match="fine-tuning needs training data: set one of data"):
+        TrainConfig(model="some/model").source
+    with pytest.raises(ValueError, match=r"caption_key='prompt' is for the tfrecord source.*'hf'; use caption_column"):
+        TrainConfig(hf_dataset="x", caption_key="prompt")
+    with pytest.raises(ValueError, match=r"image_column='img' is for an hf_dataset or an image folder.*'synthetic'"):
+        TrainConfig(data="synthetic", image_column="img")
+    with pytest.raises(ValueError, match="remat_names"):
+        TrainConfig(remat=Remat.NAMED)
+    tok = character_tokenizer(max_length=32)
+    with pytest.raises(DataError, match=r"caption_column='prompt' is not a column of .*data\.parquet.*\['img', "
+                                        r"'caption'\]"):
+        load_data(dataclasses.replace(RUN, hf_dataset=str(sources["parquet"]), image_column="img",
+                                      caption_column="prompt"), tok)
+    with pytest.raises(DataError, match=r"no bytes feature caption_key='text'; its features are \['png', 'prompt'\]"):
+        load_data(dataclasses.replace(RUN, tfrecord=sources["tfrecord"], image_key="png"), tok)
+    with pytest.raises(DataError, match=r"not 'digits', 'synthetic' or an image folder; for a Hugging Face dataset.*"
+                                        r"hf_dataset \(--hf-dataset\)"):
+        load_data(dataclasses.replace(RUN, data=str(sources["parquet"])), tok)
+    with pytest.raises(DataError, match=r"not 'digits', 'synthetic' or an image folder; for TFRecord files use tfrecord"):
+        load_data(dataclasses.replace(RUN, data=sources["tfrecord"][0]), tok)
+    with pytest.raises(DataError, match="has 8 samples, fewer than batch_size=16"):
+        load_data(dataclasses.replace(RUN, data=str(sources["folder"]), batch_size=16), tok)
+    with pytest.raises(DataError, match=r"batch_size=12 must be a multiple of 8: the mesh .* data x fsdp"):
+        _run(sources, tmp_path, data="synthetic", batch_size=12)
 
 
 # -- errors ----------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from ._objectives import snr as snr
 from ._objectives import target as target
 from ._run import TrainConfig as TrainConfig
 from ._run import export_pipeline as export_pipeline
+from ._run import load_data as load_data
 from ._run import run as run
 from ._step import LatentDiffusion as LatentDiffusion
 from ._step import OptimizerConfig as OptimizerConfig
