@@ -426,7 +426,7 @@ def test_run_config_errors_name_the_flag(sources, tmp_path):
     with pytest.raises(DataError, match=r"not 'digits', 'synthetic' or an image folder; for a Hugging Face dataset.*"
                                         r"hf_dataset \(--hf-dataset\)"):
         load_data(dataclasses.replace(RUN, data=str(sources["parquet"])), tok)
-    with pytest.raises(DataError, match=r"not 'digits', 'synthetic' or an image folder; for TFRecord files use tfrecord"):
+    with pytest.raises(DataError, match=r"not 'digits', 'synthetic' or an image folder; for TFRecord files"):
         load_data(dataclasses.replace(RUN, data=sources["tfrecord"][0]), tok)
     with pytest.raises(DataError, match="has 8 samples, fewer than batch_size=16"):
         load_data(dataclasses.replace(RUN, data=str(sources["folder"]), batch_size=16), tok)

@@ -68,16 +68,16 @@ def shard_batch(batch: dict, mesh: jax.sharding.Mesh | None, rules: AxisRules = 
 
 def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, objective, optimizer,
         ema_decay: float = 0.9999, mesh: jax.sharding.Mesh | None = None, rules: AxisRules = DEFAULT_RULES,
-        logger: MetricsLogger | None = None,
-        log_every: int = 10, checkpointer=None, profile_steps: Sequence[int] = (), profile_dir=None,
-        sample_every: int = 0, sample_fn: Callable | None = None, on_step: Callable | None = None):
+        logger: MetricsLogger | None = None, log_every: int = 10, checkpointer=None,
+        profile_steps: Sequence[int] = (), profile_dir=None, sample_every: int = 0, sample_fn: Callable | None = None,
+        on_step: Callable | None = None):
     """Train until ``state.step == steps``; returns ``(state, losses)`` (the loss of every step run here).
 
     The first batch is checked before anything is compiled (:func:`eqxdiff.train.check_batch`). With ``mesh``
     the state and the frozen half are placed by the logical-axis ``rules`` (:func:`shard_state`; replicated on a
     pure data-parallel mesh, split over ``fsdp``/``tensor`` otherwise), each batch is split over the data and fsdp
-    axes, and the step keeps the state on those shardings. Give the model its
-    :class:`eqxdiff.parallel.Plan` (``with_plan``) before :func:`init_state` for activation constraints and remat. ``checkpointer`` (a
+    axes, and the step keeps the state on those shardings. Give the model its :class:`eqxdiff.parallel.Plan`
+    (``with_plan``) before :func:`init_state` for activation constraints and remat. ``checkpointer`` (a
     :class:`eqxdiff.train.Checkpointer`) saves every ``checkpointer.every`` steps along with ``batches``'s
     position; ``profile_steps`` writes a JAX profiler trace of those steps to ``profile_dir``; ``sample_fn(state)``
     returns uint8 images logged every ``sample_every`` steps.
@@ -91,7 +91,7 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
     if mesh is not None:  # (only then: a keyword given is a different jit signature from one left out)
         state, frozen, kwargs["shardings"] = shard_state(state, frozen, mesh, rules)
     batch = shard_batch(first, mesh, rules)
-    if logger is not None:  # compile ahead of time once, to read the FLOPs of a step, and run that program
+    if logger is not None:  # lower and compile (through the jit cache: no second compile) to read the FLOPs
         step_fn = train_step.lower(state, frozen, batch, **kwargs).compile()
         flops = step_flops(step_fn)
     else:  # the jit cache: runs sharing the same shapes and settings compile once
