@@ -400,6 +400,18 @@ def test_run_synthetic_resumes_exactly(sources, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_run_resumes_on_the_mesh(sources, tmp_path):
+    """A checkpoint of a sharded state restores onto the mesh: the resumed run continues at the saved step, from
+    the grain iterator's saved position, with every array on the sharding a fresh run gives it."""
+    tfrecord = dict(tfrecord=sources["tfrecord"], image_key="png", caption_key="prompt", checkpoint_every=1)
+    first = _run(sources, tmp_path, **tfrecord)
+    second = _run(sources, tmp_path, steps=2, **tfrecord)
+    _check_run(tmp_path, second, steps=2)
+    assert len(second[2]) == 1 and second[2][0] != first[2][0]
+    for a, b in zip(jax.tree.leaves(second[0]), jax.tree.leaves(first[0])):
+        assert a.sharding == b.sharding
+
+
 def test_run_config_errors_name_the_flag(sources, tmp_path):
     from eqxdiff.parallel import Remat
     from eqxdiff.train import TrainConfig, load_data
