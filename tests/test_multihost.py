@@ -30,10 +30,11 @@ from ._util import rel_error
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300  # the whole two-process run; a hang (a process waiting on a dead peer) fails instead of blocking
-# Both processes compile the same small UNet at once on a shared CPU: skip LLVM's expensive passes (numerics
-# are unchanged, compile time drops by about a third).
-WORKER_XLA_FLAGS = ("--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
-                    "--xla_llvm_disable_expensive_passes=true")
+# Both processes and the reference compile the small UNet at once on a shared CPU: skip LLVM's expensive passes
+# (numerics unchanged, compile time down by about a third).
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+WORKER_XLA_FLAGS = "--xla_force_host_platform_device_count=4 " + " ".join(
+    f"--{k}={str(v).lower()}" for k, v in COMPILER_OPTIONS.items())
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +94,10 @@ def _wait(workers) -> None:
 def test_two_processes_equal_one_device(unet_folder, tmp_path):
     workers = _start_workers(unet_folder, tmp_path)
     try:  # the single-device reference while the workers run
-        unet = eqxdiff.load(unet_folder)
+        params, static = eqx.partition(eqxdiff.load(unet_folder), eqx.is_array)
         batch = {k: jnp.asarray(v) for k, v in global_batch().items()}
-        (loss, prediction), grads = eqx.filter_jit(loss_and_grads)(unet, batch)
+        step = jax.jit(lambda p, b: loss_and_grads(eqx.combine(p, static), b), compiler_options=COMPILER_OPTIONS)
+        (loss, prediction), grads = step(params, batch)
         grads = eqx.filter(grads, eqx.is_array)
         expected = {"loss": np.asarray(loss), "prediction": np.asarray(prediction)}
         expected |= {f"grad{jax.tree_util.keystr(k)}": np.asarray(v)
