@@ -373,6 +373,7 @@ def test_pipeline_on_mesh_equals_single_device(tiny_sd, monkeypatch):
     assert to_k.addressable_shards[0].data.shape == (16, 16)  # really split, loaded slice by slice
     # the text encoder's weights live on the host, not on the devices
     assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(pipe.text_encoder))
+    assert pipe.vae.decoder.plan is not None and pipe.vae.decoder.plan.mesh is mesh  # the VAE runs on the plan too
     assert_close(_float_images(pipe, monkeypatch), reference, TOL, "pipeline images")
 
 

@@ -142,9 +142,10 @@ class StableDiffusionPipeline:
                 model = getattr(self, name)
                 if not (offload_encoders and name == "text_encoder"):
                     model = shard_params(model, mesh, rules)
-                # The VAE gets sharded weights but no plan: its attention's tokens split over "context" spread
-                # row sharding into its convolutions, which XLA got wrong with FSDP kernels (see DEFAULT_RULES).
-                setattr(self, name, model if name == "vae" else with_plan(model, plan))
+                # Every model runs on the plan: batch over data+fsdp, the VAE's images with whole rows (its
+                # attention's tokens over "context"). Row-split convolutions are left out by DEFAULT_RULES for an
+                # XLA bug in their gradients (see there), which inference would not meet anyway.
+                setattr(self, name, with_plan(model, plan))
         if offload_encoders:
             self.text_encoder = jax.device_get(self.text_encoder)
 
