@@ -2,6 +2,7 @@
 
     python benchmarks/attention.py                       # 1k..32k tokens (64k chunked only), head_dim 64/128, f32/bf16
     python benchmarks/attention.py --seq-lens 1024 4096 --head-dims 40 --heads 8 --dtypes float32 --modes fwd
+    python benchmarks/attention.py --dtypes bfloat16 --implementations cudnn flash:mosaic_gpu flash:triton  # GPU
 
 Each row: the best of ``--repeats`` timings (wall clock, or ``--timer process``: CPU time of all threads), each after
 an untimed run, TFLOP/s, the compiled program's temporary memory (``memory_analysis()``'s
@@ -34,7 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     p.add_argument("--implementations", nargs="+", default=None,
-                   help="default: every implementation that can run here, plus torch-sdpa on the CPU")
+                   help="default: every implementation that can run here, plus torch-sdpa on the CPU; "
+                        "'flash:triton' / 'flash:mosaic_gpu' force flash's forward kernel")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--inner", type=int, default=None,
@@ -77,8 +79,12 @@ def _best_times(runners, repeats, clock, inner=1):
 
 
 def _jax_fn(impl, mode, causal, block_sizes):
-    """``f(q, k, v, cotangent)``: the output ("fwd"), or the output and its vjp with ``cotangent`` ("fwd+bwd")."""
+    """``f(q, k, v, cotangent)``: the output ("fwd"), or the output and its vjp with ``cotangent`` ("fwd+bwd").
+    ``impl`` may name a flash forward kernel: "flash:triton", "flash:mosaic_gpu" (plain "flash" picks one)."""
+    impl, _, backend = impl.partition(":")
     options = {} if block_sizes is None or impl not in ("chunked", "flash") else {"block_sizes": block_sizes}
+    if backend:
+        options["flash_backend"] = backend
 
     def fwd(q, k, v):
         return attention(q, k, v, causal=causal, implementation=impl, **options)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks, grouped so each group fits one 10-minute device call (H100 times in brackets).
+#
+#   bash benchmarks/gpu_suite.sh tests   OUTDIR   # GPU attention test classes, bf16 and cuDNN      [~4 min]
+#   bash benchmarks/gpu_suite.sh kernels OUTDIR   # attention: cuDNN vs flash (Mosaic GPU, Triton)  [~3 min]
+#   bash benchmarks/gpu_suite.sh models  OUTDIR   # SD 1.5 UNet CFG step and train step, bf16      [~5 min]
+#
+# Run from the repo root with eqxdiff importable (`pip install -e .` or PYTHONPATH=.) and the test extras
+# (diffusers, torch). Each command's output goes to OUTDIR/<name>.txt as well as to the console; record what
+# matters in benchmarks/RESULTS.md with the device and the command.
+set -uo pipefail
+group=${1:?usage: gpu_suite.sh tests|kernels|models [OUTDIR]}
+out=${2:-gpu_results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+nvidia-smi -L 2>&1 | tee "$out/device.txt"
+
+run() {  # run NAME TIMEOUT_S COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "## $name: $*" | tee "$out/$name.txt"
+    timeout "$limit" "$@" 2>&1 | grep -v "DeprecationWarning\|Pallas Triton backend is deprecated" | tee -a "$out/$name.txt"
+}
+
+case $group in
+tests)
+    run pytest_gpu 280 python3 -m pytest -q tests/test_attention.py -k "GPU and (bfloat16 or Cudnn)" \
+        -p no:cacheprovider -W ignore::DeprecationWarning ;;
+kernels)
+    run attention 280 python3 benchmarks/attention.py --seq-lens 4096 8192 16384 32768 --head-dims 64 128 \
+        --dtypes bfloat16 --modes fwd fwd+bwd --implementations cudnn flash:mosaic_gpu flash:triton --repeats 3 ;;
+models)
+    run unet_step 200 python3 benchmarks/unet_step.py --dtype bfloat16 --attention auto cudnn flash --repeats 5
+    run train_step 250 python3 benchmarks/train_step.py --dtype bfloat16 --repeats 5 ;;
+*)
+    echo "unknown group '$group': use tests, kernels or models" >&2
+    exit 2 ;;
+esac
