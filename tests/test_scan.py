@@ -23,7 +23,7 @@ from eqxdiff.loading import CheckpointError, leaf_specs, state_dict
 from eqxdiff.parallel import (MeshConfig, Plan, Remat, checkpoint_block, make_mesh, param_logical_axes, param_spec,
                               sharding_fn, with_plan)
 
-from ._util import assert_close, nchw_to_nhwc, rel_error
+from ._util import assert_close, nchw_to_nhwc, randomize_torch, rel_error
 
 CLIP = dict(vocab_size=99, hidden_size=32, intermediate_size=40, projection_dim=16, num_hidden_layers=3,
             num_attention_heads=4, max_position_embeddings=9, hidden_act="gelu", bos_token_id=0, eos_token_id=98,
@@ -38,21 +38,10 @@ UNET = dict(block_out_channels=(16, 32), norm_num_groups=8, in_channels=4, out_c
             projection_class_embeddings_input_dim=12 + 6 * 4)
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Norm scales ~ 1 +- 0.3, biases ~ 0 +- 0.3, weights ~ 1/sqrt(fan_in): every layer differs from the others."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
-
-
 @functools.cache
 def _clip_folder() -> str:
     ref = transformers.CLIPTextModel(transformers.CLIPTextConfig(**CLIP)).eval()
-    _randomize(ref, 0)
+    randomize_torch(ref, 0)
     folder = tempfile.mkdtemp(prefix="scan-clip-")
     ref.save_pretrained(folder, safe_serialization=True)
     return folder
@@ -62,7 +51,7 @@ def _clip_folder() -> str:
 def _unet_folder() -> str:
     torch.manual_seed(0)
     ref = diffusers.UNet2DConditionModel(**UNET).eval()
-    _randomize(ref, 1)
+    randomize_torch(ref, 1)
     folder = tempfile.mkdtemp(prefix="scan-unet-")
     ref.save_pretrained(folder)
     return folder

@@ -22,7 +22,7 @@ from eqxdiff.loading import CheckpointError, SafetensorsFile, leaf_specs, state_
 from eqxdiff.models._config import ConfigError
 from eqxdiff.models.unet2d import UNet2DConditionConfig, UNet2DConditionModel
 
-from ._util import assert_close, nchw_to_nhwc, to_jax
+from ._util import assert_close, nchw_to_nhwc, randomize_torch, to_jax
 
 _SMALL = dict(block_out_channels=(32, 64), norm_num_groups=8, in_channels=4, out_channels=4, sample_size=16)
 
@@ -52,17 +52,6 @@ CONFIGS = {
                   time_embedding_act_fn="silu", time_embedding_dim=48, center_input_sample=True,
                   mid_block_type=None, downsample_padding=0, conv_in_kernel=1, mid_block_scale_factor=1.5),
 }
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights ~ 1/sqrt(fan_in); norm scales ~ 1 +- 0.3 and biases ~ 0 +- 0.3, so a wrong mapping shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
 
 
 def _inputs(name: str, config: dict) -> dict:
@@ -130,7 +119,7 @@ def _case(name: str):
     config = CONFIGS[name]
     torch.manual_seed(0)
     ref = diffusers.UNet2DConditionModel(**config).eval()
-    _randomize(ref, seed=sum(map(ord, name)))
+    randomize_torch(ref, seed=sum(map(ord, name)))
     folder = tempfile.mkdtemp(prefix=f"unet-{name}-")
     ref.save_pretrained(folder)  # safetensors
     unet = eqxdiff.load(folder)
