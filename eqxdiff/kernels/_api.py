@@ -13,8 +13,8 @@ from ._chunked import chunked_attention_fn, chunked_kernel
 from ._common import AttentionUnavailableError, attention_from_kernel
 from ._context import context_problem, context_size, shard_over_context
 from ._cudnn import cudnn_attention, cudnn_unavailable_reason
-from ._flash import flash_attention_fn, flash_backward, flash_kernel
-from ._flash_hopper import hopper_flash_kernel, hopper_unavailable_reason
+from ._flash import flash_attention_fn, flash_kernel
+from ._flash_hopper import hopper_attention_fn, hopper_unavailable_reason
 from ._reference import dense_kernel, reference_attention
 from ._ring import ring_kernel
 from ._select import AttentionCall, choose
@@ -87,12 +87,6 @@ def _run_cudnn(q, k, v, mask, scale, causal, call, opts):
     return cudnn_attention(q, k, v, mask, scale, causal)
 
 
-@functools.cache
-def _hopper_attention_fn(block_sizes, interpret):
-    backward = functools.partial(flash_backward, block_sizes=block_sizes, interpret=interpret)
-    return attention_from_kernel(hopper_flash_kernel(backward, interpret=interpret))
-
-
 def flash_backend_for(dtype, head_dim: int, has_mask: bool, causal: bool, platform: str, interpret: bool,
                       backend: str = "auto") -> tuple[str, str]:
     """``(backend, reason)``: which flash forward kernel serves a call, "mosaic_gpu" (Hopper) or "triton"/Mosaic TPU
@@ -120,7 +114,7 @@ def _run_flash(q, k, v, mask, scale, causal, call, opts):
     backend, _ = flash_backend_for(q.dtype, q.shape[-1], mask is not None, causal, call.platform, opts.interpret,
                                    opts.flash_backend)
     if backend == "mosaic_gpu":
-        return _hopper_attention_fn(opts.block_sizes, opts.interpret)(q, k, v, mask, scale, causal)
+        return hopper_attention_fn(opts.block_sizes, opts.interpret)(q, k, v, mask, scale, causal)
     return flash_attention_fn(opts.block_sizes, opts.interpret)(q, k, v, mask, scale, causal)
 
 

@@ -58,15 +58,13 @@ class BlockSizes:
         return max(getattr(self, n) for n in self.kv_fields)
 
     @classmethod
-    def default(cls, platform: str, implementation: str = "flash", head_dim: int | None = None) -> "BlockSizes":
-        """Defaults for ``implementation`` ("flash" or "chunked") on ``platform`` ("gpu", "tpu", "cpu"); on GPU the
-        flash tiles shrink for ``head_dim`` > 128 so they fit in shared memory (SD 1.x's 160)."""
+    def default(cls, platform: str, implementation: str = "flash") -> "BlockSizes":
+        """Defaults for ``implementation`` ("flash" or "chunked") on ``platform`` ("gpu", "tpu", "cpu"). On GPU the
+        flash kernels halve them where they would not fit in shared memory (``_flash._fit_shared_memory``)."""
         if implementation == "chunked":
             # CPU: 256 x 512 tiles (for all batch x heads at once): smaller tiles pay XLA's per-iteration loop
             # overhead more often, larger ones fall out of cache (benchmarks/attention.py, [2, 4096, 8, 40]).
             return cls(block_q=256, block_kv=512) if platform == "cpu" else cls(block_q=512, block_kv=2048)
-        if platform == "gpu" and head_dim is not None and head_dim > 128:
-            return cls(block_q=64, block_kv=64)  # 128 x 128 tiles of 256-wide rows need 2x the shared memory there is
         if platform == "gpu":  # Triton on an H100: a 128 x 128 forward tile (benchmarks/RESULTS.md), 64 x 64 backward
             return cls(block_q=128, block_kv=128, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
         if platform == "tpu":

@@ -31,9 +31,9 @@ def cudnn_attention(q, k, v, mask, scale, causal):
     if reason:
         raise AttentionUnavailableError(reason)
     q_len, kv_len = q.shape[1], k.shape[1]
-    if mask is None and (q_len % 2 or kv_len % 2):  # cuDNN's backward wants even lengths: pad and mask
-        mask = jnp.ones((q.shape[0], kv_len), bool)
-    if mask is not None:  # cuDNN's backward with a bias wants even sequence lengths: pad, mask, slice
+    if mask is not None or q_len % 2 or kv_len % 2:  # cuDNN's backward wants even lengths: pad, mask, slice
+        if mask is None:
+            mask = jnp.ones((q.shape[0], kv_len), bool)
         q_pad, kv_pad = round_up(q_len, 2), round_up(kv_len, 2)
         q = pad_axis(q, 1, q_pad)
         k, v = pad_axis(k, 1, kv_pad), pad_axis(v, 1, kv_pad)

@@ -143,8 +143,8 @@ def _triton_stages(head_dim: int) -> int:
 
 def triton_shared_memory(blocks: BlockSizes, head_dim: int, itemsize: int) -> int:
     """Bytes of shared memory the largest of the three Triton kernels asks for: the tile it keeps plus ``stages``
-    copies of the two tiles it streams (the forward at 128x128, head_dim 256, bf16, 3 stages: 448 KiB, as
-    Triton reported on an H100)."""
+    copies of the two tiles it streams. (The forward at 128x128 with 256-wide bf16 rows and 3 stages, before
+    :func:`_triton_stages` gave such rows 2, makes 448 KiB: what Triton asked for on an H100.)"""
     stages = _triton_stages(head_dim)
     rows = max(blocks.block_q + stages * 2 * blocks.block_kv,
                2 * blocks.block_kv_dkv + stages * 2 * blocks.block_q_dkv,
@@ -191,17 +191,16 @@ class _Plan:
         self.groups = self.batch * self.heads
         self.platform = platform_of(platform)
         self.interpret = interpret
-        blocks = block_sizes or BlockSizes.default(self.platform, head_dim=_head_dim_padded(self.head_dim,
-                                                                                          self.platform))
+        self.d_pad = _head_dim_padded(self.head_dim, self.platform)
+        blocks = block_sizes or BlockSizes.default(self.platform)
         if not interpret:
             blocks.check_platform(self.platform)
         self.blocks = blocks.fit(self.q_len, self.kv_len, self.platform)
         if self.platform == "gpu" and not interpret:
-            self.blocks = _fit_shared_memory(self.blocks, block_sizes is not None,
-                                             _head_dim_padded(self.head_dim, "gpu"), jnp.dtype(q.dtype).itemsize)
+            self.blocks = _fit_shared_memory(self.blocks, block_sizes is not None, self.d_pad,
+                                             jnp.dtype(q.dtype).itemsize)
         self.q_pad = round_up(self.q_len, self.blocks.q_multiple)
         self.kv_pad = round_up(self.kv_len, self.blocks.kv_multiple)
-        self.d_pad = _head_dim_padded(self.head_dim, self.platform)
         for names, length in ((BlockSizes.q_fields, self.q_pad), (BlockSizes.kv_fields, self.kv_pad)):
             for n in names:
                 if length % getattr(self.blocks, n):

@@ -31,7 +31,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import Kernel, pad_axis, round_up
+from ._block_sizes import BlockSizes
+from ._common import Kernel, attention_from_kernel, pad_axis, round_up, to_bhsd
+from ._flash import flash_backward
 
 LOG2E = math.log2(math.e)
 HEAD_DIMS = (64, 128)
@@ -273,13 +275,21 @@ def hopper_forward(q, k, v, valid, *, scale, causal, config: HopperConfig | None
     return out[:, :q_len], lse2[:, :, :q_len] / LOG2E
 
 
-def hopper_flash_kernel(backward, config: HopperConfig | None = None, *, interpret: bool = False) -> Kernel:
-    """A ``bshd`` :class:`Kernel`: the Hopper forward with ``backward`` (the Triton kernels, on ``bhsd`` inputs)
-    wrapped to take and give ``[batch, seq, heads, head_dim]``."""
+def hopper_flash_kernel(block_sizes: BlockSizes | None = None, config: HopperConfig | None = None, *,
+                        interpret: bool = False) -> Kernel:
+    """A ``bshd`` :class:`Kernel`: the Hopper forward, and the Triton backward kernels (``block_sizes``; they take
+    ``bhsd`` inputs) wrapped to take and give ``[batch, seq, heads, head_dim]``."""
 
     def bshd_backward(q, k, v, valid, do, lse, delta, *, scale, causal):
-        t = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
-        dq, dk, dv = backward(t(q), t(k), t(v), valid, t(do), lse, delta, scale=scale, causal=causal)
-        return t(dq), t(dk), t(dv)
+        dq, dk, dv = flash_backward(to_bhsd(q), to_bhsd(k), to_bhsd(v), valid, to_bhsd(do), lse, delta, scale=scale,
+                                    causal=causal, block_sizes=block_sizes, interpret=interpret)
+        return to_bhsd(dq), to_bhsd(dk), to_bhsd(dv)
 
     return Kernel(functools.partial(hopper_forward, config=config, interpret=interpret), bshd_backward, "bshd")
+
+
+@functools.cache
+def hopper_attention_fn(block_sizes: BlockSizes | None = None, interpret: bool = False):
+    """``attention(q, k, v, mask, scale, causal)`` on ``[batch, seq, heads, head_dim]`` by :func:`hopper_flash_kernel`,
+    differentiable."""
+    return attention_from_kernel(hopper_flash_kernel(block_sizes, interpret=interpret))
