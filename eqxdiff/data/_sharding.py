@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from ..parallel import DEFAULT_RULES, AxisRules, batch_sharding
+from ..parallel import DEFAULT_RULES, AxisRules, batch_sharding, batch_shards
 from ._common import DataError
 
 
@@ -19,12 +19,6 @@ def _batch_shards(sharding: jax.sharding.Sharding) -> int:
         axes = sharding.spec[0] if isinstance(sharding.spec[0], tuple) else (sharding.spec[0],)
         return math.prod(sharding.mesh.shape[a] for a in axes)
     return 1
-
-
-def _wanted_shards(mesh: Mesh, rules: AxisRules) -> int:
-    """How many ways the rules split the batch on ``mesh`` when it divides (``batch_sharding`` falls back to
-    fewer axes, down to replication, when it does not)."""
-    return math.prod(mesh.shape[a] for a in rules.lookup("activations", "batch") if a in mesh.shape)
 
 
 def to_global_batch(batch: dict[str, np.ndarray], mesh_or_sharding: Mesh | jax.sharding.Sharding, *,
@@ -48,7 +42,7 @@ def to_global_batch(batch: dict[str, np.ndarray], mesh_or_sharding: Mesh | jax.s
         value = np.asarray(value)
         global_batch = value.shape[0] * jax.process_count()
         if isinstance(mesh_or_sharding, Mesh):
-            shards = _wanted_shards(mesh_or_sharding, rules)
+            shards = batch_shards(mesh_or_sharding, rules)
             shape = (global_batch, *value.shape[1:])
             sharding = batch_sharding(mesh_or_sharding, shape, rules)
         else:

@@ -27,6 +27,7 @@ from ._rules import param_spec as param_spec
 from ._rules import shard_params as shard_params
 from ._rules import sharding_fn as sharding_fn
 from ._run import batch_sharding as batch_sharding
+from ._run import batch_shards as batch_shards
 from ._run import global_batch_size as global_batch_size
 from ._run import host_local_batch as host_local_batch
 from ._run import per_device_bytes as per_device_bytes

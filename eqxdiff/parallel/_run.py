@@ -24,6 +24,14 @@ def global_batch_size(per_device_batch_size: float, mesh_or_count: Mesh | int) -
     return int(round(total))
 
 
+def batch_shards(mesh: Mesh | None, rules: AxisRules = DEFAULT_RULES) -> int:
+    """How many ways the rules split a batch on ``mesh`` (the product of the mesh's batch axes, data x fsdp by
+    default; 1 without a mesh). :func:`batch_sharding` falls back to fewer axes when a batch does not divide."""
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in rules.lookup("activations", "batch") if a in mesh.shape)
+
+
 def batch_sharding(mesh: Mesh, shape, rules: AxisRules = DEFAULT_RULES, logical=None):
     """The ``NamedSharding`` of a batch-major array: the batch over data+fsdp (the largest prefix of those axes
     that divides it), other axes replicated unless ``logical`` names them."""

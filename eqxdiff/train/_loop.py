@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..parallel import DEFAULT_RULES, AxisRules, MeshConfig, make_mesh, param_shardings, shard_params
+from ..parallel import DEFAULT_RULES, AxisRules, MeshConfig, batch_shards, make_mesh, param_shardings, shard_params
 from ._data import DataError, check_batch
 from ._metrics import MetricsLogger, step_flops
 from ._step import TrainState, train_step
@@ -42,13 +42,6 @@ def shard_state(state: TrainState, frozen, mesh: jax.sharding.Mesh, rules: AxisR
     :func:`eqxdiff.train.train_step` keeps its output on)."""
     shardings = state_shardings(state, mesh, rules)
     return jax.device_put(state, shardings), shard_params(frozen, mesh, rules), shardings
-
-
-def batch_shards(mesh: jax.sharding.Mesh | None, rules: AxisRules = DEFAULT_RULES) -> int:
-    """How many ways a batch is split on ``mesh`` (the product of the rules' batch axes; 1 without a mesh)."""
-    if mesh is None:
-        return 1
-    return int(np.prod([mesh.shape[a] for a in rules.lookup("activations", "batch") if a in mesh.shape]))
 
 
 def shard_batch(batch: dict, mesh: jax.sharding.Mesh | None, rules: AxisRules = DEFAULT_RULES) -> dict:

@@ -267,8 +267,8 @@ def export_pipeline(model: LatentDiffusion, tokenizer, noise_scheduler, folder, 
 
 def run(config: TrainConfig):
     """Train as ``config`` says; returns ``(state, frozen, losses)``."""
-    from ..parallel import make_mesh, shard_params, with_plan
-    from ._loop import batch_shards, fit, shard_state
+    from ..parallel import batch_shards, make_mesh, shard_params, with_plan
+    from ._loop import fit, shard_state
     from ._metrics import MetricsLogger
 
     t_start = time.perf_counter()
