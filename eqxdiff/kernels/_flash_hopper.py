@@ -93,9 +93,8 @@ def _transposed(ref):
     return _mgpu().transpose_ref(ref, (1, 0))
 
 
-def _interpret_params(interpret: bool):
-    if not interpret:
-        return None
+def _interpret_params():
+    """Pallas' GPU-interpreter settings (the class is not exported by ``jax.experimental`` in jax 0.10)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
@@ -248,7 +247,7 @@ def _forward_call(q, k, v, *, scale: float, kv_len: int, config: HopperConfig, i
             collective_axes="wg",
         )
 
-    options = {} if not interpret else {"interpret": _interpret_params(True)}
+    options = {"interpret": _interpret_params()} if interpret else {}
     return plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)),
