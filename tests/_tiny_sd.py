@@ -5,6 +5,7 @@ import torch
 
 from eqxdiff.data import character_tokenizer
 
+
 def randomize_(module: torch.nn.Module, std: float = 0.05, seed: int = 0) -> None:
     """Non-trivial values for every parameter (norm scales around 1) so a wrong mapping cannot hide."""
     gen = torch.Generator().manual_seed(seed)
@@ -22,8 +23,14 @@ def randomize_(module: torch.nn.Module, std: float = 0.05, seed: int = 0) -> Non
 def build_pipeline(folder, *, scheduler: str = "pndm", prediction_type: str = "epsilon", seed: int = 0,
                    sd2: bool = False):
     """Save a tiny StableDiffusionPipeline in ``folder`` and return the diffusers pipeline."""
-    from diffusers import (AutoencoderKL, DDIMScheduler, EulerDiscreteScheduler, PNDMScheduler,
-                           StableDiffusionPipeline, UNet2DConditionModel)
+    from diffusers import (
+        AutoencoderKL,
+        DDIMScheduler,
+        EulerDiscreteScheduler,
+        PNDMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(seed)

@@ -14,8 +14,14 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from eqxdiff.kernels import (IMPLEMENTATIONS, AttentionUnavailableError, BlockSizes, attention, explain_choice,
-                             reference_attention)
+from eqxdiff.kernels import (
+    IMPLEMENTATIONS,
+    AttentionUnavailableError,
+    BlockSizes,
+    attention,
+    explain_choice,
+    reference_attention,
+)
 
 from ._util import assert_close
 

@@ -10,8 +10,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import eqxdiff
+from eqxdiff.core import ConfigError
 from eqxdiff.models.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-from eqxdiff.models._config import ConfigError
 
 from ._util import assert_close
 

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 
 import eqxdiff
 from eqxdiff import nn
+from eqxdiff.core import ConfigError, ModelConfig
 from eqxdiff.loading import CheckpointError, SafetensorsFile, write_safetensors
 from eqxdiff.models._base import PretrainedModel
-from eqxdiff.models._config import ConfigError, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ def _register_tiny(monkeypatch):
     module = types.ModuleType("eqxdiff_test_tiny")
     module.TinyModel = TinyModel
     monkeypatch.setitem(sys.modules, "eqxdiff_test_tiny", module)
-    monkeypatch.setitem(eqxdiff.loading.MODEL_CLASSES, "TinyModel", "eqxdiff_test_tiny:TinyModel")
+    monkeypatch.setitem(eqxdiff.core.FAMILY_TABLE, "TinyModel", "eqxdiff_test_tiny:TinyModel")
 
 
 def _torch_weights(width=4):
@@ -102,7 +102,7 @@ def test_sharded_loading_reads_slices_onto_a_mesh(tmp_path):
     folder = _write_folder(tmp_path / "m", _torch_weights(width=8), {"_class_name": "TinyModel", "width": 8})
     mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[:8])
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
-    model = eqxdiff.load(folder, sharding=lambda name, shape: spec if name == "proj.weight" else None)
+    model = eqxdiff.load(folder, sharding=lambda leaf, shape: spec if leaf.name == "proj.weight" else None)
     assert model.proj.weight.sharding == spec
     assert len(model.proj.weight.addressable_shards) == 8
     np.testing.assert_array_equal(model.proj.weight, _torch_weights(8)["proj.weight"].numpy())

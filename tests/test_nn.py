@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from eqxdiff import nn
-from eqxdiff.loading import CheckpointError, fill_module, leaf_specs, state_dict
+from eqxdiff.core import leaf_specs
+from eqxdiff.loading import CheckpointError, fill_module, state_dict
 
 from ._util import assert_close, nchw_to_nhwc, nhwc_to_nchw, to_jax
 

@@ -16,9 +16,22 @@ from jax.sharding import PartitionSpec as P
 import eqxdiff
 from eqxdiff.models.unet2d import UNet2DConditionConfig, UNet2DConditionModel
 from eqxdiff.models.vae import AutoencoderKL, AutoencoderKLConfig
-from eqxdiff.parallel import (DEFAULT_RULES, MeshConfig, MeshError, Plan, Remat, activation_sharding,
-                              global_batch_size, make_mesh, param_logical_axes, param_spec, shard_batch, shard_params,
-                              sharded_jit, sharding_fn, with_plan)
+from eqxdiff.parallel import (
+    DEFAULT_RULES,
+    MeshConfig,
+    MeshError,
+    Plan,
+    Remat,
+    activation_sharding,
+    global_batch_size,
+    make_mesh,
+    param_spec,
+    shard_batch,
+    shard_params,
+    sharded_jit,
+    sharding_fn,
+    with_plan,
+)
 
 from ._util import assert_close
 
@@ -78,27 +91,34 @@ def test_initialize_distributed_needs_all_three():
 
 # -- rules ----------------------------------------------------------------------------------------------------------
 
-def test_param_logical_axes():
-    assert param_logical_axes("down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight", (64, 32)) == \
-        ("heads", "embed")
-    assert param_logical_axes("mid_block.attentions.0.transformer_blocks.0.attn1.to_out.0.weight", (32, 64)) == \
-        ("embed", "heads")
-    assert param_logical_axes("x.ff.net.0.proj.weight", (256, 32)) == ("mlp", "embed")
-    assert param_logical_axes("text_model.encoder.layers.0.mlp.fc2.weight", (32, 64)) == ("embed", "mlp")
-    assert param_logical_axes("conv_in.weight", (3, 3, 4, 32)) == ("kernel", "kernel", "conv_in", "conv_out")
-    assert param_logical_axes("conv_in.bias", (32,)) == ("norm",)
+def test_layers_declare_the_logical_axes_of_their_parameters(getkey):
+    """Axes come from the layers (a Linear is told what its output runs over), not from parameter names."""
+    from eqxdiff.models._transformer2d import Transformer2DModel
+
+    block = Transformer2DModel(32, heads=2, dim_head=16, cross_attention_dim=24, groups=8, key=getkey())
+    axes = {s.name: s.axes for s in eqxdiff.core.leaf_specs(block)[1]}
+    assert axes["transformer_blocks.0.attn1.to_q.weight"] == ("heads", "embed")
+    assert axes["transformer_blocks.0.attn1.to_out.0.weight"] == ("embed", "heads")
+    assert axes["transformer_blocks.0.attn1.to_out.0.bias"] == ("embed",)
+    assert axes["transformer_blocks.0.ff.net.0.proj.weight"] == ("mlp", "embed")
+    assert axes["transformer_blocks.0.ff.net.2.weight"] == ("embed", "mlp")
+    assert axes["proj_in.weight"] == ("kernel", "kernel", "conv_in", "conv_out")
+    assert axes["norm.weight"] == ("norm",)
+
+
+CONV = ("kernel", "kernel", "conv_in", "conv_out")
 
 
 def test_spec_falls_back_to_replication(caplog):
     mesh = make_mesh(MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1))
     with caplog.at_level(logging.DEBUG, logger="eqxdiff.parallel"):
-        assert param_spec("conv_out.weight", (3, 3, 32, 4), mesh) == P()  # 4 output channels over fsdp=8
+        assert param_spec(CONV, (3, 3, 32, 4), mesh) == P()  # 4 output channels over fsdp=8
     assert "does not divide" in caplog.text
-    assert param_spec("conv_in.weight", (3, 3, 4, 32), mesh) == P(None, None, None, "fsdp")
+    assert param_spec(CONV, (3, 3, 4, 32), mesh) == P(None, None, None, "fsdp")
     mesh2 = make_mesh(MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2))
-    assert param_spec("a.to_k.weight", (64, 32), mesh2) == P("tensor", "fsdp")
+    assert param_spec(("heads", "embed"), (64, 32), mesh2) == P("tensor", "fsdp")
     rules = DEFAULT_RULES.replace(params={"heads": None})
-    assert param_spec("a.to_k.weight", (64, 32), mesh2, rules) == P(None, "fsdp")
+    assert param_spec(("heads", "embed"), (64, 32), mesh2, rules) == P(None, "fsdp")
 
 
 # -- strategies -----------------------------------------------------------------------------------------------------
@@ -234,9 +254,9 @@ def _check_run(programs, test, run):
     _, _, (ref_out, ref_grads) = programs.get(test, "reference")
     mesh, model, (out, grads) = programs.get(test, _run_id(*run))
     _assert_same(out, grads, ref_out, ref_grads, f"{type(model).__name__} on {_run_id(*run)}")
-    leaves, specs, _ = eqxdiff.loading.leaf_specs(model)
+    leaves, specs, _ = eqxdiff.core.leaf_specs(model)
     for leaf, spec in zip(leaves, specs):
-        assert leaf.sharding.spec == param_spec(spec.name, leaf.shape, mesh), spec.name
+        assert leaf.sharding.spec == param_spec(spec.axes, leaf.shape, mesh), spec.name
     assert out.sharding.is_equivalent_to(activation_sharding(mesh, IMAGE, out.shape), out.ndim), out.sharding
     return model
 
@@ -287,8 +307,16 @@ def test_remat_really_rematerialises(programs):
 def test_bad_remat_names():
     with pytest.raises(ValueError, match="needs remat_names"):
         Plan(remat=Remat.NAMED)
-    with pytest.raises(ValueError, match="not checkpoint names"):
-        Plan(remat=Remat.NAMED, remat_names=("nope",))
+    # Each model declares the checkpoint names it tags; a plan naming any other is refused with the model's list.
+    from eqxdiff.models.clip import CLIPTextConfig, CLIPTextModel
+
+    clip = eqx.filter_eval_shape(CLIPTextModel, CLIPTextConfig(num_hidden_layers=1), key=jax.random.key(0))
+    assert eqxdiff.parallel.checkpoint_names(clip) == ("clip_layer",)
+    with pytest.raises(ValueError, match=r"remat_names \['resnet'\] are not checkpoint names CLIPTextModel tags; "
+                                         r"it tags \['clip_layer'\]"):
+        with_plan(clip, Plan(remat=Remat.NAMED, remat_names=("resnet",)))
+    assert with_plan(clip, Plan(remat=Remat.NAMED, remat_names=("clip_layer",))).text_model.plan.remat_names == \
+        ("clip_layer",)
 
 
 # -- XLA: row-sharded convolutions ----------------------------------------------------------------------------------
@@ -369,7 +397,7 @@ def test_pipeline_on_mesh_equals_single_device(tiny_sd, monkeypatch):
     mesh = make_mesh(STRATEGIES["fsdp+context+tensor"])
     pipe = eqxdiff.load_pipeline(tiny_sd, mesh=mesh, offload_encoders=True)
     to_k = pipe.unet.up_blocks[1].attentions[0].transformer_blocks[0].attn2.to_k.weight  # [32, 32]
-    assert to_k.sharding.spec == param_spec("x.to_k.weight", to_k.shape, mesh) == P("tensor", "fsdp")
+    assert to_k.sharding.spec == param_spec(("heads", "embed"), to_k.shape, mesh) == P("tensor", "fsdp")
     assert to_k.addressable_shards[0].data.shape == (16, 16)  # really split, loaded slice by slice
     # the text encoder's weights live on the host, not on the devices
     assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(pipe.text_encoder))
@@ -382,16 +410,16 @@ def test_load_straight_onto_fsdp_mesh(tiny_sd):
     fn = sharding_fn(mesh)
     reads = []
 
-    def spy(name, shape):
-        reads.append(name)
-        return fn(name, shape)
+    def spy(spec, shape):
+        reads.append(spec.name)
+        return fn(spec, shape)
 
     clip = eqxdiff.load(tiny_sd, "text_encoder", sharding=spy)
     plain = eqxdiff.load(tiny_sd, "text_encoder")
-    leaves, specs, _ = eqxdiff.loading.leaf_specs(clip)
+    leaves, specs, _ = eqxdiff.core.leaf_specs(clip)
     assert sorted(reads) == sorted(s.name for s in specs)
     for leaf, ref, spec in zip(leaves, jax.tree.leaves(plain), specs):
-        assert leaf.sharding.spec == param_spec(spec.name, leaf.shape, mesh)
+        assert leaf.sharding.spec == param_spec(spec.axes, leaf.shape, mesh)
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(ref))
     fc1 = clip.text_model.layers[0].mlp.fc1.weight  # [64, 32]: ("mlp", "embed") -> P(None, "fsdp")
     assert fc1.sharding.spec == P(None, "fsdp") and fc1.addressable_shards[0].data.shape == (64, 4)

@@ -19,9 +19,9 @@ from safetensors.numpy import load_file, save_file
 
 import eqxdiff
 from eqxdiff import nn
-from eqxdiff.loading import CheckpointError, leaf_specs, state_dict
-from eqxdiff.parallel import (MeshConfig, Plan, Remat, checkpoint_block, make_mesh, param_logical_axes, param_spec,
-                              sharding_fn, with_plan)
+from eqxdiff.core import leaf_specs
+from eqxdiff.loading import CheckpointError, state_dict
+from eqxdiff.parallel import MeshConfig, Plan, Remat, checkpoint_block, make_mesh, param_spec, sharding_fn, with_plan
 
 from ._util import assert_close, nchw_to_nhwc, randomize_torch, rel_error
 
@@ -187,9 +187,11 @@ def test_stacked_leaves_are_named_per_layer_and_never_sharded():
     fc1 = next(s for s in specs if s.name.endswith("fc1.weight"))
     assert fc1.name == "text_model.encoder.layers.*.mlp.fc1.weight" and fc1.layers == 3
     assert fc1.names[2] == "text_model.encoder.layers.2.mlp.fc1.weight"
-    assert param_logical_axes(fc1.name, (3, 40, 32)) == ("layers", "mlp", "embed")
-    assert param_logical_axes("text_model.encoder.layers.*.layer_norm1.weight", (3, 32)) == ("layers", "norm")
-    assert param_logical_axes("text_model.encoder.layers.0.layer_norm1.weight", (32,)) == ("norm",)
+    assert fc1.axes == ("layers", "mlp", "embed")
+    norm = next(s for s in specs if s.name.endswith("layer_norm1.weight"))
+    assert norm.name == "text_model.encoder.layers.*.layer_norm1.weight" and norm.axes == ("layers", "norm")
+    plain = {s.name: s.axes for s in leaf_specs(eqxdiff.load(_clip_folder()))[1]}
+    assert plain["text_model.encoder.layers.0.layer_norm1.weight"] == ("norm",)
 
 
 # -- CLIP --------------------------------------------------------------------------------------------------------
@@ -198,7 +200,7 @@ def test_stacked_leaves_are_named_per_layer_and_never_sharded():
 def test_scanned_clip_loads_stacked_and_equals_unrolled():
     scanned = eqxdiff.load(_clip_folder(), scan_layers=True)
     assert isinstance(scanned.text_model.layers, nn.Stacked)
-    assert scanned.text_model.layers.layers.self_attn.q_proj.weight.shape == (3, 32, 32)
+    assert scanned.text_model.layers.layers.self_attn.to_q.weight.shape == (3, 32, 32)
     _assert_equal_to_unrolled(scanned, _clip_out, _clip_reference(), "scanned CLIP")
     plain = _clip_reference()[0]
     assert len(_clip_reference()[1]) == CLIP["num_hidden_layers"] + 3  # embeddings, 3 layers, last, pooled
@@ -256,8 +258,8 @@ def test_scanned_load_onto_a_mesh_reads_each_devices_slices():
     leaves, specs, _ = leaf_specs(scanned)
     assert sum(s.layers is not None for s in specs) == 16  # 4 Linear (q, k, v, out) + 2 MLP + 2 norms, 2 each
     for leaf, spec in zip(leaves, specs):  # a stacked leaf: one layer's sharding, the layers axis unsharded
-        want = param_spec(spec.name, leaf.shape, mesh) if spec.layers is None else \
-            P(None, *param_spec(spec.names[0], leaf.shape[1:], mesh))
+        want = param_spec(spec.axes, leaf.shape, mesh) if spec.layers is None else \
+            P(None, *param_spec(spec.axes[1:], leaf.shape[1:], mesh))
         assert tuple(leaf.sharding.spec) + (None,) * (leaf.ndim - len(leaf.sharding.spec)) == \
             tuple(want) + (None,) * (leaf.ndim - len(want)), spec.name
     stacked = scanned.text_model.layers.layers
@@ -267,10 +269,10 @@ def test_scanned_load_onto_a_mesh_reads_each_devices_slices():
     # A sharding that splits the layers themselves (the rules never do): each device reads its own layer.
     layer_mesh = Mesh(np.array(jax.devices()[:3]), ("layers",))
     by_layer = eqxdiff.load(_clip_folder(), scan_layers=True,
-                            sharding=lambda name, _: NamedSharding(layer_mesh, P("layers" if "*" in name else None)))
-    q = by_layer.text_model.layers.layers.self_attn.q_proj.weight
+                            sharding=lambda leaf, _: NamedSharding(layer_mesh, P("layers" if "*" in leaf.name else None)))
+    q = by_layer.text_model.layers.layers.self_attn.to_q.weight
     assert q.addressable_shards[1].data.shape == (1, 32, 32)
-    np.testing.assert_array_equal(q.addressable_shards[1].data[0], plain.text_model.layers[1].self_attn.q_proj.weight)
+    np.testing.assert_array_equal(q.addressable_shards[1].data[0], plain.text_model.layers[1].self_attn.to_q.weight)
     for a, b in zip(jax.tree.leaves(by_layer), jax.tree.leaves(scanned)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -13,10 +13,33 @@ import pytest
 from eqxdiff.data import character_tokenizer
 from eqxdiff.parallel import MeshConfig, Plan, make_mesh, shard_params, with_plan
 from eqxdiff.schedulers import DDPMScheduler
-from eqxdiff.train import (ArrayBatches, Checkpointer, DataError, DigitsArchitecture, Objective, OptimizerConfig,
-                           TimestepBias, TrainConfig, batch_loss, cache_arrays, check_batch, data_parallel_mesh,
-                           diffusion_loss, fit, flow_matching_pair, init_state, make_optimizer, min_snr_weights,
-                           offset_noise, shard_batch, shard_state, snr, target, train_step, trainable_filter)
+from eqxdiff.train import (
+    ArrayBatches,
+    Checkpointer,
+    DataError,
+    DigitsArchitecture,
+    Objective,
+    OptimizerConfig,
+    TimestepBias,
+    TrainConfig,
+    batch_loss,
+    cache_arrays,
+    check_batch,
+    data_parallel_mesh,
+    diffusion_loss,
+    fit,
+    flow_matching_pair,
+    init_state,
+    make_optimizer,
+    min_snr_weights,
+    offset_noise,
+    shard_batch,
+    shard_state,
+    snr,
+    target,
+    train_step,
+    trainable_filter,
+)
 from eqxdiff.train._digits import SD_NOISE_SCHEDULE
 
 TINY = DigitsArchitecture(image_size=8, vae_channels=(8, 8), latent_channels=4, unet_channels=(8,),

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import eqxdiff
-from eqxdiff.loading import CheckpointError, SafetensorsFile, leaf_specs, state_dict, write_safetensors
-from eqxdiff.models._config import ConfigError
+from eqxdiff.core import ConfigError, leaf_specs
+from eqxdiff.loading import CheckpointError, SafetensorsFile, state_dict, write_safetensors
 from eqxdiff.models.unet2d import UNet2DConditionConfig, UNet2DConditionModel
 
 from ._util import assert_close, nchw_to_nhwc, randomize_torch, to_jax

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import eqxdiff
-from eqxdiff.models._config import ConfigError
+from eqxdiff.core import ConfigError
 from eqxdiff.models.vae import AutoencoderKL, AutoencoderKLConfig, _batch_sliced
 
 from ._util import assert_close, nchw_to_nhwc

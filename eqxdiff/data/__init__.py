@@ -7,6 +7,7 @@ iterator has ``get_state()``/``set_state()``; ``to_global_batch`` puts a host ba
 ``eqxdiff.parallel.batch_sharding`` says).
 """
 
+from ._arrays import ArrayBatches as ArrayBatches
 from ._common import DataError as DataError
 from ._folder import ImageFolderSource as ImageFolderSource
 from ._hf import HFDatasetSource as HFDatasetSource

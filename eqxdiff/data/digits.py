@@ -9,9 +9,11 @@ Captions read ``"a handwritten digit seven"``; batches are ``{"pixel_values": fl
 """
 
 import dataclasses
-from collections.abc import Iterator
 
 import numpy as np
+
+from ._arrays import ArrayBatches
+from ._tokenizer import character_tokenizer
 
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
@@ -67,8 +69,6 @@ class DigitsSource:
     tokenizer: object = None
 
     def __post_init__(self):
-        from ._tokenizer import character_tokenizer
-
         if self.tokenizer is None:
             self.tokenizer = character_tokenizer(max_length=32)
         raw, self.labels = load_digits_arrays()
@@ -92,9 +92,7 @@ class DigitsSource:
 
     def batches(self, batch_size: int, *, seed: int = 0, position: int = 0):
         """Endless shuffled batches (a new permutation each epoch, drawn from ``seed``) that can be checkpointed
-        and resumed: see :class:`eqxdiff.train.ArrayBatches`."""
-        from ..train._data import ArrayBatches
-
+        and resumed: see :class:`eqxdiff.data.ArrayBatches`."""
         return ArrayBatches(self.arrays, batch_size, seed=seed, position=position)
 
 

@@ -10,8 +10,17 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from ._common import (Kernel, allowed_pairs, attention_from_kernel, finish_softmax, key_valid, lse_for_backward,
-                      pad_axis, round_up, safe_max)
+from ._common import (
+    Kernel,
+    allowed_pairs,
+    attention_from_kernel,
+    finish_softmax,
+    key_valid,
+    lse_for_backward,
+    pad_axis,
+    round_up,
+    safe_max,
+)
 
 
 def _layout(q, k, v, valid, block_q, block_kv):

@@ -1,6 +1,5 @@
 """``load`` and ``save_pretrained``: Hugging Face diffusers/transformers folders <-> eqxdiff modules."""
 
-import importlib
 import json
 import os
 import re
@@ -11,27 +10,21 @@ import jax
 import jax.numpy as jnp
 
 from .. import nn
+from ..core import family_names, resolve_class
+from ._fill import CheckpointError, fill_module, state_dict
 from ._safetensors import SafetensorsFile, write_safetensors
-from ._state import CheckpointError, fill_module, state_dict
-
-# `_class_name` (diffusers) or `architectures[0]` (transformers) -> "module:Class". A table, not decorators:
-# importing eqxdiff never has to import every model family.
-MODEL_CLASSES = {
-    "UNet2DConditionModel": "eqxdiff.models.unet2d:UNet2DConditionModel",
-    "AutoencoderKL": "eqxdiff.models.vae:AutoencoderKL",
-    "CLIPTextModel": "eqxdiff.models.clip:CLIPTextModel",
-    "CLIPTextModelWithProjection": "eqxdiff.models.clip:CLIPTextModelWithProjection",
-}
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 _WEIGHT_BASENAMES = ("diffusion_pytorch_model", "model")
 
 
 def model_class(name: str):
-    if name not in MODEL_CLASSES:
-        raise CheckpointError(f"unknown model class {name!r}; eqxdiff can load: {sorted(MODEL_CLASSES)}")
-    module, cls = MODEL_CLASSES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    """The eqxdiff model class the family table (:data:`eqxdiff.core.FAMILY_TABLE`) gives checkpoint class
+    ``name``."""
+    cls = resolve_class(name)
+    if cls is None or not hasattr(cls, "config_class"):
+        raise CheckpointError(f"unknown model class {name!r}; eqxdiff can load: {family_names('model')}")
+    return cls
 
 
 def check_dtype(dtype):
@@ -206,4 +199,4 @@ def save_pretrained(module, folder, *, dtype=None) -> Path:
 
 
 __all__ = ["load", "save_pretrained", "resolve_folder", "read_config", "weight_files", "model_class",
-           "check_dtype", "CheckpointError", "CheckpointFiles", "MODEL_CLASSES"]
+           "check_dtype", "CheckpointError", "CheckpointFiles"]

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import Array, Bool, Float, PRNGKeyArray, typechecked
+from ..core import Plan, constrain
 from ..nn import Attention, Conv2d, GroupNorm, LayerNorm, Linear, Stacked, run_layers
-from ..parallel._plan import Plan, constrain
 
 
 class GEGLU(eqx.Module):
@@ -18,7 +18,7 @@ class GEGLU(eqx.Module):
     proj: Linear
 
     def __init__(self, dim_in: int, dim_out: int, *, dtype=jnp.float32, key: PRNGKeyArray):
-        self.proj = Linear(dim_in, 2 * dim_out, dtype=dtype, key=key)
+        self.proj = Linear(dim_in, 2 * dim_out, axes=("mlp", "embed"), dtype=dtype, key=key)
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch inner"]:
         h, gate = jnp.split(self.proj(x), 2, axis=-1)
@@ -37,7 +37,7 @@ class FeedForward(eqx.Module):
     def __init__(self, dim: int, *, mult: int = 4, dtype=jnp.float32, key: PRNGKeyArray):
         k1, k2 = jax.random.split(key)
         self.geglu = GEGLU(dim, dim * mult, dtype=dtype, key=k1)
-        self.proj_out = Linear(dim * mult, dim, dtype=dtype, key=k2)
+        self.proj_out = Linear(dim * mult, dim, axes=("embed", "mlp"), dtype=dtype, key=k2)
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         return self.proj_out(constrain(self.geglu(x), self.plan, ("batch", "seq", "mlp")))

@@ -139,6 +139,8 @@ class DownBlock(eqx.Module):
     Returns the output and the skips the up path consumes: every ResNet/transformer output and the downsampled one.
     """
 
+    CHECKPOINT_NAMES: ClassVar[tuple[str, ...]] = ("resnet", "transformer")
+
     TORCH_RENAMES: ClassVar[dict[str, str]] = {"downsampler": "downsamplers.0"}
 
     resnets: list[ResnetBlock2D]
@@ -170,6 +172,8 @@ class DownBlock(eqx.Module):
 class MidBlock(eqx.Module):
     """``UNetMidBlock2DCrossAttn``: a ResNet, then (transformer, ResNet) pairs."""
 
+    CHECKPOINT_NAMES: ClassVar[tuple[str, ...]] = ("resnet", "transformer")
+
     resnets: list[ResnetBlock2D]
     attentions: list[Transformer2DModel]
 
@@ -190,6 +194,8 @@ class MidBlock(eqx.Module):
 
 class UpBlock(eqx.Module):
     """For each ResNet: concatenate the next skip, ResNet, optional transformer; then optional 2x upsampling."""
+
+    CHECKPOINT_NAMES: ClassVar[tuple[str, ...]] = ("resnet", "transformer")
 
     TORCH_RENAMES: ClassVar[dict[str, str]] = {"upsampler": "upsamplers.0"}
 

@@ -20,10 +20,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .. import nn
 from .._typing import Array, Bool, Float, Int, PRNGKeyArray, typechecked
-from ..kernels import attention as attention_op
-from ..parallel._plan import Plan, checkpoint_block, constrain
+from ..core import ModelConfig, Plan, checkpoint_block, constrain
 from ._base import PretrainedModel
-from ._config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +52,7 @@ class CLIPTextConfig(ModelConfig):
     eos_token_id: int = 49407
 
     def __post_init__(self):
-        for key, allowed in self.SUPPORTED_VALUES.items():
-            self.check(getattr(self, key) in allowed, key, f"is not supported; eqxdiff supports {key} in "
-                       f"{list(allowed)}")
+        super().__post_init__()
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "max_position_embeddings"):
             self.check(_is_int(getattr(self, key)) and getattr(self, key) > 0, key, "must be a positive integer")
@@ -96,32 +92,6 @@ class CLIPTextOutput(eqx.Module):
     text_embeds: Float[Array, "batch proj"] | None = None  # CLIPTextModelWithProjection only
 
 
-class CLIPAttention(eqx.Module):
-    """Causal multi-head self-attention with transformers' names (``q_proj`` ... ``out_proj``)."""
-
-    q_proj: nn.Linear
-    k_proj: nn.Linear
-    v_proj: nn.Linear
-    out_proj: nn.Linear
-    heads: int = eqx.field(static=True)
-    implementation: str | None = eqx.field(static=True)
-
-    def __init__(self, dim: int, heads: int, *, implementation: str | None = None, dtype, key: PRNGKeyArray):
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        self.q_proj = nn.Linear(dim, dim, dtype=dtype, key=kq)
-        self.k_proj = nn.Linear(dim, dim, dtype=dtype, key=kk)
-        self.v_proj = nn.Linear(dim, dim, dtype=dtype, key=kv)
-        self.out_proj = nn.Linear(dim, dim, dtype=dtype, key=ko)
-        self.heads = heads
-        self.implementation = implementation
-
-    def __call__(self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq"] | None):
-        b, s, _ = x.shape
-        q, k, v = (proj(x).reshape(b, s, self.heads, -1) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = attention_op(q, k, v, mask=mask, causal=True, implementation=self.implementation)
-        return self.out_proj(out.reshape(b, s, -1))
-
-
 class CLIPMLP(eqx.Module):
     fc1: nn.Linear
     fc2: nn.Linear
@@ -129,8 +99,8 @@ class CLIPMLP(eqx.Module):
 
     def __init__(self, config: CLIPTextConfig, *, dtype, key: PRNGKeyArray):
         k1, k2 = jax.random.split(key)
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, dtype=dtype, key=k1)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, dtype=dtype, key=k2)
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, axes=("mlp", "embed"), dtype=dtype, key=k1)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, axes=("embed", "mlp"), dtype=dtype, key=k2)
         self.act = config.hidden_act
 
     def __call__(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
@@ -140,20 +110,21 @@ class CLIPMLP(eqx.Module):
 class CLIPEncoderLayer(eqx.Module):
     """Pre-norm transformer layer: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
 
-    self_attn: CLIPAttention
+    self_attn: nn.Attention
     layer_norm1: nn.LayerNorm
     mlp: CLIPMLP
     layer_norm2: nn.LayerNorm
 
     def __init__(self, config: CLIPTextConfig, *, dtype, key: PRNGKeyArray):
         ka, km = jax.random.split(key)
-        self.self_attn = CLIPAttention(config.hidden_size, config.num_attention_heads, dtype=dtype, key=ka)
+        self.self_attn = nn.Attention(config.hidden_size, heads=config.num_attention_heads, dim_head=config.head_dim,
+                                      bias=True, names="clip", token_axis=None, dtype=dtype, key=ka)
         self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=dtype)
         self.mlp = CLIPMLP(config, dtype=dtype, key=km)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=dtype)
 
     def __call__(self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq"] | None):
-        x = x + self.self_attn(self.layer_norm1(x), mask)
+        x = x + self.self_attn(self.layer_norm1(x), mask=mask, causal=True)
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -166,6 +137,7 @@ class CLIPTextTransformer(eqx.Module):
         "layers": "encoder.layers",
     }
     SCAN_FIELDS: ClassVar[tuple[str, ...]] = ("layers",)  # eqxdiff.nn.scan_layers stacks them
+    CHECKPOINT_NAMES: ClassVar[tuple[str, ...]] = ("clip_layer",)  # each layer's output, for Remat.NAMED
 
     token_embedding: nn.Embedding
     position_embedding: nn.Embedding
@@ -177,8 +149,8 @@ class CLIPTextTransformer(eqx.Module):
     def __init__(self, config: CLIPTextConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         kt, kp, kl = jax.random.split(key, 3)
         self.token_embedding = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, key=kt)
-        self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size, dtype=dtype,
-                                               key=kp)
+        self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                               axes=("position", "embed"), dtype=dtype, key=kp)
         self.layers = tuple(CLIPEncoderLayer(config, dtype=dtype, key=k)
                             for k in jax.random.split(kl, config.num_hidden_layers))
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=dtype)

@@ -12,12 +12,21 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import Array, Bool, Float, Int, PRNGKeyArray, typechecked
+from ..core import ConfigError, ModelConfig, Plan, checkpoint_block, constrain
 from ..nn import Conv2d, GroupNorm, activation
-from ..parallel._plan import Plan, checkpoint_block, constrain
 from ._base import PretrainedModel
-from ._config import ConfigError, ModelConfig
-from ._unet_blocks import (AttentionSpec, DownBlock, DownBlockSpec, MidBlock, MidBlockSpec, ResnetSpec,
-                           TimestepEmbedding, UpBlock, UpBlockSpec, timestep_embedding)
+from ._unet_blocks import (
+    AttentionSpec,
+    DownBlock,
+    DownBlockSpec,
+    MidBlock,
+    MidBlockSpec,
+    ResnetSpec,
+    TimestepEmbedding,
+    UpBlock,
+    UpBlockSpec,
+    timestep_embedding,
+)
 
 DOWN_BLOCK_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")
 UP_BLOCK_TYPES = ("CrossAttnUpBlock2D", "UpBlock2D")
@@ -98,8 +107,7 @@ class UNet2DConditionConfig(ModelConfig):
     addition_embed_type_num_heads: int = 64
 
     def __post_init__(self):
-        for key, allowed in self.SUPPORTED_VALUES.items():
-            self.check(getattr(self, key) in allowed, key, f"is not supported; eqxdiff supports {list(allowed)}")
+        super().__post_init__()
         n = self.num_blocks
         for key, names, allowed in (("down_block_types", self.down_block_types, DOWN_BLOCK_TYPES),
                                     ("up_block_types", self.up_block_types, UP_BLOCK_TYPES)):

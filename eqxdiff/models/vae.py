@@ -21,10 +21,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
+from ..core import ConfigError, ModelConfig, Plan, checkpoint_block, constrain
 from ..nn import Attention, Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D
-from ..parallel._plan import Plan, checkpoint_block, constrain
 from ._base import PretrainedModel
-from ._config import ConfigError, ModelConfig
 
 _EPS = 1e-6  # every norm in diffusers' VAE
 _ACTIVATIONS = ("silu", "swish", "mish", "gelu", "relu")  # diffusers' get_activation table
@@ -56,6 +55,7 @@ class AutoencoderKLConfig(ModelConfig):
     mid_block_add_attention: bool = True
 
     def __post_init__(self):
+        super().__post_init__()
         n = len(self.block_out_channels)
         self.check(n >= 1 and all(c > 0 for c in self.block_out_channels), "block_out_channels",
                    "must be a non-empty list of positive widths")
@@ -92,6 +92,7 @@ class AutoencoderKLConfig(ModelConfig):
 class VAEAttentionBlock(eqx.Module):
     """diffusers' single-head spatial self-attention: ``x + attn(group_norm(x))`` over the ``height*width`` tokens."""
 
+    CHECKPOINT_NAMES: ClassVar[tuple[str, ...]] = ("attention",)
     TORCH_RENAMES: ClassVar[dict[str, str]] = {"attn": ""}  # to_q, to_k ... sit beside group_norm
 
     group_norm: GroupNorm
@@ -119,6 +120,8 @@ def _resnet(cin: int, cout: int, config: AutoencoderKLConfig, dtype, key) -> Res
 class MidBlock(eqx.Module):
     """``resnets[0]``, then (``attentions[0]`` if any, ``resnets[1]``), at the bottleneck width."""
 
+    CHECKPOINT_NAMES: ClassVar[tuple[str, ...]] = ("resnet",)
+
     resnets: list[ResnetBlock2D]
     attentions: list[VAEAttentionBlock | None]
 
@@ -137,6 +140,8 @@ class MidBlock(eqx.Module):
 
 
 class DownEncoderBlock2D(eqx.Module):
+    CHECKPOINT_NAMES: ClassVar[tuple[str, ...]] = ("resnet",)
+
     resnets: list[ResnetBlock2D]
     downsamplers: list[Downsample2D] | None
 
@@ -154,6 +159,8 @@ class DownEncoderBlock2D(eqx.Module):
 
 
 class UpDecoderBlock2D(eqx.Module):
+    CHECKPOINT_NAMES: ClassVar[tuple[str, ...]] = ("resnet",)
+
     resnets: list[ResnetBlock2D]
     upsamplers: list[Upsample2D] | None
 

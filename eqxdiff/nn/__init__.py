@@ -1,14 +1,15 @@
 """Channels-last layers that load from PyTorch checkpoints."""
 
+from ._attention import ATTENTION_NAMES as ATTENTION_NAMES
+from ._attention import Attention as Attention
+from ._attention import with_attention_implementation as with_attention_implementation
 from ._layers import Conv2d as Conv2d
 from ._layers import Embedding as Embedding
 from ._layers import GroupNorm as GroupNorm
 from ._layers import LayerNorm as LayerNorm
 from ._layers import Linear as Linear
+from ._layers import RMSNorm as RMSNorm
 from ._layers import activation as activation
-from ._attention import Attention as Attention
-from ._attention import with_attention_implementation as with_attention_implementation
-from ._attention import replace_static as replace_static
 from ._resnet import Downsample2D as Downsample2D
 from ._resnet import ResnetBlock2D as ResnetBlock2D
 from ._resnet import Upsample2D as Upsample2D

@@ -1,8 +1,11 @@
 """Channels-last building blocks whose parameters map one-to-one onto PyTorch checkpoints.
 
 Each layer names its parameters as PyTorch does (``weight``, ``bias``). A layer whose layout differs from
-PyTorch's declares ``TORCH_PERMUTATIONS``: ``ours = numpy.transpose(torch_tensor, perm)``. The loader in
-:mod:`eqxdiff.loading` reads these declarations; layers never load anything themselves.
+PyTorch's declares ``TORCH_PERMUTATIONS``: ``ours = numpy.transpose(torch_tensor, perm)``. Each layer also declares
+the logical axes of its parameters (``PARAM_AXES``, or ``param_axes()`` where the caller chooses them: a
+:class:`Linear` is told whether its output runs over attention ``heads``, ``mlp`` units or the model dimension),
+which the sharding rules map to mesh axes. The loader in :mod:`eqxdiff.loading` and :mod:`eqxdiff.parallel` read
+these declarations; layers never load or place anything themselves.
 """
 
 import math
@@ -20,17 +23,26 @@ def _uniform(key, shape, bound, dtype):
 
 
 class Linear(eqx.Module):
-    """``y = x @ weight.T + bias``; ``weight`` is stored as PyTorch stores it, ``[out_features, in_features]``."""
+    """``y = x @ weight.T + bias``; ``weight`` is stored as PyTorch stores it, ``[out_features, in_features]``.
+
+    ``axes`` are the logical axes of ``weight``: ``(out, in)``. The default ``("out", "embed")`` shards the input
+    features over FSDP; attention projections say ``("heads", "embed")`` / ``("embed", "heads")``, MLPs
+    ``("mlp", "embed")`` / ``("embed", "mlp")``."""
 
     weight: Float[Array, "out in"]
     bias: Float[Array, " out"] | None
+    axes: tuple[str | None, str | None] = eqx.field(static=True, default=("out", "embed"))
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
-                 dtype=jnp.float32, key: PRNGKeyArray):
+                 axes: tuple[str | None, str | None] = ("out", "embed"), dtype=jnp.float32, key: PRNGKeyArray):
         wkey, bkey = jax.random.split(key)
         bound = 1.0 / math.sqrt(in_features)
         self.weight = _uniform(wkey, (out_features, in_features), bound, dtype)
         self.bias = _uniform(bkey, (out_features,), bound, dtype) if use_bias else None
+        self.axes = tuple(axes)
+
+    def param_axes(self):
+        return {"weight": self.axes, "bias": self.axes[:1]}
 
     @property
     def in_features(self) -> int:
@@ -55,6 +67,7 @@ class Conv2d(eqx.Module):
     """2-D convolution on ``[batch, height, width, channels]``; ``weight`` is ``[kh, kw, in, out]`` (HWIO)."""
 
     TORCH_PERMUTATIONS: ClassVar[dict[str, tuple[int, ...]]] = {"weight": (2, 3, 1, 0)}
+    PARAM_AXES: ClassVar = {"weight": ("kernel", "kernel", "conv_in", "conv_out"), "bias": ("conv_out",)}
 
     weight: Float[Array, "kh kw cin cout"]
     bias: Float[Array, " cout"] | None
@@ -87,6 +100,8 @@ class Conv2d(eqx.Module):
 class GroupNorm(eqx.Module):
     """Group normalisation over a channels-last tensor, statistics in float32."""
 
+    PARAM_AXES: ClassVar = {"weight": ("norm",), "bias": ("norm",)}
+
     weight: Float[Array, " channels"] | None
     bias: Float[Array, " channels"] | None
     num_groups: int = eqx.field(static=True)
@@ -118,6 +133,8 @@ class GroupNorm(eqx.Module):
 class LayerNorm(eqx.Module):
     """Layer normalisation over the last axis, statistics in float32; affine parameters optional."""
 
+    PARAM_AXES: ClassVar = {"weight": ("norm",), "bias": ("norm",)}
+
     weight: Float[Array, " dim"] | None
     bias: Float[Array, " dim"] | None
     eps: float = eqx.field(static=True)
@@ -141,13 +158,42 @@ class LayerNorm(eqx.Module):
         return y.astype(x.dtype)
 
 
+class RMSNorm(eqx.Module):
+    """Root-mean-square normalisation over the last axis (no mean subtraction), statistics in float32, with an
+    optional scale ``weight`` (T5's ``T5LayerNorm``, diffusers' ``RMSNorm``)."""
+
+    PARAM_AXES: ClassVar = {"weight": ("norm",)}
+
+    weight: Float[Array, " dim"] | None
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, elementwise_affine: bool = True, dtype=jnp.float32):
+        self.weight = jnp.ones((dim,), dtype) if elementwise_affine else None
+        self.eps = eps
+
+    @typechecked
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
 class Embedding(eqx.Module):
-    """A lookup table ``[num_embeddings, dim]``, as PyTorch's ``nn.Embedding``."""
+    """A lookup table ``[num_embeddings, dim]``, as PyTorch's ``nn.Embedding``; ``axes`` are the table's logical
+    axes (a token table ``("vocab", "embed")``, a position table ``("position", "embed")``)."""
 
     weight: Float[Array, "num dim"]
+    axes: tuple[str | None, str | None] = eqx.field(static=True, default=("vocab", "embed"))
 
-    def __init__(self, num_embeddings: int, dim: int, *, dtype=jnp.float32, key: PRNGKeyArray):
+    def __init__(self, num_embeddings: int, dim: int, *, axes: tuple[str | None, str | None] = ("vocab", "embed"),
+                 dtype=jnp.float32, key: PRNGKeyArray):
         self.weight = jax.random.normal(key, (num_embeddings, dim), dtype)
+        self.axes = tuple(axes)
+
+    def param_axes(self):
+        return {"weight": self.axes}
 
     def __call__(self, ids: Array) -> Array:
         return jnp.take(self.weight, ids, axis=0)

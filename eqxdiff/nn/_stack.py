@@ -10,7 +10,6 @@ Checkpoints keep the unrolled names: ``eqxdiff.loading`` reads ``layers.0.x`` ..
 the stacked leaf (named ``layers.*.x``) and writes them back the same way.
 """
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import ClassVar, Generic, TypeVar
 
@@ -19,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import PRNGKeyArray
+from ..core import map_modules
 
 L = TypeVar("L")
 
@@ -124,32 +124,20 @@ def scan_layers(model, scan: bool = True):
     ``ShapeDtypeStruct`` s, and on any pytree shaped like a model (e.g. its gradients). Raises ``ValueError`` if no
     module in ``model`` declares ``SCAN_FIELDS``: it has no repeated layers to scan.
     """
-    from ._attention import replace_static
-
     found = []
 
-    def convert(value):
+    def convert(module, name, value):
+        if name not in getattr(type(module), "SCAN_FIELDS", ()):
+            return value
+        found.append(type(module).__name__)
         if scan and isinstance(value, (list, tuple)) and len(value) >= 2:
-            return Stacked.from_layers([rebuild(v) for v in value])
+            return Stacked.from_layers(list(value))
         if not scan and isinstance(value, Stacked):
-            return tuple(rebuild(v) for v in value.unstack())
-        return rebuild(value)
+            return tuple(value.unstack())
+        return value
 
-    def rebuild(m):
-        if isinstance(m, (list, tuple)):
-            return type(m)(rebuild(x) for x in m)
-        if not isinstance(m, eqx.Module):
-            return m
-        fields = getattr(type(m), "SCAN_FIELDS", ())
-        if fields:
-            found.append(type(m).__name__)
-        changes = {f.name: (convert if f.name in fields else rebuild)(getattr(m, f.name))
-                   for f in dataclasses.fields(m) if not f.metadata.get("static", False)}
-        return replace_static(m, **changes)
-
-    out = rebuild(model)
+    out = map_modules(lambda m: m, model, fields=convert)
     if not found:
         raise ValueError(f"{type(model).__name__} has no repeated layers that scan_layers stacks (no module in it "
-                         "declares SCAN_FIELDS); scan_layers applies to the CLIP text encoders and the UNet's "
-                         "spatial transformers")
+                         "declares SCAN_FIELDS)")
     return out

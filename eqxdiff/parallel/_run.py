@@ -7,7 +7,7 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh, Sharding
 
-from ._rules import DEFAULT_RULES, AxisRules, activation_sharding
+from ..core import DEFAULT_RULES, AxisRules, activation_sharding
 
 logger = logging.getLogger("eqxdiff.parallel")
 

@@ -1,8 +1,20 @@
-"""Pipelines: model families strung together behind diffusers' argument names."""
+"""Pipelines: model families strung together behind diffusers' argument names, on one base.
 
+:class:`DiffusionPipeline` (components, loading, saving, mesh placement, timings) and :func:`denoise_loop` (the
+jitted sampling loop with classifier-free guidance, driven by a family's :class:`Denoiser`) are what every family
+shares; ``load_pipeline`` finds a folder's pipeline class through the family table.
+"""
+
+from ._base import Component as Component
+from ._base import DiffusionPipeline as DiffusionPipeline
+from ._base import load_pipeline as load_pipeline
+from ._base import load_tokenizer as load_tokenizer
+from ._base import save_pipeline as save_pipeline
+from ._denoise import Denoiser as Denoiser
+from ._denoise import Guidance as Guidance
+from ._denoise import combine_guidance as combine_guidance
+from ._denoise import denoise_loop as denoise_loop
+from ._denoise import rescale_noise_cfg as rescale_noise_cfg
 from ._images import read_parameters as read_parameters
 from ._images import save_images as save_images
-from ._load import load_pipeline as load_pipeline
-from ._load import load_tokenizer as load_tokenizer
-from ._load import save_pipeline as save_pipeline
 from .stable_diffusion import StableDiffusionPipeline as StableDiffusionPipeline

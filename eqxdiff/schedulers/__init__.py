@@ -12,7 +12,7 @@
 >>> x, state, _ = jax.lax.fori_loop(0, sched.remaining_steps(state), body, (x, state, key))
 """
 
-from ..models._config import ConfigError as ConfigError
+from ..core import ConfigError as ConfigError
 from ._common import AbstractScheduler as AbstractScheduler
 from ._common import AbstractSchedulerState as AbstractSchedulerState
 from ._common import SchedulerConfig as SchedulerConfig

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, Shaped, typechecked
-from ..models._config import ConfigError, ModelConfig
+from ..core import ModelConfig
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
@@ -74,12 +74,7 @@ class SchedulerConfig(ModelConfig):
     def __post_init__(self):
         if self.trained_betas is not None:  # a list or array from Python: keep the config hashable
             object.__setattr__(self, "trained_betas", tuple(float(b) for b in np.ravel(self.trained_betas)))
-        # ``from_dict`` checks the keys a checkpoint sets; this also covers configs built in Python.
-        for key, allowed in self.SUPPORTED_VALUES.items():
-            value = getattr(self, key)
-            if not any(a == value and type(a) is type(value) for a in allowed):  # 1 is not True here
-                raise ConfigError(f"{type(self).__name__}: unsupported config value {key}={value!r}; "
-                                  f"eqxdiff supports {key} in {list(allowed)}")
+        super().__post_init__()
         self.check(self.num_train_timesteps >= 2, "num_train_timesteps", "must be at least 2")
         self.check(self.steps_offset >= 0, "steps_offset", "must be >= 0")
         if self.trained_betas is not None:

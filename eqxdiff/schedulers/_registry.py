@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from ..models._config import ConfigError
+from ..core import ConfigError
 from ._common import AbstractScheduler
 from .ddim import DDIMScheduler
 from .ddpm import DDPMScheduler

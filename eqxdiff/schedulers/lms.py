@@ -21,7 +21,7 @@ from ._common import (
     sigma_to_t,
     x0_from_sigma,
 )
-from .euler import AbstractSigmaState, AbstractSigmaScheduler, euler_timesteps_and_sigmas
+from .euler import AbstractSigmaScheduler, AbstractSigmaState, euler_timesteps_and_sigmas
 
 LMS_ORDER = 4
 

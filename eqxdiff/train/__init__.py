@@ -4,11 +4,11 @@
 >>> state, frozen, losses = train.run(train.TrainConfig(steps=1500))     # the digits model, from scratch
 """
 
+from ..data import ArrayBatches as ArrayBatches
 from ._autoencoder import fit_scaling_factor as fit_scaling_factor
-from ._checkpoint import Checkpointer as Checkpointer
 from ._autoencoder import train_autoencoder as train_autoencoder
 from ._autoencoder import vae_loss as vae_loss
-from ._data import ArrayBatches as ArrayBatches
+from ._checkpoint import Checkpointer as Checkpointer
 from ._data import DataError as DataError
 from ._data import cache_arrays as cache_arrays
 from ._data import check_batch as check_batch

@@ -1,5 +1,5 @@
-"""In-memory datasets for training: shuffled batches whose position is their whole state (exact resume), checks
-that fail before training starts, and caching of VAE latents and text embeddings."""
+"""In-memory datasets for training: checks that fail before training starts, and caching of VAE latents and text
+embeddings (the shuffled batches whose position is their whole state are :class:`eqxdiff.data.ArrayBatches`)."""
 
 from collections.abc import Callable, Mapping
 
@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-from ..data._common import DataError  # one error class for bad data, raised by every source and check
+from ..data import DataError  # one error class for bad data, raised by every source and check
 
 
 def check_batch(batch: Mapping[str, np.ndarray], *, where: str = "batch") -> None:
@@ -36,52 +35,6 @@ def check_batch(batch: Mapping[str, np.ndarray], *, where: str = "batch") -> Non
         ids = np.asarray(batch["input_ids"])
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
             raise DataError(f"{where}: input_ids must be integer [batch, seq], got {ids.dtype} {ids.shape}")
-
-
-class ArrayBatches:
-    """Endless shuffled batches from in-memory arrays (one permutation per epoch, drawn from ``[seed, epoch]``).
-
-    ``position`` (batches yielded so far) is the whole state: ``get_state``/``set_state`` checkpoint it, so a
-    resumed run sees the same batches as one that never stopped. Drops the last partial batch of each epoch.
-    """
-
-    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, *, seed: int = 0, position: int = 0):
-        self.arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        n = {k: len(v) for k, v in self.arrays.items()}
-        if not n or 0 in n.values():
-            raise DataError(f"the dataset is empty: {n or 'no arrays'}")
-        if len(set(n.values())) != 1:
-            raise DataError(f"dataset arrays have different lengths: {n}")
-        self.size = next(iter(n.values()))
-        if not 1 <= batch_size <= self.size:
-            raise DataError(f"batch_size={batch_size} must be in [1, dataset size {self.size}]")
-        self.batch_size, self.seed, self.position = batch_size, seed, position
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.size // self.batch_size
-
-    def __iter__(self):
-        return self
-
-    def indices(self, position: int) -> np.ndarray:
-        epoch, i = divmod(position, self.batches_per_epoch)
-        perm = np.random.default_rng([self.seed, epoch]).permutation(self.size)
-        return perm[i * self.batch_size:(i + 1) * self.batch_size]
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        idx = self.indices(self.position)
-        self.position += 1
-        return {k: v[idx] for k, v in self.arrays.items()}
-
-    def get_state(self) -> dict:
-        return {"position": self.position, "seed": self.seed, "batch_size": self.batch_size}
-
-    def set_state(self, state: Mapping) -> None:
-        if int(state["batch_size"]) != self.batch_size or int(state["seed"]) != self.seed:
-            raise DataError(f"the checkpoint's data iterator used batch_size={state['batch_size']}, "
-                            f"seed={state['seed']}; this run has batch_size={self.batch_size}, seed={self.seed}")
-        self.position = int(state["position"])
 
 
 def cache_arrays(model, arrays: Mapping[str, np.ndarray], *, batch_size: int = 256,

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from ..data import ArrayBatches
 from ..parallel import MeshConfig, Plan, Remat
-from ._data import ArrayBatches, DataError, cache_arrays, check_batch
+from ._data import DataError, cache_arrays, check_batch
 from ._digits import SD_NOISE_SCHEDULE, DigitsArchitecture, build_digits_model
 from ._objectives import Objective
 from ._step import LatentDiffusion, OptimizerConfig, init_state, make_optimizer, trainable_filter

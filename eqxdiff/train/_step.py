@@ -14,7 +14,7 @@ cached ``latent_mean`` + ``latent_std`` + ``encoder_hidden_states`` (see :func:`
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -35,6 +35,8 @@ class LatentDiffusion(eqx.Module):
     text_encoder: Any
     vae: Any
     null_input_ids: Int[Array, " seq"]
+
+    PARAM_AXES: ClassVar = {"null_input_ids": (None,)}  # token ids: replicated
 
     def encode_text(self, input_ids):
         return self.text_encoder(input_ids).last_hidden_state

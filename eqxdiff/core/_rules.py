@@ -1,17 +1,16 @@
 """Logical-axis rules: one table mapping logical names to mesh axes, separately for parameters and activations.
 
-A parameter's logical axes come from its PyTorch name and rank (:func:`param_logical_axes`); the rules turn them
-into a ``PartitionSpec`` (:func:`logical_to_spec`). A dimension that does not divide by its mesh axes falls back to
-fewer axes, down to replication, and the fallback is logged at debug level.
+Every layer declares the logical axes of its parameters (``param_axes``, read by :func:`eqxdiff.core.leaf_specs`)
+and models name those of their activations where they constrain them; the rules turn logical axes into a
+``PartitionSpec`` (:func:`logical_to_spec`). A dimension that does not divide by its mesh axes falls back to fewer
+axes, down to replication, and the fallback is logged at debug level.
 """
 
 import dataclasses
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 
-import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -72,6 +71,7 @@ DEFAULT_RULES = AxisRules.make(
         "norm": None,
         "kernel": None,
         "position": None,
+        "modulation": None,
         "layers": None,
     },
     activations={
@@ -98,44 +98,6 @@ DEFAULT_RULES = AxisRules.make(
     },
 )
 
-# PyTorch-name patterns -> logical axes of *our* layout (Linear [out, in], Conv2d HWIO). First match wins; a
-# leaf no pattern names gets the generic axes of its rank below.
-PARAM_PATTERNS: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"(.*\.)?(to_q|to_k|to_v|q_proj|k_proj|v_proj)\.weight", ("heads", "embed")),
-    (r"(.*\.)?(to_q|to_k|to_v|q_proj|k_proj|v_proj)\.bias", ("heads",)),
-    (r"(.*\.)?(to_out\.0|out_proj)\.weight", ("embed", "heads")),
-    (r"(.*\.)?(ff\.net\.0\.proj|fc1)\.weight", ("mlp", "embed")),
-    (r"(.*\.)?(ff\.net\.0\.proj|fc1)\.bias", ("mlp",)),
-    (r"(.*\.)?(ff\.net\.2|fc2)\.weight", ("embed", "mlp")),
-    (r"(.*\.)?token_embedding\.weight", ("vocab", "embed")),
-    (r"(.*\.)?position_embedding\.weight", ("position", "embed")),
-)
-_GENERIC = {1: ("norm",), 2: ("out", "embed"), 4: ("kernel", "kernel", "conv_in", "conv_out")}
-
-
-def param_logical_axes(name: str, shape: Sequence[int]) -> tuple[str | None, ...]:
-    """The logical axes of the parameter called ``name`` (PyTorch state-dict name) with our-layout ``shape``.
-
-    A leading stacked-layers axis (``scan_layers``) is named ``"layers"``; a stacked leaf's name has a ``*`` part
-    (``encoder.layers.*.fc1.weight``) and its other axes are those of one layer.
-    """
-    parts = name.split(".")
-    if "*" in parts:
-        return ("layers", *param_logical_axes(".".join("0" if p == "*" else p for p in parts), shape[1:]))
-    ndim = len(shape)
-    for pattern, axes in PARAM_PATTERNS:
-        if re.fullmatch(pattern, name):
-            if ndim == len(axes):
-                return axes
-            if ndim == len(axes) + 1:
-                return ("layers", *axes)
-    if ndim in _GENERIC:
-        return _GENERIC[ndim]
-    if ndim - 1 in _GENERIC:
-        return ("layers", *_GENERIC[ndim - 1])
-    return (None,) * ndim
-
-
 def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: AxisRules,
                     kind: str = "params", what: str = "array") -> P:
     """A ``PartitionSpec`` for ``shape`` from its logical axes. Mesh axes of size 1 are dropped; a dimension that
@@ -156,46 +118,6 @@ def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: M
     while spec and spec[-1] is None:
         spec.pop()
     return P(*spec)
-
-
-def param_spec(name: str, shape: Sequence[int], mesh: Mesh, rules: AxisRules = DEFAULT_RULES) -> P:
-    return logical_to_spec(param_logical_axes(name, shape), shape, mesh, rules, "params", what=name)
-
-
-def sharding_fn(mesh: Mesh, rules: AxisRules = DEFAULT_RULES):
-    """``fn(name, shape) -> NamedSharding`` for ``eqxdiff.load(..., sharding=fn)``: each device reads only its
-    slice of every tensor, so a checkpoint loads straight onto an FSDP mesh."""
-
-    def fn(name: str, shape: tuple[int, ...]) -> NamedSharding:
-        return NamedSharding(mesh, param_spec(name, shape, mesh, rules))
-
-    return fn
-
-
-def param_shardings(model, mesh: Mesh, rules: AxisRules = DEFAULT_RULES):
-    """A pytree like ``model`` (arrays or ``ShapeDtypeStruct`` s) holding each parameter's ``NamedSharding``."""
-    from ..loading import leaf_specs
-
-    leaves, specs, treedef = leaf_specs(model)
-    fn = sharding_fn(mesh, rules)
-    return jax.tree_util.tree_unflatten(treedef, [fn(s.name, tuple(x.shape)) for x, s in zip(leaves, specs)])
-
-
-def shard_params(model, mesh: Mesh, rules: AxisRules = DEFAULT_RULES):
-    """``model`` with every parameter placed on its rule-given ``NamedSharding``. ``ShapeDtypeStruct`` leaves
-    get the sharding attached instead (abstract models, for compiling without weights)."""
-    from ..loading import leaf_specs
-
-    leaves, specs, treedef = leaf_specs(model)
-    fn = sharding_fn(mesh, rules)
-    out = []
-    for x, s in zip(leaves, specs):
-        target = fn(s.name, tuple(x.shape))
-        if isinstance(x, jax.ShapeDtypeStruct):
-            out.append(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target))
-        else:
-            out.append(jax.device_put(x, target))
-    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def activation_sharding(mesh: Mesh, logical: Sequence[str | None], shape: Sequence[int],

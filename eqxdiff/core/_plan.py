@@ -14,10 +14,11 @@ import jax
 from jax.sharding import Mesh
 
 from ._rules import DEFAULT_RULES, AxisRules, activation_sharding
+from ._tree import has_field, map_modules, module_classes, replace_static
 
 
 class Remat(enum.Enum):
-    """Rematerialisation policy applied at block boundaries (UNet down/mid/up blocks, CLIP layers)."""
+    """Rematerialisation policy applied at block boundaries (UNet down/mid/up blocks, transformer layers)."""
 
     NONE = "none"  # save everything (fastest, most memory)
     FULL = "full"  # save only block inputs; recompute the block in the backward pass
@@ -27,18 +28,21 @@ class Remat(enum.Enum):
     NAMED = "named"  # save only the named checkpoints in Plan.remat_names (e.g. "resnet", "transformer")
 
 
-# Names the models tag with jax.ad_checkpoint.checkpoint_name, for Remat.NAMED / Remat.OFFLOAD_NAMED.
-CHECKPOINT_NAMES = ("resnet", "transformer", "attention", "mlp", "clip_layer")
+def checkpoint_names(model) -> tuple[str, ...]:
+    """The names ``model``'s blocks tag with ``jax.ad_checkpoint.checkpoint_name``: every module class in it
+    declares the names it tags in ``CHECKPOINT_NAMES``."""
+    names: dict[str, None] = {}
+    for cls in module_classes(model):
+        names.update(dict.fromkeys(getattr(cls, "CHECKPOINT_NAMES", ())))
+    return tuple(names)
 
 
 def remat_policy(remat: Remat, names: Sequence[str] = ()):
     """The ``jax.checkpoint`` policy of ``remat`` (``None`` for full remat)."""
     cp = jax.checkpoint_policies
-    unknown = sorted(set(names) - set(CHECKPOINT_NAMES))
-    if unknown:
-        raise ValueError(f"remat_names {unknown} are not checkpoint names the models tag; use {CHECKPOINT_NAMES}")
     if remat in (Remat.NAMED, Remat.OFFLOAD_NAMED) and not names:
-        raise ValueError(f"remat={remat.value!r} needs remat_names, some of {CHECKPOINT_NAMES}")
+        raise ValueError(f"remat={remat.value!r} needs remat_names: the checkpoint names to keep (the models "
+                         "declare theirs; eqxdiff.parallel.checkpoint_names(model) lists them)")
     if remat is Remat.FULL:
         return None
     if remat is Remat.DOTS_NO_BATCH:
@@ -106,23 +110,15 @@ def _checkpointed(static, policy):
     return jax.checkpoint(run, policy=policy)
 
 
-def _has_plan_field(m) -> bool:
-    return isinstance(m, eqx.Module) and any(f.name == "plan" for f in dataclasses.fields(m))
-
-
 def with_plan(model, plan: Plan | None):
-    """``model`` with ``plan`` in every sub-module that has a ``plan`` field (``None`` removes it)."""
-    from ..nn import replace_static
+    """``model`` with ``plan`` in every sub-module that has a ``plan`` field (``None`` removes it).
 
-    def rebuild(m):
-        if isinstance(m, (list, tuple)):
-            return type(m)(rebuild(x) for x in m)
-        if not isinstance(m, eqx.Module):
-            return m
-        changes = {f.name: rebuild(getattr(m, f.name)) for f in dataclasses.fields(m)
-                   if not f.metadata.get("static", False)}
-        if _has_plan_field(m):
-            changes["plan"] = plan
-        return replace_static(m, **changes)
-
-    return rebuild(model)
+    A plan that keeps named checkpoints (``Remat.NAMED`` / ``OFFLOAD_NAMED``) must name only checkpoints the
+    model declares (:func:`checkpoint_names`); any other name raises ``ValueError`` listing the model's."""
+    if plan is not None and plan.remat in (Remat.NAMED, Remat.OFFLOAD_NAMED):
+        declared = checkpoint_names(model)
+        unknown = [n for n in plan.remat_names if n not in declared]
+        if unknown:
+            raise ValueError(f"remat_names {unknown} are not checkpoint names {type(model).__name__} tags; it "
+                             f"tags {list(declared)}")
+    return map_modules(lambda m: replace_static(m, plan=plan) if has_field(m, "plan") else m, model)

@@ -1,0 +1,35 @@
+"""What every layer above shares, with no dependency on any of them.
+
+- the config base (:class:`ModelConfig`, :class:`ConfigError`) of models and schedulers;
+- the run-time hooks models call (:class:`Plan`, :func:`constrain`, :func:`checkpoint_block`) and the logical-axis
+  rules they read (:class:`AxisRules`, :data:`DEFAULT_RULES`);
+- parameter naming (:func:`leaf_specs`: PyTorch names, layouts and logical axes), used by loading and parallel;
+- the tree walk behind ``with_plan``, ``scan_layers`` and ``with_attention_implementation``;
+- the family table (:data:`FAMILY_TABLE`): checkpoint class names to the eqxdiff classes serving them.
+"""
+
+from ._config import ConfigError as ConfigError
+from ._config import ModelConfig as ModelConfig
+from ._families import FAMILY_TABLE as FAMILY_TABLE
+from ._families import family_names as family_names
+from ._families import resolve_class as resolve_class
+from ._naming import STACKED as STACKED
+from ._naming import LeafSpec as LeafSpec
+from ._naming import declared_axes as declared_axes
+from ._naming import leaf_specs as leaf_specs
+from ._naming import torch_shape as torch_shape
+from ._plan import Plan as Plan
+from ._plan import Remat as Remat
+from ._plan import checkpoint_block as checkpoint_block
+from ._plan import checkpoint_names as checkpoint_names
+from ._plan import constrain as constrain
+from ._plan import remat_policy as remat_policy
+from ._plan import with_plan as with_plan
+from ._rules import DEFAULT_RULES as DEFAULT_RULES
+from ._rules import AxisRules as AxisRules
+from ._rules import activation_sharding as activation_sharding
+from ._rules import logical_to_spec as logical_to_spec
+from ._tree import has_field as has_field
+from ._tree import map_modules as map_modules
+from ._tree import module_classes as module_classes
+from ._tree import replace_static as replace_static

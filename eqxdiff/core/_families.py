@@ -1,0 +1,35 @@
+"""The family table: the eqxdiff class that serves each checkpoint class, imported only when asked for.
+
+Keys are what a checkpoint calls its class: diffusers' ``_class_name`` (``config.json``, ``model_index.json``) or
+transformers' ``architectures[0]``. Values are ``"module:Class"``. A new family adds its lines here; nothing else
+in the loader or the pipeline machinery names a family. Importing eqxdiff never imports every family.
+"""
+
+import importlib
+from collections.abc import Mapping
+
+FAMILY_TABLE: dict[str, str] = {
+    # Stable Diffusion 1.x / 2.x
+    "StableDiffusionPipeline": "eqxdiff.pipelines.stable_diffusion:StableDiffusionPipeline",
+    "StableDiffusionImg2ImgPipeline": "eqxdiff.pipelines.stable_diffusion:StableDiffusionPipeline",
+    "UNet2DConditionModel": "eqxdiff.models.unet2d:UNet2DConditionModel",
+    "AutoencoderKL": "eqxdiff.models.vae:AutoencoderKL",
+    "CLIPTextModel": "eqxdiff.models.clip:CLIPTextModel",
+    "CLIPTextModelWithProjection": "eqxdiff.models.clip:CLIPTextModelWithProjection",
+}
+
+_KINDS = {"model": "eqxdiff.models.", "pipeline": "eqxdiff.pipelines."}
+
+
+def family_names(kind: str, table: Mapping[str, str] = FAMILY_TABLE) -> list[str]:
+    """The checkpoint class names of ``kind`` (``"model"`` or ``"pipeline"``) that eqxdiff serves."""
+    return sorted(k for k, v in table.items() if v.startswith(_KINDS[kind]))
+
+
+def resolve_class(name: str, table: Mapping[str, str] = FAMILY_TABLE) -> type | None:
+    """The eqxdiff class serving checkpoint class ``name``, or ``None`` if none does."""
+    target = table.get(name)
+    if target is None:
+        return None
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)

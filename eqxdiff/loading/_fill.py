@@ -1,0 +1,104 @@
+"""Fill an abstract module from a checkpoint, and the module's parameters back as a PyTorch state dict.
+
+Names, layouts and stacked layers are :func:`eqxdiff.core.leaf_specs`'s.
+"""
+
+import re
+from collections.abc import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core import LeafSpec, leaf_specs
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model it is loaded into, or cannot be read."""
+
+
+def _short(names: Iterable[str], limit: int = 12) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def fill_module(abstract, checkpoint, *, dtype=None, sharding: Callable | None = None,
+                ignore: Iterable[str] = (), where: str = "checkpoint"):
+    """Fill ``abstract`` (a module of ``ShapeDtypeStruct`` leaves) from ``checkpoint``.
+
+    ``checkpoint`` offers ``names()``, ``shape(name)`` and ``get(name) -> numpy array``. Floating leaves take
+    ``dtype`` (default: the abstract leaf's dtype). ``sharding(spec, shape)`` (``spec`` the leaf's
+    :class:`~eqxdiff.core.LeafSpec`: name and logical axes) may return a ``jax.sharding.Sharding`` for a leaf, in
+    which case each device reads only its own slice (a stacked leaf is asked for with its ``*`` name and stacked
+    shape, and each device reads only its layers' slices). Tensors whose
+    names fully match a regex in ``ignore`` may be present without being used. Every leaf must be found and,
+    apart from those, every tensor used; otherwise a :class:`CheckpointError` names them.
+    """
+    leaves, specs, treedef = leaf_specs(abstract)
+    available = set(checkpoint.names())
+    wanted = {n for s in specs for n in s.names}
+    missing = wanted - available
+    unexpected = {n for n in available - wanted if not any(re.fullmatch(p, n) for p in ignore)}
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) missing from the {where}: {_short(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s) in the {where} that the model does not use: "
+                        f"{_short(unexpected)}")
+    for leaf, spec in zip(leaves, specs):
+        want = spec.torch_shape(leaf.shape)
+        for name in spec.names:
+            if name in available and tuple(checkpoint.shape(name)) != want:
+                problems.append(f"tensor {name!r} has shape {tuple(checkpoint.shape(name))} in the {where} but "
+                                f"the model expects {want}")
+    if problems:
+        raise CheckpointError("; ".join(problems) + ". Check that config.json belongs to these weights.")
+
+    out = []
+    for leaf, spec in zip(leaves, specs):
+        target = leaf.dtype
+        if dtype is not None and jnp.issubdtype(leaf.dtype, jnp.floating):
+            target = jnp.dtype(dtype)
+        out.append(_load_leaf(checkpoint, spec, leaf.shape, target, sharding))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _read(checkpoint, name: str, perm, index, dtype) -> np.ndarray:
+    """Tensor ``name`` in our layout (``transpose(torch, perm)``), only the part ``index`` (ours) selects."""
+    arr = checkpoint.get(name)
+    if index is not None:
+        torch_index = [slice(None)] * arr.ndim
+        for i, sl in enumerate(index):
+            torch_index[perm[i] if perm else i] = sl
+        arr = arr[tuple(torch_index)]
+    if perm is not None:
+        arr = np.transpose(arr, perm)
+    return np.asarray(arr, dtype=dtype)
+
+
+def _load_leaf(checkpoint, spec: LeafSpec, shape, dtype, sharding):
+    def read(index=None):
+        if spec.layers is None:
+            return _read(checkpoint, spec.name, spec.perm, index, dtype)
+        index = tuple(index) if index is not None else (slice(None),)
+        names = spec.names[index[0]]  # a device reads only the layers, and the parts of them, it holds
+        return np.stack([_read(checkpoint, n, spec.perm, index[1:], dtype) for n in names])
+
+    target = sharding(spec, tuple(shape)) if sharding is not None else None
+    if target is None:
+        return jnp.asarray(read())
+    return jax.make_array_from_callback(tuple(shape), target, read)
+
+
+def state_dict(module) -> dict[str, np.ndarray]:
+    """The module's parameters as a PyTorch-layout ``{name: numpy array}`` mapping."""
+    leaves, specs, _ = leaf_specs(module)
+    out = {}
+    for leaf, spec in zip(leaves, specs):
+        arr = np.asarray(jax.device_get(leaf))
+        for name, layer in zip(spec.names, arr if spec.layers is not None else [arr]):
+            if spec.perm is not None:
+                layer = np.transpose(layer, np.argsort(spec.perm))
+            out[name] = np.ascontiguousarray(layer)
+    return out

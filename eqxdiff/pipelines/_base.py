@@ -1,0 +1,242 @@
+"""What every pipeline shares: its table of components, loading them from a diffusers folder straight into dtype and
+sharding, saving them back, placement on a mesh with encoder offload, timings and the helpers a ``__call__`` uses.
+
+A family's pipeline subclasses :class:`DiffusionPipeline`, lists its :class:`Component` s and its
+``model_index.json`` class name, and writes ``__call__`` from its own pre/post steps plus
+:func:`eqxdiff.pipelines.denoise_loop` with its :class:`~eqxdiff.pipelines.Denoiser`. ``eqxdiff.load_pipeline``
+finds the class through the family table (:data:`eqxdiff.core.FAMILY_TABLE`).
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from ..core import DEFAULT_RULES, Plan, family_names, resolve_class
+from ..loading import CheckpointError, check_dtype, load, read_config, resolve_folder, save_pretrained
+from ..nn import with_attention_implementation
+from ..parallel import shard_batch, shard_params, sharding_fn, with_plan
+from ..schedulers import scheduler_from_config
+
+COMPONENT_KINDS = ("model", "tokenizer", "scheduler")
+LIBRARIES = ("diffusers", "transformers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """One entry of a pipeline's ``model_index.json``: a subfolder of the pipeline folder.
+
+    ``kind``: ``"model"`` (read with :func:`eqxdiff.load`), ``"tokenizer"`` (transformers' own) or ``"scheduler"``.
+    ``library``: what ``model_index.json`` says reads it (``diffusers`` or ``transformers``). ``optional``: a folder
+    may lack it (``[null, null]`` in the index). ``encoder``: a text/image encoder, kept in host memory with
+    ``offload_encoders``. ``scan``: stacked under ``scan_layers`` (models with repeated layers)."""
+
+    name: str
+    library: str
+    kind: str = "model"
+    optional: bool = False
+    encoder: bool = False
+    scan: bool = True
+
+    def __post_init__(self):
+        if self.kind not in COMPONENT_KINDS or self.library not in LIBRARIES:
+            raise ValueError(f"Component {self.name!r}: kind={self.kind!r} (one of {COMPONENT_KINDS}), "
+                             f"library={self.library!r} (one of {LIBRARIES})")
+
+
+def load_tokenizer(folder):
+    """The checkpoint's own tokenizer through transformers (no download)."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"tokenizer folder {os.fspath(folder)!r} not found")
+    return AutoTokenizer.from_pretrained(os.fspath(folder))
+
+
+class DiffusionPipeline:
+    """Base of eqxdiff's pipelines. Subclasses set :attr:`CLASS_NAME` (their ``model_index.json``
+    ``_class_name``), :attr:`COMPONENTS` and write ``__call__``; components become attributes of the same name.
+
+    ``attention`` picks the attention kernel of every model; ``activations_dtype`` is the dtype of latents and
+    activations (default: float32). ``mesh`` (:func:`eqxdiff.parallel.make_mesh`) runs every model on it:
+    parameters placed by ``rules`` (default :data:`eqxdiff.parallel.DEFAULT_RULES`), activations constrained at
+    block boundaries, the batch split over data+fsdp. ``offload_encoders`` keeps the encoders' weights in host
+    memory and puts them on the devices only while they encode (:meth:`encoder`), so they are gone before the loop.
+    """
+
+    CLASS_NAME: ClassVar[str]
+    COMPONENTS: ClassVar[tuple[Component, ...]]
+    # model_index.json entries diffusers expects that eqxdiff does not use (written on save, ignored on load).
+    INDEX_EXTRAS: ClassVar[Mapping[str, Any]] = {}
+
+    def __init__(self, *, attention: str | None = None, activations_dtype=jnp.float32, mesh=None, rules=None,
+                 offload_encoders: bool = False, **components):
+        name = type(self).__name__
+        known = {c.name: c for c in self.COMPONENTS}
+        unknown = sorted(set(components) - set(known))
+        if unknown:
+            raise TypeError(f"{name}: unknown component(s) {unknown}; its components are {list(known)}")
+        missing = [c.name for c in self.COMPONENTS if not c.optional and components.get(c.name) is None]
+        if missing:
+            raise TypeError(f"{name}: missing component(s) {missing}")
+        self.activations_dtype = jnp.dtype(activations_dtype)
+        self.timings: dict[str, float] = {}
+        self.mesh, self.offload_encoders = mesh, offload_encoders
+        self.rules = (rules or DEFAULT_RULES) if mesh is not None else rules
+        plan = Plan(mesh, self.rules) if mesh is not None else None
+        for c in self.COMPONENTS:
+            value = components.get(c.name)
+            if c.kind == "model" and value is not None:
+                value = self._place(value, c, attention, plan)
+            setattr(self, c.name, value)
+
+    def _place(self, model, component: Component, attention, plan):
+        if attention:
+            model = with_attention_implementation(model, attention)
+        offload = self.offload_encoders and component.encoder
+        if plan is not None:
+            if not offload:
+                model = shard_params(model, self.mesh, self.rules)
+            model = with_plan(model, plan)
+        return jax.device_get(model) if offload else model
+
+    # -- loading and saving ------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id, **kwargs):
+        """This pipeline from a diffusers folder or Hub id (see :func:`load_pipeline`)."""
+        return load_pipeline(path_or_hub_id, pipeline_class=cls, **kwargs)
+
+    def save_pretrained(self, folder, *, dtype=None) -> Path:
+        return save_pipeline(self, folder, dtype=dtype)
+
+    @property
+    def components(self) -> dict[str, Any]:
+        return {c.name: getattr(self, c.name) for c in self.COMPONENTS}
+
+    def with_scheduler(self, name: str, **overrides):
+        """The same pipeline with another scheduler (``"euler"``, ``"dpm++2m_karras"`` ...), keeping the
+        checkpoint's noise schedule and prediction type; ``overrides`` set config keys."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.scheduler = scheduler_from_config(self.scheduler.config.to_dict(), name=name, **overrides)
+        new.timings = {}
+        return new
+
+    # -- helpers for __call__ ------------------------------------------------------------------------------------
+
+    def encoder(self, name: str):
+        """Component ``name`` on the devices: an offloaded encoder is placed there for this use only (released
+        when the returned model goes)."""
+        model = getattr(self, name)
+        if not self.offload_encoders:
+            return model
+        return jax.tree.map(jnp.asarray, model) if self.mesh is None else shard_params(model, self.mesh, self.rules)
+
+    def shard(self, x):
+        """``x`` (a pytree of batch-major arrays) placed on the mesh, the batch over data+fsdp."""
+        return x if self.mesh is None else shard_batch(x, self.mesh, self.rules)
+
+    def gather(self, x):
+        """``x`` whole on every host (multi-host meshes); unchanged otherwise."""
+        if self.mesh is not None and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.process_allgather(x, tiled=True)
+        return x
+
+    @contextlib.contextmanager
+    def timed(self, stage: str):
+        """Record the wall time of a stage (``encode``, ``denoise``, ``decode`` ...) in :attr:`timings`."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[stage] = time.perf_counter() - t0
+
+
+def _index_entry(index: Mapping, name: str):
+    entry = index.get(name)
+    return None if not entry or entry[0] is None else entry
+
+
+def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, variant: str | None = None,
+                  scheduler: str | None = None, attention: str | None = None, activations_dtype=None,
+                  sharding=None, mesh=None, rules=None, offload_encoders: bool = False, scan_layers: bool = False,
+                  pipeline_class: type | None = None):
+    """Load every component a ``model_index.json`` lists and return the pipeline its ``_class_name`` names.
+
+    ``dtype`` sets the weights (default float32); ``scheduler`` swaps the checkpoint's scheduler by name
+    (see :data:`eqxdiff.schedulers.SCHEDULERS`); ``attention`` picks the attention kernel;
+    ``activations_dtype`` (default: the weights' dtype) is the dtype of latents and activations. ``mesh``
+    (:func:`eqxdiff.parallel.make_mesh`) loads every weight straight onto its rule-given sharding (``rules``,
+    default :data:`eqxdiff.parallel.DEFAULT_RULES`; each device reads only its slices) and runs the pipeline on
+    the mesh; ``offload_encoders`` keeps the encoders in host memory outside encoding. ``scan_layers`` stacks the
+    models' repeated layers (run with ``lax.scan``: faster compiles, same numbers; see
+    :func:`eqxdiff.nn.scan_layers`).
+    """
+    weights_dtype = check_dtype(dtype) or check_dtype("float32")
+    act_dtype = check_dtype(activations_dtype) or weights_dtype
+    folder = resolve_folder(path_or_hub_id, revision=revision)
+    index = read_config(folder, "model_index.json")
+    name = index.get("_class_name")
+    cls = resolve_class(name) if isinstance(name, str) else None
+    if cls is None or not (isinstance(cls, type) and issubclass(cls, DiffusionPipeline)):
+        raise CheckpointError(f"unknown pipeline class {name!r} in model_index.json; eqxdiff serves "
+                              f"{family_names('pipeline')}")
+    if pipeline_class is not None and not issubclass(cls, pipeline_class):
+        raise CheckpointError(f"{os.fspath(folder)!r} holds a {name}, not a {pipeline_class.__name__}")
+    missing = [c.name for c in cls.COMPONENTS if not c.optional and _index_entry(index, c.name) is None]
+    if missing:
+        raise CheckpointError(f"model_index.json in {os.fspath(folder)!r} lacks component(s) {missing} that a "
+                              f"{name} needs")
+    if mesh is not None and sharding is None:
+        sharding = sharding_fn(mesh, rules or DEFAULT_RULES)
+    components = {}
+    for c in cls.COMPONENTS:
+        if _index_entry(index, c.name) is None:
+            components[c.name] = None
+        elif c.kind == "model":
+            offload = offload_encoders and c.encoder
+            components[c.name] = load(folder, c.name, dtype=weights_dtype, variant=variant,
+                                      sharding=None if offload else sharding, scan_layers=scan_layers and c.scan)
+        elif c.kind == "tokenizer":
+            components[c.name] = load_tokenizer(folder / c.name)
+        else:
+            raw = read_config(folder / c.name, "scheduler_config.json")
+            components[c.name] = scheduler_from_config(raw, name=scheduler)
+    return cls(attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
+               offload_encoders=offload_encoders, **components)
+
+
+def save_pipeline(pipe: DiffusionPipeline, folder, *, dtype=None) -> Path:
+    """Write ``pipe`` as a diffusers pipeline folder (``model_index.json``, one subfolder per component) that
+    :func:`load_pipeline` and diffusers' own pipeline class both load."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    index: dict[str, Any] = {"_class_name": pipe.CLASS_NAME, "_diffusers_version": "0.30.0", **pipe.INDEX_EXTRAS}
+    for c in pipe.COMPONENTS:
+        value = getattr(pipe, c.name)
+        if value is None:
+            index[c.name] = [None, None]
+        elif c.kind == "model":
+            save_pretrained(value, folder / c.name, dtype=dtype)
+            index[c.name] = [c.library, type(value).__name__]
+        elif c.kind == "tokenizer":
+            value.save_pretrained(folder / c.name)
+            index[c.name] = ["transformers", type(value).__name__]
+        else:
+            (folder / c.name).mkdir(exist_ok=True)
+            config = {k: v for k, v in value.config.to_dict().items() if k != "_use_default_values"}
+            config["_class_name"] = type(value).__name__
+            (folder / c.name / "scheduler_config.json").write_text(json.dumps(config, indent=2))
+            index[c.name] = ["diffusers", config["_class_name"]]
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+    return folder
