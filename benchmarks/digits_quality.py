@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @dataclasses.dataclass(frozen=True)
 class Args:
-    model: Path = REPO / "models" / "digits"
+    model: Path = REPO / "eqxdiff" / "assets" / "digits"
     """The diffusers pipeline folder to score."""
     per_digit: int = 20
     """Images per digit (10 digits)."""

@@ -17,7 +17,7 @@ from typing import Literal
 import tyro
 
 # The pipeline committed with the repo (trained by `scripts/train.py --preset digits`), used when it exists.
-EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "models" / "digits"
+EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "eqxdiff" / "assets" / "digits"
 DEFAULT_MODEL = os.fspath(EMBEDDED_MODEL) if EMBEDDED_MODEL.is_dir() else "stable-diffusion-v1-5/stable-diffusion-v1-5"
 
 

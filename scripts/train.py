@@ -28,7 +28,7 @@ PRESETS = {
                                       final_learning_rate_fraction=0.05, weight_decay=1e-2, max_grad_norm=1.0),
             objective=Objective(prediction_type="epsilon", snr_gamma=5.0, caption_dropout=0.1),
             ema_decay=0.995, autoencoder_steps=600, autoencoder_batch_size=32, autoencoder_learning_rate=2e-3,
-            kl_weight=1e-4, output_dir=Path("runs/digits"), export_dir=Path("models/digits"),
+            kl_weight=1e-4, output_dir=Path("runs/digits"),
             export_dtype="float32", export_scheduler="dpm++2m", log_every=25,
             sample_prompts=tuple(f"a handwritten digit {d}" for d in
                                  ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")))),

@@ -13,7 +13,7 @@ from eqxdiff.data.digits import DIGIT_NAMES, caption, digit_classifier, downscal
 
 from ._util import nhwc_to_nchw
 
-MODEL = Path(__file__).resolve().parent.parent / "models" / "digits"
+MODEL = Path(eqxdiff.__file__).resolve().parent / "assets" / "digits"
 STEPS, GUIDANCE, PER_DIGIT = 20, 4.0, 2
 
 

@@ -40,19 +40,26 @@ def check_dtype(dtype):
     return dt
 
 
+# Pipelines shipped inside the package (package data), found by their bare name when no local folder has it.
+PACKAGED_MODELS = {"digits": Path(__file__).resolve().parent.parent / "assets" / "digits"}
+
+
 def _looks_local(p: str) -> bool:
     return p.startswith((".", "/", "~")) or os.sep in p.strip("/").replace("/", "", 1) or p.count("/") != 1
 
 
 def resolve_folder(path_or_hub_id: str | os.PathLike, subfolder: str | None = None, *,
                    revision: str | None = None) -> Path:
-    """A local folder, or a Hugging Face Hub id fetched (or found in the cache) with ``huggingface_hub``."""
+    """A local folder, a Hugging Face Hub id fetched (or found in the cache) with ``huggingface_hub``, or the bare
+    name of a pipeline shipped inside eqxdiff (``"digits"``; a local folder of that name wins)."""
     p = os.fspath(path_or_hub_id)
     local = Path(p).expanduser()
     if local.is_dir():
         folder = local
     elif local.exists():
         raise CheckpointError(f"{p!r} is a file; pass the model's folder (the one holding config.json)")
+    elif p in PACKAGED_MODELS:
+        folder = PACKAGED_MODELS[p]
     elif _looks_local(p):
         raise CheckpointError(f"model folder {p!r} does not exist; pass a folder saved with save_pretrained "
                               "or a Hugging Face Hub id such as 'owner/name'")
