@@ -1,21 +1,20 @@
-"""The UNet's pieces: timestep embeddings and the down, mid and up blocks, each built from a typed spec.
+"""The UNet's pieces: the down, mid and up blocks, each built from a typed spec (the timestep embeddings are
+``eqxdiff.nn``'s).
 
 One class covers diffusers' ``DownBlock2D`` and ``CrossAttnDownBlock2D`` (``attentions`` is ``None`` for the
 former), one covers ``UpBlock2D`` and ``CrossAttnUpBlock2D``; the state-dict names are diffusers' either way.
 """
 
 import dataclasses
-import math
 from typing import ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from .._typing import Array, Bool, Float, PRNGKeyArray, typechecked
-from ..nn import Downsample2D, Linear, ResnetBlock2D, Upsample2D, activation
+from .._typing import Array, Bool, Float, PRNGKeyArray
+from ..nn import Downsample2D, ResnetBlock2D, Upsample2D
 from ._transformer2d import Transformer2DModel
 
 
@@ -68,50 +67,6 @@ class UpBlockSpec:
     @property
     def num_layers(self) -> int:
         return len(self.skip_channels)
-
-
-def timestep_embedding(t: Float[Array, " n"], dim: int, *, flip_sin_to_cos: bool, freq_shift: float,
-                       max_period: float = 10000.0) -> Float[Array, "n dim"]:
-    """Sinusoidal embeddings of (possibly fractional) timesteps, in float32, as diffusers' ``Timesteps``."""
-    half = dim // 2
-    # Frequencies as a float32 constant, rounded once from float64 (PyTorch computes exp in float32).
-    freqs = np.exp(-math.log(max_period) * np.arange(half, dtype=np.float64) / (half - freq_shift))
-    args = t.astype(jnp.float32)[:, None] * jnp.asarray(freqs, jnp.float32)[None, :]
-    sin, cos = jnp.sin(args), jnp.cos(args)
-    emb = jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)
-    if dim % 2:
-        emb = jnp.pad(emb, ((0, 0), (0, 1)))
-    return emb
-
-
-class TimestepEmbedding(eqx.Module):
-    """``post_act(linear_2(act(linear_1(x + cond_proj(cond)))))``: diffusers' ``TimestepEmbedding``."""
-
-    linear_1: Linear
-    linear_2: Linear
-    cond_proj: Linear | None
-    act_fn: str = eqx.field(static=True)
-    post_act_fn: str | None = eqx.field(static=True)
-
-    def __init__(self, in_channels: int, dim: int, *, act_fn: str = "silu", post_act_fn: str | None = None,
-                 cond_proj_dim: int | None = None, dtype=jnp.float32, key: PRNGKeyArray):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.linear_1 = Linear(in_channels, dim, dtype=dtype, key=k1)
-        self.linear_2 = Linear(dim, dim, dtype=dtype, key=k2)
-        self.cond_proj = (Linear(cond_proj_dim, in_channels, use_bias=False, dtype=dtype, key=k3)
-                          if cond_proj_dim is not None else None)
-        self.act_fn = act_fn
-        self.post_act_fn = post_act_fn
-
-    @typechecked
-    def __call__(self, x: Float[Array, "batch cin"],
-                 cond: Float[Array, "batch cond"] | None = None) -> Float[Array, "batch dim"]:
-        if cond is not None:
-            if self.cond_proj is None:
-                raise ValueError("timestep_cond was given but the model has no cond_proj (time_cond_proj_dim=None)")
-            x = x + self.cond_proj(cond.astype(x.dtype))
-        h = self.linear_2(activation(self.act_fn)(self.linear_1(x)))
-        return activation(self.post_act_fn)(h) if self.post_act_fn else h
 
 
 def _resnet(cin: int, cout: int, spec: ResnetSpec, *, dtype, key) -> ResnetBlock2D:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .._typing import Array, Bool, Float, Int, PRNGKeyArray, typechecked
 from ..core import ConfigError, ModelConfig, Plan, checkpoint_block, constrain
-from ..nn import Conv2d, GroupNorm, activation
+from ..nn import Conv2d, GroupNorm, TimestepEmbedding, activation, timestep_embedding
 from ._base import PretrainedModel
 from ._unet_blocks import (
     AttentionSpec,
@@ -22,10 +22,8 @@ from ._unet_blocks import (
     MidBlock,
     MidBlockSpec,
     ResnetSpec,
-    TimestepEmbedding,
     UpBlock,
     UpBlockSpec,
-    timestep_embedding,
 )
 
 DOWN_BLOCK_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")

@@ -3,6 +3,9 @@
 from ._attention import ATTENTION_NAMES as ATTENTION_NAMES
 from ._attention import Attention as Attention
 from ._attention import with_attention_implementation as with_attention_implementation
+from ._embeddings import TextProjection as TextProjection
+from ._embeddings import TimestepEmbedding as TimestepEmbedding
+from ._embeddings import timestep_embedding as timestep_embedding
 from ._layers import Conv2d as Conv2d
 from ._layers import Embedding as Embedding
 from ._layers import GroupNorm as GroupNorm

@@ -1,0 +1,96 @@
+"""Conditioning embedders shared by the UNet and the diffusion transformers (Flux, Wan, LTX-Video), with diffusers'
+names: the sinusoidal timestep embedding (``Timesteps``), ``TimestepEmbedding`` and ``PixArtAlphaTextProjection``."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
+from ._layers import Linear, activation
+
+
+def timestep_embedding(t: Float[Array, "*n"] | Int[Array, "*n"], dim: int, *, flip_sin_to_cos: bool,
+                       freq_shift: float, scale: float = 1.0, max_period: float = 10000.0) -> Float[Array, "*n dim"]:
+    """Sinusoidal embeddings of (possibly fractional) timesteps, in float32, as diffusers' ``Timesteps`` /
+    ``get_timestep_embedding`` (``freq_shift`` is its ``downscale_freq_shift``). ``t`` may have any shape (per-token
+    timesteps: ``[batch, seq]``); the embedding is added as a last axis."""
+    half = dim // 2
+    # Frequencies as a float32 constant, rounded once from float64 (PyTorch computes exp in float32).
+    freqs = np.exp(-math.log(max_period) * np.arange(half, dtype=np.float64) / (half - freq_shift))
+    args = t.astype(jnp.float32)[..., None] * jnp.asarray(freqs, jnp.float32)
+    if scale != 1.0:
+        args = scale * args
+    sin, cos = jnp.sin(args), jnp.cos(args)
+    emb = jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)
+    if dim % 2:
+        emb = jnp.pad(emb, [(0, 0)] * (emb.ndim - 1) + [(0, 1)])
+    return emb
+
+
+class TimestepEmbedding(eqx.Module):
+    """``post_act(linear_2(act(linear_1(x + cond_proj(cond)))))``: diffusers' ``TimestepEmbedding``."""
+
+    linear_1: Linear
+    linear_2: Linear
+    cond_proj: Linear | None
+    act_fn: str = eqx.field(static=True)
+    post_act_fn: str | None = eqx.field(static=True)
+
+    def __init__(self, in_channels: int, dim: int, *, out_dim: int | None = None, act_fn: str = "silu",
+                 post_act_fn: str | None = None, cond_proj_dim: int | None = None, dtype=jnp.float32,
+                 key: PRNGKeyArray):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.linear_1 = Linear(in_channels, dim, dtype=dtype, key=k1)
+        self.linear_2 = Linear(dim, out_dim or dim, dtype=dtype, key=k2)
+        self.cond_proj = (Linear(cond_proj_dim, in_channels, use_bias=False, dtype=dtype, key=k3)
+                          if cond_proj_dim is not None else None)
+        for name in (act_fn, post_act_fn):  # an unknown activation fails here, not when called
+            if name is not None:
+                activation(name)
+        self.act_fn = act_fn
+        self.post_act_fn = post_act_fn
+
+    @typechecked
+    def __call__(self, x: Float[Array, "*batch cin"],
+                 cond: Float[Array, "*batch cond"] | None = None) -> Float[Array, "*batch dim"]:
+        if cond is not None:
+            if self.cond_proj is None:
+                raise ValueError("timestep_cond was given but the model has no cond_proj (time_cond_proj_dim=None)")
+            x = x + self.cond_proj(cond.astype(x.dtype))
+        h = self.linear_2(activation(self.act_fn)(self.linear_1(x)))
+        return activation(self.post_act_fn)(h) if self.post_act_fn else h
+
+
+_TEXT_PROJECTION_ACTIVATIONS = {
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "silu": jax.nn.silu,
+    "silu_fp32": lambda x: jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype),
+}
+
+
+class TextProjection(eqx.Module):
+    """``linear_2(act(linear_1(x)))``: diffusers' ``PixArtAlphaTextProjection`` (Flux's pooled-text embedder with
+    ``act_fn="silu"``, Wan's text embedder and LTX's caption projection with ``"gelu_tanh"``)."""
+
+    linear_1: Linear
+    linear_2: Linear
+    act_fn: str = eqx.field(static=True)
+
+    def __init__(self, in_features: int, hidden_size: int, out_features: int | None = None, *,
+                 act_fn: str = "gelu_tanh", dtype=jnp.float32, key: PRNGKeyArray):
+        if act_fn not in _TEXT_PROJECTION_ACTIVATIONS:
+            raise ValueError(f"TextProjection: act_fn={act_fn!r}; choose one of {list(_TEXT_PROJECTION_ACTIVATIONS)}")
+        k1, k2 = jax.random.split(key)
+        self.linear_1 = Linear(in_features, hidden_size, axes=("mlp", "embed"), dtype=dtype, key=k1)
+        self.linear_2 = Linear(hidden_size, out_features or hidden_size, axes=("embed", "mlp"), dtype=dtype, key=k2)
+        self.act_fn = act_fn
+
+    @typechecked
+    def __call__(self, x: Float[Array, "*batch cin"]) -> Float[Array, "*batch cout"]:
+        return self.linear_2(_TEXT_PROJECTION_ACTIVATIONS[self.act_fn](self.linear_1(x)))
+
+
+__all__ = ["TextProjection", "TimestepEmbedding", "timestep_embedding"]
