@@ -13,9 +13,13 @@
 """
 
 from ..core import ConfigError as ConfigError
-from ._common import AbstractScheduler as AbstractScheduler
-from ._common import AbstractSchedulerState as AbstractSchedulerState
-from ._common import SchedulerConfig as SchedulerConfig
+from ._base import AbstractScheduler as AbstractScheduler
+from ._base import AbstractSchedulerState as AbstractSchedulerState
+from ._base import AbstractSigmaState as AbstractSigmaState
+from ._base import SchedulerConfig as SchedulerConfig
+from ._base import SigmaState as SigmaState
+from ._beta import AbstractBetaScheduler as AbstractBetaScheduler
+from ._beta import BetaScheduleConfig as BetaScheduleConfig
 from ._registry import SCHEDULER_CLASSES as SCHEDULER_CLASSES
 from ._registry import SCHEDULERS as SCHEDULERS
 from ._registry import SchedulerChoice as SchedulerChoice
@@ -29,12 +33,10 @@ from .ddpm import DDPMState as DDPMState
 from .dpm_solver import DPMSolverConfig as DPMSolverConfig
 from .dpm_solver import DPMSolverMultistepScheduler as DPMSolverMultistepScheduler
 from .dpm_solver import DPMSolverState as DPMSolverState
-from .euler import AbstractSigmaState as AbstractSigmaState
 from .euler import EulerAncestralConfig as EulerAncestralConfig
 from .euler import EulerAncestralDiscreteScheduler as EulerAncestralDiscreteScheduler
 from .euler import EulerConfig as EulerConfig
 from .euler import EulerDiscreteScheduler as EulerDiscreteScheduler
-from .euler import SigmaState as SigmaState
 from .lms import LMSConfig as LMSConfig
 from .lms import LMSDiscreteScheduler as LMSDiscreteScheduler
 from .lms import LMSState as LMSState

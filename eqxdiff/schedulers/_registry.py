@@ -6,7 +6,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..core import ConfigError
-from ._common import AbstractScheduler
+from ._base import AbstractScheduler
 from .ddim import DDIMScheduler
 from .ddpm import DDPMScheduler
 from .dpm_solver import DPMSolverMultistepScheduler

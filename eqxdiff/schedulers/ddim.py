@@ -7,18 +7,14 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from .._typing import Array, Float, PRNGKeyArray, typechecked
-from ._common import (
-    BOOLS,
-    AbstractScheduler,
+from ._base import BOOLS, check_num_steps, resolve_begin_index, step_noise
+from ._beta import (
+    AbstractBetaScheduler,
     AlphaProdState,
     ClipSampleConfig,
-    check_num_steps,
     check_train_indices,
     clip_or_threshold,
-    resolve_begin_index,
     spaced_timesteps,
-    step_noise,
     x0_and_eps,
 )
 
@@ -33,7 +29,7 @@ class DDIMConfig(ClipSampleConfig):
 DDIMState = AlphaProdState  # the same state as DDPM's
 
 
-class DDIMScheduler(AbstractScheduler):
+class DDIMScheduler(AbstractBetaScheduler):
     """DDIM. ``eta`` (0: deterministic DDIM, 1: DDPM-like) and ``use_clipped_model_output`` are the arguments
     diffusers takes in ``step``; here they are static fields so that every scheduler's ``step`` looks the same."""
 
@@ -42,8 +38,7 @@ class DDIMScheduler(AbstractScheduler):
     eta: float = eqx.field(static=True, default=0.0)
     use_clipped_model_output: bool = eqx.field(static=True, default=False)
 
-    def init(self, num_inference_steps: int, *, sample_shape: tuple[int, ...] | None = None,
-             strength: float | None = None, begin_index: int | None = None) -> DDIMState:
+    def _init(self, num_inference_steps: int, *, sample_shape, strength, begin_index) -> DDIMState:
         cfg = self.config
         check_num_steps(cfg, num_inference_steps)
         timesteps = spaced_timesteps(cfg, num_inference_steps).astype(np.int64)
@@ -58,12 +53,8 @@ class DDIMScheduler(AbstractScheduler):
                          alpha_prod_prev=jnp.asarray(alpha_prev, jnp.float32),
                          step_index=jnp.asarray(begin, jnp.int32), begin_index=begin)
 
-    @typechecked
-    def step(self, state: DDIMState, model_output: Float[Array, "*dims"], sample: Float[Array, "*dims"], *,
-             key: PRNGKeyArray | None = None,
-             noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], DDIMState]:
+    def update(self, state: DDIMState, out, x, *, key=None, noise=None):
         cfg = self.config
-        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
         a_t, a_prev = state.alpha_prod[state.step_index], state.alpha_prod_prev[state.step_index]
         b_t = 1 - a_t
         x0, eps = x0_and_eps(cfg.prediction_type, out, x, a_t)
@@ -75,4 +66,4 @@ class DDIMScheduler(AbstractScheduler):
         prev = jnp.sqrt(a_prev) * x0 + jnp.sqrt(1 - a_prev - std * std) * eps
         if self.eta > 0:
             prev = prev + std * step_noise("DDIMScheduler", x.shape, x.dtype, key, noise)
-        return prev.astype(sample.dtype), dataclasses.replace(state, step_index=state.step_index + 1)
+        return prev, state

@@ -1,5 +1,5 @@
 """DDPM (Ho et al. 2020) ancestral sampling, matching ``diffusers.DDPMScheduler``; the training-side
-``add_noise`` / ``get_velocity`` live on the scheduler base class."""
+``add_noise`` / ``get_velocity`` live on the beta-schedule base class."""
 
 import dataclasses
 from typing import ClassVar
@@ -9,45 +9,53 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
-from ._common import (
-    AbstractScheduler,
+from ._base import check_descending, check_num_steps, custom_schedule, one_of_steps_or, resolve_begin_index, step_noise
+from ._beta import (
+    AbstractBetaScheduler,
     AlphaProdState,
     ClipSampleConfig,
-    check_num_steps,
     check_train_indices,
     clip_or_threshold,
-    resolve_begin_index,
     spaced_timesteps,
-    step_noise,
     x0_and_eps,
 )
 
-VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large", "learned", "learned_range")
+# None is what other schedulers' configs carry (DPM-Solver writes variance_type=None); diffusers' DDPM then
+# takes none of _get_variance's branches, which leaves the clamped fixed_small variance.
+VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large", "learned", "learned_range", None)
 
 
 @dataclasses.dataclass(frozen=True)
 class DDPMConfig(ClipSampleConfig):
     SUPPORTED_VALUES: ClassVar = {**ClipSampleConfig.SUPPORTED_VALUES, "variance_type": VARIANCE_TYPES}
 
-    variance_type: str = "fixed_small"
+    variance_type: str | None = "fixed_small"
 
 
 DDPMState = AlphaProdState  # the same state as DDIM's
 
 
-class DDPMScheduler(AbstractScheduler):
+class DDPMScheduler(AbstractBetaScheduler):
     """DDPM. With ``variance_type`` ``"learned"`` / ``"learned_range"`` the model output carries the predicted
-    variance in the second half of its channels (the last axis)."""
+    variance in the second half of its channels (the last axis). ``init(timesteps=[...])`` takes a custom
+    descending schedule (each step goes to the next listed timestep, the last to the clean sample)."""
 
     CONFIG: ClassVar[type[DDPMConfig]] = DDPMConfig
     config: DDPMConfig = eqx.field(static=True, default=DDPMConfig())
+    SCHEDULE_KEYWORDS: ClassVar[tuple[str, ...]] = ("timesteps",)
 
-    def init(self, num_inference_steps: int | None = None, *, sample_shape: tuple[int, ...] | None = None,
-             strength: float | None = None, begin_index: int | None = None) -> DDPMState:
+    def _init(self, num_inference_steps: int | None, *, sample_shape, strength, begin_index,
+              timesteps=None) -> DDPMState:
         cfg = self.config
-        num_inference_steps = cfg.num_train_timesteps if num_inference_steps is None else num_inference_steps
-        check_num_steps(cfg, num_inference_steps)
-        timesteps = spaced_timesteps(cfg, num_inference_steps).astype(np.int64)
+        if timesteps is not None:
+            one_of_steps_or("DDPMScheduler", num_inference_steps, timesteps=timesteps)
+            timesteps = custom_schedule("DDPMScheduler", "timesteps", timesteps, np.int64)
+            check_descending("DDPMScheduler", "timesteps", timesteps)
+            num_inference_steps = len(timesteps)
+        else:
+            num_inference_steps = cfg.num_train_timesteps if num_inference_steps is None else num_inference_steps
+            check_num_steps(cfg, num_inference_steps)
+            timesteps = spaced_timesteps(cfg, num_inference_steps).astype(np.int64)
         check_train_indices("timesteps", timesteps, cfg)
         acp = self.alphas_cumprod
         # The previous timestep is the next entry of the schedule; past the last one alpha_prod is 1.
@@ -61,8 +69,11 @@ class DDPMScheduler(AbstractScheduler):
     def step(self, state: DDPMState, model_output: Float[Array, "..."], sample: Float[Array, "*dims"], *,
              key: PRNGKeyArray | None = None,
              noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], DDPMState]:
+        """As :meth:`AbstractScheduler.step`; a learned-variance model output has twice the sample's channels."""
+        return self._step(state, model_output, sample, key, noise)
+
+    def update(self, state: DDPMState, out, x, *, key=None, noise=None):
         cfg = self.config
-        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
         predicted_variance = None
         learned = cfg.variance_type in ("learned", "learned_range")
         if learned and out.shape[-1] == 2 * x.shape[-1]:
@@ -85,7 +96,7 @@ class DDPMScheduler(AbstractScheduler):
         prev = x0_coeff * x0 + x_coeff * x
 
         variance = jnp.maximum((1 - a_prev) / (1 - a_t) * cur_beta, 1e-20)
-        if cfg.variance_type == "fixed_small":
+        if cfg.variance_type in ("fixed_small", None):
             std = jnp.sqrt(variance)
         elif cfg.variance_type == "fixed_small_log":
             std = jnp.exp(0.5 * jnp.log(variance))
@@ -97,5 +108,4 @@ class DDPMScheduler(AbstractScheduler):
             frac = (predicted_variance + 1) / 2
             std = jnp.exp(0.5 * (frac * jnp.log(cur_beta) + (1 - frac) * jnp.log(variance)))
         eps = step_noise("DDPMScheduler", x.shape, x.dtype, key, noise)
-        prev = prev + jnp.where(t > 0, std * eps, 0.0)
-        return prev.astype(sample.dtype), dataclasses.replace(state, step_index=state.step_index + 1)
+        return prev + jnp.where(t > 0, std * eps, 0.0), state

@@ -11,20 +11,23 @@ import numpy as np
 from jax import lax
 
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
-from ._common import (
+from ._base import (
     BOOLS,
-    AbstractScheduler,
     AbstractSchedulerState,
-    SigmaSpacingConfig,
     check_num_steps,
-    check_train_indices,
-    exponential_sigmas,
-    karras_sigmas,
+    custom_schedule,
+    one_of_steps_or,
     resolve_begin_index,
+)
+from ._beta import (
+    AbstractBetaScheduler,
+    SigmaSpacingConfig,
+    check_train_indices,
     sigma_to_t,
     threshold_sample,
     train_sigmas,
 )
+from ._sigmas import exponential_sigmas, karras_sigmas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +78,11 @@ def _lambda(alpha, sigma):
     return jnp.log(alpha) - jnp.log(sigma)
 
 
-class DPMSolverMultistepScheduler(AbstractScheduler):
+class DPMSolverMultistepScheduler(AbstractBetaScheduler):
     CONFIG: ClassVar[type[DPMSolverConfig]] = DPMSolverConfig
     config: DPMSolverConfig = eqx.field(static=True, default=DPMSolverConfig())
     TERMINAL_FLOOR: ClassVar[bool] = True
+    SCHEDULE_KEYWORDS: ClassVar[tuple[str, ...]] = ("timesteps", "mu")
 
     def _timesteps(self, num_inference_steps: int) -> np.ndarray:
         cfg = self.config
@@ -93,14 +97,26 @@ class DPMSolverMultistepScheduler(AbstractScheduler):
             return (np.arange(0, n + 1) * ratio).round()[::-1][:-1].astype(np.int64) + cfg.steps_offset
         return np.arange(last, 0, -t / n).round().astype(np.int64) - 1
 
-    def init(self, num_inference_steps: int, *, sample_shape: tuple[int, ...] | None = None,
-             strength: float | None = None, begin_index: int | None = None) -> DPMSolverState:
+    def _init(self, num_inference_steps: int | None, *, sample_shape, strength, begin_index, timesteps=None,
+              mu=None) -> DPMSolverState:
         cfg = self.config
-        check_num_steps(cfg, num_inference_steps)
+        if mu is not None:
+            raise ValueError("DPMSolverMultistepScheduler.init: mu= shifts flow sigmas (use_dynamic_shifting=True, "
+                             "use_flow_sigmas=True), which eqxdiff's DPM-Solver does not implement; use "
+                             "FlowMatchEulerDiscreteScheduler or UniPCMultistepScheduler for flow models")
         if sample_shape is None:
             raise ValueError("DPMSolverMultistepScheduler.init needs sample_shape= (the latents' shape) for its "
                              "history buffer")
-        timesteps = self._timesteps(num_inference_steps)
+        one_of_steps_or("DPMSolverMultistepScheduler", num_inference_steps, timesteps=timesteps)
+        if timesteps is not None:
+            spacing = [k for k in ("use_karras_sigmas", "use_exponential_sigmas") if getattr(cfg, k)]
+            if spacing:
+                raise ValueError(f"DPMSolverMultistepScheduler.init: timesteps= cannot be used with {spacing[0]}=True")
+            timesteps = custom_schedule("DPMSolverMultistepScheduler", "timesteps", timesteps, np.int64)
+            num_inference_steps = len(timesteps)
+        else:
+            check_num_steps(cfg, num_inference_steps)
+            timesteps = self._timesteps(num_inference_steps)
         acp = self.alphas_cumprod
         sigmas = train_sigmas(acp)
         log_sigmas = np.log(sigmas)
@@ -164,8 +180,11 @@ class DPMSolverMultistepScheduler(AbstractScheduler):
     def step(self, state: DPMSolverState, model_output: Float[Array, "..."], sample: Float[Array, "*dims"], *,
              key: PRNGKeyArray | None = None,
              noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], DPMSolverState]:
+        """As :meth:`AbstractScheduler.step`; a learned-variance model output has twice the sample's channels."""
+        return self._step(state, model_output, sample, key, noise)
+
+    def update(self, state: DPMSolverState, out, x, *, key=None, noise=None):
         cfg = self.config
-        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
         if cfg.variance_type is not None and cfg.prediction_type == "epsilon" and out.shape[-1] == 2 * x.shape[-1]:
             out = out[..., :x.shape[-1]]  # drop the predicted variance (the channels' second half)
         if out.shape != x.shape:
@@ -182,9 +201,9 @@ class DPMSolverMultistepScheduler(AbstractScheduler):
         else:
             use_first = (state.lower_order_nums < 1) | lower_final
             prev = lax.cond(use_first, self._first_order, self._second_order, state, m, x)
-        new = dataclasses.replace(state, step_index=i + 1, model_outputs=m,
+        new = dataclasses.replace(state, model_outputs=m,
                                   lower_order_nums=jnp.minimum(state.lower_order_nums + 1, cfg.solver_order))
-        return prev.astype(sample.dtype), new
+        return prev, new
 
     @typechecked
     def add_noise_at_step(self, state: DPMSolverState, original: Float[Array, "*dims"],

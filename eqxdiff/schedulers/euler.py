@@ -8,29 +8,33 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
-from ._common import (
+from .._typing import Array, Float, Int, typechecked
+from ._base import (
     BOOLS,
-    AbstractScheduler,
-    AbstractSchedulerState,
-    SchedulerConfig,
-    SigmaSpacingConfig,
+    AbstractSigmaState,
+    SigmaState,
     check_num_steps,
-    exponential_sigmas,
-    karras_sigmas,
+    custom_schedule,
+    one_of_steps_or,
     per_sample,
     resolve_begin_index,
+    step_noise,
+)
+from ._beta import (
+    AbstractBetaScheduler,
+    BetaScheduleConfig,
+    SigmaSpacingConfig,
     sigma_to_t,
     spaced_timesteps,
-    step_noise,
     train_sigmas,
     x0_from_sigma,
 )
+from ._sigmas import exponential_sigmas, karras_sigmas
 
 
 @dataclasses.dataclass(frozen=True)
-class EulerAncestralConfig(SchedulerConfig):
-    SUPPORTED_VALUES: ClassVar = {**SchedulerConfig.SUPPORTED_VALUES, "prediction_type": ("epsilon", "v_prediction"),
+class EulerAncestralConfig(BetaScheduleConfig):
+    SUPPORTED_VALUES: ClassVar = {**BetaScheduleConfig.SUPPORTED_VALUES, "prediction_type": ("epsilon", "v_prediction"),
                                   "rescale_betas_zero_snr": BOOLS}
 
     timestep_spacing: str = "linspace"
@@ -53,21 +57,6 @@ class EulerConfig(SigmaSpacingConfig):
     rescale_betas_zero_snr: bool = False
 
 
-class AbstractSigmaState(AbstractSchedulerState):
-    """State of a sigma-space scheduler: ``sigmas`` has one more entry than ``timesteps`` (the final level)."""
-
-    sigmas: eqx.AbstractVar[Float[Array, " steps_plus_one"]]
-
-
-class SigmaState(AbstractSigmaState):
-    """State of Euler and Euler ancestral."""
-
-    timesteps: Float[Array, " steps"]
-    sigmas: Float[Array, " steps_plus_one"]
-    step_index: Int[Array, ""]
-    begin_index: int = eqx.field(static=True)
-
-
 def euler_timesteps_and_sigmas(scheduler, num_inference_steps: int):
     """Float timesteps, float64 sigmas (without the final entry) and log training sigmas, as Euler-type
     ``set_timesteps`` computes them."""
@@ -81,7 +70,7 @@ def euler_timesteps_and_sigmas(scheduler, num_inference_steps: int):
     return timesteps, np.interp(timesteps, np.arange(0, len(sigmas)), sigmas), np.log(sigmas)
 
 
-class AbstractSigmaScheduler(AbstractScheduler):
+class AbstractSigmaScheduler(AbstractBetaScheduler):
     """Shared by Euler, Euler ancestral and LMS: sigma-space input scaling and ``init_noise_sigma``."""
 
     TERMINAL_FLOOR: ClassVar[bool] = True
@@ -122,36 +111,65 @@ class EulerDiscreteScheduler(AbstractSigmaScheduler):
 
     CONFIG: ClassVar[type[EulerConfig]] = EulerConfig
     config: EulerConfig = eqx.field(static=True, default=EulerConfig())
+    SCHEDULE_KEYWORDS: ClassVar[tuple[str, ...]] = ("timesteps", "sigmas")
 
-    def init(self, num_inference_steps: int, *, sample_shape: tuple[int, ...] | None = None,
-             strength: float | None = None, begin_index: int | None = None) -> SigmaState:
+    def _init(self, num_inference_steps: int | None, *, sample_shape, strength, begin_index, timesteps=None,
+              sigmas=None) -> SigmaState:
         cfg = self.config
-        timesteps, sigmas, log_sigmas = euler_timesteps_and_sigmas(self, num_inference_steps)
-        if cfg.use_karras_sigmas or cfg.use_exponential_sigmas:
-            lo = cfg.sigma_min if cfg.sigma_min is not None else sigmas[-1].item()
-            hi = cfg.sigma_max if cfg.sigma_max is not None else sigmas[0].item()
-            convert = karras_sigmas if cfg.use_karras_sigmas else exponential_sigmas
-            sigmas = convert(lo, hi, num_inference_steps)
-            timesteps = sigma_to_t(sigmas, log_sigmas)
-        acp0 = self.alphas_cumprod[0]
-        last = np.sqrt((np.float32(1) - acp0) / acp0) if cfg.final_sigmas_type == "sigma_min" else 0.0
-        sigmas = np.concatenate([sigmas, [last]]).astype(np.float32)
+        if timesteps is not None and sigmas is not None:
+            raise ValueError("EulerDiscreteScheduler.init: pass timesteps= or sigmas=, not both")
+        one_of_steps_or("EulerDiscreteScheduler", num_inference_steps, timesteps=timesteps, sigmas=sigmas)
+        if sigmas is not None:
+            timesteps, sigmas = self._custom_sigmas(sigmas)
+        else:
+            if timesteps is None:
+                timesteps, sigmas, log_sigmas = euler_timesteps_and_sigmas(self, num_inference_steps)
+            else:
+                timesteps, sigmas, log_sigmas = self._custom_timesteps(timesteps)
+            if cfg.use_karras_sigmas or cfg.use_exponential_sigmas:
+                lo = cfg.sigma_min if cfg.sigma_min is not None else sigmas[-1].item()
+                hi = cfg.sigma_max if cfg.sigma_max is not None else sigmas[0].item()
+                convert = karras_sigmas if cfg.use_karras_sigmas else exponential_sigmas
+                sigmas = convert(lo, hi, len(timesteps))
+                timesteps = sigma_to_t(sigmas, log_sigmas)
+            acp0 = self.alphas_cumprod[0]
+            last = np.sqrt((np.float32(1) - acp0) / acp0) if cfg.final_sigmas_type == "sigma_min" else 0.0
+            sigmas = np.concatenate([sigmas, [last]])
+        n = len(timesteps)
+        sigmas = sigmas.astype(np.float32)
         if cfg.timestep_type == "continuous" and cfg.prediction_type == "v_prediction":
             timesteps = np.float32(0.25) * np.log(sigmas[:-1])
-        begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
+        begin = resolve_begin_index(n, n, self.order, strength, begin_index)
         return SigmaState(timesteps=jnp.asarray(timesteps, jnp.float32), sigmas=jnp.asarray(sigmas),
                           step_index=jnp.asarray(begin, jnp.int32), begin_index=begin)
 
-    @typechecked
-    def step(self, state: SigmaState, model_output: Float[Array, "*dims"], sample: Float[Array, "*dims"], *,
-             key: PRNGKeyArray | None = None,
-             noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], SigmaState]:
-        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
+    def _custom_sigmas(self, sigmas):
+        """diffusers' ``set_timesteps(sigmas=...)``: ``n + 1`` levels (the last is where the last step goes), the
+        timesteps interpolated from them."""
+        sigmas = custom_schedule("EulerDiscreteScheduler", "sigmas", sigmas, np.float32)
+        if len(sigmas) < 2:
+            raise ValueError("EulerDiscreteScheduler.init: sigmas= lists n + 1 levels (the last one is where the "
+                             f"last step goes), got {len(sigmas)}")
+        return sigma_to_t(sigmas[:-1], np.log(train_sigmas(self.alphas_cumprod))), sigmas
+
+    def _custom_timesteps(self, timesteps):
+        """diffusers' ``set_timesteps(timesteps=...)``: the sigmas interpolated at the given timesteps."""
+        cfg = self.config
+        spacing = [k for k in ("use_karras_sigmas", "use_exponential_sigmas") if getattr(cfg, k)]
+        if spacing:
+            raise ValueError(f"EulerDiscreteScheduler.init: timesteps= cannot be used with {spacing[0]}=True")
+        if cfg.timestep_type == "continuous" and cfg.prediction_type == "v_prediction":
+            raise ValueError("EulerDiscreteScheduler.init: timesteps= cannot be used with timestep_type='continuous' "
+                             "and prediction_type='v_prediction'")
+        timesteps = custom_schedule("EulerDiscreteScheduler", "timesteps", timesteps, np.float32)
+        train = train_sigmas(self.alphas_cumprod)
+        return timesteps, np.interp(timesteps, np.arange(0, len(train)), train), np.log(train)
+
+    def update(self, state: SigmaState, out, x, *, key=None, noise=None):
         sigma = state.sigmas[state.step_index]
         x0 = x0_from_sigma(self.config.prediction_type, out, x, sigma)
         derivative = (x - x0) / sigma
-        prev = x + derivative * (state.sigmas[state.step_index + 1] - sigma)
-        return prev.astype(sample.dtype), dataclasses.replace(state, step_index=state.step_index + 1)
+        return x + derivative * (state.sigmas[state.step_index + 1] - sigma), state
 
 
 class EulerAncestralDiscreteScheduler(AbstractSigmaScheduler):
@@ -161,24 +179,18 @@ class EulerAncestralDiscreteScheduler(AbstractSigmaScheduler):
     CONFIG: ClassVar[type[EulerAncestralConfig]] = EulerAncestralConfig
     config: EulerAncestralConfig = eqx.field(static=True, default=EulerAncestralConfig())
 
-    def init(self, num_inference_steps: int, *, sample_shape: tuple[int, ...] | None = None,
-             strength: float | None = None, begin_index: int | None = None) -> SigmaState:
+    def _init(self, num_inference_steps: int, *, sample_shape, strength, begin_index) -> SigmaState:
         timesteps, sigmas, _ = euler_timesteps_and_sigmas(self, num_inference_steps)
         sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
         begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
         return SigmaState(timesteps=jnp.asarray(timesteps, jnp.float32), sigmas=jnp.asarray(sigmas),
                           step_index=jnp.asarray(begin, jnp.int32), begin_index=begin)
 
-    @typechecked
-    def step(self, state: SigmaState, model_output: Float[Array, "*dims"], sample: Float[Array, "*dims"], *,
-             key: PRNGKeyArray | None = None,
-             noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], SigmaState]:
-        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
+    def update(self, state: SigmaState, out, x, *, key=None, noise=None):
         sigma_from, sigma_to = state.sigmas[state.step_index], state.sigmas[state.step_index + 1]
         x0 = x0_from_sigma(self.config.prediction_type, out, x, sigma_from)
         sigma_up = jnp.sqrt(sigma_to**2 * (sigma_from**2 - sigma_to**2) / sigma_from**2)
         sigma_down = jnp.sqrt(sigma_to**2 - sigma_up**2)
         derivative = (x - x0) / sigma_from
         prev = x + derivative * (sigma_down - sigma_from)
-        prev = prev + step_noise("EulerAncestralDiscreteScheduler", x.shape, x.dtype, key, noise) * sigma_up
-        return prev.astype(sample.dtype), dataclasses.replace(state, step_index=state.step_index + 1)
+        return prev + step_noise("EulerAncestralDiscreteScheduler", x.shape, x.dtype, key, noise) * sigma_up, state

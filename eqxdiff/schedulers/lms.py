@@ -12,16 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from numpy.polynomial import Polynomial
 
-from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
-from ._common import (
-    SigmaSpacingConfig,
-    exponential_sigmas,
-    karras_sigmas,
-    resolve_begin_index,
-    sigma_to_t,
-    x0_from_sigma,
-)
-from .euler import AbstractSigmaScheduler, AbstractSigmaState, euler_timesteps_and_sigmas
+from .._typing import Array, Float, Int
+from ._base import AbstractSigmaState, resolve_begin_index
+from ._beta import SigmaSpacingConfig, sigma_to_t, x0_from_sigma
+from ._sigmas import exponential_sigmas, karras_sigmas
+from .euler import AbstractSigmaScheduler, euler_timesteps_and_sigmas
 
 LMS_ORDER = 4
 
@@ -64,8 +59,7 @@ class LMSDiscreteScheduler(AbstractSigmaScheduler):
     config: LMSConfig = eqx.field(static=True, default=LMSConfig())
     TERMINAL_FLOOR: ClassVar[bool] = False
 
-    def init(self, num_inference_steps: int, *, sample_shape: tuple[int, ...] | None = None,
-             strength: float | None = None, begin_index: int | None = None) -> LMSState:
+    def _init(self, num_inference_steps: int, *, sample_shape, strength, begin_index) -> LMSState:
         cfg = self.config
         if sample_shape is None:
             raise ValueError("LMSDiscreteScheduler.init needs sample_shape= (the latents' shape) for its history")
@@ -81,11 +75,7 @@ class LMSDiscreteScheduler(AbstractSigmaScheduler):
                         coeffs=jnp.asarray(lms_coefficients(sigmas, num_inference_steps)),
                         derivatives=jnp.zeros((LMS_ORDER, *sample_shape), jnp.float32))
 
-    @typechecked
-    def step(self, state: LMSState, model_output: Float[Array, "*dims"], sample: Float[Array, "*dims"], *,
-             key: PRNGKeyArray | None = None,
-             noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], LMSState]:
-        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
+    def update(self, state: LMSState, out, x, *, key=None, noise=None):
         sigma = state.sigmas[state.step_index]
         x0 = x0_from_sigma(self.config.prediction_type, out, x, sigma)
         derivatives = jnp.concatenate([((x - x0) / sigma)[None], state.derivatives[:-1]])
@@ -95,4 +85,4 @@ class LMSDiscreteScheduler(AbstractSigmaScheduler):
         for j in range(1, LMS_ORDER):
             update = update + coeffs[j] * derivatives[j]
         prev = x + update
-        return prev.astype(sample.dtype), dataclasses.replace(state, step_index=state.step_index + 1, derivatives=derivatives)
+        return prev, dataclasses.replace(state, derivatives=derivatives)

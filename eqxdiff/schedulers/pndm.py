@@ -9,24 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._typing import Array, Float, Int, typechecked
-from ._common import (
-    BOOLS,
-    AbstractScheduler,
-    AbstractSchedulerState,
-    SchedulerConfig,
-    check_num_steps,
-    check_train_indices,
-    resolve_begin_index,
-    spaced_timesteps,
-)
+from .._typing import Array, Float, Int
+from ._base import BOOLS, AbstractSchedulerState, check_num_steps, resolve_begin_index
+from ._beta import AbstractBetaScheduler, BetaScheduleConfig, check_train_indices, spaced_timesteps
 
 PNDM_ORDER = 4
 
 
 @dataclasses.dataclass(frozen=True)
-class PNDMConfig(SchedulerConfig):
-    SUPPORTED_VALUES: ClassVar = {**SchedulerConfig.SUPPORTED_VALUES, "prediction_type": ("epsilon", "v_prediction"),
+class PNDMConfig(BetaScheduleConfig):
+    SUPPORTED_VALUES: ClassVar = {**BetaScheduleConfig.SUPPORTED_VALUES, "prediction_type": ("epsilon", "v_prediction"),
                                   "skip_prk_steps": BOOLS, "set_alpha_to_one": BOOLS}
 
     skip_prk_steps: bool = False
@@ -62,7 +54,7 @@ def _plms_combination(ets, model_output, index):
     return lax.switch(index, branches)
 
 
-class PNDMScheduler(AbstractScheduler):
+class PNDMScheduler(AbstractBetaScheduler):
     CONFIG: ClassVar[type[PNDMConfig]] = PNDMConfig
     config: PNDMConfig = eqx.field(static=True, default=PNDMConfig())
 
@@ -79,8 +71,7 @@ class PNDMScheduler(AbstractScheduler):
         plms = ascending[:-3][::-1]
         return np.concatenate([prk, plms]).astype(np.int64), prk
 
-    def init(self, num_inference_steps: int, *, sample_shape: tuple[int, ...] | None = None,
-             strength: float | None = None, begin_index: int | None = None) -> PNDMState:
+    def _init(self, num_inference_steps: int, *, sample_shape, strength, begin_index) -> PNDMState:
         cfg = self.config
         check_num_steps(cfg, num_inference_steps)
         if sample_shape is None:
@@ -140,10 +131,7 @@ class PNDMScheduler(AbstractScheduler):
         new = dataclasses.replace(state, ets=ets, num_ets=num_ets, cur_sample=cur_sample, cur_model_output=cmo)
         return combined, cur_sample, new
 
-    @typechecked
-    def step(self, state: PNDMState, model_output: Float[Array, "*dims"], sample: Float[Array, "*dims"], *,
-             key=None, noise=None) -> tuple[Float[Array, "*dims"], PNDMState]:
-        x, out = sample.astype(jnp.float32), model_output.astype(jnp.float32)
+    def update(self, state: PNDMState, out, x, *, key=None, noise=None):
         if state.num_prk:
             is_prk = state.step_index - state.begin_index < state.num_prk
             combined, base, state = lax.cond(is_prk, self._prk, self._plms, state, out, x)
@@ -155,4 +143,4 @@ class PNDMScheduler(AbstractScheduler):
             combined = jnp.sqrt(a_t) * combined + jnp.sqrt(b_t) * base
         denom = a_t * jnp.sqrt(b_prev) + jnp.sqrt(a_t * b_t * a_prev)
         prev = jnp.sqrt(a_prev / a_t) * base - (a_prev - a_t) * combined / denom
-        return prev.astype(sample.dtype), dataclasses.replace(state, step_index=state.step_index + 1)
+        return prev, state

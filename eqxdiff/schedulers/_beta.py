@@ -1,38 +1,35 @@
-"""What every scheduler shares: the config base, the noise schedule, timestep spacing, prediction-type
-conversion, the state base class and the scheduler base class with ``add_noise`` / ``get_velocity``; what DDIM
-and DDPM share (their clipping/thresholding config keys and their state); and the sigma-respacing config keys of
-Euler, LMS and DPM-Solver.
+"""The beta-schedule (DDPM-process) part of the schedulers: the config keys of diffusers' discrete-time schedulers,
+betas and ``alphas_cumprod``, timestep spacing, prediction-type conversion, and the scheduler base whose
+``add_noise`` / ``get_velocity`` are the DDPM forward process; what DDIM and DDPM share (their clipping /
+thresholding config keys and their state); and the sigma-respacing config keys of Euler, LMS and DPM-Solver.
 
 Host-side work (betas, ``alphas_cumprod``, timesteps, sigmas) runs in NumPy and reproduces diffusers' float32
 values (``torch.cumprod`` accumulates in float64 on the CPU, so ours does), except the zero-SNR rescale, which
 is computed in float64 (see ``_rescale_zero_terminal_snr``). Per-step arithmetic runs in ``jnp`` float32 inside
-``step``, in diffusers' order of operations.
+``update``, in diffusers' order of operations.
 """
 
-import abc
 import dataclasses
 import functools
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, Shaped, typechecked
-from ..core import ModelConfig
+from ._base import BOOLS, AbstractScheduler, AbstractSchedulerState, SchedulerConfig, per_sample
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
-BOOLS = (False, True)
 
 
 @dataclasses.dataclass(frozen=True)
-class SchedulerConfig(ModelConfig):
-    """Keys shared by diffusers' discrete-time schedulers (``scheduler_config.json``).
+class BetaScheduleConfig(SchedulerConfig):
+    """Keys shared by diffusers' discrete-time (DDPM-process) schedulers (``scheduler_config.json``).
 
     Subclasses add their own keys and may change a default (diffusers' defaults differ per class, e.g.
     ``timestep_spacing`` is ``"leading"`` for DDIM and ``"linspace"`` for Euler).
@@ -44,7 +41,6 @@ class SchedulerConfig(ModelConfig):
         "prediction_type": PREDICTION_TYPES,
     }
 
-    num_train_timesteps: int = 1000
     beta_start: float = 0.0001
     beta_end: float = 0.02
     beta_schedule: str = "linear"
@@ -52,30 +48,11 @@ class SchedulerConfig(ModelConfig):
     prediction_type: str = "epsilon"
     timestep_spacing: str = "leading"
     steps_offset: int = 0
-    # The checkpoint dict this config was read from (not part of equality): which keys it set, and keys that
-    # other schedulers use (``clip_sample`` in a PNDM config) which ``to_dict`` carries on, as diffusers does.
-    source: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]):
-        config = super().from_dict(raw)
-        object.__setattr__(config, "source", {k: v for k, v in raw.items() if k[:1] != "_"})
-        return config
-
-    def to_dict(self) -> dict[str, Any]:
-        """The config keys, the source's keys for other schedulers, and (like diffusers' ``.config``)
-        ``_use_default_values``: the keys the source did not set, so that swapping schedulers from this dict
-        follows diffusers' ``from_config``."""
-        fields = {k: v for k, v in super().to_dict().items() if k != "source"}
-        if self.source is None:
-            return fields
-        return {**self.source, **fields, "_use_default_values": sorted(k for k in fields if k not in self.source)}
 
     def __post_init__(self):
         if self.trained_betas is not None:  # a list or array from Python: keep the config hashable
             object.__setattr__(self, "trained_betas", tuple(float(b) for b in np.ravel(self.trained_betas)))
         super().__post_init__()
-        self.check(self.num_train_timesteps >= 2, "num_train_timesteps", "must be at least 2")
         self.check(self.steps_offset >= 0, "steps_offset", "must be >= 0")
         if self.trained_betas is not None:
             self.check(len(self.trained_betas) == self.num_train_timesteps, "trained_betas",
@@ -83,12 +60,12 @@ class SchedulerConfig(ModelConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class ClipSampleConfig(SchedulerConfig):
-    """Keys of DDIM and DDPM beyond :class:`SchedulerConfig`: clipping (``clip_sample``) or Imagen's dynamic
+class ClipSampleConfig(BetaScheduleConfig):
+    """Keys of DDIM and DDPM beyond :class:`BetaScheduleConfig`: clipping (``clip_sample``) or Imagen's dynamic
     thresholding (``thresholding``) of the predicted clean sample, and the zero-terminal-SNR rescale."""
 
     SUPPORTED_VALUES: ClassVar[Mapping[str, tuple]] = {
-        **SchedulerConfig.SUPPORTED_VALUES, "clip_sample": BOOLS, "thresholding": BOOLS,
+        **BetaScheduleConfig.SUPPORTED_VALUES, "clip_sample": BOOLS, "thresholding": BOOLS,
         "rescale_betas_zero_snr": BOOLS}
 
     clip_sample: bool = True
@@ -100,13 +77,13 @@ class ClipSampleConfig(SchedulerConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class SigmaSpacingConfig(SchedulerConfig):
-    """Keys of Euler, LMS and DPM-Solver beyond :class:`SchedulerConfig`: noise levels spaced as Karras et al.
+class SigmaSpacingConfig(BetaScheduleConfig):
+    """Keys of Euler, LMS and DPM-Solver beyond :class:`BetaScheduleConfig`: noise levels spaced as Karras et al.
     (``use_karras_sigmas``) or exponentially (``use_exponential_sigmas``) instead of those of the spaced timesteps;
     beta-distributed sigmas are not supported."""
 
     SUPPORTED_VALUES: ClassVar[Mapping[str, tuple]] = {
-        **SchedulerConfig.SUPPORTED_VALUES, "use_karras_sigmas": BOOLS, "use_exponential_sigmas": BOOLS,
+        **BetaScheduleConfig.SUPPORTED_VALUES, "use_karras_sigmas": BOOLS, "use_exponential_sigmas": BOOLS,
         "use_beta_sigmas": (False,)}
 
     use_karras_sigmas: bool = False
@@ -149,7 +126,7 @@ def _cumprod(x: np.ndarray) -> np.ndarray:
     return np.cumprod(x.astype(np.float64)).astype(np.float32)
 
 
-def betas(config: SchedulerConfig) -> np.ndarray:
+def betas(config: BetaScheduleConfig) -> np.ndarray:
     """The training betas (float32), as the diffusers scheduler builds them."""
     n = config.num_train_timesteps
     if config.trained_betas is not None:
@@ -166,7 +143,7 @@ def betas(config: SchedulerConfig) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _alphas_cumprod_cached(config: SchedulerConfig, terminal_floor: bool) -> np.ndarray:
+def _alphas_cumprod_cached(config: BetaScheduleConfig, terminal_floor: bool) -> np.ndarray:
     acp = _cumprod(np.float32(1.0) - betas(config))
     if terminal_floor and getattr(config, "rescale_betas_zero_snr", False):
         # Sigma-parameterised schedulers keep sigma_max finite: diffusers sets the last value to 2**-24.
@@ -175,7 +152,7 @@ def _alphas_cumprod_cached(config: SchedulerConfig, terminal_floor: bool) -> np.
     return acp
 
 
-def alphas_cumprod(config: SchedulerConfig, *, terminal_floor: bool = False) -> np.ndarray:
+def alphas_cumprod(config: BetaScheduleConfig, *, terminal_floor: bool = False) -> np.ndarray:
     """``cumprod(1 - betas)`` in float32 (read-only, cached per config)."""
     return _alphas_cumprod_cached(config, terminal_floor)
 
@@ -185,7 +162,7 @@ def train_sigmas(acp: np.ndarray) -> np.ndarray:
     return np.sqrt((np.float32(1.0) - acp) / acp)
 
 
-def spaced_timesteps(config: SchedulerConfig, num_inference_steps: int) -> np.ndarray:
+def spaced_timesteps(config: BetaScheduleConfig, num_inference_steps: int) -> np.ndarray:
     """Descending timesteps (float64, integral values) for ``leading`` / ``linspace`` / ``trailing`` spacing.
 
     ``linspace`` is rounded here; Euler-type schedulers that keep fractional values call ``np.linspace`` directly.
@@ -196,17 +173,6 @@ def spaced_timesteps(config: SchedulerConfig, num_inference_steps: int) -> np.nd
     if config.timestep_spacing == "leading":
         return (np.arange(0, n) * (t // n)).round()[::-1] + config.steps_offset
     return np.round(np.arange(t, 0, -t / n)) - 1
-
-
-def karras_sigmas(sigma_min: float, sigma_max: float, n: int, rho: float = 7.0) -> np.ndarray:
-    """Karras et al. (2022) noise levels: ``n`` values from ``sigma_max`` down to ``sigma_min`` (float64)."""
-    ramp = np.linspace(0, 1, n)
-    min_inv_rho, max_inv_rho = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
-    return (max_inv_rho + ramp * (min_inv_rho - max_inv_rho)) ** rho
-
-
-def exponential_sigmas(sigma_min: float, sigma_max: float, n: int) -> np.ndarray:
-    return np.exp(np.linspace(math.log(sigma_max), math.log(sigma_min), n))
 
 
 def sigma_to_t(sigma: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:
@@ -221,48 +187,14 @@ def sigma_to_t(sigma: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:
     return ((1 - w) * low_idx + w * high_idx).reshape(sigma.shape)
 
 
-def check_num_steps(config: SchedulerConfig, num_inference_steps: int) -> None:
-    if not isinstance(num_inference_steps, (int, np.integer)) or isinstance(num_inference_steps, bool):
-        raise TypeError(f"num_inference_steps must be a Python int, got {num_inference_steps!r}")
-    if not 1 <= num_inference_steps <= config.num_train_timesteps:
-        raise ValueError(f"num_inference_steps={num_inference_steps} must be in "
-                         f"[1, num_train_timesteps={config.num_train_timesteps}]")
-
-
-def check_train_indices(name: str, indices: np.ndarray, config: SchedulerConfig) -> None:
+def check_train_indices(name: str, indices: np.ndarray, config: BetaScheduleConfig) -> None:
     if indices.size and (indices.min() < 0 or indices.max() >= config.num_train_timesteps):
         raise ValueError(f"{name} {indices.tolist()} fall outside [0, num_train_timesteps="
                          f"{config.num_train_timesteps}); lower steps_offset or change timestep_spacing")
 
 
-def resolve_begin_index(num_inference_steps: int, num_timesteps: int, order: int,
-                        strength: float | None, begin_index: int | None) -> int:
-    """The index into ``timesteps`` where sampling starts.
-
-    ``strength`` follows diffusers' img2img pipelines: ``t_start = N - min(int(N * strength), N)`` and the
-    scheduler starts at ``t_start * order``. ``begin_index`` sets the index directly (``set_begin_index``).
-    """
-    if strength is not None and begin_index is not None:
-        raise ValueError("pass strength= or begin_index=, not both")
-    if strength is not None:
-        if not 0.0 <= strength <= 1.0:
-            raise ValueError(f"strength={strength} must be in [0, 1]")
-        init_timestep = min(int(num_inference_steps * strength), num_inference_steps)
-        return max(num_inference_steps - init_timestep, 0) * order
-    if begin_index is None:
-        return 0
-    if not 0 <= begin_index <= num_timesteps:
-        raise ValueError(f"begin_index={begin_index} must be in [0, {num_timesteps}] (the number of timesteps)")
-    return int(begin_index)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Per-step helpers (jnp, float32)
-
-
-def per_sample(coef: Array, like: Array) -> Array:
-    """``coef`` with one value per batch entry (or a scalar), reshaped to broadcast against ``like``."""
-    return jnp.reshape(coef, (-1,) + (1,) * (like.ndim - 1))
 
 
 def x0_and_eps(prediction_type: str, model_output, sample, alpha_prod_t):
@@ -304,33 +236,8 @@ def clip_or_threshold(config: ClipSampleConfig, x0):
     return x0
 
 
-def step_noise(name: str, shape, dtype, key, noise):
-    """The Gaussian noise a stochastic step adds: drawn from ``key``, or ``noise`` itself (for parity tests)."""
-    if key is not None and noise is not None:
-        raise ValueError(f"{name}.step: pass key= or noise=, not both")
-    if noise is not None:
-        if noise.shape != tuple(shape):
-            raise ValueError(f"{name}.step: noise.shape={noise.shape} must equal the sample shape {tuple(shape)}")
-        return noise.astype(jnp.float32)
-    if key is None:
-        raise ValueError(f"{name}.step adds noise: pass key= (a PRNG key) or noise= (an array)")
-    return jax.random.normal(key, shape, jnp.float32)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # State and scheduler bases
-
-
-class AbstractSchedulerState(eqx.Module):
-    """A scheduler's state: arrays only (plus the static ``begin_index``), threaded through ``step``.
-
-    ``step_index`` is the index of the current timestep into ``timesteps``; it starts at ``begin_index`` and
-    grows by one per ``step``, so a ``lax.fori_loop`` body never needs its loop index.
-    """
-
-    timesteps: eqx.AbstractVar[Shaped[Array, " steps"]]
-    step_index: eqx.AbstractVar[Int[Array, ""]]
-    begin_index: eqx.AbstractVar[int]
 
 
 class AlphaProdState(AbstractSchedulerState):
@@ -344,62 +251,18 @@ class AlphaProdState(AbstractSchedulerState):
     begin_index: int = eqx.field(static=True)
 
 
-class AbstractScheduler(eqx.Module):
-    """A stateless scheduler: a static config and pure functions of an explicit state.
+class AbstractBetaScheduler(AbstractScheduler):
+    """A scheduler of the DDPM process: its config is a :class:`BetaScheduleConfig`, ``alphas_cumprod`` comes from
+    the betas, and ``add_noise`` / ``get_velocity`` / ``add_noise_at_step`` are the DDPM forward process."""
 
-    ``init`` runs on the host and builds the state; ``init_noise_sigma``, ``scale_model_input``, ``step``,
-    ``add_noise``, ``add_noise_at_step`` and ``get_velocity`` are pure and jittable.
-    """
-
-    CONFIG: ClassVar[type[SchedulerConfig]]
-    config: eqx.AbstractVar[SchedulerConfig]
-    order: ClassVar[int] = 1
+    CONFIG: ClassVar[type[BetaScheduleConfig]]
+    config: eqx.AbstractVar[BetaScheduleConfig]
     # Sigma-parameterised schedulers floor the last alphas_cumprod at 2**-24 under zero-SNR rescaling.
     TERMINAL_FLOOR: ClassVar[bool] = False
-
-    @classmethod
-    def from_config(cls, raw: Mapping, **overrides):
-        """This scheduler from a ``scheduler_config.json`` dict, like diffusers' ``from_config``: unknown keys and
-        keys diffusers recorded as defaulted (``_use_default_values``) are ignored."""
-        defaulted = set(raw.get("_use_default_values", ()))
-        raw = {k: v for k, v in raw.items() if k not in defaulted}
-        return cls(cls.CONFIG.from_dict({**raw, **overrides}))
-
-    @abc.abstractmethod
-    def init(self, num_inference_steps: int, *, sample_shape: tuple[int, ...] | None = None,
-             strength: float | None = None, begin_index: int | None = None) -> AbstractSchedulerState:
-        """The state for ``num_inference_steps`` steps. ``sample_shape`` sizes multistep history buffers;
-        ``strength`` (img2img, as diffusers' pipelines) or ``begin_index`` start part-way."""
-
-    @abc.abstractmethod
-    def step(self, state, model_output, sample, *, key=None, noise=None):
-        """``(prev_sample, new_state)`` from the model output at ``current_timestep(state)``."""
-
-    def current_timestep(self, state: AbstractSchedulerState) -> Shaped[Array, ""]:
-        """The timestep to give the model at the current step."""
-        return state.timesteps[state.step_index]
-
-    def remaining_steps(self, state: AbstractSchedulerState) -> int:
-        """How many ``step`` calls are left from the state's start: a Python int (a static loop length) when
-        called on the state ``init`` returned."""
-        return int(state.timesteps.shape[0]) - state.begin_index
-
-    def timesteps_to_run(self, state: AbstractSchedulerState) -> Shaped[Array, " run"]:
-        """The timesteps from ``begin_index`` on (all of them unless ``init`` was given ``strength``)."""
-        return state.timesteps[state.begin_index:]
 
     @property
     def alphas_cumprod(self) -> np.ndarray:
         return alphas_cumprod(self.config, terminal_floor=self.TERMINAL_FLOOR)
-
-    def init_noise_sigma(self, state: AbstractSchedulerState) -> Float[Array, ""]:
-        """The standard deviation of the initial noise."""
-        return jnp.ones((), jnp.float32)
-
-    @typechecked
-    def scale_model_input(self, state: AbstractSchedulerState, sample: Float[Array, "*dims"]) -> Float[Array, "*dims"]:
-        """The model's input at the current step (identity unless the scheduler works in sigma space)."""
-        return sample
 
     @typechecked
     def add_noise(self, original: Float[Array, "batch *dims"], noise: Float[Array, "batch *dims"],
