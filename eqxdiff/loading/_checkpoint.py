@@ -2,7 +2,7 @@
 
 import json
 import os
-import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import equinox as eqx
@@ -10,8 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from .. import nn
-from ..core import family_names, resolve_class
-from ._fill import CheckpointError, fill_module, state_dict
+from ..core import ModelConfig, family_names, resolve_class
+from ._convert import Rule, Substitute, convert
+from ._errors import CheckpointError
+from ._fill import fill_module, state_dict
 from ._safetensors import SafetensorsFile, write_safetensors
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -25,6 +27,9 @@ def model_class(name: str):
     if cls is None or not hasattr(cls, "config_class"):
         raise CheckpointError(f"unknown model class {name!r}; eqxdiff can load: {family_names('model')}")
     return cls
+
+
+_class_named = model_class  # ``load``'s argument of that name hides the function there
 
 
 def check_dtype(dtype):
@@ -79,17 +84,40 @@ def resolve_folder(path_or_hub_id: str | os.PathLike, subfolder: str | None = No
     return folder
 
 
+def read_json(path: str | os.PathLike) -> dict:
+    """A JSON object from ``path``; a file that does not parse raises :class:`CheckpointError` naming it and the
+    line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            out = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{os.fspath(path)!r} is not valid JSON: {e.msg} at line {e.lineno}, column "
+                              f"{e.colno}. Fix that line, or download the file again if it came cut short") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{os.fspath(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); download "
+                              "it again") from None
+    if not isinstance(out, dict):
+        raise CheckpointError(f"{os.fspath(path)!r} holds a JSON {type(out).__name__}, not an object of settings")
+    return out
+
+
 def read_config(folder: Path, name: str = "config.json") -> dict:
+    """``folder/name`` (``config.json``, ``model_index.json``, ``scheduler_config.json``) as a dict."""
     path = Path(folder) / name
     if not path.is_file():
         raise CheckpointError(f"{name} not found in {os.fspath(folder)!r}; is this a diffusers/transformers "
                               "model folder?")
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path)
+
+
+def key_map_rules(key_map) -> tuple[Rule, ...]:
+    """A model's ``CHECKPOINT_KEY_MAP`` (``(pattern, replacement)`` regexes, ``re.sub`` in turn on every name: the
+    names another library version wrote) as conversion rules."""
+    return tuple(Substitute(pattern, replacement) for pattern, replacement in key_map)
 
 
 class CheckpointFiles:
-    """One or several safetensors shards seen as one name -> tensor mapping.
+    """One or several safetensors shards seen as one name -> tensor mapping (``names/shape/dtype/get``).
 
     ``key_map``: ``(pattern, replacement)`` regexes applied in turn (``re.sub``) to every stored name, so a model
     can read the names another library version wrote (a model class declares them as ``CHECKPOINT_KEY_MAP``).
@@ -97,27 +125,37 @@ class CheckpointFiles:
 
     def __init__(self, paths, key_map=()):
         self.files = [SafetensorsFile(p) for p in paths]
-        self._where = {}
-        for f in self.files:
-            for stored in f.names():
-                name = stored
-                for pattern, replacement in key_map:
-                    name = re.sub(pattern, replacement, name)
-                if key_map and name in self._where:
-                    raise CheckpointError(f"checkpoint tensors {self._where[name][1]!r} and {stored!r} both read "
-                                          f"as {name!r}; keep only one of them")
-                self._where[name] = (f, stored)
+        self._file = {name: f for f in self.files for name in f.names()}
+        self._view = convert(_Stored(self._file), key_map_rules(key_map), where="checkpoint")
 
     def names(self):
-        return list(self._where)
+        return self._view.names()
 
     def shape(self, name):
-        f, stored = self._where[name]
-        return f.shape(stored)
+        return self._view.shape(name)
+
+    def dtype(self, name):
+        return self._view.dtype(name)
 
     def get(self, name):
-        f, stored = self._where[name]
-        return f.get(stored)
+        return self._view.get(name)
+
+
+class _Stored:
+    def __init__(self, file_of: Mapping[str, SafetensorsFile]):
+        self._file = file_of
+
+    def names(self):
+        return list(self._file)
+
+    def shape(self, name):
+        return self._file[name].shape(name)
+
+    def dtype(self, name):
+        return self._file[name].dtype(name)
+
+    def get(self, name):
+        return self._file[name].get(name)
 
 
 def weight_files(folder: Path, variant: str | None = None) -> list[Path]:
@@ -130,8 +168,10 @@ def weight_files(folder: Path, variant: str | None = None) -> list[Path]:
         for index in (folder / f"{base}{suffix}.safetensors.index.json",
                       folder / f"{base}.safetensors.index{suffix}.json"):
             if index.is_file():
-                with open(index) as f:
-                    shards = sorted(set(json.load(f)["weight_map"].values()))
+                weight_map = read_json(index).get("weight_map")
+                if not isinstance(weight_map, dict):
+                    raise CheckpointError(f"{os.fspath(index)!r} has no weight_map; download it again")
+                shards = sorted(set(weight_map.values()))
                 missing = [s for s in shards if not (folder / s).is_file()]
                 if missing:
                     raise CheckpointError(f"{index.name} lists shard(s) missing from {os.fspath(folder)!r}: {missing}")
@@ -148,32 +188,56 @@ def weight_files(folder: Path, variant: str | None = None) -> list[Path]:
     raise CheckpointError(f"no weights file in {os.fspath(folder)!r}: expected {want}{hint}")
 
 
-def class_name_of(config: dict, folder) -> str:
+def class_name_of(config: Mapping, where: str) -> str:
+    """The model class a config names (``_class_name``, or ``architectures[0]``); ``where`` describes the config."""
     name = config.get("_class_name") or (config.get("architectures") or [None])[0]
     if not name:
-        raise CheckpointError(f"config.json in {os.fspath(folder)!r} names no model class "
-                              "(no `_class_name` or `architectures` key)")
+        raise CheckpointError(f"{where} names no model class (no `_class_name` or `architectures` key); pass "
+                              "model_class= to say which model it configures")
     return name
 
 
 def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: str | None = None,
          variant: str | None = None, sharding=None, config_overrides: dict | None = None,
-         scan_layers: bool = False):
+         scan_layers: bool = False, model_class: str | type | None = None,
+         config: ModelConfig | Mapping | str | os.PathLike | None = None, conversion: Sequence[Rule] = ()):
     """Load the model a diffusers/transformers folder (or Hub id) describes, straight from its safetensors.
 
     The module is built abstractly (``eqx.filter_eval_shape``) and each leaf read from the file in ``dtype``
-    (default: float32) and, if ``sharding(name, shape)`` returns one, onto that sharding. ``scan_layers=True``
-    builds the repeated layers stacked (``eqxdiff.nn.scan_layers``: run with ``lax.scan``, same numbers) and fills
-    each stacked leaf straight from the per-layer tensors.
+    (default: float32; float8 files are cast to it) and, if ``sharding(name, shape)`` returns one, onto that
+    sharding. ``scan_layers=True`` builds the repeated layers stacked (``eqxdiff.nn.scan_layers``: run with
+    ``lax.scan``, same numbers) and fills each stacked leaf straight from the per-layer tensors.
+
+    A lone ``.safetensors`` file (no config.json beside it) is read when the call says what it holds:
+    ``config`` (a config object, a dict of config.json's keys, a config.json path, or a folder / Hub id holding
+    config.json; ``subfolder`` and ``revision`` then apply to it) and, unless that config names it,
+    ``model_class`` (a checkpoint class name such as ``"CLIPTextModel"``, or the eqxdiff class).
+    ``conversion``: rules (``Rename``, ``Split``, ... from :mod:`eqxdiff.loading`; known formats in
+    :mod:`eqxdiff.loading.formats`) that turn the file's names and layouts into the model's, e.g.
+    ``eqxdiff.load("open_clip.safetensors", model_class="CLIPTextModelWithProjection", config=cfg,
+    conversion=formats.OPENCLIP_TEXT)``. ``model_class`` and ``config`` also override a folder's.
     """
     dt = check_dtype(dtype) or jnp.dtype(jnp.float32)
-    folder = resolve_folder(path_or_hub_id, subfolder, revision=revision)
-    raw = read_config(folder)
-    if config_overrides:
-        raw = {**raw, **config_overrides}
-    cls = model_class(class_name_of(raw, folder))
-    config = cls.config_class.from_dict(raw)
-    files = weight_files(folder, variant)
+    lone = Path(os.fspath(path_or_hub_id)).expanduser()
+    if lone.is_file():
+        if config is None:
+            raise CheckpointError(
+                f"{os.fspath(path_or_hub_id)!r} is a file; pass the model's folder (the one holding config.json), "
+                "or say what the file holds: eqxdiff.load(file, model_class='CLIPTextModel', "
+                "config=config_or_folder, conversion=rules)")
+        if lone.suffix != ".safetensors":
+            raise CheckpointError(f"{os.fspath(lone)!r} is not a .safetensors file; eqxdiff reads safetensors")
+        files, where = [lone], f"file {os.fspath(lone)!r}"
+        source, described = _config_source(config, subfolder, revision), "the config passed to load"
+    else:
+        folder = resolve_folder(path_or_hub_id, subfolder, revision=revision)
+        if config is None:
+            source, described = read_config(folder), f"config.json in {os.fspath(folder)!r}"
+        else:
+            source, described = _config_source(config, None, revision), "the config passed to load"
+        files, where = weight_files(folder, variant), f"checkpoint in {os.fspath(folder)!r}"
+    cls, config = _class_and_config(source, described, model_class, config_overrides or {})
+
     def build():
         model = cls(config, dtype=dt, key=jax.random.key(0))
         if not scan_layers:
@@ -184,9 +248,46 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
             raise CheckpointError(f"scan_layers=True: {e}") from None
 
     abstract = eqx.filter_eval_shape(build)
-    checkpoint = CheckpointFiles(files, key_map=getattr(cls, "CHECKPOINT_KEY_MAP", ()))
+    rules = (*conversion, *key_map_rules(getattr(cls, "CHECKPOINT_KEY_MAP", ())))
+    checkpoint = convert(CheckpointFiles(files), rules, where=where)
+    hint = ("Check that the config and the conversion rules fit this file." if conversion or lone.is_file()
+            else "Check that config.json belongs to these weights.")
     return fill_module(abstract, checkpoint, dtype=dt, sharding=sharding,
-                       ignore=getattr(cls, "CHECKPOINT_IGNORE", ()), where=f"checkpoint in {os.fspath(folder)!r}")
+                       ignore=getattr(cls, "CHECKPOINT_IGNORE", ()), where=where, hint=hint)
+
+
+def _config_source(config, subfolder: str | None, revision: str | None) -> ModelConfig | Mapping:
+    """``load``'s ``config`` argument as a config object or a dict: paths and Hub ids are read."""
+    if isinstance(config, (ModelConfig, Mapping)):
+        return config
+    if not isinstance(config, (str, os.PathLike)):
+        raise CheckpointError(f"config={config!r}: pass a config object, a dict, a config.json path, or a folder "
+                              "or Hub id holding config.json")
+    path = Path(os.fspath(config)).expanduser()
+    if path.is_file():
+        return read_json(path)
+    return read_config(resolve_folder(config, subfolder, revision=revision))
+
+
+def _class_and_config(source: ModelConfig | Mapping, described: str, model_class, overrides: Mapping):
+    if model_class is None:
+        if isinstance(source, ModelConfig):
+            raise CheckpointError(f"a {type(source).__name__} object does not say which model it configures; pass "
+                                  "model_class= too")
+        cls = _class_named(class_name_of(source, described))
+    elif isinstance(model_class, str):
+        cls = _class_named(model_class)
+    elif isinstance(model_class, type) and hasattr(model_class, "config_class"):
+        cls = model_class
+    else:
+        raise CheckpointError(f"model_class={model_class!r}: pass a checkpoint class name such as 'CLIPTextModel' "
+                              f"(eqxdiff can load {family_names('model')}) or an eqxdiff model class")
+    if isinstance(source, ModelConfig):
+        if not isinstance(source, cls.config_class):
+            raise CheckpointError(f"{cls.__name__} takes a {cls.config_class.__name__}, not a "
+                                  f"{type(source).__name__}")
+        return cls, (cls.config_class.from_dict({**source.to_dict(), **overrides}) if overrides else source)
+    return cls, cls.config_class.from_dict({**source, **overrides})
 
 
 def save_pretrained(module, folder, *, dtype=None) -> Path:
@@ -205,5 +306,5 @@ def save_pretrained(module, folder, *, dtype=None) -> Path:
     return folder
 
 
-__all__ = ["load", "save_pretrained", "resolve_folder", "read_config", "weight_files", "model_class",
-           "check_dtype", "CheckpointError", "CheckpointFiles"]
+__all__ = ["load", "save_pretrained", "resolve_folder", "read_config", "read_json", "weight_files", "model_class",
+           "check_dtype", "CheckpointError", "CheckpointFiles", "key_map_rules"]

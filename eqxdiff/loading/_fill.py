@@ -11,10 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core import LeafSpec, leaf_specs
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model it is loaded into, or cannot be read."""
+from ._errors import CheckpointError
 
 
 def _short(names: Iterable[str], limit: int = 12) -> str:
@@ -24,7 +21,8 @@ def _short(names: Iterable[str], limit: int = 12) -> str:
 
 
 def fill_module(abstract, checkpoint, *, dtype=None, sharding: Callable | None = None,
-                ignore: Iterable[str] = (), where: str = "checkpoint"):
+                ignore: Iterable[str] = (), where: str = "checkpoint",
+                hint: str = "Check that config.json belongs to these weights."):
     """Fill ``abstract`` (a module of ``ShapeDtypeStruct`` leaves) from ``checkpoint``.
 
     ``checkpoint`` offers ``names()``, ``shape(name)`` and ``get(name) -> numpy array``. Floating leaves take
@@ -33,7 +31,7 @@ def fill_module(abstract, checkpoint, *, dtype=None, sharding: Callable | None =
     which case each device reads only its own slice (a stacked leaf is asked for with its ``*`` name and stacked
     shape, and each device reads only its layers' slices). Tensors whose
     names fully match a regex in ``ignore`` may be present without being used. Every leaf must be found and,
-    apart from those, every tensor used; otherwise a :class:`CheckpointError` names them.
+    apart from those, every tensor used; otherwise a :class:`CheckpointError` names them, then says ``hint``.
     """
     leaves, specs, treedef = leaf_specs(abstract)
     available = set(checkpoint.names())
@@ -53,7 +51,7 @@ def fill_module(abstract, checkpoint, *, dtype=None, sharding: Callable | None =
                 problems.append(f"tensor {name!r} has shape {tuple(checkpoint.shape(name))} in the {where} but "
                                 f"the model expects {want}")
     if problems:
-        raise CheckpointError("; ".join(problems) + ". Check that config.json belongs to these weights.")
+        raise CheckpointError("; ".join(problems) + ". " + hint)
 
     out = []
     for leaf, spec in zip(leaves, specs):
