@@ -162,3 +162,130 @@ def test_safetensors_reader_and_writer_agree_with_the_library(tmp_path):
     assert ours.metadata == {"format": "pt"}
     np.testing.assert_array_equal(ours.get("a"), tensors["a"])
     assert ours.get("b").dtype == ml_dtypes.bfloat16
+
+
+# -- float8 files, lone .safetensors files, corrupt files and broken JSON -------------------------------------------
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_files_are_read_and_cast(tmp_path, fp8):
+    stored = {k: (v * 3).to(fp8) for k, v in _torch_weights().items()}
+    folder = _write_folder(tmp_path / "m", stored)
+    ours = SafetensorsFile(folder / "diffusion_pytorch_model.safetensors")
+    assert ours.get("proj.weight").dtype.itemsize == 1
+    np.testing.assert_array_equal(np.asarray(ours.get("proj.weight"), np.float32),
+                                  stored["proj.weight"].to(torch.float32).numpy())
+    for dtype in (jnp.float32, jnp.bfloat16):
+        model = eqxdiff.load(folder, dtype=dtype)
+        assert model.proj.weight.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(model.proj.weight, np.float32),
+                                      stored["proj.weight"].to(torch.float32).numpy())
+        np.testing.assert_array_equal(np.asarray(model.conv.weight, np.float32),
+                                      stored["conv.weight"].to(torch.float32).permute(2, 3, 1, 0).numpy())
+
+
+def test_lone_safetensors_file_with_model_class_and_config(tmp_path):
+    folder = _write_folder(tmp_path / "m")
+    lone = folder / "diffusion_pytorch_model.safetensors"
+    want = eqxdiff.load(folder)
+    for kwargs in ({"model_class": "TinyModel", "config": {"width": 4}},
+                   {"model_class": TinyModel, "config": TinyConfig(width=4)},
+                   {"config": {"_class_name": "TinyModel", "width": 4}},  # the config names the class
+                   {"config": folder},  # a folder holding config.json
+                   {"config": folder / "config.json"}):
+        got = eqxdiff.load(lone, **kwargs)
+        assert jax.tree_util.tree_all(jax.tree.map(lambda a, b: bool((a == b).all()), got, want)), kwargs
+    # renamed keys, read through rules, and the config overridden
+    w = _torch_weights(width=6)
+    save_file({f"model.{k}": v for k, v in w.items()} | {"model.step": torch.zeros(())}, str(tmp_path / "x.safetensors"))
+    rules = [eqxdiff.loading.Drop("model.step"), eqxdiff.loading.Rename("model.{name}", "{name}")]
+    got = eqxdiff.load(tmp_path / "x.safetensors", model_class="TinyModel", config=TinyConfig(),
+                       config_overrides={"width": 6}, conversion=rules)
+    np.testing.assert_array_equal(got.proj.weight, w["proj.weight"].numpy())
+
+
+def test_lone_file_errors_say_what_to_pass(tmp_path):
+    from eqxdiff.models.clip import CLIPTextConfig
+
+    lone = _write_folder(tmp_path / "m") / "diffusion_pytorch_model.safetensors"
+    with pytest.raises(CheckpointError, match=r"is a file; pass the model's folder.*model_class=.*config="):
+        eqxdiff.load(lone)
+    with pytest.raises(CheckpointError, match="is a file"):
+        eqxdiff.load(_write_folder(tmp_path / "f") / "config.json")
+    with pytest.raises(CheckpointError, match="not a .safetensors file"):
+        eqxdiff.load(tmp_path / "m" / "config.json", model_class="TinyModel", config={})
+    with pytest.raises(CheckpointError, match="does not say which model.*model_class="):
+        eqxdiff.load(lone, config=TinyConfig())
+    with pytest.raises(CheckpointError, match="the config passed to load names no model class.*model_class="):
+        eqxdiff.load(lone, config={"width": 4})
+    with pytest.raises(CheckpointError, match="unknown model class 'Nope'"):
+        eqxdiff.load(lone, model_class="Nope", config={})
+    with pytest.raises(CheckpointError, match="model_class=3"):
+        eqxdiff.load(lone, model_class=3, config={})
+    with pytest.raises(CheckpointError, match="TinyModel takes a TinyConfig, not a CLIPTextConfig"):
+        eqxdiff.load(lone, model_class="TinyModel", config=CLIPTextConfig())
+    with pytest.raises(CheckpointError, match="config=1.5: pass a config object"):
+        eqxdiff.load(lone, model_class="TinyModel", config=1.5)
+    with pytest.raises(CheckpointError, match=r"missing.*proj\.weight.*config and the conversion rules fit"):
+        eqxdiff.load(lone, model_class="TinyModel", config={},
+                     conversion=[eqxdiff.loading.Rename("proj.weight", "proj.w")])
+
+
+def _cut(path, keep_bytes):
+    data = path.read_bytes()
+    path.write_bytes(data[:keep_bytes])
+
+
+def test_truncated_or_corrupt_safetensors_are_caught_on_opening(tmp_path):
+    import struct
+
+    folder = _write_folder(tmp_path / "m")
+    path = folder / "diffusion_pytorch_model.safetensors"
+    good = path.read_bytes()
+    (n,) = struct.unpack("<Q", good[:8])
+    header = json.loads(good[8:8 + n])
+
+    def corrupt(data):
+        path.write_bytes(data)
+        return pytest.raises(CheckpointError, match=r"diffusion_pytorch_model\.safetensors.*truncated or corrupt.*"
+                                                    r"Download it again")
+
+    with corrupt(good[:-7]):  # a download cut short: the last tensor runs past the end
+        eqxdiff.load(folder)
+    with corrupt(good[:n // 2]):  # cut inside the header
+        SafetensorsFile(path)
+    with corrupt(good[:5]):
+        SafetensorsFile(path)
+    with corrupt(struct.pack("<Q", n) + b"x" + good[9:]):  # not JSON
+        SafetensorsFile(path)
+    with corrupt(struct.pack("<Q", n) + b"[" + b" " * (n - 2) + b"]" + good[8 + n:]):
+        SafetensorsFile(path)
+    bad = dict(header, **{"proj.bias": dict(header["proj.bias"], shape=[5])})  # offsets disagree with the shape
+    blob = json.dumps(bad).encode()
+    with corrupt(struct.pack("<Q", len(blob)) + blob + good[8 + n:]):
+        SafetensorsFile(path)
+    path.write_bytes(good)
+    eqxdiff.load(folder)
+
+
+def test_broken_json_names_the_file_and_line(tmp_path):
+    from eqxdiff.loading import read_config
+
+    folder = _write_folder(tmp_path / "m")
+    (folder / "config.json").write_text('{\n  "_class_name": "TinyModel",\n  "width": 4,\n}\n')
+    with pytest.raises(CheckpointError, match=r"config\.json' is not valid JSON: .* line 4, column 1"):
+        eqxdiff.load(folder)
+    (folder / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline",\n "unet": ["diffusers" "x"]}')
+    with pytest.raises(CheckpointError, match=r"model_index\.json' is not valid JSON: .* line 2"):
+        eqxdiff.load_pipeline(folder)
+    (folder / "scheduler_config.json").write_text('{"beta_start": 0.1,\n\n "beta_end": }')
+    with pytest.raises(CheckpointError, match=r"scheduler_config\.json' is not valid JSON: .* line 3"):
+        read_config(folder, "scheduler_config.json")
+    (folder / "scheduler_config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="holds a JSON list, not an object"):
+        read_config(folder, "scheduler_config.json")
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text('{"weight_map": {')
+    (folder / "diffusion_pytorch_model.safetensors").unlink()
+    (folder / "config.json").write_text('{"_class_name": "TinyModel"}')
+    with pytest.raises(CheckpointError, match=r"index\.json' is not valid JSON: .* line 1"):
+        eqxdiff.load(folder)

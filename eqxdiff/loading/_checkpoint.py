@@ -306,5 +306,16 @@ def save_pretrained(module, folder, *, dtype=None) -> Path:
     return folder
 
 
-__all__ = ["load", "save_pretrained", "resolve_folder", "read_config", "read_json", "weight_files", "model_class",
-           "check_dtype", "CheckpointError", "CheckpointFiles", "key_map_rules"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointFiles",
+    "check_dtype",
+    "key_map_rules",
+    "load",
+    "model_class",
+    "read_config",
+    "read_json",
+    "resolve_folder",
+    "save_pretrained",
+    "weight_files",
+]

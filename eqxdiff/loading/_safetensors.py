@@ -10,11 +10,10 @@ Float8 tensors (``F8_E4M3``, ``F8_E5M2``) come back as ``ml_dtypes`` arrays, whi
 """
 
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
-
-import math
 
 import ml_dtypes
 import numpy as np
