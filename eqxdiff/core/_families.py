@@ -12,10 +12,17 @@ FAMILY_TABLE: dict[str, str] = {
     # Stable Diffusion 1.x / 2.x
     "StableDiffusionPipeline": "eqxdiff.pipelines.stable_diffusion:StableDiffusionPipeline",
     "StableDiffusionImg2ImgPipeline": "eqxdiff.pipelines.stable_diffusion:StableDiffusionPipeline",
+    "StableDiffusionInpaintPipeline": "eqxdiff.pipelines.stable_diffusion:StableDiffusionInpaintPipeline",
+    # Stable Diffusion XL (base, refiner, inpainting)
+    "StableDiffusionXLPipeline": "eqxdiff.pipelines.stable_diffusion_xl:StableDiffusionXLPipeline",
+    "StableDiffusionXLImg2ImgPipeline": "eqxdiff.pipelines.stable_diffusion_xl:StableDiffusionXLImg2ImgPipeline",
+    "StableDiffusionXLInpaintPipeline": "eqxdiff.pipelines.stable_diffusion_xl:StableDiffusionXLInpaintPipeline",
     "UNet2DConditionModel": "eqxdiff.models.unet2d:UNet2DConditionModel",
     "AutoencoderKL": "eqxdiff.models.vae:AutoencoderKL",
     "CLIPTextModel": "eqxdiff.models.clip:CLIPTextModel",
     "CLIPTextModelWithProjection": "eqxdiff.models.clip:CLIPTextModelWithProjection",
+    # ControlNet
+    "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
 }
 
 _KINDS = {"model": "eqxdiff.models.", "pipeline": "eqxdiff.pipelines."}

@@ -53,7 +53,8 @@ class DownBlockSpec:
 @dataclasses.dataclass(frozen=True)
 class MidBlockSpec:
     channels: int
-    attention: AttentionSpec  # len(attention.layers) (transformer, ResNet) pairs after a first ResNet
+    # len(attention.layers) (transformer, ResNet) pairs after a first ResNet; None: the ResNet alone (UNetMidBlock2D)
+    attention: AttentionSpec | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,23 +126,24 @@ class DownBlock(eqx.Module):
 
 
 class MidBlock(eqx.Module):
-    """``UNetMidBlock2DCrossAttn``: a ResNet, then (transformer, ResNet) pairs."""
+    """``UNetMidBlock2DCrossAttn``: a ResNet, then (transformer, ResNet) pairs; ``UNetMidBlock2D`` (as the UNet
+    builds it, without attention): the ResNet alone."""
 
     CHECKPOINT_NAMES: ClassVar[tuple[str, ...]] = ("resnet", "transformer")
 
     resnets: list[ResnetBlock2D]
-    attentions: list[Transformer2DModel]
+    attentions: list[Transformer2DModel] | None
 
     def __init__(self, spec: MidBlockSpec, resnet: ResnetSpec, *, dtype=jnp.float32, key: PRNGKeyArray):
         kr, ka = jax.random.split(key)
         c = spec.channels
-        self.resnets = [_resnet(c, c, resnet, dtype=dtype, key=k)
-                        for k in jax.random.split(kr, len(spec.attention.layers) + 1)]
+        pairs = len(spec.attention.layers) if spec.attention is not None else 0
+        self.resnets = [_resnet(c, c, resnet, dtype=dtype, key=k) for k in jax.random.split(kr, pairs + 1)]
         self.attentions = _transformers(c, spec.attention, resnet.groups, dtype=dtype, key=ka)
 
     def __call__(self, x, temb, context: Context, mask: Mask):
         x = checkpoint_name(self.resnets[0](x, temb), "resnet")
-        for attn, resnet in zip(self.attentions, self.resnets[1:]):
+        for attn, resnet in zip(self.attentions or (), self.resnets[1:]):
             x = checkpoint_name(attn(x, context, mask=mask), "transformer")
             x = checkpoint_name(resnet(x, temb), "resnet")
         return x

@@ -28,7 +28,7 @@ from ._unet_blocks import (
 
 DOWN_BLOCK_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")
 UP_BLOCK_TYPES = ("CrossAttnUpBlock2D", "UpBlock2D")
-MID_BLOCK_TYPES = ("UNetMidBlock2DCrossAttn", None)
+MID_BLOCK_TYPES = ("UNetMidBlock2DCrossAttn", "UNetMidBlock2D", None)  # UNetMidBlock2D: one ResNet
 _ACTIVATIONS = ("silu", "swish", "mish", "gelu", "relu")  # what diffusers' get_activation knows
 
 
@@ -212,6 +212,8 @@ class UNet2DConditionConfig(ModelConfig):
     def mid_block(self) -> MidBlockSpec | None:
         if self.mid_block_type is None:
             return None
+        if self.mid_block_type == "UNetMidBlock2D":
+            return MidBlockSpec(self.block_out_channels[-1], None)
         tl = self._per_block("transformer_layers_per_block")[-1]
         attn = self._attention(self.num_blocks - 1, True, tl[:1] if isinstance(tl, tuple) else (tl,))
         # diffusers' UNetMidBlock2DCrossAttn takes no only_cross_attention: the mid block always self-attends.
@@ -235,7 +237,7 @@ class UNet2DConditionConfig(ModelConfig):
     @property
     def attention_specs(self) -> tuple[AttentionSpec, ...]:
         specs = [b.attention for b in self.down_blocks + self.up_blocks if b.attention is not None]
-        return tuple(specs + ([self.mid_block.attention] if self.mid_block else []))
+        return tuple(specs + ([self.mid_block.attention] if self.mid_block and self.mid_block.attention else []))
 
 
 TimestepLike = int | float | Float[Array, ""] | Int[Array, ""] | Float[Array, " #batch"] | Int[Array, " #batch"]
@@ -261,20 +263,9 @@ class UNet2DConditionModel(PretrainedModel):
         c = config
         kin, kt, ka, kd, km, ku, kout = jax.random.split(key, 7)
         ch0 = c.block_out_channels[0]
-        self.conv_in = Conv2d(c.in_channels, ch0, c.conv_in_kernel, padding=c.conv_in_kernel // 2, dtype=dtype,
-                              key=kin)
-        self.time_embedding = TimestepEmbedding(ch0, c.time_embed_dim, act_fn=c.act_fn,
-                                                post_act_fn=c.timestep_post_act, cond_proj_dim=c.time_cond_proj_dim,
-                                                dtype=dtype, key=kt)
-        self.add_embedding = (TimestepEmbedding(c.projection_class_embeddings_input_dim, c.time_embed_dim,
-                                                dtype=dtype, key=ka)
-                              if c.addition_embed_type == "text_time" else None)
-        res = c.resnet_spec
-        self.down_blocks = [DownBlock(s, res, dtype=dtype, key=k)
-                            for s, k in zip(c.down_blocks, jax.random.split(kd, c.num_blocks))]
-        mid_res = dataclasses.replace(res, output_scale_factor=c.mid_block_scale_factor)
-        self.mid_block = MidBlock(c.mid_block, mid_res, dtype=dtype, key=km) if c.mid_block else None
-        self.up_blocks = [UpBlock(s, res, dtype=dtype, key=k)
+        self.conv_in, self.time_embedding, self.add_embedding, self.down_blocks, self.mid_block = build_encoder(
+            c, dtype=dtype, keys=(kin, kt, ka, kd, km))
+        self.up_blocks = [UpBlock(s, c.resnet_spec, dtype=dtype, key=k)
                           for s, k in zip(c.up_blocks, jax.random.split(ku, c.num_blocks))]
         self.conv_norm_out = GroupNorm(c.norm_num_groups, ch0, eps=c.norm_eps, dtype=dtype)
         self.conv_out = Conv2d(ch0, c.out_channels, c.conv_out_kernel, padding=c.conv_out_kernel // 2, dtype=dtype,
@@ -310,33 +301,16 @@ class UNet2DConditionModel(PretrainedModel):
         if c.center_input_sample:
             sample = 2 * sample - 1.0
 
-        # Time embeddings in float32 (the weights are upcast); the blocks get them in the sample's dtype.
-        t = jnp.broadcast_to(jnp.asarray(timestep).reshape(-1), (b,))
-        emb = self.time_embedding(
-            timestep_embedding(t, c.block_out_channels[0], flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift),
-            None if timestep_cond is None else timestep_cond.astype(jnp.float32))
-        if self.add_embedding is not None:
-            time_embeds = timestep_embedding(time_ids.reshape(-1), c.addition_time_embed_dim,
-                                             flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift)
-            add = jnp.concatenate([text_embeds.astype(jnp.float32), time_embeds.reshape(b, -1)], axis=-1)
-            emb = emb + self.add_embedding(add)
-        if c.time_embedding_act_fn is not None:
-            emb = activation(c.time_embedding_act_fn)(emb)
-        emb = emb.astype(dtype)
+        emb = embed_time(self, timestep, b, dtype, text_embeds=text_embeds, time_ids=time_ids,
+                         timestep_cond=timestep_cond)
         context = encoder_hidden_states.astype(dtype)
         mask = encoder_attention_mask
 
-        plan, image = self.plan, ("batch", "height", "width", "channels")
+        plan, image = self.plan, IMAGE
         h = constrain(self.conv_in(constrain(sample, plan, image)), plan, image)
-        skips = [h]
-        for block in self.down_blocks:  # block boundaries: sharding constraints and the remat policy
-            h, block_skips = checkpoint_block(block, plan)(h, emb, context, mask)
-            h = constrain(h, plan, image)
-            skips.extend(block_skips)
+        h, skips = run_encoder(self, h, emb, context, mask)
         if down_block_additional_residuals is not None:
             skips = _add_residuals(skips, down_block_additional_residuals)
-        if self.mid_block is not None:
-            h = constrain(checkpoint_block(self.mid_block, plan)(h, emb, context, mask), plan, image)
         if mid_block_additional_residual is not None:
             h = h + mid_block_additional_residual.astype(dtype)
 
@@ -352,41 +326,102 @@ class UNet2DConditionModel(PretrainedModel):
         return constrain(self.conv_out(h), plan, image)
 
     def _check_inputs(self, sample, context, text_embeds, time_ids, down_res, mid_res):
-        c = self.config
-        name = type(self).__name__
-        if sample.shape[-1] != c.in_channels:
-            hint = (" It looks channels-first; eqxdiff is channels-last: use jnp.moveaxis(sample, 1, -1)."
-                    if sample.shape[1] == c.in_channels else "")
-            raise ValueError(f"{name}: sample must be [batch, height, width, {c.in_channels}] (channels-last), got "
-                             f"shape {sample.shape}.{hint}")
-        if c.context_dim is not None and context.shape[-1] != c.context_dim:
-            raise ValueError(f"{name}: encoder_hidden_states must be [batch, seq, {c.context_dim}] "
-                             f"(cross_attention_dim), got shape {context.shape}")
-        if c.addition_embed_type == "text_time":
-            if text_embeds is None or time_ids is None:
-                raise ValueError(f"{name}: addition_embed_type='text_time' (SDXL) needs text_embeds (the pooled text "
-                                 "embedding) and time_ids (original size, crop, target size); got text_embeds="
-                                 f"{_shape(text_embeds)}, time_ids={_shape(time_ids)}")
-            got = text_embeds.shape[-1] + time_ids.shape[-1] * c.addition_time_embed_dim
-            if got != c.projection_class_embeddings_input_dim:
-                raise ValueError(f"{name}: text_embeds {text_embeds.shape} and time_ids {time_ids.shape} give "
-                                 f"{text_embeds.shape[-1]} + {time_ids.shape[-1]} * {c.addition_time_embed_dim} = "
-                                 f"{got} features, but projection_class_embeddings_input_dim="
-                                 f"{c.projection_class_embeddings_input_dim}")
-        elif text_embeds is not None or time_ids is not None:
-            raise ValueError(f"{name}: text_embeds/time_ids are only used with addition_embed_type='text_time'; "
-                             f"this model has addition_embed_type={c.addition_embed_type!r}")
+        check_conditioning(self, sample, context, text_embeds, time_ids)
         if (down_res is None) != (mid_res is None):
-            raise ValueError(f"{name}: pass down_block_additional_residuals and mid_block_additional_residual "
-                             "together (ControlNet); T2I-Adapter style intra-block residuals are not supported")
+            raise ValueError(f"{type(self).__name__}: pass down_block_additional_residuals and "
+                             "mid_block_additional_residual together (ControlNet); T2I-Adapter style intra-block "
+                             "residuals are not supported")
+
+
+# -- what a UNet and its encoder alone (eqxdiff.models.controlnet) share -----------------------------------------
+
+IMAGE = ("batch", "height", "width", "channels")  # logical axes of channels-last feature maps
+
+
+def build_encoder(c: UNet2DConditionConfig, *, dtype, keys) -> tuple:
+    """``(conv_in, time_embedding, add_embedding, down_blocks, mid_block)`` of config ``c``, from the five ``keys``."""
+    kin, kt, ka, kd, km = keys
+    ch0 = c.block_out_channels[0]
+    conv_in = Conv2d(c.in_channels, ch0, c.conv_in_kernel, padding=c.conv_in_kernel // 2, dtype=dtype, key=kin)
+    time_embedding = TimestepEmbedding(ch0, c.time_embed_dim, act_fn=c.act_fn, post_act_fn=c.timestep_post_act,
+                                       cond_proj_dim=c.time_cond_proj_dim, dtype=dtype, key=kt)
+    add_embedding = (TimestepEmbedding(c.projection_class_embeddings_input_dim, c.time_embed_dim, dtype=dtype, key=ka)
+                     if c.addition_embed_type == "text_time" else None)
+    res = c.resnet_spec
+    down_blocks = [DownBlock(s, res, dtype=dtype, key=k)
+                   for s, k in zip(c.down_blocks, jax.random.split(kd, c.num_blocks))]
+    mid_res = dataclasses.replace(res, output_scale_factor=c.mid_block_scale_factor)
+    mid_block = MidBlock(c.mid_block, mid_res, dtype=dtype, key=km) if c.mid_block else None
+    return conv_in, time_embedding, add_embedding, down_blocks, mid_block
+
+
+def embed_time(model, timestep, batch: int, dtype, *, text_embeds=None, time_ids=None, timestep_cond=None):
+    """``model``'s time embedding ``[batch, time_embed_dim]`` in ``dtype`` (plus SDXL's ``text_time`` embedding),
+    computed in float32 (the weights are upcast)."""
+    c = model.config
+    t = jnp.broadcast_to(jnp.asarray(timestep).reshape(-1), (batch,))
+    emb = model.time_embedding(
+        timestep_embedding(t, c.block_out_channels[0], flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift),
+        None if timestep_cond is None else timestep_cond.astype(jnp.float32))
+    if model.add_embedding is not None:
+        time_embeds = timestep_embedding(time_ids.reshape(-1), c.addition_time_embed_dim,
+                                         flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift)
+        add = jnp.concatenate([text_embeds.astype(jnp.float32), time_embeds.reshape(batch, -1)], axis=-1)
+        emb = emb + model.add_embedding(add)
+    if c.time_embedding_act_fn is not None:
+        emb = activation(c.time_embedding_act_fn)(emb)
+    return emb.astype(dtype)
+
+
+def run_encoder(model, h, emb, context, mask):
+    """``conv_in``'s output through ``model``'s down blocks and mid block, with sharding constraints and the remat
+    policy at each block boundary: ``(mid-block output, skips)``, the skips in the order the down path makes them."""
+    plan = model.plan
+    skips = [h]
+    for block in model.down_blocks:
+        h, block_skips = checkpoint_block(block, plan)(h, emb, context, mask)
+        h = constrain(h, plan, IMAGE)
+        skips.extend(block_skips)
+    if model.mid_block is not None:
+        h = constrain(checkpoint_block(model.mid_block, plan)(h, emb, context, mask), plan, IMAGE)
+    return h, skips
+
+
+def check_conditioning(model, sample, context, text_embeds, time_ids) -> None:
+    """Raise ``ValueError`` naming the fix if ``model``'s inputs do not fit its config."""
+    c = model.config
+    name = type(model).__name__
+    if sample.shape[-1] != c.in_channels:
+        hint = (" It looks channels-first; eqxdiff is channels-last: use jnp.moveaxis(sample, 1, -1)."
+                if sample.shape[1] == c.in_channels else "")
+        raise ValueError(f"{name}: sample must be [batch, height, width, {c.in_channels}] (channels-last), got "
+                         f"shape {sample.shape}.{hint}")
+    if c.context_dim is not None and context.shape[-1] != c.context_dim:
+        raise ValueError(f"{name}: encoder_hidden_states must be [batch, seq, {c.context_dim}] "
+                         f"(cross_attention_dim), got shape {context.shape}")
+    if c.addition_embed_type == "text_time":
+        if text_embeds is None or time_ids is None:
+            raise ValueError(f"{name}: addition_embed_type='text_time' (SDXL) needs text_embeds (the pooled text "
+                             "embedding) and time_ids (original size, crop, target size); got text_embeds="
+                             f"{_shape(text_embeds)}, time_ids={_shape(time_ids)}")
+        got = text_embeds.shape[-1] + time_ids.shape[-1] * c.addition_time_embed_dim
+        if got != c.projection_class_embeddings_input_dim:
+            raise ValueError(f"{name}: text_embeds {text_embeds.shape} and time_ids {time_ids.shape} give "
+                             f"{text_embeds.shape[-1]} + {time_ids.shape[-1]} * {c.addition_time_embed_dim} = "
+                             f"{got} features, but projection_class_embeddings_input_dim="
+                             f"{c.projection_class_embeddings_input_dim}")
+    elif text_embeds is not None or time_ids is not None:
+        raise ValueError(f"{name}: text_embeds/time_ids are only used with addition_embed_type='text_time'; "
+                         f"this model has addition_embed_type={c.addition_embed_type!r}")
 
 
 def _add_residuals(skips, residuals):
     shapes = [tuple(s.shape) for s in skips]
     got = [tuple(r.shape) for r in residuals]
-    if got != shapes:
+    pooled = [(s[0], 1, 1, s[3]) for s in shapes]  # spatial means (global_pool_conditions ControlNets)
+    if len(got) != len(shapes) or any(g not in (s, p) for g, s, p in zip(got, shapes, pooled)):
         raise ValueError(f"UNet2DConditionModel: down_block_additional_residuals must be {len(shapes)} arrays of "
-                         f"shapes {shapes} (one per skip, channels-last), got {got}")
+                         f"shapes {shapes} (one per skip, channels-last; or [batch, 1, 1, channels]), got {got}")
     return [s + r.astype(s.dtype) for s, r in zip(skips, residuals)]
 
 

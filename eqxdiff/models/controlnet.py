@@ -1,0 +1,278 @@
+"""``ControlNetModel``: a UNet's encoder (its down and mid blocks, with the UNet's own names) that reads a control
+image and returns residuals for the UNet's skips and mid block; SD 1.x/2.x and SDXL (``text_time``), loadable from
+diffusers folders.
+
+>>> controlnet = eqxdiff.load("path/to/controlnet")
+>>> down, mid = controlnet(latents, t, text_states, control_image)    # control_image [batch, H, W, 3] in [0, 1]
+>>> eps = unet(latents, t, text_states, down_block_additional_residuals=down, mid_block_additional_residual=mid)
+"""
+
+import dataclasses
+import itertools
+from typing import ClassVar, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
+from ..core import ConfigError, Plan, constrain
+from ..nn import Conv2d, TimestepEmbedding
+from ._base import PretrainedModel
+from ._unet_blocks import DownBlock, MidBlock
+from .unet2d import (
+    IMAGE,
+    MID_BLOCK_TYPES,
+    TimestepLike,
+    UNet2DConditionConfig,
+    UNet2DConditionModel,
+    build_encoder,
+    check_conditioning,
+    embed_time,
+    run_encoder,
+)
+
+__all__ = ["ControlNetConditioningEmbedding", "ControlNetConfig", "ControlNetModel", "ControlNetOutput"]
+
+# Keys of a UNet config that diffusers' ControlNetModel does not have. A ControlNet config keeps them at their
+# defaults (the encoder they describe is the one ControlNetModel builds) and never writes them.
+_UNET_ONLY = ("sample_size", "out_channels", "center_input_sample", "up_block_types", "dropout",
+              "reverse_transformer_layers_per_block", "dual_cross_attention", "resnet_skip_time_act",
+              "resnet_out_scale_factor", "time_embedding_type", "time_embedding_dim", "time_embedding_act_fn",
+              "timestep_post_act", "time_cond_proj_dim", "conv_in_kernel", "conv_out_kernel", "attention_type",
+              "class_embeddings_concat", "mid_block_only_cross_attention", "cross_attention_norm")
+# Of those, the ones a UNet's encoder depends on: from_unet refuses a UNet that sets them.
+_ENCODER_KEYS = ("center_input_sample", "time_embedding_type", "time_embedding_dim", "time_embedding_act_fn",
+                 "timestep_post_act", "time_cond_proj_dim", "conv_in_kernel", "dual_cross_attention")
+
+
+def _mirror(down_block_types: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(t.replace("Down", "Up") for t in reversed(down_block_types))
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlNetConfig(UNet2DConditionConfig):
+    """diffusers' ``ControlNetModel`` config.json: the encoder keys of :class:`UNet2DConditionConfig` (same names,
+    defaults and checks) plus the control image's. The up path a UNet config describes is here the mirror of the
+    down path (the UNet this ControlNet was made from); it is not written to config.json.
+
+    ``conditioning_embedding_out_channels``: widths of the control image's embedding, which downsamples by
+    ``2 ** (len - 1)`` (the VAE's factor, 8 for the default ``(16, 32, 96, 256)``).
+    ``controlnet_conditioning_channel_order="bgr"``: the control image's channels are reversed first.
+    ``global_pool_conditions``: residuals are spatial means (the "shuffle" ControlNets)."""
+
+    SUPPORTED_VALUES: ClassVar = {
+        **UNet2DConditionConfig.SUPPORTED_VALUES,
+        "mid_block_type": tuple(t for t in MID_BLOCK_TYPES if t is not None),
+        "controlnet_conditioning_channel_order": ("rgb", "bgr"),
+    }
+
+    up_block_types: tuple[str, ...] | None = None  # derived: the mirror of down_block_types
+    conditioning_channels: int = 3
+    controlnet_conditioning_channel_order: str = "rgb"
+    conditioning_embedding_out_channels: tuple[int, ...] = (16, 32, 96, 256)
+    global_pool_conditions: bool = False
+
+    def __post_init__(self):
+        for f in dataclasses.fields(UNet2DConditionConfig):
+            if f.name in _UNET_ONLY and f.name != "up_block_types" and getattr(self, f.name) != f.default:
+                raise ConfigError(f"{type(self).__name__}: {f.name}={getattr(self, f.name)!r} is not a ControlNet "
+                                  f"setting (diffusers' ControlNetModel has no {f.name}); leave it at "
+                                  f"{f.default!r}")
+        if self.up_block_types is None:
+            object.__setattr__(self, "up_block_types", _mirror(tuple(self.down_block_types)))
+        tl = self.transformer_layers_per_block
+        if isinstance(tl, (list, tuple)) and any(isinstance(t, (list, tuple)) for t in tl):
+            # per-layer depths: mirror them too (the up path has one more layer per block than the down path)
+            mirrored = tuple(tuple(t) + tuple(t[-1:]) if isinstance(t, (list, tuple)) else t for t in reversed(tl))
+            object.__setattr__(self, "reverse_transformer_layers_per_block", mirrored)
+        super().__post_init__()
+        self.check(isinstance(self.layers_per_block, int), "layers_per_block", "must be one number for a ControlNet "
+                   "(diffusers' ControlNetModel takes no per-block list)")
+        self.check(isinstance(self.cross_attention_dim, int), "cross_attention_dim", "must be one number for a "
+                   "ControlNet (diffusers' ControlNetModel takes no per-block list)")
+        self.check(len(self.conditioning_embedding_out_channels) >= 1, "conditioning_embedding_out_channels",
+                   "must list at least one width")
+
+    @classmethod
+    def from_unet_config(cls, unet: UNet2DConditionConfig, **controlnet_keys) -> "ControlNetConfig":
+        """The config of a ControlNet made from a UNet of config ``unet`` (diffusers' ``ControlNetModel.from_unet``);
+        ``controlnet_keys`` set ``conditioning_embedding_out_channels``, ``conditioning_channels`` ..."""
+        changed = [f.name for f in dataclasses.fields(UNet2DConditionConfig)
+                   if f.name in _ENCODER_KEYS and getattr(unet, f.name) != f.default]
+        if changed:
+            raise ConfigError(f"{cls.__name__}: a ControlNet cannot copy this UNet's encoder: it sets "
+                              f"{', '.join(f'{k}={getattr(unet, k)!r}' for k in changed)}, which diffusers' "
+                              "ControlNetModel does not have")
+        keys = {f.name: getattr(unet, f.name) for f in dataclasses.fields(UNet2DConditionConfig)
+                if f.name not in _UNET_ONLY}
+        return cls(**keys, **controlnet_keys)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in super().to_dict().items() if k not in _UNET_ONLY}
+
+    @property
+    def conditioning_downscale(self) -> int:
+        """How much smaller than the control image the latents are."""
+        return 2 ** (len(self.conditioning_embedding_out_channels) - 1)
+
+    @property
+    def num_residuals(self) -> int:
+        """How many down residuals a ControlNet returns: one per skip of the UNet (conv_in's, each layer's, each
+        downsampler's)."""
+        return 1 + sum(b.num_layers + b.downsample for b in self.down_blocks)
+
+
+class ControlNetOutput(NamedTuple):
+    """Residuals for the UNet, channels-last: one per skip (``down_block_additional_residuals``) and the mid
+    block's (``mid_block_additional_residual``)."""
+
+    down_block_res_samples: tuple[Float[Array, "batch _ _ _"], ...]
+    mid_block_res_sample: Float[Array, "batch _ _ _"]
+
+
+def _zero_conv(cin: int, cout: int, kernel: int, *, dtype) -> Conv2d:
+    """A convolution with zero weights and bias (diffusers' ``zero_module``): a new ControlNet starts as a no-op."""
+    conv = Conv2d(cin, cout, kernel, padding=kernel // 2, dtype=dtype, key=jax.random.key(0))
+    return eqx.tree_at(lambda c: (c.weight, c.bias), conv, (jnp.zeros_like(conv.weight), jnp.zeros_like(conv.bias)))
+
+
+class ControlNetConditioningEmbedding(eqx.Module):
+    """The control image to ``conv_in``'s width and the latents' size: ``conv_in``, then per stage a 3x3 conv and a
+    stride-2 3x3 conv (``blocks.{2i}``, ``blocks.{2i+1}``), SiLU after each, and a zero-initialised ``conv_out``."""
+
+    conv_in: Conv2d
+    blocks: list[Conv2d]
+    conv_out: Conv2d
+
+    def __init__(self, out_channels: int, *, conditioning_channels: int = 3,
+                 block_out_channels: tuple[int, ...] = (16, 32, 96, 256), dtype=jnp.float32, key: PRNGKeyArray):
+        kin, kb = jax.random.split(key)
+        widths = block_out_channels
+        self.conv_in = Conv2d(conditioning_channels, widths[0], 3, padding=1, dtype=dtype, key=kin)
+        keys = iter(jax.random.split(kb, 2 * max(len(widths) - 1, 1)))
+        self.blocks = []
+        for cin, cout in itertools.pairwise(widths):
+            self.blocks.append(Conv2d(cin, cin, 3, padding=1, dtype=dtype, key=next(keys)))
+            self.blocks.append(Conv2d(cin, cout, 3, stride=2, padding=1, dtype=dtype, key=next(keys)))
+        self.conv_out = _zero_conv(widths[-1], out_channels, 3, dtype=dtype)
+
+    @typechecked
+    def __call__(self, x: Float[Array, "batch height width cin"]) -> Float[Array, "batch h w cout"]:
+        x = jax.nn.silu(self.conv_in(x))
+        for conv in self.blocks:
+            x = jax.nn.silu(conv(x))
+        return self.conv_out(x)
+
+
+class ControlNetModel(PretrainedModel):
+    """A ControlNet on channels-last latents; parameter names are diffusers' state-dict names (the UNet's for
+    ``conv_in``, ``time_embedding``, ``add_embedding``, ``down_blocks``, ``mid_block``).
+
+    Built zero-initialised where diffusers is (``controlnet_cond_embedding.conv_out``, ``controlnet_down_blocks``,
+    ``controlnet_mid_block``): a new ControlNet adds nothing to its UNet until trained."""
+
+    config_class: ClassVar[type] = ControlNetConfig
+    CHECKPOINT_NAMES: ClassVar[tuple[str, ...]] = ("resnet", "transformer")  # tagged by its down and mid blocks
+
+    conv_in: Conv2d
+    time_embedding: TimestepEmbedding
+    add_embedding: TimestepEmbedding | None
+    controlnet_cond_embedding: ControlNetConditioningEmbedding
+    down_blocks: list[DownBlock]
+    controlnet_down_blocks: list[Conv2d]
+    mid_block: MidBlock
+    controlnet_mid_block: Conv2d
+    config: ControlNetConfig = eqx.field(static=True)
+    plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
+
+    def __init__(self, config: ControlNetConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
+        c = config
+        kin, kt, ka, kd, km, kc = jax.random.split(key, 6)
+        self.conv_in, self.time_embedding, self.add_embedding, self.down_blocks, self.mid_block = build_encoder(
+            c, dtype=dtype, keys=(kin, kt, ka, kd, km))
+        self.controlnet_cond_embedding = ControlNetConditioningEmbedding(
+            c.block_out_channels[0], conditioning_channels=c.conditioning_channels,
+            block_out_channels=c.conditioning_embedding_out_channels, dtype=dtype, key=kc)
+        widths = [c.block_out_channels[0]] + [b.out_channels for b in c.down_blocks
+                                              for _ in range(b.num_layers + b.downsample)]
+        self.controlnet_down_blocks = [_zero_conv(w, w, 1, dtype=dtype) for w in widths]
+        self.controlnet_mid_block = _zero_conv(c.block_out_channels[-1], c.block_out_channels[-1], 1, dtype=dtype)
+        self.config = config
+
+    @classmethod
+    def from_unet(cls, unet: UNet2DConditionModel, *, conditioning_embedding_out_channels=(16, 32, 96, 256),
+                  controlnet_conditioning_channel_order: str = "rgb", conditioning_channels: int = 3,
+                  load_weights_from_unet: bool = True, key: PRNGKeyArray | None = None) -> "ControlNetModel":
+        """A new ControlNet for ``unet`` (diffusers' ``ControlNetModel.from_unet``): its config, and with
+        ``load_weights_from_unet`` its encoder's weights; the control-specific layers are new (``key``), their
+        last convolutions zero."""
+        config = ControlNetConfig.from_unet_config(
+            unet.config, conditioning_embedding_out_channels=tuple(conditioning_embedding_out_channels),
+            controlnet_conditioning_channel_order=controlnet_conditioning_channel_order,
+            conditioning_channels=conditioning_channels)
+        dtype = unet.conv_in.weight.dtype
+        model = cls(config, dtype=dtype, key=jax.random.key(0) if key is None else key)
+        if load_weights_from_unet:
+            shared = lambda m: (m.conv_in, m.time_embedding, m.add_embedding, m.down_blocks, m.mid_block)
+            model = eqx.tree_at(shared, model, shared(unet), is_leaf=lambda x: x is None)
+        return model
+
+    @typechecked
+    def __call__(
+        self,
+        sample: Float[Array, "batch height width channels"],
+        timestep: TimestepLike,
+        encoder_hidden_states: Float[Array, "batch seq cross_dim"],
+        controlnet_cond: Float[Array, "batch cond_height cond_width cond_channels"],
+        *,
+        conditioning_scale: float | int | Float[Array, ""] = 1.0,  # noqa: PYI041 (beartype: an int is no float)
+        guess_mode: bool = False,
+        text_embeds: Float[Array, "batch text_embed"] | None = None,
+        time_ids: Float[Array, "batch num_time_ids"] | Int[Array, "batch num_time_ids"] | None = None,
+    ) -> ControlNetOutput:
+        """Residuals for a UNet denoising ``sample`` at ``timestep``, steered by ``controlnet_cond`` (the control
+        image, channels-last, ``conditioning_downscale`` times the latents' size, in ``[0, 1]`` as the pipelines
+        prepare it).
+
+        ``conditioning_scale`` multiplies every residual (a number, or a traced scalar: the pipelines turn a
+        ControlNet off outside its ``control_guidance_start/end`` with it). ``guess_mode`` scales the residuals from
+        0.1 (first skip) to 1 (mid block) on a log scale, unless the config has ``global_pool_conditions``. SDXL
+        ControlNets (``text_time``) also need the pooled ``text_embeds`` and the ``time_ids``.
+        """
+        c = self.config
+        check_conditioning(self, sample, encoder_hidden_states, text_embeds, time_ids)
+        b, height, width, _ = sample.shape
+        f = c.conditioning_downscale
+        want = (b, height * f, width * f, c.conditioning_channels)
+        if controlnet_cond.shape != want:
+            raise ValueError(f"{type(self).__name__}: controlnet_cond must be {list(want)} = [batch, height * {f}, "
+                             f"width * {f}, conditioning_channels] (channels-last, the latents' size times "
+                             f"2 ** (len(conditioning_embedding_out_channels) - 1)), got shape "
+                             f"{controlnet_cond.shape}")
+        dtype = sample.dtype
+        if c.controlnet_conditioning_channel_order == "bgr":
+            controlnet_cond = jnp.flip(controlnet_cond, axis=-1)
+        emb = embed_time(self, timestep, b, dtype, text_embeds=text_embeds, time_ids=time_ids)
+        context = encoder_hidden_states.astype(dtype)
+
+        plan = self.plan
+        h = self.conv_in(constrain(sample, plan, IMAGE))
+        h = constrain(h + self.controlnet_cond_embedding(controlnet_cond.astype(dtype)), plan, IMAGE)
+        h, skips = run_encoder(self, h, emb, context, None)
+        down = [conv(s) for conv, s in zip(self.controlnet_down_blocks, skips)]
+        mid = self.controlnet_mid_block(h)
+
+        n = len(down)
+        if guess_mode and not c.global_pool_conditions:
+            scales = jnp.asarray(np.logspace(-1, 0, n + 1), jnp.float32) * conditioning_scale
+        else:
+            scales = jnp.full((n + 1,), conditioning_scale, jnp.float32)
+        scales = scales.astype(dtype)
+        down = [r * scales[i] for i, r in enumerate(down)]
+        mid = mid * scales[n]
+        if c.global_pool_conditions:
+            down = [jnp.mean(r, axis=(1, 2), keepdims=True) for r in down]
+            mid = jnp.mean(mid, axis=(1, 2), keepdims=True)
+        return ControlNetOutput(tuple(constrain(r, plan, IMAGE) for r in down), constrain(mid, plan, IMAGE))
