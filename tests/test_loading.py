@@ -197,7 +197,8 @@ def test_lone_safetensors_file_with_model_class_and_config(tmp_path):
         assert jax.tree_util.tree_all(jax.tree.map(lambda a, b: bool((a == b).all()), got, want)), kwargs
     # renamed keys, read through rules, and the config overridden
     w = _torch_weights(width=6)
-    save_file({f"model.{k}": v for k, v in w.items()} | {"model.step": torch.zeros(())}, str(tmp_path / "x.safetensors"))
+    save_file({f"model.{k}": v for k, v in w.items()} | {"model.step": torch.zeros(())},
+              str(tmp_path / "x.safetensors"))
     rules = [eqxdiff.loading.Drop("model.step"), eqxdiff.loading.Rename("model.{name}", "{name}")]
     got = eqxdiff.load(tmp_path / "x.safetensors", model_class="TinyModel", config=TinyConfig(),
                        config_overrides={"width": 6}, conversion=rules)

@@ -147,7 +147,8 @@ def _resolve(rule, entries: Sequence, name: str, view, groups, where) -> list[in
             other = name if e.tensor is None else _fill(e.tensor, groups)
             if other not in view.names():
                 raise ConversionError(f"{rule}: a size is read from {other!r} (for {name!r}), which the {where} "
-                                      "does not hold")
+                                      "does not hold at this rule (if an earlier rule renames or splits it, put "
+                                      "this rule first)")
             shape = view.shape(other)
             if not -len(shape) <= e.axis < len(shape):
                 raise ConversionError(f"{rule}: {e} reads axis {e.axis} of {other!r}, which has shape {shape}")
