@@ -1,70 +1,11 @@
-"""Train or fine-tune a Stable Diffusion model.
+"""Train or fine-tune a model: ``eqxdiff-train`` (:mod:`eqxdiff.cli.train`), run from a checkout.
 
-    python scripts/train.py digits                                  # the embedded digits model, from scratch
+    python scripts/train.py digits                                  # the shipped digits model, from scratch
     python scripts/train.py sd15 --data path/to/folder --steps 2000 # fine-tune SD 1.5 on captioned images
-    python scripts/train.py sd15 --hf-dataset user/name --caption-column caption  # ... on a Hugging Face dataset
-    python scripts/train.py sd15 --tfrecord shards/ --caption-key caption         # ... on TFRecord files
-    python scripts/train.py sd15 --data x --mesh.ici-data-parallelism 1 --mesh.ici-fsdp-parallelism -1 --remat FULL
-    python scripts/train.py digits --optimizer.learning-rate 5e-4 --objective.snr-gamma 5 --help
-
-Every field of :class:`eqxdiff.train.TrainConfig` is a flag; a preset only changes the defaults. Presets run data
-parallel over every device (``--mesh.*`` changes the mesh).
+    python scripts/train.py digits --help                           # every flag
 """
 
-import dataclasses
-from pathlib import Path
-
-import tyro
-
-from eqxdiff.parallel import MeshConfig
-from eqxdiff.train import DigitsArchitecture, Objective, OptimizerConfig, TrainConfig
-
-PRESETS = {
-    "digits": (
-        "The embedded digits model: SD classes at a small size, trained from scratch on scikit-learn's digits.",
-        TrainConfig(
-            data=None, resolution=16, batch_size=64, steps=1500, architecture=DigitsArchitecture(), mesh=MeshConfig(),
-            optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=100, total_steps=1500, schedule="cosine",
-                                      final_learning_rate_fraction=0.05, weight_decay=1e-2, max_grad_norm=1.0),
-            objective=Objective(prediction_type="epsilon", snr_gamma=5.0, caption_dropout=0.1),
-            ema_decay=0.995, autoencoder_steps=600, autoencoder_batch_size=32, autoencoder_learning_rate=2e-3,
-            kl_weight=1e-4, output_dir=Path("runs/digits"),
-            export_dtype="float32", export_scheduler="dpm++2m", log_every=25,
-            sample_prompts=tuple(f"a handwritten digit {d}" for d in
-                                 ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")))),
-    "sd15": (
-        "Fine-tune Stable Diffusion 1.5 (epsilon prediction) at 512 px (--data, --hf-dataset or --tfrecord).",
-        TrainConfig(
-            model="stable-diffusion-v1-5/stable-diffusion-v1-5", resolution=512, batch_size=1, steps=15000,
-            mesh=MeshConfig(),
-            optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=500, total_steps=15000, schedule="constant",
-                                      accumulation_steps=4),
-            objective=Objective(snr_gamma=5.0, caption_dropout=0.05), ema_decay=0.9999,
-            output_dir=Path("runs/sd15"), checkpoint_every=500, sample_every=500,
-            sample_prompts=("a photo of a cat",), sample_steps=25, sample_guidance_scale=7.5)),
-    "sd21": (
-        "Fine-tune Stable Diffusion 2.1 (v-prediction) at 768 px (--data, --hf-dataset or --tfrecord).",
-        TrainConfig(
-            model="stabilityai/stable-diffusion-2-1", resolution=768, batch_size=1, steps=15000, mesh=MeshConfig(),
-            optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=500, total_steps=15000, schedule="constant",
-                                      accumulation_steps=4),
-            objective=Objective(snr_gamma=5.0, caption_dropout=0.05), ema_decay=0.9999,
-            output_dir=Path("runs/sd21"), checkpoint_every=500, sample_every=500,
-            sample_prompts=("a photo of a cat",), sample_steps=25, sample_guidance_scale=7.5)),
-}
-
-
-def main(config: TrainConfig):
-    from eqxdiff.train import run
-
-    try:
-        config.source  # noqa: B018 - a missing or conflicting data source, before anything loads
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    if config.optimizer.total_steps != config.steps:  # the schedule spans the run unless set on purpose
-        print(f"note: optimizer.total_steps={config.optimizer.total_steps} differs from steps={config.steps}")
-    run(config)
-
+from eqxdiff.cli.train import cli
 
 if __name__ == "__main__":
-    main(tyro.extras.overridable_config_cli({k: v for k, v in PRESETS.items()}))
+    cli()

@@ -1,53 +1,278 @@
-"""The entry scripts, run as a user runs them."""
+"""The console commands and the entry scripts, run as a user runs them: family options read from the pipeline
+class, PNG and MP4 outputs carrying their parameters, numbering and overwrite, errors before loading, a mesh run
+equal to one device, train presets, and a wheel installed into a fresh venv."""
 
-import importlib.util
+import json
+import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
+import imageio_ffmpeg
 import numpy as np
 import pytest
 from PIL import Image
 
-from eqxdiff.pipelines import read_parameters
-
-from ._tiny_sd import build_pipeline
+import eqxdiff
+from eqxdiff.cli import generate, train
+from eqxdiff.core import FAMILY_TABLE
+from eqxdiff.pipelines import Component, DiffusionPipeline, read_parameters, write_video
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load_script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def digits_runs(tmp_path_factory):
+    """The shipped digits model (no --model): two runs of the same flags into one folder, then one with another
+    seed and --overwrite. One compiled program serves all three."""
+    out = tmp_path_factory.mktemp("out")
+    argv = ["--steps", "2", "--num-images", "2", "--seed", "7", "--output-dir", str(out), "--no-progress"]
+    first = generate.main(argv)
+    first_pixels = [np.asarray(Image.open(p)) for p in first]
+    second = generate.main(argv)
+    third = generate.main([*argv, "--seed", "8", "--overwrite"])
+    return out, first, first_pixels, second, third
 
 
 def test_generate_saves_images_with_parameters_and_prints_timings(tmp_path, capsys):
-    build_pipeline(tmp_path / "model", scheduler="ddim")
-    generate = _load_script("generate")
-    args = generate.Args(prompt="a red cat", model=str(tmp_path / "model"), steps=2, height=32, width=32,
-                         num_images=2, seed=7, scheduler="euler", output_dir=tmp_path / "out", progress=False,
-                         compilation_cache_dir=tmp_path / "cache")
-    paths = generate.main(args)
+    paths = generate.main(["--prompt", "a handwritten digit two", "--num-inference-steps", "2",
+                           "--num-images-per-prompt", "2", "--seed", "7", "--output-dir", str(tmp_path),
+                           "--no-progress"])
     assert [p.name for p in paths] == ["image_0.png", "image_1.png"]
     params = read_parameters(paths[1])
-    assert params["prompt"] == "a red cat" and params["seed"] == 7 and params["steps"] == 2
-    assert params["scheduler"] == "EulerDiscreteScheduler" and params["index"] == 1
-    assert np.asarray(Image.open(paths[0])).shape == (32, 32, 3)
-    err = capsys.readouterr().err
-    assert "load:" in err and "compile:" in err and "generation" in err
+    assert params["prompt"] == "a handwritten digit two" and params["seed"] == 7
+    assert params["num_inference_steps"] == 2 and params["num_images_per_prompt"] == 2 and params["index"] == 1
+    assert params["model"] == "digits" and params["pipeline"] == "StableDiffusionPipeline"
+    # The checkpoint's own scheduler under a name --scheduler accepts; the size used, not None.
+    assert params["scheduler"] == "dpm++2m"
+    assert (params["height"], params["width"]) == (16, 16)
+    assert np.asarray(Image.open(paths[0])).shape == (16, 16, 3)
+    captured = capsys.readouterr()
+    assert "load:" in captured.err and "compile:" in captured.err and "generation" in captured.err
+    assert captured.out.split() == [str(p) for p in paths]
 
 
-def test_generate_cli_rejects_bad_flags(tmp_path):
+def test_generate_numbers_on_and_overwrites_only_when_asked(digits_runs):
+    out, first, first_pixels, second, third = digits_runs
+    assert [p.name for p in first] == ["image_0.png", "image_1.png"]
+    assert [p.name for p in second] == ["image_2.png", "image_3.png"]
+    for before, after in zip(first_pixels, second, strict=True):  # same flags, same images, new names
+        np.testing.assert_array_equal(before, np.asarray(Image.open(after)))
+    assert [p.name for p in third] == ["image_0.png", "image_1.png"]
+    assert sorted(p.name for p in out.iterdir()) == [f"image_{i}.png" for i in range(4)]
+    assert read_parameters(third[0])["seed"] == 8 and read_parameters(second[0])["seed"] == 7
+    assert not np.array_equal(np.asarray(Image.open(third[0])), first_pixels[0])
+
+
+def test_scheduler_names_are_what_the_flag_accepts():
+    from eqxdiff.schedulers import SCHEDULERS, scheduler_from_config
+
+    raw = {"_class_name": "DDIMScheduler", "beta_schedule": "scaled_linear"}
+    for name in SCHEDULERS:
+        assert generate.scheduler_name(scheduler_from_config(raw, name=name)) == name
+    first_order = scheduler_from_config({**raw, "_class_name": "DPMSolverMultistepScheduler", "solver_order": 1})
+    assert generate.scheduler_name(first_order) == "DPMSolverMultistepScheduler"  # no name says order 1
+
+
+def test_generate_help_lists_the_family_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--prompt", "--num-inference-steps", "--guidance-scale", "--clip-skip", "--strength", "--image",
+                 "--model", "--scheduler", "--overwrite", "--mesh.ici-fsdp-parallelism", "StableDiffusionPipeline"):
+        assert flag in text, flag
+    assert "--latents" not in text and "--prompt-embeds" not in text  # arrays are not flags
+
+
+def test_generate_cli_rejects_bad_flags():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--weights-dtype", "int8"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "weights-dtype" in (out.stderr + out.stdout)
 
 
 def test_generate_missing_model_says_so(tmp_path):
-    generate = _load_script("generate")
-    import eqxdiff
-
     with pytest.raises(eqxdiff.CheckpointError, match="does not exist"):
-        generate.main(generate.Args(model=str(tmp_path / "missing"), output_dir=tmp_path / "out"))
+        generate.main(["--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "out")])
+
+
+def test_generate_unknown_family_lists_what_eqxdiff_serves(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanVideoPipeline"}))
+    with pytest.raises(eqxdiff.CheckpointError, match="HunyuanVideoPipeline.*serves.*StableDiffusionPipeline"):
+        generate.main(["--model", str(tmp_path)])
+
+
+def test_generate_output_path_that_is_a_file_fails_before_loading(tmp_path):
+    # A Stable Diffusion index without its components: loading it would fail with "lacks component(s)".
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        generate.main(["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "taken")])
+
+
+# -- a family the script has never heard of: a video pipeline declared only by its __call__ -----------------------
+
+class ToyVideoPipeline(DiffusionPipeline):
+    """A stand-in video family with no model: each frame's brightness ramps with time."""
+
+    CLASS_NAME = "ToyVideoPipeline"
+    COMPONENTS = (Component("scheduler", "diffusers", "scheduler"),)
+    meshes: list = []  # the mesh of every call, for the tests
+
+    def __call__(self, prompt: str | Sequence[str] | None = None, *, num_frames: int = 5, height: int = 32,
+                 width: int = 32, frame_rate: int = 8, brightness: float = 0.5, seed: int = 0, latents=None,
+                 video=None, progress: bool = True) -> np.ndarray:
+        """Frames ``[1, F, H, W, 3]``.
+
+        Args:
+            num_frames: Frames in the toy video.
+            brightness: Where the ramp starts, 0 to 1.
+        """
+        if prompt is None:
+            raise ValueError("pass prompt")
+        self.meshes.append(self.mesh)
+        start = 255 * brightness if video is None else float(np.mean(video))
+        ramp = np.linspace(start, start + 60, num_frames)[:, None, None, None]
+        return np.broadcast_to(ramp, (1, num_frames, height, width, 3)).astype(np.uint8)
+
+
+@pytest.fixture
+def toy_video_model(tmp_path, monkeypatch):
+    monkeypatch.setitem(FAMILY_TABLE, "ToyVideoPipeline", f"{__name__}:ToyVideoPipeline")
+    folder = tmp_path / "toy"
+    (folder / "scheduler").mkdir(parents=True)
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps({"_class_name": "DDIMScheduler"}))
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "ToyVideoPipeline",
+                                                         "scheduler": ["diffusers", "DDIMScheduler"]}))
+    return folder
+
+
+def test_a_new_family_gets_its_options_and_mp4_output(toy_video_model, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        generate.main(["--model", str(toy_video_model), "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--num-frames" in text and "Frames in the toy video." in text  # help from the docstring
+    assert "--frame-rate" in text and "--video" in text and "--latents" not in text
+
+    out = tmp_path / "out"
+    paths = generate.main(["--model", str(toy_video_model), "--prompt", "a ramp", "--num-frames", "9",
+                           "--brightness", "0.2", "--width", "48", "--output-dir", str(out)])
+    assert [p.name for p in paths] == ["video_0.mp4"]
+    params = read_parameters(paths[0])
+    assert params["prompt"] == "a ramp" and params["num_frames"] == 9 and params["fps"] == 8  # fps = frame_rate
+    assert (params["height"], params["width"]) == (32, 48) and params["scheduler"] == "ddim"
+    frames = _read_frames(paths[0])
+    assert frames.shape == (9, 32, 48, 3)
+    np.testing.assert_allclose(frames.mean(axis=(1, 2, 3)), np.linspace(51, 111, 9).astype(np.uint8), atol=3)
+
+    # A video input flag reads the file: the ramp now starts at the input video's mean brightness.
+    again = generate.main(["--model", str(toy_video_model), "--prompt", "a ramp", "--video", str(paths[0]),
+                           "--num-frames", "3", "--fps", "4", "--output-dir", str(out)])
+    assert [p.name for p in again] == ["video_1.mp4"]
+    assert read_parameters(again[0])["video"] == str(paths[0]) and read_parameters(again[0])["fps"] == 4
+    assert abs(_read_frames(again[0])[0].mean() - frames.mean()) < 3
+
+
+def test_mesh_flags_reach_the_pipeline(toy_video_model, tmp_path):
+    """--mesh.* (or --parallel) loads the pipeline onto a mesh of the 8 simulated devices; without them, none."""
+    toy = ["--model", str(toy_video_model), "--prompt", "x", "--num-frames", "2", "--output-dir", str(tmp_path)]
+    ToyVideoPipeline.meshes.clear()
+    generate.main(toy)
+    generate.main([*toy, "--mesh.ici-data-parallelism", "1", "--mesh.ici-fsdp-parallelism", "-1"])
+    generate.main([*toy, "--parallel"])
+    plain, fsdp, data = ToyVideoPipeline.meshes
+    assert plain is None
+    assert dict(fsdp.shape) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+    assert dict(data.shape) == {"data": 8, "fsdp": 1, "context": 1, "tensor": 1}
+    with pytest.raises(ValueError, match="process_id"):  # multi-host settings come as a set
+        generate.main([*toy, "--num-processes", "2"])
+
+
+def _read_frames(path) -> np.ndarray:
+    reader = imageio_ffmpeg.read_frames(str(path))
+    width, height = next(reader)["size"]
+    return np.stack([np.frombuffer(f, np.uint8).reshape(height, width, 3) for f in reader])
+
+
+def test_mp4_writer_round_trip(tmp_path):
+    """9 synthetic 32x32 frames through write_video, read back with imageio-ffmpeg."""
+    y, x = np.mgrid[0:32, 0:32]
+    frames = np.stack([np.stack([(x * 8 + 10 * t) % 256, y * 8, np.full_like(x, 25 * t)], axis=-1)
+                       for t in range(9)]).astype(np.uint8)
+    params = {"prompt": 'quotes " and = ; # \\ backslash', "num_frames": 9, "seed": None}
+    path = write_video(frames, tmp_path / "clip.mp4", fps=12, parameters=params)
+    back = _read_frames(path)
+    assert back.shape == (9, 32, 32, 3)
+    assert np.abs(back.astype(int) - frames).mean() < 6  # lossy H.264 in yuv420p: loosely the same pixels
+    assert read_parameters(path) == params
+    with pytest.raises(ValueError, match="uint8"):
+        write_video(frames.astype(np.float32), tmp_path / "bad.mp4")
+
+
+# -- train ---------------------------------------------------------------------------------------------------------
+
+def test_train_exports_under_the_output_dir_unless_told():
+    config = train.parse(["digits", "--steps", "20", "--output-dir", "/somewhere/else"])
+    assert config.steps == 20 and config.output_dir == Path("/somewhere/else")
+    for name, (_, preset) in train.PRESETS.items():
+        assert preset.export_dir is None, f"preset {name} exports to {preset.export_dir}"
+    assert train.parse(["digits", "--export-dir", "mine"]).export_dir == Path("mine")
+
+
+def test_train_rejects_conflicting_sources(capsys):
+    with pytest.raises(SystemExit):
+        train.parse(["digits", "--data", "folder", "--hf-dataset", "user/name"])
+    assert "give one data source" in capsys.readouterr().err
+
+
+# -- a wheel is a complete install ---------------------------------------------------------------------------------
+
+def test_wheel_installs_the_commands_and_the_digits_model(tmp_path):
+    """``pip wheel`` of the checkout, installed alone into a fresh venv (dependencies from this venv by a .pth, the
+    editable eqxdiff invisible): a bare ``eqxdiff-generate`` run from an empty folder draws with the shipped model."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "eqxdiff", src / "eqxdiff", ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", str(src), "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist")],
+                   check=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("eqxdiff-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    subprocess.run([*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)], check=True,
+                   timeout=300)
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    Path(site, "_outer_dependencies.pth").write_text("\n".join(sorted(ours)) + "\n")
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    work = tmp_path / "empty"
+    work.mkdir()
+    where = subprocess.run([str(python), "-c", "import eqxdiff; print(eqxdiff.__file__)"], cwd=work, env=env,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(where).is_relative_to(venv), f"eqxdiff imported from {where}, not the wheel"
+
+    out = subprocess.run([str(venv / "bin" / "eqxdiff-generate"), "--steps", "2", "--no-progress",
+                          "--compilation-cache-dir", "cache"], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    image = work / "outputs" / "image_0.png"
+    assert out.stdout.split() == ["outputs/image_0.png"]
+    pixels = np.asarray(Image.open(image))
+    assert pixels.shape == (16, 16, 3) and pixels.std() > 10  # strokes, not a flat image
+    params = read_parameters(image)
+    assert params["model"] == "digits" and params["prompt"] == "a handwritten digit seven"
+    assert params["scheduler"] == "dpm++2m" and params["num_inference_steps"] == 2
+    assert any((work / "cache").iterdir())
+
+    helped = subprocess.run([str(venv / "bin" / "eqxdiff-train"), "digits", "--help"], cwd=work, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert helped.returncode == 0 and "--export-dir" in helped.stdout

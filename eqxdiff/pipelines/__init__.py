@@ -15,6 +15,11 @@ from ._denoise import Guidance as Guidance
 from ._denoise import combine_guidance as combine_guidance
 from ._denoise import denoise_loop as denoise_loop
 from ._denoise import rescale_noise_cfg as rescale_noise_cfg
-from ._images import read_parameters as read_parameters
 from ._images import save_images as save_images
+from ._media import read_image as read_image
+from ._media import read_parameters as read_parameters
+from ._media import read_video as read_video
+from ._media import save_outputs as save_outputs
+from ._media import save_videos as save_videos
+from ._media import write_video as write_video
 from .stable_diffusion import StableDiffusionPipeline as StableDiffusionPipeline

@@ -1,7 +1,9 @@
-"""Images in and out of pipelines: uint8 <-> [-1, 1] floats, PNG files carrying their generation parameters."""
+"""Images in and out of pipelines: uint8 <-> [-1, 1] floats, PNG files carrying their generation parameters (read
+back with :func:`eqxdiff.pipelines.read_parameters`, which reads MP4 files too)."""
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -34,28 +36,43 @@ def to_model_range(images) -> jnp.ndarray:
     return jnp.asarray(arr * 2.0 - 1.0, dtype=jnp.float32)
 
 
-def save_images(images: np.ndarray, folder: str | os.PathLike, parameters: Mapping, *,
-                prefix: str = "image") -> list[Path]:
+def next_index(folder: str | os.PathLike, prefix: str, suffix: str) -> int:
+    """One past the highest ``i`` of the ``{prefix}_{i}{suffix}`` files in ``folder`` (0 if there are none)."""
+    pattern = re.compile(rf"{re.escape(prefix)}_(\d+){re.escape(suffix)}")
+    found = [int(m.group(1)) for p in Path(folder).glob(f"{prefix}_*{suffix}") if (m := pattern.fullmatch(p.name))]
+    return max(found, default=-1) + 1
+
+
+def output_folder(folder: str | os.PathLike) -> Path:
+    """``folder`` created if needed; a file in its place raises ``ValueError`` (check it before a long run)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"output folder {os.fspath(folder)!r} is a file; pass a folder (it is created if missing)")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def save_images(images: np.ndarray, folder: str | os.PathLike, parameters: Mapping, *, prefix: str = "image",
+                overwrite: bool = False) -> list[Path]:
     """Save uint8 ``[n, h, w, 3]`` images as ``{prefix}_{i}.png`` with ``parameters`` in the PNG text chunks.
 
-    Each parameter is one text entry, and all of them together are a JSON entry ``eqxdiff``.
+    Numbering goes on after the last ``{prefix}_{i}.png`` already in ``folder``; ``overwrite`` numbers from 0,
+    replacing earlier files. Each parameter is one text entry, and all of them together (plus ``index``, the image's
+    place in the batch) are a JSON entry ``eqxdiff`` that :func:`read_parameters` reads back.
     """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    images = np.asarray(images)
+    if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
+        raise ValueError(f"images must be uint8 [n, height, width, 3], got {images.dtype} {images.shape}")
+    folder = output_folder(folder)
+    start = 0 if overwrite else next_index(folder, prefix, ".png")
     paths = []
-    for i, im in enumerate(np.asarray(images)):
+    for i, im in enumerate(images):
         info = PngImagePlugin.PngInfo()
         meta = {**parameters, "index": i}
         for k, v in meta.items():
             info.add_text(str(k), str(v))
         info.add_text("eqxdiff", json.dumps(meta, default=str))
-        path = folder / f"{prefix}_{i}.png"
+        path = folder / f"{prefix}_{start + i}.png"
         Image.fromarray(im).save(path, pnginfo=info)
         paths.append(path)
     return paths
-
-
-def read_parameters(path: str | os.PathLike) -> dict:
-    """The generation parameters :func:`save_images` stored in a PNG."""
-    with Image.open(path) as im:
-        return json.loads(im.text["eqxdiff"])

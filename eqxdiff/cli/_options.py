@@ -1,0 +1,165 @@
+"""A family's command-line options, read from its pipeline's ``__call__``: the signature is the one source of truth.
+
+Every argument of ``__call__`` whose annotation a command line can carry (``str``, ``int``, ``float``, ``bool``,
+``Path``, ``Literal``, enums, tuples of those, optional or not) becomes a flag of the same name (diffusers' names:
+``--num-inference-steps``, ``--guidance-scale``), with the signature's default. Its help is the ``__call__``
+docstring's entry for it (Google, NumPy or reST style) or, for the arguments diffusers' pipelines share,
+:data:`COMMON_HELP`. Media inputs under diffusers' names (:data:`MEDIA_INPUTS`: ``image``, ``mask_image``, ``video``
+...) take a file path that is read before the call. Arrays (``latents``, ``prompt_embeds``), PRNG keys and
+callbacks are not flags. A new family therefore needs nothing here: annotate ``__call__`` and name its arguments
+as diffusers does.
+"""
+
+import dataclasses
+import enum
+import inspect
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import docstring_parser
+import tyro
+
+from ..pipelines import read_image, read_video
+
+# Short flags kept from eqxdiff's first generate script, so its commands still work.
+ALIASES: Mapping[str, tuple[str, ...]] = {
+    "num_inference_steps": ("--steps",),
+    "num_images_per_prompt": ("--num-images",),
+}
+
+# Arguments that take a file: what to read it as.
+MEDIA_INPUTS: Mapping[str, str] = {
+    "image": "image", "mask_image": "image", "control_image": "image", "last_image": "image",
+    "ip_adapter_image": "image", "video": "video",
+}
+
+# Help for the arguments diffusers' pipelines share (a family's own docstring entry wins).
+COMMON_HELP: Mapping[str, str] = {
+    "prompt": "What to generate.",
+    "negative_prompt": "What to steer away from (classifier-free guidance's unconditional prompt).",
+    "num_inference_steps": "Number of denoising steps.",
+    "guidance_scale": "Classifier-free guidance scale; 1.0 (or less) turns guidance off.",
+    "guidance_rescale": "Rescale guided noise toward the text noise's std (0 = off; 0.7 suggested for zero-SNR "
+                        "models).",
+    "height": "Height in pixels; default: the model's native size.",
+    "width": "Width in pixels; default: the model's native size.",
+    "num_images_per_prompt": "Images (or videos) per prompt.",
+    "num_frames": "Frames per video.",
+    "frame_rate": "Frames per second the model is conditioned on (also the saved video's, unless --fps is given).",
+    "seed": "Random seed (the same seed gives the same output).",
+    "clip_skip": "Use the text encoder's hidden state this many layers before the last.",
+    "strength": "Image-to-image: how much of the schedule to run (1.0 ignores the input image).",
+    "max_sequence_length": "Longest prompt, in tokens, the text encoder reads.",
+    "progress": "Show a progress bar.",
+    "image": "An input image file (image-to-image, image-to-video, ...).",
+    "mask_image": "A mask image file (white = repaint).",
+    "control_image": "A control image file (edges, depth, pose ...).",
+    "last_image": "The last frame, as an image file (first-last-frame-to-video).",
+    "ip_adapter_image": "An image file for the IP-Adapter.",
+    "video": "An input video file.",
+}
+
+_SCALARS = (str, int, float, bool, Path)
+
+
+def _is_scalar(tp) -> bool:
+    return (tp in _SCALARS or typing.get_origin(tp) is Literal
+            or (isinstance(tp, type) and issubclass(tp, enum.Enum)))
+
+
+def _is_union(tp) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _cli_type(annotation) -> Any | None:
+    """The flag type the command line parses for ``annotation``, or ``None`` if it cannot carry it."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if _is_scalar(annotation):
+        return annotation
+    if _is_union(annotation):
+        members = typing.get_args(annotation)
+        optional = type(None) in members
+        members = [m for m in members if m is not type(None)]
+        scalars = [m for m in members if _is_scalar(m)]
+        # `str | Sequence[str]` (one prompt or several) takes one on the command line.
+        kept = scalars or [t for t in (_cli_type(m) for m in members) if t is not None]
+        if not kept:
+            return None
+        return Union[tuple(kept) + ((type(None),) if optional else ())]  # noqa: UP007 - built at run time
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is tuple and args and all(_is_scalar(a) for a in args if a is not Ellipsis):
+        return annotation
+    if origin in (list, tuple, Sequence) and len(args) == 1 and _is_scalar(args[0]):
+        return tuple[args[0], ...]
+    return None
+
+
+def _documented(function) -> dict[str, str]:
+    """Argument descriptions from ``function``'s docstring (Google, NumPy or reST style)."""
+    try:
+        parsed = docstring_parser.parse(inspect.getdoc(function) or "")
+    except docstring_parser.ParseError:
+        return {}
+    return {p.arg_name: " ".join(p.description.split()) for p in parsed.params if p.description}
+
+
+def _hints(function) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(function, include_extras=True)
+    except (NameError, TypeError):  # an annotation that does not resolve (a forward reference): use the raw ones
+        return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyOptions:
+    """The flags of one pipeline class: :attr:`options` is the frozen dataclass tyro parses, :meth:`call_kwargs`
+    turns a parsed instance into ``__call__``'s keyword arguments."""
+
+    pipeline_class: type
+    options: type
+    media: Mapping[str, str]
+
+    def call_kwargs(self, values) -> dict[str, Any]:
+        """Keyword arguments for the pipeline call: media files read (images uint8 ``[H, W, 3]``, videos uint8
+        ``[F, H, W, 3]``), every other value as parsed."""
+        kwargs = {f.name: getattr(values, f.name) for f in dataclasses.fields(values)}
+        for name, kind in self.media.items():
+            if kwargs.get(name) is not None:
+                kwargs[name] = (read_image if kind == "image" else read_video)(kwargs[name])
+        return kwargs
+
+
+def family_options(pipeline_class: type, defaults: Mapping[str, Any] | None = None) -> FamilyOptions:
+    """The command-line options of ``pipeline_class`` (see the module docstring); ``defaults`` replaces the
+    signature's defaults of some of them (the shipped digits model's prompt)."""
+    call = pipeline_class.__call__
+    signature = inspect.signature(call)
+    hints, documented = _hints(call), _documented(call)
+    defaults = dict(defaults or {})
+    fields, media = [], {}
+    for name, param in list(signature.parameters.items())[1:]:  # [0] is self
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if name in MEDIA_INPUTS:
+            tp, default, media[name] = Path | None, None, MEDIA_INPUTS[name]
+        else:
+            tp = _cli_type(hints.get(name, param.annotation))
+            if tp is None:
+                continue
+            default = defaults.pop(name, param.default)
+        help_text = documented.get(name) or COMMON_HELP.get(name)
+        marker = tyro.conf.arg(help=help_text, aliases=ALIASES.get(name))
+        field = (dataclasses.field() if default is inspect.Parameter.empty
+                 else dataclasses.field(default=default))
+        fields.append((name, Annotated[tp, marker], field))
+    if defaults:
+        raise ValueError(f"{pipeline_class.__name__}.__call__ has no command-line option(s) {sorted(defaults)}")
+    fields.sort(key=lambda f: f[2].default is dataclasses.MISSING, reverse=True)  # required flags first
+    options = dataclasses.make_dataclass(f"{pipeline_class.__name__}Options", fields, frozen=True)
+    options.__doc__ = (f"Options of {pipeline_class.__name__} (the --model folder's pipeline), read from its "
+                       "__call__: diffusers' argument names.")
+    return FamilyOptions(pipeline_class, options, media)

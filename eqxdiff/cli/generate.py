@@ -1,0 +1,246 @@
+"""``eqxdiff-generate`` (and ``python scripts/generate.py``): images or videos from any pipeline eqxdiff serves.
+
+    eqxdiff-generate                                          # the shipped digits model: a handwritten seven
+    eqxdiff-generate --prompt "a handwritten digit two" --num-images 4
+    eqxdiff-generate --model path/to/pipeline --prompt "a fox" --scheduler euler --steps 30
+    eqxdiff-generate --model path/to/pipeline --help          # that pipeline's own options
+
+The ``--model`` folder's ``model_index.json`` names its pipeline class; the family table
+(:data:`eqxdiff.core.FAMILY_TABLE`) gives eqxdiff's, and that class's ``__call__`` gives the family's options
+(:mod:`eqxdiff.cli._options`), so a new family needs nothing here. Images are saved as ``image_{i}.png`` and
+videos as ``video_{i}.mp4``, numbered on after the files already in ``--output-dir``, with the generation
+parameters in each file (:func:`eqxdiff.pipelines.read_parameters` reads them back). Load, compile and generation
+times go to stderr, the files' paths to stdout.
+
+On a device mesh (``--parallel``, or any ``--mesh.*`` flag) every weight is loaded straight onto its sharding and
+the batch is split over the mesh; several hosts run the same command with ``--coordinator-address``,
+``--num-processes`` and ``--process-id`` (or ``EQXDIFF_COORDINATOR``, ``EQXDIFF_NUM_PROCESSES``,
+``EQXDIFF_PROCESS_ID``), and process 0 writes the files.
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Literal
+
+import jax
+import tyro
+
+from ..core import family_names, resolve_class
+from ..loading import CheckpointError, read_config, resolve_folder
+from ..parallel import MeshConfig, initialize_distributed, make_mesh
+from ..pipelines import DiffusionPipeline, load_pipeline, save_outputs
+from ..schedulers import SCHEDULERS
+from ._options import FamilyOptions, family_options
+
+DEFAULT_MODEL = "digits"
+# What the shipped digits model draws when no prompt is given (other models' prompt default is their pipeline's).
+DIGITS_PROMPT = "a handwritten digit seven"
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Which pipeline, how it is loaded and run, and where its outputs go."""
+
+    model: str = DEFAULT_MODEL
+    """A diffusers pipeline folder, a Hugging Face Hub id, or ``digits`` (the small model shipped with eqxdiff).
+    Its pipeline class decides the family options above (``--model X --help`` lists X's)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of --model."""
+    scheduler: str | None = None
+    """Swap the checkpoint's scheduler: ddim, pndm, euler, euler_a, lms, dpm++2m, dpm++2m_karras, ddpm."""
+    weights_dtype: Dtype = "float32"
+    """Dtype the weights are loaded in."""
+    activations_dtype: Dtype = "float32"
+    """Dtype of the latents and activations in the denoising loop."""
+    attention: str | None = None
+    """Attention implementation (xla, chunked, cudnn, flash, ...); default: chosen for the platform."""
+    scan_layers: bool = False
+    """Run repeated layers with lax.scan (faster compiles, the same numbers)."""
+    offload_encoders: bool = False
+    """Keep the text encoders' weights in host memory outside encoding."""
+    output_dir: Path = Path("outputs")
+    """Where image_{i}.png / video_{i}.mp4 go (numbered on after the files already there)."""
+    overwrite: bool = False
+    """Number outputs from 0, replacing earlier files of the same names."""
+    fps: float | None = None
+    """Frames per second of saved videos; default: the family's frame_rate option if it has one, else 16."""
+    compilation_cache_dir: Path | None = None
+    """Persistent XLA compilation cache folder (later runs skip compiling)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelOptions:
+    """Devices and hosts: the mesh the pipeline runs on and the multi-host settings."""
+
+    parallel: bool = False
+    """Run on a device mesh built from the --mesh.* sizes (data parallel over every device by default); implied by
+    any --mesh.* flag and by a multi-process run."""
+    coordinator_address: str | None = None
+    """host:port of process 0 (multi-host; default: EQXDIFF_COORDINATOR)."""
+    num_processes: int | None = None
+    """Number of processes (hosts) in the run (default: EQXDIFF_NUM_PROCESSES)."""
+    process_id: int | None = None
+    """This process's index, 0 .. num_processes-1 (default: EQXDIFF_PROCESS_ID)."""
+
+
+def _model_flag(argv: Sequence[str]) -> tuple[str, str | None]:
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--model", default=DEFAULT_MODEL)
+    pre.add_argument("--revision", default=None)
+    known, _ = pre.parse_known_args(argv)
+    return known.model, known.revision
+
+
+def _is_hub_id(model: str) -> bool:
+    return (not Path(model).expanduser().exists() and model.count("/") == 1
+            and not model.startswith((".", "/", "~")))
+
+
+def pipeline_class(model: str, revision: str | None = None) -> type[DiffusionPipeline]:
+    """The eqxdiff pipeline class serving ``model`` (a folder, a Hub id or a shipped name), from its
+    ``model_index.json`` alone (a Hub id fetches only that file)."""
+    if _is_hub_id(model):
+        from huggingface_hub import hf_hub_download
+
+        try:
+            folder = Path(hf_hub_download(model, "model_index.json", revision=revision)).parent
+        except Exception as e:  # network, auth, offline and missing-file errors all end here
+            raise CheckpointError(f"could not fetch model_index.json of {model!r} from the Hugging Face Hub "
+                                  f"({type(e).__name__}: {e}); pass a local pipeline folder instead") from e
+    else:
+        folder = resolve_folder(model)
+    name = read_config(folder, "model_index.json").get("_class_name")
+    cls = resolve_class(name) if isinstance(name, str) else None
+    if cls is None or not (isinstance(cls, type) and issubclass(cls, DiffusionPipeline)):
+        raise CheckpointError(f"{model!r} holds a {name!r} pipeline (model_index.json _class_name), which eqxdiff "
+                              f"does not serve; eqxdiff serves {', '.join(family_names('pipeline'))}")
+    return cls
+
+
+def build_parser(family: FamilyOptions) -> type:
+    """The dataclass tyro parses: the family's options, the run options, the mesh sizes and the hosts."""
+    flat = tyro.conf.OmitArgPrefixes
+    return dataclasses.make_dataclass("GenerateArgs", [
+        ("pipeline", Annotated[family.options, flat], dataclasses.field(default_factory=family.options)),
+        ("run", Annotated[RunOptions, flat], dataclasses.field(default_factory=RunOptions)),
+        ("parallel", Annotated[ParallelOptions, flat], dataclasses.field(default_factory=ParallelOptions)),
+        ("mesh", MeshConfig, dataclasses.field(default_factory=MeshConfig)),
+    ], frozen=True)
+
+
+def parse(argv: Sequence[str] | None = None, *, prog: str | None = None):
+    """``(family, args)``: the ``--model`` folder's pipeline options and the parsed command line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model, revision = _model_flag(argv)
+    cls = pipeline_class(model, revision)
+    family = family_options(cls, {"prompt": DIGITS_PROMPT} if model == DEFAULT_MODEL else None)
+    description = (f"Images or videos from a diffusion pipeline. The pipeline options are {cls.__name__}'s (the "
+                   f"--model folder's class); eqxdiff serves {', '.join(family_names('pipeline'))}.")
+    return family, tyro.cli(build_parser(family), args=argv, prog=prog, description=description)
+
+
+def scheduler_name(scheduler) -> str | None:
+    """The ``--scheduler`` name describing ``scheduler`` (its class and the config keys that name forces), or its
+    class name when no name does."""
+    if scheduler is None:
+        return None
+    for name, choice in SCHEDULERS.items():
+        if type(scheduler) is choice.cls and all(getattr(scheduler.config, k, None) == v
+                                                 for k, v in choice.overrides.items()):
+            return name
+    return type(scheduler).__name__
+
+
+class _CompileSeconds:
+    """Sums JAX's compile-duration events (tracing, lowering, XLA compile); one listener per process."""
+
+    seconds = 0.0
+    _registered = False
+
+    @classmethod
+    def now(cls) -> float:
+        if not cls._registered:
+            jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+            cls._registered = True
+        return cls.seconds
+
+    @classmethod
+    def _on_event(cls, name, duration, **_):
+        if name.startswith("/jax/core/compile/"):
+            cls.seconds += duration
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[Path]:
+    """Parse ``argv`` (default ``sys.argv[1:]``), generate, save; returns the saved files' paths."""
+    family, args = parse(argv, prog=prog)
+    run, hosts = args.run, args.parallel
+    if run.output_dir.exists() and not run.output_dir.is_dir():  # before minutes of loading and compiling
+        raise ValueError(f"--output-dir {os.fspath(run.output_dir)!r} is a file; pass a folder (created if "
+                         "missing)")
+    initialize_distributed(hosts.coordinator_address, hosts.num_processes, hosts.process_id)
+    if run.compilation_cache_dir is not None:
+        jax.config.update("jax_compilation_cache_dir", os.fspath(run.compilation_cache_dir))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    mesh = None
+    if hosts.parallel or args.mesh != MeshConfig() or jax.process_count() > 1:
+        mesh = make_mesh(args.mesh)
+    main_process = jax.process_index() == 0
+
+    t0 = time.perf_counter()
+    pipe = load_pipeline(run.model, revision=run.revision, dtype=run.weights_dtype, scheduler=run.scheduler,
+                         attention=run.attention, activations_dtype=run.activations_dtype, mesh=mesh,
+                         offload_encoders=run.offload_encoders, scan_layers=run.scan_layers)
+    load_s = time.perf_counter() - t0
+    kwargs = family.call_kwargs(args.pipeline)
+    if "progress" in kwargs:
+        kwargs["progress"] = kwargs["progress"] and main_process
+    compile_before = _CompileSeconds.now()
+    t0 = time.perf_counter()
+    outputs = pipe(**kwargs)
+    total_s = time.perf_counter() - t0
+    compile_s = _CompileSeconds.now() - compile_before
+
+    params = _parameters(args, pipe, outputs)
+    fps = run.fps or kwargs.get("frame_rate")
+    paths = save_outputs(outputs, run.output_dir, params, fps=fps, overwrite=run.overwrite) if main_process else []
+    print(f"load: {load_s:.2f} s | compile: {compile_s:.2f} s | generation (excluding compile): "
+          f"{max(total_s - compile_s, 0.0):.2f} s | total call: {total_s:.2f} s"
+          + ("" if mesh is None else f" | mesh {dict(mesh.shape)}"), file=sys.stderr)
+    for p in paths:
+        print(p)
+    return paths
+
+
+def _parameters(args, pipe, outputs) -> dict:
+    """What went into the outputs, under the flags' names: enough to make them again."""
+    values = {f.name: getattr(args.pipeline, f.name) for f in dataclasses.fields(args.pipeline)}
+    values.pop("progress", None)
+    values = {k: os.fspath(v) if isinstance(v, Path) else v for k, v in values.items()}
+    # The sizes actually used (None in the flags means the model's native size).
+    values["height"], values["width"] = int(outputs.shape[-3]), int(outputs.shape[-2])
+    if outputs.ndim == 5 and "num_frames" in values:
+        values["num_frames"] = int(outputs.shape[1])
+    run = args.run
+    return {**values, "model": run.model, "pipeline": type(pipe).__name__,
+            "scheduler": scheduler_name(getattr(pipe, "scheduler", None)), "weights_dtype": run.weights_dtype,
+            "activations_dtype": run.activations_dtype, "attention": run.attention}
+
+
+def cli() -> None:
+    """The ``eqxdiff-generate`` console command: :func:`main`, with a bad model, flag value or input reported in
+    one line (``error: ...``, exit status 2) instead of a traceback."""
+    try:
+        main()
+    except (ValueError, OSError) as e:  # CheckpointError, ConfigError and MeshError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    cli()
