@@ -290,3 +290,21 @@ def test_broken_json_names_the_file_and_line(tmp_path):
     (folder / "config.json").write_text('{"_class_name": "TinyModel"}')
     with pytest.raises(CheckpointError, match=r"index\.json' is not valid JSON: .* line 1"):
         eqxdiff.load(folder)
+
+
+def test_fused_tensor_built_at_load_time_onto_a_mesh(tmp_path):
+    w = _torch_weights(width=8)
+    top, bottom = w.pop("proj.weight").split(4)
+    conv = w.pop("conv.weight")  # a layout change (HWIO) on top of a lazy concatenation
+    save_file(w | {"proj.top": top, "proj.bottom": bottom, "conv.0": conv[:1], "conv.1": conv[1:]},
+              str(tmp_path / "halves.safetensors"))
+    mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[:8])
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))  # a row per device: one half each
+    rules = [eqxdiff.loading.Concat(("proj.top", "proj.bottom"), "proj.weight"),
+             eqxdiff.loading.Concat(("conv.0", "conv.1"), "conv.weight")]
+    for sharding in (None, lambda leaf, shape: spec if leaf.name == "proj.weight" else None):
+        model = eqxdiff.load(tmp_path / "halves.safetensors", model_class="TinyModel", config={"width": 8},
+                             conversion=rules, sharding=sharding)
+        np.testing.assert_array_equal(model.proj.weight, torch.cat([top, bottom]).numpy())
+        np.testing.assert_array_equal(model.conv.weight, conv.permute(2, 3, 1, 0).numpy())
+    assert model.proj.weight.sharding == spec
