@@ -1,6 +1,6 @@
 """Noise schedulers as pure functions of an explicit state.
 
->>> sched = scheduler_from_config(raw_scheduler_config)            # or name="euler_a", "dpm++2m_karras", ...
+>>> sched = scheduler_from_config(raw_scheduler_config)            # or name="euler_a", "unipc", "flow_euler", ...
 >>> state = sched.init(25, sample_shape=latents.shape)             # strength=0.6 for img2img
 >>> x = noise * sched.init_noise_sigma(state)                      # img2img: sched.add_noise_at_step(state, x0, noise)
 >>> def body(_, carry):
@@ -37,9 +37,20 @@ from .euler import EulerAncestralConfig as EulerAncestralConfig
 from .euler import EulerAncestralDiscreteScheduler as EulerAncestralDiscreteScheduler
 from .euler import EulerConfig as EulerConfig
 from .euler import EulerDiscreteScheduler as EulerDiscreteScheduler
+from .flow_match import FlowMatchEulerConfig as FlowMatchEulerConfig
+from .flow_match import FlowMatchEulerDiscreteScheduler as FlowMatchEulerDiscreteScheduler
+from .lcm import LCMConfig as LCMConfig
+from .lcm import LCMScheduler as LCMScheduler
+from .lcm import LCMState as LCMState
+from .lcm import TCDConfig as TCDConfig
+from .lcm import TCDScheduler as TCDScheduler
+from .lcm import TCDState as TCDState
 from .lms import LMSConfig as LMSConfig
 from .lms import LMSDiscreteScheduler as LMSDiscreteScheduler
 from .lms import LMSState as LMSState
 from .pndm import PNDMConfig as PNDMConfig
 from .pndm import PNDMScheduler as PNDMScheduler
 from .pndm import PNDMState as PNDMState
+from .unipc import UniPCConfig as UniPCConfig
+from .unipc import UniPCMultistepScheduler as UniPCMultistepScheduler
+from .unipc import UniPCState as UniPCState

@@ -93,16 +93,19 @@ def check_descending(name: str, key: str, values: np.ndarray) -> None:
 
 
 def resolve_begin_index(num_inference_steps: int, num_timesteps: int, order: int,
-                        strength: float | None, begin_index: int | None) -> int:
+                        strength: float | None, begin_index: int | None, *, whole_steps: bool = True) -> int:
     """The index into ``timesteps`` where sampling starts.
 
-    ``strength`` follows diffusers' img2img pipelines: ``t_start = N - min(int(N * strength), N)`` and the
+    ``strength`` follows diffusers' img2img pipelines: ``t_start = N - min(int(N * strength), N)`` (Stable
+    Diffusion's, Wan's) or, with ``whole_steps=False``, ``int(N - min(N * strength, N))`` (Flux's, SD3's), and the
     scheduler starts at ``t_start * order``. ``begin_index`` sets the index directly (``set_begin_index``).
     """
     if strength is not None and begin_index is not None:
         raise ValueError("pass strength= or begin_index=, not both")
     if strength is not None:
         check_strength(strength)
+        if not whole_steps:
+            return int(max(num_inference_steps - min(num_inference_steps * strength, num_inference_steps), 0)) * order
         init_timestep = min(int(num_inference_steps * strength), num_inference_steps)
         return max(num_inference_steps - init_timestep, 0) * order
     if begin_index is None:

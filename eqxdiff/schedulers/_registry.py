@@ -11,13 +11,17 @@ from .ddim import DDIMScheduler
 from .ddpm import DDPMScheduler
 from .dpm_solver import DPMSolverMultistepScheduler
 from .euler import EulerAncestralDiscreteScheduler, EulerDiscreteScheduler
+from .flow_match import FlowMatchEulerDiscreteScheduler
+from .lcm import LCMScheduler, TCDScheduler
 from .lms import LMSDiscreteScheduler
 from .pndm import PNDMScheduler
+from .unipc import UniPCMultistepScheduler
 
 SCHEDULER_CLASSES: Mapping[str, type[AbstractScheduler]] = MappingProxyType({
     cls.__name__: cls for cls in (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler,
                                   EulerAncestralDiscreteScheduler, EulerDiscreteScheduler, LMSDiscreteScheduler,
-                                  PNDMScheduler)})
+                                  PNDMScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler,
+                                  LCMScheduler, TCDScheduler)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,10 @@ SCHEDULERS: Mapping[str, SchedulerChoice] = MappingProxyType({
     "dpm++2m_karras": SchedulerChoice(DPMSolverMultistepScheduler,
                                       {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True}),
     "ddpm": SchedulerChoice(DDPMScheduler),
+    "flow_euler": SchedulerChoice(FlowMatchEulerDiscreteScheduler),
+    "unipc": SchedulerChoice(UniPCMultistepScheduler),
+    "lcm": SchedulerChoice(LCMScheduler),
+    "tcd": SchedulerChoice(TCDScheduler),
 })
 
 

@@ -1,0 +1,312 @@
+"""UniPC (Zhao et al. 2023): a multistep predictor (UniP) and corrector (UniC) of orders 1-3, matching
+``diffusers.UniPCMultistepScheduler``, on beta schedules (epsilon / v / sample prediction) and on flow sigmas
+(``use_flow_sigmas`` with ``flow_shift`` or dynamic ``mu``, ``prediction_type="flow_prediction"``: Wan's config).
+
+Each step first corrects the sample the previous step predicted, using the model output at it (unless that step
+is in ``disable_corrector``), then predicts the next sample from the last ``order`` data (or noise) predictions.
+The order is warmed up from 1 and, with ``lower_order_final``, lowered over the last steps. Both updates are a
+``lax.switch`` over the order, so the whole loop stays one jitted ``fori_loop``.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._typing import Array, Bool, Float, Int, typechecked
+from ._base import (
+    BOOLS,
+    AbstractSigmaState,
+    check_num_steps,
+    custom_schedule,
+    resolve_begin_index,
+)
+from ._beta import (
+    PREDICTION_TYPES,
+    AbstractBetaScheduler,
+    BetaScheduleConfig,
+    check_train_indices,
+    sigma_to_t,
+    threshold_sample,
+    train_sigmas,
+)
+from ._sigmas import SHIFT_TYPES, respace, static_shift, stretch_to_terminal, time_shift
+
+SPACINGS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
+# diffusers maps DPM-Solver's solver types to bh2 (a DPM-Solver config swapped to UniPC carries "midpoint").
+DPM_SOLVER_TYPES = ("midpoint", "heun", "logrho")
+
+
+@dataclasses.dataclass(frozen=True)
+class UniPCConfig(BetaScheduleConfig):
+    SUPPORTED_VALUES: ClassVar[Mapping[str, tuple]] = {
+        **BetaScheduleConfig.SUPPORTED_VALUES, "prediction_type": (*PREDICTION_TYPES, "flow_prediction"),
+        "solver_order": (1, 2, 3), "solver_type": ("bh1", "bh2", *DPM_SOLVER_TYPES), "thresholding": BOOLS,
+        "predict_x0": BOOLS, "lower_order_final": BOOLS, "solver_p": (None,), "use_karras_sigmas": BOOLS,
+        "use_exponential_sigmas": BOOLS, "use_beta_sigmas": BOOLS, "use_flow_sigmas": BOOLS,
+        "final_sigmas_type": ("zero", "sigma_min"), "rescale_betas_zero_snr": BOOLS, "use_dynamic_shifting": BOOLS,
+        "time_shift_type": SHIFT_TYPES}
+
+    solver_order: int = 2
+    thresholding: bool = False
+    dynamic_thresholding_ratio: float = 0.995
+    sample_max_value: float = 1.0
+    predict_x0: bool = True
+    solver_type: str = "bh2"
+    lower_order_final: bool = True
+    disable_corrector: tuple[int, ...] = ()
+    solver_p: None = None
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    use_flow_sigmas: bool = False
+    flow_shift: float = 1.0
+    timestep_spacing: str = "linspace"
+    final_sigmas_type: str = "zero"
+    rescale_betas_zero_snr: bool = False
+    use_dynamic_shifting: bool = False
+    time_shift_type: str = "exponential"
+    sigma_min: float | None = None
+    sigma_max: float | None = None
+    shift_terminal: float | None = None
+
+    def __post_init__(self):
+        if self.solver_type in DPM_SOLVER_TYPES:
+            object.__setattr__(self, "solver_type", "bh2")
+        super().__post_init__()
+        spacing = [k for k in SPACINGS if getattr(self, k)]
+        self.check(len(spacing) <= 1, spacing[0] if spacing else "use_karras_sigmas",
+                   f"cannot be combined with {'=True, '.join(spacing[1:])}=True (pick one spacing)")
+        if self.shift_terminal is not None:
+            self.check(self.use_flow_sigmas, "shift_terminal", "needs use_flow_sigmas=True")
+        if self.prediction_type == "flow_prediction":
+            self.check(self.predict_x0, "prediction_type", "needs predict_x0=True")
+
+
+class UniPCState(AbstractSigmaState):
+    """``model_outputs``: the last ``solver_order`` converted model outputs, oldest first; ``last_sample``: the
+    sample the last predictor started from (the corrector's base); ``this_order``: that predictor's order;
+    ``lower_order_nums``: steps taken since ``begin_index`` (capped at ``solver_order``); ``corrector[i]``: whether
+    step ``i`` may correct the previous prediction (not for ``i - 1`` in ``disable_corrector``)."""
+
+    timesteps: Int[Array, " steps"]
+    sigmas: Float[Array, " steps_plus_one"]
+    corrector: Bool[Array, " steps"]
+    model_outputs: Float[Array, "order *dims"]
+    last_sample: Float[Array, "*dims"]
+    this_order: Int[Array, ""]
+    lower_order_nums: Int[Array, ""]
+    step_index: Int[Array, ""]
+    begin_index: int = eqx.field(static=True)
+
+
+class UniPCMultistepScheduler(AbstractBetaScheduler):
+    CONFIG: ClassVar[type[UniPCConfig]] = UniPCConfig
+    config: UniPCConfig = eqx.field(static=True, default=UniPCConfig())
+    TERMINAL_FLOOR: ClassVar[bool] = True
+    SCHEDULE_KEYWORDS: ClassVar[tuple[str, ...]] = ("sigmas", "mu")
+
+    # -- host: the schedule ----------------------------------------------------------------------------------
+
+    def _spaced_timesteps(self, n: int) -> np.ndarray:
+        cfg, big_n = self.config, self.config.num_train_timesteps
+        if cfg.timestep_spacing == "linspace":
+            return np.linspace(0, big_n - 1, n + 1).round()[::-1][:-1].astype(np.int64)
+        if cfg.timestep_spacing == "leading":
+            ratio = big_n // (n + 1)
+            return (np.arange(0, n + 1) * ratio).round()[::-1][:-1].astype(np.int64) + cfg.steps_offset
+        return np.arange(big_n, 0, -big_n / n).round().astype(np.int64) - 1
+
+    def _flow_sigmas(self, n: int, sigmas, mu) -> np.ndarray:
+        cfg = self.config
+        if sigmas is None:
+            sigmas = np.linspace(1, 1 / cfg.num_train_timesteps, n + 1)[:-1]
+        if cfg.use_dynamic_shifting:
+            sigmas = time_shift(cfg.time_shift_type, mu, sigmas)
+        else:
+            sigmas = static_shift(sigmas, cfg.flow_shift)
+        if cfg.shift_terminal:
+            sigmas = stretch_to_terminal(sigmas, cfg.shift_terminal)
+        sigmas = np.array(sigmas)
+        if np.fabs(sigmas[0] - 1) < 1e-6:  # keep log(sigma) and log(1 - sigma) finite at the first step
+            sigmas[0] -= 1e-6
+        return sigmas
+
+    def _init(self, num_inference_steps: int | None, *, sample_shape, strength, begin_index, sigmas=None,
+              mu=None) -> UniPCState:
+        cfg, name = self.config, "UniPCMultistepScheduler"
+        if sample_shape is None:
+            raise ValueError(f"{name}.init needs sample_shape= (the latents' shape) for its history buffers")
+        if cfg.use_dynamic_shifting and mu is None:
+            raise ValueError(f"{name}.init needs mu= with use_dynamic_shifting=True")
+        if sigmas is not None:
+            if not cfg.use_flow_sigmas:
+                raise ValueError(f"{name}.init: sigmas= needs use_flow_sigmas=True (as diffusers)")
+            sigmas = custom_schedule(name, "sigmas", sigmas, np.float64)
+            num_inference_steps = len(sigmas)
+        elif num_inference_steps is None:
+            raise ValueError(f"{name}.init needs num_inference_steps (or sigmas= with use_flow_sigmas=True)")
+        check_num_steps(cfg, num_inference_steps)
+        n, big_n = num_inference_steps, cfg.num_train_timesteps
+        timesteps = self._spaced_timesteps(n)
+        acp = self.alphas_cumprod
+        spacing = [kind for key, kind in zip(SPACINGS, ("karras", "exponential", "beta")) if getattr(cfg, key)]
+        if spacing:
+            if sigmas is None:
+                sigmas = train_sigmas(acp)
+            log_sigmas = np.log(sigmas)
+            sigmas = respace(spacing[0], np.flip(sigmas), n, cfg.sigma_min, cfg.sigma_max)
+            if spacing[0] == "karras" and cfg.use_flow_sigmas:
+                sigmas = sigmas / (sigmas + 1)
+                timesteps = sigmas * big_n
+            else:
+                timesteps = sigma_to_t(sigmas, log_sigmas)
+                if spacing[0] == "karras":
+                    timesteps = timesteps.round()
+            last = sigmas[-1]
+        elif cfg.use_flow_sigmas:
+            sigmas = self._flow_sigmas(n, sigmas, mu)
+            timesteps = sigmas * big_n
+            last = sigmas[-1]
+        else:
+            train = train_sigmas(acp)
+            sigmas = np.interp(timesteps, np.arange(0, len(train)), train)
+            last = train[0]
+        last = last if cfg.final_sigmas_type == "sigma_min" else 0
+        sigmas = np.concatenate([sigmas, [last]]).astype(np.float32)
+        timesteps = np.asarray(timesteps).astype(np.int64)  # torch's .to(int64) truncates
+        if not cfg.use_flow_sigmas:
+            check_train_indices("timesteps", timesteps, cfg)
+        steps = np.arange(len(timesteps))
+        corrector = (steps > 0) & ~np.isin(steps - 1, np.asarray(cfg.disable_corrector, np.int64))
+        begin = resolve_begin_index(n, len(timesteps), self.order, strength, begin_index)
+        zeros = jnp.zeros(tuple(sample_shape), jnp.float32)
+        return UniPCState(timesteps=jnp.asarray(timesteps, jnp.int32), sigmas=jnp.asarray(sigmas),
+                          corrector=jnp.asarray(corrector), model_outputs=jnp.zeros((cfg.solver_order, *sample_shape)),
+                          last_sample=zeros, this_order=jnp.zeros((), jnp.int32),
+                          lower_order_nums=jnp.zeros((), jnp.int32), step_index=jnp.asarray(begin, jnp.int32),
+                          begin_index=begin)
+
+    # -- device: the step ------------------------------------------------------------------------------------
+
+    def _alpha_sigma(self, sigma):
+        if self.config.use_flow_sigmas:
+            return 1 - sigma, sigma
+        alpha = 1 / jnp.sqrt(sigma * sigma + 1)
+        return alpha, sigma * alpha
+
+    def _lambda(self, sigma):
+        alpha, sigma_t = self._alpha_sigma(sigma)
+        return jnp.log(alpha) - jnp.log(sigma_t)
+
+    def _convert(self, state: UniPCState, out, x):
+        """The data prediction (``predict_x0``) or noise prediction the solver works on."""
+        cfg = self.config
+        sigma = state.sigmas[state.step_index]
+        alpha_t, sigma_t = self._alpha_sigma(sigma)
+        kind = cfg.prediction_type
+        if cfg.predict_x0:
+            if kind == "epsilon":
+                x0 = (x - sigma_t * out) / alpha_t
+            elif kind == "sample":
+                x0 = out
+            elif kind == "v_prediction":
+                x0 = alpha_t * x - sigma_t * out
+            else:  # flow_prediction: the raw sigma, whatever the sigma parameterisation
+                x0 = x - sigma * out
+            if cfg.thresholding:
+                x0 = threshold_sample(x0, cfg.dynamic_thresholding_ratio, cfg.sample_max_value)
+            return x0
+        if kind == "epsilon":
+            return out
+        if kind == "sample":
+            return (x - alpha_t * out) / sigma_t
+        return alpha_t * out + sigma_t * x
+
+    def _coefficients(self, rks, h, order: int, corrector: bool):
+        """``(h_phi_1, B_h, rhos)``: UniPC's B(h) weights for ``order`` from the ratios ``rks`` (last one 1)."""
+        hh = -h if self.config.predict_x0 else h
+        h_phi_1 = jnp.expm1(hh)
+        h_phi_k = h_phi_1 / hh - 1
+        b_h = hh if self.config.solver_type == "bh1" else jnp.expm1(hh)
+        factorial, rows, b = 1, [], []
+        for i in range(1, order + 1):
+            rows.append(rks ** (i - 1))
+            b.append(h_phi_k * factorial / b_h)
+            factorial *= i + 1
+            h_phi_k = h_phi_k / hh - 1 / factorial
+        r, b = jnp.stack(rows), jnp.stack(b)
+        if corrector:
+            rhos = jnp.full((1,), 0.5) if order == 1 else jnp.linalg.solve(r, b)
+        elif order == 1:
+            rhos = jnp.zeros((0,))
+        else:
+            rhos = jnp.full((1,), 0.5) if order == 2 else jnp.linalg.solve(r[:-1, :-1], b[:-1])
+        return h_phi_1, b_h, rhos
+
+    def _update(self, state: UniPCState, m, x, s0: Array, t: Array, order: int, corrector_output=None):
+        """UniP (``corrector_output=None``: from ``sigmas[s0]`` to ``sigmas[t]``, history ``m`` newest last) or UniC
+        (the correction of the step that went from ``s0`` to ``t`` given the model output there)."""
+        sigma_t, sigma_s0 = state.sigmas[t], state.sigmas[s0]
+        alpha_t, sig_t = self._alpha_sigma(sigma_t)
+        alpha_s0, sig_s0 = self._alpha_sigma(sigma_s0)
+        lambda_s0 = self._lambda(sigma_s0)
+        h = self._lambda(sigma_t) - lambda_s0
+        m0 = m[-1]
+        rks, d1s = [], []
+        for i in range(1, order):
+            rk = (self._lambda(state.sigmas[s0 - i]) - lambda_s0) / h
+            rks.append(rk)
+            d1s.append((m[-(i + 1)] - m0) / rk)
+        rks = jnp.stack([*rks, jnp.ones((), jnp.float32)])
+        h_phi_1, b_h, rhos = self._coefficients(rks, h, order, corrector_output is not None)
+        if self.config.predict_x0:
+            scale, base = alpha_t, sig_t / sig_s0 * x - alpha_t * h_phi_1 * m0
+        else:
+            scale, base = sig_t, alpha_t / alpha_s0 * x - sig_t * h_phi_1 * m0
+        res = None
+        for k, d1 in enumerate(d1s):
+            res = rhos[k] * d1 if res is None else res + rhos[k] * d1
+        if corrector_output is not None:
+            d1_t = rhos[-1] * (corrector_output - m0)
+            return base - scale * b_h * (d1_t if res is None else res + d1_t)
+        # An order-1 prediction has no residual; diffusers multiplies a zero by B(h), which is -inf at a final
+        # sigma of 0 under bh1 (its result is then NaN).
+        return base if res is None else base - scale * b_h * res
+
+    def update(self, state: UniPCState, out, x, *, key=None, noise=None):
+        cfg = self.config
+        i = state.step_index
+        converted = self._convert(state, out, x)
+        orders = range(1, cfg.solver_order + 1)
+
+        def corrected(x):
+            branches = [lambda m, xl, xt, p=p: self._update(state, m, xl, i - 1, i, p, corrector_output=converted)
+                        for p in orders]
+            return lax.switch(jnp.clip(state.this_order - 1, 0, cfg.solver_order - 1), branches,
+                              state.model_outputs, state.last_sample, x)
+
+        use_corrector = state.corrector[i] & (i > state.begin_index)
+        x = lax.cond(use_corrector, corrected, lambda x: x, x)
+        m = jnp.concatenate([state.model_outputs[1:], converted[None]])
+        this_order = cfg.solver_order
+        if cfg.lower_order_final:
+            this_order = jnp.minimum(this_order, state.timesteps.shape[0] - i)
+        this_order = jnp.minimum(this_order, state.lower_order_nums + 1)
+        branches = [lambda m, x, p=p: self._update(state, m, x, i, i + 1, p) for p in orders]
+        prev = lax.switch(this_order - 1, branches, m, x)
+        new = dataclasses.replace(state, model_outputs=m, last_sample=x, this_order=this_order,
+                                  lower_order_nums=jnp.minimum(state.lower_order_nums + 1, cfg.solver_order))
+        return prev, new
+
+    @typechecked
+    def add_noise_at_step(self, state: UniPCState, original: Float[Array, "*dims"],
+                          noise: Float[Array, "*dims"]) -> Float[Array, "*dims"]:
+        """``alpha_t * original + sigma_t * noise`` at ``sigmas[step]`` (diffusers after ``set_begin_index``); on
+        flow sigmas ``(1 - sigma) * original + sigma * noise``."""
+        alpha_t, sigma_t = self._alpha_sigma(state.sigmas[state.step_index])
+        return (alpha_t * original + sigma_t * noise).astype(original.dtype)
