@@ -352,13 +352,18 @@ def sources(tmp_path_factory):
         pngs.append(((folder / f"{name}.png").read_bytes(), f"a {name} square"))
     write_tfrecord(root / "a.tfrecord", pngs[:5], image_key="png", caption_key="prompt")
     write_tfrecord(root / "b.tfrecord", pngs[5:], image_key="png", caption_key="prompt")
-    datasets = pytest.importorskip("datasets")
-    ds = datasets.Dataset.from_dict({"img": [str(folder / f"{c}.png") for c in COLORS],
-                                     "caption": [f"a {c} square" for c in COLORS]})
-    ds.cast_column("img", datasets.Image()).to_parquet(str(root / "data.parquet"))
+    try:  # only the Hugging Face runs need `datasets` (the "data" extra); the other sources run without it
+        import datasets
+    except ImportError:
+        parquet = None
+    else:
+        parquet = root / "data.parquet"
+        ds = datasets.Dataset.from_dict({"img": [str(folder / f"{c}.png") for c in COLORS],
+                                         "caption": [f"a {c} square" for c in COLORS]})
+        ds.cast_column("img", datasets.Image()).to_parquet(str(parquet))
     model, _, _ = build_model(RUN)
     save_pretrained(model.vae, root / "autoencoder")
-    return {"folder": folder, "parquet": root / "data.parquet", "tfrecord": (str(root / "a.tfrecord"),
+    return {"folder": folder, "parquet": parquet, "tfrecord": (str(root / "a.tfrecord"),
             str(root / "b.tfrecord")), "autoencoder": root / "autoencoder"}
 
 
@@ -396,6 +401,8 @@ def test_run_from_each_source(sources, tmp_path, source):
     trains on it end to end on the mesh."""
     from eqxdiff.train import load_data
 
+    if source == "hf" and sources["parquet"] is None:
+        pytest.skip("Hugging Face datasets is not installed (pip install -e '.[data]')")
     changes = {"folder": dict(data=str(sources["folder"])),
                "hf": dict(hf_dataset=str(sources["parquet"]), image_column="img", caption_column="caption"),
                "tfrecord": dict(tfrecord=sources["tfrecord"], image_key="png", caption_key="prompt")}[source]
@@ -421,6 +428,54 @@ def test_run_synthetic_resumes_exactly(sources, tmp_path):
     assert first[2] + second[2] == straight[2]
     for a, b in zip(jax.tree.leaves(second[0].params), jax.tree.leaves(straight[0].params)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_sigint_saves_a_checkpoint_and_the_run_resumes_exactly(sources, tmp_path, monkeypatch):
+    """A real SIGINT during step 1 of 2 (sent from the metrics logger) stops the run at the step boundary with a
+    saved checkpoint (no checkpoint_every needed) and TrainingInterrupted; the same command resumes and ends where an
+    uninterrupted run ends, loss for loss and weight for weight."""
+    import os
+    import signal
+
+    from eqxdiff.train import TrainingInterrupted
+    from eqxdiff.train._metrics import MetricsLogger
+
+    one = dict(data="synthetic", mesh=None, steps=2)
+    straight = _run(sources, tmp_path / "a", **one)
+    log = MetricsLogger.log
+
+    def log_then_interrupt(self, step, row):
+        log(self, step, row)
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(MetricsLogger, "log", log_then_interrupt)
+    with pytest.raises(TrainingInterrupted, match="interrupted at step 1; checkpoint saved in") as stopped:
+        _run(sources, tmp_path / "b", **one)
+    assert stopped.value.step == 1 and (tmp_path / "b" / "checkpoints" / "1").is_dir()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler was put back
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    resumed = _run(sources, tmp_path / "b", **one)
+    assert resumed[2] == straight[2][1:]
+    for a, b in zip(jax.tree.leaves(resumed[0].params), jax.tree.leaves(straight[0].params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_resume_with_another_architecture_refuses_before_restoring(sources, tmp_path):
+    """A checkpoint of one architecture is not restored into another: the error lists the arrays and the settings
+    that differ, and the run's saved config.json stays as it was."""
+    from eqxdiff.train import CheckpointMismatchError
+
+    one = dict(data="synthetic", mesh=None, steps=1, checkpoint_every=1)
+    _run(sources, tmp_path, **one)
+    saved = (tmp_path / "config.json").read_text()
+    wider = dataclasses.replace(TINY, unet_channels=(16,))
+    with pytest.raises(CheckpointMismatchError, match=r"(?s)checkpoint 1 in .* was written by a different model .*"
+                       r"nothing was restored.\nSettings that differ from that run's config.json: "
+                       r"architecture\.unet_channels: \[8\] -> \[16\]\nArrays that differ:.*"
+                       r"conv_in\.bias: \[8\] float32 in the checkpoint, \[16\] float32 in this run"):
+        _run(sources, tmp_path, architecture=wider, **dict(one, steps=2))
+    assert (tmp_path / "config.json").read_text() == saved
 
 
 def test_run_resumes_on_the_mesh(sources, tmp_path):

@@ -9,12 +9,14 @@ from ._autoencoder import fit_scaling_factor as fit_scaling_factor
 from ._autoencoder import train_autoencoder as train_autoencoder
 from ._autoencoder import vae_loss as vae_loss
 from ._checkpoint import Checkpointer as Checkpointer
+from ._checkpoint import CheckpointMismatchError as CheckpointMismatchError
 from ._data import DataError as DataError
 from ._data import cache_arrays as cache_arrays
 from ._data import check_batch as check_batch
 from ._digits import DigitsArchitecture as DigitsArchitecture
 from ._digits import build_digits_model as build_digits_model
 from ._init import host_init as host_init
+from ._interrupt import TrainingInterrupted as TrainingInterrupted
 from ._loop import data_parallel_mesh as data_parallel_mesh
 from ._loop import fit as fit
 from ._loop import shard_batch as shard_batch

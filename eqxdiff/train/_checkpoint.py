@@ -1,14 +1,30 @@
 """Train-state checkpoints with orbax: saved asynchronously every N steps, the last K kept, resumed exactly.
 
 A checkpoint holds every array of the :class:`TrainState` (trainable params, optimizer state, EMA, step, PRNG key)
-as a flat list in the state's own leaf order, plus the data iterator's state as JSON. The frozen half of the model
-is not saved: it is rebuilt the same way (or, from scratch, reloaded from the autoencoder stage's folder).
+as a flat list in the state's own leaf order, the state's layout (each array's path, shape and dtype) and the data
+iterator's state as JSON. The frozen half of the model is not saved: it is rebuilt the same way (or, from scratch,
+reloaded from the autoencoder stage's folder). A state whose layout differs from the checkpoint's is refused before
+anything is restored, with the list of what differs.
 """
 
 from pathlib import Path
 
 import jax
 import numpy as np
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint was written by a run whose model or optimizer differs from this one's."""
+
+
+def mismatch_message(where: str, differences: list[str], settings: str = "") -> str:
+    """The message of a refused resume: what differs (settings first, if known, then arrays) and what to do."""
+    lines = [f"{where} was written by a different model or optimizer configuration; nothing was restored."]
+    if settings:
+        lines.append(f"Settings that differ from that run's config.json: {settings}")
+    lines += ["Arrays that differ:", *(f"  {d}" for d in differences)]
+    lines.append("Resume with that run's settings, use another output_dir, or pass resume=False to start over.")
+    return "\n".join(lines)
 
 
 def _is_key(x) -> bool:
@@ -20,15 +36,35 @@ def _to_saveable(state) -> dict:
     return {f"{i:05d}": jax.random.key_data(x) if _is_key(x) else x for i, x in enumerate(leaves)}
 
 
+def layout(state) -> list[list]:
+    """``[path, shape, dtype]`` of every array of ``state``, in leaf order (what a checkpoint must match)."""
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        like = jax.random.key_data(x) if _is_key(x) else x
+        out.append([jax.tree_util.keystr(path), list(np.shape(like)), str(np.dtype(like.dtype))])
+    return out
+
+
+def layout_differences(saved: list, current: list, limit: int = 12) -> list[str]:
+    """Readable lines saying how two :func:`layout` s differ (arrays only in one, or of another shape/dtype)."""
+    old, new = {p: (s, d) for p, s, d in saved}, {p: (s, d) for p, s, d in current}
+    lines = [f"{p}: in the checkpoint only ({old[p][0]} {old[p][1]})" for p in old if p not in new]
+    lines += [f"{p}: in this run only ({new[p][0]} {new[p][1]})" for p in new if p not in old]
+    lines += [f"{p}: {old[p][0]} {old[p][1]} in the checkpoint, {new[p][0]} {new[p][1]} in this run"
+              for p in old if p in new and old[p] != new[p]]
+    return lines[:limit] + ([f"... and {len(lines) - limit} more"] if len(lines) > limit else [])
+
+
 class Checkpointer:
     """``orbax.checkpoint.CheckpointManager`` around a train state and a data iterator with
-    ``get_state``/``set_state``. ``every``: save when ``step % every == 0``; ``keep``: how many to keep."""
+    ``get_state``/``set_state``. ``every``: save when ``step % every == 0`` (0: only when :meth:`save` is called,
+    e.g. on Ctrl-C); ``keep``: how many to keep."""
 
     def __init__(self, directory, *, every: int, keep: int = 3, async_save: bool = True):
         import orbax.checkpoint as ocp
 
-        if every < 1 or keep < 1:
-            raise ValueError(f"checkpoint every={every} and keep={keep} must be >= 1")
+        if every < 0 or keep < 1:
+            raise ValueError(f"checkpoint every={every} must be >= 0 and keep={keep} >= 1")
         self.directory = Path(directory).absolute()
         self.every = every
         self._ocp = ocp
@@ -37,7 +73,7 @@ class Checkpointer:
                                                                  enable_async_checkpointing=async_save))
 
     def due(self, step: int) -> bool:
-        return step % self.every == 0
+        return self.every > 0 and step % self.every == 0
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -50,7 +86,22 @@ class Checkpointer:
         ocp = self._ocp
         data = data_iterator.get_state() if data_iterator is not None else {}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_to_saveable(state)),
-                                                        data=ocp.args.JsonSave(data)))
+                                                        data=ocp.args.JsonSave(data),
+                                                        layout=ocp.args.JsonSave(layout(state))))
+
+    def check_layout(self, state, step: int | None = None) -> None:
+        """Raise :class:`CheckpointMismatchError` listing the differences if checkpoint ``step`` (default: the
+        latest) holds a state laid out unlike ``state``. Checkpoints written before layouts were saved pass."""
+        ocp = self._ocp
+        step = self.latest_step() if step is None else step
+        if step is None or not (self.directory / str(step) / "layout").exists():
+            return
+        saved = self.manager.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
+        lines = layout_differences(saved, layout(state))
+        if lines:
+            error = CheckpointMismatchError(mismatch_message(f"checkpoint {step} in {self.directory}", lines))
+            error.where, error.differences = f"checkpoint {step} in {self.directory}", lines
+            raise error
 
     def restore(self, state, data_iterator=None, *, step: int | None = None):
         """``state``'s structure filled from checkpoint ``step`` (default: the latest); sets the iterator's
@@ -61,6 +112,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        self.check_layout(state, step)
         leaves, treedef = jax.tree.flatten(state)
         target = {}
         for i, x in enumerate(leaves):
@@ -70,13 +122,13 @@ class Checkpointer:
                                                                  data=ocp.args.JsonRestore()))
         saved = out["state"]
         if len(saved) != len(leaves):
-            raise ValueError(f"checkpoint {step} in {self.directory} has {len(saved)} arrays; this run's state has "
+            raise CheckpointMismatchError(f"checkpoint {step} in {self.directory} has {len(saved)} arrays; this run's state has "
                              f"{len(leaves)}: it was written by a different model or optimizer configuration")
         restored = []
         for i, x in enumerate(leaves):
             value = saved[f"{i:05d}"]
             if tuple(np.shape(value)) != tuple(np.shape(jax.random.key_data(x) if _is_key(x) else x)):
-                raise ValueError(f"checkpoint {step}: array {i} has shape {np.shape(value)}, the state expects "
+                raise CheckpointMismatchError(f"checkpoint {step}: array {i} has shape {np.shape(value)}, the state expects "
                                  f"{np.shape(x)}: a different model configuration")
             if not getattr(x, "committed", True):  # keep the signature the jitted step was compiled for
                 value = jax.device_put(np.asarray(value))

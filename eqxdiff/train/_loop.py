@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..parallel import DEFAULT_RULES, AxisRules, MeshConfig, batch_shards, make_mesh, param_shardings, shard_params
 from ._data import DataError, check_batch
+from ._interrupt import TrainingInterrupted, stop_on_signals
 from ._metrics import MetricsLogger, step_flops
 from ._step import TrainState, train_step
 
@@ -74,6 +75,9 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
     :class:`eqxdiff.train.Checkpointer`) saves every ``checkpointer.every`` steps along with ``batches``'s
     position; ``profile_steps`` writes a JAX profiler trace of those steps to ``profile_dir``; ``sample_fn(state)``
     returns uint8 images logged every ``sample_every`` steps.
+
+    Ctrl-C (SIGINT) or SIGTERM stop the loop at the next step boundary: the state is saved with ``checkpointer``
+    (if given) and :class:`eqxdiff.train.TrainingInterrupted` raised; a second Ctrl-C aborts at once.
     """
     start = int(state.step)
     if start >= steps:
@@ -89,45 +93,60 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
         flops = step_flops(step_fn)
     else:  # the jit cache: runs sharing the same shapes and settings compile once
         step_fn, flops = train_step, None
-    devices = 1 if mesh is None else mesh.size
     losses, pending, tracing = [], [], False
     t_last, n_last = time.perf_counter(), start
-    for step in range(start, steps):
-        if step in profile_steps and profile_dir is not None and not tracing:
-            jax.profiler.start_trace(str(profile_dir))
-            tracing = True
-        state, metrics = step_fn(state, frozen, batch, **kwargs)
-        pending.append(metrics)
-        done = step + 1
-        if tracing and done not in profile_steps:
-            jax.block_until_ready(metrics)
-            jax.profiler.stop_trace()
-            tracing = False
-        if done % log_every == 0 or done == steps or (checkpointer is not None and checkpointer.due(done)):
-            fetched = jax.device_get(pending)
-            losses.extend(float(m["loss"]) for m in fetched)
-            pending = []
-            now = time.perf_counter()
-            dt = (now - t_last) / max(done - n_last, 1)
-            row = {**fetched[-1], "step_time": dt,
-                   "samples_per_second": len(first[next(iter(first))]) / dt,
-                   "tflops_per_device": None if flops is None else flops / dt / 1e12}
-            if not np.isfinite(row["loss"]):
-                raise FloatingPointError(f"loss became {row['loss']} at step {done}; lower the learning rate")
-            if logger is not None:
-                logger.log(done, row)
-            t_last, n_last = now, done
-        if checkpointer is not None and checkpointer.due(done):
-            checkpointer.save(done, state, batches)
-        if sample_fn is not None and sample_every and done % sample_every == 0 and logger is not None:
-            logger.images(done, "samples", sample_fn(state))
-            t_last = time.perf_counter()
-        if on_step is not None:
-            on_step(done, state)
-        if done < steps:
-            batch = shard_batch(next(batches), mesh, rules)
+    with stop_on_signals() as stop:  # Ctrl-C / SIGTERM: stop at the next step boundary
+        for step in range(start, steps):
+            if step in profile_steps and profile_dir is not None and not tracing:
+                jax.profiler.start_trace(str(profile_dir))
+                tracing = True
+            state, metrics = step_fn(state, frozen, batch, **kwargs)
+            pending.append(metrics)
+            done = step + 1
+            if tracing and done not in profile_steps:
+                jax.block_until_ready(metrics)
+                jax.profiler.stop_trace()
+                tracing = False
+            if done % log_every == 0 or done == steps or (checkpointer is not None and checkpointer.due(done)):
+                fetched = _flush(pending, losses)
+                pending = []
+                now = time.perf_counter()
+                dt = (now - t_last) / max(done - n_last, 1)
+                row = {**fetched[-1], "step_time": dt,
+                       "samples_per_second": len(first[next(iter(first))]) / dt,
+                       "tflops_per_device": None if flops is None else flops / dt / 1e12}
+                if not np.isfinite(row["loss"]):
+                    raise FloatingPointError(f"loss became {row['loss']} at step {done}; lower the learning rate")
+                if logger is not None:
+                    logger.log(done, row)
+                t_last, n_last = now, done
+            if checkpointer is not None and checkpointer.due(done):
+                checkpointer.save(done, state, batches)
+            if sample_fn is not None and sample_every and done % sample_every == 0 and logger is not None:
+                logger.images(done, "samples", sample_fn(state))
+                t_last = time.perf_counter()
+            if on_step is not None:
+                on_step(done, state)
+            if stop.requested is not None and done < steps:
+                _flush(pending, losses)
+                if tracing:
+                    jax.profiler.stop_trace()
+                if checkpointer is not None:
+                    if checkpointer.latest_step() != done:
+                        checkpointer.save(done, state, batches)
+                    checkpointer.wait()
+                raise TrainingInterrupted(done, None if checkpointer is None else checkpointer.directory)
+            if done < steps:
+                batch = shard_batch(next(batches), mesh, rules)
     if tracing:
         jax.profiler.stop_trace()
     if checkpointer is not None:
         checkpointer.wait()
     return state, losses
+
+
+def _flush(pending: list, losses: list) -> list:
+    """The pending metrics fetched to the host, their losses appended to ``losses``."""
+    fetched = jax.device_get(pending)
+    losses.extend(float(m["loss"]) for m in fetched)
+    return fetched

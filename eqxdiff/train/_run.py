@@ -13,10 +13,19 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from ..data import ArrayBatches
-from ..parallel import MeshConfig, Plan, Remat
+from ..data import (ArrayBatches, HFDatasetSource, ImageFolderSource, SyntheticSource, TFRecordSource,
+                    character_tokenizer, make_dataset)
+from ..data.digits import DigitsSource
+from ..loading import load, save_pretrained
+from ..parallel import MeshConfig, Plan, Remat, batch_shards, make_mesh, shard_params, with_plan
+from ..pipelines import StableDiffusionPipeline, load_pipeline, save_pipeline
+from ..schedulers import DDPMScheduler, scheduler_from_config
+from ._autoencoder import fit_scaling_factor, train_autoencoder
+from ._checkpoint import Checkpointer, CheckpointMismatchError, mismatch_message
 from ._data import DataError, cache_arrays, check_batch
 from ._digits import SD_NOISE_SCHEDULE, DigitsArchitecture, build_digits_model
+from ._loop import fit, shard_state
+from ._metrics import MetricsLogger
 from ._objectives import Objective
 from ._step import LatentDiffusion, OptimizerConfig, init_state, make_optimizer, trainable_filter
 
@@ -166,7 +175,6 @@ def load_data(config: TrainConfig, tokenizer):
     files when built, so bad data fails here, before any model is built or compiled."""
     source = config.source
     if source == "digits":
-        from ..data.digits import DigitsSource
 
         arrays = DigitsSource(config.resolution, tokenizer=tokenizer).arrays
         check_batch(arrays, where="dataset 'digits'")
@@ -174,7 +182,6 @@ def load_data(config: TrainConfig, tokenizer):
             raise DataError(f"dataset 'digits' has {len(arrays['pixel_values'])} samples, fewer than "
                             f"batch_size={config.batch_size}")
         return "arrays", arrays
-    from ..data import HFDatasetSource, ImageFolderSource, SyntheticSource, TFRecordSource, make_dataset
 
     columns = {k: v for k, v in (("image_column", config.image_column), ("caption_column", config.caption_column))
                if v is not None}
@@ -204,10 +211,8 @@ def load_data(config: TrainConfig, tokenizer):
 def build_model(config: TrainConfig):
     """``(model, tokenizer, noise_scheduler)``; from scratch, the VAE is trained first (autoencoder stage) and
     saved to ``output_dir/autoencoder`` so a resumed run reuses it."""
-    from ..schedulers import DDPMScheduler
 
     if config.model is not None:
-        from ..pipelines import load_pipeline
 
         pipe = load_pipeline(config.model)
         model = LatentDiffusion(pipe.unet, pipe.text_encoder, pipe.vae, jnp.asarray(
@@ -215,7 +220,6 @@ def build_model(config: TrainConfig):
                            return_tensors="np").input_ids[0], jnp.int32))
         raw = pipe.scheduler.config.to_dict()
         return model, pipe.tokenizer, DDPMScheduler.from_config(raw)
-    from ..data import character_tokenizer
 
     tokenizer = character_tokenizer(max_length=32)
     model = build_digits_model(config.architecture, tokenizer, seed=config.seed)
@@ -226,8 +230,6 @@ def build_model(config: TrainConfig):
 def autoencoder_stage(config: TrainConfig, model: LatentDiffusion, kind: str, data) -> LatentDiffusion:
     import equinox as eqx
 
-    from ..loading import load, save_pretrained
-    from ._autoencoder import fit_scaling_factor, train_autoencoder
 
     folder = Path(config.output_dir) / "autoencoder"
     if (folder / "config.json").is_file():
@@ -255,8 +257,6 @@ def autoencoder_stage(config: TrainConfig, model: LatentDiffusion, kind: str, da
 def export_pipeline(model: LatentDiffusion, tokenizer, noise_scheduler, folder, *, scheduler: str = "dpm++2m",
                     dtype=None):
     """Save ``model`` as a diffusers ``StableDiffusionPipeline`` folder sampling with ``scheduler``."""
-    from ..pipelines import StableDiffusionPipeline, save_pipeline
-    from ..schedulers import scheduler_from_config
 
     sched = scheduler_from_config(noise_scheduler.config.to_dict(), name=scheduler)
     pipe = StableDiffusionPipeline(tokenizer=tokenizer, text_encoder=model.text_encoder, unet=model.unet,
@@ -267,14 +267,11 @@ def export_pipeline(model: LatentDiffusion, tokenizer, noise_scheduler, folder, 
 
 def run(config: TrainConfig):
     """Train as ``config`` says; returns ``(state, frozen, losses)``."""
-    from ..parallel import batch_shards, make_mesh, shard_params, with_plan
-    from ._loop import fit, shard_state
-    from ._metrics import MetricsLogger
 
     t_start = time.perf_counter()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str))
+    settings = json.loads(json.dumps(dataclasses.asdict(config), default=str))
     mesh = None if config.mesh is None else make_mesh(config.mesh)
     if config.batch_size % batch_shards(mesh):
         raise DataError(f"batch_size={config.batch_size} must be a multiple of {batch_shards(mesh)}: the mesh "
@@ -301,14 +298,17 @@ def run(config: TrainConfig):
                                ema=config.ema_decay is not None)
     if mesh is not None:  # on their final shardings before a checkpoint is restored onto them
         state, frozen, _ = shard_state(state, frozen, mesh)
-    checkpointer = None
-    if config.checkpoint_every:
-        from ._checkpoint import Checkpointer
-
-        checkpointer = Checkpointer(out / "checkpoints", every=config.checkpoint_every, keep=config.keep_checkpoints)
-        if config.resume and checkpointer.latest_step() is not None:
-            state = checkpointer.restore(state, batches)
-            _log(f"resumed from step {int(state.step)}")
+    # Checkpoints every checkpoint_every steps, and on Ctrl-C / SIGTERM whatever it is.
+    checkpointer = Checkpointer(out / "checkpoints", every=config.checkpoint_every, keep=config.keep_checkpoints)
+    if config.resume and checkpointer.latest_step() is not None:
+        try:
+            checkpointer.check_layout(state)
+        except CheckpointMismatchError as e:
+            changed = _changed_settings(out / "config.json", settings)
+            raise CheckpointMismatchError(mismatch_message(e.where, e.differences, changed)) from None
+        state = checkpointer.restore(state, batches)
+        _log(f"resumed from step {int(state.step)}")
+    (out / "config.json").write_text(json.dumps(settings, indent=2))  # only once the run is known to fit
     logger = MetricsLogger(out, total_steps=config.steps, start_step=int(state.step), progress=config.progress)
     sample_fn = None
     if config.sample_prompts:
@@ -326,8 +326,7 @@ def run(config: TrainConfig):
             logger.images(int(state.step), "samples", sample_fn(state))
     finally:
         logger.close()
-        if checkpointer is not None:
-            checkpointer.close()
+        checkpointer.close()
     _log(f"trained to step {int(state.step)} in {time.perf_counter() - t_start:.0f} s (wall, from the start)")
     trained = state.model(jax.device_get(frozen), use_ema=True)
     trained = jax.device_get(trained)
@@ -339,8 +338,6 @@ def run(config: TrainConfig):
 
 
 def _sampler(config: TrainConfig, tokenizer, noise_scheduler, frozen):
-    from ..pipelines import StableDiffusionPipeline
-    from ..schedulers import scheduler_from_config
 
     sched = scheduler_from_config(noise_scheduler.config.to_dict(), name=config.export_scheduler)
 
@@ -352,3 +349,30 @@ def _sampler(config: TrainConfig, tokenizer, noise_scheduler, frozen):
                     guidance_scale=config.sample_guidance_scale, seed=0, progress=False)
 
     return sample
+
+
+_PER_RUN = {"steps", "output_dir", "log_every", "checkpoint_every", "keep_checkpoints", "resume", "profile_steps",
+            "sample_every", "sample_prompts", "sample_steps", "sample_guidance_scale", "progress", "export_dir",
+            "export_dtype", "export_scheduler"}
+
+
+def _changed_settings(path: Path, settings: dict) -> str:
+    """``key: saved -> now`` for the settings (dotted for nested ones) that differ from a saved config.json,
+    leaving out those that may change between resumed runs (steps, logging, export ...)."""
+    if not path.is_file():
+        return ""
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return ""
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            elif prefix or k not in _PER_RUN:
+                yield f"{prefix}{k}", v
+
+    old, new = dict(flat(saved)), dict(flat(settings))
+    return "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
+                     if old.get(k) != new.get(k))
