@@ -134,8 +134,8 @@ class ControlNetOutput(NamedTuple):
 
 def _zero_conv(cin: int, cout: int, kernel: int, *, dtype) -> Conv2d:
     """A convolution with zero weights and bias (diffusers' ``zero_module``): a new ControlNet starts as a no-op."""
-    conv = Conv2d(cin, cout, kernel, padding=kernel // 2, dtype=dtype, key=jax.random.key(0))
-    return eqx.tree_at(lambda c: (c.weight, c.bias), conv, (jnp.zeros_like(conv.weight), jnp.zeros_like(conv.bias)))
+    shapes = eqx.filter_eval_shape(Conv2d, cin, cout, kernel, padding=kernel // 2, dtype=dtype, key=jax.random.key(0))
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 class ControlNetConditioningEmbedding(eqx.Module):
@@ -212,12 +212,19 @@ class ControlNetModel(PretrainedModel):
             unet.config, conditioning_embedding_out_channels=tuple(conditioning_embedding_out_channels),
             controlnet_conditioning_channel_order=controlnet_conditioning_channel_order,
             conditioning_channels=conditioning_channels)
-        dtype = unet.conv_in.weight.dtype
-        model = cls(config, dtype=dtype, key=jax.random.key(0) if key is None else key)
-        if load_weights_from_unet:
-            shared = lambda m: (m.conv_in, m.time_embedding, m.add_embedding, m.down_blocks, m.mid_block)
-            model = eqx.tree_at(shared, model, shared(unet), is_leaf=lambda x: x is None)
-        return model
+        dtype, key = unet.conv_in.weight.dtype, jax.random.key(0) if key is None else key
+        if not load_weights_from_unet:
+            return cls(config, dtype=dtype, key=key)
+        # Built abstractly; only the control image's embedding is new (the residual convolutions are zeros).
+        model = eqx.filter_eval_shape(cls, config, dtype=dtype, key=key)
+        fresh = lambda m: (m.controlnet_cond_embedding, m.controlnet_down_blocks, m.controlnet_mid_block)
+        embedding = ControlNetConditioningEmbedding(
+            config.block_out_channels[0], conditioning_channels=conditioning_channels,
+            block_out_channels=config.conditioning_embedding_out_channels, dtype=dtype, key=key)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), fresh(model)[1:])
+        shared = lambda m: (m.conv_in, m.time_embedding, m.add_embedding, m.down_blocks, m.mid_block)
+        model = eqx.tree_at(shared, model, shared(unet), is_leaf=lambda x: x is None)
+        return eqx.tree_at(fresh, model, (embedding, *zeros))
 
     @typechecked
     def __call__(

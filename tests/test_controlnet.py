@@ -1,0 +1,208 @@
+"""ControlNetModel: the parity base (:mod:`tests._parity`) at diffusers' tiny SD and SDXL ControlNet configs and a
+variant (bgr, pooled conditions, UNetMidBlock2D, a 1-channel control image downsampled 4x), each against full-size
+layouts; from_unet; config and input errors; then the pipelines (SD, SD img2img, SDXL) against diffusers'."""
+
+import diffusers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import eqxdiff
+from eqxdiff.core import ConfigError, Plan, Remat, checkpoint_names, with_plan
+from eqxdiff.loading import state_dict
+from eqxdiff.models.controlnet import ControlNetConfig, ControlNetModel
+
+from . import _tiny_controlnet as tiny
+from ._parity import ModelParity
+from ._util import nhwc_to_nchw
+
+# -- full-size configs of real checkpoints (config.json values) -------------------------------------------------
+SD15_CANNY = dict(attention_head_dim=8, block_out_channels=[320, 640, 1280, 1280], cross_attention_dim=768,
+                  down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"], layers_per_block=2,
+                  conditioning_embedding_out_channels=[16, 32, 96, 256])  # lllyasviel/sd-controlnet-canny
+SD21_CANNY = dict(SD15_CANNY, attention_head_dim=[5, 10, 20, 20], cross_attention_dim=1024,
+                  use_linear_projection=True, upcast_attention=True)  # thibaud/controlnet-sd21-canny-diffusers
+SDXL_CANNY = dict(addition_embed_type="text_time", addition_time_embed_dim=256, attention_head_dim=[5, 10, 20],
+                  block_out_channels=[320, 640, 1280], cross_attention_dim=2048,
+                  down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+                  projection_class_embeddings_input_dim=2816, transformer_layers_per_block=[1, 2, 10],
+                  use_linear_projection=True, global_pool_conditions=False)  # diffusers/controlnet-canny-sdxl-1.0
+SD15_SHUFFLE = dict(SD15_CANNY, global_pool_conditions=True, controlnet_conditioning_channel_order="bgr")
+
+SCALE = 0.7
+
+
+def _torch(x):
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+class ControlNetParity(ModelParity):
+    model_class = ControlNetModel
+    reference_class = diffusers.ControlNetModel
+
+    def inputs(self, reference):
+        rng = np.random.default_rng(1)
+        c, b, size = reference.config, 2, 16
+        f = 2 ** (len(c.conditioning_embedding_out_channels) - 1)
+        out = dict(sample=rng.standard_normal((b, size, size, c.in_channels), np.float32),
+                   timestep=np.array([3, 817], np.int32),
+                   encoder_hidden_states=rng.standard_normal((b, 7, c.cross_attention_dim), np.float32),
+                   controlnet_cond=rng.random((b, size * f, size * f, c.conditioning_channels), np.float32))
+        if c.addition_embed_type == "text_time":
+            text = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
+            out["text_embeds"] = rng.standard_normal((b, text), np.float32)
+            out["time_ids"] = np.array([[32, 32, 0, 0, 32, 32], [24, 20, 2, 1, 16, 16]], np.float32)
+        return out
+
+    def reference_outputs(self, reference, inputs):
+        kw = dict(sample=nhwc_to_nchw(inputs["sample"]), timestep=_torch(inputs["timestep"]),
+                  encoder_hidden_states=_torch(inputs["encoder_hidden_states"]),
+                  controlnet_cond=nhwc_to_nchw(inputs["controlnet_cond"]), conditioning_scale=SCALE,
+                  return_dict=False)
+        if "text_embeds" in inputs:
+            kw["added_cond_kwargs"] = dict(text_embeds=_torch(inputs["text_embeds"]),
+                                           time_ids=_torch(inputs["time_ids"]))
+        out = {}
+        for guess in (False, True):
+            down, mid = reference(**kw, guess_mode=guess)
+            prefix = "guess_" if guess else ""
+            out.update({f"{prefix}down_{i}": r.permute(0, 2, 3, 1).numpy() for i, r in enumerate(down)})
+            out[f"{prefix}mid"] = mid.permute(0, 2, 3, 1).numpy()
+        return out
+
+    @staticmethod
+    def outputs(model, inputs):
+        x = dict(inputs)
+        args = [x.pop(k) for k in ("sample", "timestep", "encoder_hidden_states", "controlnet_cond")]
+        out = {}
+        for guess in (False, True):
+            down, mid = model(*args, conditioning_scale=SCALE, guess_mode=guess, **x)
+            prefix = "guess_" if guess else ""
+            out.update({f"{prefix}down_{i}": r for i, r in enumerate(down)})
+            out[f"{prefix}mid"] = mid
+        return out
+
+
+class TestControlNetSD(ControlNetParity):
+    config = tiny.SD_CONTROLNET
+    full_size = {"sd15-canny": SD15_CANNY, "sd21-canny": SD21_CANNY, "sd15-shuffle": SD15_SHUFFLE}
+
+
+class TestControlNetSDXL(ControlNetParity):
+    config = tiny.SDXL_CONTROLNET
+    full_size = {"sdxl-canny": SDXL_CANNY}
+
+
+class ControlNetVariant(ControlNetParity):
+    """bgr, spatially pooled residuals (guess mode then scales nothing), the mid block without attention, per-block
+    heads, a 1-channel control image embedded by three widths (4x downsampling), padding-0 downsampling. Not
+    collected: :func:`test_variant_matches_diffusers` checks its forward only."""
+
+    config = dict(block_out_channels=(8, 16), layers_per_block=1, in_channels=4, norm_num_groups=4,
+                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), attention_head_dim=(2, 4),
+                  cross_attention_dim=24, conditioning_embedding_out_channels=(8, 16, 16), conditioning_channels=1,
+                  controlnet_conditioning_channel_order="bgr", global_pool_conditions=True,
+                  mid_block_type="UNetMidBlock2D", downsample_padding=0, flip_sin_to_cos=False, freq_shift=1)
+
+
+# -- what the parity base does not check -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sd_case(tmp_path_factory):
+    return TestControlNetSD.build(tmp_path_factory)
+
+
+def test_variant_matches_diffusers(tmp_path_factory):
+    case = ControlNetVariant.build(tmp_path_factory)
+    ControlNetVariant.test_forward_parity(ControlNetVariant(), case)
+    assert case.model.config.controlnet_conditioning_channel_order == "bgr"
+    assert case.model.mid_block.attentions is None and len(case.model.mid_block.resnets) == 1
+    assert all(case.actual[k].shape[1:3] == (1, 1) for k in case.actual)  # pooled
+    assert len([k for k in case.actual if k.startswith("down_")]) == case.model.config.num_residuals == 4
+    x = case.inputs  # the control image's one channel, and "bgr" reverses channels: a no-op to check by flipping
+    flipped = ControlNetParity.run(case.model, dict(x, controlnet_cond=x["controlnet_cond"][:, ::-1]))
+    assert np.max(np.abs(flipped["mid"] - case.actual["mid"])) > 1e-3 * np.max(np.abs(case.actual["mid"]))
+
+
+def test_every_input_steers_the_residuals(sd_case):
+    """The control image and guess mode each change the output (the parity could not see them otherwise); guess
+    mode scales the first residual by 0.1 and the mid one by 1."""
+    out, x = sd_case.actual, sd_case.inputs
+    assert not np.allclose(out["guess_down_0"], out["down_0"])
+    np.testing.assert_allclose(out["guess_down_0"], 0.1 * out["down_0"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(out["guess_mid"], out["mid"], rtol=1e-5, atol=1e-7)
+    flipped = ControlNetParity.run(sd_case.model, dict(x, controlnet_cond=x["controlnet_cond"][:, ::-1]))
+    assert np.max(np.abs(flipped["down_0"] - out["down_0"])) > 1e-3 * np.max(np.abs(out["down_0"]))
+
+
+def test_from_unet_is_diffusers_from_unet(tmp_path):
+    """Config, names and shapes as diffusers' from_unet; the encoder is the UNet's, the control convs start at zero."""
+    torch.manual_seed(0)
+    unet_ref = diffusers.UNet2DConditionModel(**tiny.SDXL_UNET)
+    tiny.randomize_torch(unet_ref, seed=4)
+    unet_ref.save_pretrained(tmp_path)
+    ref = diffusers.ControlNetModel.from_unet(unet_ref, conditioning_embedding_out_channels=(16, 32))
+    unet = eqxdiff.load(tmp_path)
+    ours = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32), key=jax.random.key(2))
+    assert ours.config == ControlNetConfig.from_dict(dict(ref.config))
+    tensors, expected = state_dict(ours), ref.state_dict()
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {k: tuple(v.shape) for k, v in expected.items()}
+    for name, value in expected.items():
+        if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding.conv_out")):
+            assert not np.any(tensors[name]) and not value.any(), name
+        elif not name.startswith("controlnet_cond_embedding"):  # the UNet's weights, as diffusers copies them
+            np.testing.assert_array_equal(tensors[name], value.numpy(), err_msg=name)
+    config = unet.config
+    with pytest.raises(ConfigError, match="time_cond_proj_dim=8"):
+        ControlNetConfig.from_unet_config(type(config)(**{**config.__dict__, "time_cond_proj_dim": 8}))
+
+
+def test_checkpoint_names_and_remat(sd_case):
+    model = sd_case.model
+    assert checkpoint_names(model) == ("resnet", "transformer")
+    remat = with_plan(model, Plan(remat=Remat.FULL))
+    assert remat.plan is not None and remat.down_blocks[1].attentions[0].plan is not None
+
+    def loss(m, x):
+        down, mid = m(x["sample"], x["timestep"], x["encoder_hidden_states"], x["controlnet_cond"])
+        return jnp.sum(mid ** 2) + sum(jnp.sum(r ** 2) for r in down)
+
+    assert "remat" in str(jax.make_jaxpr(loss)(remat, sd_case.inputs))
+    assert "remat" not in str(jax.make_jaxpr(loss)(model, sd_case.inputs))
+
+
+# -- errors ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key,value,match", [
+    ("controlnet_conditioning_channel_order", "rbg", "controlnet_conditioning_channel_order='rbg'"),
+    ("mid_block_type", None, "mid_block_type=None"),
+    ("layers_per_block", [1, 2], r"layers_per_block=\(1, 2\) must be one number"),
+    ("cross_attention_dim", [32, 32], r"cross_attention_dim=\(32, 32\) must be one number"),
+    ("time_cond_proj_dim", 4, "time_cond_proj_dim=4 is not a ControlNet setting"),
+    ("class_embed_type", "timestep", "class_embed_type='timestep'"),
+    ("conditioning_embedding_out_channels", [], "must list at least one width"),
+])
+def test_bad_configs_raise(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        ControlNetConfig.from_dict({**tiny.SD_CONTROLNET, key: value})
+
+
+def test_config_json_is_diffusers_controlnet_only(sd_case):
+    written = sd_case.model.checkpoint_config()
+    assert written["_class_name"] == "ControlNetModel"
+    assert "up_block_types" not in written and "out_channels" not in written
+    assert set(written) - {"_class_name"} <= set(dict(sd_case.reference.config))
+
+
+def test_bad_inputs_are_rejected_readably(sd_case):
+    model = sd_case.model
+    x = {k: jnp.asarray(v) for k, v in sd_case.inputs.items()}
+    args = (x["sample"], 1, x["encoder_hidden_states"])
+    with pytest.raises(ValueError, match=r"controlnet_cond must be \[2, 32, 32, 3\].*got shape \(2, 16, 16, 3\)"):
+        model(*args, x["controlnet_cond"][:, ::2, ::2])
+    with pytest.raises(ValueError, match="channels-last"):
+        model(jnp.moveaxis(x["sample"], -1, 1), 1, x["encoder_hidden_states"], x["controlnet_cond"])
+    with pytest.raises(ValueError, match="only used with addition_embed_type='text_time'"):
+        model(*args, x["controlnet_cond"], text_embeds=jnp.zeros((2, 4)), time_ids=jnp.zeros((2, 6)))
