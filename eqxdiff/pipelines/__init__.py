@@ -12,8 +12,10 @@ from ._base import load_tokenizer as load_tokenizer
 from ._base import save_pipeline as save_pipeline
 from ._denoise import Denoiser as Denoiser
 from ._denoise import Guidance as Guidance
+from ._denoise import Schedule as Schedule
 from ._denoise import combine_guidance as combine_guidance
 from ._denoise import denoise_loop as denoise_loop
+from ._denoise import plan_schedule as plan_schedule
 from ._denoise import rescale_noise_cfg as rescale_noise_cfg
 from ._images import save_images as save_images
 from ._media import read_image as read_image
@@ -22,4 +24,10 @@ from ._media import read_video as read_video
 from ._media import save_outputs as save_outputs
 from ._media import save_videos as save_videos
 from ._media import write_video as write_video
+from ._unet import UNetDenoiser as UNetDenoiser
+from ._unet import UNetPipeline as UNetPipeline
+from .stable_diffusion import StableDiffusionInpaintPipeline as StableDiffusionInpaintPipeline
 from .stable_diffusion import StableDiffusionPipeline as StableDiffusionPipeline
+from .stable_diffusion_xl import StableDiffusionXLImg2ImgPipeline as StableDiffusionXLImg2ImgPipeline
+from .stable_diffusion_xl import StableDiffusionXLInpaintPipeline as StableDiffusionXLInpaintPipeline
+from .stable_diffusion_xl import StableDiffusionXLPipeline as StableDiffusionXLPipeline

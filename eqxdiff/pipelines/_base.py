@@ -75,14 +75,22 @@ class DiffusionPipeline:
     COMPONENTS: ClassVar[tuple[Component, ...]]
     # model_index.json entries diffusers expects that eqxdiff does not use (written on save, ignored on load).
     INDEX_EXTRAS: ClassVar[Mapping[str, Any]] = {}
+    # The pipeline's own settings in model_index.json (diffusers' register_to_config), with their defaults: read on
+    # load, written on save, attributes of the pipeline (SDXL's force_zeros_for_empty_prompt ...).
+    OPTIONS: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(self, *, attention: str | None = None, activations_dtype=jnp.float32, mesh=None, rules=None,
-                 offload_encoders: bool = False, **components):
+                 offload_encoders: bool = False, **components_and_options):
         name = type(self).__name__
         known = {c.name: c for c in self.COMPONENTS}
+        options = {k: components_and_options.pop(k) for k in list(components_and_options) if k in self.OPTIONS}
+        components = components_and_options
         unknown = sorted(set(components) - set(known))
         if unknown:
-            raise TypeError(f"{name}: unknown component(s) {unknown}; its components are {list(known)}")
+            raise TypeError(f"{name}: unknown component(s) or option(s) {unknown}; its components are "
+                            f"{list(known)}, its options {list(self.OPTIONS)}")
+        for key, default in self.OPTIONS.items():
+            setattr(self, key, _option(name, key, options.get(key, default), default))
         missing = [c.name for c in self.COMPONENTS if not c.optional and components.get(c.name) is None]
         if missing:
             raise TypeError(f"{name}: missing component(s) {missing}")
@@ -116,6 +124,21 @@ class DiffusionPipeline:
 
     def save_pretrained(self, folder, *, dtype=None) -> Path:
         return save_pipeline(self, folder, dtype=dtype)
+
+    @classmethod
+    def from_pipe(cls, pipe: "DiffusionPipeline", **overrides):
+        """This pipeline class sharing ``pipe``'s components (no copy, no reload): e.g. an SDXL refiner built from
+        the base's ``text_encoder_2`` and ``vae``. ``overrides`` replace components or options; components
+        ``pipe`` lacks are ``None`` (they must be optional here or given)."""
+        shared = {c.name: getattr(pipe, c.name, None) for c in cls.COMPONENTS}
+        options = {k: getattr(pipe, k) for k in cls.OPTIONS if hasattr(pipe, k)}
+        new = cls(activations_dtype=pipe.activations_dtype, mesh=pipe.mesh, rules=pipe.rules,
+                  offload_encoders=pipe.offload_encoders, **{**shared, **options, **overrides})
+        return new
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.OPTIONS}
 
     @property
     def components(self) -> dict[str, Any]:
@@ -162,6 +185,67 @@ class DiffusionPipeline:
             self.timings[stage] = time.perf_counter() - t0
 
 
+# -- argument handling every family's __call__ shares ----------------------------------------------------------
+
+OUTPUT_TYPES = ("uint8", "latent")
+
+
+def prompt_list(prompt, name: str = "prompt") -> list[str]:
+    """``prompt`` (one string or a sequence of them) as a list."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, (list, tuple)) and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    raise TypeError(f"{name} must be a string or a list of strings, got {type(prompt).__name__}")
+
+
+def as_list(value, n: int, name: str) -> list:
+    """``value`` (one string, or one per prompt) as ``n`` entries."""
+    values = [value] * n if isinstance(value, str) else list(value)
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries but prompt has {n}")
+    return values
+
+
+def resolve_key(seed: int | None, key) -> jax.Array:
+    """The PRNG key of a call: ``key`` if given, else one from ``seed`` (default 0)."""
+    if key is not None and seed is not None:
+        raise ValueError("pass seed= or key=, not both")
+    return jax.random.key(0 if seed is None else seed) if key is None else key
+
+
+def check_size(height: int, width: int, factor: int, why: str) -> None:
+    """Both sizes multiples of ``factor`` (``why``: what downsamples by it)."""
+    for name, v in (("height", height), ("width", width)):
+        if v <= 0 or v % factor:
+            raise ValueError(f"{name}={v} must be a multiple of {factor} ({why}); "
+                             f"try {name}={max(factor, int(v) // factor * factor)}")
+
+
+def given_array(value, shape: tuple[int, ...], name: str, layout: str):
+    """A user's array as float32 of exactly ``shape`` (``layout`` names its axes in the error)."""
+    arr = jnp.asarray(value, dtype=jnp.float32)
+    if arr.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} = {layout}, got {arr.shape}")
+    return arr
+
+
+def check_output_type(output_type: str) -> None:
+    if output_type not in OUTPUT_TYPES:
+        raise ValueError(f"output_type={output_type!r}; choose one of {OUTPUT_TYPES} (uint8 images, or the final "
+                         "latents channels-last, e.g. for a refiner)")
+
+
+def _option(pipeline: str, key: str, value, default):
+    """``value`` checked against the type of the option's default (an int is accepted for a float)."""
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not type(default):
+        raise TypeError(f"{pipeline}: option {key}={value!r} must be a {type(default).__name__} (like its default "
+                        f"{default!r})")
+    return value
+
+
 def _index_entry(index: Mapping, name: str):
     entry = index.get(name)
     return None if not entry or entry[0] is None else entry
@@ -192,7 +276,11 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
         raise CheckpointError(f"unknown pipeline class {name!r} in model_index.json; eqxdiff serves "
                               f"{family_names('pipeline')}")
     if pipeline_class is not None and not issubclass(cls, pipeline_class):
-        raise CheckpointError(f"{os.fspath(folder)!r} holds a {name}, not a {pipeline_class.__name__}")
+        # Another task of the same family (an SDXL base folder loaded for image-to-image ...): the same components.
+        if _component_names(cls) != _component_names(pipeline_class):
+            raise CheckpointError(f"{os.fspath(folder)!r} holds a {name}, whose components "
+                                  f"{sorted(_component_names(cls))} a {pipeline_class.__name__} cannot use")
+        cls = pipeline_class
     missing = [c.name for c in cls.COMPONENTS if not c.optional and _index_entry(index, c.name) is None]
     if missing:
         raise CheckpointError(f"model_index.json in {os.fspath(folder)!r} lacks component(s) {missing} that a "
@@ -212,8 +300,13 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
         else:
             raw = read_config(folder / c.name, "scheduler_config.json")
             components[c.name] = scheduler_from_config(raw, name=scheduler)
+    options = {k: index[k] for k in cls.OPTIONS if k in index}
     return cls(attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
-               offload_encoders=offload_encoders, **components)
+               offload_encoders=offload_encoders, **components, **options)
+
+
+def _component_names(cls) -> set[str]:
+    return {c.name for c in cls.COMPONENTS}
 
 
 def save_pipeline(pipe: DiffusionPipeline, folder, *, dtype=None) -> Path:
@@ -221,7 +314,8 @@ def save_pipeline(pipe: DiffusionPipeline, folder, *, dtype=None) -> Path:
     :func:`load_pipeline` and diffusers' own pipeline class both load."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    index: dict[str, Any] = {"_class_name": pipe.CLASS_NAME, "_diffusers_version": "0.30.0", **pipe.INDEX_EXTRAS}
+    index: dict[str, Any] = {"_class_name": pipe.CLASS_NAME, "_diffusers_version": "0.30.0", **pipe.INDEX_EXTRAS,
+                             **pipe.options}
     for c in pipe.COMPONENTS:
         value = getattr(pipe, c.name)
         if value is None:

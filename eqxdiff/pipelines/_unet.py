@@ -1,0 +1,284 @@
+"""What the UNet latent-diffusion pipelines share (Stable Diffusion 1.x/2.x and SDXL): the UNet in the loop, VAE
+latents in and out, and one generation path for text-to-image, image-to-image (or a hand-off's second half) and
+inpainting.
+
+A family (``stable_diffusion.py``, ``stable_diffusion_xl.py``) encodes its prompts into the UNet's conditioning
+arrays and calls :meth:`UNetPipeline.generate`; everything after the text encoders is here. The steps are plain
+functions too (``encode_image_latents``, ``decode_latents``, ``prepare_latents``, ``guidance_embedding``).
+"""
+
+import dataclasses
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._typing import Array, Float, PRNGKeyArray
+from ._base import DiffusionPipeline, check_output_type, check_size, given_array
+from ._denoise import Denoiser, Guidance, denoise_loop, plan_schedule
+from ._images import to_model_range, to_uint8
+from ._inpaint import (
+    IMAGE_LATENTS,
+    INPAINT_KEYS,
+    MASK,
+    MASKED_IMAGE_LATENTS,
+    NOISE,
+    blend_known_region,
+    latent_mask,
+    masked_pixels,
+    prepare_mask,
+    with_mask_channels,
+)
+from ._progress import progress_bar
+
+LATENTS_LAYOUT = "[n, height/f, width/f, channels] (channels-last; f = the VAE's downsampling)"
+
+
+class UNetDenoiser(Denoiser):
+    """A ``UNet2DConditionModel`` in the loop. ``cond`` holds ``encoder_hidden_states`` and the other keyword
+    arrays the UNet takes (SDXL's ``text_embeds`` / ``time_ids``, ``timestep_cond``, ControlNet residuals), plus
+    inpainting's arrays (:mod:`eqxdiff.pipelines._inpaint`): the mask channels of a 9-channel UNet's input, or the
+    known region blended back after each step for an ordinary UNet."""
+
+    unet: Any
+
+    def __call__(self, x, t, cond, *, step):
+        extra = {k: v for k, v in cond.items() if k != "encoder_hidden_states" and k not in INPAINT_KEYS}
+        x = with_mask_channels(x, cond)
+        return self.unet(x, jnp.broadcast_to(t, (x.shape[0],)), cond["encoder_hidden_states"], **extra)
+
+    def after_step(self, x, t, cond, *, step, scheduler, state, last):
+        return blend_known_region(x, cond, scheduler=scheduler, state=state, last=last)
+
+
+def denoise(unet, scheduler, state, latents: Float[Array, "batch height width channels"],
+            embeds: Float[Array, "embed_batch seq embed"], key: PRNGKeyArray, *, guidance: Guidance,
+            unet_kwargs: dict | None = None, progress: bool = False):
+    """Run the scheduler's remaining steps from ``state`` with ``unet`` (one ``lax.fori_loop``).
+
+    With guidance, ``embeds`` is ``[negative; positive]`` (twice the latents' batch) and the UNet runs once
+    per step on both halves, as diffusers does.
+    """
+    cond = {"encoder_hidden_states": embeds, **(unet_kwargs or {})}
+    return denoise_loop(UNetDenoiser(unet), scheduler, state, latents, cond, key, guidance=guidance,
+                        progress=progress)
+
+
+def prepare_latents(key: PRNGKeyArray, shape: tuple[int, ...], scheduler, state, dtype=jnp.float32):
+    """Initial noise ``[n, h/8, w/8, c]`` scaled by the scheduler's ``init_noise_sigma``."""
+    return (jax.random.normal(key, shape, dtype) * scheduler.init_noise_sigma(state)).astype(dtype)
+
+
+@eqx.filter_jit
+def encode_image_latents(vae, image: Float[Array, "batch height width 3"],
+                         posterior_noise: Float[Array, "batch h w latent"]):
+    """VAE latents of ``[-1, 1]`` images, sampled with the given standard-normal noise, then scaled."""
+    dist = vae.encode(image)
+    return vae.scale_latents(dist.mean + dist.std * posterior_noise)
+
+
+@eqx.filter_jit
+def decode_latents(vae, latents: Float[Array, "batch h w latent"]) -> Float[Array, "batch height width 3"]:
+    """Scaled latents back to ``[-1, 1]`` images."""
+    return vae.decode(vae.unscale_latents(latents).astype(jnp.float32))
+
+
+def guidance_embedding(guidance_scale: float, dim: int, batch: int) -> Float[Array, "batch dim"]:
+    """The guidance-scale embedding of guidance-distilled UNets (``time_cond_proj_dim``, LCM): sinusoids of
+    ``(guidance_scale - 1) * 1000``, sines then cosines, as diffusers' ``get_guidance_scale_embedding``."""
+    half = dim // 2
+    w = jnp.full((batch, 1), (guidance_scale - 1.0) * 1000.0, jnp.float32)
+    freqs = jnp.exp(jnp.arange(half, dtype=jnp.float32) * -(jnp.log(jnp.float32(10000.0)) / (half - 1)))
+    emb = jnp.concatenate([jnp.sin(w * freqs), jnp.cos(w * freqs)], axis=1)
+    return jnp.pad(emb, ((0, 0), (0, dim % 2)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageInput:
+    """A call's ``image``: ``[-1, 1]`` pixels, or latents handed over (a base pipeline's ``output_type="latent"``),
+    already broadcast to the batch; ``height``/``width`` in pixels."""
+
+    pixels: Any
+    latents: Any
+    height: int
+    width: int
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseDraws:
+    """The Gaussian draws of one call, all from its key: the initial ``noise``, the VAE posterior samples of the
+    ``image`` and of the ``masked_image`` (inpainting), and the key of the loop's own draws."""
+
+    noise: Any
+    image: Any
+    masked_image: Any
+    loop_key: Any
+
+
+def noise_draws(key: PRNGKeyArray, shape: tuple[int, ...]) -> NoiseDraws:
+    """What :meth:`UNetPipeline.generate` draws from ``key`` for latents of ``shape`` (to reproduce a call)."""
+    noise_key, image_key, loop_key = jax.random.split(key, 3)
+    masked_key = jax.random.fold_in(image_key, 1)
+    return NoiseDraws(*(jax.random.normal(k, shape) for k in (noise_key, image_key, masked_key)), loop_key)
+
+
+class UNetPipeline(DiffusionPipeline):
+    """Base of the UNet pipelines: ``unet``, ``vae`` and ``scheduler`` components, and :meth:`generate`.
+
+    ``DEFAULT_STRENGTH`` is the family's default ``strength`` for image-to-image and for inpainting."""
+
+    DEFAULT_STRENGTH: ClassVar[tuple[float, float]] = (0.8, 1.0)
+    # What a call must be given (diffusers' task classes: image-to-image needs image, inpainting image and mask).
+    REQUIRED_INPUTS: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def latent_channels(self) -> int:
+        return self.vae.config.latent_channels
+
+    def default_size(self) -> tuple[int, int]:
+        """``(height, width)`` the UNet was trained at: its ``sample_size`` times the VAE's factor."""
+        size = self.unet.config.sample_size or 64
+        h, w = (size, size) if isinstance(size, int) else size
+        return h * self.vae_scale_factor, w * self.vae_scale_factor
+
+    def guidance(self, guidance_scale: float, guidance_rescale: float = 0.0) -> Guidance:
+        """Classifier-free guidance for this UNet: off for guidance-distilled UNets (``time_cond_proj_dim``),
+        which take the scale as an embedding instead, as in diffusers."""
+        scale = 1.0 if self.unet.config.time_cond_proj_dim is not None else float(guidance_scale)
+        return Guidance(scale, float(guidance_rescale))
+
+    def image_input(self, image, batch: int, height: int | None = None, width: int | None = None) -> ImageInput:
+        """``image`` (uint8 ``[n, H, W, 3]``, PIL image(s), floats in ``[0, 1]``, or latents ``[n, h, w, c]``
+        channels-last) for ``batch`` outputs; ``height``/``width``, if given, must be the image's size."""
+        f, c = self.vae_scale_factor, self.latent_channels
+        arr = image if isinstance(image, jax.Array) else None
+        if arr is None and isinstance(image, np.ndarray) and np.issubdtype(image.dtype, np.floating):
+            arr = image
+        if arr is not None and arr.ndim == 4 and arr.shape[-1] == c and c != 3:
+            latents, pixels = jnp.asarray(arr, jnp.float32), None
+            size = (latents.shape[1] * f, latents.shape[2] * f)
+            what = "latents"
+        else:
+            pixels, latents = to_model_range(image), None
+            size = pixels.shape[1:3]
+            what = "images"
+            check_size(int(size[0]), int(size[1]), f, f"the VAE downsamples by {f}")
+        given = pixels if pixels is not None else latents
+        if given.shape[0] not in (1, batch):
+            raise ValueError(f"got {given.shape[0]} {what} for {batch} outputs; pass one image or one per output")
+        given = jnp.broadcast_to(given, (batch, *given.shape[1:]))
+        for name, want, have in (("height", height, size[0]), ("width", width, size[1])):
+            if want is not None and want != have:
+                raise ValueError(f"{name}={want} but the image's {name} is {have}; resize the image (eqxdiff does not "
+                                 f"resize) or leave {name} unset")
+        return ImageInput(given if pixels is not None else None, given if latents is not None else None,
+                          int(size[0]), int(size[1]))
+
+    def output_size(self, height, width, image: ImageInput | None) -> tuple[int, int]:
+        """The call's ``(height, width)`` in pixels: the image's, else the arguments', else :meth:`default_size`."""
+        if image is not None:
+            return image.height, image.width
+        default = self.default_size()
+        height, width = height or default[0], width or default[1]
+        f = self.vae_scale_factor
+        check_size(height, width, f, f"the VAE downsamples by {f}")
+        return height, width
+
+    def check_inputs(self, **given) -> None:
+        """The class's :attr:`REQUIRED_INPUTS` are among ``given`` (name -> value or ``None``)."""
+        missing = [k for k in self.REQUIRED_INPUTS if given.get(k) is None]
+        if missing:
+            raise ValueError(f"{type(self).__name__} needs {' and '.join(k + '=' for k in missing)} (image: the "
+                             "picture, or latents handed over; mask_image: white = repaint)")
+
+    def generate(self, cond: dict, *, guidance: Guidance, guidance_scale: float, batch: int, height: int,
+                 width: int, num_inference_steps: int | None, key: PRNGKeyArray, latents=None,
+                 image: ImageInput | None = None, mask_image=None, strength: float | None = None,
+                 denoising_start: float | None = None, denoising_end: float | None = None, eta: float = 0.0,
+                 schedule: dict | None = None, output_type: str = "uint8", progress: bool = True):
+        """Everything after the text encoders: initial latents, the denoising loop, decoding.
+
+        ``cond``: the UNet's conditioning arrays (``[negative; positive]`` along the batch with ``guidance``).
+        Without ``image``: text-to-image from ``latents`` (the initial noise, :data:`LATENTS_LAYOUT`) or noise from
+        ``key``. With ``image``: image-to-image by ``strength``, or from ``denoising_start`` on (latents handed
+        over as they are). With ``mask_image`` too: inpainting (a 9-channel UNet gets the mask and the masked
+        image's latents; an ordinary UNet has the known region blended back after each step); at ``strength=1``
+        it starts from pure noise. ``denoising_end`` stops early (a hand-off's first half: use
+        ``output_type="latent"``). ``latents`` is always the noise, never finished latents; with ``mask_image``
+        and ``strength < 1`` it is added to the image's latents (diffusers would ignore the image there).
+        ``eta`` goes to schedulers that take one (DDIM, TCD), as diffusers' pipelines pass it to ``step``;
+        ``schedule`` (``timesteps=`` / ``sigmas=``) replaces ``num_inference_steps``.
+        """
+        check_output_type(output_type)
+        f, c = self.vae_scale_factor, self.latent_channels
+        unet_channels = self.unet.config.in_channels
+        inpainting_unet = unet_channels == 2 * c + 1
+        if unet_channels not in (c, 2 * c + 1):
+            raise ValueError(f"the UNet takes {unet_channels} input channels; this pipeline drives UNets of {c} "
+                             f"(the VAE's latent channels) or {2 * c + 1} (inpainting) channels")
+        if mask_image is not None and image is None:
+            raise ValueError("mask_image needs image= (the picture to inpaint)")
+        if inpainting_unet and mask_image is None:
+            raise ValueError(f"this UNet takes {unet_channels} input channels (an inpainting UNet: latents, mask and "
+                             "masked-image latents); pass image= and mask_image=")
+        if image is None and denoising_start is not None:
+            raise ValueError("denoising_start needs image= (the latents the first pipeline handed over)")
+        shape = (batch, height // f, width // f, c)
+        scheduler = self.scheduler
+        if "eta" in {field.name for field in dataclasses.fields(scheduler)}:
+            scheduler = dataclasses.replace(scheduler, eta=float(eta))
+        schedule = plan_schedule(scheduler, num_inference_steps, sample_shape=shape,
+                                 strength=None if image is None else strength, denoising_start=denoising_start,
+                                 denoising_end=denoising_end, **(schedule or {}))
+        state = schedule.state
+        draws = noise_draws(key, shape)
+        noise = draws.noise if latents is None else given_array(latents, shape, "latents", LATENTS_LAYOUT)
+
+        with self.timed("prepare"):
+            extra = {}
+            if image is None:
+                x = noise * scheduler.init_noise_sigma(state)
+            else:
+                from_noise = mask_image is not None and strength == 1.0 and schedule.adds_noise
+                clean = image.latents
+                if clean is None and not (from_noise and inpainting_unet):
+                    clean = encode_image_latents(self.vae, image.pixels, draws.image)
+                if from_noise:
+                    x = noise * scheduler.init_noise_sigma(state)
+                elif schedule.adds_noise:
+                    x = scheduler.add_noise_at_step(state, clean, noise)
+                else:
+                    x = clean
+                if mask_image is not None:
+                    mask = prepare_mask(mask_image, batch=batch, height=height, width=width)
+                    extra[MASK] = latent_mask(mask, f)
+                    if inpainting_unet:
+                        if image.pixels is None:
+                            raise ValueError("an inpainting UNet needs image= as pixels (its masked image is "
+                                             "encoded), not latents")
+                        extra[MASKED_IMAGE_LATENTS] = encode_image_latents(
+                            self.vae, masked_pixels(image.pixels, mask), draws.masked_image)
+                    else:
+                        extra[IMAGE_LATENTS], extra[NOISE] = clean, noise
+            if self.unet.config.time_cond_proj_dim is not None:
+                rows = cond["encoder_hidden_states"].shape[0]
+                extra["timestep_cond"] = guidance_embedding(guidance_scale, self.unet.config.time_cond_proj_dim, rows)
+            dtype = self.activations_dtype
+            cond = {k: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v
+                    for k, v in {**cond, **extra}.items()}
+            x = jax.block_until_ready(x.astype(dtype))
+
+        with self.timed("denoise"), progress_bar(schedule.num_steps, "denoising", enabled=progress):
+            x = jax.block_until_ready(denoise_loop(
+                UNetDenoiser(self.unet), scheduler, state, self.shard(x), self.shard(cond), draws.loop_key,
+                guidance=guidance, num_steps=jnp.asarray(schedule.num_steps, jnp.int32), progress=progress))
+        if output_type == "latent":
+            return self.gather(x)
+        with self.timed("decode"):
+            return to_uint8(self.gather(decode_latents(self.vae, x)))
