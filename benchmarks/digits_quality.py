@@ -1,6 +1,6 @@
-"""How well the embedded digits model draws the digit it is asked for.
+"""How well the shipped digits model draws the digit it is asked for.
 
-    python benchmarks/digits_quality.py                                   # 200 images, models/digits
+    python benchmarks/digits_quality.py                                   # 200 images, the shipped digits model
     python benchmarks/digits_quality.py --per-digit 20 --steps 20 --guidance-scale 4 --grid docs/digits_grid.png
 
 Generates ``per_digit`` images for each prompt "a handwritten digit {zero..nine}" and labels them with an SVC
@@ -14,13 +14,10 @@ from pathlib import Path
 
 import tyro
 
-REPO = Path(__file__).resolve().parent.parent
-
-
 @dataclasses.dataclass(frozen=True)
 class Args:
-    model: Path = REPO / "eqxdiff" / "assets" / "digits"
-    """The diffusers pipeline folder to score."""
+    model: str = "digits"
+    """The diffusers pipeline folder to score (default: the digits model shipped with eqxdiff)."""
     per_digit: int = 20
     """Images per digit (10 digits)."""
     steps: int = 20
@@ -46,7 +43,7 @@ def main(args: Args) -> float:
     result = score_pipeline(pipe, per_digit=args.per_digit, num_inference_steps=args.steps,
                             guidance_scale=args.guidance_scale, seed=args.seed)
     elapsed = time.perf_counter() - t0
-    print(f"model {args.model.name}: {type(pipe.scheduler).__name__}, {args.steps} steps, guidance "
+    print(f"model {args.model}: {type(pipe.scheduler).__name__}, {args.steps} steps, guidance "
           f"{args.guidance_scale}, seed {args.seed}")
     print("per digit: " + " ".join(f"{d}:{a:.2f}" for d, a in enumerate(result["per_digit"])))
     n = 10 * args.per_digit

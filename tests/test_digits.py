@@ -1,5 +1,5 @@
-"""The embedded digits model (models/digits): small, complete, loads in diffusers and eqxdiff, and draws the digit
-it is asked for (scored by an SVC trained on the real dataset)."""
+"""The digits model shipped inside the package (eqxdiff/assets/digits): small, complete, found by its bare name,
+loads in diffusers and eqxdiff, and draws the digit it is asked for (scored by an SVC trained on the real dataset)."""
 
 import json
 from pathlib import Path
@@ -19,7 +19,7 @@ STEPS, GUIDANCE, PER_DIGIT = 20, 4.0, 2
 
 def test_digits_folder_is_a_small_complete_pipeline():
     size = sum(f.stat().st_size for f in MODEL.rglob("*") if f.is_file())
-    assert size <= 20 * 2**20, f"models/digits is {size / 2**20:.1f} MiB"
+    assert size <= 20 * 2**20, f"eqxdiff/assets/digits is {size / 2**20:.1f} MiB"
     index = json.loads((MODEL / "model_index.json").read_text())
     assert index["_class_name"] == "StableDiffusionPipeline"
     assert index["tokenizer"] == ["transformers", "CLIPTokenizer"]
@@ -28,10 +28,20 @@ def test_digits_folder_is_a_small_complete_pipeline():
         assert (MODEL / part).is_dir()
 
 
+def test_digits_is_found_by_its_bare_name_unless_a_local_folder_has_it(tmp_path, monkeypatch):
+    from eqxdiff.loading import resolve_folder
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_folder("digits") == MODEL
+    assert resolve_folder("digits", "unet") == MODEL / "unet"
+    (tmp_path / "digits").mkdir()
+    assert resolve_folder("digits").resolve() == (tmp_path / "digits").resolve()
+
+
 @pytest.fixture(scope="module")
 def generated():
     """20 images (2 per digit, digit-major) from eqxdiff, from fixed initial latents."""
-    pipe = eqxdiff.load_pipeline(MODEL)
+    pipe = eqxdiff.load_pipeline("digits")
     latents = np.random.default_rng(1).standard_normal((10 * PER_DIGIT, 4, 4, 4)).astype(np.float32)
     images = pipe([caption(d) for d in range(10)], num_images_per_prompt=PER_DIGIT, latents=latents,
                   num_inference_steps=STEPS, guidance_scale=GUIDANCE, progress=False)

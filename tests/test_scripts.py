@@ -2,12 +2,14 @@
 class, PNG and MP4 outputs carrying their parameters, numbering and overwrite, errors before loading, a mesh run
 equal to one device, train presets, and a wheel installed into a fresh venv."""
 
+import dataclasses
 import json
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from PIL import Image
 
 import eqxdiff
 from eqxdiff.cli import generate, train
+from eqxdiff.cli._options import family_options
 from eqxdiff.core import FAMILY_TABLE
 from eqxdiff.pipelines import Component, DiffusionPipeline, read_parameters, write_video
 
@@ -190,6 +193,32 @@ def test_mesh_flags_reach_the_pipeline(toy_video_model, tmp_path):
     assert dict(data.shape) == {"data": 8, "fsdp": 1, "context": 1, "tensor": 1}
     with pytest.raises(ValueError, match="process_id"):  # multi-host settings come as a set
         generate.main([*toy, "--num-processes", "2"])
+
+
+class _InlineDocumented(DiffusionPipeline):
+    CLASS_NAME = "InlineDocumented"
+    COMPONENTS = ()
+
+    def __call__(self, prompt: str = "x", *, eta: float = 0.0, timesteps: Sequence[int] | None = None,
+                 mask_image=None, key=None, output_type: str = "uint8"):
+        """Images.
+
+        ``eta``: DDIM's noise. ``timesteps`` (descending): a custom schedule instead of
+        ``num_inference_steps``. Not part of it.
+        ``mask_image`` (white = repaint): inpainting.
+        """
+
+
+def test_family_options_read_types_and_inline_docstrings():
+    family = family_options(_InlineDocumented)
+    fields = {f.name: typing.get_args(f.type) for f in dataclasses.fields(family.options)}
+    assert list(fields) == ["prompt", "eta", "timesteps", "mask_image"]  # no key, no output_type
+    assert fields["timesteps"][0] == tuple[int, ...] | None and fields["mask_image"][0] == Path | None
+    helps = {name: args[1].help for name, args in fields.items()}
+    assert helps["eta"] == "eta: DDIM's noise."
+    assert helps["timesteps"] == "timesteps (descending): a custom schedule instead of num_inference_steps."
+    assert helps["mask_image"].endswith("mask_image (white = repaint): inpainting.")  # after "a mask image file"
+    assert family.media == {"mask_image": "image"}
 
 
 def _read_frames(path) -> np.ndarray:

@@ -3,16 +3,18 @@
 Every argument of ``__call__`` whose annotation a command line can carry (``str``, ``int``, ``float``, ``bool``,
 ``Path``, ``Literal``, enums, tuples of those, optional or not) becomes a flag of the same name (diffusers' names:
 ``--num-inference-steps``, ``--guidance-scale``), with the signature's default. Its help is the ``__call__``
-docstring's entry for it (Google, NumPy or reST style) or, for the arguments diffusers' pipelines share,
-:data:`COMMON_HELP`. Media inputs under diffusers' names (:data:`MEDIA_INPUTS`: ``image``, ``mask_image``, ``video``
-...) take a file path that is read before the call. Arrays (``latents``, ``prompt_embeds``), PRNG keys and
-callbacks are not flags. A new family therefore needs nothing here: annotate ``__call__`` and name its arguments
-as diffusers does.
+docstring's entry for it (an argument section in Google, NumPy or reST style, or eqxdiff's inline
+"``name``: what it does." sentences) or, for the arguments diffusers' pipelines share, :data:`COMMON_HELP`.
+Media inputs under diffusers' names (:data:`MEDIA_INPUTS`: ``image``, ``mask_image``, ``video`` ...) take a file
+path that is read before the call. Arrays (``latents``, ``prompt_embeds``), PRNG keys, callbacks and
+``output_type`` are not flags. A new family therefore needs nothing here: annotate ``__call__`` and name its
+arguments as diffusers does.
 """
 
 import dataclasses
 import enum
 import inspect
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -35,6 +37,9 @@ MEDIA_INPUTS: Mapping[str, str] = {
     "image": "image", "mask_image": "image", "control_image": "image", "last_image": "image",
     "ip_adapter_image": "image", "video": "video",
 }
+
+# Arguments the command decides itself: it saves uint8 images or frames.
+NOT_FLAGS = ("output_type", "return_dict")
 
 # Help for the arguments diffusers' pipelines share (a family's own docstring entry wins).
 COMMON_HELP: Mapping[str, str] = {
@@ -98,13 +103,31 @@ def _cli_type(annotation) -> Any | None:
     return None
 
 
+# eqxdiff's own docstring style: "``eta``: DDIM's noise. ``timesteps`` / ``sigmas``: a custom schedule ..."
+_INLINE = re.compile(r"((?:``\w+``(?:\s*(?:/|\+|,|or|and)\s*)?)+)\s*(\([^()]*\))?:\s")
+
+
 def _documented(function) -> dict[str, str]:
-    """Argument descriptions from ``function``'s docstring (Google, NumPy or reST style)."""
+    """Argument descriptions from ``function``'s docstring: an argument section (Google, NumPy or reST style),
+    else eqxdiff's inline style, where a sentence starts with the argument names and a colon."""
+    doc = inspect.getdoc(function) or ""
     try:
-        parsed = docstring_parser.parse(inspect.getdoc(function) or "")
+        parsed = {p.arg_name: " ".join(p.description.split())
+                  for p in docstring_parser.parse(doc).params if p.description}
     except docstring_parser.ParseError:
-        return {}
-    return {p.arg_name: " ".join(p.description.split()) for p in parsed.params if p.description}
+        parsed = {}
+    if parsed:
+        return parsed
+    found: dict[str, str] = {}
+    for paragraph in doc.split("\n\n"):
+        text = " ".join(paragraph.split())
+        starts = list(_INLINE.finditer(text))
+        for m, after in zip(starts, [*starts[1:], None]):
+            sentence = text[m.start():after.start() if after else len(text)]
+            sentence = re.split(r"(?<=\.)\s", sentence, maxsplit=1)[0].replace("``", "")  # to the first full stop
+            for name in re.findall(r"``(\w+)``", m.group(1)):
+                found.setdefault(name, sentence)
+    return found
 
 
 def _hints(function) -> dict[str, Any]:
@@ -142,7 +165,7 @@ def family_options(pipeline_class: type, defaults: Mapping[str, Any] | None = No
     defaults = dict(defaults or {})
     fields, media = [], {}
     for name, param in list(signature.parameters.items())[1:]:  # [0] is self
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name in NOT_FLAGS:
             continue
         if name in MEDIA_INPUTS:
             tp, default, media[name] = Path | None, None, MEDIA_INPUTS[name]
@@ -152,6 +175,8 @@ def family_options(pipeline_class: type, defaults: Mapping[str, Any] | None = No
                 continue
             default = defaults.pop(name, param.default)
         help_text = documented.get(name) or COMMON_HELP.get(name)
+        if name in media and name in documented:  # say that the flag takes a file
+            help_text = f"{COMMON_HELP[name]} {documented[name]}"
         marker = tyro.conf.arg(help=help_text, aliases=ALIASES.get(name))
         field = (dataclasses.field() if default is inspect.Parameter.empty
                  else dataclasses.field(default=default))
