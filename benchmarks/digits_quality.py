@@ -14,6 +14,7 @@ from pathlib import Path
 
 import tyro
 
+
 @dataclasses.dataclass(frozen=True)
 class Args:
     model: str = "digits"

@@ -4,8 +4,9 @@
     python scripts/generate.py --model path/to/pipeline --prompt "a fox" --scheduler euler --steps 30
     python scripts/generate.py --model path/to/pipeline --help                       # that pipeline's options
 
-The model (or digits model, trained by ``python scripts/train.py digits``) decides the family options; images go
-to ``outputs/image_{i}.png``, numbered on after earlier ones, with the generation parameters in each file.
+The ``--model`` folder's pipeline class decides the family options (the default, the shipped digits model, was
+trained by ``python scripts/train.py digits``). Images go to ``outputs/image_{i}.png``, numbered on after earlier
+ones unless ``--overwrite``, with the generation parameters in each file.
 """
 
 from eqxdiff.cli.generate import cli

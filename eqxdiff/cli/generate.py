@@ -236,7 +236,7 @@ def cli() -> None:
     """The ``eqxdiff-generate`` console command: :func:`main`, with a bad model, flag value or input reported in
     one line (``error: ...``, exit status 2) instead of a traceback."""
     try:
-        main()
+        main(prog=Path(sys.argv[0]).name)
     except (ValueError, OSError) as e:  # CheckpointError, ConfigError and MeshError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

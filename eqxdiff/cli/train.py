@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> None:
 def cli() -> None:
     """The ``eqxdiff-train`` console command: :func:`main`, with bad flag values and data reported in one line."""
     try:
-        main()
+        main(prog=Path(sys.argv[0]).name)
     except (ValueError, OSError) as e:  # DataError, CheckpointError, ConfigError and MeshError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
