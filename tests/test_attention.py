@@ -1,12 +1,15 @@
-"""Every attention implementation against the float32 reference: forward values and gradients w.r.t. q, k, v.
+"""Every attention implementation against the float32 reference: forward values and gradients w.r.t. q, k, v
+(and an additive logits bias, for the implementations that take one; the others must refuse it, saying why).
 
 One base class (:class:`AttentionTestBase`) holds the cases; each backend is a subclass saying how to call it.
 The Pallas kernels run in interpret mode and ring/Ulysses on the 8 simulated CPU devices of ``conftest.py``,
-so everything here runs on a CPU. Shapes are small: interpret-mode Pallas is slow to compile.
+so everything here runs on a CPU. Shapes are small: interpret-mode Pallas is slow to compile. The reference
+itself (with a bias) is checked against PyTorch's ``scaled_dot_product_attention``.
 """
 
 import dataclasses
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +25,9 @@ from eqxdiff.kernels import (
     explain_choice,
     reference_attention,
 )
+from eqxdiff.kernels._chunked import chunked_kernel
+from eqxdiff.kernels._common import Kernel, attention_from_kernel
+from eqxdiff.kernels._select import AttentionCall, choose
 
 from ._util import assert_close
 
@@ -40,10 +46,16 @@ class Case:
     head_dim: int
     masked: bool = False
     causal: bool = False
+    bias: str | None = None  # a logits bias: "heads" [1, H, q, k] (T5's), "full" [B, H, q, k], "keys" [B, 1, 1, k]
+
+    @property
+    def bias_shape(self) -> tuple[int, ...] | None:
+        b, h, q, k = self.batch, self.heads, self.q_len, self.kv_len
+        return {None: None, "heads": (1, h, q, k), "full": (b, h, q, k), "keys": (b, 1, 1, k)}[self.bias]
 
     def inputs(self, getkey, dtype):
-        """``q, k, v, mask, cotangent``; with a mask, batch row 0 keeps a third of its keys, row 1 all but one,
-        and (causal cases) row 0 loses all of them, which must give zeros."""
+        """``q, k, v, mask, bias, cotangent``; with a mask, batch row 0 keeps a third of its keys, row 1 all but
+        one, and (causal cases) row 0 loses all of them, which must give zeros."""
         # numpy draws (seeded from getkey) cost no compilation per shape; the kernels' compiles are slow enough.
         rng = np.random.default_rng(np.asarray(jax.random.key_data(getkey())))
         normal = lambda s: jnp.asarray(rng.standard_normal((self.batch, s, self.heads, self.head_dim)), dtype)  # noqa: E731
@@ -55,7 +67,9 @@ class Case:
             if self.causal:
                 mask[0] = False
             mask = jnp.asarray(mask)
-        return q, k, v, mask, cotangent
+        # a bias of the logits' own size (~ +-2), so it changes which keys win
+        bias = None if self.bias is None else jnp.asarray(2 * rng.standard_normal(self.bias_shape), dtype)
+        return q, k, v, mask, bias, cotangent
 
 
 CASES = (
@@ -64,14 +78,23 @@ CASES = (
     Case("causal_d128", 2, 29, 29, 4, 128, causal=True),
     Case("causal_masked", 2, 37, 37, 4, 64, masked=True, causal=True),
 )
+# T5's relative position bias (one per head, shared by the batch), a per-row one and a per-key one (an additive
+# key mask); with a padding mask, causal, and query/key lengths that are no multiple of the chunks.
+BIAS_CASES = (
+    Case("t5_bias_masked", 2, 33, 33, 4, 64, masked=True, bias="heads"),
+    Case("cross_full_bias", 2, 40, 77, 4, 32, bias="full"),
+    Case("causal_masked_key_bias", 2, 37, 37, 4, 32, masked=True, causal=True, bias="keys"),
+)
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 def pytest_generate_tests(metafunc):
-    """Parametrize each backend's test over its class's ``cases`` x ``dtypes``."""
+    """Parametrize each backend's test over its class's ``cases`` (and ``bias_cases`` if it takes a bias) x
+    ``dtypes``."""
     if {"case", "dtype"} <= set(metafunc.fixturenames):
         cls = metafunc.cls
-        params = [(c, d) for c in cls.cases for d in cls.dtypes]
+        cases = cls.cases + (cls.bias_cases if cls.takes_bias else ())
+        params = [(c, d) for c in cases for d in cls.dtypes]
         metafunc.parametrize(("case", "dtype"), params,
                              ids=[f"{c.name}-{jnp.dtype(d).name}" for c, d in params])
 
@@ -83,45 +106,77 @@ def _mesh(shape, explicit: bool, axes=("data", "context")):
 
 
 class AttentionTestBase:
-    """Forward and ``jax.vjp`` of ``attention(..., implementation=...)`` against :func:`reference_attention`."""
+    """Forward and ``jax.vjp`` of ``attention(..., implementation=...)`` against :func:`reference_attention`.
+
+    A class that ``takes_bias`` also runs ``bias_cases`` (gradients w.r.t. the bias included); the others must
+    refuse a bias with an :class:`AttentionUnavailableError` that names it."""
 
     implementation: str
     cases = CASES
+    bias_cases = BIAS_CASES
+    takes_bias = False
     dtypes = DTYPES
 
     def options(self) -> dict:
         return {}
 
     def test_matches_reference(self, case, dtype, getkey):
-        q, k, v, mask, cotangent = case.inputs(getkey, dtype)
+        q, k, v, mask, bias, cotangent = case.inputs(getkey, dtype)
         options = self.options()
+        args = (q, k, v) if bias is None else (q, k, v, bias)
 
         @jax.jit
-        def run(q, k, v, cotangent):
-            out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, mask=mask, causal=case.causal,
-                                                         implementation=self.implementation, **options), q, k, v)
+        def run(args, cotangent):
+            out, vjp = jax.vjp(lambda q, k, v, bias=None: attention(
+                q, k, v, mask=mask, bias=bias, causal=case.causal, implementation=self.implementation, **options),
+                *args)
             return out, vjp(cotangent)
 
         @jax.jit
-        def run_reference(q, k, v, cotangent):
-            out, vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, mask=mask, causal=case.causal), q, k, v)
+        def run_reference(args, cotangent):
+            out, vjp = jax.vjp(lambda q, k, v, bias=None: reference_attention(
+                q, k, v, mask=mask, bias=bias, causal=case.causal), *args)
             return out, vjp(cotangent)
 
-        out, grads = run(q, k, v, cotangent)
-        expected, expected_grads = run_reference(q, k, v, cotangent)
+        out, grads = run(args, cotangent)
+        expected, expected_grads = run_reference(args, cotangent)
         assert out.dtype == expected.dtype and all(g.dtype == dtype for g in grads)
+        assert len(grads) == len(args)
         tol = TOLERANCE[jnp.dtype(dtype)]
         assert_close(out, expected, tol, "output")
-        for name, g, g_ref in zip(("dq", "dk", "dv"), grads, expected_grads):
+        for name, g, g_ref in zip(("dq", "dk", "dv", "dbias"), grads, expected_grads):
+            assert g.shape == g_ref.shape, name
             assert_close(g, g_ref, tol, name)
         if case.masked and case.causal:
             assert not np.any(np.asarray(out[0], np.float32)), "a row with every key masked must give zeros"
+
+    def test_bias_is_taken_or_refused(self):
+        q, k, v = _qkv(batch=2)
+        bias = jnp.zeros((1, 4, 8, 8))
+        if self.takes_bias:
+            choice = explain_choice(q, k, bias=True, implementation=self.implementation,
+                                    **_choice_options(self.options()))
+            assert choice.split(":")[0] in ("xla", "chunked"), choice
+            out = attention(q, k, v, bias=bias + 1.0, implementation=self.implementation, **self.options())
+            assert_close(out, attention(q, k, v, implementation=self.implementation, **self.options()), 1e-6,
+                         "a constant bias changes nothing")
+        else:
+            with pytest.raises(AttentionUnavailableError,
+                               match=rf"implementation='{self.implementation}' cannot serve this call: "
+                                     rf"{self.implementation} takes no logits bias: .*; use 'chunked'"):
+                attention(q, k, v, bias=bias, implementation=self.implementation, **self.options())
+
+
+def _choice_options(options: dict) -> dict:
+    """The options of :func:`attention` that :func:`explain_choice` takes too."""
+    return {k: v for k, v in options.items() if k in ("mesh", "interpret")}
 
 
 class TestChunked(AttentionTestBase):
     """Small chunks: several query and key chunks, padding and the online softmax."""
 
     implementation = "chunked"
+    takes_bias = True
 
     def options(self):
         return dict(block_sizes=BlockSizes(block_q=16, block_kv=16))
@@ -131,6 +186,7 @@ class TestChunkedDefaultChunks(AttentionTestBase):
     """The CPU default chunks: one key chunk, so a plain softmax per query chunk."""
 
     implementation = "chunked"
+    takes_bias = True
     dtypes = (jnp.float32,)
 
 
@@ -243,11 +299,32 @@ class TestUlyssesTensorAxis(AttentionTestBase):
         return dict(mesh=_mesh((2, 2, 2), explicit=True, axes=("data", "context", "tensor")))
 
 
+# Sizes where implementation=None does not pick "xla" (which would compare the reference with itself): on the CPU
+# more than 256 x 256 logits per head give "chunked" (two query chunks of the default 256; 600 keys: two key chunks
+# of 512); on a GPU, cuDNN serves bf16 and a biased call over 2048 x 2048 logits per head gets "chunked".
+DEFAULT_CASES = (Case("self_masked_300", 2, 300, 300, 2, 16, masked=True), Case("causal_600", 1, 600, 600, 2, 16,
+                                                                                   causal=True))
+DEFAULT_BIAS_CASES = (Case("t5_bias_300", 2, 300, 300, 2, 16, masked=True, bias="heads"),)
+if ON_GPU:
+    DEFAULT_BIAS_CASES = (Case("t5_bias_2100", 1, 2100, 2100, 2, 64, masked=True, bias="heads"),)
+
+
 class TestDefaultChoice(AttentionTestBase):
-    """``implementation=None`` (the dense reference at these sizes on a CPU)."""
+    """``implementation=None`` at sizes where the choice is not the reference: chunked on a CPU (cuDNN on a GPU),
+    and chunked for a biased call."""
 
     implementation = None
-    dtypes = (jnp.float32,)
+    cases = DEFAULT_CASES
+    bias_cases = DEFAULT_BIAS_CASES
+    takes_bias = True
+    dtypes = (jnp.bfloat16,) if ON_GPU else (jnp.float32,)
+
+    def test_the_cases_do_not_choose_the_reference(self):
+        for case in self.cases + self.bias_cases:
+            q = jax.ShapeDtypeStruct((case.batch, case.q_len, case.heads, case.head_dim), self.dtypes[0])
+            k = jax.ShapeDtypeStruct((case.batch, case.kv_len, case.heads, case.head_dim), self.dtypes[0])
+            choice = explain_choice(q, k, causal=case.causal, bias=case.bias is not None)
+            assert not choice.startswith("xla"), f"{case.name} would compare the reference with itself: {choice}"
 
 
 def _qkv(batch=1, q_len=8, kv_len=8, heads=4, head_dim=16, dtype=jnp.float32):
@@ -365,7 +442,7 @@ def test_flash_lowers_for_gpu_and_tpu(platform, custom_call):
     kv = jax.ShapeDtypeStruct((2, 77, 4, 40), jnp.bfloat16)
 
     def loss(q, k, v, mask):
-        return jax.grad(lambda q, k, v: fn(q, k, v, mask, 0.125, True).astype(jnp.float32).sum(),
+        return jax.grad(lambda q, k, v: fn(q, k, v, mask, None, 0.125, True).astype(jnp.float32).sum(),
                         argnums=(0, 1, 2))(q, k, v)
 
     text = (jax.jit(loss).trace(q, kv, kv, jax.ShapeDtypeStruct((2, 77), jnp.bool_))
@@ -391,3 +468,139 @@ def test_gpu_blocks_fit_shared_memory():
     q = jax.ShapeDtypeStruct((2, 8, 4096, 160), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"needs about 384 KiB of GPU shared memory .* use smaller blocks"):
         _Plan(q, q, BlockSizes(block_q=128, block_kv=128), "gpu", False)
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 3, 6, 9), (2, 3, 6, 9), (2, 1, 1, 9)])
+def test_reference_with_a_bias_matches_torch(bias_shape):
+    """The ground truth with a bias is PyTorch's SDPA with a float mask (bias, -inf where masked), values and
+    gradients, the bias's included."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    q, k, v, cotangent = (rng.standard_normal(s).astype(np.float32) for s in ((2, 6, 3, 8), (2, 9, 3, 8),
+                                                                              (2, 9, 3, 8), (2, 6, 3, 8)))
+    bias = (2 * rng.standard_normal(bias_shape)).astype(np.float32)
+    mask = np.arange(9)[None] < np.array([[4], [9]])
+    scale = 0.3
+
+    @jax.jit
+    def run(q, k, v, bias, cotangent):
+        out, vjp = jax.vjp(lambda q, k, v, bias: reference_attention(q, k, v, mask=jnp.asarray(mask), bias=bias,
+                                                                     scale=scale), q, k, v, bias)
+        return out, vjp(cotangent)
+
+    out, grads = run(q, k, v, bias, cotangent)
+
+    tq, tk, tv, tb = (torch.tensor(x, requires_grad=True) for x in (q, k, v, bias))
+    additive = tb + torch.where(torch.from_numpy(mask)[:, None, None, :], 0.0, -math.inf)
+    t_out = torch.nn.functional.scaled_dot_product_attention(tq.transpose(1, 2), tk.transpose(1, 2),
+                                                             tv.transpose(1, 2), attn_mask=additive, scale=scale)
+    t_out = t_out.transpose(1, 2)
+    t_out.backward(torch.from_numpy(cotangent))
+    assert_close(out, t_out.detach().numpy(), 1e-5, "output")
+    for name, g, t in zip(("dq", "dk", "dv", "dbias"), grads, (tq, tk, tv, tb)):
+        assert g.shape == t.shape, name
+        assert_close(g, t.grad.numpy(), 1e-5, name)
+
+
+def test_default_choice_never_picks_an_implementation_that_refuses_the_bias():
+    """For every platform, dtype, size and mesh, a biased call's default is an implementation that serves it."""
+    seen = set()
+    for platform in ("cpu", "gpu", "tpu"):
+        for dtype in ("float32", "bfloat16"):
+            for length in (64, 300, 3000):
+                for axes, context, shards in ((None, 1, 1), (("data", "context"), 4, 1),
+                                              (("data", "context", "tensor"), 2, 2)):
+                    call = AttentionCall(length, length, 8, 64, dtype, False, platform, axes, context, shards, False,
+                                         has_bias=True)
+                    name, reason = choose(call)
+                    assert IMPLEMENTATIONS[name].unavailable(call) is None, (call, name)
+                    assert "bias" in reason
+                    seen.add(name)
+                    unbiased = dataclasses.replace(call, has_bias=False)
+                    if choose(unbiased)[0] not in ("xla", "chunked"):
+                        assert "takes no logits bias" in IMPLEMENTATIONS[choose(unbiased)[0]].unavailable(call)
+    assert seen == {"xla", "chunked"}
+
+
+def test_the_bias_gradient_is_computed_only_when_the_bias_is_differentiated():
+    flags = []
+    inner = chunked_kernel(8, 8)
+
+    def backward(*args, bias_grad=False, **kwargs):
+        flags.append(bias_grad)
+        return inner.backward(*args, bias_grad=bias_grad, **kwargs)
+
+    attn = attention_from_kernel(Kernel(inner.forward, backward))
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, n, 4, 16)), jnp.float32) for n in (12, 20, 20))
+    bias = jnp.asarray(rng.standard_normal((1, 4, 12, 20)), jnp.float32)
+
+    def loss(q, bias):
+        return jnp.sum(attn(q, k, v, None, bias, 0.25, False) ** 2)
+
+    dq = jax.jit(jax.grad(loss))(q, bias)
+    dq_both, dbias = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, bias)
+    assert flags == [False, True]
+    expected = jax.jit(jax.grad(lambda q, bias: jnp.sum(reference_attention(q, k, v, bias=bias, scale=0.25) ** 2),
+                                argnums=(0, 1)))(q, bias)
+    assert_close(dq, expected[0], 1e-5, "dq")
+    assert_close(dq_both, expected[0], 1e-5, "dq")
+    assert_close(dbias, expected[1], 1e-5, "dbias")
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """The most elements of any value a jaxpr (and the jaxprs inside it: loops, scans) makes."""
+    most = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            most = max(most, math.prod(getattr(var.aval, "shape", ())))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    most = max(most, _largest_intermediate(getattr(inner, "jaxpr", inner)))
+    return most
+
+
+def test_chunked_never_broadcasts_a_per_head_bias_over_the_batch():
+    """T5's [1, heads, q, k] bias with a batch of 8: no value in the forward or backward pass (bias gradient
+    included) is as large as one [batch, heads, q, k] logits array, the size the bias broadcast over the batch
+    would have."""
+    batch, q_len, heads = 8, 64, 2
+    q = jnp.zeros((batch, q_len, heads, 4))
+    bias = jnp.zeros((1, heads, q_len, q_len))
+
+    def loss(q, k, v, bias):
+        return jnp.sum(attention(q, k, v, bias=bias, implementation="chunked",
+                                 block_sizes=BlockSizes(block_q=16, block_kv=16)))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, q, q, bias).jaxpr
+    largest = _largest_intermediate(jaxpr)
+    assert heads * q_len * q_len <= largest < batch * heads * q_len * q_len
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "match"),
+    [
+        ((1, 4, 8), jnp.float32, (r"bias must broadcast to \[batch, heads, q_seq, kv_seq\] = \(2, 4, 8, 8\) \(each "
+                                  r"axis that length or 1\), got shape \(1, 4, 8\)")),
+        ((1, 3, 8, 8), jnp.float32, r"= \(2, 4, 8, 8\) .*got shape \(1, 3, 8, 8\)"),
+        ((2, 4, 8, 7), jnp.float32, r"got shape \(2, 4, 8, 7\)"),
+        ((1, 4, 8, 8), jnp.int32, r"bias must be a float array .*got int32; pass a boolean key mask as mask="),
+    ],
+)
+def test_bad_bias_raises(shape, dtype, match):
+    with pytest.raises(ValueError, match=match):
+        attention(*_qkv(batch=2), bias=jnp.zeros(shape, dtype))
+
+
+def test_explain_choice_with_a_bias():
+    shape = lambda s: jax.ShapeDtypeStruct((2, s, 8, 64), jnp.float32)  # noqa: E731
+    assert explain_choice(shape(77), shape(77), bias=True).startswith(
+        "xla: cpu, float32, q_seq=77 x kv_seq=77 with a logits bias (only xla and chunked take one)")
+    assert explain_choice(shape(512), shape(512), bias=True).startswith("chunked: ")
+    if jax.device_count() >= 8:  # a context axis does not bring in ring/ulysses for a biased call
+        assert explain_choice(shape(512), shape(512), bias=True, mesh=_mesh((2, 4), explicit=False)).startswith(
+            "chunked: ")
+    with pytest.raises(AttentionUnavailableError, match="cudnn takes no logits bias"):
+        explain_choice(shape(77), shape(77), bias=True, implementation="cudnn")

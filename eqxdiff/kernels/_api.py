@@ -5,6 +5,7 @@ import functools
 import logging
 from typing import Callable, NamedTuple
 
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .._typing import Array, Bool, Float, typechecked
@@ -40,11 +41,32 @@ class Implementation:
     name: str
     summary: str
     unavailable: Callable[[AttentionCall], str | None]  # why it cannot serve the call, or None
-    run: Callable  # (q, k, v, mask, scale, causal, call, options) -> out
+    run: Callable  # (q, k, v, mask, bias, scale, causal, call, options) -> out; bias is None unless it takes one
 
 
 def _always(call):
     return None
+
+
+# Why each implementation that takes no additive logits bias cannot; its `unavailable` check says so first (no
+# platform or mesh would change it).
+_NO_BIAS = {
+    "cudnn": "eqxdiff does not pass a logits bias to cuDNN (jax's cuDNN call takes one, but its broadcast shapes "
+             "and bias gradient are not tested here)",
+    "flash": "the Pallas flash kernels have no bias tile (they add only the key-padding mask)",
+    "ring": "ring attention would have to send the bias's key blocks round the ring with k and v",
+    "ulysses": "Ulysses would have to split the bias's heads over the context axis like q, k and v",
+}
+
+
+def _refusing_bias(name, check):
+    """The ``unavailable`` check ``check`` of an implementation that takes no logits bias, refusing one first."""
+    def unavailable(call):
+        if call.has_bias:
+            return f"{name} takes no logits bias: {_NO_BIAS[name]}; use 'chunked' (or 'xla') for a biased call"
+        return check(call)
+
+    return unavailable
 
 
 def _chunk_sizes(call, opts):
@@ -74,16 +96,16 @@ def _context_unavailable(what):
     return unavailable
 
 
-def _run_xla(q, k, v, mask, scale, causal, call, opts):
-    return reference_attention(q, k, v, mask=mask, scale=scale, causal=causal)
+def _run_xla(q, k, v, mask, bias, scale, causal, call, opts):
+    return reference_attention(q, k, v, mask=mask, bias=bias, scale=scale, causal=causal)
 
 
-def _run_chunked(q, k, v, mask, scale, causal, call, opts):
+def _run_chunked(q, k, v, mask, bias, scale, causal, call, opts):
     sizes = _chunk_sizes(call, opts)
-    return chunked_attention_fn(sizes.block_q, sizes.block_kv)(q, k, v, mask, scale, causal)
+    return chunked_attention_fn(sizes.block_q, sizes.block_kv)(q, k, v, mask, bias, scale, causal)
 
 
-def _run_cudnn(q, k, v, mask, scale, causal, call, opts):
+def _run_cudnn(q, k, v, mask, bias, scale, causal, call, opts):
     return cudnn_attention(q, k, v, mask, scale, causal)
 
 
@@ -110,12 +132,12 @@ def flash_backend_for(dtype, head_dim: int, has_mask: bool, causal: bool, platfo
     return "mosaic_gpu", "the warp-specialised Hopper forward (Mosaic GPU) with the Triton backward"
 
 
-def _run_flash(q, k, v, mask, scale, causal, call, opts):
+def _run_flash(q, k, v, mask, bias, scale, causal, call, opts):
     backend, _ = flash_backend_for(q.dtype, q.shape[-1], mask is not None, causal, call.platform, opts.interpret,
                                    opts.flash_backend)
     if backend == "mosaic_gpu":
-        return hopper_attention_fn(opts.block_sizes, opts.interpret)(q, k, v, mask, scale, causal)
-    return flash_attention_fn(opts.block_sizes, opts.interpret)(q, k, v, mask, scale, causal)
+        return hopper_attention_fn(opts.block_sizes, opts.interpret)(q, k, v, mask, None, scale, causal)
+    return flash_attention_fn(opts.block_sizes, opts.interpret)(q, k, v, mask, None, scale, causal)
 
 
 _RING_LOCAL = ("chunked", "xla", "flash")  # the blockwise kernels: (out, lse) forward, backward from lse
@@ -129,7 +151,7 @@ def _local_name(default, opts, allowed):
     return name
 
 
-def _run_ring(q, k, v, mask, scale, causal, call, opts):
+def _run_ring(q, k, v, mask, bias, scale, causal, call, opts):
     name = _local_name("chunked", opts, _RING_LOCAL)
     if name == "xla":
         local = dense_kernel
@@ -138,10 +160,10 @@ def _run_ring(q, k, v, mask, scale, causal, call, opts):
     else:
         local = flash_kernel(opts.block_sizes, interpret=opts.interpret)
     attn = attention_from_kernel(ring_kernel(local, context_size(opts.mesh, "ring")))
-    return shard_over_context(lambda q, k, v, m: attn(q, k, v, m, scale, causal), opts.mesh, q, k, v, mask)
+    return shard_over_context(lambda q, k, v, m: attn(q, k, v, m, None, scale, causal), opts.mesh, q, k, v, mask)
 
 
-def _run_ulysses(q, k, v, mask, scale, causal, call, opts):
+def _run_ulysses(q, k, v, mask, bias, scale, causal, call, opts):
     context_size(opts.mesh, "ulysses")
     local_call = call.per_device()
     local = IMPLEMENTATIONS[_local_name(choose(local_call)[0], opts, _ULYSSES_LOCAL)]
@@ -149,7 +171,7 @@ def _run_ulysses(q, k, v, mask, scale, causal, call, opts):
     local_opts = opts._replace(mesh=None)
 
     def local_attention(q, k, v, m):
-        return local.run(q, k, v, m, scale, causal, local_call, local_opts)
+        return local.run(q, k, v, m, None, scale, causal, local_call, local_opts)
 
     return shard_over_context(functools.partial(ulysses_attention, local_attention), opts.mesh, q, k, v, mask)
 
@@ -157,19 +179,24 @@ def _run_ulysses(q, k, v, mask, scale, causal, call, opts):
 IMPLEMENTATIONS: dict[str, Implementation] = {
     impl.name: impl
     for impl in (
-        Implementation("xla", "dense jnp reference, float32 softmax; any platform; mask, causal, grad (autodiff)",
-                       _always, _run_xla),
+        Implementation("xla", "dense jnp reference, float32 softmax; any platform; mask, bias, causal, grad "
+                       "(autodiff, the bias's too)", _always, _run_xla),
         Implementation("chunked", "query x key/value chunks with an online softmax in plain JAX, O(seq) memory; "
-                       "any platform; mask, causal, grad (custom_vjp)", _always, _run_chunked),
+                       "any platform; mask, bias, causal, grad (custom_vjp; the bias's when it is differentiated)",
+                       _always, _run_chunked),
         Implementation("cudnn", "cuDNN fused attention via jax.nn.dot_product_attention; NVIDIA GPU, bf16/fp16; "
                        "mask, causal, grad",
-                       lambda call: cudnn_unavailable_reason(call.platform, call.dtype, call.head_dim), _run_cudnn),
+                       _refusing_bias("cudnn", lambda call: cudnn_unavailable_reason(call.platform, call.dtype,
+                                                                                     call.head_dim)), _run_cudnn),
         Implementation("flash", "Pallas flash attention (Triton on GPU, Mosaic on TPU, interpret=True anywhere); "
-                       "mask, causal, grad (Pallas backward kernels)", _flash_unavailable, _run_flash),
+                       "mask, causal, grad (Pallas backward kernels)", _refusing_bias("flash", _flash_unavailable),
+                       _run_flash),
         Implementation("ring", "ring attention over the mesh's 'context' axis (ppermute, log-sum-exp merge); "
-                       "mask, causal (q_seq == kv_seq), grad", _context_unavailable("ring"), _run_ring),
+                       "mask, causal (q_seq == kv_seq), grad", _refusing_bias("ring", _context_unavailable("ring")),
+                       _run_ring),
         Implementation("ulysses", "all-to-all from sequence to head sharding over 'context', any local "
-                       "implementation inside; mask, causal, grad", _context_unavailable("ulysses"), _run_ulysses),
+                       "implementation inside; mask, causal, grad",
+                       _refusing_bias("ulysses", _context_unavailable("ulysses")), _run_ulysses),
     )
 }
 
@@ -180,7 +207,7 @@ def _raise_if_unavailable(impl: Implementation, call: AttentionCall) -> None:
         raise AttentionUnavailableError(f"attention: implementation={impl.name!r} cannot serve this call: {reason}")
 
 
-def _check_inputs(q, k, v, mask):
+def _check_inputs(q, k, v, mask, bias=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if getattr(t, "ndim", None) != 4:
             raise ValueError(f"attention: {name} must be [batch, seq, heads, head_dim], got shape "
@@ -196,6 +223,15 @@ def _check_inputs(q, k, v, mask):
         raise ValueError(f"attention: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if mask is not None and mask.shape != (k.shape[0], k.shape[1]):
         raise ValueError(f"attention: mask must be [batch, kv_seq] = {(k.shape[0], k.shape[1])}, got {mask.shape}")
+    if bias is not None:
+        full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+        shape = tuple(getattr(bias, "shape", ()))
+        if len(shape) != 4 or any(n not in (1, f) for n, f in zip(shape, full)):
+            raise ValueError(f"attention: bias must broadcast to [batch, heads, q_seq, kv_seq] = {full} (each axis "
+                             f"that length or 1), got shape {shape}")
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise ValueError(f"attention: bias must be a float array (added to the logits), got {bias.dtype}; "
+                             "pass a boolean key mask as mask=")
 
 
 def _inputs_checked_first(fn):
@@ -203,14 +239,15 @@ def _inputs_checked_first(fn):
 
     @functools.wraps(fn)
     def checked(q, k, v, **kwargs):
-        _check_inputs(q, k, v, kwargs.get("mask"))
+        _check_inputs(q, k, v, kwargs.get("mask"), kwargs.get("bias"))
         return fn(q, k, v, **kwargs)
 
     return checked
 
 
-def _resolve(q, k, *, causal, implementation, mesh, interpret) -> tuple[Implementation, AttentionCall, str]:
-    call = AttentionCall.of(q, k, causal=causal, mesh=mesh, interpret=interpret)
+def _resolve(q, k, *, causal, implementation, mesh, interpret,
+             has_bias=False) -> tuple[Implementation, AttentionCall, str]:
+    call = AttentionCall.of(q, k, causal=causal, mesh=mesh, interpret=interpret, has_bias=has_bias)
     if implementation is None:
         name, reason = choose(call)
     elif implementation in IMPLEMENTATIONS:
@@ -230,6 +267,7 @@ def attention(
     v: Float[Array, "batch kv_seq heads head_dim"],
     *,
     mask: Bool[Array, "batch kv_seq"] | None = None,
+    bias: Float[Array, "#batch #heads #q_seq #kv_seq"] | None = None,
     scale: float | None = None,
     causal: bool = False,
     implementation: str | None = None,
@@ -241,8 +279,11 @@ def attention(
 ) -> Float[Array, "batch q_seq heads head_dim"]:
     """Scaled dot-product attention over ``[batch, seq, heads, head_dim]`` tensors.
 
-    ``mask`` is a key-padding mask (``True`` = attend); ``causal`` masks keys after each query (query ``i`` sees
-    keys ``j <= i``). ``implementation`` names a backend in :data:`IMPLEMENTATIONS` ("xla", "chunked", "cudnn",
+    ``mask`` is a key-padding mask (``True`` = attend); ``bias`` an additive logits bias broadcastable to
+    ``[batch, heads, q_seq, kv_seq]`` (T5's relative position bias: ``[1, heads, q_seq, kv_seq]``, never broadcast
+    over the batch), added to ``scale * q k^T`` before the mask; ``causal`` masks keys after each query (query ``i``
+    sees keys ``j <= i``). Only "xla" and "chunked" take a bias (with its gradient, computed only when the bias is
+    differentiated); ``None`` then chooses between those two. ``implementation`` names a backend in :data:`IMPLEMENTATIONS` ("xla", "chunked", "cudnn",
     "flash", "ring", "ulysses"); ``None`` chooses one (:func:`explain_choice` says which and why). One that cannot
     serve the call raises :class:`AttentionUnavailableError` saying why. Every backend matches "xla", the float32
     reference, in value and gradient.
@@ -255,19 +296,20 @@ def attention(
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     impl, call, reason = _resolve(q, k, causal=causal, implementation=implementation, mesh=mesh,
-                                  interpret=interpret)
+                                  interpret=interpret, has_bias=bias is not None)
     if implementation is None:
         logger.debug("attention: chose %r: %s", impl.name, reason)
-    return impl.run(q, k, v, mask, scale, causal, call,
+    return impl.run(q, k, v, mask, bias, scale, causal, call,
                     _Options(block_sizes, mesh, interpret, local_implementation, flash_backend))
 
 
-def explain_choice(q, k, *, causal: bool = False, mesh: Mesh | None = None,
-                   interpret: bool = False, implementation: str | None = None) -> str:
+def explain_choice(q, k, *, causal: bool = False, mesh: Mesh | None = None, interpret: bool = False,
+                   implementation: str | None = None, bias: bool = False) -> str:
     """Which implementation :func:`attention` would use for these inputs, and why (shapes and dtypes suffice:
-    ``jax.ShapeDtypeStruct`` works). Raises like :func:`attention` when the named implementation cannot serve."""
+    ``jax.ShapeDtypeStruct`` works; ``bias=True`` for a call with a logits bias). Raises like :func:`attention`
+    when the named implementation cannot serve."""
     impl, call, reason = _resolve(q, k, causal=causal, implementation=implementation, mesh=mesh,
-                                  interpret=interpret)
+                                  interpret=interpret, has_bias=bool(bias))
     if impl.name == "flash":
         backend, why = flash_backend_for(call.dtype, call.head_dim, False, causal, call.platform, interpret)
         reason += f"; forward kernel: {backend} ({why})"

@@ -10,6 +10,12 @@ two functions, a :class:`Kernel`, on ``[batch, heads, seq, head_dim]`` ("BHSD") 
 
 ``valid`` is a boolean key mask ``[batch, kv_seq]`` (``True`` = attend) or ``None``. ``causal`` lets query ``i``
 see keys ``j <= i`` (top-left aligned, as in the reference).
+
+A kernel that takes an additive logits bias (``chunked``) accepts ``bias=`` in both functions: a float array
+broadcastable to ``[batch, heads, q_seq, kv_seq]`` (an axis of length 1 is never materialised at full length), added
+to the scaled logits before masking. Its backward then also takes ``bias_grad: bool`` and returns
+``(dq, dk, dv, dbias)``, ``dbias`` float32 in the bias's own (broadcast) shape, or ``None`` when ``bias_grad`` is
+false.
 """
 
 import functools
@@ -17,6 +23,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 
 class AttentionUnavailableError(ValueError):
@@ -85,34 +92,54 @@ def to_bhsd(x):
 
 
 def attention_from_kernel(kernel: Kernel) -> Callable:
-    """``attention(q, k, v, mask, scale, causal)`` on ``[batch, seq, heads, head_dim]``, differentiated by ``kernel``.
+    """``attention(q, k, v, mask, bias, scale, causal)`` on ``[batch, seq, heads, head_dim]``, differentiated by
+    ``kernel``. ``bias`` is ``None`` or an additive logits bias (only for kernels that take one).
 
     The forward pass keeps ``q, k, v`` (as BHSD), the float32 output and ``lse``; the backward pass recomputes
-    the probabilities block by block, so memory stays linear in the sequence length.
+    the probabilities block by block, so memory stays linear in the sequence length. The bias gradient is computed
+    only when the bias is differentiated (JAX's symbolic zeros say whether it is): a constant bias costs the
+    backward pass nothing extra.
     """
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-    def attn(q, k, v, mask, scale, causal):
-        return _fwd(q, k, v, mask, scale, causal)[0]
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+    def attn(q, k, v, mask, bias, scale, causal):
+        return _forward(q, k, v, mask, bias, scale, causal)[0]
 
     # the kernel's layout from and to [batch, seq, heads, head_dim]
     convert = to_bhsd if kernel.layout == "bhsd" else (lambda x: x)
 
-    def _fwd(q, k, v, mask, scale, causal):
+    def _forward(q, k, v, mask, bias, scale, causal):
         qt, kt, vt = convert(q), convert(k), convert(v)
-        out, lse = kernel.forward(qt, kt, vt, mask, scale=scale, causal=causal)
-        return convert(out).astype(q.dtype), (qt, kt, vt, mask, out, lse)
+        extra = {} if bias is None else {"bias": bias}
+        out, lse = kernel.forward(qt, kt, vt, mask, scale=scale, causal=causal, **extra)
+        return convert(out).astype(q.dtype), (qt, kt, vt, mask, bias, out, lse)
 
-    def _bwd(scale, causal, res, dout):
-        qt, kt, vt, mask, out, lse = res
+    def _fwd(q, k, v, mask, bias, scale, causal):
+        # symbolic_zeros=True: each array argument arrives as CustomVJPPrimal(value, perturbed)
+        unwrap = [None if x is None else x.value for x in (q, k, v, mask, bias)]
+        out, res = _forward(*unwrap, scale, causal)
+        # the residuals' structure (not a traced value) carries whether the bias needs a gradient
+        return out, (res, () if bias is not None and bias.perturbed else None)
+
+    def _bwd(scale, causal, residuals, dout):
+        (qt, kt, vt, mask, bias, out, lse), bias_grad = residuals
+        if isinstance(dout, SymbolicZero):
+            dout = jnp.zeros(dout.aval.shape, dout.aval.dtype)
         do = convert(dout).astype(jnp.float32)
         delta = jnp.sum(do * out.astype(jnp.float32), axis=-1)
         if kernel.layout == "bshd":
             delta = jnp.swapaxes(delta, 1, 2)  # [b, h, q_seq], like lse
-        dq, dk, dv = kernel.backward(qt, kt, vt, mask, do, lse, delta, scale=scale, causal=causal)
-        return (convert(dq).astype(qt.dtype), convert(dk).astype(kt.dtype), convert(dv).astype(vt.dtype), None)
+        dbias = None
+        if bias is None:
+            dq, dk, dv = kernel.backward(qt, kt, vt, mask, do, lse, delta, scale=scale, causal=causal)
+        else:
+            dq, dk, dv, dbias = kernel.backward(qt, kt, vt, mask, do, lse, delta, scale=scale, causal=causal,
+                                                bias=bias, bias_grad=bias_grad is not None)
+            dbias = None if dbias is None else dbias.astype(bias.dtype)
+        return (convert(dq).astype(qt.dtype), convert(dk).astype(kt.dtype), convert(dv).astype(vt.dtype), None,
+                dbias)
 
-    attn.defvjp(_fwd, _bwd)
+    attn.defvjp(_fwd, _bwd, symbolic_zeros=True)
     return attn
 
 

@@ -9,14 +9,18 @@ import jax.numpy as jnp
 from ._common import Kernel, allowed_pairs, finish_softmax, lse_for_backward, safe_max
 
 
-def reference_attention(q, k, v, *, mask=None, scale=None, causal=False):
-    """``softmax(q k^T * scale) v`` on ``[batch, seq, heads, head_dim]`` inputs.
+def reference_attention(q, k, v, *, mask=None, bias=None, scale=None, causal=False):
+    """``softmax(q k^T * scale + bias) v`` on ``[batch, seq, heads, head_dim]`` inputs.
 
-    ``mask`` is a boolean key-padding mask ``[batch, kv_seq]`` (``True`` = attend); ``causal`` lets query ``i``
-    see keys ``j <= i``. A query row whose keys are all masked returns zeros.
+    ``mask`` is a boolean key-padding mask ``[batch, kv_seq]`` (``True`` = attend); ``bias`` an additive logits bias
+    broadcastable to ``[batch, heads, q_seq, kv_seq]`` (T5's relative position bias), added in float32 before the
+    mask; ``causal`` lets query ``i`` see keys ``j <= i``. A query row whose keys are all masked returns zeros.
+    Differentiable by JAX, with respect to the bias too.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
     if mask is not None:
         logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
     if causal:

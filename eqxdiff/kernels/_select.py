@@ -29,15 +29,16 @@ class AttentionCall:
     context: int  # size of the mesh's context axis (1 without one)
     head_shards: int  # how many ways the heads are split over the mesh's "tensor" axis (1 without one)
     interpret: bool
+    has_bias: bool = False  # an additive logits bias is given (only "xla" and "chunked" take one)
 
     @classmethod
-    def of(cls, q, k, *, causal, mesh, interpret):
+    def of(cls, q, k, *, causal, mesh, interpret, has_bias=False):
         platform = platform_of(mesh.devices.flat[0].platform if mesh is not None else None)
         axes = None if mesh is None else tuple(mesh.axis_names)
         context = mesh.shape[CONTEXT_AXIS] if axes and CONTEXT_AXIS in axes else 1
         shards = 1 if mesh is None else head_shards(mesh.shape, q.shape[2])
         return cls(q.shape[1], k.shape[1], q.shape[2], q.shape[3], jnp.dtype(q.dtype).name, causal, platform, axes,
-                   context, shards, interpret)
+                   context, shards, interpret, has_bias)
 
     @property
     def local_heads(self) -> int:
@@ -51,8 +52,9 @@ class AttentionCall:
 
 
 def choose(call: AttentionCall) -> tuple[str, str]:
-    """``(implementation, reason)`` for ``implementation=None``."""
-    if call.context > 1:
+    """``(implementation, reason)`` for ``implementation=None``. A call with a logits bias gets "xla" or "chunked",
+    the two implementations that take one."""
+    if call.context > 1 and not call.has_bias:
         heads = f"{call.local_heads} heads per device" if call.head_shards > 1 else f"heads={call.heads}"
         if call.local_heads % call.context == 0:
             return "ulysses", (f"the mesh's context axis has {call.context} devices and {heads} divide by it: "
@@ -61,7 +63,9 @@ def choose(call: AttentionCall) -> tuple[str, str]:
             return "ring", (f"the mesh's context axis has {call.context} devices and {heads} do not divide by it: "
                             f"key/value shards travel round the ring")
     where = f"{call.platform}, {call.dtype}, q_seq={call.q_len} x kv_seq={call.kv_len}"
-    if call.platform == "gpu" and cudnn_unavailable_reason(call.platform, call.dtype, call.head_dim) is None:
+    if call.has_bias:
+        where += " with a logits bias (only xla and chunked take one)"
+    elif call.platform == "gpu" and cudnn_unavailable_reason(call.platform, call.dtype, call.head_dim) is None:
         return "cudnn", f"{where}: cuDNN's fused flash attention is the vendor's fastest path"
     if call.q_len * call.kv_len <= DENSE_MAX_LOGITS.get(call.platform, DENSE_MAX_LOGITS["gpu"]):
         return "xla", f"{where}: few logits per head: the dense reference"
