@@ -21,6 +21,11 @@ FAMILY_TABLE: dict[str, str] = {
     "AutoencoderKL": "eqxdiff.models.vae:AutoencoderKL",
     "CLIPTextModel": "eqxdiff.models.clip:CLIPTextModel",
     "CLIPTextModelWithProjection": "eqxdiff.models.clip:CLIPTextModelWithProjection",
+    "CLIPVisionModel": "eqxdiff.models.clip_vision:CLIPVisionModel",
+    "CLIPVisionModelWithProjection": "eqxdiff.models.clip_vision:CLIPVisionModelWithProjection",
+    # T5 / UMT5 text encoders (Flux, LTX-Video, Wan)
+    "T5EncoderModel": "eqxdiff.models.t5:T5EncoderModel",
+    "UMT5EncoderModel": "eqxdiff.models.t5:UMT5EncoderModel",
     # ControlNet
     "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
 }

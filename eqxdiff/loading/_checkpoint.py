@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .. import nn
 from ..core import ModelConfig, family_names, resolve_class
-from ._convert import Rule, Substitute, convert
+from ._convert import Drop, Rename, Rule, Substitute, convert
 from ._errors import CheckpointError
 from ._fill import fill_module, state_dict
 from ._safetensors import SafetensorsFile, write_safetensors
@@ -114,6 +114,20 @@ def key_map_rules(key_map) -> tuple[Rule, ...]:
     """A model's ``CHECKPOINT_KEY_MAP`` (``(pattern, replacement)`` regexes, ``re.sub`` in turn on every name: the
     names another library version wrote) as conversion rules."""
     return tuple(Substitute(pattern, replacement) for pattern, replacement in key_map)
+
+
+def alias_rules(aliases: Mapping[str, Sequence[str]], names) -> tuple[Rule, ...]:
+    """A model's ``CHECKPOINT_ALIASES`` (``{name: (alias, ...)}``: a tied tensor that files store under ``name``, an
+    alias, or both) as rules for a checkpoint holding ``names``: ``name`` is read from the first alias held when
+    the checkpoint lacks it; the other aliases held are dropped."""
+    names, rules = set(names), []
+    for name, others in aliases.items():
+        held = [a for a in others if a in names]
+        if held and name not in names:
+            rules.append(Rename(held.pop(0), name))
+        if held:
+            rules.append(Drop(tuple(held)))
+    return tuple(rules)
 
 
 class CheckpointFiles:
@@ -250,6 +264,8 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
     abstract = eqx.filter_eval_shape(build)
     rules = (*conversion, *key_map_rules(getattr(cls, "CHECKPOINT_KEY_MAP", ())))
     checkpoint = convert(CheckpointFiles(files), rules, where=where)
+    checkpoint = convert(checkpoint, alias_rules(getattr(cls, "CHECKPOINT_ALIASES", {}), checkpoint.names()),
+                         where=where)
     hint = ("Check that the config and the conversion rules fit this file." if conversion or lone.is_file()
             else "Check that config.json belongs to these weights.")
     return fill_module(abstract, checkpoint, dtype=dt, sharding=sharding,

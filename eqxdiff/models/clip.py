@@ -123,8 +123,9 @@ class CLIPEncoderLayer(eqx.Module):
         self.mlp = CLIPMLP(config, dtype=dtype, key=km)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=dtype)
 
-    def __call__(self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq"] | None):
-        x = x + self.self_attn(self.layer_norm1(x), mask=mask, causal=True)
+    def __call__(self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq"] | None, *,
+                 causal: bool = True):
+        x = x + self.self_attn(self.layer_norm1(x), mask=mask, causal=causal)  # the vision tower: causal=False
         return x + self.mlp(self.layer_norm2(x))
 
 
