@@ -35,6 +35,7 @@ from ..loading import CheckpointError, read_config, resolve_folder
 from ..parallel import MeshConfig, initialize_distributed, make_mesh
 from ..pipelines import DiffusionPipeline, load_pipeline, save_outputs
 from ..schedulers import SCHEDULERS
+from ._command import run_command
 from ._options import FamilyOptions, family_options
 
 DEFAULT_MODEL = "digits"
@@ -233,13 +234,8 @@ def _parameters(args, pipe, outputs) -> dict:
 
 
 def cli() -> None:
-    """The ``eqxdiff-generate`` console command: :func:`main`, with a bad model, flag value or input reported in
-    one line (``error: ...``, exit status 2) instead of a traceback."""
-    try:
-        main(prog=Path(sys.argv[0]).name)
-    except (ValueError, OSError) as e:  # CheckpointError, ConfigError and MeshError are ValueErrors
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    """The ``eqxdiff-generate`` console command (see :func:`eqxdiff.cli._command.run_command`)."""
+    run_command(main)
 
 
 if __name__ == "__main__":

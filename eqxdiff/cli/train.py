@@ -20,7 +20,10 @@ import tyro
 
 from ..parallel import MeshConfig
 from ..train import DigitsArchitecture, Objective, OptimizerConfig, TrainConfig, run
+from ._command import run_command
 
+DESCRIPTION = ("Train or fine-tune a Stable Diffusion model: every field of eqxdiff.train.TrainConfig is a flag, a "
+               "preset sets the defaults.")
 PRESETS = {
     "digits": (
         ("The digits model shipped with eqxdiff: SD classes at a small size, trained from scratch on "
@@ -60,7 +63,7 @@ PRESETS = {
 def parse(argv: Sequence[str] | None = None, *, prog: str | None = None) -> TrainConfig:
     """The :class:`~eqxdiff.train.TrainConfig` a command line (default ``sys.argv[1:]``) selects: a preset's, with
     the flags given."""
-    return tyro.extras.overridable_config_cli(PRESETS, args=argv, prog=prog, description=__doc__.split("\n\n")[0])
+    return tyro.extras.overridable_config_cli(PRESETS, args=argv, prog=prog, description=DESCRIPTION)
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> None:
@@ -74,12 +77,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> None:
 
 
 def cli() -> None:
-    """The ``eqxdiff-train`` console command: :func:`main`, with bad flag values and data reported in one line."""
-    try:
-        main(prog=Path(sys.argv[0]).name)
-    except (ValueError, OSError) as e:  # DataError, CheckpointError, ConfigError and MeshError are ValueErrors
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    """The ``eqxdiff-train`` console command (see :func:`eqxdiff.cli._command.run_command`)."""
+    run_command(main)
 
 
 if __name__ == "__main__":
