@@ -108,13 +108,15 @@ def test_generate_unknown_family_lists_what_eqxdiff_serves(tmp_path):
         generate.main(["--model", str(tmp_path)])
 
 
-def test_generate_output_path_that_is_a_file_fails_before_loading(tmp_path):
+def test_generate_bad_output_path_or_input_file_fails_before_loading(tmp_path):
     # A Stable Diffusion index without its components: loading it would fail with "lacks component(s)".
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
     (tmp_path / "taken").write_text("")
     with pytest.raises(ValueError, match="is a file"):
         generate.main(["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "taken")])
+    with pytest.raises(FileNotFoundError, match="--image .*missing.png'?: no such file"):
+        generate.main(["--model", str(tmp_path / "model"), "--image", str(tmp_path / "missing.png")])
 
 
 # -- a family the script has never heard of: a video pipeline declared only by its __call__ -----------------------

@@ -14,6 +14,7 @@ arguments as diffusers does.
 import dataclasses
 import enum
 import inspect
+import os
 import re
 import types
 import typing
@@ -151,8 +152,11 @@ class FamilyOptions:
         ``[F, H, W, 3]``), every other value as parsed."""
         kwargs = {f.name: getattr(values, f.name) for f in dataclasses.fields(values)}
         for name, kind in self.media.items():
-            if kwargs.get(name) is not None:
-                kwargs[name] = (read_image if kind == "image" else read_video)(kwargs[name])
+            path = kwargs.get(name)
+            if path is not None:
+                if not Path(path).is_file():
+                    raise FileNotFoundError(f"--{name.replace('_', '-')} {os.fspath(path)!r}: no such file")
+                kwargs[name] = (read_image if kind == "image" else read_video)(path)
         return kwargs
 
 

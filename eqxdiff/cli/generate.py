@@ -29,6 +29,7 @@ from typing import Annotated, Literal
 
 import jax
 import tyro
+from huggingface_hub import hf_hub_download
 
 from ..core import family_names, resolve_class
 from ..loading import CheckpointError, read_config, resolve_folder
@@ -107,8 +108,6 @@ def pipeline_class(model: str, revision: str | None = None) -> type[DiffusionPip
     """The eqxdiff pipeline class serving ``model`` (a folder, a Hub id or a shipped name), from its
     ``model_index.json`` alone (a Hub id fetches only that file)."""
     if _is_hub_id(model):
-        from huggingface_hub import hf_hub_download
-
         try:
             folder = Path(hf_hub_download(model, "model_index.json", revision=revision)).parent
         except Exception as e:  # network, auth, offline and missing-file errors all end here
@@ -184,6 +183,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
     if run.output_dir.exists() and not run.output_dir.is_dir():  # before minutes of loading and compiling
         raise ValueError(f"--output-dir {os.fspath(run.output_dir)!r} is a file; pass a folder (created if "
                          "missing)")
+    kwargs = family.call_kwargs(args.pipeline)  # input files are read (or found missing) before loading too
     initialize_distributed(hosts.coordinator_address, hosts.num_processes, hosts.process_id)
     if run.compilation_cache_dir is not None:
         jax.config.update("jax_compilation_cache_dir", os.fspath(run.compilation_cache_dir))
@@ -198,7 +198,6 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
                          attention=run.attention, activations_dtype=run.activations_dtype, mesh=mesh,
                          offload_encoders=run.offload_encoders, scan_layers=run.scan_layers)
     load_s = time.perf_counter() - t0
-    kwargs = family.call_kwargs(args.pipeline)
     if "progress" in kwargs:
         kwargs["progress"] = kwargs["progress"] and main_process
     compile_before = _CompileSeconds.now()
