@@ -1,5 +1,6 @@
 """The spatial transformer of the Stable Diffusion UNets: diffusers' ``Transformer2DModel`` (continuous input,
-``layer_norm``) built from ``BasicTransformerBlock`` s with a GEGLU feed-forward. Channels-last throughout."""
+``layer_norm``) built from ``BasicTransformerBlock`` s with a GEGLU feed-forward (``nn.FeedForward``).
+Channels-last throughout."""
 
 from typing import ClassVar
 
@@ -9,38 +10,7 @@ import jax.numpy as jnp
 
 from .._typing import Array, Bool, Float, PRNGKeyArray, typechecked
 from ..core import Plan, constrain
-from ..nn import Attention, Conv2d, GroupNorm, LayerNorm, Linear, Stacked, run_layers
-
-
-class GEGLU(eqx.Module):
-    """``h * gelu(gate)`` where ``[h, gate] = proj(x)`` (exact, erf-based GELU as PyTorch's default)."""
-
-    proj: Linear
-
-    def __init__(self, dim_in: int, dim_out: int, *, dtype=jnp.float32, key: PRNGKeyArray):
-        self.proj = Linear(dim_in, 2 * dim_out, axes=("mlp", "embed"), dtype=dtype, key=key)
-
-    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch inner"]:
-        h, gate = jnp.split(self.proj(x), 2, axis=-1)
-        return h * jax.nn.gelu(gate, approximate=False)
-
-
-class FeedForward(eqx.Module):
-    """``net.2(GEGLU(x))`` with diffusers' names: ``net.0.proj`` in, ``net.2`` out (``net.1`` is dropout)."""
-
-    TORCH_RENAMES: ClassVar[dict[str, str]] = {"geglu": "net.0", "proj_out": "net.2"}
-
-    geglu: GEGLU
-    proj_out: Linear
-    plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
-
-    def __init__(self, dim: int, *, mult: int = 4, dtype=jnp.float32, key: PRNGKeyArray):
-        k1, k2 = jax.random.split(key)
-        self.geglu = GEGLU(dim, dim * mult, dtype=dtype, key=k1)
-        self.proj_out = Linear(dim * mult, dim, axes=("embed", "mlp"), dtype=dtype, key=k2)
-
-    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        return self.proj_out(constrain(self.geglu(x), self.plan, ("batch", "seq", "mlp")))
+from ..nn import Attention, Conv2d, FeedForward, GroupNorm, LayerNorm, Linear, Stacked, run_layers
 
 
 class BasicTransformerBlock(eqx.Module):

@@ -1,11 +1,17 @@
 """Channels-last layers that load from PyTorch checkpoints."""
 
 from ._attention import ATTENTION_NAMES as ATTENTION_NAMES
+from ._attention import QK_NORMS as QK_NORMS
 from ._attention import Attention as Attention
 from ._attention import with_attention_implementation as with_attention_implementation
+from ._conv3d import CausalConv3d as CausalConv3d
+from ._conv3d import Conv3d as Conv3d
 from ._embeddings import TextProjection as TextProjection
 from ._embeddings import TimestepEmbedding as TimestepEmbedding
 from ._embeddings import timestep_embedding as timestep_embedding
+from ._embeddings import timestep_frequencies as timestep_frequencies
+from ._feedforward import FEEDFORWARD_ACTIVATIONS as FEEDFORWARD_ACTIVATIONS
+from ._feedforward import FeedForward as FeedForward
 from ._layers import Conv2d as Conv2d
 from ._layers import Embedding as Embedding
 from ._layers import GroupNorm as GroupNorm
@@ -13,9 +19,20 @@ from ._layers import LayerNorm as LayerNorm
 from ._layers import Linear as Linear
 from ._layers import RMSNorm as RMSNorm
 from ._layers import activation as activation
+from ._modulation import AdaLayerNormContinuous as AdaLayerNormContinuous
+from ._modulation import AdaLayerNormZero as AdaLayerNormZero
+from ._modulation import ScaleShiftTable as ScaleShiftTable
+from ._modulation import gated_residual as gated_residual
+from ._modulation import modulate as modulate
 from ._resnet import Downsample2D as Downsample2D
 from ._resnet import ResnetBlock2D as ResnetBlock2D
 from ._resnet import Upsample2D as Upsample2D
+from ._rope import Rope as Rope
+from ._rope import apply_rope as apply_rope
+from ._rope import flux_rope as flux_rope
+from ._rope import ltx_rope as ltx_rope
+from ._rope import rope_angles as rope_angles
+from ._rope import wan_rope as wan_rope
 from ._stack import Stacked as Stacked
 from ._stack import run_layers as run_layers
 from ._stack import scan_layers as scan_layers

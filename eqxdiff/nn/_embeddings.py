@@ -12,15 +12,25 @@ from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
 from ._layers import Linear, activation
 
 
+def timestep_frequencies(dim: int, *, freq_shift: float | int, max_period: float | int = 10000.0) -> np.ndarray:
+    """The ``dim // 2`` float32 frequencies of :func:`timestep_embedding`, ``exp(-log(max_period) * i / (dim // 2 -
+    freq_shift))``. The exponent is rounded in float32 step by step as PyTorch forms it (a frequency one ulp off moves
+    the angle of t = 999 by ~3e-5); its exp is correctly rounded (from float64), where PyTorch's float32 exp is
+    within one ulp of that."""
+    half = dim // 2
+    exponent = np.float32(-math.log(max_period)) * np.arange(half, dtype=np.float32) / np.float32(half - freq_shift)
+    return np.exp(exponent.astype(np.float64)).astype(np.float32)
+
+
+@typechecked
 def timestep_embedding(t: Float[Array, "*n"] | Int[Array, "*n"], dim: int, *, flip_sin_to_cos: bool,
-                       freq_shift: float, scale: float = 1.0, max_period: float = 10000.0) -> Float[Array, "*n dim"]:
+                       freq_shift: float | int, scale: float | int = 1.0,
+                       max_period: float | int = 10000.0) -> Float[Array, "*n dim"]:
     """Sinusoidal embeddings of (possibly fractional) timesteps, in float32, as diffusers' ``Timesteps`` /
     ``get_timestep_embedding`` (``freq_shift`` is its ``downscale_freq_shift``). ``t`` may have any shape (per-token
     timesteps: ``[batch, seq]``); the embedding is added as a last axis."""
-    half = dim // 2
-    # Frequencies as a float32 constant, rounded once from float64 (PyTorch computes exp in float32).
-    freqs = np.exp(-math.log(max_period) * np.arange(half, dtype=np.float64) / (half - freq_shift))
-    args = t.astype(jnp.float32)[..., None] * jnp.asarray(freqs, jnp.float32)
+    freqs = timestep_frequencies(dim, freq_shift=freq_shift, max_period=max_period)
+    args = t.astype(jnp.float32)[..., None] * jnp.asarray(freqs)
     if scale != 1.0:
         args = scale * args
     sin, cos = jnp.sin(args), jnp.cos(args)
@@ -93,4 +103,4 @@ class TextProjection(eqx.Module):
         return self.linear_2(_TEXT_PROJECTION_ACTIVATIONS[self.act_fn](self.linear_1(x)))
 
 
-__all__ = ["TextProjection", "TimestepEmbedding", "timestep_embedding"]
+__all__ = ["TextProjection", "TimestepEmbedding", "timestep_embedding", "timestep_frequencies"]

@@ -1,0 +1,494 @@
+"""The diffusion-transformer building blocks in ``eqxdiff.nn`` against diffusers' modules, layer by layer (float32,
+every weight randomised, relative error <= 1e-5): QK norms, LayerNorm without affine, adaptive-norm modulation,
+timestep/text embedders, the feed-forward, rotary tables (Flux, Wan, LTX) and their application, Conv3d and the
+causal 3-D convolutions, and the attention with QK-norm, RoPE and joint / added key-value projections. Each layer is
+loaded from the PyTorch module's own ``state_dict`` (so its checkpoint names are checked too) and every parameter
+must declare logical axes."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from diffusers.models.attention import FeedForward as TFeedForward
+from diffusers.models.autoencoders.autoencoder_kl_ltx import LTXVideoCausalConv3d
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+from diffusers.models.embeddings import PixArtAlphaTextProjection, get_timestep_embedding
+from diffusers.models.embeddings import TimestepEmbedding as TTimestepEmbedding
+from diffusers.models.normalization import AdaLayerNormContinuous as TAdaContinuous
+from diffusers.models.normalization import AdaLayerNormZero as TAdaZero
+from diffusers.models.normalization import AdaLayerNormZeroSingle as TAdaZeroSingle
+from diffusers.models.normalization import FP32LayerNorm
+from diffusers.models.normalization import RMSNorm as TRMSNorm
+from diffusers.models.transformers.transformer_flux import FluxAttention, FluxPosEmbed
+from diffusers.models.transformers.transformer_ltx import LTXAttention, LTXVideoRotaryPosEmbed
+from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx_apply_rotary_emb
+from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor, WanRotaryPosEmbed
+
+from eqxdiff import nn
+from eqxdiff.core import leaf_specs
+from eqxdiff.loading import fill_module
+
+from ._util import assert_close, randomize_torch, to_jax
+from .test_nn import _Checkpoint
+
+TOL = 1e-5
+
+
+def _load(make, ref, seed=0):
+    """``make()`` (built abstractly) filled from ``ref``'s randomised state dict (names and shapes must match both
+    ways); every leaf of it declares logical axes of the right rank."""
+    randomize_torch(ref, seed)
+    module = fill_module(eqx.filter_eval_shape(make), _Checkpoint({k: v.numpy() for k, v in ref.state_dict().items()}))
+    _, specs, _ = leaf_specs(module)
+    assert specs, "no parameters"
+    for leaf, spec in zip(jax.tree.leaves(module), specs):
+        assert spec.axes is not None and len(spec.axes) == leaf.ndim, f"{spec.name}: axes {spec.axes}"
+    return module
+
+
+@eqx.filter_jit
+def _jit(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` compiled as one program (``fn`` a module, its bound method or a function): far fewer
+    compilations than running the layer op by op."""
+    return fn(*args, **kwargs)
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _key():
+    return jax.random.key(0)
+
+
+# -- norms ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eps,affine", [(1e-6, True), (1e-5, True), (1e-6, False)])
+def test_qk_rms_norms_per_head_and_across_heads(eps, affine):
+    heads, dim_head = 3, 8
+    x = _randn(2, 5, heads * dim_head) * 3
+    across = torch.nn.RMSNorm(heads * dim_head, eps=eps, elementwise_affine=affine)
+    per_head = torch.nn.RMSNorm(dim_head, eps=eps, elementwise_affine=affine)
+    if affine:
+        ours_across = _load(lambda: nn.RMSNorm(heads * dim_head, eps=eps), across, 1)
+        ours_head = _load(lambda: nn.RMSNorm(dim_head, eps=eps), per_head, 2)
+    else:
+        ours_across = nn.RMSNorm(heads * dim_head, eps=eps, elementwise_affine=False)
+        ours_head = nn.RMSNorm(dim_head, eps=eps, elementwise_affine=False)
+    with torch.no_grad():
+        assert_close(ours_across(to_jax(x)), across(x), TOL, "across heads")
+        x4 = x.unflatten(-1, (heads, dim_head))
+        assert_close(ours_head(to_jax(x4)), per_head(x4), TOL, "per head")
+        # diffusers' own RMSNorm (LTX's norm1/norm2: no affine, eps 1e-6)
+        assert_close(nn.RMSNorm(24, eps=eps, elementwise_affine=False)(to_jax(x)),
+                     TRMSNorm(24, eps=eps, elementwise_affine=False)(x), TOL, "diffusers RMSNorm")
+
+
+@pytest.mark.parametrize("affine,bias,eps", [(False, True, 1e-6), (True, True, 1e-6), (True, False, 1e-5)])
+def test_layernorm_without_affine_and_fp32_layernorm(affine, bias, eps):
+    x = _randn(2, 7, 16) * 2 + 1
+    ref = FP32LayerNorm(16, eps=eps, elementwise_affine=affine, bias=bias)
+    ours = nn.LayerNorm(16, eps=eps, elementwise_affine=affine, use_bias=bias)
+    ours = _load(lambda: ours, ref, 3) if affine else ours
+    with torch.no_grad():
+        assert_close(_jit(ours, to_jax(x)), ref(x), TOL)
+        plain = torch.nn.LayerNorm(16, elementwise_affine=False, eps=1e-6)  # Flux's norm2, AdaLayerNormZero's norm
+        assert_close(nn.LayerNorm(16, eps=1e-6, elementwise_affine=False)(to_jax(x)), plain(x), TOL)
+    # statistics in float32 for a bfloat16 input: the bf16 result is the float32 one rounded
+    y = nn.LayerNorm(16, eps=eps, elementwise_affine=False)(to_jax(x).astype(jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16
+    assert_close(y.astype(jnp.float32), torch.nn.functional.layer_norm(x, (16,), eps=eps), 1e-2)
+
+
+# -- modulation ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("single", [False, True])
+def test_ada_layer_norm_zero_matches_diffusers(single):
+    dim = 12
+    ref = TAdaZeroSingle(dim) if single else TAdaZero(dim)
+    ours = _load(lambda: nn.AdaLayerNormZero(dim, num_chunks=3 if single else 6, key=_key()), ref, 4)
+    x, emb = _randn(2, 5, dim, seed=1), _randn(2, dim, seed=2)
+    with torch.no_grad():
+        expected = ref(x, emb=emb)
+    got = _jit(ours, to_jax(x), to_jax(emb))
+    assert len(got) == len(expected) == (2 if single else 5)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert_close(a, b, TOL, f"output {i}")
+
+
+@pytest.mark.parametrize("affine,norm_type,eps", [(False, "layer_norm", 1e-6), (True, "rms_norm", 1e-5)])
+def test_ada_layer_norm_continuous_is_scale_then_shift(affine, norm_type, eps):
+    dim, cond = 12, 10
+    ref = TAdaContinuous(dim, cond, elementwise_affine=affine, eps=eps, norm_type=norm_type)
+    ours = _load(lambda: nn.AdaLayerNormContinuous(dim, cond, elementwise_affine=affine, eps=eps, norm_type=norm_type,
+                                           key=_key()), ref, 5)
+    x, emb = _randn(2, 6, dim, seed=1), _randn(2, cond, seed=2)
+    with torch.no_grad():
+        assert_close(_jit(ours, to_jax(x), to_jax(emb)), ref(x, emb), TOL)
+
+
+class _Table(eqx.Module):
+    scale_shift_table: nn.ScaleShiftTable
+
+
+class _TorchTable(torch.nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.scale_shift_table = torch.nn.Parameter(torch.zeros(shape))
+
+
+def test_scale_shift_tables_of_wan_and_ltx():
+    """The arithmetic of diffusers' Wan and LTX blocks and heads (their expressions) on randomised tables."""
+    d, b, s = 8, 2, 3
+
+    def table(shape, seed):
+        ref = _TorchTable(shape)
+        ours = _load(lambda: _Table(nn.ScaleShiftTable(shape[-2], d, shape=shape, key=_key())), ref, seed)
+        return ours.scale_shift_table, ref.scale_shift_table.detach()
+
+    def check(ours, temb, expected):
+        got = _jit(ours, to_jax(temb))
+        assert len(got) == len(expected)
+        for a, e in zip(got, expected):
+            assert_close(a, e, TOL)
+
+    # Wan blocks: temb [b, 6, d] (its chunks [b, 1, d], ours [b, d]: the same broadcast over tokens); per token
+    # [b, s, 6, d]
+    ours, wan = table((1, 6, d), 6)
+    check(ours, temb := _randn(b, 6, d, seed=7), [c.squeeze(1) for c in (wan + temb).chunk(6, dim=1)])
+    check(ours, temb := _randn(b, s, 6, d, seed=8), [c.squeeze(2) for c in (wan.unsqueeze(0) + temb).chunk(6, dim=2)])
+    ours, ltx = table((6, d), 7)  # LTX blocks: temb [b, s', 6d]
+    check(ours, temb := _randn(b, 1, 6 * d, seed=9), (ltx[None, None] + temb.reshape(b, 1, 6, -1)).unbind(dim=2))
+    ours, wan = table((1, 2, d), 8)  # Wan's head: table + temb.unsqueeze(1), temb [b, d]
+    check(ours, temb := _randn(b, d, seed=10), [c.squeeze(1) for c in (wan + temb.unsqueeze(1)).chunk(2, dim=1)])
+    ours, ltx = table((2, d), 9)  # LTX's head: table[None, None] + embedded_timestep[:, :, None]
+    check(ours, temb := _randn(b, s, d, seed=11), (ltx[None, None] + temb[:, :, None]).unbind(dim=2))
+    with pytest.raises(ValueError, match=r"temb of shape \(2, 5\) for a table of 2 x 8"):
+        ours(jnp.zeros((2, 5)))
+    with pytest.raises(ValueError, match=r"shape=\(6, 9\) must be"):
+        nn.ScaleShiftTable(6, d, shape=(6, 9), key=_key())
+
+
+def test_modulate_and_gate_broadcast_per_sample_and_per_token():
+    x, shift, scale, gate, y = (_randn(*s, seed=i) for i, s in enumerate([(2, 4, 6), (2, 6), (2, 6), (2, 6),
+                                                                         (2, 4, 6)]))
+    assert_close(_jit(nn.modulate, to_jax(x), to_jax(shift), to_jax(scale)), x * (1 + scale[:, None]) + shift[:, None],
+                 TOL)
+    assert_close(_jit(nn.gated_residual, to_jax(x), to_jax(y), to_jax(gate)), x + gate[:, None] * y, TOL)
+    per_token = _randn(2, 4, 6, seed=9)
+    assert_close(_jit(nn.modulate, to_jax(x), to_jax(per_token), to_jax(per_token)), x * (1 + per_token) + per_token,
+                 TOL)
+
+
+# -- embedders and feed-forward ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim,flip,shift,scale", [(256, True, 0, 1.0), (32, False, 1, 1.0), (33, True, 1, 2.5)])
+def test_timestep_embedding_matches_diffusers(dim, flip, shift, scale):
+    t = torch.tensor([0.0, 1.0, 17.5, 99.0, 0.25])
+    expected = get_timestep_embedding(t, dim, flip_sin_to_cos=flip, downscale_freq_shift=shift, scale=scale)
+    got = nn.timestep_embedding(to_jax(t), dim, flip_sin_to_cos=flip, freq_shift=shift, scale=scale)
+    assert_close(got, expected, TOL)
+    # per-token timesteps [batch, seq] (Wan 2.2 TI2V) embed row by row
+    per_token = nn.timestep_embedding(to_jax(t).reshape(1, 5), dim, flip_sin_to_cos=flip, freq_shift=shift,
+                                      scale=scale)
+    np.testing.assert_array_equal(per_token[0], got)
+
+
+@pytest.mark.parametrize("dim,shift", [(256, 0), (320, 1), (1280, 0)])
+def test_timestep_frequencies_and_large_timesteps(dim, shift):
+    """Near t = 1000 an angle's own float32 ulp is ~6e-5, so a frequency one ulp off (PyTorch's float32 exp is not
+    correctly rounded everywhere; ours is, from float64) moves the embedding by more than 1e-5. So: the frequencies
+    equal diffusers' up to that ulp, and the rest of the computation matches diffusers' formula on our frequencies."""
+    half = dim // 2
+    theirs = torch.exp(-math.log(10000) * torch.arange(0, half, dtype=torch.float32) / (half - shift)).numpy()
+    ours = nn.timestep_frequencies(dim, freq_shift=shift)
+    np.testing.assert_array_max_ulp(ours, theirs, maxulp=1)
+    assert np.mean(ours == theirs) > 0.95
+    t = torch.tensor([999.0, 500.5, 0.0, 981.25])
+    args = t[:, None] * torch.from_numpy(ours)[None]
+    expected = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    assert_close(nn.timestep_embedding(to_jax(t), dim, flip_sin_to_cos=True, freq_shift=shift), expected, TOL)
+
+
+@pytest.mark.parametrize("cond,out_dim", [(None, None), (6, 10)])
+def test_timestep_embedding_module_and_text_projection(cond, out_dim):
+    ref = TTimestepEmbedding(16, 12, cond_proj_dim=cond, out_dim=out_dim)
+    ours = _load(lambda: nn.TimestepEmbedding(16, 12, cond_proj_dim=cond, out_dim=out_dim, key=_key()), ref, 11)
+    x = _randn(3, 16, seed=1)
+    c = _randn(3, cond, seed=2) if cond else None
+    with torch.no_grad():
+        assert_close(_jit(ours, to_jax(x), None if c is None else to_jax(c)), ref(x, c), TOL)
+    for act in ("gelu_tanh", "silu"):
+        ref = PixArtAlphaTextProjection(16, 12, out_features=out_dim, act_fn=act)
+        ours = _load(lambda: nn.TextProjection(16, 12, out_dim, act_fn=act, key=_key()), ref, 12)
+        with torch.no_grad():
+            assert_close(_jit(ours, to_jax(_randn(2, 5, 16))), ref(_randn(2, 5, 16)), TOL, act)
+    with pytest.raises(ValueError, match="act_fn='relu'"):
+        nn.TextProjection(16, 12, act_fn="relu", key=_key())
+
+
+@pytest.mark.parametrize("activation,kwargs", [("gelu-approximate", {}), ("gelu", {"inner_dim": 20, "dim_out": 7}),
+                                               ("geglu", {"mult": 2, "bias": False})])
+def test_feedforward_matches_diffusers(activation, kwargs):
+    ref = TFeedForward(12, activation_fn=activation, **kwargs)
+    ours = _load(lambda: nn.FeedForward(12, activation=activation, key=_key(), **kwargs), ref, 13)
+    x = _randn(2, 5, 12)
+    with torch.no_grad():
+        assert_close(_jit(ours, to_jax(x)), ref(x), TOL)
+    with pytest.raises(ValueError, match="activation='swiglu'"):
+        nn.FeedForward(12, activation="swiglu", key=_key())
+
+
+# -- rotary embeddings ---------------------------------------------------------------------------------------------
+
+
+def _flux_ids(text: int, h: int, w: int) -> np.ndarray:
+    img = np.zeros((h, w, 3))
+    img[..., 1] = np.arange(h)[:, None]
+    img[..., 2] = np.arange(w)[None, :]
+    return np.concatenate([np.zeros((text, 3)), img.reshape(-1, 3)])
+
+
+@pytest.mark.parametrize("axes_dim,grid", [((4, 4, 8), (3, 5)), ((16, 56, 56), (40, 64))])
+def test_flux_rope_tables(axes_dim, grid):
+    ids = _flux_ids(4, *grid)
+    cos, sin = FluxPosEmbed(10000, list(axes_dim))(torch.from_numpy(ids))
+    ours = nn.flux_rope(ids, axes_dim)
+    assert_close(ours.cos, cos, TOL)
+    assert_close(ours.sin, sin, TOL)
+    with pytest.raises(ValueError, match=r"ids of shape \(5, 2\)"):
+        nn.flux_rope(np.zeros((5, 2)), axes_dim)
+
+
+@pytest.mark.parametrize("head_dim,grid", [(12, (2, 3, 4)), (128, (9, 30, 52))])
+def test_wan_rope_tables(head_dim, grid):
+    f, h, w = grid
+    rope = WanRotaryPosEmbed(head_dim, (1, 2, 2), max_seq_len=1024)
+    cos, sin = rope(torch.zeros(1, 1, f, 2 * h, 2 * w))
+    ours = nn.wan_rope(head_dim, grid)
+    assert_close(ours.cos, cos[0, :, 0], TOL)
+    assert_close(ours.sin, sin[0, :, 0], TOL)
+
+
+@pytest.mark.parametrize("dim,grid,scale", [(32, (2, 3, 4), (8 / 25, 32, 32)), (16, (3, 2, 2), (1 / 3, 8, 8)),
+                                            (30, (2, 2, 3), None), (12, (1, 4, 4), (0.32, 32, 32))])
+def test_ltx_rope_tables_with_front_padding(dim, grid, scale):
+    """dim % 6 != 0 pads the front with cos 1, sin 0 (32: 2 channels, 16: 4); LTX's angles are float32's."""
+    cos, sin = LTXVideoRotaryPosEmbed(dim)(torch.zeros(1, 1), *grid, rope_interpolation_scale=scale)
+    ours = nn.ltx_rope(dim, grid=grid, interpolation_scale=scale)
+    assert ours.cos.shape == (1, math.prod(grid), dim)
+    assert_close(ours.cos, cos, TOL)
+    assert_close(ours.sin, sin, TOL)
+    pad = dim % 6
+    np.testing.assert_array_equal(ours.cos[..., :pad], 1)
+    np.testing.assert_array_equal(ours.sin[..., :pad], 0)
+
+
+def test_ltx_rope_from_video_coords_and_errors():
+    coords = _randn(2, 3, 10).abs() * torch.tensor([8.0, 300.0, 300.0])[None, :, None]
+    cos, sin = LTXVideoRotaryPosEmbed(32)(torch.zeros(2, 1), video_coords=coords)
+    ours = nn.ltx_rope(32, coords=coords.numpy())
+    assert_close(ours.cos, cos, TOL)
+    assert_close(ours.sin, sin, TOL)
+    with pytest.raises(ValueError, match="either grid"):
+        nn.ltx_rope(32, grid=(1, 2, 2), coords=coords.numpy())
+    with pytest.raises(ValueError, match=r"coords of shape \(2, 10\)"):
+        nn.ltx_rope(32, coords=np.zeros((2, 10)))
+
+
+def test_apply_rope_matches_diffusers_rotations():
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    b, s, heads, head_dim = 2, 6, 3, 8
+    x = _randn(b, s, heads, head_dim)
+    rope = nn.flux_rope(_flux_ids(2, 2, 2), (2, 2, 4))
+    expected = apply_rotary_emb(x, (torch.from_numpy(rope.cos), torch.from_numpy(rope.sin)), sequence_dim=1)
+    assert_close(_jit(nn.apply_rope, to_jax(x), rope), expected, TOL, "flux")
+    # LTX: one table over heads * head_dim, rotated before the head split; with a batch axis
+    table = nn.ltx_rope(heads * head_dim, coords=_randn(b, 3, s, seed=3).abs().numpy() * 100)
+    flat = x.flatten(2)
+    expected = ltx_apply_rotary_emb(flat, (torch.from_numpy(table.cos), torch.from_numpy(table.sin)))
+    assert_close(_jit(nn.apply_rope, to_jax(x), table).reshape(b, s, -1), expected, TOL, "ltx")
+    with pytest.raises(ValueError, match="tables with 5 channels"):
+        _jit(nn.apply_rope, to_jax(x), nn.Rope(np.ones((s, 5)), np.ones((s, 5))))
+
+
+# -- 3-D convolutions ----------------------------------------------------------------------------------------------
+
+
+def _ncthw_to_jax(t):
+    return jnp.moveaxis(to_jax(t), 1, -1)
+
+
+@pytest.mark.parametrize("kernel,stride,padding", [(3, 1, 1), ((1, 2, 2), (1, 2, 2), 0), ((3, 3, 1), 2, (1, 0, 2))])
+def test_conv3d_matches_torch(kernel, stride, padding):
+    ref = torch.nn.Conv3d(4, 6, kernel, stride=stride, padding=padding)
+    ours = _load(lambda: nn.Conv3d(4, 6, kernel, stride=stride, padding=padding, key=_key()), ref, 14)
+    x = _randn(2, 4, 5, 6, 7)
+    with torch.no_grad():
+        assert_close(_jit(ours, _ncthw_to_jax(x)), _ncthw_to_jax(ref(x)), TOL)
+    with pytest.raises(ValueError, match=r"cin=4\], got shape"):
+        _jit(ours, jnp.zeros((1, 2, 3, 3, 5)))
+    with pytest.raises(ValueError, match="kernel_size=.*three of them"):
+        nn.Conv3d(4, 6, (3, 3), key=_key())
+
+
+@pytest.mark.parametrize("kernel,stride,padding", [(3, 1, 1), ((3, 1, 1), 1, (1, 0, 0)), ((3, 1, 1), (2, 1, 1), 0),
+                                                   (1, 1, 0)])
+def test_causal_conv3d_matches_wan(kernel, stride, padding):
+    ref = WanCausalConv3d(4, 6, kernel, stride=stride, padding=padding)
+    ours = _load(lambda: nn.CausalConv3d(4, 6, kernel, stride=stride, padding=padding, key=_key()), ref, 15)
+    x = _randn(1, 4, 5, 6, 6)
+    with torch.no_grad():
+        assert_close(_jit(ours, _ncthw_to_jax(x)), _ncthw_to_jax(ref(x)), TOL)
+        if ours.time_padding[0]:  # chunked: the previous chunk's last frames stand in for the front padding
+            cache = _randn(1, 4, 1, 6, 6, seed=3)
+            assert_close(_jit(ours, _ncthw_to_jax(x), cache=_ncthw_to_jax(cache)), _ncthw_to_jax(ref(x, cache)), TOL)
+
+
+@pytest.mark.parametrize("kernel,stride,causal", [(3, 1, True), (3, 1, False), ((3, 3, 3), (2, 2, 2), True),
+                                                 (1, 1, True)])
+def test_causal_conv3d_matches_ltx(kernel, stride, causal):
+    ref = LTXVideoCausalConv3d(4, 6, kernel, stride=stride, is_causal=causal)
+    ours = _load(lambda: nn.CausalConv3d(4, 6, kernel, stride=stride, causal=causal, pad_mode="replicate",
+                                         torch_prefix="conv", key=_key()), ref, 16)
+    assert {s.name for s in leaf_specs(ours)[1]} == {"conv.weight", "conv.bias"}
+    x = _randn(2, 4, 5, 6, 7)
+    with torch.no_grad():
+        assert_close(_jit(ours, _ncthw_to_jax(x)), _ncthw_to_jax(ref(x)), TOL)
+    with pytest.raises(ValueError, match="pad_mode='reflect'"):
+        nn.CausalConv3d(4, 6, 3, pad_mode="reflect", key=_key())
+
+
+# -- attention -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads,dim_head,axes_dim,text", [(2, 16, (4, 4, 8), 5), (3, 8, (2, 2, 4), 3)])
+def test_flux_joint_attention_with_qk_norm_and_rope(heads, dim_head, axes_dim, text):
+    dim = heads * dim_head
+    ref = FluxAttention(dim, heads=heads, dim_head=dim_head, out_dim=dim, added_kv_proj_dim=dim,
+                        context_pre_only=False, bias=True, eps=1e-6)
+    ours = _load(lambda: nn.Attention(dim, heads=heads, dim_head=dim_head, bias=True, qk_norm="rms_norm", joint_dim=dim,
+                              key=_key()), ref, 17)
+    h, w = 2, 3
+    x, ctx = _randn(2, h * w, dim, seed=1), _randn(2, text, dim, seed=2)
+    ids = _flux_ids(text, h, w)
+    rope = nn.flux_rope(ids, axes_dim)
+    with torch.no_grad():
+        img_out, txt_out = ref(x, ctx, image_rotary_emb=FluxPosEmbed(10000, list(axes_dim))(torch.from_numpy(ids)))
+    got_img, got_txt = _jit(ours.joint, to_jax(x), to_jax(ctx), rope=rope)
+    assert_close(got_img, img_out, TOL, "image stream")
+    assert_close(got_txt, txt_out, TOL, "text stream")
+
+
+def test_flux_single_block_attention_is_pre_only():
+    heads, dim_head = 2, 16
+    dim = heads * dim_head
+    ref = FluxAttention(dim, heads=heads, dim_head=dim_head, out_dim=dim, bias=True, eps=1e-6, pre_only=True)
+    ours = _load(lambda: nn.Attention(dim, heads=heads, dim_head=dim_head, bias=True, pre_only=True, qk_norm="rms_norm",
+                              key=_key()), ref, 18)
+    ids = _flux_ids(3, 2, 2)
+    x = _randn(2, len(ids), dim)
+    with torch.no_grad():
+        expected = ref(x, image_rotary_emb=FluxPosEmbed(10000, [4, 4, 8])(torch.from_numpy(ids)))
+    assert_close(_jit(ours, to_jax(x), rope=nn.flux_rope(ids, (4, 4, 8))), expected, TOL)
+
+
+def _wan_attention(dim, heads, *, cross=False, added_kv_dim=None, eps=1e-6):
+    return nn.Attention(dim, cross_attention_dim=dim if cross else None, heads=heads, dim_head=dim // heads,
+                        bias=True, qk_norm="rms_norm_across_heads", qk_norm_eps=eps, added_kv_dim=added_kv_dim,
+                        key=_key())
+
+
+@pytest.mark.parametrize("heads,dim_head,eps", [(2, 12, 1e-6), (3, 8, 1e-5)])
+def test_wan_self_and_cross_attention(heads, dim_head, eps):
+    dim, grid = heads * dim_head, (2, 2, 3)
+    ref = WanAttention(dim, heads=heads, dim_head=dim_head, eps=eps, processor=WanAttnProcessor())
+    ours = _load(lambda: _wan_attention(dim, heads, eps=eps), ref, 19)
+    x = _randn(2, math.prod(grid), dim)
+    rope = WanRotaryPosEmbed(dim_head, (1, 1, 1), max_seq_len=16)(torch.zeros(1, 1, *grid))
+    with torch.no_grad():
+        assert_close(_jit(ours, to_jax(x), rope=nn.wan_rope(dim_head, grid)), ref(x, rotary_emb=rope), TOL, "self")
+    ref = WanAttention(dim, heads=heads, dim_head=dim_head, eps=eps, cross_attention_dim_head=dim_head,
+                       processor=WanAttnProcessor())
+    ours = _load(lambda: _wan_attention(dim, heads, cross=True, eps=eps), ref, 20)
+    ctx = _randn(2, 7, dim, seed=1)
+    with torch.no_grad():
+        assert_close(_jit(ours, to_jax(x), to_jax(ctx)), ref(x, ctx), TOL, "cross")
+
+
+def test_wan_i2v_attention_adds_image_keys_and_values():
+    heads, dim_head = 2, 12
+    dim = heads * dim_head
+    ref = WanAttention(dim, heads=heads, dim_head=dim_head, eps=1e-6, added_kv_proj_dim=dim,
+                       cross_attention_dim_head=dim_head, processor=WanAttnProcessor())
+    ours = _load(lambda: _wan_attention(dim, heads, cross=True, added_kv_dim=dim), ref, 21)
+    x, image, text = _randn(2, 6, dim, seed=1), _randn(2, 5, dim, seed=2), _randn(2, 512, dim, seed=3)
+    with torch.no_grad():  # diffusers splits off the last 512 context tokens as the text
+        expected = ref(x, torch.cat([image, text], dim=1))
+    assert_close(_jit(ours, to_jax(x), to_jax(text), image_context=to_jax(image)), expected, TOL)
+    with pytest.raises(ValueError, match="needs image_context="):
+        _jit(ours, to_jax(x), to_jax(text))
+
+
+@pytest.mark.parametrize("heads,dim_head,scale", [(4, 8, (8 / 25, 32, 32)), (2, 8, (1 / 3, 8, 8))])
+def test_ltx_attention_rope_across_heads(heads, dim_head, scale):
+    dim, grid = heads * dim_head, (2, 2, 2)
+    ref = LTXAttention(dim, heads=heads, kv_heads=heads, dim_head=dim_head, bias=True)
+    ours = _load(lambda: nn.Attention(dim, heads=heads, dim_head=dim_head, bias=True, qk_norm="rms_norm_across_heads",
+                              qk_norm_eps=1e-5, key=_key()), ref, 22)
+    x = _randn(2, math.prod(grid), dim)
+    rope = LTXVideoRotaryPosEmbed(dim)(x, *grid, rope_interpolation_scale=scale)
+    with torch.no_grad():
+        expected = ref(x, image_rotary_emb=rope)
+    assert_close(_jit(ours, to_jax(x), rope=nn.ltx_rope(dim, grid=grid, interpolation_scale=scale)), expected, TOL)
+
+
+def test_attention_options_are_checked():
+    with pytest.raises(ValueError, match="qk_norm='layer_norm'"):
+        nn.Attention(8, heads=2, dim_head=4, qk_norm="layer_norm", key=_key())
+    with pytest.raises(ValueError, match="exclusive"):
+        nn.Attention(8, heads=2, dim_head=4, joint_dim=8, added_kv_dim=8, key=_key())
+    plain = eqx.filter_eval_shape(lambda: nn.Attention(8, heads=2, dim_head=4, key=_key()))  # checks come first
+    x = jnp.ones((1, 3, 8))
+    with pytest.raises(ValueError, match="build the attention with joint_dim"):
+        plain.joint(x, x)
+    with pytest.raises(ValueError, match="needs an attention built with added_kv_dim"):
+        plain(x, x, image_context=x)
+    with pytest.raises(ValueError, match="cross-attention"):
+        plain(x, x, rope=nn.flux_rope(np.zeros((3, 1)), (4,)))
+
+
+def test_every_new_parameter_declares_axes():
+    """All the optional pieces at once; each leaf's axes have its rank and name the sharding rules know."""
+    from eqxdiff.core import DEFAULT_RULES
+
+    layers = eqx.filter_eval_shape(lambda: {
+        "attention": nn.Attention(8, heads=2, dim_head=4, bias=True, qk_norm="rms_norm", joint_dim=6, key=_key()),
+        "wan_i2v": nn.Attention(8, heads=2, dim_head=4, qk_norm="rms_norm_across_heads", added_kv_dim=5, key=_key()),
+        "conv3d": nn.Conv3d(2, 3, 3, key=_key()),
+        "causal": nn.CausalConv3d(2, 3, 3, torch_prefix="conv", key=_key()),
+        "ada": nn.AdaLayerNormZero(8, key=_key()),
+        "ada_continuous": nn.AdaLayerNormContinuous(8, 4, key=_key()),
+        "table": nn.ScaleShiftTable(6, 8, shape=(1, 6, 8), key=_key()),
+        "ff": nn.FeedForward(8, activation="gelu-approximate", key=_key()),
+        "timestep": nn.TimestepEmbedding(4, 8, key=_key()),
+        "text": nn.TextProjection(4, 8, key=_key()),
+    })
+    known = dict(DEFAULT_RULES.params)
+    leaves, specs, _ = leaf_specs(layers)
+    assert len(specs) == len(leaves) > 30
+    for leaf, spec in zip(leaves, specs):
+        assert spec.axes is not None and len(spec.axes) == leaf.ndim, spec
+        assert all(a is None or a in known for a in spec.axes), spec
+    names = {s.name for s in specs}
+    assert {"attention.norm_added_q.weight", "attention.add_q_proj.weight", "attention.to_add_out.bias",
+            "wan_i2v.norm_added_k.weight", "wan_i2v.add_v_proj.bias", "table",
+            "ff.net.0.proj.weight", "ff.net.2.weight", "causal.conv.weight"} <= names
