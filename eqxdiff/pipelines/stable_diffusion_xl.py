@@ -184,11 +184,13 @@ class StableDiffusionXLPipeline(UNetPipeline):
         config = self.unet.config
         expected, got = config.projection_class_embeddings_input_dim, config.addition_time_embed_dim * len(positive)
         if expected != got + pooled_dim:
-            hint = ("the UNet wants one more id: an aesthetic score; load it as StableDiffusionXLImg2ImgPipeline "
-                    "with requires_aesthetics_score=True" if expected - got - pooled_dim == config.addition_time_embed_dim
-                    else "the UNet wants one id fewer: set requires_aesthetics_score=False"
-                    if got + pooled_dim - expected == config.addition_time_embed_dim
-                    else "check the UNet's addition_time_embed_dim and text_encoder_2's projection_dim")
+            extra = (got + pooled_dim - expected) // config.addition_time_embed_dim
+            hint = ("the UNet wants an aesthetic score in place of the target size: use "
+                    "StableDiffusionXLImg2ImgPipeline with requires_aesthetics_score=True" if extra == 1 and
+                    (got + pooled_dim - expected) % config.addition_time_embed_dim == 0 else
+                    "the UNet wants the target size, not an aesthetic score: set requires_aesthetics_score=False"
+                    if extra == -1 and (expected - got - pooled_dim) % config.addition_time_embed_dim == 0 else
+                    "check the UNet's addition_time_embed_dim and text_encoder_2's projection_dim")
             raise ValueError(f"the UNet's projection_class_embeddings_input_dim={expected}, but {len(positive)} time "
                              f"ids x {config.addition_time_embed_dim} + pooled {pooled_dim} = {got + pooled_dim}; "
                              f"{hint}")
