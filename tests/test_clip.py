@@ -1,4 +1,6 @@
-"""CLIP text encoders against transformers at small random configs (1e-4 in float32), checkpoints both ways, errors."""
+"""CLIP text encoders: the parity base (:mod:`tests._parity`: every hidden state, pooled output and projection, with
+and without a padding mask) for CLIPTextModel and CLIPTextModelWithProjection at SD1-, SD2- and SDXL-like configs,
+each against a full-size layout; then what the base does not check: transformers 4 names, config and input errors."""
 
 import equinox as eqx
 import jax
@@ -13,7 +15,7 @@ import eqxdiff
 from eqxdiff.core import ConfigError
 from eqxdiff.models.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-from ._util import assert_close
+from ._parity import ModelParity
 
 # SD1-like (quick_gelu, legacy eos_token_id=2), SD2-like (gelu, a real eos_token_id), SDXL-like (gelu, legacy).
 CONFIGS = {
@@ -27,19 +29,15 @@ CONFIGS = {
                  num_attention_heads=2, max_position_embeddings=9, hidden_act="gelu", bos_token_id=0,
                  eos_token_id=2, pad_token_id=0),
 }
-CLASSES = {"CLIPTextModel": CLIPTextModel, "CLIPTextModelWithProjection": CLIPTextModelWithProjection}
 
-
-def _torch_model(cls_name, cfg, seed=0):
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls_name)(transformers.CLIPTextConfig(**cfg)).eval()
-    with torch.no_grad():  # move layer norms and biases off their 1/0 init so every parameter matters
-        for name, p in model.named_parameters():
-            if "layer_norm" in name and name.endswith("weight"):
-                p.add_(0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-    return model
+# -- full-size configs of real checkpoints (config.json values) -------------------------------------------------
+_REAL = dict(vocab_size=49408, max_position_embeddings=77, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+VIT_L = dict(_REAL, hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+             projection_dim=768, hidden_act="quick_gelu")  # SD 1.5 / SDXL text_encoder, SD3 text_encoder
+VIT_H = dict(_REAL, hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_hidden_layers=23,
+             projection_dim=512, hidden_act="gelu")  # SD 2.x text_encoder
+BIG_G = dict(_REAL, hidden_size=1280, intermediate_size=5120, num_attention_heads=20, num_hidden_layers=32,
+             projection_dim=1280, hidden_act="gelu", pad_token_id=0)  # SDXL / SD3 text_encoder_2
 
 
 def _inputs(cfg, lengths, seq, seed=0):
@@ -59,99 +57,114 @@ def _inputs(cfg, lengths, seq, seed=0):
         ids[i, n - 1] = eos
         ids[i, n:] = pad
     mask = (np.arange(seq)[None] < np.asarray(lengths)[:, None]).astype(np.int64)
-    return ids, mask
+    return ids.astype(np.int32), mask
 
 
-def _torch_outputs(ref, ids, mask):
-    with torch.no_grad():
-        kwargs = dict(input_ids=torch.from_numpy(ids),
-                      attention_mask=None if mask is None else torch.from_numpy(mask), output_hidden_states=True)
-        out = ref(**kwargs)
-        pooled = ref.text_model(**kwargs).pooler_output if hasattr(out, "text_embeds") else out.pooler_output
-    return out, pooled
+def _named(out, prefix: str) -> dict:
+    """A CLIPTextOutput (or transformers' output plus the pooled states) as ``{name: array}``."""
+    named = {f"{prefix}last_hidden_state": out["last_hidden_state"], f"{prefix}pooler_output": out["pooler_output"]}
+    named.update({f"{prefix}hidden_states.{i}": h for i, h in enumerate(out["hidden_states"])})
+    if out.get("text_embeds") is not None:
+        named[f"{prefix}text_embeds"] = out["text_embeds"]
+    return named
 
 
-def _assert_matches(ours, ref, ids, mask):
-    out, pooled = _torch_outputs(ref, ids, mask)
-    got = eqx.filter_jit(ours)(jnp.asarray(ids, jnp.int32), output_hidden_states=True,
-                               attention_mask=None if mask is None else jnp.asarray(mask))
-    assert_close(got.last_hidden_state, out.last_hidden_state, what="last_hidden_state")
-    assert_close(got.pooler_output, pooled, what="pooler_output")
-    assert len(got.hidden_states) == len(out.hidden_states) == ours.config.num_hidden_layers + 1
-    for i, (a, b) in enumerate(zip(got.hidden_states, out.hidden_states)):
-        assert_close(a, b, what=f"hidden_states[{i}]")
-    if hasattr(out, "text_embeds"):
-        assert_close(got.text_embeds, out.text_embeds, what="text_embeds")
-    else:
-        assert got.text_embeds is None
+class CLIPParity(ModelParity):
+    """Every output, once without and once with the padding mask (``masked.``), for ids as a tokenizer makes them."""
+
+    mask_dtype = np.int32
+
+    def inputs(self, reference):
+        cfg = self.config
+        seq = cfg["max_position_embeddings"] - (self.config is CONFIGS["sd1"])  # sd1: shorter than the table
+        ids, mask = _inputs(cfg, [seq, 4, 2], seq)
+        return dict(input_ids=ids, attention_mask=mask.astype(self.mask_dtype))
+
+    def reference_outputs(self, reference, inputs):
+        out = {}
+        for prefix, mask in (("", None), ("masked.", torch.from_numpy(inputs["attention_mask"]))):
+            kw = dict(input_ids=torch.from_numpy(inputs["input_ids"]).long(), attention_mask=mask,
+                      output_hidden_states=True)
+            got = reference(**kw)
+            pooled = reference.text_model(**kw).pooler_output if hasattr(got, "text_embeds") else got.pooler_output
+            out.update(_named({**got, "pooler_output": pooled}, prefix))
+        return {k: v.numpy() for k, v in out.items()}
+
+    @staticmethod
+    def outputs(model, inputs):
+        ids = jnp.asarray(inputs["input_ids"])
+        plain = model(ids, output_hidden_states=True)
+        masked = model(ids, attention_mask=jnp.asarray(inputs["attention_mask"]), output_hidden_states=True)
+        return {**_named(vars(plain), ""), **_named(vars(masked), "masked.")}
 
 
-@pytest.mark.parametrize("config_name", sorted(CONFIGS))
-@pytest.mark.parametrize("cls_name", sorted(CLASSES))
-def test_matches_transformers(cls_name, config_name, tmp_path):
-    cfg = CONFIGS[config_name]
-    ref = _torch_model(cls_name, cfg)
-    ref.save_pretrained(tmp_path, safe_serialization=True)
-    ours = eqxdiff.load(tmp_path)
-    assert type(ours) is CLASSES[cls_name]
-    seq = cfg["max_position_embeddings"] - (config_name == "sd1")
-    ids, mask = _inputs(cfg, [seq, 4, 2], seq)
-    _assert_matches(ours, ref, ids, None)
-    _assert_matches(ours, ref, ids, mask.astype(bool) if cls_name == "CLIPTextModel" else mask.astype(np.int32))
+class TextModelParity(CLIPParity):
+    model_class = CLIPTextModel
+    reference_class = transformers.CLIPTextModel
+    mask_dtype = np.bool_
 
 
-@pytest.mark.parametrize("cls_name,config_name", [("CLIPTextModel", "sd2"), ("CLIPTextModelWithProjection", "sd1")])
-def test_save_pretrained_round_trips_into_transformers(cls_name, config_name, tmp_path):
-    cfg = CONFIGS[config_name]
-    _torch_model(cls_name, cfg, seed=1).save_pretrained(tmp_path / "theirs", safe_serialization=True)
-    ours = eqxdiff.load(tmp_path / "theirs")
-    eqxdiff.save_pretrained(ours, tmp_path / "ours")
-    ref, info = getattr(transformers, cls_name).from_pretrained(tmp_path / "ours", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    assert ref.config.model_type == "clip_text_model" and ref.config.hidden_act == cfg["hidden_act"]
-    ids, mask = _inputs(cfg, [5, 3], 7, seed=1)
-    _assert_matches(ours, ref.eval(), ids, mask)
-    again = eqxdiff.load(tmp_path / "ours")
-    assert again.config == ours.config
-    for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(again)):
-        np.testing.assert_array_equal(a, b)
+class ProjectionParity(CLIPParity):
+    model_class = CLIPTextModelWithProjection
+    reference_class = transformers.CLIPTextModelWithProjection
 
 
-def test_reads_transformers4_names_with_position_ids_buffer(tmp_path):
+class TestCLIPTextSD1(TextModelParity):
+    config = CONFIGS["sd1"]
+    full_size = {"vit-l": VIT_L}
+
+
+class TestCLIPTextSD2(TextModelParity):
+    config = CONFIGS["sd2"]
+    full_size = {"vit-h": VIT_H}
+
+
+class TestCLIPTextSDXL(TextModelParity):
+    config = CONFIGS["sdxl"]
+    full_size = {"vit-l": VIT_L}
+
+
+class TestCLIPProjectionSD1(ProjectionParity):
+    config = CONFIGS["sd1"]
+    full_size = {"vit-l": VIT_L}
+
+
+class TestCLIPProjectionSD2(ProjectionParity):
+    config = CONFIGS["sd2"]
+    full_size = {"big-g": BIG_G}
+
+
+class TestCLIPProjectionSDXL(ProjectionParity):
+    config = CONFIGS["sdxl"]
+    full_size = {"big-g": BIG_G}
+
+
+@pytest.fixture(scope="module")
+def sd1(tmp_path_factory):
+    return TestCLIPTextSD1.build(tmp_path_factory)
+
+
+def test_text_model_has_no_projection(sd1):
+    out = eqx.filter_eval_shape(lambda m, x: m(x), sd1.model, sd1.inputs["input_ids"])
+    assert out.text_embeds is None and out.hidden_states is None
+
+
+def test_reads_transformers4_names_with_position_ids_buffer(sd1, tmp_path):
     """transformers 5 writes CLIPTextModel without the ``text_model.`` prefix; SD checkpoints (transformers 4) have
     it, and older ones also carry the ``position_ids`` buffer. Both read into the same model."""
-    cfg = CONFIGS["sd1"]
-    _torch_model("CLIPTextModel", cfg).save_pretrained(tmp_path / "v5", safe_serialization=True)
-    tensors = load_file(tmp_path / "v5" / "model.safetensors")
+    tensors = load_file(sd1.folder / "model.safetensors")
     assert "encoder.layers.1.self_attn.q_proj.weight" in tensors
-    (tmp_path / "v4").mkdir()
-    (tmp_path / "v4" / "config.json").write_text((tmp_path / "v5" / "config.json").read_text())
+    (tmp_path / "config.json").write_text((sd1.folder / "config.json").read_text())
     old = {f"text_model.{k}": v for k, v in tensors.items()}
-    old["text_model.embeddings.position_ids"] = torch.arange(cfg["max_position_embeddings"])[None]
-    save_file(old, tmp_path / "v4" / "model.safetensors", metadata={"format": "pt"})
-    v5, v4 = eqxdiff.load(tmp_path / "v5"), eqxdiff.load(tmp_path / "v4")
+    old["text_model.embeddings.position_ids"] = torch.arange(CONFIGS["sd1"]["max_position_embeddings"])[None]
+    save_file(old, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    v4 = eqxdiff.load(tmp_path)
     assert set(eqxdiff.loading.state_dict(v4)) == set(old) - {"text_model.embeddings.position_ids"}
-    for a, b in zip(jax.tree_util.tree_leaves(v5), jax.tree_util.tree_leaves(v4)):
+    for a, b in zip(jax.tree_util.tree_leaves(sd1.model), jax.tree_util.tree_leaves(v4), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-def test_bfloat16_load_runs(tmp_path):
-    cfg = CONFIGS["sd2"]
-    _torch_model("CLIPTextModelWithProjection", cfg).save_pretrained(tmp_path, safe_serialization=True)
-    f32 = eqxdiff.load(tmp_path)
-    bf16 = eqxdiff.load(tmp_path, dtype=jnp.bfloat16)
-    assert {x.dtype for x in jax.tree_util.tree_leaves(bf16)} == {jnp.dtype(jnp.bfloat16)}
-    ids, mask = _inputs(cfg, [8, 3], 8)
-    ids, mask = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32)
-    out = eqx.filter_jit(bf16)(ids, attention_mask=mask, output_hidden_states=True)
-    assert out.last_hidden_state.dtype == out.text_embeds.dtype == jnp.bfloat16
-    assert all(h.dtype == jnp.bfloat16 for h in out.hidden_states)
-    # bfloat16 keeps 8 bits of mantissa: a sanity bound, not a parity tolerance.
-    ref = eqx.filter_jit(f32)(ids, attention_mask=mask).text_embeds
-    assert_close(out.text_embeds, ref, 5e-2, "bfloat16 text_embeds")
-
-
-def test_config_round_trip_and_unsupported_values(tmp_path):
+def test_config_round_trip_and_unsupported_values(sd1):
     config = CLIPTextConfig.from_dict({**CONFIGS["sd1"], "dropout": 0.0, "transformers_version": "4.22.0"})
     assert CLIPTextConfig.from_dict(config.to_dict()) == config
     assert config.to_dict()["model_type"] == "clip_text_model" and config.legacy_pooling and config.head_dim == 8
@@ -167,9 +180,8 @@ def test_config_round_trip_and_unsupported_values(tmp_path):
         CLIPTextConfig.from_dict({**CONFIGS["sd1"], "model_type": "clip"})
     with pytest.raises(ConfigError, match=r"projection_dim=None must be set"):
         CLIPTextModelWithProjection(CLIPTextConfig(projection_dim=None, num_hidden_layers=1), key=jax.random.key(0))
-    _torch_model("CLIPTextModel", CONFIGS["sd1"]).save_pretrained(tmp_path, safe_serialization=True)
     with pytest.raises(ConfigError, match=r"hidden_act='gelu_fast'"):
-        eqxdiff.load(tmp_path, config_overrides={"hidden_act": "gelu_fast"})
+        eqxdiff.load(sd1.folder, config_overrides={"hidden_act": "gelu_fast"})
 
 
 def test_wrong_input_shapes_are_named():

@@ -97,7 +97,7 @@ def test_pipeline_options_and_errors(tmp_path):
         pipe("a cat", image=np.zeros((1, 32, 32, 3), np.uint8), strength=0.0)
     with pytest.raises(ValueError, match="negative_prompt has 2 entries"):
         pipe("a cat", ["x", "y"])
-    with pytest.raises(ValueError, match="unknown scheduler|scheduler"):
+    with pytest.raises(ValueError, match=r"unknown scheduler name 'nope'; choose one of \[.*'euler'"):
         eqxdiff.load_pipeline(tmp_path, scheduler="nope")
 
 

@@ -1,4 +1,6 @@
-"""AutoencoderKL parity with diffusers (1e-4, float32) at small random configs, its memory savers and errors."""
+"""AutoencoderKL: the parity base (:mod:`tests._parity`: encode, decode and forward) at two small configs, each against
+a full-size layout (SD / SDXL, Flux); then what the base does not check: diffusers' tiling, batch slicing, posterior
+sampling, latent scaling, config and input errors."""
 
 import dataclasses
 
@@ -10,92 +12,80 @@ import numpy as np
 import pytest
 import torch
 
-import eqxdiff
 from eqxdiff.core import ConfigError
 from eqxdiff.models.vae import AutoencoderKL, AutoencoderKLConfig, _batch_sliced
 
-from ._util import assert_close, nchw_to_nhwc
+from ._parity import ModelParity, run_jitted
+from ._util import assert_close, nchw_to_nhwc, nhwc_to_nchw
 
-CONFIGS = {
-    # two levels (x2), one resnet per block, quant convs and mid-block attention on
-    "two_level_attn": dict(block_out_channels=(16, 32), layers_per_block=1, latent_channels=4, norm_num_groups=8,
-                           down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                           sample_size=32),
-    # three levels (x4), two resnets per block, no quant convs, no attention, other widths/groups/activation
-    "three_level_plain": dict(block_out_channels=(8, 16, 16), layers_per_block=2, latent_channels=3,
-                              norm_num_groups=4, in_channels=3, out_channels=2, act_fn="mish",
-                              down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-                              use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=False,
-                              sample_size=32),
-}
+# -- full-size configs of real checkpoints (config.json values) -------------------------------------------------
+SD = dict(block_out_channels=[128, 256, 512, 512], down_block_types=["DownEncoderBlock2D"] * 4,
+          up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=2, latent_channels=4, norm_num_groups=32,
+          sample_size=512, scaling_factor=0.18215)  # runwayml/stable-diffusion-v1-5 vae, stabilityai/sd-vae-ft-mse
+SDXL = dict(SD, sample_size=1024, scaling_factor=0.13025, force_upcast=True)
+FLUX = dict(SD, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False, sample_size=1024,
+            scaling_factor=0.3611, shift_factor=0.1159)  # black-forest-labs/FLUX.1-dev vae
 
-# One jitted function each, shared by every test: a model and shape compiled once serve them all.
-encode = eqx.filter_jit(lambda m, x, n=None: m.encode(x, batch_slice_size=n))
-decode = eqx.filter_jit(lambda m, z, n=None: m.decode(z, batch_slice_size=n))
-forward = eqx.filter_jit(lambda m, x, key=None, sample=False: m(x, key=key, sample_posterior=sample))
+SIZE = 32  # image side of every parity input
 
 
-def _perturbed_diffusers_vae(config: dict, seed: int):
-    """A diffusers VAE whose every parameter is random: norms get non-unit scales and non-zero shifts."""
-    torch.manual_seed(seed)
-    ref = diffusers.AutoencoderKL(**config).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.2 * torch.randn_like(p) if p.ndim == 1 else 0.1 * p * torch.randn_like(p))
-    return ref
+class VAEParity(ModelParity):
+    model_class = AutoencoderKL
+    reference_class = diffusers.AutoencoderKL
+
+    def inputs(self, reference):
+        rng = np.random.default_rng(0)
+        c = reference.config
+        latent = SIZE // 2 ** (len(c.block_out_channels) - 1)
+        return dict(x=rng.standard_normal((2, SIZE, SIZE, c.in_channels), np.float32),
+                    z=rng.standard_normal((2, latent, latent, c.latent_channels), np.float32))
+
+    def reference_outputs(self, reference, inputs):
+        x, z = nhwc_to_nchw(inputs["x"]), nhwc_to_nchw(inputs["z"])
+        post = reference.encode(x).latent_dist
+        return dict(mean=nchw_to_nhwc(post.mean), logvar=nchw_to_nhwc(post.logvar), kl=post.kl().numpy(),
+                    decode=nchw_to_nhwc(reference.decode(z).sample),
+                    forward=nchw_to_nhwc(reference(x, sample_posterior=False).sample))
+
+    @staticmethod
+    def outputs(model, inputs):
+        post = model.encode(inputs["x"])
+        return dict(mean=post.mean, logvar=post.logvar, kl=post.kl(), decode=model.decode(inputs["z"]),
+                    forward=model(inputs["x"]))
 
 
-_BUILT: dict = {}
+class TestVAETwoLevelAttention(VAEParity):
+    """Two levels (x2), one resnet per block, quant convs and mid-block attention on."""
+
+    config = dict(block_out_channels=(16, 32), layers_per_block=1, latent_channels=4, norm_num_groups=8,
+                  down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                  sample_size=32)
+    full_size = {"sd": SD, "sdxl": SDXL}
 
 
-def _build(name: str, tmp_path_factory):
-    """(diffusers model, eqxdiff model loaded from its save_pretrained folder), built once per config."""
-    if name not in _BUILT:
-        ref = _perturbed_diffusers_vae(CONFIGS[name], seed=len(name))
-        folder = tmp_path_factory.mktemp(name)
-        ref.save_pretrained(folder)
-        ours = eqxdiff.load(folder)
-        assert isinstance(ours, AutoencoderKL)
-        _BUILT[name] = ref, ours
-    return _BUILT[name]
+class TestVAEThreeLevelPlain(VAEParity):
+    """Three levels (x4), two resnets per block, no quant convs, no attention, other widths/groups/activation."""
+
+    config = dict(block_out_channels=(8, 16, 16), layers_per_block=2, latent_channels=3, norm_num_groups=4,
+                  in_channels=3, out_channels=2, act_fn="mish", down_block_types=("DownEncoderBlock2D",) * 3,
+                  up_block_types=("UpDecoderBlock2D",) * 3, use_quant_conv=False, use_post_quant_conv=False,
+                  mid_block_add_attention=False, sample_size=32)
+    full_size = {"flux": FLUX}
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def pair(request, tmp_path_factory):
-    """Every config: for parity with diffusers."""
-    return _build(request.param, tmp_path_factory)
+CASES = {"two_level_attn": TestVAETwoLevelAttention, "three_level_plain": TestVAEThreeLevelPlain}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    """Every config's built models (shared with its parity class)."""
+    return CASES[request.param].build(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def vae(tmp_path_factory):
-    """One loaded model, for behaviour that does not depend on the config (slicing, sampling, fallbacks)."""
-    return _build("two_level_attn", tmp_path_factory)[1]
-
-
-def _image(vae: AutoencoderKL, batch=2, size=32, seed=0):
-    """A torch NCHW image batch (the parity tests' shapes, so jitted functions are compiled once)."""
-    return torch.randn(batch, vae.config.in_channels, size, size, generator=torch.Generator().manual_seed(seed))
-
-
-def _latents(vae: AutoencoderKL, batch=2, seed=1):
-    """Torch NCHW latents of a 32x32 image."""
-    size = 32 // vae.config.downsample_factor
-    return torch.randn(batch, vae.config.latent_channels, size, size, generator=torch.Generator().manual_seed(seed))
-
-
-def test_encode_decode_forward_match_diffusers(pair):
-    ref, ours = pair
-    x, z = _image(ours), _latents(ours)
-    with torch.no_grad():
-        post = ref.encode(x).latent_dist
-        dec = ref.decode(z).sample
-        out = ref(x, sample_posterior=False).sample
-    ours_post = encode(ours, nchw_to_nhwc(x))
-    assert_close(ours_post.mean, nchw_to_nhwc(post.mean), what="posterior mean")
-    assert_close(ours_post.logvar, nchw_to_nhwc(post.logvar), what="posterior logvar")
-    assert_close(ours_post.kl(), post.kl().numpy(), what="kl")
-    assert_close(decode(ours, nchw_to_nhwc(z)), nchw_to_nhwc(dec), what="decode")
-    assert_close(forward(ours, nchw_to_nhwc(x)), nchw_to_nhwc(out), what="forward")
+def built(tmp_path_factory):
+    """One config, for behaviour that does not depend on it (slicing, sampling, fallbacks)."""
+    return TestVAETwoLevelAttention.build(tmp_path_factory)
 
 
 def _with_diffusers_tiling(ref, tile_sample: int, fn):
@@ -111,25 +101,43 @@ def _with_diffusers_tiling(ref, tile_sample: int, fn):
         ref.disable_tiling()
 
 
+def _decode_tiled(vae, z):
+    return vae.decode_tiled(z, tile_sample_min_size=TILE)
+
+
+def _encode_tiled(vae, x):
+    return vae.encode_tiled(x, tile_sample_min_size=TILE)
+
+
+def _sliced(vae, inputs):
+    return vae.encode(inputs["x"], batch_slice_size=1).mean, vae.decode(inputs["z"], batch_slice_size=1)
+
+
+def _sampled(vae, inputs):
+    x, key = inputs
+    return vae(x, key=key, sample_posterior=True)
+
+
 # Image sizes (height, width) for the tiling tests, with 16-pixel tiles (stride 12). Every distinct tile shape is
 # one more compile, so only the first config's decode gets a full 2x2 grid (second row and column narrower: both
 # blends on one tile, every crop); the other cases are a single row or column of tiles, covering each blend axis
 # for encode and decode.
+TILE = 16
 TILED_SIZES = {"two_level_attn": dict(decode=(24, 24), encode=(12, 24)),
                "three_level_plain": dict(decode=(12, 24), encode=(24, 12))}
 
 
-def test_tiled_decode_and_encode_match_diffusers_tiling(pair, request):
-    ref, ours = pair
-    sizes = TILED_SIZES[request.node.callspec.params["pair"]]
-    tile, factor = 16, ours.config.downsample_factor
+def test_tiled_decode_and_encode_match_diffusers_tiling(case, request):
+    ref, ours = case.reference, case.model
+    sizes = TILED_SIZES[request.node.callspec.params["case"]]
+    tile, factor = TILE, ours.config.downsample_factor
     (h, w) = sizes["decode"]
     z = torch.randn(1, ours.config.latent_channels, h // factor, w // factor,
                     generator=torch.Generator().manual_seed(2))
     expected = _with_diffusers_tiling(ref, tile, lambda: ref.decode(z).sample)
     with torch.no_grad():  # tiling must change diffusers' result here, or this test proves nothing
         assert torch.max(torch.abs(expected - ref.decode(z).sample)) > 1e-3
-    got = eqx.filter_jit(lambda m, z: m.decode_tiled(z, tile_sample_min_size=tile))(ours, nchw_to_nhwc(z))
+    got = run_jitted(_decode_tiled, ours, nchw_to_nhwc(z))
     assert got.shape == (1, h, w, ours.config.out_channels)
     assert_close(got, nchw_to_nhwc(expected), what="tiled decode")
 
@@ -138,15 +146,15 @@ def test_tiled_decode_and_encode_match_diffusers_tiling(pair, request):
     post = _with_diffusers_tiling(ref, tile, lambda: ref.encode(x).latent_dist)
     with torch.no_grad():
         assert torch.max(torch.abs(post.mean - ref.encode(x).latent_dist.mean)) > 1e-3
-    ours_post = eqx.filter_jit(lambda m, x: m.encode_tiled(x, tile_sample_min_size=tile))(ours, nchw_to_nhwc(x))
+    ours_post = run_jitted(_encode_tiled, ours, nchw_to_nhwc(x))
     assert ours_post.mean.shape == (1, h // factor, w // factor, ours.config.latent_channels)
     assert_close(ours_post.mean, nchw_to_nhwc(post.mean), what="tiled encode mean")
     assert_close(ours_post.logvar, nchw_to_nhwc(post.logvar), what="tiled encode logvar")
 
 
-def test_tiling_falls_back_to_plain_when_one_tile_holds_the_input(vae):
+def test_tiling_falls_back_to_plain_when_one_tile_holds_the_input(built):
     # diffusers tiles only inputs larger than a tile; the default tile is sample_size (32) pixels
-    z, x = nchw_to_nhwc(_latents(vae, batch=1)), nchw_to_nhwc(_image(vae, batch=1))
+    vae, z, x = built.model, built.inputs["z"][:1], built.inputs["x"][:1]
     trace = lambda f, a: str(jax.make_jaxpr(f)(a))  # noqa: E731 - tracing is enough to compare programs
     assert trace(vae.decode_tiled, z) == trace(vae.decode, z)
     assert trace(vae.encode_tiled, x) == trace(vae.encode, x)
@@ -154,10 +162,10 @@ def test_tiling_falls_back_to_plain_when_one_tile_holds_the_input(vae):
     assert trace(vae.decode_tiled, bigger) != trace(vae.decode, bigger)
 
 
-def test_sliced_decode_and_encode_equal_plain(vae):
-    x, z = nchw_to_nhwc(_image(vae)), nchw_to_nhwc(_latents(vae))
-    assert_close(decode(vae, z, 1), decode(vae, z), 1e-5, what="decode sliced")
-    assert_close(encode(vae, x, 1).mean, encode(vae, x).mean, 1e-5, what="encode sliced")
+def test_sliced_decode_and_encode_equal_plain(built):
+    mean, decoded = run_jitted(_sliced, built.model, built.inputs)
+    assert_close(decoded, built.actual["decode"], 1e-5, what="decode sliced")
+    assert_close(mean, built.actual["mean"], 1e-5, what="encode sliced")
 
 
 def test_batch_slicing_handles_remainders():
@@ -167,29 +175,17 @@ def test_batch_slicing_handles_remainders():
         np.testing.assert_allclose(_batch_sliced(fn, x, size), fn(x), rtol=1e-6, atol=1e-6, err_msg=f"{size=}")
 
 
-def test_sample_posterior_uses_the_key(vae):
-    x = nchw_to_nhwc(_image(vae))
+def test_sample_posterior_uses_the_key(built):
+    vae, x = built.model, jnp.asarray(built.inputs["x"])
     key = jax.random.key(3, impl="rbg")  # compiles far faster on CPU than the default threefry
-    post = encode(vae, x)
-    expected = decode(vae, post.mean + post.std * jax.random.normal(key, post.mean.shape))
-    assert_close(forward(vae, x, key, True), expected, 1e-5)
-    assert np.max(np.abs(np.asarray(expected - forward(vae, x)))) > 1e-3  # the sample is not the mode
+    mean, std = built.actual["mean"], jnp.exp(0.5 * built.actual["logvar"])
+    sampled = mean + std * jax.random.normal(key, mean.shape)
+    expected = TestVAETwoLevelAttention.run(vae, {**built.inputs, "z": sampled})["decode"]  # the parity compile
+    got = run_jitted(_sampled, vae, (x, key))
+    assert_close(got, expected, 1e-5)
+    assert np.max(np.abs(np.asarray(expected - built.actual["forward"]))) > 1e-3  # the sample is not the mode
     with pytest.raises(ValueError, match="needs a PRNG key"):
         vae(x, sample_posterior=True)
-
-
-def test_save_pretrained_round_trips_into_diffusers(pair, tmp_path):
-    ref, ours = pair
-    eqxdiff.save_pretrained(ours, tmp_path)
-    again = diffusers.AutoencoderKL.from_pretrained(tmp_path).eval()
-    expected = ref.state_dict()
-    got = again.state_dict()
-    assert set(got) == set(expected)
-    for name, t in expected.items():
-        torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
-    plain = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731 - json gives lists
-    for key in ("block_out_channels", "latent_channels", "use_quant_conv", "mid_block_add_attention", "act_fn"):
-        assert plain(again.config[key]) == plain(ref.config[key]), key
 
 
 def _abstract(config: AutoencoderKLConfig) -> AutoencoderKL:
@@ -222,11 +218,11 @@ def test_scale_latents_with_latents_mean_and_std_follows_sdxl_pipelines():
 
 
 @pytest.mark.parametrize("key,value,match", [
-    ("down_block_types", ["AttnDownEncoderBlock2D"], "down_block_types"),
+    ("down_block_types", ["AttnDownEncoderBlock2D"], r"down_block_types=\('AttnDownEncoderBlock2D',\)"),
     ("up_block_types", ["UpDecoderBlock2D", "UpDecoderBlock2D"], "one entry per block_out_channels"),
     ("act_fn", "tanh", "act_fn='tanh'"),
     ("norm_num_groups", 3, "norm_num_groups=3"),
-    ("latents_mean", [0.0, 1.0], "latents_mean"),
+    ("latents_mean", [0.0, 1.0], r"latents_mean=\(0\.0, 1\.0\)"),
 ])
 def test_unsupported_config_values_raise(key, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -250,7 +246,7 @@ def test_wrong_inputs_raise_clear_errors():
         vae.decode(jnp.zeros((1, 8, 8, 3)))
     with pytest.raises(TypeError):  # jaxtyping: not [batch, height, width, channels]
         vae.encode(jnp.zeros((16, 16, 3)))
-    with pytest.raises(ValueError, match="batch_slice_size"):
+    with pytest.raises(ValueError, match="batch_slice_size must be a positive int or None, got 0"):
         vae.decode(jnp.zeros((4, 2, 2, 4)), batch_slice_size=0)
-    with pytest.raises(ValueError, match="tile_sample_min_size"):
+    with pytest.raises(ValueError, match="tile_sample_min_size must be an int of at least downsample_factor=1, got 0"):
         vae.decode_tiled(jnp.zeros((1, 2, 2, 4)), tile_sample_min_size=0)

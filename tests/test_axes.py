@@ -1,0 +1,125 @@
+"""Every model eqxdiff serves declares the logical axes of every parameter, and has a parity test.
+
+``test_every_parameter_declares_logical_axes`` builds each model class of the family table
+(:data:`eqxdiff.core.FAMILY_TABLE`) abstractly (``eqx.filter_eval_shape``, nothing allocated) at a tiny config from
+:data:`TINY_CONFIGS`, plain and with ``scan_layers``, and fails for a parameter without declared axes (the sharding
+rules could not place it), with axes of the wrong rank, or with an axis name the rules do not know (a typo would
+silently replicate it). ``test_every_model_has_a_parity_test`` fails for a family-table model that no
+:class:`tests._parity.ModelParity` subclass covers.
+
+**A new model class in the family table adds one entry here**: ``TINY_CONFIGS["<checkpoint class name>"]`` = the
+``config.json`` of a tiny model as a dict (read with ``config_class.from_dict``), or a function returning the eqxdiff
+config, or a list of them. Choose values that build every optional part (the axes of a part that is not built are
+not checked); where options exclude each other (T5's relu / gated feed-forward), list a config for each.
+"""
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import pytest
+
+from eqxdiff import nn
+from eqxdiff.core import DEFAULT_RULES, FAMILY_TABLE, ModelConfig, family_names, leaf_specs, resolve_class
+
+from ._parity import ModelParity
+
+_T5 = dict(vocab_size=11, d_model=8, d_kv=4, d_ff=12, num_layers=2, num_heads=2, relative_attention_num_buckets=4)
+
+Tiny = dict | Callable[[], ModelConfig]
+TINY_CONFIGS: dict[str, Tiny | list[Tiny]] = {
+    # SDXL-like with every optional UNet part: text_time and time_cond embeddings, cross-attention in down, mid and
+    # up blocks, transformers two deep (stacked by scan_layers), 1x1-conv and linear projections.
+    "UNet2DConditionModel": dict(
+        block_out_channels=(8, 16), norm_num_groups=4, layers_per_block=1, cross_attention_dim=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=2, transformer_layers_per_block=2, addition_embed_type="text_time",
+        addition_time_embed_dim=4, projection_class_embeddings_input_dim=6 * 4 + 8, time_cond_proj_dim=4),
+    "ControlNetModel": dict(
+        block_out_channels=(8, 16), norm_num_groups=4, layers_per_block=1, cross_attention_dim=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), attention_head_dim=2, transformer_layers_per_block=2,
+        addition_embed_type="text_time", addition_time_embed_dim=4, projection_class_embeddings_input_dim=6 * 4 + 8,
+        conditioning_embedding_out_channels=(4, 8)),
+    "AutoencoderKL": dict(block_out_channels=(8, 16), norm_num_groups=4, latent_channels=4,
+                          down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2),
+    "CLIPTextModel": dict(vocab_size=11, hidden_size=8, intermediate_size=12, num_attention_heads=2,
+                          num_hidden_layers=2, max_position_embeddings=5, projection_dim=4),
+    "CLIPTextModelWithProjection": dict(vocab_size=11, hidden_size=8, intermediate_size=12, num_attention_heads=2,
+                                        num_hidden_layers=2, max_position_embeddings=5, projection_dim=4),
+    "CLIPVisionModel": dict(hidden_size=8, intermediate_size=12, projection_dim=4, num_hidden_layers=2,
+                            num_attention_heads=2, image_size=8, patch_size=4),
+    "CLIPVisionModelWithProjection": dict(hidden_size=8, intermediate_size=12, projection_dim=4, num_hidden_layers=2,
+                                          num_attention_heads=2, image_size=8, patch_size=4),
+    # relu and gated feed-forwards have different parameters: both
+    "T5EncoderModel": [dict(_T5, feed_forward_proj="relu"), dict(_T5, feed_forward_proj="gated-gelu")],
+    "UMT5EncoderModel": dict(_T5, feed_forward_proj="gated-gelu"),
+}
+
+MODELS = family_names("model")
+KNOWN_AXES = {name for name, _ in DEFAULT_RULES.params}
+
+
+def _tiny_configs(name: str, cls: type) -> list[ModelConfig]:
+    entry = TINY_CONFIGS.get(name)
+    if entry is None:
+        pytest.fail(f"{name!r} is in eqxdiff.core.FAMILY_TABLE ({FAMILY_TABLE[name]}) but has no tiny config for the "
+                    f"axes walk: add TINY_CONFIGS[{name!r}] = {{...config.json of a tiny {name}...}} (or a function "
+                    f"returning a {cls.config_class.__name__}, or a list of them) in tests/test_axes.py")
+    entries = entry if isinstance(entry, list) else [entry]
+    return [e() if callable(e) else cls.config_class.from_dict(e) for e in entries]
+
+
+def _problems(module) -> list[str]:
+    leaves, specs, _ = leaf_specs(module)
+    out = []
+    for x, s in zip(leaves, specs):
+        if s.axes is None:
+            out.append(f"{s.name} {tuple(x.shape)}: no declared logical axes (PARAM_AXES or param_axes() on its "
+                       "module, or axes= on its nn.Linear)")
+        elif len(s.axes) != x.ndim:
+            out.append(f"{s.name} {tuple(x.shape)}: axes {s.axes} of the wrong rank")
+        elif unknown := [a for a in s.axes if a is not None and a not in KNOWN_AXES]:
+            out.append(f"{s.name}: axis name(s) {unknown} not in eqxdiff.core.DEFAULT_RULES.params")
+    return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_parameter_declares_logical_axes(name):
+    cls = resolve_class(name)
+    problems = []
+    for config in _tiny_configs(name, cls):
+        abstract = eqx.filter_eval_shape(lambda: cls(config, key=jax.random.key(0)))  # noqa: B023 - called at once
+        assert jax.tree.leaves(abstract), f"{name}: the tiny config built no parameters"
+        problems += _problems(abstract)
+        try:
+            stacked = nn.scan_layers(abstract)
+        except ValueError:  # no repeated layers to stack
+            continue
+        problems += [f"scan_layers: {p}" for p in _problems(stacked)]
+    assert not problems, f"{name}:\n" + "\n".join(problems)
+
+
+def _parity_classes() -> list[type]:
+    """Every collected (``Test...``) ModelParity subclass in tests/, importing the test modules that define them."""
+    here = Path(__file__).parent
+    for path in sorted(here.glob("test_*.py")):
+        if "ModelParity" in path.read_text():
+            importlib.import_module(f"{__package__}.{path.stem}")
+    found, todo = [], [ModelParity]
+    while todo:
+        subclasses = todo.pop().__subclasses__()
+        todo.extend(subclasses)
+        found.extend(c for c in subclasses if c.__name__.startswith("Test"))
+    return found
+
+
+def test_every_model_has_a_parity_test():
+    covered = {c.reference_class.__name__ for c in _parity_classes()}
+    missing = [name for name in MODELS if name not in covered]
+    assert not missing, "\n".join(
+        f"{name!r} is in eqxdiff.core.FAMILY_TABLE ({FAMILY_TABLE[name]}) but no parity test covers it: in "
+        f"tests/test_<family>.py add `class Test...(ModelParity)` (from tests/_parity.py) with reference_class = "
+        f"the diffusers/transformers class {name}, model_class = {FAMILY_TABLE[name].split(':')[1]}, a tiny config, "
+        "full_size and the inputs/outputs methods; the docstring of tests/_parity.py shows how" for name in missing)
