@@ -13,8 +13,8 @@ import torch
 
 import eqxdiff
 from eqxdiff.pipelines import StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
-from eqxdiff.pipelines._inpaint import latent_mask, prepare_mask
 from eqxdiff.pipelines._images import to_model_range
+from eqxdiff.pipelines._inpaint import latent_mask, prepare_mask
 from eqxdiff.pipelines._unet import encode_image_latents, noise_draws
 
 from . import _tiny_sdxl as tiny

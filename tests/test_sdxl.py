@@ -1,7 +1,8 @@
 """SDXL end to end against diffusers (every pixel within 2/255 from the same initial noise): text-to-image on two
 UNet configs (with and without ``force_zeros_for_empty_prompt``), image-to-image, the refiner (aesthetic score, no
 first text encoder), the base -> refiner hand-off, few-step distilled runs (SDXL-Lightning's trailing Euler at
-guidance 0 with a UNet read from a lone .safetensors file, LCM), and the errors a user can make.
+guidance 0 with a UNet read from a lone .safetensors file, and its one-step x0 variant; LCM and TCD), and the
+errors a user can make.
 
 One tiny pipeline folder per role, built once for the module; tests share compiled programs (same shapes, guidance
 and scheduler), so most of the time is the first compile of each program.
@@ -216,6 +217,14 @@ def test_lightning_unet_from_a_lone_file_with_trailing_euler(base, tmp_path, lat
     ours = fast(PROMPTS, latents=latents, progress=False, **kwargs)
     assert _pixels_off(ours, expected) <= 2
     assert _pixels_off(ours, _run(ref, prompt=PROMPTS, latents=nhwc_to_nchw(latents), **kwargs)) > 2  # its own UNet
+
+    # the one-step x0 UNet: one trailing step (t = 999) predicting the sample itself
+    x0 = fast.with_scheduler("euler", timestep_spacing="trailing", prediction_type="sample")
+    ref_x0 = type(ref)(**{**ref_fast.components, "scheduler": EulerDiscreteScheduler.from_config(
+        ref.scheduler.config, timestep_spacing="trailing", prediction_type="sample")})
+    kwargs["num_inference_steps"] = 1
+    expected = _run(ref_x0, prompt=PROMPTS, latents=nhwc_to_nchw(latents), **kwargs)
+    assert _pixels_off(x0(PROMPTS, latents=latents, progress=False, **kwargs), expected) <= 2
 
 
 def test_consistency_schedulers_with_a_guidance_embedding_unet(base, tmp_path, latents, monkeypatch):

@@ -264,7 +264,9 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     default :data:`eqxdiff.parallel.DEFAULT_RULES`; each device reads only its slices) and runs the pipeline on
     the mesh; ``offload_encoders`` keeps the encoders in host memory outside encoding. ``scan_layers`` stacks the
     models' repeated layers (run with ``lax.scan``: faster compiles, same numbers; see
-    :func:`eqxdiff.nn.scan_layers`).
+    :func:`eqxdiff.nn.scan_layers`). The class's :attr:`~DiffusionPipeline.OPTIONS` are read from
+    ``model_index.json``. ``pipeline_class`` (``Cls.from_pretrained``) loads the folder as that class: a subclass
+    of it, or another task of the same family (the same components, e.g. an SDXL base folder as image-to-image).
     """
     weights_dtype = check_dtype(dtype) or check_dtype("float32")
     act_dtype = check_dtype(activations_dtype) or weights_dtype

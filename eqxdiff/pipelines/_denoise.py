@@ -2,8 +2,10 @@
 
 A family supplies a :class:`Denoiser`: an ``eqx.Module`` holding its model(s) whose ``__call__(x, t, cond, *,
 step)`` returns the model output for latents ``x`` at timestep ``t`` (``cond`` is whatever arrays the family
-conditions on: text embeddings, pooled embeddings, time ids, control images ...). :func:`denoise_loop` runs the
-scheduler's remaining steps from a state as one jitted ``lax.fori_loop``, with or without guidance.
+conditions on: text embeddings, pooled embeddings, time ids, control images ...) and whose ``after_step`` may
+change the latents after each scheduler step (inpainting's blend). :func:`denoise_loop` runs the scheduler's
+remaining steps from a state as one jitted ``lax.fori_loop``, with or without guidance; :func:`plan_schedule` cuts
+the timesteps for a call as diffusers' pipelines do (``strength``, ``denoising_start``, ``denoising_end``).
 """
 
 import abc

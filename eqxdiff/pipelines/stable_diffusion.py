@@ -108,14 +108,20 @@ class StableDiffusionPipeline(UNetPipeline):
                  seed: int | None = None, key: PRNGKeyArray | None = None, clip_skip: int | None = None,
                  prompt_embeds=None, negative_prompt_embeds=None, output_type: str = "uint8", progress: bool = True):
         """Images for ``prompt`` (or ``prompt_embeds`` ``[n, seq, embed]``, with optional
-        ``negative_prompt_embeds``).
+        ``negative_prompt_embeds``): uint8 ``[n, height, width, 3]``, or the final latents channels-last with
+        ``output_type="latent"``. See :meth:`~eqxdiff.pipelines._unet.UNetPipeline.generate`.
 
-        ``latents``: the initial noise ``[n, height/8, width/8, channels]`` (channels-last), before the
-        scheduler's ``init_noise_sigma``. ``image`` + ``strength`` (default 0.8): image-to-image. ``image`` +
-        ``mask_image`` (white = repaint; ``strength`` default 1.0): inpainting, with an inpainting (9-channel) UNet
-        or an ordinary one. ``eta``: DDIM's / TCD's noise. ``timesteps`` / ``sigmas``: a custom schedule
-        instead of ``num_inference_steps``. ``output_type="latent"`` returns the final latents channels-last. See
-        :meth:`~eqxdiff.pipelines._unet.UNetPipeline.generate`.
+        Args:
+            latents: The initial noise ``[n, height/8, width/8, channels]``, channels-last (an array), before the
+                scheduler's ``init_noise_sigma``.
+            image: Image-to-image or inpainting input: uint8 ``[n, H, W, 3]``, PIL, or floats in [0, 1].
+            mask_image: Inpainting mask (white = repaint), the image's size; works with inpainting (9-channel) and
+                ordinary UNets.
+            strength: How much of the schedule an image-to-image / inpainting run takes (default 0.8 / 1.0).
+            eta: Noise of the DDIM / TCD steps.
+            timesteps: A custom descending timestep schedule (replaces ``num_inference_steps``).
+            sigmas: A custom noise-level schedule (replaces ``num_inference_steps``).
+            output_type: ``"uint8"`` images or ``"latent"`` (channels-last latents).
         """
         self.check_inputs(image=image, mask_image=mask_image)
         if num_images_per_prompt < 1:

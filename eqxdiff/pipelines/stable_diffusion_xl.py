@@ -212,13 +212,35 @@ class StableDiffusionXLPipeline(UNetPipeline):
                  negative_original_size: Size | None = None, negative_crops_coords_top_left: Size = (0, 0),
                  negative_target_size: Size | None = None, aesthetic_score: float = 6.0,
                  negative_aesthetic_score: float = 2.5, output_type: str = "uint8", progress: bool = True):
-        """Images for ``prompt`` (diffusers' SDXL arguments; ``guidance_scale`` defaults to the class's: 5, 7.5
-        for inpainting).
+        """Images for ``prompt`` with diffusers' SDXL arguments: uint8 ``[n, height, width, 3]``, or the final
+        latents channels-last with ``output_type="latent"``.
 
-        ``latents``: the initial noise ``[n, height/8, width/8, 4]`` (channels-last). ``image``: pixels (uint8
-        ``[n, H, W, 3]``, PIL, floats in ``[0, 1]``) or latents ``[n, h, w, 4]`` handed over by a base pipeline
-        (``output_type="latent"``); ``strength`` (default 0.3) or ``denoising_start`` says where to start.
-        ``mask_image`` (white = repaint): inpainting. ``denoising_end`` stops early for a refiner to finish.
+        Args:
+            prompt: What to generate (both encoders' prompt unless ``prompt_2`` is given).
+            prompt_2: The second text encoder's prompt (default: ``prompt``).
+            negative_prompt: What to steer away from; without it and with ``force_zeros_for_empty_prompt`` the
+                negative conditioning is zeros.
+            negative_prompt_2: The second text encoder's negative prompt (default: ``negative_prompt``).
+            guidance_scale: Classifier-free guidance scale (default 5, 7.5 for inpainting); <= 1 turns it off.
+            latents: The initial noise ``[n, height/8, width/8, 4]``, channels-last (an array).
+            image: Image-to-image or inpainting input: pixels (uint8 ``[n, H, W, 3]``, PIL, floats in [0, 1]) or
+                latents ``[n, h, w, 4]`` handed over by a base pipeline's ``output_type="latent"``.
+            mask_image: Inpainting mask (white = repaint), the image's size.
+            strength: How much of the schedule an image-to-image / inpainting run takes (default 0.3 / 0.9999).
+            denoising_start: Refiner hand-off: start at this fraction of the schedule from ``image``'s latents.
+            denoising_end: Stop at this fraction of the schedule (with ``output_type="latent"``, for a refiner).
+            eta: Noise of the DDIM / TCD steps.
+            timesteps: A custom descending timestep schedule (replaces ``num_inference_steps``).
+            sigmas: A custom noise-level schedule (replaces ``num_inference_steps``).
+            original_size: Micro-conditioning: the training image's size (default: the output's).
+            crops_coords_top_left: Micro-conditioning: the crop's top-left corner.
+            target_size: Micro-conditioning: the target size (default: the output's).
+            negative_original_size: The negative conditioning's ``original_size``.
+            negative_crops_coords_top_left: The negative conditioning's crop corner.
+            negative_target_size: The negative conditioning's ``target_size``.
+            aesthetic_score: The refiner's aesthetic score (with ``requires_aesthetics_score``).
+            negative_aesthetic_score: The refiner's negative aesthetic score.
+            output_type: ``"uint8"`` images or ``"latent"`` (channels-last latents).
         """
         self.check_inputs(image=image, mask_image=mask_image)
         if num_images_per_prompt < 1:
