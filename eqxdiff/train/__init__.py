@@ -27,9 +27,12 @@ from ._metrics import image_grid as image_grid
 from ._objectives import Objective as Objective
 from ._objectives import TimestepBias as TimestepBias
 from ._objectives import diffusion_loss as diffusion_loss
+from ._objectives import flow_density as flow_density
+from ._objectives import flow_loss_weights as flow_loss_weights
 from ._objectives import flow_matching_loss as flow_matching_loss
 from ._objectives import flow_matching_pair as flow_matching_pair
-from ._objectives import flow_sigmas as flow_sigmas
+from ._objectives import flow_schedule_at as flow_schedule_at
+from ._objectives import flow_timesteps as flow_timesteps
 from ._objectives import min_snr_weights as min_snr_weights
 from ._objectives import offset_noise as offset_noise
 from ._objectives import sample_timesteps as sample_timesteps

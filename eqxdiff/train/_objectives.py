@@ -1,10 +1,14 @@
 """Training objectives as pure functions: timestep sampling (with diffusers' timestep bias), noise offset,
-epsilon / v-prediction / sample targets, Min-SNR-gamma weights, the diffusion MSE, and rectified-flow matching.
+epsilon / v-prediction / sample targets, Min-SNR-gamma weights, the diffusion MSE, and rectified-flow matching on
+a flow-matching scheduler's training schedule (SD3's density and loss weightings, as diffusers' training scripts).
 
 Every function takes arrays and a PRNG key and is jittable; :class:`Objective` holds the static settings.
+:func:`diffusion_loss` takes either kind of scheduler: a DDPM-process one (epsilon / v / sample targets) or
+:class:`~eqxdiff.schedulers.FlowMatchEulerDiscreteScheduler` (the velocity target).
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -12,9 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
+from ..schedulers import FlowMatchEulerDiscreteScheduler
 
-PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample", "flow_prediction")
 BIAS_STRATEGIES = ("none", "earlier", "later", "range")
+# diffusers' --weighting_scheme: logit_normal and mode shape the timestep density, sigma_sqrt and cosmap weight
+# the loss (their timesteps are uniform), none and uniform do neither.
+WEIGHTING_SCHEMES = ("none", "uniform", "logit_normal", "mode", "sigma_sqrt", "cosmap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,16 +68,26 @@ class TimestepBias:
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """Static settings of the denoising loss. ``prediction_type`` (what the model predicts) defaults to the
-    scheduler config's; ``snr_gamma`` turns on Min-SNR weighting (5.0 is the paper's value); ``caption_dropout``
-    is the probability of training a sample on the empty prompt (for classifier-free guidance)."""
+    scheduler config's (``flow_prediction``, the velocity, on a flow-matching scheduler); ``snr_gamma`` turns on
+    Min-SNR weighting (5.0 is the paper's value); ``caption_dropout`` is the probability of training a sample on the
+    empty prompt (for classifier-free guidance). Flow matching reads ``weighting_scheme`` (diffusers'
+    ``--weighting_scheme``) with ``logit_mean`` / ``logit_std`` (``logit_normal``) and ``mode_scale`` (``mode``)."""
 
     prediction_type: str | None = None
     snr_gamma: float | None = None
     noise_offset: float = 0.0
     caption_dropout: float = 0.0
     timestep_bias: TimestepBias = TimestepBias()
+    weighting_scheme: str = "none"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
 
     def __post_init__(self):
+        if self.weighting_scheme not in WEIGHTING_SCHEMES:
+            raise ValueError(f"weighting_scheme={self.weighting_scheme!r}; choose one of {list(WEIGHTING_SCHEMES)}")
+        if self.logit_std <= 0:
+            raise ValueError(f"logit_std={self.logit_std} must be > 0")
         if self.prediction_type is not None and self.prediction_type not in PREDICTION_TYPES:
             raise ValueError(f"prediction_type={self.prediction_type!r}; choose one of {list(PREDICTION_TYPES)}")
         if self.snr_gamma is not None and self.snr_gamma <= 0:
@@ -134,9 +152,16 @@ def weighted_mse(prediction, goal, weights: Float[Array, " batch"] | None = None
     return jnp.mean(per_sample if weights is None else per_sample * weights)
 
 
-def diffusion_loss(denoiser: Callable, scheduler, objective: Objective, latents: Float[Array, "batch h w c"],
+def diffusion_loss(denoiser: Callable, scheduler, objective: Objective, latents: Float[Array, "batch *dims"],
                    context, key: PRNGKeyArray) -> Float[Array, ""]:
-    """The denoising loss of ``denoiser(noisy_latents, timesteps, context)`` at random timesteps and noise."""
+    """The denoising loss of ``denoiser(noisy_latents, timesteps, context)`` at random timesteps and noise (on a
+    flow-matching scheduler: :func:`flow_matching_loss`)."""
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return flow_matching_loss(denoiser, scheduler, objective, latents, context, key)
+    if objective.weighting_scheme != "none" or objective.prediction_type == "flow_prediction":
+        raise ValueError(f"{type(scheduler).__name__} trains on the DDPM process: weighting_scheme="
+                         f"{objective.weighting_scheme!r} and prediction_type='flow_prediction' are flow-matching "
+                         "settings (use a FlowMatchEulerDiscreteScheduler, or snr_gamma / timestep_bias here)")
     k_t, k_noise = jax.random.split(key)
     n = scheduler.config.num_train_timesteps
     timesteps = sample_timesteps(k_t, latents.shape[0], n, objective.timestep_bias)
@@ -152,20 +177,56 @@ def diffusion_loss(denoiser: Callable, scheduler, objective: Objective, latents:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Rectified flow (SD3, Flux, Wan): x_s = (1 - s) x0 + s noise, the model predicts the velocity noise - x0.
+# Rectified flow (SD3, Flux, Wan, LTX): x_s = (1 - s) x0 + s noise, the model predicts the velocity noise - x0.
+# The noise levels come from the flow-matching scheduler's training schedule, as diffusers' training scripts take
+# them: u from compute_density_for_timestep_sampling, indices = (u * num_train_timesteps).long(),
+# timesteps = scheduler.timesteps[indices] and sigmas = scheduler.sigmas at those timesteps (shifted when the
+# scheduler's config has a static shift).
 
 
-def flow_sigmas(key: PRNGKeyArray, batch: int, *, weighting: str = "logit_normal", logit_mean: float = 0.0,
-                logit_std: float = 1.0, shift: float = 1.0) -> Float[Array, " batch"]:
-    """Noise levels ``s`` in (0, 1): ``uniform`` or ``logit_normal`` (SD3's default), then time-shifted as SD3/Flux
-    do: ``shift * s / (1 + (shift - 1) * s)``."""
-    if weighting == "uniform":
-        s = jax.random.uniform(key, (batch,), minval=1e-5, maxval=1.0 - 1e-5)
-    elif weighting == "logit_normal":
-        s = jax.nn.sigmoid(logit_mean + logit_std * jax.random.normal(key, (batch,)))
+def flow_density(weighting_scheme: str, draws: Float[Array, " batch"], *, logit_mean: float = 0.0,
+                 logit_std: float = 1.0, mode_scale: float = 1.29) -> Float[Array, " batch"]:
+    """diffusers' ``compute_density_for_timestep_sampling`` given its random draws: ``draws`` are standard
+    normal for ``logit_normal`` (``u = sigmoid(logit_mean + logit_std * draw)``) and uniform in [0, 1) otherwise
+    (``mode``: ``1 - u - mode_scale * (cos(pi u / 2)^2 - 1 + u)``; the rest: ``u`` itself)."""
+    if weighting_scheme == "logit_normal":
+        return jax.nn.sigmoid(logit_mean + logit_std * draws)
+    if weighting_scheme == "mode":
+        return 1 - draws - mode_scale * (jnp.cos(math.pi * draws / 2) ** 2 - 1 + draws)
+    return draws
+
+
+def flow_timesteps(key: PRNGKeyArray, batch: int, scheduler: FlowMatchEulerDiscreteScheduler,
+                   objective: Objective) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
+    """``(timesteps, sigmas)`` for a batch: :func:`flow_density` of normal (``logit_normal``) or uniform draws,
+    then :func:`flow_schedule_at` the scheduler's training schedule."""
+    if objective.weighting_scheme == "logit_normal":
+        draws = jax.random.normal(key, (batch,), jnp.float32)
     else:
-        raise ValueError(f"flow weighting={weighting!r}; choose 'uniform' or 'logit_normal'")
-    return shift * s / (1.0 + (shift - 1.0) * s)
+        draws = jax.random.uniform(key, (batch,), jnp.float32)
+    u = flow_density(objective.weighting_scheme, draws, logit_mean=objective.logit_mean,
+                     logit_std=objective.logit_std, mode_scale=objective.mode_scale)
+    return flow_schedule_at(scheduler, u)
+
+
+def flow_schedule_at(scheduler: FlowMatchEulerDiscreteScheduler,
+                     u: Float[Array, " batch"]) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
+    """The training schedule's ``(timesteps, sigmas)`` at ``indices = int(u * num_train_timesteps)`` (``u`` in
+    [0, 1]; an index past the end, from ``u = 1``, is clipped to the last)."""
+    timesteps, sigmas = scheduler.training_schedule()
+    n = scheduler.config.num_train_timesteps
+    indices = jnp.clip((u.astype(jnp.float32) * n).astype(jnp.int32), 0, n - 1)
+    return jnp.asarray(timesteps)[indices], jnp.asarray(sigmas)[indices]
+
+
+def flow_loss_weights(weighting_scheme: str, sigmas: Float[Array, " batch"]) -> Float[Array, " batch"]:
+    """diffusers' ``compute_loss_weighting_for_sd3``: ``sigma^-2`` (``sigma_sqrt``), ``2 / (pi (1 - 2 sigma +
+    2 sigma^2))`` (``cosmap``), else ones."""
+    if weighting_scheme == "sigma_sqrt":
+        return sigmas**-2.0
+    if weighting_scheme == "cosmap":
+        return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas**2))
+    return jnp.ones_like(sigmas)
 
 
 def flow_matching_pair(x0, noise, sigmas: Float[Array, " batch"]):
@@ -174,13 +235,22 @@ def flow_matching_pair(x0, noise, sigmas: Float[Array, " batch"]):
     return (1.0 - s) * x0 + s * noise, noise - x0
 
 
-def flow_matching_loss(velocity_model: Callable, x0, context, key: PRNGKeyArray, *, weighting: str = "logit_normal",
-                       logit_mean: float = 0.0, logit_std: float = 1.0, shift: float = 1.0,
-                       num_train_timesteps: int = 1000) -> Float[Array, ""]:
-    """MSE between ``velocity_model(x_s, s * num_train_timesteps, context)`` and ``noise - x0``."""
-    k_s, k_noise = jax.random.split(key)
-    sigmas = flow_sigmas(k_s, x0.shape[0], weighting=weighting, logit_mean=logit_mean, logit_std=logit_std,
-                         shift=shift)
-    noise = jax.random.normal(k_noise, x0.shape, x0.dtype)
+def flow_matching_loss(velocity_model: Callable, scheduler: FlowMatchEulerDiscreteScheduler, objective: Objective,
+                       x0: Float[Array, "batch *dims"], context, key: PRNGKeyArray) -> Float[Array, ""]:
+    """Weighted MSE between ``velocity_model(x_s, timesteps, context)`` and ``noise - x0`` at the scheduler's
+    training timesteps drawn by :func:`flow_timesteps`, weighted by :func:`flow_loss_weights`."""
+    if objective.snr_gamma is not None or objective.timestep_bias.strategy != "none":
+        raise ValueError("snr_gamma and timestep_bias weight the DDPM process; flow matching takes "
+                         f"weighting_scheme (one of {list(WEIGHTING_SCHEMES)})")
+    if objective.prediction_type not in (None, "flow_prediction"):
+        raise ValueError(f"flow matching trains the velocity (prediction_type='flow_prediction' or None), got "
+                         f"prediction_type={objective.prediction_type!r}")
+    k_t, k_noise = jax.random.split(key)
+    timesteps, sigmas = flow_timesteps(k_t, x0.shape[0], scheduler, objective)
+    if objective.noise_offset:
+        noise = offset_noise(k_noise, x0, objective.noise_offset)
+    else:
+        noise = jax.random.normal(k_noise, x0.shape, x0.dtype)
     x_s, velocity = flow_matching_pair(x0, noise, sigmas)
-    return weighted_mse(velocity_model(x_s, sigmas * num_train_timesteps, context), velocity)
+    prediction = velocity_model(x_s, timesteps, context)
+    return weighted_mse(prediction, velocity, flow_loss_weights(objective.weighting_scheme, sigmas))

@@ -1,0 +1,396 @@
+"""The flow-matching, UniPC, LCM and TCD schedulers (and the custom schedules diffusers' ``set_timesteps`` takes)
+against diffusers over whole jitted trajectories, fixed fake model outputs and the same noise; img2img starts; the
+DDPM scheduler read from a DPM-Solver config; errors; keys in a ``fori_loop``; convergence on a Gaussian target."""
+
+import inspect
+import json
+import math
+from pathlib import Path
+
+import diffusers
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import eqxdiff
+from eqxdiff import schedulers as S
+from eqxdiff.schedulers import ConfigError, scheduler_from_config
+
+from ._util import assert_close, nhwc_to_nchw
+
+# diffusers' schedulers trip NumPy 2's __array__(copy=) deprecation, and warn about custom schedules.
+pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+SHAPE = (2, 4, 3, 2)  # channels-last
+SD = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
+FLOW = "FlowMatchEulerDiscreteScheduler"
+UNIPC = "UniPCMultistepScheduler"
+WAN = {"use_flow_sigmas": True, "flow_shift": 3.0, "prediction_type": "flow_prediction"}
+
+
+def _nhwc(t):
+    return np.moveaxis(t.detach().numpy(), 1, -1)
+
+
+def _fake_jax(x, t):
+    return 0.3 * x + 0.1 * jnp.sin(t.astype(jnp.float32))
+
+
+def _fake_torch(x, t):
+    return 0.3 * x + 0.1 * torch.sin(torch.as_tensor(t).float())
+
+
+@eqx.filter_jit
+def _trajectory(sched, state, x, noises):
+    """Every intermediate sample of a jitted ``lax.scan`` over ``sched.step`` (the noises are ignored by
+    deterministic schedulers)."""
+
+    def body(carry, noise):
+        x, state = carry
+        out = _fake_jax(sched.scale_model_input(state, x), sched.current_timestep(state))
+        x, state = sched.step(state, out, x, noise=noise)
+        return (x, state), x
+
+    (_, state), xs = jax.lax.scan(body, (x, state), noises)
+    return xs, state
+
+
+def _reference(ref, x, *, begin=0, **step_kwargs):
+    """diffusers' samples from ``x`` (NCHW) and the noise each step drew: replayed from the generator's state before
+    the step, zeros where the step drew none."""
+    if begin:
+        ref.set_begin_index(begin)
+    takes_generator = "generator" in inspect.signature(ref.step).parameters
+    generator = torch.Generator().manual_seed(0)
+    samples, noises = [], []
+    for t in ref.timesteps[begin:]:
+        before = generator.get_state()
+        model_input = ref.scale_model_input(x, t) if hasattr(ref, "scale_model_input") else x
+        kwargs = {"generator": generator} if takes_generator else {}
+        x = ref.step(_fake_torch(model_input, t), t, x, **kwargs, **step_kwargs).prev_sample
+        replay = torch.Generator()
+        replay.set_state(before)
+        drew = not torch.equal(before, generator.get_state())
+        noises.append(torch.randn(x.shape, generator=replay) if drew else torch.zeros_like(x))
+        samples.append(_nhwc(x))
+    return np.stack(samples), jnp.asarray(np.stack([_nhwc(z) for z in noises]))
+
+
+def _pair(class_name, config, n, init=None, eta=None):
+    raw = {"_class_name": class_name, "_diffusers_version": "0.42.1", **config}
+    init = init or {}
+    ref = getattr(diffusers, class_name).from_config(raw)
+    ref.set_timesteps(n, **{k: (np.asarray(v) if k == "sigmas" else v) for k, v in init.items()})
+    sched = scheduler_from_config(raw)
+    if eta is not None:
+        sched = S.TCDScheduler(sched.config, eta=eta)
+    return ref, sched, sched.init(n, sample_shape=SHAPE, **init)
+
+
+def _check_schedule(ref, state):
+    if np.issubdtype(ref.timesteps.numpy().dtype, np.integer):
+        np.testing.assert_array_equal(np.asarray(state.timesteps), ref.timesteps.numpy())
+    else:
+        assert_close(state.timesteps, ref.timesteps.numpy(), 1e-6, "timesteps")
+    if hasattr(state, "sigmas"):
+        assert_close(state.sigmas, ref.sigmas.numpy(), 1e-6, "sigmas")
+
+
+def _check_trajectory(ours, expected):
+    assert ours.shape == expected.shape
+    for i, (a, e) in enumerate(zip(ours, expected, strict=True)):
+        assert_close(a, e, 1e-5, f"sample after step {i}")
+
+
+CASES = [
+    # flow-matching Euler: SD3's static shift, Flux's dynamic mu (exponential, linear; custom sigmas as the Flux
+    # pipeline passes them), LTX's shift_terminal, respaced sigmas, Mochi's inverted sigmas, stochastic sampling
+    (FLOW, {}, 10, {}, None),
+    (FLOW, {"shift": 3.0}, 8, {}, None),
+    (FLOW, {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15}, 6, {"mu": 0.8}, None),
+    (FLOW, {"use_dynamic_shifting": True, "time_shift_type": "linear"}, 5, {"mu": 1.5}, None),
+    (FLOW, {"use_dynamic_shifting": True}, None, {"mu": 1.1, "sigmas": list(np.linspace(1.0, 1 / 5, 5))}, None),
+    (FLOW, {"shift": 2.0, "shift_terminal": 0.1, "num_train_timesteps": 500}, 7, {}, None),
+    (FLOW, {"shift": 3.0, "use_karras_sigmas": True}, 6, {}, None),
+    (FLOW, {"use_exponential_sigmas": True}, 6, {}, None),
+    (FLOW, {"shift": 3.0, "use_beta_sigmas": True}, 6, {}, None),
+    (FLOW, {"invert_sigmas": True}, 5, {}, None),
+    (FLOW, {"shift": 3.0, "stochastic_sampling": True}, 6, {}, None),
+    (FLOW, {"shift": 3.0}, None, {"timesteps": [1000.0, 800.0, 500.0, 100.0]}, None),
+    # UniPC on beta schedules. (diffusers returns NaN on the last step of some configs, which are left out:
+    # predict_x0=False into sigma 0 (0 * inf), and lower_order_final=False with a respaced or flow schedule, where
+    # sigma_min repeats the last sigma and h = 0.)
+    (UNIPC, SD, 10, {}, None),
+    (UNIPC, dict(SD, solver_type="bh1", solver_order=3, final_sigmas_type="sigma_min"), 12, {}, None),
+    (UNIPC, dict(solver_order=1, predict_x0=False, prediction_type="v_prediction", timestep_spacing="trailing",
+                 final_sigmas_type="sigma_min"), 8, {}, None),
+    (UNIPC, dict(SD, solver_order=3, lower_order_final=False, final_sigmas_type="sigma_min", solver_type="bh1",
+                 predict_x0=False), 7, {}, None),
+    (UNIPC, dict(SD, use_karras_sigmas=True), 10, {}, None),
+    (UNIPC, dict(SD, disable_corrector=[0, 3], solver_type="midpoint"), 8, {}, None),  # midpoint -> bh2
+    (UNIPC, dict(SD, use_beta_sigmas=True), 6, {}, None),
+    (UNIPC, dict(prediction_type="sample", thresholding=True, sample_max_value=1.2, timestep_spacing="leading",
+                 steps_offset=1), 7, {}, None),
+    (UNIPC, dict(SD, prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing"),
+     6, {}, None),
+    # UniPC on flow sigmas (Wan: timesteps truncated to integers)
+    (UNIPC, WAN, 10, {}, None),
+    (UNIPC, dict(WAN, use_dynamic_shifting=True, solver_order=3), None,
+     {"mu": 0.9, "sigmas": list(np.linspace(1.0, 1 / 6, 6))}, None),
+    (UNIPC, dict(WAN, use_karras_sigmas=True), 6, {}, None),
+    # LCM and TCD
+    ("LCMScheduler", {}, 4, {}, None),
+    ("LCMScheduler", {}, None, {"timesteps": [999, 759, 499, 259]}, None),
+    ("LCMScheduler", dict(prediction_type="v_prediction", timestep_scaling=5.0, original_inference_steps=100),
+     6, {}, None),
+    ("LCMScheduler", dict(clip_sample=True, beta_schedule="linear"), 6, {"original_inference_steps": 25}, None),
+    ("LCMScheduler", {}, 1, {}, None),
+    ("TCDScheduler", {}, 4, {}, 0.3),
+    ("TCDScheduler", {}, 4, {}, 0.0),
+    ("TCDScheduler", dict(prediction_type="v_prediction"), None, {"timesteps": [999, 759, 499, 259]}, 1.0),
+    ("TCDScheduler", dict(prediction_type="sample", set_alpha_to_one=False), 5, {"original_inference_steps": 40},
+     0.5),
+    # the custom schedules the existing schedulers take
+    ("DDPMScheduler", dict(SD, clip_sample=False), None, {"timesteps": [900, 700, 450, 120, 3]}, None),
+    ("EulerDiscreteScheduler", SD, None, {"timesteps": [999.0, 750.5, 400.0, 20.0]}, None),
+    ("EulerDiscreteScheduler", dict(SD, prediction_type="v_prediction"), None, {"sigmas": [14.0, 5.0, 1.0, 0.1, 0.0]},
+     None),
+    ("DPMSolverMultistepScheduler", SD, None, {"timesteps": [999, 800, 600, 300, 100, 10]}, None),
+]
+
+
+def _case_id(case):
+    name, config, n, init, eta = case
+    parts = [f"{k}={v}" for k, v in {**config, **init}.items() if k not in SD or config[k] != SD[k]]
+    return f"{name.removesuffix('Scheduler')}-{n}-" + ",".join(parts)[:80] + ("" if eta is None else f"-eta={eta}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_trajectory_matches_diffusers(case):
+    class_name, config, n, init, eta = case
+    ref, sched, state = _pair(class_name, config, n, init, eta)
+    _check_schedule(ref, state)
+    x = np.random.default_rng(len(state.timesteps)).standard_normal(SHAPE).astype(np.float32)
+    sigma = float(getattr(ref, "init_noise_sigma", 1.0))  # (diffusers' flow-matching Euler has none: 1)
+    assert float(sched.init_noise_sigma(state)) == pytest.approx(sigma, rel=1e-6)
+    x = x * sigma
+    expected, noises = _reference(ref, nhwc_to_nchw(x), **({} if eta is None else {"eta": eta}))
+    ours, final = _trajectory(sched, state, jnp.asarray(x), noises)
+    _check_trajectory(ours, expected)
+    assert int(final.step_index) == len(state.timesteps)
+
+
+def test_unipc_bh1_to_zero_stays_finite():
+    """diffusers' bh1 UniPC multiplies a zero residual by B(h) = -inf on the step to sigma 0 and returns NaN; ours
+    returns that step's order-1 prediction and agrees with diffusers on every step before it."""
+    ref, sched, state = _pair(UNIPC, dict(SD, solver_type="bh1"), 6)
+    x = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
+    expected, noises = _reference(ref, nhwc_to_nchw(x))
+    ours, _ = _trajectory(sched, state, jnp.asarray(x), noises)
+    assert np.isnan(expected[-1]).all() and np.isfinite(np.asarray(ours)).all()
+    _check_trajectory(ours[:-1], expected[:-1])
+
+
+@pytest.mark.parametrize("class_name,config,n,strength,begin", [
+    (FLOW, {"shift": 3.0}, 10, 0.65, 3),  # Flux / SD3 pipelines: int(10 - 6.5) = 3 (SD's rule gives 4)
+    (UNIPC, WAN, 10, 0.6, 4),
+    ("LCMScheduler", {}, 4, 0.5, 2),
+    ("TCDScheduler", {}, 6, 0.5, 3),
+])
+def test_img2img_start_matches_diffusers(class_name, config, n, strength, begin):
+    """``init(strength=)`` starts where the diffusers img2img pipeline does, the noised start is the scheduler's
+    forward process there (``scale_noise`` / ``add_noise`` after ``set_begin_index``), and the rest matches."""
+    ref, sched, state = _pair(class_name, config, n)
+    state = sched.init(n, sample_shape=SHAPE, strength=strength)
+    assert state.begin_index == begin == sched.remaining_steps(sched.init(n, sample_shape=SHAPE)) - len(
+        ref.timesteps[begin:])
+    rng = np.random.default_rng(5)
+    x0, noise = (rng.standard_normal(SHAPE).astype(np.float32) for _ in range(2))
+    ref.set_begin_index(begin)
+    t = ref.timesteps[begin:begin + 1].repeat(SHAPE[0])
+    if class_name == FLOW:
+        start = ref.scale_noise(nhwc_to_nchw(x0), t, nhwc_to_nchw(noise))
+    else:
+        start = ref.add_noise(nhwc_to_nchw(x0), nhwc_to_nchw(noise), t)
+    ours_start = sched.add_noise_at_step(state, jnp.asarray(x0), jnp.asarray(noise))
+    assert_close(ours_start, _nhwc(start), 1e-6, "noised start")
+    expected, noises = _reference(ref, start, begin=begin)
+    ours, _ = _trajectory(sched, state, ours_start, noises)
+    _check_trajectory(ours, expected)
+
+
+def test_ddpm_from_the_digits_dpm_solver_config_matches_diffusers():
+    """The digits model's DPM-Solver++ config (variance_type=None) read by DDPM (what training and --scheduler ddpm
+    do), equal to diffusers' DDPMScheduler.from_config of the same dict over a trajectory."""
+    folder = Path(eqxdiff.__file__).parent / "assets" / "digits" / "scheduler"
+    raw = json.loads((folder / "scheduler_config.json").read_text())
+    assert raw["_class_name"] == "DPMSolverMultistepScheduler" and raw["variance_type"] is None
+    sched = S.DDPMScheduler.from_config(raw)
+    assert sched.config.variance_type is None and scheduler_from_config(raw, name="ddpm").config == sched.config
+    ref = diffusers.DDPMScheduler.from_config(raw)
+    ref.set_timesteps(12)
+    state = sched.init(12, sample_shape=SHAPE)
+    _check_schedule(ref, state)
+    x = np.random.default_rng(2).standard_normal(SHAPE).astype(np.float32)
+    expected, noises = _reference(ref, nhwc_to_nchw(x))
+    ours, _ = _trajectory(sched, state, jnp.asarray(x), noises)
+    _check_trajectory(ours, expected)
+
+
+def test_training_schedule_and_dynamic_shift_match_diffusers():
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    raw = {"_class_name": FLOW, "use_dynamic_shifting": True, "base_shift": 0.4, "max_shift": 1.3,
+           "base_image_seq_len": 128, "max_image_seq_len": 2048}
+    sched = scheduler_from_config(raw)
+    for seq in (64, 1024, 4096):
+        assert sched.dynamic_shift_mu(seq) == pytest.approx(calculate_shift(seq, 128, 2048, 0.4, 1.3), rel=1e-12)
+    for config in ({}, {"shift": 3.0, "num_train_timesteps": 700}):
+        ref = diffusers.FlowMatchEulerDiscreteScheduler(**config)
+        timesteps, sigmas = S.FlowMatchEulerDiscreteScheduler.from_config(config).training_schedule()
+        np.testing.assert_array_equal(timesteps, ref.timesteps.numpy())
+        np.testing.assert_array_equal(sigmas, ref.sigmas.numpy())
+
+
+def test_beta_quantile_matches_scipy():
+    from scipy.stats import beta
+
+    from eqxdiff.schedulers._sigmas import beta_ppf
+
+    q = np.concatenate([[0.0, 1e-6, 1e-4], np.linspace(0, 1, 41), [1 - 1e-4, 1.0]])
+    for a, b in ((0.6, 0.6), (2.0, 5.0), (0.5, 1.5)):  # diffusers' (0.6, 0.6), and two skewed ones
+        np.testing.assert_allclose(beta_ppf(q, a, b), beta.ppf(q, a, b), rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Keys in a fori_loop, dtypes
+
+
+@pytest.mark.parametrize("name,config", [("flow_euler", {"stochastic_sampling": True, "shift": 3.0}), ("lcm", {})])
+def test_fori_loop_with_keys(name, config):
+    sched = scheduler_from_config({"_class_name": "DDPMScheduler", **SD}, name=name, **config)
+
+    @eqx.filter_jit
+    def sample(sched, state, x, key):
+        def body(_, carry):
+            x, state, key = carry
+            key, sub = jax.random.split(key)
+            x, state = sched.step(state, _fake_jax(x, sched.current_timestep(state)), x, key=sub)
+            return x, state, key
+
+        return jax.lax.fori_loop(0, sched.remaining_steps(state), body, (x, state, key))[0]
+
+    state = sched.init(4, sample_shape=SHAPE)
+    x = jnp.ones(SHAPE, jnp.bfloat16)
+    a, b, c = (sample(sched, state, x, jax.random.key(k)) for k in (0, 0, 1))
+    assert a.dtype == jnp.bfloat16 and bool(jnp.all(a == b)) and not bool(jnp.all(a == c))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+@pytest.mark.parametrize("raw,match", [
+    ({"_class_name": FLOW, "use_karras_sigmas": True, "use_beta_sigmas": True}, "use_karras_sigmas=True.*pick one"),
+    ({"_class_name": FLOW, "time_shift_type": "cubic"}, "time_shift_type='cubic'"),
+    ({"_class_name": FLOW, "shift_terminal": 1.5}, "shift_terminal=1.5"),
+    ({"_class_name": UNIPC, "solver_order": 4}, "solver_order=4"),
+    ({"_class_name": UNIPC, "solver_type": "bh3"}, "solver_type='bh3'"),
+    ({"_class_name": UNIPC, "shift_terminal": 0.1}, "shift_terminal=0.1 needs use_flow_sigmas=True"),
+    ({"_class_name": UNIPC, "prediction_type": "flow_prediction", "predict_x0": False}, "needs predict_x0=True"),
+    ({"_class_name": UNIPC, "disable_corrector": [1.5]}, "disable_corrector"),
+    ({"_class_name": "LCMScheduler", "original_inference_steps": 0}, "original_inference_steps=0"),
+    ({"_class_name": "DDPMScheduler", "variance_type": "fixed_large_log"}, "variance_type='fixed_large_log'"),
+])
+def test_config_errors(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        scheduler_from_config(raw)
+
+
+def test_init_errors_name_the_argument():
+    def build(class_name, **config):
+        return scheduler_from_config({"_class_name": class_name, **config})
+
+    with pytest.raises(ValueError, match="DDIMScheduler.init does not take sigmas=.*only the number of steps"):
+        build("DDIMScheduler").init(10, sigmas=[1.0, 0.5])
+    with pytest.raises(ValueError, match="LCMScheduler.init does not take mu=.*takes timesteps=, "
+                                         "original_inference_steps="):
+        build("LCMScheduler").init(4, mu=0.5)
+    with pytest.raises(ValueError, match="needs mu= with use_dynamic_shifting=True.*dynamic_shift_mu"):
+        build(FLOW, use_dynamic_shifting=True).init(10)
+    with pytest.raises(ValueError, match="lengths disagree"):
+        build(FLOW).init(4, sigmas=[1.0, 0.5])
+    with pytest.raises(ValueError, match="sigmas= needs use_flow_sigmas=True"):
+        build(UNIPC).init(sigmas=[1.0, 0.5], sample_shape=SHAPE)
+    with pytest.raises(ValueError, match="sample_shape="):
+        build(UNIPC).init(10)
+    with pytest.raises(ValueError, match="not both"):
+        build("LCMScheduler").init(4, timesteps=[999, 499])
+    with pytest.raises(ValueError, match="strictly descending"):
+        build("LCMScheduler").init(timesteps=[499, 999])
+    with pytest.raises(ValueError, match=r"num_inference_steps=60 must be in \[1, 50\]"):
+        build("LCMScheduler").init(60)
+    with pytest.raises(ValueError, match="must lie in"):
+        build("TCDScheduler").init(timesteps=[1000, 500])
+    with pytest.raises(ValueError, match="eta=1.5"):
+        S.TCDScheduler(eta=1.5)
+    with pytest.raises(ValueError, match="mu= shifts flow sigmas"):
+        build("DPMSolverMultistepScheduler").init(10, mu=0.7, sample_shape=SHAPE)
+    with pytest.raises(ValueError, match="timesteps= cannot be used with use_karras_sigmas=True"):
+        build("EulerDiscreteScheduler", use_karras_sigmas=True).init(timesteps=[999.0, 500.0])
+    with pytest.raises(ValueError, match="pass num_inference_steps or timesteps=, not both"):
+        build("DDPMScheduler").init(10, timesteps=[999, 500])
+    with pytest.raises(ValueError, match="pass key= .* or noise="):
+        sched = build("LCMScheduler")
+        sched.step(sched.init(2), jnp.zeros(SHAPE), jnp.zeros(SHAPE))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Convergence on a Gaussian target
+
+
+MU, STD = 0.7, 0.3
+
+
+def _flow_moments(sched, state):
+    """Mean and variance of the samples of N(MU, STD^2) drawn along the exact velocity field of the flow
+    ``x_s = (1 - s) x0 + s z`` (affine in the start, so three starts give the moments exactly)."""
+
+    def velocity(x, s):
+        var = (1 - s) ** 2 * STD**2 + s**2
+        centered = x - (1 - s) * MU
+        return s / var * centered - (MU + (1 - s) * STD**2 / var * centered)
+
+    @eqx.filter_jit
+    def run(sched, state, x):
+        def body(_, carry):
+            x, state = carry
+            return sched.step(state, velocity(x, state.sigmas[state.step_index]), x)
+
+        return jax.lax.fori_loop(0, sched.remaining_steps(state), body, (x, state))[0]
+
+    s0 = state.sigmas[0]
+    x = (1 - s0) * MU + jnp.sqrt((1 - s0) ** 2 * STD**2 + s0**2) * jnp.array([-1.0, 0.0, 1.0])
+    out = run(sched, state, x)
+    return float(out[1]), float(((out[2] - out[0]) / 2) ** 2)
+
+
+@pytest.mark.parametrize("name,config,steps,max_ratio,final", [
+    ("flow_euler", {}, (16, 32, 64), 0.6, 1e-2),  # first order: about half per doubling
+    # UniPC-2 with its corrector: at least second order (the variance error changes sign near 16-32 steps, so
+    # the asymptotic range starts later)
+    ("unipc", dict(WAN, flow_shift=1.0), (64, 128), 0.3, 1e-4),
+])
+def test_flow_sampling_converges_on_gaussian_target(name, config, steps, max_ratio, final):
+    sched = scheduler_from_config({"_class_name": FLOW}, name=name, **config)
+    errors = []
+    for n in steps:
+        mean, var = _flow_moments(sched, sched.init(n, sample_shape=(3,)))
+        errors.append(abs(mean - MU) + abs(var - STD**2))
+    assert all(b < a for a, b in zip(errors, errors[1:])), errors
+    assert errors[-1] < max_ratio * errors[-2] and errors[-1] < final, errors
+    assert math.isfinite(errors[-1])
