@@ -289,8 +289,10 @@ class _T5EncoderBase(PretrainedModel):
 
     PER_LAYER_BIAS: ClassVar[bool]
     CHECKPOINT_FORMAT: ClassVar[str] = "transformers"
-    # tied embeddings: transformers writes "shared.weight"; older files may hold only (or also) the encoder's name
+    # tied embeddings: transformers writes "shared.weight"; other files hold only (or also) the encoder's name. The
+    # loader reads either (CHECKPOINT_ALIASES); the encoder's name is what PyTorch's state_dict adds (ignored).
     CHECKPOINT_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"shared.weight": ("encoder.embed_tokens.weight",)}
+    CHECKPOINT_IGNORE: ClassVar[tuple[str, ...]] = (r"encoder\.embed_tokens\.weight",)
 
     shared: nn.Embedding
     encoder: T5Stack
