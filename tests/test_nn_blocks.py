@@ -291,6 +291,27 @@ def test_ltx_rope_tables_with_front_padding(dim, grid, scale):
     np.testing.assert_array_equal(ours.sin[..., :pad], 0)
 
 
+@pytest.mark.parametrize("dim", [2048, 4096])
+def test_ltx_rope_tables_at_full_size(dim):
+    """At the real widths PyTorch's float32 linspace and power are not always correctly rounded: some of its
+    frequencies are a few ulps off ours, which moves angles near 10^4 pi / 2 by ~1e-3. Every channel of a frequency
+    PyTorch rounds as we do matches at 1e-5; the others are within those ulps."""
+    grid, scale = (3, 5, 7), (8 / 25, 32, 32)
+    n = dim // 6
+    linspace = torch.linspace(math.log(1.0, 10000.0), math.log(10000.0, 10000.0), n, dtype=torch.float32)
+    theirs = (10000.0 ** linspace * math.pi / 2.0).numpy()  # diffusers' expression
+    ours = nn.ltx_rope_frequencies(dim)
+    np.testing.assert_array_max_ulp(ours, theirs, maxulp=16)
+    same = ours == theirs
+    assert same.mean() > 0.85
+    cos, sin = LTXVideoRotaryPosEmbed(dim)(torch.zeros(1, 1), *grid, rope_interpolation_scale=scale)
+    table = nn.ltx_rope(dim, grid=grid, interpolation_scale=scale)
+    pad = dim % 6
+    channels = np.concatenate([np.ones(pad, bool), np.repeat(np.repeat(same, 3), 2)])  # (freq, axis) pairs
+    assert_close(table.cos[..., channels], cos[..., channels], TOL)
+    assert_close(table.sin[..., channels], sin[..., channels], TOL)
+
+
 def test_ltx_rope_from_video_coords_and_errors():
     coords = _randn(2, 3, 10).abs() * torch.tensor([8.0, 300.0, 300.0])[None, :, None]
     cos, sin = LTXVideoRotaryPosEmbed(32)(torch.zeros(2, 1), video_coords=coords)
@@ -492,3 +513,43 @@ def test_every_new_parameter_declares_axes():
     assert {"attention.norm_added_q.weight", "attention.add_q_proj.weight", "attention.to_add_out.bias",
             "wan_i2v.norm_added_k.weight", "wan_i2v.add_v_proj.bias", "table",
             "ff.net.0.proj.weight", "ff.net.2.weight", "causal.conv.weight"} <= names
+
+
+def test_fused_and_external_projections_equal_separate():
+    """``qkv="fused"`` (one ``to_qkv`` / ``to_added_qkv``, diffusers' ``fuse_qkv_projections`` layout) and
+    ``qkv="external"`` (the caller projects, ``attend_projected``) give what the separate projections give."""
+    from eqxdiff.loading import state_dict
+
+    heads, dim_head = 2, 8
+    dim = heads * dim_head
+    ref = FluxAttention(dim, heads=heads, dim_head=dim_head, out_dim=dim, added_kv_proj_dim=dim,
+                        context_pre_only=False, bias=True, eps=1e-6)
+
+    def build(qkv, joint=True):
+        return lambda: nn.Attention(dim, heads=heads, dim_head=dim_head, bias=True, qk_norm="rms_norm",
+                                    joint_dim=dim if joint else None, pre_only=not joint, qkv=qkv, key=_key())
+
+    separate = _load(build("separate"), ref, 23)
+    sd = state_dict(separate)
+    split = ("to_q.", "to_k.", "to_v.", "add_q_proj.", "add_k_proj.", "add_v_proj.")
+    fused_sd = {k: v for k, v in sd.items() if not k.startswith(split)}
+    for part in ("weight", "bias"):
+        fused_sd[f"to_qkv.{part}"] = np.concatenate([sd[f"to_{c}.{part}"] for c in "qkv"])
+        fused_sd[f"to_added_qkv.{part}"] = np.concatenate([sd[f"add_{c}_proj.{part}"] for c in "qkv"])
+    fused = fill_module(eqx.filter_eval_shape(build("fused")), _Checkpoint(fused_sd))
+    x, ctx = to_jax(_randn(2, 6, dim, seed=1)), to_jax(_randn(2, 3, dim, seed=2))
+    rope = nn.flux_rope(_flux_ids(3, 2, 3), (4, 4, 8))
+    for a, b in zip(_jit(fused.joint, x, ctx, rope=rope), _jit(separate.joint, x, ctx, rope=rope)):
+        assert_close(a, b, TOL, "fused joint")
+    with pytest.raises(ValueError, match="qkv='fused' projects keys and values from x"):
+        fused(x, ctx)
+
+    single_rope = nn.flux_rope(_flux_ids(0, 2, 3), (4, 4, 8))
+    plain = _load(build("separate", joint=False), FluxAttention(dim, heads=heads, dim_head=dim_head, out_dim=dim,
+                                                                bias=True, eps=1e-6, pre_only=True), 24)
+    external = fill_module(eqx.filter_eval_shape(build("external", joint=False)),
+                           _Checkpoint({k: v for k, v in state_dict(plain).items() if k.startswith("norm_")}))
+    q, k, v = (proj(x) for proj in (plain.to_q, plain.to_k, plain.to_v))
+    assert_close(_jit(external.attend_projected, q, k, v, rope=single_rope), _jit(plain, x, rope=single_rope), TOL)
+    with pytest.raises(ValueError, match="qkv='external'"):
+        external(x)

@@ -31,6 +31,7 @@ from ._rope import Rope as Rope
 from ._rope import apply_rope as apply_rope
 from ._rope import flux_rope as flux_rope
 from ._rope import ltx_rope as ltx_rope
+from ._rope import ltx_rope_frequencies as ltx_rope_frequencies
 from ._rope import rope_angles as rope_angles
 from ._rope import wan_rope as wan_rope
 from ._stack import Stacked as Stacked

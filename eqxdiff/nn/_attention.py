@@ -198,6 +198,9 @@ class Attention(eqx.Module):
         if image_context is None and added_kv:
             raise ValueError("Attention: built with added_kv_dim, it needs image_context= (the image tokens its "
                              "add_k_proj/add_v_proj project)")
+        if self.qkv == "fused" and context is not None:
+            raise ValueError("Attention: qkv='fused' projects keys and values from x itself; a cross-attention "
+                             "(context=) needs qkv='separate'")
         ctx = x if context is None else context
         q, k, v = self._project(self.to_qkv, (self.to_q, self.to_k, self.to_v), (self.norm_q, self.norm_k), x, ctx)
         if rope is not None:
