@@ -99,6 +99,11 @@ def test_text_to_image_matches_diffusers(base, latents):
                  latents=latents, progress=False, **kwargs)
     assert _pixels_off(given, expected) <= 2
 
+    # one prompt, two images (each row keeps its own noise and the prompt's conditioning)
+    kwargs.update(num_images_per_prompt=2, prompt_2="green")
+    expected = _run(ref, prompt="a red cat", latents=nhwc_to_nchw(latents), **kwargs)
+    assert _pixels_off(pipe("a red cat", latents=latents, progress=False, **kwargs), expected) <= 2
+
 
 def test_time_ids_follow_diffusers(base, refiner):
     """Micro-conditioning rules: text-to-image (negative sizes only when both are given), image-to-image (they
@@ -253,7 +258,7 @@ def test_consistency_schedulers_with_a_guidance_embedding_unet(base, tmp_path, l
         assert _pixels_off(ours, expected) <= 2, name
 
 
-def test_errors_name_the_fix(base, refiner):
+def test_errors_name_the_fix(base, refiner, tmp_path):
     folder, _, pipe = base
     _, _, refiner_pipe = refiner
     with pytest.raises(ValueError, match="pass prompt or prompt_embeds"):
@@ -293,6 +298,11 @@ def test_errors_name_the_fix(base, refiner):
         StableDiffusionXLPipeline.from_pipe(pipe, force_zeros_for_empty_prompt="yes")
     index = json.loads((folder / "model_index.json").read_text())
     assert index["_class_name"] == "StableDiffusionXLPipeline"
+    lacking = tmp_path / "lacking"
+    lacking.mkdir()
+    (lacking / "model_index.json").write_text(json.dumps({k: v for k, v in index.items() if k != "text_encoder_2"}))
+    with pytest.raises(eqxdiff.CheckpointError, match=r"lacks component\(s\) \['text_encoder_2'\]"):
+        eqxdiff.load_pipeline(lacking)
     with pytest.raises(eqxdiff.CheckpointError, match="cannot use"):
         eqxdiff.pipelines.StableDiffusionPipeline.from_pretrained(folder)
 
