@@ -2,6 +2,9 @@
 variant (bgr, pooled conditions, UNetMidBlock2D, a 1-channel control image downsampled 4x), each against full-size
 layouts; from_unet; config and input errors; then the pipelines (SD, SD img2img, SDXL) against diffusers'."""
 
+import dataclasses
+import json
+
 import diffusers
 import jax
 import jax.numpy as jnp
@@ -12,7 +15,16 @@ import torch
 import eqxdiff
 from eqxdiff.core import ConfigError, Plan, Remat, checkpoint_names, with_plan
 from eqxdiff.loading import state_dict
-from eqxdiff.models.controlnet import ControlNetConfig, ControlNetModel
+from eqxdiff.models.controlnet import ControlNetConfig, ControlNetModel, MultiControlNetModel
+from eqxdiff.pipelines import save_pipeline
+from eqxdiff.pipelines.controlnet import (
+    ControlInput,
+    StableDiffusionControlNetImg2ImgPipeline,
+    StableDiffusionControlNetPipeline,
+    StableDiffusionXLControlNetPipeline,
+    control_scales,
+    prepare_control_image,
+)
 
 from . import _tiny_controlnet as tiny
 from ._parity import ModelParity
@@ -206,3 +218,213 @@ def test_bad_inputs_are_rejected_readably(sd_case):
         model(jnp.moveaxis(x["sample"], -1, 1), 1, x["encoder_hidden_states"], x["controlnet_cond"])
     with pytest.raises(ValueError, match="only used with addition_embed_type='text_time'"):
         model(*args, x["controlnet_cond"], text_embeds=jnp.zeros((2, 4)), time_ids=jnp.zeros((2, 6)))
+
+
+# -- pipelines: every pixel within 2/255 of diffusers' from the same initial latents --------------------------------
+
+PROMPTS = ["a red cat", "two dogs"]
+STEPS = 3  # start/end fractions below switch nets on and off at every third of the schedule
+
+
+def _pixels_off(ours_uint8, ref_float) -> int:
+    return int(np.max(np.abs(ours_uint8.astype(int) - (np.asarray(ref_float) * 255).round().astype(int))))
+
+
+def _tensor(image):
+    return torch.from_numpy(image).permute(0, 3, 1, 2).float() / 255
+
+
+def _reference(ref, image, latents=None, **kwargs):
+    image = [_tensor(i) for i in image] if isinstance(image, list) else _tensor(image)
+    if latents is not None:
+        kwargs["latents"] = nhwc_to_nchw(latents)
+    with torch.no_grad():
+        return ref(PROMPTS, image=image, output_type="np", num_inference_steps=STEPS, **kwargs).images
+
+
+@pytest.fixture(scope="module")
+def latents():
+    return np.random.default_rng(0).standard_normal((2, 16, 16, 4)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def sd(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sd-controlnet")
+    ref = tiny.build_sd(folder, tiny.controlnet(tiny.SD_PIPE_CONTROLNET, 11))
+    return ref, folder, eqxdiff.load_pipeline(folder)
+
+
+@pytest.fixture(scope="module")
+def sd_multi(tmp_path_factory):
+    """Two nets: the first reads bgr, the second pools its residuals (the first's global_pool_conditions would
+    force guess mode; guess mode is asked for explicitly)."""
+    folder = tmp_path_factory.mktemp("sd-multicontrolnet")
+    nets = [tiny.controlnet(tiny.SD_PIPE_CONTROLNET, 12, controlnet_conditioning_channel_order="bgr"),
+            tiny.controlnet(tiny.SD_PIPE_CONTROLNET, 13, global_pool_conditions=True)]
+    ref = tiny.build_sd(folder, nets)
+    return ref, folder, eqxdiff.load_pipeline(folder)
+
+
+@pytest.fixture(scope="module")
+def sdxl(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sdxl-controlnet")
+    ref = tiny.build_sdxl(folder, tiny.controlnet(tiny.SDXL_PIPE_CONTROLNET, 21))
+    return ref, folder, eqxdiff.load_pipeline(folder)
+
+
+def test_sd_controlnet_matches_diffusers(sd, latents):
+    """One net: the size from the control image, the conditioning scale, start/end (off for the first and last
+    third); one compiled loop serves all three calls (the scales are a traced table)."""
+    ref, _, pipe = sd
+    assert type(pipe) is StableDiffusionControlNetPipeline and isinstance(pipe.controlnet, ControlNetModel)
+    image = tiny.control_images(1, 32, seed=3)
+    outputs = {}
+    for name, kw in {"plain": {}, "off": dict(controlnet_conditioning_scale=0.0),
+                     "window": dict(controlnet_conditioning_scale=0.6, control_guidance_start=0.2,
+                                    control_guidance_end=0.8)}.items():
+        expected = _reference(ref, image, latents, guidance_scale=6.0, **kw)
+        outputs[name] = pipe(PROMPTS, image=image, latents=latents, num_inference_steps=STEPS, guidance_scale=6.0,
+                             progress=False, **kw)
+        assert outputs[name].shape == (2, 32, 32, 3)
+        assert _pixels_off(outputs[name], expected) <= 2, name
+    # the net steers the images, and the window changes what it does
+    assert _pixels_off(outputs["plain"], outputs["off"] / 255) > 10
+    assert _pixels_off(outputs["window"], outputs["plain"] / 255) > 10
+
+
+def test_sd_multicontrolnet_guess_mode_matches_diffusers(sd_multi, latents):
+    """Two nets (bgr, pooled), one image each (one per prompt for the second), per-net scales and windows, guess
+    mode with guidance (nets on the positive half only)."""
+    ref, _, pipe = sd_multi
+    assert isinstance(pipe.controlnet, MultiControlNetModel) and len(pipe.nets) == 2
+    images = [tiny.control_images(1, 32, seed=4), tiny.control_images(2, 32, seed=5)]
+    kw = dict(guess_mode=True, controlnet_conditioning_scale=[0.8, 1.3], control_guidance_start=[0.0, 0.3],
+              control_guidance_end=[0.7, 1.0], guidance_scale=5.0)
+    expected = _reference(ref, images, latents, **kw)
+    ours = pipe(PROMPTS, image=images, latents=latents, num_inference_steps=STEPS, progress=False, **kw)
+    assert _pixels_off(ours, expected) <= 2
+
+
+def test_sd_controlnet_img2img_matches_diffusers(sd, monkeypatch):
+    """Image-to-image: the picture's VAE sample and the noise are the draws our call makes from its key; the
+    schedule starts part-way (strength), and the start/end window counts the steps actually run."""
+    from diffusers.pipelines.controlnet import pipeline_controlnet_img2img as module
+
+    from eqxdiff.pipelines._unet import noise_draws
+
+    ref, folder, _ = sd
+    ref_img2img = module.StableDiffusionControlNetImg2ImgPipeline(**ref.components)
+    ref_img2img.set_progress_bar_config(disable=True)
+    pipe = StableDiffusionControlNetImg2ImgPipeline.from_pretrained(folder)
+    key = jax.random.key(7)
+    draws = noise_draws(key, (2, 16, 16, 4))
+    posterior, noise = iter([draws.image]), iter([draws.noise])
+    monkeypatch.setattr(module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(next(noise)))
+    monkeypatch.setattr(module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
+                        out.latent_dist.mean + out.latent_dist.std * nhwc_to_nchw(next(posterior)))
+    picture = np.random.default_rng(8).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    control = tiny.control_images(1, 32, seed=9)
+    kw = dict(strength=0.7, guidance_scale=6.0, control_guidance_end=0.6)
+    with torch.no_grad():
+        expected = ref_img2img(PROMPTS, image=_tensor(picture), control_image=_tensor(control), output_type="np",
+                               num_inference_steps=STEPS + 2, **kw).images
+    ours = pipe(PROMPTS, image=picture, control_image=control, key=key, num_inference_steps=STEPS + 2,
+                progress=False, **kw)
+    assert _pixels_off(ours, expected) <= 2
+
+
+def test_sdxl_controlnet_matches_diffusers(sdxl, latents):
+    ref, _, pipe = sdxl
+    assert type(pipe) is StableDiffusionXLControlNetPipeline
+    image = tiny.control_images(1, 32, seed=6)
+    outputs = {}
+    for name, kw in {"plain": {}, "window": dict(control_guidance_start=0.4, controlnet_conditioning_scale=1.5)
+                     }.items():
+        expected = _reference(ref, image, latents, **kw)
+        outputs[name] = pipe(PROMPTS, image=image, latents=latents, num_inference_steps=STEPS, progress=False, **kw)
+        assert _pixels_off(outputs[name], expected) <= 2, name
+    assert _pixels_off(outputs["window"], outputs["plain"] / 255) > 10
+
+
+def test_sdxl_multicontrolnet_guess_mode_matches_diffusers(tmp_path, latents):
+    ref = tiny.build_sdxl(tmp_path, [tiny.controlnet(tiny.SDXL_PIPE_CONTROLNET, 22),
+                                     tiny.controlnet(tiny.SDXL_PIPE_CONTROLNET, 23)])
+    pipe = eqxdiff.load_pipeline(tmp_path)
+    images = [tiny.control_images(2, 32, seed=7), tiny.control_images(1, 32, seed=8)]
+    kw = dict(guess_mode=True, controlnet_conditioning_scale=[0.7, 1.2], control_guidance_start=[0.0, 0.3],
+              control_guidance_end=[0.7, 1.0])
+    expected = _reference(ref, images, latents, **kw)
+    ours = pipe(PROMPTS, image=images, latents=latents, num_inference_steps=STEPS, progress=False, **kw)
+    assert _pixels_off(ours, expected) <= 2
+
+
+def test_multicontrolnet_folders_round_trip(sd_multi, tmp_path):
+    """A multi-ControlNet pipeline is saved as diffusers saves it (controlnet, controlnet_1; MultiControlNetModel in
+    model_index.json), and diffusers loads the same nets back."""
+    ref, _, pipe = sd_multi
+    save_pipeline(pipe, tmp_path)
+    assert json.loads((tmp_path / "model_index.json").read_text())["controlnet"] == ["diffusers",
+                                                                                    "MultiControlNetModel"]
+    again = diffusers.StableDiffusionControlNetPipeline.from_pretrained(tmp_path)
+    assert len(again.controlnet.nets) == 2
+    for theirs, expected in zip(again.controlnet.nets, ref.controlnet.nets):
+        assert theirs.config.global_pool_conditions == expected.config.global_pool_conditions
+        for name, t in expected.state_dict().items():
+            torch.testing.assert_close(theirs.state_dict()[name], t, rtol=0, atol=0, msg=name)
+    back = eqxdiff.load_pipeline(tmp_path)
+    assert [n.config for n in back.nets] == [n.config for n in pipe.nets]
+
+
+# -- control images and the per-step scales ----------------------------------------------------------------------
+
+def test_control_images_are_prepared_as_diffusers_does():
+    from diffusers.image_processor import VaeImageProcessor
+    from PIL import Image
+
+    processor = VaeImageProcessor(vae_scale_factor=8, do_convert_rgb=True, do_normalize=False)
+    rng = np.random.default_rng(0)
+    array = rng.integers(0, 256, (37, 53, 3)).astype(np.uint8)
+    for size in [(None, None), (48, 40), (64, 96)]:
+        h, w = size
+        for given, theirs in [(Image.fromarray(array), Image.fromarray(array)),  # Lanczos
+                              (Image.fromarray(array[..., 0]), Image.fromarray(array[..., 0])),  # grey -> RGB
+                              (array.astype(np.float32) / 255, array[None].astype(np.float32) / 255)]:  # nearest
+            expected = processor.preprocess(theirs, height=h, width=w).permute(0, 2, 3, 1).numpy()
+            np.testing.assert_array_equal(prepare_control_image(given, height=h, width=w), expected)
+    # uint8 arrays are read as 0-255; one image serves every output, or one per prompt is repeated per image
+    control = ControlInput((array[None, :32, :32],), (1.0,), (0.0,), (1.0,), False, num_images_per_prompt=3)
+    (prepared,) = control.prepared(batch=6, height=32, width=32, multiple=8)
+    assert prepared.shape == (6, 32, 32, 3) and prepared.max() <= 1.0
+    two = dataclasses.replace(control, images=(np.stack([array[:32, :32], array[:32, :32] // 2]),))
+    (prepared,) = two.prepared(batch=6, height=32, width=32, multiple=8)
+    np.testing.assert_array_equal(prepared[:3], np.repeat(prepared[:1], 3, axis=0))
+    assert not np.array_equal(prepared[2], prepared[3])
+    with pytest.raises(ValueError, match="2 images for 3 prompts"):
+        two.prepared(batch=9, height=32, width=32, multiple=8)
+
+
+def test_control_scales_switch_nets_by_step():
+    table = control_scales([0.5, 2.0], [0.25, 0.0], [0.75, 0.5], 4)
+    np.testing.assert_array_equal(table, [[0.0, 2.0], [0.5, 2.0], [0.5, 0.0], [0.0, 0.0]])
+
+
+def test_bad_control_inputs_name_the_fix(sd, sd_multi):
+    _, _, pipe = sd
+    _, _, multi = sd_multi
+    image = tiny.control_images(1, 32, seed=1)
+    with pytest.raises(ValueError, match="needs its control image"):
+        pipe(PROMPTS)
+    with pytest.raises(ValueError, match="2 ControlNets need a list of 2 control images"):
+        multi(PROMPTS, image=image)
+    with pytest.raises(ValueError, match="controlnet_conditioning_scale has 3 entries for 2 ControlNets"):
+        multi(PROMPTS, image=[image, image], controlnet_conditioning_scale=[1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="must satisfy 0 <= start < end <= 1"):
+        pipe(PROMPTS, image=image, control_guidance_start=0.5, control_guidance_end=0.5)
+    with pytest.raises(ValueError, match="has 1 channels; its ControlNet takes 3"):
+        pipe(PROMPTS, image=image[..., :1], num_inference_steps=2, progress=False)
+    with pytest.raises(ValueError, match=r"float control image must lie in \[0, 1\]"):
+        pipe(PROMPTS, image=image.astype(np.float32), num_inference_steps=2, progress=False)
+    with pytest.raises(ValueError, match="image="):
+        StableDiffusionControlNetImg2ImgPipeline.from_pipe(pipe)(PROMPTS, control_image=image)
+    with pytest.raises(TypeError, match="ControlNetModel"):
+        StableDiffusionControlNetPipeline.from_pipe(pipe, controlnet=pipe.unet)

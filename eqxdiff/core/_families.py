@@ -28,6 +28,9 @@ FAMILY_TABLE: dict[str, str] = {
     "UMT5EncoderModel": "eqxdiff.models.t5:UMT5EncoderModel",
     # ControlNet
     "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
+    "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",
+    "StableDiffusionControlNetImg2ImgPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetImg2ImgPipeline",
+    "StableDiffusionXLControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionXLControlNetPipeline",
 }
 
 _KINDS = {"model": "eqxdiff.models.", "pipeline": "eqxdiff.pipelines."}

@@ -33,7 +33,8 @@ from .unet2d import (
     run_encoder,
 )
 
-__all__ = ["ControlNetConditioningEmbedding", "ControlNetConfig", "ControlNetModel", "ControlNetOutput"]
+__all__ = ["ControlNetConditioningEmbedding", "ControlNetConfig", "ControlNetModel", "ControlNetOutput",
+           "MultiControlNetModel"]
 
 # Keys of a UNet config that diffusers' ControlNetModel does not have. A ControlNet config keeps them at their
 # defaults (the encoder they describe is the one ControlNetModel builds) and never writes them.
@@ -283,3 +284,30 @@ class ControlNetModel(PretrainedModel):
             down = [jnp.mean(r, axis=(1, 2), keepdims=True) for r in down]
             mid = jnp.mean(mid, axis=(1, 2), keepdims=True)
         return ControlNetOutput(tuple(constrain(r, plan, IMAGE) for r in down), constrain(mid, plan, IMAGE))
+
+
+class MultiControlNetModel(eqx.Module):
+    """Several ControlNets steering one UNet, each with its own control image and scale; their residuals are
+    summed (diffusers' ``MultiControlNetModel``; a pipeline folder holds them as ``controlnet``, ``controlnet_1``,
+    ...)."""
+
+    nets: tuple[ControlNetModel, ...]
+
+    def __init__(self, nets):
+        self.nets = tuple(nets)
+        if not self.nets or not all(isinstance(n, ControlNetModel) for n in self.nets):
+            raise TypeError(f"MultiControlNetModel takes ControlNetModels, got {[type(n).__name__ for n in nets]}")
+
+    def __call__(self, sample, timestep, encoder_hidden_states, controlnet_cond, *, conditioning_scale,
+                 guess_mode: bool = False, text_embeds=None, time_ids=None) -> ControlNetOutput:
+        """As :meth:`ControlNetModel.__call__`, with one control image and one scale (numbers or a ``[nets]``
+        array) per net."""
+        if len(controlnet_cond) != len(self.nets) or len(conditioning_scale) != len(self.nets):
+            raise ValueError(f"MultiControlNetModel: {len(self.nets)} ControlNets need as many control images and "
+                             f"scales, got {len(controlnet_cond)} images and {len(conditioning_scale)} scales")
+        down = mid = None
+        for net, image, scale in zip(self.nets, controlnet_cond, conditioning_scale):
+            d, m = net(sample, timestep, encoder_hidden_states, image, conditioning_scale=scale,
+                       guess_mode=guess_mode, text_embeds=text_embeds, time_ids=time_ids)
+            down, mid = (d, m) if down is None else (tuple(a + b for a, b in zip(down, d)), mid + m)
+        return ControlNetOutput(down, mid)

@@ -126,6 +126,17 @@ class DiffusionPipeline:
         return save_pipeline(self, folder, dtype=dtype)
 
     @classmethod
+    def load_component(cls, folder: Path, component: Component, entry, **load_kwargs):
+        """Model ``component`` from pipeline ``folder`` (``entry``: its ``[library, class]`` in model_index.json;
+        ``load_kwargs`` go to :func:`eqxdiff.load`). A component stored in several folders overrides this."""
+        return load(folder, component.name, **load_kwargs)
+
+    def save_component(self, folder: Path, component: Component, value, *, dtype=None) -> list:
+        """Write model ``component`` (``value``) into pipeline ``folder``; returns its model_index.json entry."""
+        save_pretrained(value, folder / component.name, dtype=dtype)
+        return [component.library, type(value).__name__]
+
+    @classmethod
     def from_pipe(cls, pipe: "DiffusionPipeline", **overrides):
         """This pipeline class sharing ``pipe``'s components (no copy, no reload): e.g. an SDXL refiner built from
         the base's ``text_encoder_2`` and ``vae``. ``overrides`` replace components or options; components
@@ -295,8 +306,9 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
             components[c.name] = None
         elif c.kind == "model":
             offload = offload_encoders and c.encoder
-            components[c.name] = load(folder, c.name, dtype=weights_dtype, variant=variant,
-                                      sharding=None if offload else sharding, scan_layers=scan_layers and c.scan)
+            components[c.name] = cls.load_component(folder, c, index[c.name], dtype=weights_dtype, variant=variant,
+                                                    sharding=None if offload else sharding,
+                                                    scan_layers=scan_layers and c.scan)
         elif c.kind == "tokenizer":
             components[c.name] = load_tokenizer(folder / c.name)
         else:
@@ -323,8 +335,7 @@ def save_pipeline(pipe: DiffusionPipeline, folder, *, dtype=None) -> Path:
         if value is None:
             index[c.name] = [None, None]
         elif c.kind == "model":
-            save_pretrained(value, folder / c.name, dtype=dtype)
-            index[c.name] = [c.library, type(value).__name__]
+            index[c.name] = pipe.save_component(folder, c, value, dtype=dtype)
         elif c.kind == "tokenizer":
             value.save_pretrained(folder / c.name)
             index[c.name] = ["transformers", type(value).__name__]

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._typing import Array, Float, PRNGKeyArray
 from ._base import DiffusionPipeline, check_output_type, check_size, given_array
-from ._denoise import Denoiser, Guidance, denoise_loop, plan_schedule
+from ._denoise import Denoiser, Guidance, Schedule, denoise_loop, plan_schedule
 from ._images import to_model_range, to_uint8
 from ._inpaint import (
     IMAGE_LATENTS,
@@ -197,6 +197,12 @@ class UNetPipeline(DiffusionPipeline):
             raise ValueError(f"{type(self).__name__} needs {' and '.join(k + '=' for k in missing)} (image: the "
                              "picture, or latents handed over; mask_image: white = repaint)")
 
+    def denoiser(self, cond: dict, *, guidance: Guidance, schedule: Schedule, batch: int, height: int,
+                 width: int) -> tuple[Denoiser, dict]:
+        """The model call inside the loop and the conditioning arrays it gets (a ControlNet pipeline adds its nets
+        and control images)."""
+        return UNetDenoiser(self.unet), cond
+
     def generate(self, cond: dict, *, guidance: Guidance, guidance_scale: float, batch: int, height: int,
                  width: int, num_inference_steps: int | None, key: PRNGKeyArray, latents=None,
                  image: ImageInput | None = None, mask_image=None, strength: float | None = None,
@@ -269,14 +275,15 @@ class UNetPipeline(DiffusionPipeline):
             if self.unet.config.time_cond_proj_dim is not None:
                 rows = cond["encoder_hidden_states"].shape[0]
                 extra["timestep_cond"] = guidance_embedding(guidance_scale, self.unet.config.time_cond_proj_dim, rows)
+            denoiser, cond = self.denoiser({**cond, **extra}, guidance=guidance, schedule=schedule, batch=batch,
+                                           height=height, width=width)
             dtype = self.activations_dtype
-            cond = {k: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v
-                    for k, v in {**cond, **extra}.items()}
+            cond = {k: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v for k, v in cond.items()}
             x = jax.block_until_ready(x.astype(dtype))
 
         with self.timed("denoise"), progress_bar(schedule.num_steps, "denoising", enabled=progress):
             x = jax.block_until_ready(denoise_loop(
-                UNetDenoiser(self.unet), scheduler, state, self.shard(x), self.shard(cond), draws.loop_key,
+                denoiser, scheduler, state, self.shard(x), self.shard(cond), draws.loop_key,
                 guidance=guidance, num_steps=jnp.asarray(schedule.num_steps, jnp.int32), progress=progress))
         if output_type == "latent":
             return self.gather(x)
