@@ -10,6 +10,12 @@
 ...     x, state = sched.step(state, out, x, key=sub)
 ...     return x, state, key
 >>> x, state, _ = jax.lax.fori_loop(0, sched.remaining_steps(state), body, (x, state, key))
+
+``init`` also takes the keywords of the diffusers scheduler's ``set_timesteps``: ``timesteps=`` / ``sigmas=`` custom
+schedules, ``mu=`` (dynamic shifting of flow-matching sigmas; ``dynamic_shift_mu(image_seq_len)``), LCM's
+``original_inference_steps=``. Schedulers of the DDPM process (:class:`AbstractBetaScheduler`) also have
+``add_noise`` / ``get_velocity`` for training; :class:`FlowMatchEulerDiscreteScheduler` has ``training_schedule``
+(what ``eqxdiff.train``'s flow-matching objective samples from) and ``scale_noise``.
 """
 
 from ..core import ConfigError as ConfigError
@@ -24,6 +30,7 @@ from ._registry import SCHEDULER_CLASSES as SCHEDULER_CLASSES
 from ._registry import SCHEDULERS as SCHEDULERS
 from ._registry import SchedulerChoice as SchedulerChoice
 from ._registry import scheduler_from_config as scheduler_from_config
+from ._sigmas import dynamic_shift_mu as dynamic_shift_mu
 from .ddim import DDIMConfig as DDIMConfig
 from .ddim import DDIMScheduler as DDIMScheduler
 from .ddim import DDIMState as DDIMState
