@@ -161,8 +161,8 @@ def test_tied_embedding_is_read_under_either_name(tmp_path_factory, tmp_path):
     case = TestT5Relu.build(tmp_path_factory)
     tensors = load_file(case.folder / "model.safetensors")
     assert "shared.weight" in tensors and "encoder.embed_tokens.weight" not in tensors
-    variants = {"both": {**tensors, "encoder.embed_tokens.weight": tensors["shared.weight"].clone()},
-                "alias": {("encoder.embed_tokens.weight" if k == "shared.weight" else k): v for k, v in tensors.items()}}
+    alias = {("encoder.embed_tokens.weight" if k == "shared.weight" else k): v for k, v in tensors.items()}
+    variants = {"both": {**tensors, "encoder.embed_tokens.weight": tensors["shared.weight"].clone()}, "alias": alias}
     for name, stored in variants.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text((case.folder / "config.json").read_text())

@@ -282,11 +282,12 @@ def attention(
     ``mask`` is a key-padding mask (``True`` = attend); ``bias`` an additive logits bias broadcastable to
     ``[batch, heads, q_seq, kv_seq]`` (T5's relative position bias: ``[1, heads, q_seq, kv_seq]``, never broadcast
     over the batch), added to ``scale * q k^T`` before the mask; ``causal`` masks keys after each query (query ``i``
-    sees keys ``j <= i``). Only "xla" and "chunked" take a bias (with its gradient, computed only when the bias is
-    differentiated); ``None`` then chooses between those two. ``implementation`` names a backend in :data:`IMPLEMENTATIONS` ("xla", "chunked", "cudnn",
-    "flash", "ring", "ulysses"); ``None`` chooses one (:func:`explain_choice` says which and why). One that cannot
-    serve the call raises :class:`AttentionUnavailableError` saying why. Every backend matches "xla", the float32
-    reference, in value and gradient.
+    sees keys ``j <= i``). ``implementation`` names a backend in :data:`IMPLEMENTATIONS` ("xla", "chunked",
+    "cudnn", "flash", "ring", "ulysses"); ``None`` chooses one (:func:`explain_choice` says which and why). One that
+    cannot serve the call raises :class:`AttentionUnavailableError` saying why. Every backend matches "xla", the
+    float32 reference, in value and gradient. Only "xla" and "chunked" take a bias, with its gradient (computed
+    only when the bias is differentiated: T5's encoder trains its bias table through it); for a biased call
+    ``None`` chooses between those two.
 
     ``block_sizes`` sets the tiles of "flash" and the chunks of "chunked" (per-platform defaults otherwise);
     ``interpret=True`` runs "flash" in Pallas interpret mode (any platform). "ring" and "ulysses" need ``mesh``, a
