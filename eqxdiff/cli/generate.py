@@ -43,6 +43,7 @@ DEFAULT_MODEL = "digits"
 # What the shipped digits model draws when no prompt is given (other models' prompt default is their pipeline's).
 DIGITS_PROMPT = "a handwritten digit seven"
 Dtype = Literal["float32", "bfloat16", "float16"]
+SchedulerName = Literal[tuple(SCHEDULERS)]  # every short name eqxdiff.schedulers.SCHEDULERS knows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +55,8 @@ class RunOptions:
     Its pipeline class decides the family options above (``--model X --help`` lists X's)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) of --model."""
-    scheduler: str | None = None
-    """Swap the checkpoint's scheduler: ddim, pndm, euler, euler_a, lms, dpm++2m, dpm++2m_karras, ddpm."""
+    scheduler: SchedulerName | None = None
+    """Swap the checkpoint's scheduler by name, keeping its noise schedule and prediction type."""
     weights_dtype: Dtype = "float32"
     """Dtype the weights are loaded in."""
     activations_dtype: Dtype = "float32"
