@@ -27,6 +27,8 @@ from eqxdiff.core import DEFAULT_RULES, FAMILY_TABLE, ModelConfig, family_names,
 from ._parity import ModelParity
 
 _T5 = dict(vocab_size=11, d_model=8, d_kv=4, d_ff=12, num_layers=2, num_heads=2, relative_attention_num_buckets=4)
+_FLUX = dict(in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=4, num_attention_heads=2,
+             joint_attention_dim=6, pooled_projection_dim=5, axes_dims_rope=(2, 2), guidance_embeds=True)
 
 Tiny = dict | Callable[[], ModelConfig]
 TINY_CONFIGS: dict[str, Tiny | list[Tiny]] = {
@@ -55,6 +57,8 @@ TINY_CONFIGS: dict[str, Tiny | list[Tiny]] = {
     # relu and gated feed-forwards have different parameters: both
     "T5EncoderModel": [dict(_T5, feed_forward_proj="relu"), dict(_T5, feed_forward_proj="gated-gelu")],
     "UMT5EncoderModel": dict(_T5, feed_forward_proj="gated-gelu"),
+    # separate and fused projections hold different parameters: both; guidance embedder on
+    "FluxTransformer2DModel": [dict(_FLUX), dict(_FLUX, fused_projections=True)],
 }
 
 MODELS = family_names("model")

@@ -26,6 +26,8 @@ FAMILY_TABLE: dict[str, str] = {
     # T5 / UMT5 text encoders (Flux, LTX-Video, Wan)
     "T5EncoderModel": "eqxdiff.models.t5:T5EncoderModel",
     "UMT5EncoderModel": "eqxdiff.models.t5:UMT5EncoderModel",
+    # Flux.1
+    "FluxTransformer2DModel": "eqxdiff.models.flux:FluxTransformer2DModel",
     # ControlNet
     "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
     "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",

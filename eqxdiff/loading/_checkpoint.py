@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .. import nn
 from ..core import ModelConfig, family_names, resolve_class
-from ._convert import Drop, Rename, Rule, Substitute, convert
+from ._convert import Concat, Drop, Rename, Rule, Substitute, convert, convert_tensors, inverse
 from ._errors import CheckpointError
 from ._fill import fill_module, state_dict
 from ._safetensors import SafetensorsFile, write_safetensors
@@ -128,6 +128,13 @@ def alias_rules(aliases: Mapping[str, Sequence[str]], names) -> tuple[Rule, ...]
         if held:
             rules.append(Drop(tuple(held)))
     return tuple(rules)
+
+
+def fusion_rules(model) -> tuple[Rule, ...]:
+    """A model's ``fused_tensors()`` (tensors it holds fused that checkpoints store apart) as the ``Concat`` rules
+    that build them at load time; their :func:`inverse` splits them back on saving."""
+    fused = getattr(model, "fused_tensors", None)
+    return tuple(Concat(sources, target, 0, sizes) for sources, target, sizes in (fused() if fused else ()))
 
 
 class CheckpointFiles:
@@ -268,6 +275,7 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
                          where=where)
     hint = ("Check that the config and the conversion rules fit this file." if conversion or lone.is_file()
             else "Check that config.json belongs to these weights.")
+    checkpoint = convert(checkpoint, fusion_rules(abstract), where=where)
     return fill_module(abstract, checkpoint, dtype=dt, sharding=sharding,
                        ignore=getattr(cls, "CHECKPOINT_IGNORE", ()), where=where, hint=hint)
 
@@ -312,7 +320,7 @@ def save_pretrained(module, folder, *, dtype=None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "config.json", "w") as f:
         json.dump(module.checkpoint_config(), f, indent=2, sort_keys=True)
-    tensors = state_dict(module)
+    tensors = convert_tensors(state_dict(module), inverse(fusion_rules(module)))
     if dtype is not None:
         dt = check_dtype(dtype)
         tensors = {k: v.astype(dt) if v.dtype.kind == "f" or v.dtype.name == "bfloat16" else v

@@ -10,7 +10,7 @@ Pass them to ``eqxdiff.load(..., conversion=...)``; compose them with ``*``:
 Each rule set converts to the names eqxdiff reads and, through :func:`eqxdiff.loading.inverse`, back.
 """
 
-from ._convert import Drop, Keep, Rename, Rule, Split, Transpose
+from ._convert import Dim, Drop, Keep, Rename, Rule, Split, SwapHalves, Transpose
 
 # Where single-file checkpoints keep their text encoders (diffusers' single_file_utils reads the same prefixes).
 SD1_CLIP = "cond_stage_model.transformer."  # A1111 / LDM Stable Diffusion 1.x: transformers' CLIP names below it
@@ -18,6 +18,7 @@ SD2_OPENCLIP = "cond_stage_model.model."  # Stable Diffusion 2.x: OpenCLIP ViT-H
 SDXL_CLIP = "conditioner.embedders.0.transformer."  # SDXL (SGM): transformers' CLIP ViT-L names
 SDXL_OPENCLIP = "conditioner.embedders.1.model."  # SDXL (SGM): OpenCLIP bigG names
 COMFY_T5XXL = "text_encoders.t5xxl.transformer."  # ComfyUI all-in-one Flux/SD3 files: transformers' T5 names
+FLUX_DIFFUSION_MODEL = "model.diffusion_model."  # ComfyUI / fp8 repackagings of Flux: BFL's names below it
 
 
 def select(prefix: str) -> tuple[Rule, ...]:
@@ -48,3 +49,53 @@ def openclip_text(*, projection: bool = True) -> tuple[Rule, ...]:
     rules.append(Transpose("text_projection", target="text_projection.weight") if projection
                  else Drop("text_projection", optional=True))
     return tuple(rules)
+
+
+def flux_bfl(*, prefix: str = "") -> tuple[Rule, ...]:
+    """Black Forest Labs' Flux.1 transformer files (``flux1-dev.safetensors``, ``flux1-schnell.safetensors`` and
+    float8 repackagings; ``prefix``: where an all-in-one file keeps them, e.g. :data:`FLUX_DIFFUSION_MODEL`) as
+    diffusers' ``FluxTransformer2DModel``: the mapping of diffusers'
+    ``convert_flux_transformer_checkpoint_to_diffusers``, as rules.
+
+    >>> eqxdiff.load("flux1-dev.safetensors", model_class="FluxTransformer2DModel",
+    ...              config="black-forest-labs/FLUX.1-dev", subfolder="transformer", conversion=formats.flux_bfl())
+
+    BFL fuses each double block's ``qkv`` (equal thirds) and each single block's ``linear1`` (queries, keys and values
+    of the model width, then the MLP's input); the widths are read from the tensors (diffusers' converter assumes
+    3072), so any size converts. The final layer's modulation is stored (shift, scale), diffusers' (scale, shift).
+    The guidance embedder (``guidance_in``, dev only) is optional. The inverse writes BFL's layout back.
+    """
+    double, single, blocks, singles = "double_blocks.{i}.", "single_blocks.{i}.", "transformer_blocks.{i}.", \
+        "single_transformer_blocks.{i}."
+    rules: list[Rule] = list(select(prefix)) if prefix else []
+    for theirs, ours in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder"),
+                         ("guidance_in", "guidance_embedder")):
+        for a, b in (("in_layer", "linear_1"), ("out_layer", "linear_2")):
+            rules.append(Rename(f"{theirs}.{a}.{{p}}", f"time_text_embed.{ours}.{b}.{{p}}",
+                                optional=theirs == "guidance_in"))
+    rules += [Rename("txt_in.{p}", "context_embedder.{p}"), Rename("img_in.{p}", "x_embedder.{p}")]
+    # double-stream blocks: image (img_*) and text (txt_*) streams
+    for stream, mod, names, norms, proj, mlp in (
+            ("img", "norm1", ("to_q", "to_k", "to_v"), ("norm_q", "norm_k"), "to_out.0", "ff"),
+            ("txt", "norm1_context", ("add_q_proj", "add_k_proj", "add_v_proj"), ("norm_added_q", "norm_added_k"),
+             "to_add_out", "ff_context")):
+        rules += [Rename(f"{double}{stream}_mod.lin.{{p}}", f"{blocks}{mod}.linear.{{p}}"),
+                  Split(f"{double}{stream}_attn.qkv.{{p}}", tuple(f"{blocks}attn.{n}.{{p}}" for n in names)),
+                  Rename(f"{double}{stream}_attn.norm.query_norm.scale", f"{blocks}attn.{norms[0]}.weight"),
+                  Rename(f"{double}{stream}_attn.norm.key_norm.scale", f"{blocks}attn.{norms[1]}.weight"),
+                  Rename(f"{double}{stream}_attn.proj.{{p}}", f"{blocks}attn.{proj}.{{p}}"),
+                  Rename(f"{double}{stream}_mlp.0.{{p}}", f"{blocks}{mlp}.net.0.proj.{{p}}"),
+                  Rename(f"{double}{stream}_mlp.2.{{p}}", f"{blocks}{mlp}.net.2.{{p}}")]
+    # single-stream blocks: linear1 = [q; k; v; mlp], each of q, k, v as wide as the model (linear1's input). The
+    # bias is cut first, sized by the weight (which the inverse has joined again by then).
+    for kind, width in (("bias", Dim(1, f"{single}linear1.weight")), ("weight", Dim(1))):
+        rules.append(Split(f"{single}linear1.{kind}", (*(f"{singles}attn.to_{p}.{kind}" for p in "qkv"),
+                                                       f"{singles}proj_mlp.{kind}"), sizes=(width, width, width, -1)))
+    rules += [Rename(f"{single}linear2.{{p}}", f"{singles}proj_out.{{p}}"),
+              Rename(f"{single}modulation.lin.{{p}}", f"{singles}norm.linear.{{p}}"),
+              Rename(f"{single}norm.query_norm.scale", f"{singles}attn.norm_q.weight"),
+              Rename(f"{single}norm.key_norm.scale", f"{singles}attn.norm_k.weight"),
+              Rename("final_layer.linear.{p}", "proj_out.{p}"),
+              SwapHalves("final_layer.adaLN_modulation.1.{p}", target="norm_out.linear.{p}")]
+    return tuple(rules)
+

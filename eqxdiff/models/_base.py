@@ -13,6 +13,13 @@ class PretrainedModel(eqx.Module):
     CHECKPOINT_FORMAT: ClassVar[str] = "diffusers"  # or "transformers"
     CHECKPOINT_IGNORE: ClassVar[tuple[str, ...]] = ()  # regexes of checkpoint tensors that carry no weights
 
+    def fused_tensors(self) -> tuple[tuple[tuple[str, ...], str, tuple[int, ...] | None], ...]:
+        """Tensors this model holds fused that checkpoints store apart, as ``(sources, target, sizes)``: name
+        templates (``{placeholders}`` as in :mod:`eqxdiff.loading`'s rules) and the pieces' sizes along axis 0
+        (``None``: equal). ``eqxdiff.load`` concatenates the sources into the target, ``save_pretrained`` splits
+        it back. Default: none."""
+        return ()
+
     def checkpoint_config(self) -> dict:
         """The config.json dict that diffusers/transformers need to rebuild this model."""
         d = self.config.to_dict()  # type: ignore[attr-defined]
