@@ -15,6 +15,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Shared test bases: pytest rewrites their asserts too, so a failure shows the values compared.
+pytest.register_assert_rewrite("tests._parity", "tests._util")
 
 
 @pytest.fixture
