@@ -22,8 +22,9 @@ PyTorch reference and how to run both models; the base then tests, for that subc
   models), the sharding rules' input.
 
 The reference is built, randomised (:func:`tests._util.randomize_torch`: every weight, zero-initialised ones
-too), saved, loaded and run once per subclass (:meth:`ModelParity.build`, cached), and both forwards run through one
-jitted function, so each subclass compiles its forward once in float32 and once in bfloat16.
+too), saved, loaded and run once per subclass (:meth:`ModelParity.build`, cached for the session), and our forward
+runs through one jitted function (:func:`run_jitted`, XLA backend -O0), so each subclass compiles it once in
+float32 and once in bfloat16.
 
 How a new model joins (ControlNet, Flux, Wan, LTX, T5, ...), in ``tests/test_<family>.py``::
 
@@ -46,11 +47,14 @@ How a new model joins (ControlNet, Flux, Wan, LTX, T5, ...), in ``tests/test_<fa
     class TestFluxGuidance(FluxParity):
         config = dict(..., guidance_embeds=True)
 
-Give at least two configs that differ in what the code branches on. A model's own checks (error messages, quirks)
-are plain tests in its file; a module-scoped fixture returning ``TestFluxTiny.build(tmp_path_factory)`` shares the
-built models and the compiled forward (``Class.run(model, inputs)``); ``run_jitted(fn, model, inputs)`` compiles
-other functions the same way. ``tests/test_axes.py`` fails for a
-family-table model without a subclass here, and asks for a tiny config for its axes walk.
+Give at least two configs that differ in what the code branches on. Optional overrides: ``make_reference(config)``
+(a reference not built as ``reference_class(**config)`` / ``reference_class(config_class(**config))``),
+``bf16_inputs(inputs)`` (inputs that stay float32 in the bfloat16 run, e.g. timesteps), ``tolerance`` /
+``bf16_tolerance``. A model's own checks (error messages, quirks) are plain tests in its file; a module-scoped
+fixture returning ``TestFluxTiny.build(tmp_path_factory)`` shares the built models and the compiled forward
+(``TestFluxTiny.run(model, inputs)``); ``run_jitted(fn, model, inputs)`` compiles other module-level functions the
+same way. ``tests/test_axes.py`` fails for a family-table model without a ``Test...`` subclass here, and asks for
+a tiny config (``TINY_CONFIGS``) for its axes walk.
 """
 
 import dataclasses
