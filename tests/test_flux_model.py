@@ -259,6 +259,11 @@ def test_bfl_file_equals_diffusers_from_single_file(deep, tmp_path, monkeypatch)
 
     path = tmp_path / "flux1-tiny.safetensors"
     write_safetensors(tensors, path)
+    inferred = formats.flux_bfl_config(path, axes_dims_rope=(2, 2, 4))  # sizes read from the file's tensors
+    stored = {k: v for k, v in deep.reference.config.items() if not k.startswith("_")}
+    assert inferred == {"_class_name": "FluxTransformer2DModel", **stored, "patch_size": 1, "out_channels": 4 * 3}
+    # the file holds proj_out's width, patch_size ** 2 * out_channels: the same model, the same tensors
+    assert FluxTransformer2DConfig.from_dict(inferred).output_channels == deep.model.config.output_channels
     monkeypatch.setitem(single_file_model.SINGLE_FILE_LOADABLE_CLASSES["FluxTransformer2DModel"],
                         "checkpoint_mapping_fn", converter)
     theirs = diffusers.FluxTransformer2DModel.from_single_file(str(path), config=str(deep.folder),
@@ -298,7 +303,11 @@ def test_float8_bfl_file_loads_and_casts(tiny_case, tmp_path, monkeypatch):
     theirs = diffusers.FluxTransformer2DModel.from_single_file(str(path), config=str(tiny_case.folder),
                                                                torch_dtype=torch.float32).state_dict()
     rules = formats.flux_bfl(prefix=formats.FLUX_DIFFUSION_MODEL)
-    ours = eqxdiff.load(path, model_class="FluxTransformer2DModel", config=tiny_case.folder, conversion=rules)
+    with pytest.raises(CheckpointError, match="heads of 16 channels; say how they split"):
+        formats.flux_bfl_config(path, prefix=formats.FLUX_DIFFUSION_MODEL)
+    config = formats.flux_bfl_config(path, prefix=formats.FLUX_DIFFUSION_MODEL, axes_dims_rope=(4, 4, 8))
+    ours = eqxdiff.load(path, config=config, conversion=rules)  # the file alone: config read from its tensors
+    assert ours.config == tiny_case.model.config
     got = state_dict(ours)
     assert set(got) == set(theirs) and {v.dtype for v in got.values()} == {np.dtype(np.float32)}
     for name, t in theirs.items():

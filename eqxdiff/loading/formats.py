@@ -10,7 +10,12 @@ Pass them to ``eqxdiff.load(..., conversion=...)``; compose them with ``*``:
 Each rule set converts to the names eqxdiff reads and, through :func:`eqxdiff.loading.inverse`, back.
 """
 
+import os
+import re
+
 from ._convert import Dim, Drop, Keep, Rename, Rule, Split, SwapHalves, Transpose
+from ._errors import CheckpointError
+from ._safetensors import SafetensorsFile
 
 # Where single-file checkpoints keep their text encoders (diffusers' single_file_utils reads the same prefixes).
 SD1_CLIP = "cond_stage_model.transformer."  # A1111 / LDM Stable Diffusion 1.x: transformers' CLIP names below it
@@ -98,4 +103,48 @@ def flux_bfl(*, prefix: str = "") -> tuple[Rule, ...]:
               Rename("final_layer.linear.{p}", "proj_out.{p}"),
               SwapHalves("final_layer.adaLN_modulation.1.{p}", target="norm_out.linear.{p}")]
     return tuple(rules)
+
+
+FLUX_AXES_DIMS_ROPE = {128: (16, 56, 56)}  # FLUX.1's split of a head's channels between the three position axes
+
+
+def flux_bfl_config(path: str | os.PathLike, *, prefix: str = "",
+                    axes_dims_rope: tuple[int, ...] | None = None) -> dict:
+    """The diffusers config.json of the Flux transformer in a Black Forest Labs file, read from its tensors' names
+    and shapes (no download): block counts, widths, head size, input/output channels, whether it embeds guidance.
+    ``axes_dims_rope`` is not stored in the file: FLUX.1's ``(16, 56, 56)`` for heads of 128, else give it.
+    ``patch_size`` is 1: the file holds only ``proj_out``'s width, ``patch_size ** 2 * out_channels`` (the same
+    tensors either way).
+
+    >>> rules = formats.flux_bfl()
+    >>> eqxdiff.load("flux1-schnell.safetensors", model_class="FluxTransformer2DModel",
+    ...              config=formats.flux_bfl_config("flux1-schnell.safetensors"), conversion=rules)
+    """
+    f = SafetensorsFile(path)
+    shapes = {n[len(prefix):]: tuple(f.shape(n)) for n in f.names() if n.startswith(prefix)}
+
+    def shape(name: str) -> tuple[int, ...]:
+        if name not in shapes:
+            raise CheckpointError(f"{os.fspath(path)!r} holds no {prefix + name!r}: not a Black Forest Labs Flux.1 "
+                                  "transformer file (or give its prefix=)")
+        return shapes[name]
+
+    def count(kind: str) -> int:
+        return len({m.group(1) for n in shapes if (m := re.match(rf"{kind}\.(\d+)\.", n))})
+
+    width, in_channels = shape("img_in.weight")
+    head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0] if count("double_blocks") else \
+        shape("single_blocks.0.norm.query_norm.scale")[0]
+    if axes_dims_rope is None:
+        if head_dim not in FLUX_AXES_DIMS_ROPE:
+            raise CheckpointError(f"{os.fspath(path)!r} has heads of {head_dim} channels; say how they split between "
+                                  "the position axes: flux_bfl_config(..., axes_dims_rope=(...))")
+        axes_dims_rope = FLUX_AXES_DIMS_ROPE[head_dim]
+    out = shape("final_layer.linear.weight")[0]
+    return {"_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": in_channels,
+            "out_channels": None if out == in_channels else out, "num_layers": count("double_blocks"),
+            "num_single_layers": count("single_blocks"), "attention_head_dim": head_dim,
+            "num_attention_heads": width // head_dim, "joint_attention_dim": shape("txt_in.weight")[1],
+            "pooled_projection_dim": shape("vector_in.in_layer.weight")[1],
+            "guidance_embeds": "guidance_in.in_layer.weight" in shapes, "axes_dims_rope": list(axes_dims_rope)}
 

@@ -33,7 +33,12 @@ for data, FSDP and context parallelism; under tensor parallelism the fused weigh
 (their outputs mix queries, keys and values), so keep them separate there.
 
 Black Forest Labs' single files (``flux1-dev.safetensors``, ``flux1-schnell.safetensors``, float8 variants) load
-through :func:`eqxdiff.loading.formats.flux_bfl`.
+through :func:`eqxdiff.loading.formats.flux_bfl`, their config read from the file by
+:func:`~eqxdiff.loading.formats.flux_bfl_config`:
+
+>>> from eqxdiff.loading import formats
+>>> model = eqxdiff.load("flux1-dev.safetensors", config=formats.flux_bfl_config("flux1-dev.safetensors"),
+...                      conversion=formats.flux_bfl(), dtype="bfloat16")
 """
 
 import dataclasses
