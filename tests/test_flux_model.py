@@ -20,7 +20,7 @@ from eqxdiff.core import ConfigError
 from eqxdiff.loading import CheckpointError, formats, inverse, state_dict, write_safetensors
 from eqxdiff.models import flux
 from eqxdiff.models.flux import FluxTransformer2DConfig, FluxTransformer2DModel
-from eqxdiff.parallel import MeshConfig, Plan, Remat, make_mesh, param_spec, shard_batch, shard_params, with_plan
+from eqxdiff.parallel import MeshConfig, Plan, Remat, make_mesh, param_spec, shard_batch, sharding_fn, with_plan
 
 from . import _tiny_flux as tiny
 from ._parity import ModelParity
@@ -200,13 +200,13 @@ def test_remat_gives_the_same_gradients(tiny_case):
         with_plan(model, Plan(remat=Remat.NAMED, remat_names=("attention",)))
 
 
-# Two small programs (and a one-device reference) cover the three strategies: FSDP with tensor parallelism, and
-# data with context parallelism, each with a remat policy of its own.
+# Two small programs (and a one-device reference) cover the three strategies, each with a remat policy of its own:
+# FSDP with tensor parallelism on the separate projections, and FSDP with context parallelism on the fused ones.
 MESH_RUNS = {
     "fsdp+tensor": (MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=2, ici_tensor_parallelism=4), Remat.FULL,
-                    ()),
-    "data+context": (MeshConfig(ici_data_parallelism=2, ici_context_parallelism=4), Remat.NAMED,
-                     ("flux_attention",)),
+                    (), False),
+    "fsdp+context-fused": (MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=2, ici_context_parallelism=4),
+                           Remat.NAMED, ("flux_attention",), True),
 }
 
 
@@ -218,10 +218,12 @@ def reference_O0(wide):
 @pytest.mark.parametrize("strategy", list(MESH_RUNS))
 def test_mesh_equals_single_device(wide, reference_O0, strategy):
     """The WideRope model (4 heads, 4 text + 8 image tokens) on 8 devices: every parameter placed by its declared
-    axes, the tokens split over ``context`` (ring/Ulysses inside a shard_map), output equal to one device."""
-    config, remat, names = MESH_RUNS[strategy]
+    axes (read straight onto the mesh), the tokens split over ``context`` (ring/Ulysses inside a shard_map), output
+    equal to one device."""
+    config, remat, names, fused = MESH_RUNS[strategy]
     mesh = make_mesh(config)
-    model = with_plan(shard_params(wide.model, mesh), Plan(mesh, remat=remat, remat_names=names))
+    model = eqxdiff.load(wide.folder, sharding=sharding_fn(mesh), config_overrides={"fused_projections": fused})
+    model = with_plan(model, Plan(mesh, remat=remat, remat_names=names))
     batch = {k: v for k, v in wide.inputs.items() if k != "rope"}
     inputs = {**shard_batch(batch, mesh), "rope": wide.inputs["rope"]}
     out = _jit_O0(TestFluxWideRope.outputs, model, inputs)["sample"]
@@ -229,13 +231,14 @@ def test_mesh_equals_single_device(wide, reference_O0, strategy):
     leaves, specs, _ = eqxdiff.core.leaf_specs(model)
     for leaf, spec in zip(leaves, specs):
         assert leaf.sharding.spec == param_spec(spec.axes, leaf.shape, mesh), spec.name
-    q = model.transformer_blocks[0].attn.to_q.weight  # [heads * head_dim, embed] = [48, 48]
-    mlp = model.single_transformer_blocks[1].proj_mlp.weight  # [mlp, embed] = [192, 48]
-    if strategy == "fsdp+tensor":
+    if not fused:
+        q = model.transformer_blocks[0].attn.to_q.weight  # [heads * head_dim, embed] = [48, 48]
+        mlp = model.single_transformer_blocks[1].proj_mlp.weight  # [mlp, embed] = [192, 48]
         assert q.sharding.spec == mlp.sharding.spec == P("tensor", "fsdp")
         assert q.addressable_shards[0].data.shape == (12, 24)
     else:
-        assert q.sharding.spec == mlp.sharding.spec == P()
+        qkv = model.single_transformer_blocks[1].to_qkv_mlp.weight  # [3 * 48 + 192, 48]: the embed axis over fsdp
+        assert qkv.sharding.spec == P(None, "fsdp") and qkv.addressable_shards[0].data.shape == (336, 24)
         jaxpr = str(jax.make_jaxpr(lambda m, i: TestFluxWideRope.outputs(m, i))(model, inputs))
         assert "shard_map" in jaxpr  # the joint attention ran a context-parallel kernel
 
