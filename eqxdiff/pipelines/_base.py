@@ -24,6 +24,7 @@ from ..loading import CheckpointError, check_dtype, load, read_config, resolve_f
 from ..nn import with_attention_implementation
 from ..parallel import shard_batch, shard_params, sharding_fn, with_plan
 from ..schedulers import scheduler_from_config
+from ._single_file import read_single_file
 
 COMPONENT_KINDS = ("model", "tokenizer", "scheduler")
 LIBRARIES = ("diffusers", "transformers")
@@ -265,7 +266,7 @@ def _index_entry(index: Mapping, name: str):
 def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, variant: str | None = None,
                   scheduler: str | None = None, attention: str | None = None, activations_dtype=None,
                   sharding=None, mesh=None, rules=None, offload_encoders: bool = False, scan_layers: bool = False,
-                  pipeline_class: type | None = None):
+                  pipeline_class: type | None = None, config=None):
     """Load every component a ``model_index.json`` lists and return the pipeline its ``_class_name`` names.
 
     ``dtype`` sets the weights (default float32); ``scheduler`` swaps the checkpoint's scheduler by name
@@ -278,9 +279,23 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     :func:`eqxdiff.nn.scan_layers`). The class's :attr:`~DiffusionPipeline.OPTIONS` are read from
     ``model_index.json``. ``pipeline_class`` (``Cls.from_pretrained``) loads the folder as that class: a subclass
     of it, or another task of the same family (the same components, e.g. an SDXL base folder as image-to-image).
+    A single ``.safetensors`` file (A1111 / ComfyUI / SGM layout) is read by
+    :func:`eqxdiff.pipelines._single_file.read_single_file`; ``config`` (a diffusers folder or Hub id) gives what
+    such a file lacks (tokenizers, scheduler, configs).
     """
     weights_dtype = check_dtype(dtype) or check_dtype("float32")
     act_dtype = check_dtype(activations_dtype) or weights_dtype
+    if Path(os.fspath(path_or_hub_id)).expanduser().is_file():
+        if mesh is not None and sharding is None:
+            sharding = sharding_fn(mesh, rules or DEFAULT_RULES)
+        cls, components, options = read_single_file(
+            path_or_hub_id, config=config, revision=revision, dtype=weights_dtype, sharding=sharding,
+            offload_encoders=offload_encoders, scan_layers=scan_layers, scheduler=scheduler,
+            pipeline_class=pipeline_class)
+        return cls(attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
+                   offload_encoders=offload_encoders, **components, **options)
+    if config is not None:
+        raise CheckpointError("config= is for single .safetensors files; a pipeline folder holds its own configs")
     folder = resolve_folder(path_or_hub_id, revision=revision)
     index = read_config(folder, "model_index.json")
     name = index.get("_class_name")
