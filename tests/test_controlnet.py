@@ -1,6 +1,12 @@
-"""ControlNetModel: the parity base (:mod:`tests._parity`) at diffusers' tiny SD and SDXL ControlNet configs and a
-variant (bgr, pooled conditions, UNetMidBlock2D, a 1-channel control image downsampled 4x), each against full-size
-layouts; from_unet; config and input errors; then the pipelines (SD, SD img2img, SDXL) against diffusers'."""
+"""ControlNet: the model on the parity base (:mod:`tests._parity`) at diffusers' tiny SD and SDXL ControlNet
+configs (plain and guess-mode residuals) against full-size layouts, a variant's forward (bgr, pooled residuals,
+UNetMidBlock2D, a 1-channel control image downsampled 4x), from_unet, remat, config and input errors; then the
+pipelines against diffusers' (every pixel within 2/255 from the same initial latents): SD with one net (scale,
+start/end) and two (bgr, pooled, guess mode), SD image-to-image, SDXL with one net and two in guess mode; the
+multi-ControlNet folder layout, control-image preparation, the per-step scales and the errors.
+
+Pipeline folders are built once per module and share their compiled programs (the scales are a traced table: a
+new scale or window reuses the loop)."""
 
 import dataclasses
 import json

@@ -43,6 +43,7 @@ _UNET_ONLY = ("sample_size", "out_channels", "center_input_sample", "up_block_ty
               "resnet_out_scale_factor", "time_embedding_type", "time_embedding_dim", "time_embedding_act_fn",
               "timestep_post_act", "time_cond_proj_dim", "conv_in_kernel", "conv_out_kernel", "attention_type",
               "class_embeddings_concat", "mid_block_only_cross_attention", "cross_attention_norm")
+_DERIVED = ("up_block_types", "reverse_transformer_layers_per_block")  # set from the down path, never read
 # Of those, the ones a UNet's encoder depends on: from_unet refuses a UNet that sets them.
 _ENCODER_KEYS = ("center_input_sample", "time_embedding_type", "time_embedding_dim", "time_embedding_act_fn",
                  "timestep_post_act", "time_cond_proj_dim", "conv_in_kernel", "dual_cross_attention")
@@ -69,7 +70,7 @@ class ControlNetConfig(UNet2DConditionConfig):
         "controlnet_conditioning_channel_order": ("rgb", "bgr"),
     }
 
-    up_block_types: tuple[str, ...] | None = None  # derived: the mirror of down_block_types
+    up_block_types: tuple[str, ...] | None = None  # derived: the mirror of down_block_types (_DERIVED)
     conditioning_channels: int = 3
     controlnet_conditioning_channel_order: str = "rgb"
     conditioning_embedding_out_channels: tuple[int, ...] = (16, 32, 96, 256)
@@ -77,17 +78,17 @@ class ControlNetConfig(UNet2DConditionConfig):
 
     def __post_init__(self):
         for f in dataclasses.fields(UNet2DConditionConfig):
-            if f.name in _UNET_ONLY and f.name != "up_block_types" and getattr(self, f.name) != f.default:
+            if f.name in _UNET_ONLY and f.name not in _DERIVED and getattr(self, f.name) != f.default:
                 raise ConfigError(f"{type(self).__name__}: {f.name}={getattr(self, f.name)!r} is not a ControlNet "
                                   f"setting (diffusers' ControlNetModel has no {f.name}); leave it at "
                                   f"{f.default!r}")
-        if self.up_block_types is None:
-            object.__setattr__(self, "up_block_types", _mirror(tuple(self.down_block_types)))
-        tl = self.transformer_layers_per_block
+        # The up path, derived from the down path whatever was passed (dataclasses.replace passes the old one).
+        object.__setattr__(self, "up_block_types", _mirror(tuple(self.down_block_types)))
+        tl, reverse = self.transformer_layers_per_block, None
         if isinstance(tl, (list, tuple)) and any(isinstance(t, (list, tuple)) for t in tl):
             # per-layer depths: mirror them too (the up path has one more layer per block than the down path)
-            mirrored = tuple(tuple(t) + tuple(t[-1:]) if isinstance(t, (list, tuple)) else t for t in reversed(tl))
-            object.__setattr__(self, "reverse_transformer_layers_per_block", mirrored)
+            reverse = tuple(tuple(t) + tuple(t[-1:]) if isinstance(t, (list, tuple)) else t for t in reversed(tl))
+        object.__setattr__(self, "reverse_transformer_layers_per_block", reverse)
         super().__post_init__()
         self.check(isinstance(self.layers_per_block, int), "layers_per_block", "must be one number for a ControlNet "
                    "(diffusers' ControlNetModel takes no per-block list)")
