@@ -29,8 +29,8 @@ import time
 
 import tyro
 
-from _unet_configs import (PRESETS, UNetBenchmarkArgs, compiled_bytes, gib, jax_peak_bytes, setup_frameworks,
-                           torch_peak_bytes, torch_sync)
+from _bench import compiled_bytes, gib, jax_peak_bytes, setup_frameworks, torch_peak_bytes, torch_sync
+from _unet_configs import PRESETS, UNetBenchmarkArgs, is_sdxl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +63,11 @@ def main(args: Args) -> None:
     from eqxdiff.train._metrics import step_flops
     from eqxdiff.train._step import train_step
 
-    device, header = setup_frameworks(args.torch_device, args.tf32)
     config = PRESETS[args.preset]
+    if is_sdxl(config):
+        raise ValueError(f"--preset {args.preset}: train_step trains SD-style UNets (text states only); the SDXL "
+                         "presets (pooled embedding and time ids) are for unet_step.py and controlnet_step.py")
+    device, header = setup_frameworks(args.torch_device, args.tf32)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     jdt = jnp.dtype(args.dtype)
     print(f"{header}; preset={args.preset} batch={args.batch} dtype={args.dtype}")
