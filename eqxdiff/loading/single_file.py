@@ -295,18 +295,8 @@ def infer_unet_config(view, family: Family, *, where: str, prefix: str = UNET,
             raise _cannot_infer(where, f"a down block mixes widths {[w for w, _ in level]}")
         widths.append(level[0][0])
     mid_depth = _depths(t, "middle_block.1")
-
-    def block_depths(level_depths: list[int], last: bool) -> int | tuple[int, ...]:
-        if not any(level_depths):  # no attention: diffusers writes 1, and the mid block's depth for the last
-            return mid_depth if last and mid_depth else 1
-        if not all(level_depths):
-            raise _cannot_infer(where, f"a block has transformers in some layers only ({level_depths})")
-        return _one_or_all(level_depths)
-
     n = len(levels)
     down_depths = [[d for _, d in level] for level in levels]
-    tl = [block_depths(d, i == n - 1) for i, d in enumerate(down_depths)]
-
     ups: list[list[int]] = [[]]  # per up block: transformer depth of each layer
     out_keys = t.indices("output_blocks")
     for j, k in enumerate(out_keys):
@@ -314,6 +304,17 @@ def infer_unet_config(view, family: Family, *, where: str, prefix: str = UNET,
         upsample = t.has(f"output_blocks.{k}.1.conv.weight") or t.has(f"output_blocks.{k}.2.conv.weight")
         if upsample and j < len(out_keys) - 1:
             ups.append([])
+    depths = {d for layers in down_depths + ups + [[mid_depth]] for d in layers if d}
+    shared = depths.pop() if len(depths) == 1 else 1
+
+    def block_depths(level_depths: list[int], last: bool) -> int | tuple[int, ...]:
+        if not any(level_depths):  # no attention: the depth every block shares (else 1), the mid block's for the last
+            return mid_depth if last and mid_depth else shared
+        if not all(level_depths):
+            raise _cannot_infer(where, f"a block has transformers in some layers only ({level_depths})")
+        return _one_or_all(level_depths)
+
+    tl = [block_depths(d, i == n - 1) for i, d in enumerate(down_depths)]
     lpb = [len(level) for level in levels]
     if len(ups) != n or [len(u) for u in ups] != [x + 1 for x in lpb[::-1]]:
         raise _cannot_infer(where, f"the up path's layers {[len(u) for u in ups]} do not mirror the down path's "
@@ -432,9 +433,10 @@ def infer_vae_config(view, family: Family, *, where: str, prefix: str = VAE) -> 
 
 
 def clip_text(prefix: str, view=None) -> tuple[Rule, ...]:
-    """A CLIP text encoder stored in transformers' names under ``prefix``; files from before transformers named
-    the ``text_model`` wrapper (``view`` shows which) get it added."""
-    rules = select(prefix)
+    """A CLIP text encoder stored in transformers' names under ``prefix`` (read as ``CLIPTextModel``: a projection
+    or logit scale some savers add is dropped); files from before transformers named the ``text_model`` wrapper
+    (``view`` shows which) get it added."""
+    rules = (*select(prefix), Drop(("text_projection.weight", "logit_scale"), optional=True))
     if view is not None and not any(n.startswith(prefix + "text_model.") for n in view.names()):
         rules = (*rules, Rename("{name}", "text_model.{name}"))
     return rules
