@@ -98,25 +98,29 @@ class Family:
 
 _EULER = _scheduler("EulerDiscreteScheduler", interpolation_type="linear", timestep_spacing="leading",
                     use_karras_sigmas=False)
+_SD = {"pipeline": "StableDiffusionPipeline", "inpaint_pipeline": "StableDiffusionInpaintPipeline", "sample_size": 64,
+       "scaling_factor": 0.18215, "time_ids": 0}
+_XL = {"head_width": 64, "sample_size": 128, "scaling_factor": 0.13025, "scheduler": _EULER, "inpaint_scheduler": _EULER}
 FAMILIES: Mapping[str, Family] = {f.name: f for f in (
-    Family("sd1", (Part("text_encoder", "CLIPTextModel", SD1_CLIP, "clip"),), "StableDiffusionPipeline",
-           "StableDiffusionInpaintPipeline", "stable-diffusion-v1-5/stable-diffusion-v1-5",
-           "stable-diffusion-v1-5/stable-diffusion-inpainting", None, 64, 0.18215, 0,
-           _scheduler("PNDMScheduler"), _scheduler("PNDMScheduler")),
-    Family("sd2", (Part("text_encoder", "CLIPTextModel", SD2_OPENCLIP, "openclip"),), "StableDiffusionPipeline",
-           "StableDiffusionInpaintPipeline", "stabilityai/stable-diffusion-2-1",
-           "stabilityai/stable-diffusion-2-inpainting", 64, 96, 0.18215, 0,
-           _scheduler("DDIMScheduler", prediction_type="v_prediction"), _scheduler("DDIMScheduler"),
-           upcast_attention=True),
-    Family("sdxl", (Part("text_encoder", "CLIPTextModel", SDXL_CLIP, "clip"),
-                    Part("text_encoder_2", "CLIPTextModelWithProjection", SDXL_OPENCLIP, "openclip")),
-           "StableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline", "stabilityai/stable-diffusion-xl-base-1.0",
-           "diffusers/stable-diffusion-xl-1.0-inpainting-0.1", 64, 128, 0.13025, 6, _EULER, _EULER,
-           {"force_zeros_for_empty_prompt": True}),
-    Family("sdxl_refiner", (Part("text_encoder_2", "CLIPTextModelWithProjection", SDXL_REFINER_OPENCLIP,
-                                 "openclip"),),
-           "StableDiffusionXLImg2ImgPipeline", None, "stabilityai/stable-diffusion-xl-refiner-1.0", None, 64, 128,
-           0.13025, 5, _EULER, _EULER, {"requires_aesthetics_score": True, "force_zeros_for_empty_prompt": False}),
+    Family("sd1", text=(Part("text_encoder", "CLIPTextModel", SD1_CLIP, "clip"),),
+           hub_id="stable-diffusion-v1-5/stable-diffusion-v1-5",
+           inpaint_hub_id="stable-diffusion-v1-5/stable-diffusion-inpainting", head_width=None,
+           scheduler=_scheduler("PNDMScheduler"), inpaint_scheduler=_scheduler("PNDMScheduler"), **_SD),
+    Family("sd2", text=(Part("text_encoder", "CLIPTextModel", SD2_OPENCLIP, "openclip"),),
+           hub_id="stabilityai/stable-diffusion-2-1", inpaint_hub_id="stabilityai/stable-diffusion-2-inpainting",
+           head_width=64, scheduler=_scheduler("DDIMScheduler", prediction_type="v_prediction"),
+           inpaint_scheduler=_scheduler("DDIMScheduler"), upcast_attention=True, **{**_SD, "sample_size": 96}),
+    Family("sdxl", text=(Part("text_encoder", "CLIPTextModel", SDXL_CLIP, "clip"),
+                         Part("text_encoder_2", "CLIPTextModelWithProjection", SDXL_OPENCLIP, "openclip")),
+           pipeline="StableDiffusionXLPipeline", inpaint_pipeline="StableDiffusionXLInpaintPipeline",
+           hub_id="stabilityai/stable-diffusion-xl-base-1.0",
+           inpaint_hub_id="diffusers/stable-diffusion-xl-1.0-inpainting-0.1", time_ids=6,
+           options={"force_zeros_for_empty_prompt": True}, **_XL),
+    Family("sdxl_refiner", text=(Part("text_encoder_2", "CLIPTextModelWithProjection", SDXL_REFINER_OPENCLIP,
+                                      "openclip"),),
+           pipeline="StableDiffusionXLImg2ImgPipeline", inpaint_pipeline=None,
+           hub_id="stabilityai/stable-diffusion-xl-refiner-1.0", inpaint_hub_id=None, time_ids=5,
+           options={"requires_aesthetics_score": True, "force_zeros_for_empty_prompt": False}, **_XL),
 )}
 
 
