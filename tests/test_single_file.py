@@ -16,6 +16,7 @@ import shutil
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -351,7 +352,8 @@ def test_full_size_layouts_are_the_ones_diffusers_reads(family):
 
 def test_sharded_load_of_a_single_file(sdxl):
     """FSDP over the 8 devices: each weight read from the file straight onto its sharding, values unchanged; the
-    repeated layers stacked (scan_layers) straight from the file's per-layer tensors."""
+    repeated layers stacked (scan_layers) straight from the file's per-layer tensors. In bfloat16, each weight is
+    the float32 one rounded."""
     mesh = make_mesh(MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1))
     pipe = eqxdiff.load_pipeline(sdxl.file, config=sdxl.configs, mesh=mesh, scan_layers=True)
     assert isinstance(pipe.text_encoder_2.text_model.layers, eqxdiff.nn.Stacked)
@@ -360,6 +362,13 @@ def test_sharded_load_of_a_single_file(sdxl):
         leaves = jax.tree.leaves(getattr(pipe, name))
         assert all(leaf.sharding.mesh.shape == mesh.shape for leaf in leaves)
         assert any(not leaf.sharding.is_fully_replicated for leaf in leaves), name
+
+    half = eqxdiff.load_pipeline(sdxl.file, config=sdxl.configs, dtype="bfloat16")
+    for name in sdxl.models:
+        ours, full = state_dict(getattr(half, name)), state_dict(getattr(sdxl.pipe, name))
+        for k, v in ours.items():
+            assert v.dtype == jnp.bfloat16, k
+            np.testing.assert_array_equal(v, full[k].astype(jnp.bfloat16), err_msg=k)
 
 
 # -- errors -----------------------------------------------------------------------------------------------------------
