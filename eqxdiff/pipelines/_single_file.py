@@ -14,7 +14,7 @@ import equinox as eqx
 import jax
 from huggingface_hub import snapshot_download
 
-from ..core import SINGLE_FILE_PIPELINES, ConfigError, ModelConfig, resolve_class
+from ..core import ConfigError, ModelConfig, resolve_class
 from ..loading import CheckpointError, SafetensorsFile, check_dtype, load, model_class, read_json, write_safetensors
 from ..loading import single_file as layouts
 from ..schedulers import scheduler_from_config
@@ -45,11 +45,6 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
     where = f"file {os.fspath(path)!r}"
     _check_suffix(path)
     file = SafetensorsFile(path)
-    family = _family_layout(file)
-    if family is not None:  # a family reading a layout of its own (the family table's SINGLE_FILE_PIPELINES)
-        return family[0].read_single_file(path, file, family[1], config=config, revision=revision, dtype=dtype,
-                                          sharding=sharding, offload_encoders=offload_encoders,
-                                          scan_layers=scan_layers, scheduler=scheduler, pipeline_class=pipeline_class)
     layout = layouts.detect(file, where)
     folder = _config_folder(config, revision, layout)
     cls = resolve_class(layout.pipeline)
@@ -137,17 +132,6 @@ def save_single_file(pipe, path, *, dtype=None, family: str | None = None) -> Pa
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------------
-
-
-def _family_layout(view):
-    """``(pipeline class, layout)`` of the first of :data:`eqxdiff.core.SINGLE_FILE_PIPELINES` whose layout the
-    file ``view`` is in (its ``single_file_layout(view)``), or ``None``."""
-    for name in SINGLE_FILE_PIPELINES:
-        cls = resolve_class(name)
-        layout = cls.single_file_layout(view)
-        if layout is not None:
-            return cls, layout
-    return None
 
 
 def _check_suffix(path: Path) -> None:
