@@ -6,6 +6,7 @@ writes a pipeline in the layout. The layouts are conversion rules (:mod:`eqxdiff
 is read from the file's memory map through them straight into its dtype and, with a mesh, onto its sharding.
 """
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,6 +28,7 @@ _TOKENIZERS = {"tokenizer": "text_encoder", "tokenizer_2": "text_encoder_2"}  # 
 
 def read_single_file(path, *, config=None, revision: str | None = None, dtype=None, sharding=None,
                      offload_encoders: bool = False, scan_layers: bool = False, scheduler: str | None = None,
+                     scheduler_options: Mapping | None = None,
                      pipeline_class: type | None = None) -> tuple[type, dict, dict]:
     """The pipeline class, components and options of a single-file checkpoint (what ``load_pipeline`` builds the
     pipeline from; call ``eqxdiff.load_pipeline(path, config=...)`` rather than this).
@@ -37,8 +39,10 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
     ``config.json`` it holds (the rest are inferred from the tensors). Without ``config`` every model's config is
     inferred (:mod:`eqxdiff.loading.single_file` says which values come from the family's published configs: the
     attention heads, norm groups, sizes), the scheduler is the family's (SD 1.x PNDM; SD 2.x DDIM with
-    v-prediction, as SD 2.1-768; SDXL Euler; for an SD 2.x epsilon model use ``with_scheduler(name,
-    prediction_type="epsilon")`` or pass its ``config``) and the tokenizers come from the family's Hub repository.
+    v-prediction, as SD 2.1-768; SDXL Euler; for an SD 2.x epsilon model pass
+    ``scheduler_options={"prediction_type": "epsilon"}`` or its ``config``) and the tokenizers come from the
+    family's Hub repository. ``scheduler`` swaps the scheduler by name and ``scheduler_options`` sets its config keys
+    (SDXL-Lightning: ``scheduler="euler", scheduler_options={"timestep_spacing": "trailing"}``).
     ``pipeline_class`` loads the file as another class with the same components.
     """
     path = Path(os.fspath(path)).expanduser()
@@ -95,7 +99,7 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
         if c.kind == "tokenizer":
             components[c.name] = _tokenizer(folder_of_tokenizers, c.name, where) if c.name in tokenizers else None
     raw = _read(folder, "scheduler/scheduler_config.json") or layout.scheduler
-    components["scheduler"] = scheduler_from_config(raw, name=scheduler)
+    components["scheduler"] = _scheduler(raw, scheduler, scheduler_options or {})
     index = _read(folder, "model_index.json") or {}
     options = {k: index.get(k, layout.family.options.get(k, default)) for k, default in cls.OPTIONS.items()}
     return cls, components, options
@@ -181,6 +185,16 @@ def _read(folder: Path | None, name: str) -> dict | None:
 
 def _component_config(folder: Path | None, name: str) -> dict | None:
     return _read(folder, f"{name}/config.json")
+
+
+def _scheduler(raw: Mapping, name: str | None, options: Mapping):
+    """The scheduler ``raw`` describes (or the one ``name`` swaps in) with config keys ``options`` set."""
+    scheduler = scheduler_from_config(raw, name=name, **options)
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(scheduler.config)})
+    if unknown:
+        raise ConfigError(f"{type(scheduler).__name__} has no config option(s) {unknown}; it takes "
+                          f"{', '.join(f.name for f in dataclasses.fields(scheduler.config))}")
+    return scheduler
 
 
 def _tokenizer(folder: Path | None, name: str, where: str):
