@@ -1,0 +1,87 @@
+"""Checks of the benchmark scripts themselves (not part of ``tests/``: run ``python -m pytest -q benchmarks``).
+
+- the analytic Flux FLOP count (``_flux_configs.transformer_flops``, which the MFU figures divide) equals XLA's count
+  of the same step, unrolled with dense attention, at the full FLUX.1 sizes and the CPU's reduced one;
+- the device peak table, and the interleaved timer's turns;
+- every script's smoke preset runs end to end on the CPU and its float32 outputs agree with diffusers' (the scripts'
+  own ``--tolerance`` / ``--max-levels`` checks, which exit with an error otherwise), so a benchmark cannot time a
+  model that computes something else.
+"""
+
+import pytest
+
+
+@pytest.mark.parametrize("name", ["reduced", "dev", "schnell"])
+def test_flux_flops_match_xla(name):
+    import jax.numpy as jnp
+
+    import flux_step
+    from _flux_configs import PRESETS, transformer_flops
+    from eqxdiff.models import flux
+
+    preset = PRESETS[name]
+    h, w, _ = preset.latent_shape
+    tokens, seq = preset.image_tokens, preset.max_sequence_length
+    counted = flux_step.xla_unrolled_flops(flux.FluxTransformer2DConfig(**preset.transformer), (h // 2, w // 2), seq,
+                                           1, jnp.bfloat16)
+    analytic = transformer_flops(preset.transformer, tokens, seq)
+    # XLA also counts the elementwise work (norms, RoPE, softmax, GELU): 0.2-0.3% more at these sizes
+    assert counted is not None and 1.0 <= counted / analytic < 1.01, (counted, analytic)
+
+
+def test_peak_table():
+    from _bench import mfu, peak_tflops
+
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA H200") == 989.4
+    assert peak_tflops("cpu") is None and mfu(1e12, 1.0, "cpu") is None
+    assert mfu(989.4e12 / 2, 1.0, "NVIDIA H100 80GB HBM3") == pytest.approx(0.5)
+
+
+def test_time_interleaved_takes_turns():
+    from _bench import time_interleaved
+
+    calls = []
+    times = time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 2, warmup=1)
+    assert calls == ["a", "b"] * 3
+    assert {k: len(v) for k, v in times.items()} == {"a": 2, "b": 2}
+    with pytest.raises(ValueError, match="repeats=0"):
+        time_interleaved({"a": lambda: None}, 0)
+
+
+# -- smoke runs: each script at a tiny preset, float32 outputs checked against diffusers ---------------------------
+
+
+def test_unet_step_smoke(capsys):
+    import unet_step
+
+    unet_step.main(unet_step.Args(preset="sdxl-tiny", repeats=1, attention=("xla", "chunked"), tolerance=1e-4))
+    out = capsys.readouterr().out
+    assert out.count("ratio eqxdiff/diffusers") == 2
+
+
+def test_controlnet_step_smoke(capsys):
+    import controlnet_step
+
+    controlnet_step.main(controlnet_step.Args(preset="sdxl-tiny", repeats=1, tolerance=1e-4))
+    out = capsys.readouterr().out
+    assert "diffusers: ControlNet overhead per step" in out and "eqxdiff: ControlNet overhead per step" in out
+
+
+@pytest.mark.parametrize("preset, fused, scan", [("tiny", False, True), ("tiny-schnell", True, False)])
+def test_flux_step_smoke(capsys, preset, fused, scan):
+    import flux_step
+
+    flux_step.main(flux_step.Args(preset=preset, repeats=1, fused=fused, scan_layers=scan, tolerance=1e-4))
+    out = capsys.readouterr().out
+    assert "ratio eqxdiff [attention=auto" in out and "XLA's count of the unrolled step" in out
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-schnell"])
+def test_flux_pipeline_smoke(capsys, preset):
+    import flux_pipeline
+
+    flux_pipeline.main(flux_pipeline.Args(preset=preset, repeats=1, encoder_repeats=1, max_levels=2))
+    out = capsys.readouterr().out
+    assert "ratio eqxdiff/diffusers, end to end" in out and "per denoising step" in out
