@@ -1,20 +1,133 @@
-"""What both console commands do around their ``main``: user errors in one line, a closed pipe quietly."""
+"""What both console commands do around their ``main``: one way to report.
 
+- A user error (a bad flag value, model or input file: ``ValueError`` and its typed subclasses ``CheckpointError``,
+  ``ConfigError``, ``MeshError``, ``DataError``, ``InputError``...; or ``OSError``) prints one line
+  ``error: <what> (<how to fix>)`` on stderr and exits with status 2.
+- Out of memory prints which settings lower memory and exits with status 1; so does a model that produced NaN.
+- Ctrl-C exits with status 130; a training run stopped by a signal (``TrainingInterrupted``) says where its checkpoint
+  is, in one line.
+- Warnings print as one ``warning: ...`` line each.
+- ``--debug`` (anywhere on the command line) shows the full traceback and Python's own warning format instead.
+"""
+
+import contextlib
 import os
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import tyro._errors
 
-def run_command(main: Callable[..., object]) -> None:
-    """Run ``main(prog=...)``; a bad model, flag value or input (``ValueError``: ``CheckpointError``,
-    ``ConfigError``, ``MeshError``, ``DataError`` ...; or ``OSError``) prints ``error: ...`` and exits with status 2
-    instead of a traceback."""
+from ..pipelines import NonFiniteError
+from ..train import TrainingInterrupted
+
+DEBUG_FLAG = "--debug"
+DEBUG_HELP = f"{DEBUG_FLAG} shows the full traceback of an error."
+# What XLA says when a buffer does not fit (GPU, TPU and CPU wordings).
+_OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM when allocating")
+
+
+class FlagError(ValueError):
+    """A flag value that the config it builds refused (the message is that config's)."""
+
+
+def _flag(argument) -> str:
     try:
-        main(prog=Path(sys.argv[0]).name)
+        return argument.display_name()
+    except AttributeError:
+        return "a flag"
+
+
+@contextlib.contextmanager
+def config_errors_raise():
+    """Within the block, ``tyro.cli``'s usage errors raise instead of drawing tyro's error box, so the command
+    reports them in one line: a config its flags cannot build (its ``__post_init__`` raised ``ValueError``) raises
+    that error; an unknown flag, a value outside a flag's choices, a flag missing its value or a missing required
+    flag raise :class:`FlagError`. Other events keep tyro's box. (tyro's parse-error hook:
+    ``tyro._errors.on_parse_error``.)"""
+    errors = tyro._errors
+
+    def hook(event):
+        if isinstance(event, errors.InstantiationFailure):
+            cause = sys.exc_info()[1]
+            cause = getattr(cause, "__context__", None) or cause
+            raise cause if isinstance(cause, ValueError) else FlagError(event.message)
+        if isinstance(event, errors.InvalidChoice):
+            raise FlagError(f"{_flag(event.argument)} {event.value!r} is not one of its choices; choose one of "
+                            f"{', '.join(event.choices)}")
+        if isinstance(event, errors.UnrecognizedArgs):
+            raise FlagError(f"unrecognized argument(s) {' '.join(event.tokens)}; --help lists the flags")
+        if isinstance(event, errors.BadValue):
+            given = "" if event.offending_value is None else f" {event.offending_value!r}"
+            raise FlagError(f"{_flag(event.argument)}{given}: wrong number of values; --help shows its form")
+        if isinstance(event, errors.MissingArgs):
+            names = ", ".join(_flag(a.arg) for a in event.missing_arguments)
+            raise FlagError(f"missing required flag(s) {names}")
+
+    with tyro._errors.on_parse_error(hook):
+        yield
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: its lines joined with ``; `` (or a space after a colon or a full stop)."""
+    parts = [line.strip() for line in str(text).splitlines() if line.strip()]
+    out = parts[0] if parts else ""
+    for part in parts[1:]:
+        out += (" " if out.endswith((":", ".", ";")) else "; ") + part
+    return out
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return type(error).__name__ in ("XlaRuntimeError", "JaxRuntimeError") and any(
+        s in str(error) for s in _OUT_OF_MEMORY)
+
+
+@contextlib.contextmanager
+def _one_line_warnings():
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"warning: {one_line(str(message))}", file=sys.stderr if file is None else file)
+
+    previous = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
+
+
+def run_command(main: Callable[..., object], argv: Sequence[str] | None = None, *, memory_hint: str = "") -> None:
+    """Run ``main(argv, prog=...)`` (``argv``: default ``sys.argv[1:]``, without ``--debug``) and report as the
+    module docstring says; ``memory_hint`` lists the command's settings that lower memory."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in argv
+    argv = [a for a in argv if a != DEBUG_FLAG]
+    prog = Path(sys.argv[0]).name
+    if debug:
+        main(argv, prog=prog)
+        return
+    try:
+        with _one_line_warnings():
+            main(argv, prog=prog)
     except BrokenPipeError:  # stdout piped into a command that stopped reading (`--help | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(1) from None
+    except TrainingInterrupted as e:
+        print(one_line(str(e)), file=sys.stderr)
+        raise SystemExit(130) from None
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except NonFiniteError as e:
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        raise SystemExit(1) from None
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        first = one_line(str(e).split("\n", 1)[0])[:300]
+        print(f"error: out of memory ({first}); to lower memory: {memory_hint or 'use smaller inputs'}",
+              file=sys.stderr)
+        raise SystemExit(1) from None

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Union
 import docstring_parser
 import tyro
 
-from ..pipelines import read_image, read_video
+from ..pipelines import InputError, read_image, read_video
 
 # Short flags kept from eqxdiff's first generate script, so its commands still work.
 ALIASES: Mapping[str, tuple[str, ...]] = {
@@ -154,9 +154,17 @@ class FamilyOptions:
         for name, kind in self.media.items():
             path = kwargs.get(name)
             if path is not None:
+                flag = f"--{name.replace('_', '-')}"
                 if not Path(path).is_file():
-                    raise FileNotFoundError(f"--{name.replace('_', '-')} {os.fspath(path)!r}: no such file")
-                kwargs[name] = (read_image if kind == "image" else read_video)(path)
+                    raise FileNotFoundError(f"{flag} {os.fspath(path)!r}: no such file")
+                try:
+                    kwargs[name] = (read_image if kind == "image" else read_video)(path)
+                except InputError as e:
+                    raise InputError(f"{flag}: {e}") from None
+                except (ValueError, OSError, RuntimeError, StopIteration) as e:  # ffmpeg's errors included
+                    what = "an image file Pillow" if kind == "image" else "a video file ffmpeg"
+                    raise InputError(f"{flag} {os.fspath(path)!r} is not {what} can read "
+                                     f"({type(e).__name__}); pass another file") from None
         return kwargs
 
 

@@ -12,6 +12,10 @@ videos as ``video_{i}.mp4``, numbered on after the files already in ``--output-d
 parameters in each file (:func:`eqxdiff.pipelines.read_parameters` reads them back). Load, compile and generation
 times go to stderr, the files' paths to stdout.
 
+Every flag is checked before anything is loaded (:func:`validate`: the family's arguments against the folder's
+configs, the scheduler options, the input and output paths); a bad one stops the command with one line
+``error: <what> (<how to fix>)`` and status 2 (``--debug`` shows the traceback).
+
 On a device mesh (``--parallel``, or any ``--mesh.*`` flag) every weight is loaded straight onto its sharding and
 the batch is split over the mesh; several hosts run the same command with ``--coordinator-address``,
 ``--num-processes`` and ``--process-id`` (or ``EQXDIFF_COORDINATOR``, ``EQXDIFF_NUM_PROCESSES``,
@@ -20,23 +24,31 @@ the batch is split over the mesh; several hosts run the same command with ``--co
 
 import argparse
 import dataclasses
+import json
 import os
+import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import jax
 import tyro
 from huggingface_hub import hf_hub_download
 
-from ..core import family_names, resolve_class
-from ..loading import CheckpointError, read_config, resolve_folder
+from ..core import ConfigError, family_names, resolve_class
+from ..loading import CheckpointError, read_config, read_json, resolve_folder
 from ..parallel import MeshConfig, initialize_distributed, make_mesh
-from ..pipelines import DiffusionPipeline, load_pipeline, save_outputs
+from ..pipelines import (
+    DiffusionPipeline,
+    InputError,
+    build_scheduler,
+    load_pipeline,
+    save_outputs,
+)
 from ..schedulers import SCHEDULERS
-from ._command import run_command
+from ._command import DEBUG_HELP, config_errors_raise, run_command
 from ._options import FamilyOptions, family_options
 
 DEFAULT_MODEL = "digits"
@@ -57,6 +69,9 @@ class RunOptions:
     """Hub revision (branch, tag or commit) of --model."""
     scheduler: SchedulerName | None = None
     """Swap the checkpoint's scheduler by name, keeping its noise schedule and prediction type."""
+    scheduler_option: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """Set a scheduler config key, KEY=VALUE with VALUE read as JSON (clip_sample=false, timestep_spacing=trailing,
+    steps_offset=1); repeat the flag for several."""
     weights_dtype: Dtype = "float32"
     """Dtype the weights are loaded in."""
     activations_dtype: Dtype = "float32"
@@ -124,6 +139,34 @@ def pipeline_class(model: str, revision: str | None = None) -> type[DiffusionPip
     return cls
 
 
+def config_reader(model: str, revision: str | None = None):
+    """``read(path)``: the JSON file ``path`` of pipeline ``model`` (a folder, a Hub id: that file alone is fetched,
+    or a shipped name) as a dict, ``None`` if it has none."""
+    if _is_hub_id(model):
+        def read(path: str):
+            try:
+                return read_json(hf_hub_download(model, path, revision=revision))
+            except Exception:  # noqa: BLE001 - a missing file, the network: loading says which
+                return None
+        return read
+    folder = resolve_folder(model)
+    return lambda path: read_json(folder / path) if (folder / path).is_file() else None
+
+
+def scheduler_options(items: Sequence[str]) -> dict[str, Any]:
+    """``--scheduler-option KEY=VALUE`` flags as a dict, each value read as JSON (a bare word stays a string)."""
+    options = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise InputError(f"--scheduler-option {item!r} must be KEY=VALUE, e.g. clip_sample=false")
+        try:
+            options[key.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key.strip()] = text
+    return options
+
+
 def build_parser(family: FamilyOptions) -> type:
     """The dataclass tyro parses: the family's options, the run options, the mesh sizes and the hosts."""
     flat = tyro.conf.OmitArgPrefixes
@@ -142,8 +185,9 @@ def parse(argv: Sequence[str] | None = None, *, prog: str | None = None):
     cls = pipeline_class(model, revision)
     family = family_options(cls, {"prompt": DIGITS_PROMPT} if model == DEFAULT_MODEL else None)
     description = (f"Images or videos from a diffusion pipeline. The pipeline options are {cls.__name__}'s (the "
-                   f"--model folder's class); eqxdiff serves {', '.join(family_names('pipeline'))}.")
-    return family, tyro.cli(build_parser(family), args=argv, prog=prog, description=description)
+                   f"--model folder's class); eqxdiff serves {', '.join(family_names('pipeline'))}. {DEBUG_HELP}")
+    with config_errors_raise():
+        return family, tyro.cli(build_parser(family), args=argv, prog=prog, description=description)
 
 
 def scheduler_name(scheduler) -> str | None:
@@ -177,14 +221,63 @@ class _CompileSeconds:
             cls.seconds += duration
 
 
-def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[Path]:
-    """Parse ``argv`` (default ``sys.argv[1:]``), generate, save; returns the saved files' paths."""
+@dataclasses.dataclass(frozen=True)
+class Invocation:
+    """A checked command line: the family's options, the parsed flags, the pipeline call's keyword arguments (input
+    files read) and the scheduler options."""
+
+    family: FamilyOptions
+    args: Any
+    kwargs: dict[str, Any]
+    scheduler_options: Mapping[str, Any]
+
+
+def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> Invocation:
+    """Parse ``argv`` and check every flag without loading the pipeline: the paths (--output-dir, the compilation
+    cache), the scheduler and its options against the folder's scheduler config, the input files (read here), and
+    the family's arguments against the folder's model configs
+    (:meth:`~eqxdiff.pipelines.DiffusionPipeline.check_arguments` with its ``folder_limits``: the VAE's factor, the
+    text encoders' layers). Raises a ``ValueError`` (``InputError``, ``ConfigError``, ``CheckpointError``) or
+    ``OSError`` naming the flag."""
     family, args = parse(argv, prog=prog)
-    run, hosts = args.run, args.parallel
-    if run.output_dir.exists() and not run.output_dir.is_dir():  # before minutes of loading and compiling
-        raise ValueError(f"--output-dir {os.fspath(run.output_dir)!r} is a file; pass a folder (created if "
-                         "missing)")
+    run = args.run
+    for flag, path in (("--output-dir", run.output_dir), ("--compilation-cache-dir", run.compilation_cache_dir)):
+        if path is not None and path.exists() and not path.is_dir():  # before minutes of loading and compiling
+            raise InputError(f"{flag} {os.fspath(path)!r} is a file; pass a folder (created if missing)")
+    read = config_reader(run.model, run.revision)
+    options = scheduler_options(run.scheduler_option)
+    raw = read("scheduler/scheduler_config.json")
+    if raw is not None and (run.scheduler or options):
+        try:
+            build_scheduler(raw, run.scheduler, options)
+        except ConfigError as e:
+            raise ConfigError(f"--scheduler-option: {e}") from None
     kwargs = family.call_kwargs(args.pipeline)  # input files are read (or found missing) before loading too
+    cls = family.pipeline_class
+    try:
+        cls.check_arguments({**kwargs}, cls.folder_limits(read))
+    except InputError as e:
+        raise type(e)(as_flags(str(e), kwargs)) from None
+    return Invocation(family, args, kwargs, options)
+
+
+def as_flags(message: str, names) -> str:
+    """``message`` (about a pipeline call's arguments: ``height=0``, ``pass image=``) in the command's words
+    (``--height 0``, ``pass --image``)."""
+    for name in sorted(names, key=len, reverse=True):
+        flag = "--" + name.replace("_", "-")
+        message = re.sub(rf"(?<![\w-]){name}=(?=[^\s,;)])", flag + " ", message)
+        message = re.sub(rf"(?<![\w-]){name}=", flag, message)
+        message = re.sub(rf"(?<![\w-]){name}(?= (?:must|applies|is|has|needs|unset|0 to))", flag, message)
+    return message
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[Path]:
+    """Check ``argv`` (default ``sys.argv[1:]``; :func:`validate`), generate, save; returns the saved files'
+    paths."""
+    checked = validate(argv, prog=prog)
+    args, kwargs = checked.args, dict(checked.kwargs)
+    run, hosts = args.run, args.parallel
     initialize_distributed(hosts.coordinator_address, hosts.num_processes, hosts.process_id)
     if run.compilation_cache_dir is not None:
         jax.config.update("jax_compilation_cache_dir", os.fspath(run.compilation_cache_dir))
@@ -196,8 +289,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
 
     t0 = time.perf_counter()
     pipe = load_pipeline(run.model, revision=run.revision, dtype=run.weights_dtype, scheduler=run.scheduler,
-                         attention=run.attention, activations_dtype=run.activations_dtype, mesh=mesh,
-                         offload_encoders=run.offload_encoders, scan_layers=run.scan_layers)
+                         scheduler_options=checked.scheduler_options, attention=run.attention,
+                         activations_dtype=run.activations_dtype, mesh=mesh, offload_encoders=run.offload_encoders,
+                         scan_layers=run.scan_layers)
     load_s = time.perf_counter() - t0
     if "progress" in kwargs:
         kwargs["progress"] = kwargs["progress"] and main_process
@@ -207,7 +301,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
     total_s = time.perf_counter() - t0
     compile_s = _CompileSeconds.now() - compile_before
 
-    params = _parameters(args, pipe, outputs)
+    params = _parameters(checked, pipe, outputs)
     fps = run.fps or kwargs.get("frame_rate")
     paths = save_outputs(outputs, run.output_dir, params, fps=fps, overwrite=run.overwrite) if main_process else []
     print(f"load: {load_s:.2f} s | compile: {compile_s:.2f} s | generation (excluding compile): "
@@ -218,8 +312,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
     return paths
 
 
-def _parameters(args, pipe, outputs) -> dict:
+def _parameters(checked: Invocation, pipe, outputs) -> dict:
     """What went into the outputs, under the flags' names: enough to make them again."""
+    args = checked.args
     values = {f.name: getattr(args.pipeline, f.name) for f in dataclasses.fields(args.pipeline)}
     values.pop("progress", None)
     values = {k: os.fspath(v) if isinstance(v, Path) else v for k, v in values.items()}
@@ -227,15 +322,25 @@ def _parameters(args, pipe, outputs) -> dict:
     values["height"], values["width"] = int(outputs.shape[-3]), int(outputs.shape[-2])
     if outputs.ndim == 5 and "num_frames" in values:
         values["num_frames"] = int(outputs.shape[1])
+    init_image = type(pipe).init_image_argument(values)
+    if "strength" in values and (init_image is None or values.get(init_image) is None):
+        del values["strength"]  # image-to-image only
     run = args.run
+    extra = {"scheduler_options": dict(checked.scheduler_options)} if checked.scheduler_options else {}
     return {**values, "model": run.model, "pipeline": type(pipe).__name__,
-            "scheduler": scheduler_name(getattr(pipe, "scheduler", None)), "weights_dtype": run.weights_dtype,
-            "activations_dtype": run.activations_dtype, "attention": run.attention}
+            "scheduler": scheduler_name(getattr(pipe, "scheduler", None)), **extra,
+            "weights_dtype": run.weights_dtype, "activations_dtype": run.activations_dtype,
+            "attention": run.attention}
+
+
+MEMORY_HINT = ("fewer images (--num-images-per-prompt), a smaller --height/--width or input image, "
+               "--weights-dtype bfloat16 --activations-dtype bfloat16, --attention chunked, --offload-encoders, or "
+               "more devices (--mesh.ici-fsdp-parallelism -1)")
 
 
 def cli() -> None:
     """The ``eqxdiff-generate`` console command (see :func:`eqxdiff.cli._command.run_command`)."""
-    run_command(main)
+    run_command(main, memory_hint=MEMORY_HINT)
 
 
 if __name__ == "__main__":

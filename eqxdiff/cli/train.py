@@ -10,20 +10,32 @@
 Every field of :class:`eqxdiff.train.TrainConfig` is a flag; a preset only changes the defaults. Presets run data
 parallel over every device (``--mesh.*`` changes the mesh). The trained pipeline is exported to
 ``OUTPUT_DIR/pipeline`` unless ``--export-dir`` says otherwise; nothing is written into the package.
+
+Every flag is checked before anything is loaded (:func:`validate`); a bad one stops the command with one line
+``error: <what> (<how to fix>)`` and status 2 (``--debug`` shows the traceback). Ctrl-C or SIGTERM stop at the next
+step with a checkpoint saved: ``interrupted at step N; checkpoint saved in DIR (run the same command to resume)``
+and status 130.
 """
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import tyro
 
+from ..data import character_tokenizer
+from ..loading import PACKAGED_MODELS, read_config, resolve_folder
 from ..parallel import MeshConfig
+from ..pipelines import InputError
 from ..train import DigitsArchitecture, Objective, OptimizerConfig, TrainConfig, run
-from ._command import run_command
+from ._command import DEBUG_HELP, config_errors_raise, run_command
 
 DESCRIPTION = ("Train or fine-tune a Stable Diffusion model: every field of eqxdiff.train.TrainConfig is a flag, a "
-               "preset sets the defaults.")
+               f"preset sets the defaults. {DEBUG_HELP}")
+MEMORY_HINT = ("a smaller --batch-size (with --optimizer.accumulation-steps to keep the effective batch), a smaller "
+               "--resolution, --remat FULL, --no-cache with a large dataset, or shard over more devices "
+               "(--mesh.ici-fsdp-parallelism -1)")
 PRESETS = {
     "digits": (
         ("The digits model shipped with eqxdiff: SD classes at a small size, trained from scratch on "
@@ -63,13 +75,55 @@ PRESETS = {
 def parse(argv: Sequence[str] | None = None, *, prog: str | None = None) -> TrainConfig:
     """The :class:`~eqxdiff.train.TrainConfig` a command line (default ``sys.argv[1:]``) selects: a preset's, with
     the flags given."""
-    return tyro.extras.overridable_config_cli(PRESETS, args=argv, prog=prog, description=DESCRIPTION)
+    with config_errors_raise():
+        return tyro.extras.overridable_config_cli(PRESETS, args=argv, prog=prog, description=DESCRIPTION)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = Path(os.path.abspath(path)), Path(os.path.abspath(folder))
+    return path == folder or folder in path.parents
+
+
+def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> TrainConfig:
+    """Parse ``argv`` into a :class:`~eqxdiff.train.TrainConfig` (whose fields check their own values) and check
+    what needs more than one field, without loading anything: one data source, the output and export folders (never
+    a file, never the model shipped inside eqxdiff), the from-scratch architecture's model configs, and a resolution
+    the VAE can downsample. Raises a ``ValueError`` naming the flag."""
+    config = parse(argv, prog=prog)
+    config.source  # noqa: B018 - a missing or conflicting data source raises ValueError
+    export = config.export_dir or Path(config.output_dir) / "pipeline"
+    for flag, path in (("--output-dir", Path(config.output_dir)), ("--export-dir", export)):
+        if path.exists() and not path.is_dir():
+            raise InputError(f"{flag} {os.fspath(path)!r} is a file; pass a folder (created if missing)")
+        shipped = next((name for name, folder in PACKAGED_MODELS.items() if _inside(path, folder)), None)
+        if shipped is not None:
+            raise InputError(f"{flag} {os.fspath(path)!r} is inside the {shipped!r} model shipped with eqxdiff; pass "
+                             f"another folder (copy the exported pipeline over {os.fspath(PACKAGED_MODELS[shipped])} "
+                             "yourself to replace the shipped model)")
+    if config.model is None:
+        tokenizer = character_tokenizer(max_length=32)
+        _, _, vae = config.architecture.configs(tokenizer)  # ConfigError for sizes the models cannot take
+        factor = 2 ** (len(vae.block_out_channels) - 1)
+    else:
+        factor = _vae_factor(config.model)
+    if factor and config.resolution % factor:
+        raise InputError(f"--resolution {config.resolution} must be a multiple of {factor} (the VAE downsamples by "
+                         f"{factor}); try --resolution {max(factor, config.resolution // factor * factor)}")
+    return config
+
+
+def _vae_factor(model: str) -> int | None:
+    """The VAE's downsampling factor of a local pipeline folder (``None`` for a Hub id: read when it loads)."""
+    local = Path(model).expanduser()
+    if not local.is_dir() and model not in PACKAGED_MODELS:
+        return None
+    vae = read_config(resolve_folder(model, "vae"))
+    return 2 ** (len(vae.get("block_out_channels", (0,) * 4)) - 1)
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> None:
-    """Parse ``argv`` and train (:func:`eqxdiff.train.run`)."""
-    config = parse(argv, prog=prog)
-    config.source  # noqa: B018 - a missing or conflicting data source raises ValueError before anything loads
+    """Check ``argv`` (:func:`validate`) and train (:func:`eqxdiff.train.run`)."""
+    config = validate(argv, prog=prog)
     if config.optimizer.total_steps != config.steps:  # the schedule spans the run unless set on purpose
         print(f"note: optimizer.total_steps={config.optimizer.total_steps} differs from steps={config.steps}",
               file=sys.stderr)
@@ -78,7 +132,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> None:
 
 def cli() -> None:
     """The ``eqxdiff-train`` console command (see :func:`eqxdiff.cli._command.run_command`)."""
-    run_command(main)
+    run_command(main, memory_hint=MEMORY_HINT)
 
 
 if __name__ == "__main__":

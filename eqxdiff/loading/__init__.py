@@ -1,6 +1,7 @@
 """Hugging Face checkpoints (safetensors + config.json) in and out of eqxdiff modules, and conversion rules for
 other formats (:mod:`eqxdiff.loading._convert`'s vocabulary, known formats in :mod:`eqxdiff.loading.formats`)."""
 
+from ._checkpoint import PACKAGED_MODELS as PACKAGED_MODELS
 from ._checkpoint import CheckpointFiles as CheckpointFiles
 from ._checkpoint import check_dtype as check_dtype
 from ._checkpoint import key_map_rules as key_map_rules
@@ -8,6 +9,7 @@ from ._checkpoint import load as load
 from ._checkpoint import model_class as model_class
 from ._checkpoint import read_config as read_config
 from ._checkpoint import read_json as read_json
+from ._checkpoint import replacing_folder as replacing_folder
 from ._checkpoint import resolve_folder as resolve_folder
 from ._checkpoint import save_pretrained as save_pretrained
 from ._checkpoint import weight_files as weight_files

@@ -1,8 +1,11 @@
 """``load`` and ``save_pretrained``: Hugging Face diffusers/transformers folders <-> eqxdiff modules."""
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import equinox as eqx
@@ -11,7 +14,16 @@ import jax.numpy as jnp
 
 from .. import nn
 from ..core import ModelConfig, family_names, resolve_class
-from ._convert import Concat, Drop, Rename, Rule, Substitute, convert, convert_tensors, inverse
+from ._convert import (
+    Concat,
+    Drop,
+    Rename,
+    Rule,
+    Substitute,
+    convert,
+    convert_tensors,
+    inverse,
+)
 from ._errors import CheckpointError
 from ._fill import fill_module, state_dict
 from ._safetensors import SafetensorsFile, write_safetensors
@@ -314,20 +326,84 @@ def _class_and_config(source: ModelConfig | Mapping, described: str, model_class
     return cls, cls.config_class.from_dict({**source, **overrides})
 
 
-def save_pretrained(module, folder, *, dtype=None) -> Path:
-    """Write ``module`` as a diffusers/transformers folder (config.json + safetensors) that they load again."""
+# The files a model folder's weights and config live in (any variant or shard of them): a save replaces these and
+# keeps the folder's other entries (a LoRA file, a README ...).
+_MODEL_FILE_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+
+
+def _is_model_file(name: str) -> bool:
+    return name == "config.json" or (name.startswith((*_WEIGHT_BASENAMES, "pytorch_model"))
+                                     and name.endswith(_MODEL_FILE_SUFFIXES))
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # the temporary folder sits beside the target: the same file system
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+@contextlib.contextmanager
+def replacing_folder(folder, *, keep=lambda name: True) -> Iterator[Path]:
+    """Write a folder all at once: yields an empty temporary folder beside ``folder``; when the block ends without
+    an error it replaces ``folder``, and an error leaves ``folder`` exactly as it was (the temporary one is
+    removed). Entries of the old ``folder`` that the block did not write and ``keep(name)`` accepts are carried
+    into the new one (hard links where possible), so files eqxdiff does not know about are never lost."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "config.json", "w") as f:
-        json.dump(module.checkpoint_config(), f, indent=2, sort_keys=True)
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"{os.fspath(folder)!r} is a file; pass a folder to save into (created if missing)")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.saving-", dir=folder.parent))
+    try:
+        yield tmp
+        if folder.is_dir():
+            for entry in folder.iterdir():
+                target = tmp / entry.name
+                if target.exists() or not keep(entry.name):
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
+                else:
+                    _link_or_copy(entry, target) if not entry.is_symlink() else target.symlink_to(entry.readlink())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not folder.exists():
+        tmp.rename(folder)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+    old.rmdir()
+    folder.rename(old)
+    try:
+        tmp.rename(folder)
+    except BaseException:
+        old.rename(folder)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_pretrained(module, folder, *, dtype=None) -> Path:
+    """Write ``module`` as a diffusers/transformers folder (config.json + safetensors) that they load again.
+
+    The module and ``dtype`` are checked and every tensor gathered before anything is written; the files go into a
+    temporary folder beside ``folder`` that replaces it at the end (:func:`replacing_folder`), so a save that fails
+    leaves an existing ``folder`` loading as before. Its files other than weights and config.json are kept."""
+    config_of = getattr(module, "checkpoint_config", None)
+    if not callable(config_of):
+        raise CheckpointError(f"save_pretrained needs an eqxdiff model (such as pipe.unet or the result of "
+                              f"eqxdiff.load), got {type(module).__name__}; save a pipeline with save_pipeline")
+    dt = check_dtype(dtype)
+    config = json.dumps(config_of(), indent=2, sort_keys=True)
     tensors = convert_tensors(state_dict(module), inverse(fusion_rules(module)))
-    if dtype is not None:
-        dt = check_dtype(dtype)
+    if dt is not None:
         tensors = {k: v.astype(dt) if v.dtype.kind == "f" or v.dtype.name == "bfloat16" else v
                    for k, v in tensors.items()}
     base = "model" if getattr(module, "CHECKPOINT_FORMAT", "diffusers") == "transformers" else _WEIGHT_BASENAMES[0]
-    write_safetensors(tensors, folder / f"{base}.safetensors", metadata={"format": "pt"})
-    return folder
+    with replacing_folder(folder, keep=lambda name: not _is_model_file(name)) as tmp:
+        write_safetensors(tensors, tmp / f"{base}.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(config)
+    return Path(folder)
 
 
 __all__ = [
@@ -339,6 +415,7 @@ __all__ = [
     "model_class",
     "read_config",
     "read_json",
+    "replacing_folder",
     "resolve_folder",
     "save_pretrained",
     "weight_files",

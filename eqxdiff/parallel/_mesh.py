@@ -33,13 +33,21 @@ class MeshConfig:
     """
 
     ici_data_parallelism: int = -1
+    """Devices of a host (slice) that split the batch, each holding whole weights (-1: the rest)."""
     ici_fsdp_parallelism: int = 1
+    """Devices of a host that split the batch and shard the weights and optimizer state (FSDP)."""
     ici_context_parallelism: int = 1
+    """Devices of a host that split the tokens (ring / Ulysses attention)."""
     ici_tensor_parallelism: int = 1
+    """Devices of a host that split attention heads and MLP channels (tensor parallel)."""
     dcn_data_parallelism: int = -1
+    """Hosts (slices) that split the batch (-1: every host)."""
     dcn_fsdp_parallelism: int = 1
+    """Hosts that shard the weights between them (FSDP across hosts)."""
     dcn_context_parallelism: int = 1
+    """Hosts that split the tokens."""
     dcn_tensor_parallelism: int = 1
+    """Hosts that split heads and MLP channels."""
 
     def __post_init__(self):
         for kind in ("ici", "dcn"):

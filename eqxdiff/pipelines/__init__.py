@@ -7,9 +7,17 @@ shares; ``load_pipeline`` finds a folder's pipeline class through the family tab
 
 from ._base import Component as Component
 from ._base import DiffusionPipeline as DiffusionPipeline
+from ._base import build_scheduler as build_scheduler
 from ._base import load_pipeline as load_pipeline
 from ._base import load_tokenizer as load_tokenizer
 from ._base import save_pipeline as save_pipeline
+from ._base import seed_key as seed_key
+from ._checks import CallLimits as CallLimits
+from ._checks import InputError as InputError
+from ._checks import InputTypeError as InputTypeError
+from ._checks import InputWarning as InputWarning
+from ._checks import NonFiniteError as NonFiniteError
+from ._checks import check_arguments as check_arguments
 from ._denoise import Denoiser as Denoiser
 from ._denoise import Guidance as Guidance
 from ._denoise import Schedule as Schedule

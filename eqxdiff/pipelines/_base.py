@@ -9,21 +9,32 @@ finds the class through the family table (:data:`eqxdiff.core.FAMILY_TABLE`).
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from ..core import DEFAULT_RULES, Plan, family_names, resolve_class
-from ..loading import CheckpointError, check_dtype, load, read_config, resolve_folder, save_pretrained
+from ..core import DEFAULT_RULES, ConfigError, Plan, family_names, resolve_class
+from ..loading import (
+    CheckpointError,
+    check_dtype,
+    load,
+    read_config,
+    replacing_folder,
+    resolve_folder,
+    save_pretrained,
+)
 from ..nn import with_attention_implementation
 from ..parallel import shard_batch, shard_params, sharding_fn, with_plan
 from ..schedulers import scheduler_from_config
+from ._checks import CallLimits, InputError, InputTypeError, check_arguments
 from ._single_file import read_single_file
 
 COMPONENT_KINDS = ("model", "tokenizer", "scheduler")
@@ -80,8 +91,15 @@ class DiffusionPipeline:
     # load, written on save, attributes of the pipeline (SDXL's force_zeros_for_empty_prompt ...).
     OPTIONS: ClassVar[Mapping[str, Any]] = {}
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        call = cls.__dict__.get("__call__")
+        if call is not None and not hasattr(call, "__checks_arguments__"):
+            cls.__call__ = _checking_arguments(call)
+
     def __init__(self, *, attention: str | None = None, activations_dtype=jnp.float32, mesh=None, rules=None,
-                 offload_encoders: bool = False, **components_and_options):
+                 offload_encoders: bool = False, scheduler_extras: Mapping[str, Any] | None = None,
+                 **components_and_options):
         name = type(self).__name__
         known = {c.name: c for c in self.COMPONENTS}
         options = {k: components_and_options.pop(k) for k in list(components_and_options) if k in self.OPTIONS}
@@ -96,6 +114,9 @@ class DiffusionPipeline:
         if missing:
             raise TypeError(f"{name}: missing component(s) {missing}")
         self.activations_dtype = jnp.dtype(activations_dtype)
+        # scheduler_config.json keys the scheduler's class does not read (a DPM-Solver config's clip_sample):
+        # carried to a swapped scheduler and written back on save, as diffusers keeps them.
+        self.scheduler_extras = dict(scheduler_extras or {})
         self.timings: dict[str, float] = {}
         self.mesh, self.offload_encoders = mesh, offload_encoders
         self.rules = (rules or DEFAULT_RULES) if mesh is not None else rules
@@ -148,6 +169,38 @@ class DiffusionPipeline:
                   offload_encoders=pipe.offload_encoders, **{**shared, **options, **overrides})
         return new
 
+    # -- what a call may ask for -----------------------------------------------------------------------------
+
+    @classmethod
+    def check_arguments(cls, arguments: Mapping[str, Any], limits: CallLimits | None = None) -> None:
+        """Check call ``arguments`` (``__call__``'s names -> values) before anything is loaded or compiled:
+        every call runs this with :meth:`call_limits`, ``eqxdiff-generate`` with :meth:`folder_limits` before it
+        loads the pipeline. Raises :class:`~eqxdiff.pipelines.InputError` naming the argument and the fix. The
+        shared diffusers names are checked by :func:`eqxdiff.pipelines.check_arguments`; a family with arguments
+        of its own overrides this and calls ``super()``."""
+        check_arguments(arguments, limits or CallLimits(), init_image=cls.init_image_argument(arguments))
+
+    @classmethod
+    def init_image_argument(cls, arguments: Mapping[str, Any]) -> str | None:
+        """The argument holding the picture an image-to-image call starts from: ``image``, except in a ControlNet
+        pipeline without a ``control_image`` argument, where ``image`` is the control image (diffusers' names)."""
+        controlnet = any(c.name == "controlnet" for c in cls.COMPONENTS)
+        return None if controlnet and "control_image" not in arguments else "image"
+
+    def call_limits(self) -> CallLimits:
+        """What this pipeline's models allow its call arguments (the VAE's factor, the text encoder's layers)."""
+        return CallLimits()
+
+    def check_call(self, arguments: Mapping[str, Any]) -> None:
+        """Checks of a call that need this pipeline's components (its scheduler's schedule for the requested
+        steps ...), run after :meth:`check_arguments` and before anything is encoded or compiled."""
+
+    @classmethod
+    def folder_limits(cls, read_json: Callable[[str], Mapping | None]) -> CallLimits:
+        """:meth:`call_limits` from the configs of a pipeline folder, before loading it: ``read_json(path)`` reads
+        ``path`` (``"vae/config.json"``) relative to the folder, ``None`` if it is missing."""
+        return CallLimits()
+
     @property
     def options(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.OPTIONS}
@@ -156,12 +209,14 @@ class DiffusionPipeline:
     def components(self) -> dict[str, Any]:
         return {c.name: getattr(self, c.name) for c in self.COMPONENTS}
 
-    def with_scheduler(self, name: str, **overrides):
-        """The same pipeline with another scheduler (``"euler"``, ``"dpm++2m_karras"`` ...), keeping the
-        checkpoint's noise schedule and prediction type; ``overrides`` set config keys."""
+    def with_scheduler(self, name: str | None = None, **overrides):
+        """The same pipeline with another scheduler (``"euler"``, ``"dpm++2m_karras"`` ...; ``None``: the same
+        class), keeping the checkpoint's noise schedule and prediction type (and the config keys it does not read,
+        such as ``clip_sample``); ``overrides`` set config keys (:func:`build_scheduler`)."""
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
-        new.scheduler = scheduler_from_config(self.scheduler.config.to_dict(), name=name, **overrides)
+        raw = {**self.scheduler_extras, **self.scheduler.config.to_dict(), "_class_name": type(self.scheduler).__name__}
+        new.scheduler, new.scheduler_extras = build_scheduler(raw, name, overrides)
         new.timings = {}
         return new
 
@@ -197,9 +252,47 @@ class DiffusionPipeline:
             self.timings[stage] = time.perf_counter() - t0
 
 
-# -- argument handling every family's __call__ shares ----------------------------------------------------------
+def _checking_arguments(call):
+    """``call`` (a family's ``__call__``) checking its arguments first (:meth:`DiffusionPipeline.check_arguments`
+    with the pipeline's :meth:`~DiffusionPipeline.call_limits`); its signature and docstring stay ``call``'s."""
+    signature = inspect.signature(call)
+    params = list(signature.parameters.values())
+    var_keyword = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
 
-OUTPUT_TYPES = ("uint8", "latent")
+    @functools.wraps(call)
+    def checked(self, *args, **kwargs):
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError as e:
+            raise InputTypeError(f"{type(self).__name__}(...): {e}") from None
+        bound.apply_defaults()
+        arguments = {k: v for k, v in bound.arguments.items() if k != params[0].name and k != var_keyword}
+        arguments.update(bound.arguments.get(var_keyword, {}) if var_keyword else {})
+        self.check_arguments(arguments, self.call_limits())
+        self.check_call(arguments)
+        return call(self, *args, **kwargs)
+
+    checked.__checks_arguments__ = True
+    return checked
+
+
+def build_scheduler(raw: Mapping[str, Any], name: str | None = None, options: Mapping[str, Any] | None = None):
+    """``(scheduler, extras)``: the scheduler ``raw`` (a ``scheduler_config.json`` dict) describes, or the one
+    ``name`` swaps in (:func:`eqxdiff.schedulers.scheduler_from_config`), with config keys ``options`` set last; and
+    the keys of ``raw`` that its class does not read (kept for a later swap and for saving). An option the class
+    does not have raises :class:`~eqxdiff.core.ConfigError` naming the ones it has."""
+    options = dict(options or {})
+    scheduler = scheduler_from_config(raw, name=name, **options)
+    fields = {f.name for f in dataclasses.fields(scheduler.config)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ConfigError(f"{type(scheduler).__name__} has no config option(s) {unknown}; it takes "
+                          f"{', '.join(sorted(fields))}")
+    extras = {k: v for k, v in raw.items() if k not in fields and not k.startswith("_")}
+    return scheduler, extras
+
+
+# -- argument handling every family's __call__ shares ----------------------------------------------------------
 
 
 def prompt_list(prompt, name: str = "prompt") -> list[str]:
@@ -208,29 +301,43 @@ def prompt_list(prompt, name: str = "prompt") -> list[str]:
         return [prompt]
     if isinstance(prompt, (list, tuple)) and all(isinstance(p, str) for p in prompt):
         return list(prompt)
-    raise TypeError(f"{name} must be a string or a list of strings, got {type(prompt).__name__}")
+    raise InputTypeError(f"{name} must be a string or a list of strings, got {type(prompt).__name__}")
 
 
 def as_list(value, n: int, name: str) -> list:
     """``value`` (one string, or one per prompt) as ``n`` entries."""
     values = [value] * n if isinstance(value, str) else list(value)
     if len(values) != n:
-        raise ValueError(f"{name} has {len(values)} entries but prompt has {n}")
+        raise InputError(f"{name} has {len(values)} entries but prompt has {n}; pass one, or one per prompt")
     return values
 
 
+def seed_key(seed: int) -> jax.Array:
+    """The PRNG key of any int ``seed``: ``jax.random.key(seed)`` for ``0 <= seed < 2**32``; any other int (negative,
+    or too large for a 32-bit key) is folded in 32 bits at a time, so distinct seeds give distinct keys."""
+    if 0 <= seed < 2**32:
+        return jax.random.key(seed)
+    rest = 2 * seed if seed >= 0 else -2 * seed - 1  # one non-negative int per seed
+    key = jax.random.key(rest & 0xFFFFFFFF)
+    while True:  # at least one fold: never the key of a seed in [0, 2**32)
+        rest >>= 32
+        key = jax.random.fold_in(key, rest & 0xFFFFFFFF)
+        if rest < 2**32:
+            return key
+
+
 def resolve_key(seed: int | None, key) -> jax.Array:
-    """The PRNG key of a call: ``key`` if given, else one from ``seed`` (default 0)."""
+    """The PRNG key of a call: ``key`` if given, else one from ``seed`` (default 0; any int, :func:`seed_key`)."""
     if key is not None and seed is not None:
-        raise ValueError("pass seed= or key=, not both")
-    return jax.random.key(0 if seed is None else seed) if key is None else key
+        raise InputError("pass seed= or key=, not both")
+    return seed_key(0 if seed is None else int(seed)) if key is None else key
 
 
 def check_size(height: int, width: int, factor: int, why: str) -> None:
-    """Both sizes multiples of ``factor`` (``why``: what downsamples by it)."""
+    """Both sizes positive multiples of ``factor`` (``why``: what downsamples by it)."""
     for name, v in (("height", height), ("width", width)):
         if v <= 0 or v % factor:
-            raise ValueError(f"{name}={v} must be a multiple of {factor} ({why}); "
+            raise InputError(f"{name}={v} must be a {'positive ' if v <= 0 else ''}multiple of {factor} ({why}); "
                              f"try {name}={max(factor, int(v) // factor * factor)}")
 
 
@@ -238,14 +345,8 @@ def given_array(value, shape: tuple[int, ...], name: str, layout: str):
     """A user's array as float32 of exactly ``shape`` (``layout`` names its axes in the error)."""
     arr = jnp.asarray(value, dtype=jnp.float32)
     if arr.shape != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)} = {layout}, got {arr.shape}")
+        raise InputError(f"{name} must have shape {tuple(shape)} = {layout}, got {arr.shape}")
     return arr
-
-
-def check_output_type(output_type: str) -> None:
-    if output_type not in OUTPUT_TYPES:
-        raise ValueError(f"output_type={output_type!r}; choose one of {OUTPUT_TYPES} (uint8 images, or the final "
-                         "latents channels-last, e.g. for a refiner)")
 
 
 def _option(pipeline: str, key: str, value, default):
@@ -266,11 +367,12 @@ def _index_entry(index: Mapping, name: str):
 def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, variant: str | None = None,
                   scheduler: str | None = None, attention: str | None = None, activations_dtype=None,
                   sharding=None, mesh=None, rules=None, offload_encoders: bool = False, scan_layers: bool = False,
-                  pipeline_class: type | None = None, config=None):
+                  pipeline_class: type | None = None, config=None, scheduler_options: Mapping[str, Any] | None = None):
     """Load every component a ``model_index.json`` lists and return the pipeline its ``_class_name`` names.
 
     ``dtype`` sets the weights (default float32); ``scheduler`` swaps the checkpoint's scheduler by name
-    (see :data:`eqxdiff.schedulers.SCHEDULERS`); ``attention`` picks the attention kernel;
+    (see :data:`eqxdiff.schedulers.SCHEDULERS`) and ``scheduler_options`` sets its config keys
+    (``{"clip_sample": False}``, :func:`build_scheduler`); ``attention`` picks the attention kernel;
     ``activations_dtype`` (default: the weights' dtype) is the dtype of latents and activations. ``mesh``
     (:func:`eqxdiff.parallel.make_mesh`) loads every weight straight onto its rule-given sharding (``rules``,
     default :data:`eqxdiff.parallel.DEFAULT_RULES`; each device reads only its slices) and runs the pipeline on
@@ -291,7 +393,7 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
         cls, components, options = read_single_file(
             path_or_hub_id, config=config, revision=revision, dtype=weights_dtype, sharding=sharding,
             offload_encoders=offload_encoders, scan_layers=scan_layers, scheduler=scheduler,
-            pipeline_class=pipeline_class)
+            scheduler_options=scheduler_options, pipeline_class=pipeline_class)
         return cls(attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
                    offload_encoders=offload_encoders, **components, **options)
     if config is not None:
@@ -315,7 +417,7 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
                               f"{name} needs")
     if mesh is not None and sharding is None:
         sharding = sharding_fn(mesh, rules or DEFAULT_RULES)
-    components = {}
+    components, extras = {}, {}
     for c in cls.COMPONENTS:
         if _index_entry(index, c.name) is None:
             components[c.name] = None
@@ -328,10 +430,10 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
             components[c.name] = load_tokenizer(folder / c.name)
         else:
             raw = read_config(folder / c.name, "scheduler_config.json")
-            components[c.name] = scheduler_from_config(raw, name=scheduler)
+            components[c.name], extras = build_scheduler(raw, scheduler, scheduler_options)
     options = {k: index[k] for k in cls.OPTIONS if k in index}
     return cls(attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
-               offload_encoders=offload_encoders, **components, **options)
+               offload_encoders=offload_encoders, scheduler_extras=extras, **components, **options)
 
 
 def _component_names(cls) -> set[str]:
@@ -340,25 +442,32 @@ def _component_names(cls) -> set[str]:
 
 def save_pipeline(pipe: DiffusionPipeline, folder, *, dtype=None) -> Path:
     """Write ``pipe`` as a diffusers pipeline folder (``model_index.json``, one subfolder per component) that
-    :func:`load_pipeline` and diffusers' own pipeline class both load."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    :func:`load_pipeline` and diffusers' own pipeline class both load.
+
+    Everything is written into a temporary folder beside ``folder`` and swapped in at the end
+    (:func:`eqxdiff.loading.replacing_folder`): a save that fails leaves an existing ``folder`` as it was, and
+    entries of it that the pipeline does not write (a ``safety_checker``, a README) are kept."""
+    if not isinstance(pipe, DiffusionPipeline):
+        raise CheckpointError(f"save_pipeline needs an eqxdiff pipeline, got {type(pipe).__name__}; save a single "
+                              "model with eqxdiff.save_pretrained")
+    check_dtype(dtype)
     index: dict[str, Any] = {"_class_name": pipe.CLASS_NAME, "_diffusers_version": "0.30.0", **pipe.INDEX_EXTRAS,
                              **pipe.options}
-    for c in pipe.COMPONENTS:
-        value = getattr(pipe, c.name)
-        if value is None:
-            index[c.name] = [None, None]
-        elif c.kind == "model":
-            index[c.name] = pipe.save_component(folder, c, value, dtype=dtype)
-        elif c.kind == "tokenizer":
-            value.save_pretrained(folder / c.name)
-            index[c.name] = ["transformers", type(value).__name__]
-        else:
-            (folder / c.name).mkdir(exist_ok=True)
-            config = {k: v for k, v in value.config.to_dict().items() if k != "_use_default_values"}
-            config["_class_name"] = type(value).__name__
-            (folder / c.name / "scheduler_config.json").write_text(json.dumps(config, indent=2))
-            index[c.name] = ["diffusers", config["_class_name"]]
-    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
-    return folder
+    with replacing_folder(folder) as tmp:
+        for c in pipe.COMPONENTS:
+            value = getattr(pipe, c.name)
+            if value is None:
+                index[c.name] = [None, None]
+            elif c.kind == "model":
+                index[c.name] = pipe.save_component(tmp, c, value, dtype=dtype)
+            elif c.kind == "tokenizer":
+                value.save_pretrained(tmp / c.name)
+                index[c.name] = ["transformers", type(value).__name__]
+            else:
+                (tmp / c.name).mkdir(exist_ok=True)
+                config = {k: v for k, v in value.config.to_dict().items() if k != "_use_default_values"}
+                config = {**pipe.scheduler_extras, **config, "_class_name": type(value).__name__}
+                (tmp / c.name / "scheduler_config.json").write_text(json.dumps(config, indent=2))
+                index[c.name] = ["diffusers", config["_class_name"]]
+        (tmp / "model_index.json").write_text(json.dumps(index, indent=2))
+    return Path(folder)

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import imageio_ffmpeg
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
+from ._checks import InputError
 from ._images import next_index, output_folder, save_images
 
 DEFAULT_FPS = 16
@@ -60,9 +61,16 @@ def read_video(path: str | os.PathLike) -> np.ndarray:
 
 
 def read_image(path: str | os.PathLike) -> np.ndarray:
-    """An image file as uint8 RGB ``[H, W, 3]``."""
-    with Image.open(path) as im:
-        return np.asarray(im.convert("RGB"))
+    """An image file as uint8 RGB ``[H, W, 3]``; a missing file raises ``FileNotFoundError``, one PIL cannot read
+    :class:`~eqxdiff.pipelines.InputError`, each naming the file."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"image file {os.fspath(path)!r} not found")
+    try:
+        with Image.open(path) as im:
+            return np.asarray(im.convert("RGB"))
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:  # PIL raises all three for damaged files
+        raise InputError(f"{os.fspath(path)!r} is not an image file Pillow can read ({type(e).__name__}); pass a "
+                         "PNG, JPEG or WebP image") from None
 
 
 def save_videos(videos: np.ndarray, folder: str | os.PathLike, parameters: Mapping, *, fps: float | None = None,

@@ -16,7 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, PRNGKeyArray
-from ._base import DiffusionPipeline, check_output_type, check_size, given_array
+from ._base import DiffusionPipeline, check_size, given_array
+from ._checks import (
+    CallLimits,
+    check_finite_output,
+    check_image_size,
+    check_output_type,
+)
 from ._denoise import Denoiser, Guidance, Schedule, denoise_loop, plan_schedule
 from ._images import to_model_range, to_uint8
 from ._inpaint import (
@@ -132,10 +138,51 @@ class UNetPipeline(DiffusionPipeline):
     DEFAULT_STRENGTH: ClassVar[tuple[float, float]] = (0.8, 1.0)
     # What a call must be given (diffusers' task classes: image-to-image needs image, inpainting image and mask).
     REQUIRED_INPUTS: ClassVar[tuple[str, ...]] = ()
+    # Layers from the end that the default text embedding already skips: clip_skip may go up to the text encoders'
+    # layer count minus this (SD takes the last layer's output: 0; SDXL the penultimate: 1).
+    CLIP_SKIP_OFFSET: ClassVar[int] = 0
 
     @property
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    def call_limits(self) -> CallLimits:
+        layers = [getattr(getattr(self, c.name).config, "num_hidden_layers", None) for c in self.COMPONENTS
+                  if c.encoder and getattr(self, c.name, None) is not None]
+        return self._limits(self.vae_scale_factor, self.unet.config.sample_size, layers)
+
+    @classmethod
+    def folder_limits(cls, read_json) -> CallLimits:
+        vae, unet = read_json("vae/config.json"), read_json("unet/config.json")
+        if vae is None or unet is None:
+            return CallLimits()
+        layers = [(read_json(f"{c.name}/config.json") or {}).get("num_hidden_layers") for c in cls.COMPONENTS
+                  if c.encoder]
+        return cls._limits(2 ** (len(vae.get("block_out_channels", (0,) * 4)) - 1), unet.get("sample_size"), layers)
+
+    def check_call(self, arguments) -> None:
+        """The schedule a call asks for exists (the steps, ``strength``, a hand-off's fractions, a custom
+        schedule: :func:`~eqxdiff.pipelines.plan_schedule` on the host), before the prompt is encoded. A call that
+        passes its arguments on to another ``__call__`` (a ControlNet pipeline's) leaves this to that one."""
+        if "num_inference_steps" not in arguments:
+            return
+        image = arguments.get(self.init_image_argument(arguments) or "")
+        strength = arguments.get("strength")
+        if image is not None and strength is None:
+            strength = self.DEFAULT_STRENGTH[arguments.get("mask_image") is not None]
+        plan_schedule(self.scheduler, arguments.get("num_inference_steps"),
+                      sample_shape=(1, 1, 1, self.latent_channels), strength=None if image is None else strength,
+                      denoising_start=arguments.get("denoising_start") if image is not None else None,
+                      denoising_end=arguments.get("denoising_end"), timesteps=arguments.get("timesteps"),
+                      sigmas=arguments.get("sigmas"))
+
+    @classmethod
+    def _limits(cls, factor: int, sample_size, layers) -> CallLimits:
+        size = sample_size or 64
+        h, w = (size, size) if isinstance(size, int) else size
+        layers = [n for n in layers if isinstance(n, int)]
+        return CallLimits(size_factor=factor, native_size=(h * factor, w * factor),
+                          max_clip_skip=min(layers) - cls.CLIP_SKIP_OFFSET if layers else None)
 
     @property
     def latent_channels(self) -> int:
@@ -165,10 +212,10 @@ class UNetPipeline(DiffusionPipeline):
             size = (latents.shape[1] * f, latents.shape[2] * f)
             what = "latents"
         else:
+            check_image_size("image", image, f)
             pixels, latents = to_model_range(image), None
             size = pixels.shape[1:3]
             what = "images"
-            check_size(int(size[0]), int(size[1]), f, f"the VAE downsamples by {f}")
         given = pixels if pixels is not None else latents
         if given.shape[0] not in (1, batch):
             raise ValueError(f"got {given.shape[0]} {what} for {batch} outputs; pass one image or one per output")
@@ -185,7 +232,7 @@ class UNetPipeline(DiffusionPipeline):
         if image is not None:
             return image.height, image.width
         default = self.default_size()
-        height, width = height or default[0], width or default[1]
+        height, width = default[0] if height is None else height, default[1] if width is None else width
         f = self.vae_scale_factor
         check_size(height, width, f, f"the VAE downsamples by {f}")
         return height, width
@@ -285,7 +332,15 @@ class UNetPipeline(DiffusionPipeline):
             x = jax.block_until_ready(denoise_loop(
                 denoiser, scheduler, state, self.shard(x), self.shard(cond), draws.loop_key,
                 guidance=guidance, num_steps=jnp.asarray(schedule.num_steps, jnp.int32), progress=progress))
+        hint = (f"the {jnp.dtype(dtype).name} activations may have overflowed: run in float32 (activations_dtype, "
+                f"--activations-dtype/--weights-dtype float32)" if jnp.dtype(dtype).itemsize < 4 else
+                "check the weights (a NaN in the checkpoint?)")
+        hint += f" or lower guidance_scale (now {guidance_scale:g})" if guidance.enabled else ""
         if output_type == "latent":
-            return self.gather(x)
+            x = self.gather(x)
+            check_finite_output(x, what="latents", hint=hint)
+            return x
         with self.timed("decode"):
-            return to_uint8(self.gather(decode_latents(self.vae, x)))
+            images = self.gather(decode_latents(self.vae, x))
+            check_finite_output(images, what="images", hint=hint)
+            return to_uint8(images)

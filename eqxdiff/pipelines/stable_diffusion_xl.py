@@ -73,6 +73,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
     OPTIONS: ClassVar = {"force_zeros_for_empty_prompt": True}
     DEFAULT_STRENGTH: ClassVar = (0.3, 0.9999)
     DEFAULT_GUIDANCE: ClassVar[float] = 5.0
+    CLIP_SKIP_OFFSET: ClassVar[int] = 1  # the penultimate layer by default
     # The image-to-image classes' micro-conditioning (negative sizes default to the positive ones; the aesthetic
     # score with requires_aesthetics_score).
     IMAGE_TO_IMAGE_IDS: ClassVar[bool] = False
@@ -100,7 +101,8 @@ class StableDiffusionXLPipeline(UNetPipeline):
         states, pooled = [], None
         # As diffusers zips [prompts, prompts_2] with the encoders present: a refiner's one encoder gets prompts.
         for (tokenizer, encoder), texts in zip(self._encoders(), [prompts, prompts_2]):
-            ids = self.shard(jnp.asarray(tokenize(getattr(self, tokenizer), texts)))
+            ids = tokenize(getattr(self, tokenizer), texts, vocab_size=getattr(self, encoder).config.vocab_size)
+            ids = self.shard(jnp.asarray(ids))
             hidden, pooled = encode_prompt(self.encoder(encoder), ids, layer=layer)
             states.append(hidden)
         if pooled is None:

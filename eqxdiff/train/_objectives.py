@@ -33,15 +33,20 @@ class TimestepBias:
     """
 
     strategy: str = "none"
+    """``none``, ``earlier``, ``later`` or ``range``: which timesteps to sample more (or less) often."""
     multiplier: float = 1.0
+    """Sampling weight of the biased timesteps relative to the others (< 1 samples them less)."""
     portion: float = 0.25
+    """``earlier`` / ``later``: the fraction of the timesteps biased."""
     begin: int = 0
+    """``range``: the first biased timestep."""
     end: int = 1000
+    """``range``: one past the last biased timestep."""
 
     def __post_init__(self):
         if self.strategy not in BIAS_STRATEGIES:
             raise ValueError(f"timestep bias strategy={self.strategy!r}; choose one of {list(BIAS_STRATEGIES)}")
-        if self.multiplier < 0:
+        if not 0 <= self.multiplier < math.inf:
             raise ValueError(f"timestep bias multiplier={self.multiplier} must be >= 0")
         if not 0.0 < self.portion <= 1.0:
             raise ValueError(f"timestep bias portion={self.portion} must be in (0, 1]")
@@ -74,27 +79,39 @@ class Objective:
     ``--weighting_scheme``) with ``logit_mean`` / ``logit_std`` (``logit_normal``) and ``mode_scale`` (``mode``)."""
 
     prediction_type: str | None = None
+    """What the model predicts: ``epsilon``, ``v_prediction`` or ``sample`` (None: the scheduler config's)."""
     snr_gamma: float | None = None
+    """Min-SNR loss weighting with this gamma (5.0 is the paper's); None: plain MSE."""
     noise_offset: float = 0.0
+    """Offset noise: add this times a per-sample, per-channel Gaussian constant to the noise (0: off)."""
     caption_dropout: float = 0.0
+    """Probability of training a sample on the empty prompt (for classifier-free guidance)."""
     timestep_bias: TimestepBias = TimestepBias()
+    """Sample some timesteps more often (diffusers' ``--timestep_bias_*``)."""
     weighting_scheme: str = "none"
+    """Flow matching: how timesteps are drawn and weighted (none, uniform, logit_normal, mode, sigma_sqrt,
+    cosmap)."""
     logit_mean: float = 0.0
+    """Flow matching, ``logit_normal``: the mean of the normal behind the logit."""
     logit_std: float = 1.0
+    """Flow matching, ``logit_normal``: its standard deviation."""
     mode_scale: float = 1.29
+    """Flow matching, ``mode``: the scale of the mode-seeking density."""
 
     def __post_init__(self):
         if self.weighting_scheme not in WEIGHTING_SCHEMES:
             raise ValueError(f"weighting_scheme={self.weighting_scheme!r}; choose one of {list(WEIGHTING_SCHEMES)}")
-        if self.logit_std <= 0:
+        if not 0 < self.logit_std < math.inf:
             raise ValueError(f"logit_std={self.logit_std} must be > 0")
+        if not math.isfinite(self.logit_mean) or not math.isfinite(self.mode_scale):
+            raise ValueError(f"logit_mean={self.logit_mean} and mode_scale={self.mode_scale} must be finite")
         if self.prediction_type is not None and self.prediction_type not in PREDICTION_TYPES:
             raise ValueError(f"prediction_type={self.prediction_type!r}; choose one of {list(PREDICTION_TYPES)}")
-        if self.snr_gamma is not None and self.snr_gamma <= 0:
+        if self.snr_gamma is not None and not 0 < self.snr_gamma < math.inf:
             raise ValueError(f"snr_gamma={self.snr_gamma} must be positive (or None to turn Min-SNR off)")
         if not 0.0 <= self.caption_dropout < 1.0:
             raise ValueError(f"caption_dropout={self.caption_dropout} must be in [0, 1)")
-        if self.noise_offset < 0:
+        if not 0 <= self.noise_offset < math.inf:
             raise ValueError(f"noise_offset={self.noise_offset} must be >= 0")
 
 

@@ -1,0 +1,563 @@
+"""Every bad input a user can make gets a clear, typed, one-line error before anything loads or compiles, and
+nothing on disk changes: one table of cases across ``eqxdiff-generate``, ``eqxdiff-train`` and the Python API.
+
+A command-line case runs twice: ``validate`` (the check before loading) must raise the error type with the message,
+and the console command itself (``cli()``, through ``run_command``) must print exactly one ``error: ...`` line and
+exit with status 2. Every case snapshots the workspace (an output folder with an image in it, a saved model, the
+shipped digits model, the current folder) before and after and requires them equal. The few behaviours that need a
+compiled program (what a PNG records, NaN out of a model) share one program at the end.
+"""
+
+import copy
+import dataclasses
+import json
+import re
+import shutil
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+import eqxdiff
+from eqxdiff.cli import _command, generate, train
+from eqxdiff.core import ConfigError
+from eqxdiff.loading import CheckpointError, PACKAGED_MODELS
+from eqxdiff.loading import _checkpoint as checkpoint_module
+from eqxdiff.parallel import MeshError
+from eqxdiff.pipelines import (
+    CallLimits,
+    InputError,
+    InputTypeError,
+    InputWarning,
+    NonFiniteError,
+    StableDiffusionXLPipeline,
+    read_image,
+    read_parameters,
+    seed_key,
+)
+from eqxdiff.pipelines._checks import check_finite_output
+from eqxdiff.train import CheckpointMismatchError, DataError, TrainingInterrupted
+
+DIGITS = PACKAGED_MODELS["digits"]
+
+
+# -- the workspace every case must leave as it was --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pipe():
+    return eqxdiff.load_pipeline("digits")
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory, pipe):
+    root = tmp_path_factory.mktemp("workspace")
+    (root / "cwd").mkdir()
+    (root / "out").mkdir()
+    Image.fromarray(np.full((16, 16, 3), 7, np.uint8)).save(root / "out" / "image_0.png")
+    Image.fromarray(np.zeros((18, 18, 3), np.uint8)).save(root / "odd.png")
+    (root / "taken").write_text("a file where a folder should be")
+    (root / "notes.png").write_text("not an image")
+    (root / "unknown").mkdir()
+    (root / "unknown" / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanVideoPipeline"}))
+    (root / "broken").mkdir()
+    (root / "broken" / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline",')
+    eqxdiff.save_pretrained(pipe.vae, root / "saved_vae")
+    (root / "saved_vae" / "README.md").write_text("my notes")
+    eqxdiff.save_pipeline(pipe, root / "saved_pipe")
+    (root / "saved_pipe" / "safety_checker").mkdir()
+    (root / "saved_pipe" / "safety_checker" / "keep.txt").write_text("not eqxdiff's")
+    paths = {p.stem if p.is_file() else p.name: str(p) for p in root.iterdir()}
+    return types.SimpleNamespace(root=root, paths=paths)
+
+
+def snapshot(*folders) -> dict:
+    """Every file under ``folders``: size, modification time and (small files) contents."""
+    out = {}
+    for folder in folders:
+        for p in sorted(Path(folder).rglob("*")):
+            st = p.lstat()
+            out[str(p)] = (p.is_dir(), st.st_size, st.st_mtime_ns,
+                           p.read_bytes() if p.is_file() and st.st_size < 4096 else None)
+    return out
+
+
+@pytest.fixture
+def unchanged(ws, monkeypatch):
+    """Run the test in the workspace's empty current folder; afterwards nothing on disk may differ."""
+    monkeypatch.chdir(ws.root / "cwd")
+    before = snapshot(ws.root, DIGITS)
+    yield
+    after = snapshot(ws.root, DIGITS)
+    assert after == before, f"changed on disk: {sorted(set(after.items()) ^ set(before.items()))[:4]}"
+
+
+def one_line(message: str) -> None:
+    assert "\n" not in message and message.strip() == message, f"not one line: {message!r}"
+
+
+# -- the table: command lines ------------------------------------------------------------------------------------
+
+# (id, argv with {workspace names}, error type, message pattern)
+GENERATE = [
+    ("height-zero", ["--height", "0"], InputError, r"--height 0 must be a positive multiple of 4; leave --height "
+     r"unset for the model's native size \(16 px\)"),
+    ("height-negative", ["--height", "-16"], InputError, r"--height -16 must be a positive multiple of 4"),
+    ("width-not-multiple", ["--width", "18"], InputError, r"--width 18 must be a multiple of 4 \(the VAE downsamples "
+     r"by 4\); try --width 16"),
+    ("guidance-nan", ["--guidance-scale", "nan"], InputError, r"--guidance-scale nan: pass a finite scale \(7.5 is "
+     r"usual; 1 or less turns guidance off\)"),
+    ("guidance-inf", ["--guidance-scale", "inf"], InputError, r"--guidance-scale inf: pass a finite scale"),
+    ("guidance-minus-inf", ["--guidance-scale", "-inf"], InputError, r"--guidance-scale -inf: pass a finite scale"),
+    ("clip-skip-negative", ["--clip-skip", "-1"], InputError, r"--clip-skip -1: the text encoder has layers for "
+     r"--clip-skip 0 to 2; pass one of those"),
+    ("clip-skip-too-deep", ["--clip-skip", "5"], InputError, r"--clip-skip 5: .*0 to 2"),
+    ("strength-without-image", ["--strength", "0.5"], InputError, r"--strength 0.5 applies to image-to-image only; "
+     r"pass --image"),
+    ("strength-out-of-range", ["--image", "{odd}", "--strength", "1.5"], InputError,
+     r"--strength must be in \(0, 1\], got 1.5"),
+    ("mask-without-image", ["--mask-image", "{odd}"], InputError, r"--mask-image needs --image"),
+    ("zero-steps", ["--steps", "0"], InputError, r"--num-inference-steps 0 must be >= 1"),
+    ("zero-images", ["--num-images", "0"], InputError, r"--num-images-per-prompt 0 must be >= 1"),
+    ("rescale-above-one", ["--guidance-rescale", "1.5"], InputError,
+     r"--guidance-rescale must be in \[0, 1\], got 1.5"),
+    ("eta-negative", ["--eta", "-0.1"], InputError, r"--eta must be in \[0, 1\], got -0.1"),
+    ("image-missing", ["--image", "{root}/missing.png"], FileNotFoundError, r"--image '.*missing.png': no such file"),
+    ("image-not-an-image", ["--image", "{notes}"], InputError, r"--image: '.*notes.png' is not an image file"),
+    ("image-not-a-multiple", ["--image", "{odd}"], InputError, r"image is 18x18 pixels, not a multiple of 4 .*; "
+     r"resize or crop it to 16x16"),
+    ("output-dir-is-a-file", ["--output-dir", "{taken}"], InputError, r"--output-dir '.*taken' is a file"),
+    ("cache-dir-is-a-file", ["--compilation-cache-dir", "{taken}"], InputError, r"--compilation-cache-dir .* is a "
+     r"file"),
+    ("scheduler-option-no-value", ["--scheduler-option", "clip_sample"], InputError, r"must be KEY=VALUE"),
+    ("scheduler-option-unknown", ["--scheduler", "ddim", "--scheduler-option", "nope=1"], ConfigError,
+     r"DDIMScheduler has no config option\(s\) \['nope'\]; it takes .*clip_sample"),
+    ("scheduler-option-wrong-type", ["--scheduler", "ddim", "--scheduler-option", "clip_sample=3"], ConfigError,
+     r"clip_sample=3 has the wrong type; clip_sample must be bool"),
+    ("scheduler-option-bad-value", ["--scheduler-option", "algorithm_type=\"nope\""], ConfigError,
+     r"algorithm_type='nope'"),
+    ("scheduler-unknown", ["--scheduler", "nope"], _command.FlagError, r"--scheduler 'nope' is not one of its "
+     r"choices; choose one of .*ddim"),
+    ("dtype-unknown", ["--weights-dtype", "int8"], _command.FlagError, r"--weights-dtype 'int8' is not one of"),
+    ("flag-unknown", ["--heigth", "16"], _command.FlagError, r"unrecognized argument\(s\) --heigth"),
+    ("model-missing", ["--model", "{root}/nothing"], CheckpointError, r"model folder .*nothing' does not exist"),
+    ("model-is-a-file", ["--model", "{taken}"], CheckpointError, r"is a file; pass the model's folder"),
+    ("model-unknown-family", ["--model", "{unknown}"], CheckpointError, r"'HunyuanVideoPipeline' pipeline.*eqxdiff "
+     r"serves .*StableDiffusionPipeline"),
+    ("model-index-broken", ["--model", "{broken}"], CheckpointError, r"model_index.json' is not valid JSON: .* line 1"),
+    ("mesh-zero", ["--mesh.ici-fsdp-parallelism", "0"], MeshError, r"ici_fsdp_parallelism=0 must be a positive int"),
+    ("mesh-two-fills", ["--mesh.ici-fsdp-parallelism", "-1"], MeshError, r"only one ici_\* parallelism may be -1"),
+]
+
+TRAIN = [
+    ("resolution-zero", ["digits", "--resolution", "0"], ValueError, r"resolution=0 must be >= 1"),
+    ("resolution-not-multiple", ["digits", "--resolution", "18"], InputError, r"--resolution 18 must be a multiple "
+     r"of 4 .*try --resolution 16"),
+    ("seed-negative", ["digits", "--seed", "-1"], ValueError, r"seed=-1 must be in \[0, 2\*\*31\)"),
+    ("seed-huge", ["digits", "--seed", str(2**40)], ValueError, r"seed=1099511627776 must be in"),
+    ("lr-nan", ["digits", "--optimizer.learning-rate", "nan"], ValueError, r"learning_rate=nan must be a positive"),
+    ("lr-negative", ["digits", "--optimizer.learning-rate", "-1e-3"], ValueError, r"learning_rate=-0.001 must be"),
+    ("beta-one", ["digits", "--optimizer.beta1", "1.0"], ValueError, r"beta1=1.0 must be in \[0, 1\)"),
+    ("schedule-unknown", ["digits", "--optimizer.schedule", "step"], ValueError, r"schedule='step'; choose one of"),
+    ("clip-norm-zero", ["digits", "--optimizer.max-grad-norm", "0"], ValueError, r"max_grad_norm=0.0 must be > 0"),
+    ("snr-nan", ["digits", "--objective.snr-gamma", "nan"], ValueError, r"snr_gamma=nan must be positive"),
+    ("dropout-one", ["digits", "--objective.caption-dropout", "1.0"], ValueError, r"caption_dropout=1.0 must be in"),
+    ("prediction-unknown", ["digits", "--objective.prediction-type", "noise"], ValueError,
+     r"prediction_type='noise'; choose one of"),
+    ("offset-inf", ["digits", "--objective.noise-offset", "inf"], ValueError, r"noise_offset=inf must be >= 0"),
+    ("ema-one", ["digits", "--ema-decay", "1.0"], ValueError, r"ema_decay=1.0 must be in \(0, 1\)"),
+    ("kl-nan", ["digits", "--kl-weight", "nan"], ValueError, r"kl_weight=nan must be a finite number"),
+    ("vae-lr-zero", ["digits", "--autoencoder-learning-rate", "0"], ValueError, r"autoencoder_learning_rate=0.0"),
+    ("sample-guidance-inf", ["digits", "--sample-guidance-scale", "inf"], ValueError, r"sample_guidance_scale=inf "
+     r"must be finite"),
+    ("batch-zero", ["digits", "--batch-size", "0"], ValueError, r"batch_size=0 must be >= 1"),
+    ("architecture-odd-size", ["digits", "--architecture.image-size", "18"], ValueError, r"architecture.image_size=18 "
+     r"must be a multiple of 4"),
+    ("architecture-no-channels", ["digits", "--architecture.unet-channels"], ValueError, r"architecture."
+     r"unet_channels is empty"),
+    ("architecture-groups", ["digits", "--architecture.norm-num-groups", "7"], ConfigError, r"norm_num_groups=7 "
+     r"must be an int dividing every block_out_channels"),
+    ("export-into-shipped-model", ["digits", "--export-dir", str(DIGITS)], InputError, r"--export-dir .* is inside "
+     r"the 'digits' model shipped with eqxdiff; pass another folder"),
+    ("export-dir-is-a-file", ["digits", "--export-dir", "{taken}"], InputError, r"--export-dir '.*taken' is a file"),
+    ("output-dir-is-a-file", ["digits", "--output-dir", "{taken}"], InputError, r"--output-dir '.*taken' is a file"),
+    ("export-scheduler-unknown", ["digits", "--export-scheduler", "nope"], ValueError, r"export_scheduler='nope'; "
+     r"choose one of"),
+    ("export-dtype-unknown", ["digits", "--export-dtype", "fp33"], CheckpointError, r"unknown dtype 'fp33'"),
+    ("fine-tune-without-data", ["sd15"], ValueError, r"fine-tuning needs training data: set one of data"),
+    ("two-sources", ["digits", "--data", "x", "--hf-dataset", "y"], ValueError, r"give one data source, got "
+     r"data='x' and hf_dataset='y'"),
+    ("key-for-another-source", ["digits", "--image-key", "jpeg"], ValueError, r"image_key='jpeg' is for the "
+     r"tfrecord source, but the data source is 'digits'; remove it"),
+    ("mesh-negative", ["digits", "--mesh.ici-data-parallelism", "-2"], MeshError, r"ici_data_parallelism=-2"),
+    ("remat-named-without-names", ["digits", "--remat", "NAMED"], ValueError, r"remat='named' needs remat_names"),
+    ("preset-unknown", ["sd99"], _command.FlagError, r"'sd99'|sd99"),
+]
+
+
+def _argv(argv, ws) -> list[str]:
+    return [a.format(**ws.paths, root=ws.root) for a in argv]
+
+
+def _check_command(command, argv, error, match, capsys, monkeypatch):
+    with pytest.raises(error, match=match) as info:
+        command.validate(argv)
+    one_line(str(info.value))
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", [f"eqxdiff-{command.__name__.rsplit('.', 1)[-1]}", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        command.cli()
+    lines = capsys.readouterr().err.splitlines()
+    assert exit_info.value.code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert lines[0] == f"error: {info.value}"
+
+
+@pytest.mark.parametrize(("argv", "error", "match"), [c[1:] for c in GENERATE], ids=[c[0] for c in GENERATE])
+def test_generate_refuses_before_loading(argv, error, match, ws, unchanged, capsys, monkeypatch):
+    monkeypatch.setattr(generate, "load_pipeline", _must_not_load)
+    _check_command(generate, _argv(argv, ws), error, match, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize(("argv", "error", "match"), [c[1:] for c in TRAIN], ids=[c[0] for c in TRAIN])
+def test_train_refuses_before_loading(argv, error, match, ws, unchanged, capsys, monkeypatch):
+    monkeypatch.setattr(train, "run", _must_not_load)
+    _check_command(train, _argv(argv, ws), error, match, capsys, monkeypatch)
+
+
+def _must_not_load(*args, **kwargs):
+    raise AssertionError("a bad flag must be refused before anything is loaded")
+
+
+def _must_not_compile(*args, **kwargs):
+    raise AssertionError("a bad input must be refused before anything is encoded or compiled")
+
+
+# -- the table: the Python API ------------------------------------------------------------------------------------
+
+NAN_LATENTS = np.full((1, 4, 4, 4), np.nan, np.float32)
+
+
+def _smaller_vocabulary(pipe):
+    encoder = copy.copy(pipe.text_encoder)  # the same weights, a config that says the vocabulary is smaller
+    object.__setattr__(encoder, "config", dataclasses.replace(pipe.text_encoder.config, vocab_size=20))
+    new = type(pipe).from_pipe(pipe, text_encoder=encoder)
+    return new("a handwritten digit seven", progress=False)
+
+
+def _failing_writer(*args, **kwargs):
+    raise OSError("No space left on device")
+
+
+def _save_failing_half_way(ctx, what):
+    ctx.monkeypatch.setattr(checkpoint_module, "write_safetensors", _failing_writer)
+    if what == "model":
+        eqxdiff.save_pretrained(ctx.pipe.unet, ctx.ws.paths["saved_vae"])
+    else:
+        eqxdiff.save_pipeline(ctx.pipe, ctx.ws.paths["saved_pipe"])
+
+
+# (id, call(ctx) with ctx.pipe / ctx.ws / ctx.monkeypatch, error type, message pattern)
+API = [
+    ("prompt-int", lambda c: c.pipe(123), InputTypeError, r"prompt must be a string or a list of strings, got int"),
+    ("prompt-none", lambda c: c.pipe(None), ValueError, r"pass prompt or prompt_embeds"),
+    ("prompt-empty-list", lambda c: c.pipe([]), InputError, r"prompt is an empty list"),
+    ("prompt-list-of-ints", lambda c: c.pipe(["a", 2]), InputTypeError, r"prompt must be a string or a list of "
+     r"strings"),
+    ("height-zero", lambda c: c.pipe("a", height=0), InputError, r"height=0 must be a positive multiple of 4"),
+    ("height-float", lambda c: c.pipe("a", height=16.0), InputTypeError, r"height=16.0 must be an int"),
+    ("steps-float", lambda c: c.pipe("a", num_inference_steps=2.0), InputTypeError, r"num_inference_steps=2.0 must "
+     r"be an int"),
+    ("steps-beyond-schedule", lambda c: c.pipe("a", num_inference_steps=5000, progress=False), ValueError,
+     r"num_inference_steps=5000 must be in \[1, num_train_timesteps=1000\]"),
+    ("guidance-nan", lambda c: c.pipe("a", guidance_scale=float("nan")), InputError, r"guidance_scale=nan"),
+    ("clip-skip-bool", lambda c: c.pipe("a", clip_skip=True), InputTypeError, r"clip_skip=True must be an int"),
+    ("latents-nan", lambda c: c.pipe("a", latents=NAN_LATENTS), InputError, r"latents holds 64 NaN or infinite "
+     r"value\(s\) of 64: the initial noise must be finite"),
+    ("prompt-embeds-inf", lambda c: c.pipe(prompt_embeds=np.full((1, 32, 32), np.inf, np.float32)), InputError,
+     r"prompt_embeds holds 1024 NaN or infinite"),
+    ("image-nan", lambda c: c.pipe("a", image=np.full((16, 16, 3), np.nan, np.float32)), InputError,
+     r"image holds 768 NaN"),
+    ("image-not-a-multiple", lambda c: c.pipe("a", image=np.zeros((1, 18, 20, 3), np.uint8)), InputError,
+     r"image is 18x20 pixels, not a multiple of 4 .* resize or crop it to 16x20"),
+    ("strength-zero", lambda c: c.pipe("a", image=np.zeros((16, 16, 3), np.uint8), strength=0.0), InputError,
+     r"strength must be in \(0, 1\], got 0.0"),
+    ("strength-without-image", lambda c: c.pipe("a", strength=0.5), InputError, r"strength=0.5 applies to "
+     r"image-to-image only; pass image="),
+    ("mask-without-image", lambda c: c.pipe("a", mask_image=np.ones((16, 16), np.uint8)), InputError,
+     r"mask_image needs image="),
+    ("unknown-argument", lambda c: c.pipe("a", guidance=3), InputTypeError, r"unexpected keyword argument "
+     r"'guidance'"),
+    ("seed-float", lambda c: c.pipe("a", seed=1.5), InputTypeError, r"seed=1.5 must be an int"),
+    ("seed-and-key", lambda c: c.pipe("a", seed=1, key=jax.random.key(1)), InputError, r"pass seed= or key=, not "
+     r"both"),
+    ("output-type", lambda c: c.pipe("a", output_type="pil"), InputError, r"output_type='pil'; choose one of"),
+    ("negative-prompts-count", lambda c: c.pipe("a", negative_prompt=["x", "y"], progress=False), InputError,
+     r"negative_prompt has 2 entries but prompt has 1"),
+    ("timesteps-empty", lambda c: c.pipe("a", timesteps=[]), InputError, r"timesteps must be a non-empty list"),
+    ("sigmas-nan", lambda c: c.pipe("a", sigmas=[1.0, float("nan")]), InputError, r"sigmas=\[1.0, nan\]"),
+    ("denoising-start-out-of-range", lambda c: eqxdiff.pipelines.check_arguments({"denoising_start": 1.5}),
+     InputError, r"denoising_start=1.5 must be a float in \(0, 1\)"),
+    ("denoising-start-without-image", lambda c: StableDiffusionXLPipeline.check_arguments(
+        {"prompt": "a", "image": None, "denoising_start": 0.8}), InputError, r"denoising_start=0.8 needs image="),
+    ("strength-leaves-no-step", lambda c: c.pipe("a", image=np.zeros((16, 16, 3), np.uint8), strength=0.1,
+                                                 num_inference_steps=4), ValueError, r"strength=0.1 with 4 steps "
+     r"leaves no denoising step"),
+    ("hand-off-order", lambda c: eqxdiff.pipelines.check_arguments({"denoising_start": 0.8, "denoising_end": 0.5}),
+     InputError, r"denoising_start=0.8 must be smaller than denoising_end=0.5"),
+    ("tokenizer-outside-vocabulary", lambda c: _smaller_vocabulary(c.pipe), CheckpointError, r"token id \d+, "
+     r"outside the text encoder's vocabulary of 20"),
+    ("save-not-a-model", lambda c: eqxdiff.save_pretrained([1, 2], c.ws.paths["saved_vae"]), CheckpointError,
+     r"save_pretrained needs an eqxdiff model .* got list"),
+    ("save-bad-dtype", lambda c: eqxdiff.save_pretrained(c.pipe.vae, c.ws.paths["saved_vae"], dtype="fp33"),
+     CheckpointError, r"unknown dtype 'fp33'"),
+    ("save-int-dtype", lambda c: eqxdiff.save_pretrained(c.pipe.vae, c.ws.paths["saved_vae"], dtype="int8"),
+     CheckpointError, r"models cannot run in dtype int8"),
+    ("save-into-a-file", lambda c: eqxdiff.save_pretrained(c.pipe.vae, c.ws.paths["taken"]), CheckpointError,
+     r"taken' is a file; pass a folder"),
+    ("save-fails-half-way", lambda c: _save_failing_half_way(c, "model"), OSError, r"No space left on device"),
+    ("save-pipeline-bad-dtype", lambda c: eqxdiff.save_pipeline(c.pipe, c.ws.paths["saved_pipe"], dtype="fp33"),
+     CheckpointError, r"unknown dtype 'fp33'"),
+    ("save-pipeline-not-a-pipeline", lambda c: eqxdiff.save_pipeline(c.pipe.unet, c.ws.paths["saved_pipe"]),
+     CheckpointError, r"save_pipeline needs an eqxdiff pipeline, got UNet2DConditionModel"),
+    ("save-pipeline-fails-half-way", lambda c: _save_failing_half_way(c, "pipeline"), OSError, r"No space left"),
+    ("scheduler-option-unknown", lambda c: eqxdiff.load_pipeline("digits", scheduler_options={"nope": 1}),
+     ConfigError, r"DPMSolverMultistepScheduler has no config option\(s\) \['nope'\]"),
+    ("with-scheduler-unknown-option", lambda c: c.pipe.with_scheduler("ddim", clip_samples=False), ConfigError,
+     r"DDIMScheduler has no config option\(s\) \['clip_samples'\]"),
+    ("read-image-not-an-image", lambda c: read_image(c.ws.paths["notes"]), InputError, r"notes.png' is not an "
+     r"image file Pillow can read"),
+    ("read-image-missing", lambda c: read_image(c.ws.root / "missing.png"), FileNotFoundError, r"image file .* not "
+     r"found"),
+    ("nan-output", lambda c: check_finite_output(np.stack([np.zeros((4, 4, 3)), np.full((4, 4, 3), np.nan)]),
+                                                 what="images", hint="run in float32"),
+     NonFiniteError, r"the model produced NaN or infinite values in 1 of 2 images; run in float32"),
+    ("train-config-seed", lambda c: eqxdiff.train.TrainConfig(seed=2**31), ValueError, r"seed=2147483648 must be"),
+    ("architecture-empty", lambda c: eqxdiff.train.DigitsArchitecture(vae_channels=()), ValueError,
+     r"architecture.vae_channels is empty"),
+    ("optimizer-eps", lambda c: eqxdiff.train.OptimizerConfig(eps=0.0), ValueError, r"eps=0.0 must be > 0"),
+    ("load-data-unknown", lambda c: eqxdiff.train.load_data(eqxdiff.train.TrainConfig(data="nowhere"), None),
+     DataError, r"data='nowhere' is not 'digits', 'synthetic' or an image folder"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "match"), [c[1:] for c in API], ids=[c[0] for c in API])
+def test_python_api_refuses_before_compiling(call, error, match, pipe, ws, unchanged, monkeypatch):
+    from eqxdiff.pipelines import _unet, stable_diffusion
+
+    for module, name in ((stable_diffusion, "encode_prompt"), (_unet, "denoise_loop"),
+                         (_unet, "encode_image_latents"), (_unet, "decode_latents")):
+        monkeypatch.setattr(module, name, _must_not_compile)
+    ctx = types.SimpleNamespace(pipe=pipe, ws=ws, monkeypatch=monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InputWarning)
+        with pytest.raises(error, match=match) as info:
+            call(ctx)
+    one_line(str(info.value))
+
+
+def test_the_table_is_long_enough():
+    assert len(GENERATE) + len(TRAIN) + len(API) >= 60
+
+
+# -- warnings: accepted, but not what was asked -------------------------------------------------------------------
+
+WARNINGS = [
+    ("prompt-too-long", {"prompt": "a handwritten digit seven " * 3}, r"has 68 tokens but the text encoder reads 32; "
+     r"this part was cut off: 'tten digit seven a handwritten digit seven'. Shorten the prompt"),
+    ("numerals", {"prompt": "a handwritten digit 7"}, r"the tokenizer does not know '7' .* reads it as "
+     r"'<\|endoftext\|>'; reword the prompt"),
+    ("far-above-native-size", {"prompt": "a", "image": np.zeros((512, 512, 3), np.uint8)},
+     r"512x512 pixels is 1024x the model's native 16x16: its attention runs over 16384 latent tokens \(a dense "
+     r"score matrix alone takes 1.0 GiB per head and image\)"),
+]
+
+
+@pytest.mark.parametrize(("arguments", "match"), [c[1:] for c in WARNINGS], ids=[c[0] for c in WARNINGS])
+def test_warnings_say_what_happened(arguments, match, pipe, monkeypatch):
+    from eqxdiff.pipelines import stable_diffusion
+
+    # Stop right after the checks and the tokenizer: nothing is encoded or compiled.
+    monkeypatch.setattr(stable_diffusion, "encode_prompt", _stop)
+    with pytest.warns(InputWarning, match=match), pytest.raises(_Stopped):
+        pipe(**arguments, progress=False)
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _stop(*args, **kwargs):
+    raise _Stopped
+
+
+def test_large_input_warns_before_loading(ws, monkeypatch, capsys):
+    """The command line warns (one line) before it loads, estimating the size from the image file."""
+    big = ws.root / "cwd" / "big.png"
+    try:
+        Image.fromarray(np.zeros((512, 512, 3), np.uint8)).save(big)
+        with pytest.warns(InputWarning, match="512x512 pixels is 1024x"):
+            generate.validate(["--image", str(big), "--strength", "0.5"])
+    finally:
+        big.unlink()
+
+
+# -- one way to report: run_command -------------------------------------------------------------------------------
+
+def _raising(error):
+    def main(argv, *, prog=None):
+        raise error
+    return main
+
+
+def test_run_command_reports_each_kind_of_failure_in_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["eqxdiff-train"])
+    cases = [
+        (TrainingInterrupted(40, tmp_path / "checkpoints"), 130,
+         rf"training interrupted at step 40; checkpoint saved in {tmp_path}/checkpoints \(run the same command to "
+         r"resume\)"),
+        (CheckpointMismatchError("checkpoints was written by a different model; nothing was restored.\nArrays that "
+                                 "differ:\n  unet.conv_in.weight: [3] -> [4]\nResume with that run's settings."), 2,
+         r"error: checkpoints was written .* restored. Arrays that differ: unet.conv_in.weight: \[3\] -> \[4\]; "
+         r"Resume with"),
+        (KeyboardInterrupt(), 130, r"interrupted"),
+        (jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719476736 bytes.\n"
+                                    "BufferAssignment OOM Debugging."), 1,
+         r"error: out of memory \(RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719476736 bytes.\); "
+         r"to lower memory: a smaller --batch-size"),
+        (NonFiniteError("the model produced NaN"), 1, r"error: the model produced NaN"),
+        (OSError("disk full"), 2, r"error: disk full"),
+    ]
+    for error, code, match in cases:
+        with pytest.raises(SystemExit) as info:
+            _command.run_command(_raising(error), [], memory_hint=train.MEMORY_HINT)
+        lines = capsys.readouterr().err.splitlines()
+        assert info.value.code == code and len(lines) == 1, (error, lines)
+        assert re.fullmatch(match + ".*", lines[0]), lines[0]
+    # Anything else is a bug: its traceback is shown.
+    with pytest.raises(ZeroDivisionError):
+        _command.run_command(_raising(ZeroDivisionError()), [])
+    # --debug shows the traceback of user errors too, and is not passed on.
+    seen = []
+    with pytest.raises(InputError):
+        _command.run_command(lambda argv, prog=None: seen.append(argv) or _raising(InputError("x"))(argv),
+                             ["--steps", "2", "--debug"])
+    assert seen == [["--steps", "2"]]
+
+
+def test_warnings_print_one_line_each(capsys):
+    def main(argv, *, prog=None):
+        warnings.warn("first line\nsecond line", InputWarning, stacklevel=1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        _command.run_command(main, [])
+    assert capsys.readouterr().err.splitlines() == ["warning: first line; second line"]
+
+
+# -- nothing is lost ----------------------------------------------------------------------------------------------
+
+def test_a_save_replaces_the_folder_whole_and_keeps_what_is_not_its_own(pipe, tmp_path):
+    folder = tmp_path / "vae"
+    eqxdiff.save_pretrained(pipe.vae, folder)
+    (folder / "README.md").write_text("mine")
+    (folder / "pytorch_lora_weights.safetensors").write_bytes(b"not eqxdiff's")
+    (folder / "diffusion_pytorch_model.fp16.safetensors").write_bytes(b"the old weights' variant")
+    eqxdiff.save_pretrained(pipe.vae, folder, dtype="bfloat16")
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json",
+                                                        "diffusion_pytorch_model.safetensors",
+                                                        "pytorch_lora_weights.safetensors"]
+    assert eqxdiff.load(folder).encoder.conv_in.weight.dtype == jax.numpy.float32  # loads (cast on read)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vae"]  # no temporary folder left behind
+
+
+def test_train_exports_outside_the_package():
+    config = train.validate(["digits"])
+    export = Path(config.export_dir or Path(config.output_dir) / "pipeline")
+    assert DIGITS not in export.resolve().parents and export.resolve() != DIGITS
+
+
+# -- limits, seeds and schedulers ---------------------------------------------------------------------------------
+
+def test_limits_read_before_loading_equal_the_loaded_models(pipe):
+    def read(path):
+        file = DIGITS / path
+        return json.loads(file.read_text()) if file.is_file() else None
+
+    assert type(pipe).folder_limits(read) == pipe.call_limits() == CallLimits(4, (16, 16), 2)
+    # SDXL takes the penultimate layer by default: one layer less to skip; the smaller encoder decides.
+    configs = {"vae/config.json": {"block_out_channels": [1, 2, 3, 4]}, "unet/config.json": {"sample_size": 128},
+               "text_encoder/config.json": {"num_hidden_layers": 12},
+               "text_encoder_2/config.json": {"num_hidden_layers": 32}}
+    assert StableDiffusionXLPipeline.folder_limits(configs.get) == CallLimits(8, (1024, 1024), 11)
+
+
+def test_any_int_is_a_seed():
+    assert jax.random.key_data(seed_key(5)).tolist() == jax.random.key_data(jax.random.key(5)).tolist()
+    keys = [seed_key(s) for s in (0, 1, 2**32 - 1, 2**32, 2**33, 2**64, 2**200, -1, -2, -(2**63))]
+    data = {tuple(jax.random.key_data(k).tolist()) for k in keys}
+    assert len(data) == len(keys)  # distinct seeds, distinct keys (jax alone folds 2**32 onto 0)
+    checked = generate.validate(["--seed", str(2**80)])
+    assert checked.kwargs["seed"] == 2**80
+
+
+def test_shipped_scheduler_keeps_what_the_model_was_trained_for():
+    raw = json.loads((DIGITS / "scheduler" / "scheduler_config.json").read_text())
+    assert raw["clip_sample"] is False and raw["prediction_type"] == "epsilon"
+    swapped = eqxdiff.load_pipeline("digits", scheduler="ddim").scheduler
+    assert swapped.config.clip_sample is False and swapped.config.set_alpha_to_one is False
+    ddpm = eqxdiff.load_pipeline("digits", scheduler="ddpm").scheduler  # variance_type=None in the file
+    state = ddpm.init(4, sample_shape=(1, 4, 4, 4))
+    assert ddpm.remaining_steps(state) == 4 and ddpm.config.clip_sample is False
+
+
+# -- what needs a compiled program: one, shared ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("generated")
+    argv = ["--steps", "2", "--seed", "3", "--scheduler", "ddim", "--scheduler-option", "timestep_spacing=trailing",
+            "--output-dir", str(out), "--no-progress"]
+    return out, argv, generate.main(argv)
+
+
+def test_outputs_record_what_was_used(generated):
+    out, _, paths = generated
+    params = read_parameters(paths[0])
+    assert (params["height"], params["width"]) == (16, 16)
+    assert params["scheduler"] == "ddim" and params["scheduler_options"] == {"timestep_spacing": "trailing"}
+    assert "strength" not in params  # text-to-image: no strength recorded
+
+
+def test_nan_from_the_model_is_an_error_and_writes_nothing(generated, pipe, monkeypatch, capsys):
+    out, argv, _ = generated
+    bad_vae = eqx.tree_at(lambda v: v.decoder.conv_out.bias, pipe.vae,
+                          jax.numpy.full_like(pipe.vae.decoder.conv_out.bias, np.nan))
+    real_load = generate.load_pipeline
+
+    def load_with_nan(*args, **kwargs):
+        loaded = real_load(*args, **kwargs)
+        return type(loaded).from_pipe(loaded, vae=bad_vae)
+
+    monkeypatch.setattr(generate, "load_pipeline", load_with_nan)
+    before = snapshot(out)
+    monkeypatch.setattr(sys, "argv", ["eqxdiff-generate", *argv])
+    with pytest.raises(SystemExit) as info:
+        generate.cli()
+    lines = capsys.readouterr().err.splitlines()
+    assert info.value.code == 1 and lines == ["error: the model produced NaN or infinite values in 1 of 1 images; "
+                                              "check the weights (a NaN in the checkpoint?) or lower guidance_scale "
+                                              "(now 7.5)"], lines
+    assert snapshot(out) == before
+
+
+def test_shipped_model_untouched_by_everything_above():
+    index = json.loads((DIGITS / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusionPipeline"
+    assert not list(DIGITS.parent.glob(".digits.*"))  # no temporary folders beside it
+    shutil.disk_usage(DIGITS)  # still there
