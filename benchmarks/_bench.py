@@ -188,10 +188,11 @@ def load_average() -> str:
     return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
-def time_interleaved(runners: Mapping[str, Callable[[], object]], repeats: int, *,
-                     warmup: int = 1) -> dict[str, list[float]]:
+def time_interleaved(runners: Mapping[str, Callable[[], object]], repeats: int, *, warmup: int = 1,
+                     cpu_times: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Wall-clock seconds of each runner: ``warmup`` untimed calls each, then ``repeats`` rounds in which the
-    runners take turns. Each runner must return only once its device work is done."""
+    runners take turns. Each runner must return only once its device work is done. ``cpu_times``, if given, is
+    filled with each run's process CPU time (all threads; see :func:`report_cpu_times`)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats}; time at least one run (--repeats 1 or more)")
     for _ in range(warmup):
@@ -200,10 +201,25 @@ def time_interleaved(runners: Mapping[str, Callable[[], object]], repeats: int, 
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(repeats):
         for name, run in runners.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             run()
             times[name].append(time.perf_counter() - t0)
+            if cpu_times is not None:
+                cpu_times.setdefault(name, []).append(time.process_time() - c0)
     return times
+
+
+def report_cpu_times(cpu_times: Mapping[str, list[float]], reference: str) -> None:
+    """On the CPU: each variant's median process CPU time (all threads, both frameworks use the same cores) and its
+    ratio to ``reference``'s. While other jobs share the cores a run's wall time grows by the time it waits for
+    them, its CPU time much less, so a CPU-time ratio is the steadier figure under load (threads that spin while
+    waiting count too: read it beside the wall-time ratio, not instead of it)."""
+    med = {name: statistics.median(ts) for name, ts in cpu_times.items()}
+    if reference not in med:
+        return
+    width = max(map(len, med))
+    for name, m in med.items():
+        print(f"{name:<{width}} CPU time: median {fmt_seconds(m)}  ({m / med[reference]:.2f}x {reference})")
 
 
 def fmt_seconds(t: float) -> str:

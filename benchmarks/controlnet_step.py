@@ -16,12 +16,13 @@ the same run's medians), the ratio eqxdiff / diffusers of each step, and the out
 """
 
 import dataclasses
+import statistics
 import time
 
 import tyro
 
-from _bench import (check_agreement, fmt_seconds, gib, jax_peak_bytes, load_average, rel_error, report_times,
-                    setup_frameworks, time_interleaved, torch_peak_bytes)
+from _bench import (check_agreement, fmt_seconds, gib, jax_peak_bytes, load_average, on_gpu, rel_error,
+                    report_cpu_times, report_times, setup_frameworks, time_interleaved, torch_peak_bytes)
 from _unet_configs import (CONTROL_FACTOR, PRESETS, UNetBenchmarkArgs, build_models, compile_jax_step, jax_inputs,
                            make_inputs, to_numpy_nhwc, torch_inputs, torch_step_runner)
 from unet_step import check_attention
@@ -70,9 +71,13 @@ def main(args: Args) -> None:
 
     outputs = {name: to_numpy_nhwc(run()) for name, run in runners.items()}  # the warm-up
     print(f"before timing: {load_average()}")
-    times = time_interleaved(runners, args.repeats, warmup=0)
+    cpu = {}
+    times = time_interleaved(runners, args.repeats, warmup=0, cpu_times=cpu)
     print(f"after timing: {load_average()}")
     med = report_times(times)
+    on_cpu = not on_gpu() and device.type == "cpu"
+    if on_cpu:
+        report_cpu_times(cpu, "diffusers unet")
     for name, peak in (("eqxdiff (both variants; the GPU autotuner's scratch too)", jax_peak_bytes()),
                        ("diffusers", None if args.skip_diffusers else torch_peak_bytes(device))):
         if peak is not None:
@@ -80,8 +85,12 @@ def main(args: Args) -> None:
     frameworks = ["eqxdiff"] + ([] if args.skip_diffusers else ["diffusers"])
     for fw in frameworks:
         base, with_cn = med[f"{fw} unet"], med[f"{fw} controlnet+unet"]
-        print(f"{fw}: ControlNet overhead per step {fmt_seconds(with_cn - base)} = (ControlNet + UNet) / UNet "
-              f"{with_cn / base:.2f}")
+        line = (f"{fw}: ControlNet overhead per step {fmt_seconds(with_cn - base)} = (ControlNet + UNet) / UNet "
+                f"{with_cn / base:.2f}")
+        if on_cpu:
+            cpu_ratio = statistics.median(cpu[f"{fw} controlnet+unet"]) / statistics.median(cpu[f"{fw} unet"])
+            line += f" (in CPU time: {cpu_ratio:.2f})"
+        print(line)
     if args.skip_diffusers:
         return
     errors = {}

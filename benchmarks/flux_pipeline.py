@@ -33,8 +33,8 @@ from typing import Literal
 
 import tyro
 
-from _bench import (TorchDevice, fmt_seconds, gib, jax_device_name, jax_peak_bytes, load_average, mfu, rel_error,
-                    report_times, setup_frameworks, time_interleaved, torch_free, torch_peak_bytes, torch_sync)
+from _bench import (TorchDevice, fmt_seconds, gib, jax_device_name, jax_peak_bytes, load_average, mfu, on_gpu,
+                    rel_error, report_cpu_times, report_times, setup_frameworks, time_interleaved, torch_free, torch_peak_bytes, torch_sync)
 from _flux_configs import PRESETS, build_pipeline, parameters, transformer_flops
 from unet_step import check_attention
 
@@ -196,9 +196,12 @@ def main(args: Args) -> None:
               f"{time.perf_counter() - t0:.1f}s")
     phases.clear()
     print(f"before timing: {load_average()}")
-    times = time_interleaved(runners, args.repeats, warmup=0)
+    cpu = {}
+    times = time_interleaved(runners, args.repeats, warmup=0, cpu_times=cpu)
     print(f"after timing: {load_average()}")
     med = report_times(times, f"end to end ({steps} steps + decode)")
+    if not on_gpu() and device.type == "cpu" and not args.skip_diffusers:
+        report_cpu_times(cpu, next(n for n in cpu if n.startswith("diffusers")))
     split = {k: statistics.median(v) for k, v in phases.items()}
     print("eqxdiff's split (medians of pipe.timings): " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in split.items())
           + (f"; {fmt_seconds(split['denoise'] / steps)} per denoising step" if "denoise" in split else ""))

@@ -28,7 +28,7 @@ from typing import Literal
 import tyro
 
 from _bench import (TorchDevice, check_agreement, compiled_bytes, fmt_seconds, gib, jax_device_name, jax_peak_bytes,
-                    load_average, mfu, on_gpu, rel_error, report_times, setup_frameworks, time_interleaved,
+                    load_average, mfu, on_gpu, rel_error, report_cpu_times, report_times, setup_frameworks, time_interleaved,
                     torch_free, torch_peak_bytes, torch_sync)
 from _flux_configs import PRESETS, build_transformer, parameters, transformer_flops
 from unet_step import check_attention
@@ -209,9 +209,12 @@ def main(args: Args) -> None:
         outputs[name] = np.asarray(out.float().cpu() if hasattr(out, "cpu") else out, np.float32)
         print(f"{name} first call: {time.perf_counter() - t0:.1f}s")
     print(f"before timing: {load_average()}")
-    times = time_interleaved(runners, args.repeats, warmup=0)
+    cpu = {}
+    times = time_interleaved(runners, args.repeats, warmup=0, cpu_times=cpu)
     print(f"after timing: {load_average()}")
     med = report_times(times)
+    if not on_gpu() and device.type == "cpu":
+        report_cpu_times(cpu, "diffusers")
     device_name = jax_device_name()
     for name, m in med.items():
         u = mfu(flops, m, device_name)

@@ -21,8 +21,8 @@ import time
 
 import tyro
 
-from _bench import (check_agreement, compiled_bytes, gib, jax_peak_bytes, load_average, rel_error, report_times,
-                    setup_frameworks, time_interleaved, torch_peak_bytes)
+from _bench import (check_agreement, compiled_bytes, gib, jax_peak_bytes, load_average, on_gpu, rel_error,
+                    report_cpu_times, report_times, setup_frameworks, time_interleaved, torch_peak_bytes)
 from _unet_configs import (PRESETS, UNetBenchmarkArgs, build_models, compile_jax_step, jax_inputs, make_inputs,
                            to_numpy_nhwc, torch_inputs, torch_step_runner)
 
@@ -88,9 +88,12 @@ def main(args: Args) -> None:
     # One warm-up each, then the variants take turns, so that a shared machine's load falls on all of them alike.
     outputs = {name: to_numpy_nhwc(run()) for name, run in runners.items()}
     print(f"before timing: {load_average()}")
-    times = time_interleaved(runners, args.repeats, warmup=0)
+    cpu = {}
+    times = time_interleaved(runners, args.repeats, warmup=0, cpu_times=cpu)
     print(f"after timing: {load_average()}")
     med = report_times(times)
+    if not on_gpu() and device.type == "cpu":
+        report_cpu_times(cpu, "diffusers")
     peaks = {"eqxdiff (all attention variants, and the GPU autotuner's scratch while compiling)": jax_peak_bytes(),
              "diffusers": None if args.skip_diffusers else torch_peak_bytes(device)}
     for name, peak in peaks.items():
