@@ -522,7 +522,7 @@ def test_shipped_scheduler_keeps_what_the_model_was_trained_for():
 def generated(tmp_path_factory):
     out = tmp_path_factory.mktemp("generated")
     argv = ["--steps", "2", "--seed", "3", "--scheduler", "ddim", "--scheduler-option", "timestep_spacing=trailing",
-            "--output-dir", str(out), "--no-progress"]
+            "--vae-tiling", "--output-dir", str(out), "--no-progress"]
     return out, argv, generate.main(argv)
 
 
@@ -532,6 +532,7 @@ def test_outputs_record_what_was_used(generated):
     assert (params["height"], params["width"]) == (16, 16)
     assert params["scheduler"] == "ddim" and params["scheduler_options"] == {"timestep_spacing": "trailing"}
     assert "strength" not in params  # text-to-image: no strength recorded
+    assert params["vae_tiling"] is True
 
 
 def test_nan_from_the_model_is_an_error_and_writes_nothing(generated, pipe, monkeypatch, capsys):

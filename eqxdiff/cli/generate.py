@@ -82,6 +82,9 @@ class RunOptions:
     """Run repeated layers with lax.scan (faster compiles, the same numbers)."""
     offload_encoders: bool = False
     """Keep the text encoders' weights in host memory outside encoding."""
+    vae_tiling: bool = False
+    """Encode and decode with the VAE in overlapping tiles (bounded memory at large sizes), as diffusers'
+    enable_vae_tiling()."""
     output_dir: Path = Path("outputs")
     """Where image_{i}.png / video_{i}.mp4 go (numbered on after the files already there)."""
     overwrite: bool = False
@@ -254,6 +257,8 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> I
             raise ConfigError(f"--scheduler-option: {e}") from None
     kwargs = family.call_kwargs(args.pipeline)  # input files are read (or found missing) before loading too
     cls = family.pipeline_class
+    if run.vae_tiling and not hasattr(cls, "enable_vae_tiling"):
+        raise InputError(f"--vae-tiling: {cls.__name__} has no VAE tiling; leave the flag out")
     try:
         cls.check_arguments({**kwargs}, cls.folder_limits(read))
     except InputError as e:
@@ -293,6 +298,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
                          activations_dtype=run.activations_dtype, mesh=mesh, offload_encoders=run.offload_encoders,
                          scan_layers=run.scan_layers)
     load_s = time.perf_counter() - t0
+    if run.vae_tiling:
+        pipe.enable_vae_tiling()
     if "progress" in kwargs:
         kwargs["progress"] = kwargs["progress"] and main_process
     compile_before = _CompileSeconds.now()
@@ -330,10 +337,10 @@ def _parameters(checked: Invocation, pipe, outputs) -> dict:
     return {**values, "model": run.model, "pipeline": type(pipe).__name__,
             "scheduler": scheduler_name(getattr(pipe, "scheduler", None)), **extra,
             "weights_dtype": run.weights_dtype, "activations_dtype": run.activations_dtype,
-            "attention": run.attention}
+            "attention": run.attention, **({"vae_tiling": True} if run.vae_tiling else {})}
 
 
-MEMORY_HINT = ("fewer images (--num-images-per-prompt), a smaller --height/--width or input image, "
+MEMORY_HINT = ("fewer images (--num-images-per-prompt), a smaller --height/--width or input image, --vae-tiling, "
                "--weights-dtype bfloat16 --activations-dtype bfloat16, --attention chunked, --offload-encoders, or "
                "more devices (--mesh.ici-fsdp-parallelism -1)")
 

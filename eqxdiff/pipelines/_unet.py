@@ -79,16 +79,20 @@ def prepare_latents(key: PRNGKeyArray, shape: tuple[int, ...], scheduler, state,
 
 @eqx.filter_jit
 def encode_image_latents(vae, image: Float[Array, "batch height width 3"],
-                         posterior_noise: Float[Array, "batch h w latent"]):
-    """VAE latents of ``[-1, 1]`` images, sampled with the given standard-normal noise, then scaled."""
-    dist = vae.encode(image)
+                         posterior_noise: Float[Array, "batch h w latent"], *, tiled: bool = False):
+    """VAE latents of ``[-1, 1]`` images, sampled with the given standard-normal noise, then scaled; ``tiled``
+    encodes in overlapping tiles (``AutoencoderKL.encode_tiled``: bounded memory for large images)."""
+    dist = vae.encode_tiled(image) if tiled else vae.encode(image)
     return vae.scale_latents(dist.mean + dist.std * posterior_noise)
 
 
 @eqx.filter_jit
-def decode_latents(vae, latents: Float[Array, "batch h w latent"]) -> Float[Array, "batch height width 3"]:
-    """Scaled latents back to ``[-1, 1]`` images."""
-    return vae.decode(vae.unscale_latents(latents).astype(jnp.float32))
+def decode_latents(vae, latents: Float[Array, "batch h w latent"], *,
+                   tiled: bool = False) -> Float[Array, "batch height width 3"]:
+    """Scaled latents back to ``[-1, 1]`` images; ``tiled`` decodes in overlapping tiles
+    (``AutoencoderKL.decode_tiled``, as diffusers' ``enable_vae_tiling()``)."""
+    z = vae.unscale_latents(latents).astype(jnp.float32)
+    return vae.decode_tiled(z) if tiled else vae.decode(z)
 
 
 def guidance_embedding(guidance_scale: float, dim: int, batch: int) -> Float[Array, "batch dim"]:
@@ -138,9 +142,16 @@ class UNetPipeline(DiffusionPipeline):
     DEFAULT_STRENGTH: ClassVar[tuple[float, float]] = (0.8, 1.0)
     # What a call must be given (diffusers' task classes: image-to-image needs image, inpainting image and mask).
     REQUIRED_INPUTS: ClassVar[tuple[str, ...]] = ()
+    # Encode and decode with the VAE in overlapping tiles (enable_vae_tiling): bounded memory at large sizes.
+    vae_tiling: bool = False
     # Layers from the end that the default text embedding already skips: clip_skip may go up to the text encoders'
     # layer count minus this (SD takes the last layer's output: 0; SDXL the penultimate: 1).
     CLIP_SKIP_OFFSET: ClassVar[int] = 0
+
+    def enable_vae_tiling(self, enabled: bool = True) -> None:
+        """Encode and decode images with the VAE in overlapping tiles of its ``sample_size`` (diffusers'
+        ``enable_vae_tiling()``): the VAE's memory stays bounded at large sizes, seams are blended."""
+        self.vae_tiling = bool(enabled)
 
     @property
     def vae_scale_factor(self) -> int:
@@ -301,7 +312,7 @@ class UNetPipeline(DiffusionPipeline):
                 from_noise = mask_image is not None and strength == 1.0 and schedule.adds_noise
                 clean = image.latents
                 if clean is None and not (from_noise and inpainting_unet):
-                    clean = encode_image_latents(self.vae, image.pixels, draws.image)
+                    clean = encode_image_latents(self.vae, image.pixels, draws.image, tiled=self.vae_tiling)
                 if from_noise:
                     x = noise * scheduler.init_noise_sigma(state)
                 elif schedule.adds_noise:
@@ -316,7 +327,7 @@ class UNetPipeline(DiffusionPipeline):
                             raise ValueError("an inpainting UNet needs image= as pixels (its masked image is "
                                              "encoded), not latents")
                         extra[MASKED_IMAGE_LATENTS] = encode_image_latents(
-                            self.vae, masked_pixels(image.pixels, mask), draws.masked_image)
+                            self.vae, masked_pixels(image.pixels, mask), draws.masked_image, tiled=self.vae_tiling)
                     else:
                         extra[IMAGE_LATENTS], extra[NOISE] = clean, noise
             if self.unet.config.time_cond_proj_dim is not None:
@@ -341,6 +352,6 @@ class UNetPipeline(DiffusionPipeline):
             check_finite_output(x, what="latents", hint=hint)
             return x
         with self.timed("decode"):
-            images = self.gather(decode_latents(self.vae, x))
+            images = self.gather(decode_latents(self.vae, x, tiled=self.vae_tiling))
             check_finite_output(images, what="images", hint=hint)
             return to_uint8(images)
