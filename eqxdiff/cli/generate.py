@@ -46,6 +46,7 @@ from ..pipelines import (
     build_scheduler,
     load_pipeline,
     save_outputs,
+    single_file_class,
 )
 from ..schedulers import SCHEDULERS
 from ._command import DEBUG_HELP, config_errors_raise, run_command
@@ -63,10 +64,14 @@ class RunOptions:
     """Which pipeline, how it is loaded and run, and where its outputs go."""
 
     model: str = DEFAULT_MODEL
-    """A diffusers pipeline folder, a Hugging Face Hub id, or ``digits`` (the small model shipped with eqxdiff).
-    Its pipeline class decides the family options above (``--model X --help`` lists X's)."""
+    """A diffusers pipeline folder, a Hugging Face Hub id, a single .safetensors file (see --config), or ``digits``
+    (the small model shipped with eqxdiff). Its pipeline class decides the family options above (``--model X
+    --help`` lists X's)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) of --model."""
+    config: str | None = None
+    """With a single .safetensors --model (a Black Forest Labs Flux file, an A1111/ComfyUI checkpoint): a diffusers
+    folder or Hub id giving what the file lacks (tokenizers, scheduler, configs, a Flux file's other models)."""
     scheduler: SchedulerName | None = None
     """Swap the checkpoint's scheduler by name, keeping its noise schedule and prediction type."""
     scheduler_option: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
@@ -110,12 +115,13 @@ class ParallelOptions:
     """This process's index, 0 .. num_processes-1 (default: EQXDIFF_PROCESS_ID)."""
 
 
-def _model_flag(argv: Sequence[str]) -> tuple[str, str | None]:
+def _model_flag(argv: Sequence[str]) -> tuple[str, str | None, str | None]:
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--model", default=DEFAULT_MODEL)
     pre.add_argument("--revision", default=None)
+    pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
-    return known.model, known.revision
+    return known.model, known.revision, known.config
 
 
 def _is_hub_id(model: str) -> bool:
@@ -123,9 +129,12 @@ def _is_hub_id(model: str) -> bool:
             and not model.startswith((".", "/", "~")))
 
 
-def pipeline_class(model: str, revision: str | None = None) -> type[DiffusionPipeline]:
+def pipeline_class(model: str, revision: str | None = None, config: str | None = None) -> type[DiffusionPipeline]:
     """The eqxdiff pipeline class serving ``model`` (a folder, a Hub id or a shipped name), from its
-    ``model_index.json`` alone (a Hub id fetches only that file)."""
+    ``model_index.json`` alone (a Hub id fetches only that file); a single ``.safetensors`` file's from its tensor
+    names (and ``config``'s ``model_index.json``, :func:`eqxdiff.pipelines.single_file_class`)."""
+    if Path(model).expanduser().is_file():
+        return single_file_class(model, config=config, revision=revision)
     if _is_hub_id(model):
         try:
             folder = Path(hf_hub_download(model, "model_index.json", revision=revision)).parent
@@ -142,9 +151,11 @@ def pipeline_class(model: str, revision: str | None = None) -> type[DiffusionPip
     return cls
 
 
-def config_reader(model: str, revision: str | None = None):
+def config_reader(model: str, revision: str | None = None, config: str | None = None):
     """``read(path)``: the JSON file ``path`` of pipeline ``model`` (a folder, a Hub id: that file alone is fetched,
-    or a shipped name) as a dict, ``None`` if it has none."""
+    or a shipped name; for a single file, of its ``config``) as a dict, ``None`` if it has none."""
+    if Path(model).expanduser().is_file():
+        return (lambda path: None) if config is None else config_reader(config, revision)
     if _is_hub_id(model):
         def read(path: str):
             try:
@@ -184,8 +195,8 @@ def build_parser(family: FamilyOptions) -> type:
 def parse(argv: Sequence[str] | None = None, *, prog: str | None = None):
     """``(family, args)``: the ``--model`` folder's pipeline options and the parsed command line."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    model, revision = _model_flag(argv)
-    cls = pipeline_class(model, revision)
+    model, revision, config = _model_flag(argv)
+    cls = pipeline_class(model, revision, config)
     family = family_options(cls, {"prompt": DIGITS_PROMPT} if model == DEFAULT_MODEL else None)
     description = (f"Images or videos from a diffusion pipeline. The pipeline options are {cls.__name__}'s (the "
                    f"--model folder's class); eqxdiff serves {', '.join(family_names('pipeline'))}. {DEBUG_HELP}")
@@ -247,7 +258,7 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> I
     for flag, path in (("--output-dir", run.output_dir), ("--compilation-cache-dir", run.compilation_cache_dir)):
         if path is not None and path.exists() and not path.is_dir():  # before minutes of loading and compiling
             raise InputError(f"{flag} {os.fspath(path)!r} is a file; pass a folder (created if missing)")
-    read = config_reader(run.model, run.revision)
+    read = config_reader(run.model, run.revision, run.config)
     options = scheduler_options(run.scheduler_option)
     raw = read("scheduler/scheduler_config.json")
     if raw is not None and (run.scheduler or options):
@@ -293,7 +304,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
     main_process = jax.process_index() == 0
 
     t0 = time.perf_counter()
-    pipe = load_pipeline(run.model, revision=run.revision, dtype=run.weights_dtype, scheduler=run.scheduler,
+    pipe = load_pipeline(run.model, revision=run.revision, config=run.config, dtype=run.weights_dtype,
+                         scheduler=run.scheduler,
                          scheduler_options=checked.scheduler_options, attention=run.attention,
                          activations_dtype=run.activations_dtype, mesh=mesh, offload_encoders=run.offload_encoders,
                          scan_layers=run.scan_layers)

@@ -11,6 +11,7 @@
 from ._config import ConfigError as ConfigError
 from ._config import ModelConfig as ModelConfig
 from ._families import FAMILY_TABLE as FAMILY_TABLE
+from ._families import SINGLE_FILE_PIPELINES as SINGLE_FILE_PIPELINES
 from ._families import family_names as family_names
 from ._families import resolve_class as resolve_class
 from ._naming import STACKED as STACKED

@@ -28,12 +28,20 @@ FAMILY_TABLE: dict[str, str] = {
     "UMT5EncoderModel": "eqxdiff.models.t5:UMT5EncoderModel",
     # Flux.1
     "FluxTransformer2DModel": "eqxdiff.models.flux:FluxTransformer2DModel",
+    "FluxPipeline": "eqxdiff.pipelines.flux:FluxPipeline",
+    "FluxImg2ImgPipeline": "eqxdiff.pipelines.flux:FluxImg2ImgPipeline",
+    "FluxKontextPipeline": "eqxdiff.pipelines.flux:FluxKontextPipeline",
     # ControlNet
     "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
     "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",
     "StableDiffusionControlNetImg2ImgPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetImg2ImgPipeline",
     "StableDiffusionXLControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionXLControlNetPipeline",
 }
+
+# Pipelines reading single .safetensors files in a layout of their own (eqxdiff.load_pipeline(file, config=...)),
+# asked in this order before the Stable Diffusion layouts: a class's single_file_layout(view) recognises a file,
+# its single_file_class names the class it loads as, its read_single_file loads it.
+SINGLE_FILE_PIPELINES: tuple[str, ...] = ("FluxPipeline",)
 
 _KINDS = {"model": "eqxdiff.models.", "pipeline": "eqxdiff.pipelines."}
 

@@ -15,12 +15,12 @@ import equinox as eqx
 import jax
 from huggingface_hub import snapshot_download
 
-from ..core import ConfigError, ModelConfig, resolve_class
+from ..core import SINGLE_FILE_PIPELINES, ConfigError, ModelConfig, resolve_class
 from ..loading import CheckpointError, SafetensorsFile, check_dtype, load, model_class, read_json, write_safetensors
 from ..loading import single_file as layouts
 from ..schedulers import scheduler_from_config
 
-__all__ = ["read_single_file", "save_single_file"]
+__all__ = ["read_single_file", "save_single_file", "single_file_class"]
 
 _CONFIG_FILES = ["*.json", "*.txt"]  # a pipeline's configs and tokenizers, no weights
 _TOKENIZERS = {"tokenizer": "text_encoder", "tokenizer_2": "text_encoder_2"}  # and the encoder each serves
@@ -49,6 +49,12 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
     where = f"file {os.fspath(path)!r}"
     _check_suffix(path)
     file = SafetensorsFile(path)
+    family = _family_layout(file)
+    if family is not None:  # a family reading a layout of its own (the family table's SINGLE_FILE_PIPELINES)
+        return family[0].read_single_file(path, file, family[1], config=config, revision=revision, dtype=dtype,
+                                          sharding=sharding, offload_encoders=offload_encoders,
+                                          scan_layers=scan_layers, scheduler=scheduler,
+                                          scheduler_options=scheduler_options, pipeline_class=pipeline_class)
     layout = layouts.detect(file, where)
     folder = _config_folder(config, revision, layout)
     cls = resolve_class(layout.pipeline)
@@ -105,6 +111,19 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
     return cls, components, options
 
 
+def single_file_class(path, *, config=None, revision: str | None = None) -> type:
+    """The pipeline class ``load_pipeline(path, config=config)`` builds, read from the file's tensor names (and, for
+    a family of :data:`eqxdiff.core.SINGLE_FILE_PIPELINES`, ``config``'s ``model_index.json``) without loading it:
+    what ``eqxdiff-generate`` takes a single file's options from."""
+    path = Path(os.fspath(path)).expanduser()
+    _check_suffix(path)
+    file = SafetensorsFile(path)
+    family = _family_layout(file)
+    if family is not None:
+        return family[0].single_file_class(family[1], config=config, revision=revision)
+    return resolve_class(layouts.detect(file, f"file {os.fspath(path)!r}").pipeline)
+
+
 def save_single_file(pipe, path, *, dtype=None, family: str | None = None) -> Path:
     """Write ``pipe`` (an SD 1.x/2.x or SDXL pipeline) as one ``.safetensors`` file in the A1111 / SGM layout, which
     :func:`eqxdiff.load_pipeline` and diffusers' ``from_single_file`` read. ``family``: ``"sd1"``, ``"sd2"``,
@@ -136,6 +155,17 @@ def save_single_file(pipe, path, *, dtype=None, family: str | None = None) -> Pa
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------------
+
+
+def _family_layout(view):
+    """``(pipeline class, layout)`` of the first of :data:`eqxdiff.core.SINGLE_FILE_PIPELINES` whose layout the
+    file ``view`` is in (its ``single_file_layout(view)``), or ``None``."""
+    for name in SINGLE_FILE_PIPELINES:
+        cls = resolve_class(name)
+        layout = cls.single_file_layout(view)
+        if layout is not None:
+            return cls, layout
+    return None
 
 
 def _check_suffix(path: Path) -> None:

@@ -1,0 +1,861 @@
+"""Flux.1: text-to-image, image-to-image and Kontext image editing, with distilled guidance or true CFG.
+
+>>> pipe = eqxdiff.load_pipeline("black-forest-labs/FLUX.1-dev", dtype="bfloat16")
+>>> images = pipe("a fox in the snow", num_inference_steps=28, guidance_scale=3.5)   # uint8 [1, 1024, 1024, 3]
+>>> edit = eqxdiff.load_pipeline("black-forest-labs/FLUX.1-Kontext-dev", dtype="bfloat16")
+>>> images = edit("make the fox red", image=images)
+
+**Prompts.** CLIP's pooled output (``prompt``, at most the tokenizer's 77 tokens) conditions the modulation; T5's
+sequence (``prompt_2``, default ``prompt``; padded to ``max_sequence_length``, no attention mask, as diffusers) is
+the text stream. ``prompt_embeds`` ``[n, seq, joint_attention_dim]`` with ``pooled_prompt_embeds``
+``[n, pooled_projection_dim]`` replace the encoders.
+
+**Guidance.** FLUX.1-dev is guidance-distilled: ``guidance_scale`` goes into the transformer (``guidance_embeds``),
+one pass per step; schnell takes none. True classifier-free guidance runs when ``true_cfg_scale > 1`` and a
+negative prompt (or negative embeddings) is given: two passes per step, ``neg + true_cfg_scale * (pos - neg)``
+(:class:`~eqxdiff.pipelines.Guidance` in ``"separate"`` mode, each half with its own rotary tables).
+
+**Latents.** The loop runs on packed 2x2 patches (:func:`eqxdiff.models.flux.pack_latents`); ``latents`` (the
+initial noise) and ``output_type="latent"`` are unpacked and channels-last, ``[n, height/f, width/f, C]`` (``f``
+the VAE's factor, ``C = transformer.in_channels / 4``). Sizes are multiples of ``2 * f`` (16 for FLUX.1).
+Sigmas are ``linspace(1, 1/N, N)``, shifted by ``mu`` for the image's token count (dev) or statically (schnell).
+
+**Image-to-image** (:class:`FluxImg2ImgPipeline`) noises the image's VAE latents to ``strength``. **Kontext**
+(:class:`FluxKontextPipeline`) appends the reference image's latent tokens (positions ``(1, row, col)``) to the
+noisy ones; the output size follows diffusers (``height``/``width`` scaled to ``max_area``) and the reference is
+resized to the nearest of Kontext's trained resolutions unless ``auto_resize=False``.
+
+**Single files.** ``eqxdiff.load_pipeline("flux1-dev.safetensors", config=FOLDER)`` reads Black Forest Labs'
+transformer file (or a ComfyUI one under ``model.diffusion_model.``, with its VAE and text encoders if it holds
+them) and the rest of the pipeline from ``config``: a diffusers Flux folder or Hub id.
+"""
+
+import dataclasses
+import math
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from huggingface_hub import snapshot_download
+from PIL import Image
+
+from .._typing import Array, Float, Int, PRNGKeyArray
+from ..core import resolve_class
+from ..loading import CheckpointError, check_dtype, formats, load, read_json
+from ..loading import single_file as layouts
+from ..models import flux
+from ._base import (
+    Component,
+    DiffusionPipeline,
+    as_list,
+    build_scheduler,
+    given_array,
+    load_tokenizer,
+    prompt_list,
+    resolve_key,
+)
+from ._checks import CallLimits, InputError, InputWarning, check_finite_output, check_output_type, image_size
+from ._denoise import Denoiser, Guidance, denoise_loop, plan_schedule
+from ._images import to_model_range, to_uint8
+from ._progress import progress_bar
+from ._unet import decode_latents, encode_image_latents, noise_draws
+from .stable_diffusion import tokenize
+
+__all__ = ["FluxDenoiser", "FluxImg2ImgPipeline", "FluxKontextPipeline", "FluxPipeline", "KONTEXT_RESOLUTIONS",
+           "clip_pooled", "kontext_size", "t5_embeddings"]
+
+LATENTS_LAYOUT = "[n, height/f, width/f, C] (unpacked, channels-last; f = the VAE's factor, C = in_channels / 4)"
+MAX_SEQUENCE_LENGTH = 512  # diffusers' limit on T5's prompt length
+DEFAULT_SAMPLE_SIZE = 128  # diffusers' default_sample_size: 128 * f = 1024 pixels for FLUX.1
+# (width, height) of the resolutions Kontext was trained at (diffusers' PREFERRED_KONTEXT_RESOLUTIONS)
+KONTEXT_RESOLUTIONS = ((672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184),
+                       (944, 1104), (1024, 1024), (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752),
+                       (1456, 720), (1504, 688), (1568, 672))
+# ComfyUI's all-in-one Flux files: where they keep the models other than the transformer, and their layouts.
+COMFY_CLIP_L = "text_encoders.clip_l.transformer."
+COMFY_VAE = "vae."
+
+
+# -- text encoders ------------------------------------------------------------------------------------------------
+
+
+@eqx.filter_jit
+def clip_pooled(text_encoder, input_ids: Int[Array, "batch seq"]) -> Float[Array, "batch embed"]:
+    """CLIP's ``pooler_output`` (the end-of-text token's final state): Flux's pooled conditioning."""
+    return text_encoder(input_ids).pooler_output
+
+
+@eqx.filter_jit
+def t5_embeddings(text_encoder, input_ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq embed"]:
+    """T5's ``last_hidden_state`` without an attention mask (the padding is encoded too, as diffusers does)."""
+    return text_encoder(input_ids).last_hidden_state
+
+
+def t5_ids(tokenizer, prompts: Sequence[str], max_length: int, *, vocab_size: int) -> np.ndarray:
+    """Token ids ``[n, max_length]`` for T5, padded and cut to ``max_length`` as diffusers' Flux pipelines do; warns
+    (:class:`~eqxdiff.pipelines.InputWarning`) when a prompt is cut."""
+    ids = np.asarray(tokenizer(list(prompts), padding="max_length", max_length=max_length, truncation=True,
+                               return_tensors="np").input_ids, np.int32)
+    for prompt in dict.fromkeys(prompts):
+        full = tokenizer(prompt, truncation=False).input_ids
+        if len(full) > max_length:
+            warnings.warn(f"the prompt {prompt[:40]!r}{'...' if len(prompt) > 40 else ''} has {len(full)} T5 tokens "
+                          f"but max_sequence_length={max_length}; this part was cut off: "
+                          f"{tokenizer.decode(full[max_length - 1:-1])!r}. Shorten the prompt or raise "
+                          f"max_sequence_length (at most {MAX_SEQUENCE_LENGTH})", InputWarning, stacklevel=4)
+    if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
+        raise CheckpointError(f"tokenizer_2 gave token id {int(ids.max())}, outside text_encoder_2's vocabulary of "
+                              f"{vocab_size}: the tokenizer does not belong to this T5; use the one saved with it")
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class TextConditioning:
+    """One half of the conditioning: T5's sequence ``embeds`` ``[n, seq, joint]`` and CLIP's ``pooled`` ``[n, p]``."""
+
+    embeds: Any
+    pooled: Any
+
+    def repeat(self, times: int) -> "TextConditioning":
+        return TextConditioning(jnp.repeat(self.embeds, times, axis=0), jnp.repeat(self.pooled, times, axis=0))
+
+
+# -- the model in the loop ----------------------------------------------------------------------------------------
+
+
+class FluxDenoiser(Denoiser):
+    """The Flux transformer in :func:`~eqxdiff.pipelines.denoise_loop`, on packed latents ``[b, seq, 4C]``.
+
+    ``cond``: ``embeds`` (T5), ``pooled`` (CLIP), ``rope`` (the rotary tables of ``[text, image]``, built outside
+    the loop from concrete ids), ``guidance`` (``[b]``, distilled models only) and, for Kontext, ``reference``
+    (the reference image's packed latents, appended to the tokens; the output keeps the noisy tokens only). The
+    model gets ``timestep / 1000`` (it multiplies by 1000 again, as diffusers' pipeline and model do)."""
+
+    transformer: flux.FluxTransformer2DModel
+
+    def __call__(self, x, t, cond, *, step):
+        tokens = x if "reference" not in cond else jnp.concatenate([x, cond["reference"].astype(x.dtype)], axis=1)
+        sigma = jnp.broadcast_to(t, (x.shape[0],)).astype(x.dtype) / 1000
+        out = self.transformer(tokens, cond["embeds"], cond["pooled"], sigma, rope=cond["rope"],
+                               guidance=cond.get("guidance"))
+        return out[:, :x.shape[1]]
+
+
+# -- sizes --------------------------------------------------------------------------------------------------------
+
+
+def _nearest_multiple(value: int, factor: int) -> int:
+    return max(factor, (value + factor // 2) // factor * factor)  # halves round up
+
+
+def _size_error(name: str, value: int, factor: int) -> InputError:
+    vae = factor // 2
+    return InputError(f"{name}={value} must be a multiple of {factor} (the VAE downsamples by {vae} and Flux packs "
+                      f"2x2 latent patches); the nearest valid {name} is {_nearest_multiple(value, factor)}")
+
+
+def _image_size_error(height: int, width: int, factor: int) -> InputError:
+    return InputError(f"image is {height}x{width} pixels, not a multiple of {factor} (the VAE downsamples by "
+                      f"{factor // 2} and Flux packs 2x2 latent patches); resize or crop it to "
+                      f"{_nearest_multiple(height, factor)}x{_nearest_multiple(width, factor)} (eqxdiff does not "
+                      "resize input images)")
+
+
+def kontext_size(height: int, width: int, *, max_area: int, multiple_of: int) -> tuple[int, int]:
+    """Kontext's output size, as diffusers': ``height`` x ``width``'s aspect ratio at ``max_area`` pixels, each side
+    rounded down to ``multiple_of``."""
+    aspect = width / height
+    w, h = round((max_area * aspect) ** 0.5), round((max_area / aspect) ** 0.5)
+    return h // multiple_of * multiple_of, w // multiple_of * multiple_of
+
+
+def _image_size(image) -> tuple[int, int]:
+    if isinstance(image, Image.Image):
+        return image.height, image.width
+    if isinstance(image, Sequence) and image and isinstance(image[0], Image.Image):
+        return image[0].height, image[0].width
+    shape = np.shape(image)
+    if len(shape) not in (3, 4):
+        raise InputError(f"image must be [n, height, width, 3] or [height, width, 3] (channels-last RGB) or PIL, got "
+                         f"shape {shape}")
+    return int(shape[-3]), int(shape[-2])
+
+
+def _resized(image, height: int, width: int):
+    """``image`` (PIL, or uint8 / [0, 1] float arrays) resized to ``height`` x ``width`` with Lanczos, as diffusers'
+    ``VaeImageProcessor.resize`` resizes PIL images."""
+    def one(im):
+        return im.resize((width, height), resample=Image.Resampling.LANCZOS, reducing_gap=None)
+
+    if isinstance(image, Image.Image):
+        return one(image.convert("RGB"))
+    if isinstance(image, Sequence) and image and isinstance(image[0], Image.Image):
+        return [one(im.convert("RGB")) for im in image]
+    arr = np.asarray(image)
+    batch = arr if arr.ndim == 4 else arr[None]
+    if arr.dtype == np.uint8:
+        out = np.stack([np.asarray(one(Image.fromarray(im))) for im in batch])
+    else:
+        out = np.stack([np.stack([np.asarray(one(Image.fromarray(im[..., k].astype(np.float32), mode="F")))
+                                  for k in range(im.shape[-1])], axis=-1) for im in batch]).clip(0.0, 1.0)
+    return out if arr.ndim == 4 else out[0]
+
+
+def _require_image(cls, arguments: Mapping[str, Any]) -> None:
+    if "image" in arguments and arguments["image"] is None:
+        what = "the picture to edit" if cls.RESCALES_SIZE else "the picture to start from"
+        raise InputError(f"{cls.__name__} needs image= ({what}); for text-to-image use FluxPipeline")
+
+
+# -- the pipelines ------------------------------------------------------------------------------------------------
+
+
+class FluxPipeline(DiffusionPipeline):
+    """Flux.1 text-to-image (diffusers' ``FluxPipeline`` folders: FLUX.1-dev, FLUX.1-schnell and their fine-tunes).
+
+    Call it with diffusers' argument names; it returns uint8 images ``[n, height, width, 3]`` (or, with
+    ``output_type="latent"``, the final latents unpacked and channels-last). See the module docstring for the
+    prompts, guidance and latents, and :class:`~eqxdiff.pipelines.DiffusionPipeline` for ``attention``,
+    ``activations_dtype``, ``mesh``, ``rules`` and ``offload_encoders``.
+    """
+
+    CLASS_NAME: ClassVar[str] = "FluxPipeline"
+    COMPONENTS: ClassVar[tuple[Component, ...]] = (
+        Component("scheduler", "diffusers", "scheduler"),
+        Component("vae", "diffusers", scan=False),
+        Component("text_encoder", "transformers", encoder=True),
+        Component("tokenizer", "transformers", "tokenizer"),
+        Component("text_encoder_2", "transformers", encoder=True),
+        Component("tokenizer_2", "transformers", "tokenizer"),
+        Component("transformer", "diffusers"),
+    )
+    INDEX_EXTRAS: ClassVar = {"image_encoder": [None, None], "feature_extractor": [None, None]}
+    # Kontext scales the requested size to max_area itself: any height/width is accepted there.
+    RESCALES_SIZE: ClassVar[bool] = False
+    # Encode and decode with the VAE in overlapping tiles (enable_vae_tiling): bounded memory at large sizes.
+    vae_tiling: bool = False
+
+    def enable_vae_tiling(self, enabled: bool = True) -> None:
+        """Encode and decode images with the VAE in overlapping tiles (diffusers' ``enable_vae_tiling()``), as the
+        UNet pipelines do."""
+        self.vae_tiling = bool(enabled)
+
+    # -- sizes and limits ----------------------------------------------------------------------------------------
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the unpacked latents: the transformer's input channels over the 2x2 packing."""
+        return self.transformer.config.in_channels // 4
+
+    def default_size(self) -> tuple[int, int]:
+        """diffusers' default ``(height, width)``: ``128 * f`` pixels each (1024 for FLUX.1)."""
+        return (DEFAULT_SAMPLE_SIZE * self.vae_scale_factor,) * 2
+
+    def call_limits(self) -> CallLimits:
+        f = self.vae_scale_factor
+        return CallLimits(size_factor=None if self.RESCALES_SIZE else 2 * f, native_size=self.default_size())
+
+    @classmethod
+    def folder_limits(cls, read_json) -> CallLimits:
+        vae = read_json("vae/config.json")
+        if vae is None:
+            return CallLimits()
+        f = 2 ** (len(vae.get("block_out_channels", (0,) * 4)) - 1)
+        return CallLimits(size_factor=None if cls.RESCALES_SIZE else 2 * f,
+                          native_size=(DEFAULT_SAMPLE_SIZE * f,) * 2)
+
+    @classmethod
+    def check_arguments(cls, arguments: Mapping[str, Any], limits: CallLimits = CallLimits()) -> None:
+        """Flux's own arguments (``true_cfg_scale``, ``max_sequence_length`` up to 512, sizes in multiples of twice
+        the VAE's factor, naming the nearest valid size), then the shared ones."""
+        factor = limits.size_factor
+        for name in ("height", "width"):
+            value = arguments.get(name)
+            if factor and isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % factor:
+                raise _size_error(name, value, factor)
+        start = cls.init_image_argument(arguments)
+        size = image_size(arguments[start]) if start and arguments.get(start) is not None else None
+        if factor and size is not None and (size[0] % factor or size[1] % factor):
+            raise _image_size_error(*size, factor)
+        scale = arguments.get("true_cfg_scale")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale)):
+            raise InputError(f"true_cfg_scale={scale!r} must be a finite number (1 turns true CFG off; 4 is usual "
+                             "with a negative prompt)")
+        length = arguments.get("max_sequence_length")
+        if isinstance(length, int) and not isinstance(length, bool) and length > MAX_SEQUENCE_LENGTH:
+            raise InputError(f"max_sequence_length={length} cannot be greater than {MAX_SEQUENCE_LENGTH} (T5's "
+                             "prompt length in the Flux pipelines); pass at most 512")
+        super().check_arguments(arguments, limits)
+
+    def _check_model(self) -> None:
+        """The components fit together: the VAE's latents packed are the transformer's input, T5's and CLIP's
+        widths its text and pooled widths."""
+        config, vae = self.transformer.config, self.vae.config.latent_channels
+        if config.in_channels != 4 * vae:
+            raise CheckpointError(
+                f"the transformer takes {config.in_channels} input channels but the VAE's latents have {vae} (x4 "
+                f"packed = {4 * vae}): this pipeline drives text-to-image Flux transformers (Fill, Depth and Canny "
+                "variants take extra channels and are not served)")
+        for name, width, field in (("text_encoder_2", "d_model", "joint_attention_dim"),
+                                   ("text_encoder", "hidden_size", "pooled_projection_dim")):
+            want = getattr(config, field)
+            encoder = getattr(self, name, None)
+            have = getattr(getattr(encoder, "config", None), width, want)
+            if have != want:
+                raise CheckpointError(f"{name} gives {have}-wide embeddings ({width}) but the transformer's {field} is "
+                                      f"{want}: the components are not of one Flux pipeline")
+
+    # -- prompts -------------------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt, prompt_2=None, *, max_sequence_length: int = MAX_SEQUENCE_LENGTH
+                      ) -> TextConditioning:
+        """T5 embeddings of ``prompt_2`` (default ``prompt``) and CLIP's pooled embedding of ``prompt``."""
+        for name in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"):
+            if getattr(self, name, None) is None:
+                raise InputError(f"this pipeline has no {name}; pass prompt_embeds and pooled_prompt_embeds")
+        prompts = prompt_list(prompt)
+        prompts_2 = prompts if not prompt_2 else as_list(prompt_2, len(prompts), "prompt_2")  # diffusers: `or`
+        ids = tokenize(self.tokenizer, prompts, vocab_size=self.text_encoder.config.vocab_size)
+        pooled = clip_pooled(self.encoder("text_encoder"), self.shard(jnp.asarray(ids)))
+        ids_2 = t5_ids(self.tokenizer_2, prompts_2, max_sequence_length,
+                       vocab_size=self.text_encoder_2.config.vocab_size)
+        embeds = t5_embeddings(self.encoder("text_encoder_2"), self.shard(jnp.asarray(ids_2)))
+        return TextConditioning(embeds, pooled)
+
+    def _given_embeddings(self, embeds, pooled, prefix: str) -> TextConditioning:
+        config = self.transformer.config
+        if pooled is None:
+            raise InputError(f"{prefix}prompt_embeds needs {prefix}pooled_prompt_embeds (CLIP's pooled output, "
+                             f"[n, {config.pooled_projection_dim}]) from the same prompts")
+        embeds, pooled = jnp.asarray(embeds, jnp.float32), jnp.asarray(pooled, jnp.float32)
+        if embeds.ndim != 3 or embeds.shape[-1] != config.joint_attention_dim:
+            raise InputError(f"{prefix}prompt_embeds must be [n, seq, {config.joint_attention_dim}] (T5's width, the "
+                             f"transformer's joint_attention_dim), got shape {embeds.shape}")
+        if pooled.shape != (embeds.shape[0], config.pooled_projection_dim):
+            raise InputError(f"{prefix}pooled_prompt_embeds must be [{embeds.shape[0]}, "
+                             f"{config.pooled_projection_dim}] (CLIP's width, the transformer's "
+                             f"pooled_projection_dim), got shape {pooled.shape}")
+        return TextConditioning(embeds, pooled)
+
+    def text_conditioning(self, prompt=None, prompt_2=None, negative_prompt=None, negative_prompt_2=None, *,
+                          true_cfg_scale: float = 1.0, max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+                          prompt_embeds=None, pooled_prompt_embeds=None, negative_prompt_embeds=None,
+                          negative_pooled_prompt_embeds=None) -> tuple[TextConditioning, TextConditioning | None]:
+        """``(positive, negative)``: the negative half only under true CFG (``true_cfg_scale > 1`` and a negative
+        prompt or negative embeddings), as diffusers' ``encode_prompt`` twice."""
+        if prompt_embeds is None:
+            if prompt is None:
+                raise InputError("pass prompt (or prompt_embeds with pooled_prompt_embeds)")
+            positive = self.encode_prompt(prompt, prompt_2, max_sequence_length=max_sequence_length)
+        else:
+            if prompt is not None or prompt_2 is not None:
+                raise InputError("pass prompt (and prompt_2) or prompt_embeds, not both")
+            positive = self._given_embeddings(prompt_embeds, pooled_prompt_embeds, "")
+        has_negative = negative_prompt is not None or (negative_prompt_embeds is not None
+                                                       and negative_pooled_prompt_embeds is not None)
+        if true_cfg_scale > 1 and not has_negative:
+            warnings.warn(f"true_cfg_scale={true_cfg_scale} has no effect without negative_prompt (or "
+                          "negative_prompt_embeds with negative_pooled_prompt_embeds): true CFG needs a negative",
+                          InputWarning, stacklevel=3)
+        if true_cfg_scale <= 1 or not has_negative:
+            if has_negative:
+                warnings.warn("the negative prompt is not used: true CFG runs only with true_cfg_scale > 1",
+                              InputWarning, stacklevel=3)
+            return positive, None
+        n = positive.embeds.shape[0]
+        if negative_prompt_embeds is None:
+            negatives = as_list(negative_prompt, n, "negative_prompt")
+            negatives_2 = None if not negative_prompt_2 else as_list(negative_prompt_2, n, "negative_prompt_2")
+            negative = self.encode_prompt(negatives, negatives_2, max_sequence_length=max_sequence_length)
+        else:
+            if negative_prompt is not None or negative_prompt_2 is not None:
+                raise InputError("pass negative_prompt or negative_prompt_embeds, not both")
+            negative = self._given_embeddings(negative_prompt_embeds, negative_pooled_prompt_embeds, "negative_")
+            if prompt_embeds is not None and negative.embeds.shape != positive.embeds.shape:
+                raise InputError(f"negative_prompt_embeds has shape {negative.embeds.shape} but prompt_embeds "
+                                 f"{positive.embeds.shape}; pass both from the same max_sequence_length")
+        if negative.embeds.shape[0] != n:
+            raise InputError(f"{negative.embeds.shape[0]} negative embeddings for {n} prompts; pass one per prompt")
+        return positive, negative
+
+    # -- images ----------------------------------------------------------------------------------------------------
+
+    def _given_latents(self, image) -> bool:
+        """Whether ``image`` is latents handed over (floats ``[n, h, w, C]``, ``C`` the latent channels) rather than
+        pixels."""
+        c = self.latent_channels
+        return (isinstance(image, (jax.Array, np.ndarray)) and np.issubdtype(image.dtype, np.floating)
+                and image.ndim == 4 and image.shape[-1] == c and c != 3)
+
+    def _image_latents(self, image, batch: int, key, *, sample: bool):
+        """``image`` as VAE latents ``[batch, h, w, C]`` (channels-last, scaled): pixels (uint8 ``[n, H, W, 3]``,
+        PIL, floats in [0, 1]) encoded, sampled with the posterior noise drawn from ``key`` (``sample``) or its
+        mean; or latents handed over as they are (floats ``[n, h, w, C]``)."""
+        if self._given_latents(image):
+            latents = jnp.asarray(image, jnp.float32)
+            if latents.shape[0] not in (1, batch):
+                raise InputError(f"got {latents.shape[0]} image latents for {batch} outputs; pass one or one per "
+                                 "output")
+            return jnp.broadcast_to(latents, (batch, *latents.shape[1:]))
+        f = 2 * self.vae_scale_factor
+        height, width = _image_size(image)
+        if height % f or width % f:
+            raise _image_size_error(height, width, f)
+        pixels = to_model_range(image)
+        if pixels.shape[0] not in (1, batch):
+            raise InputError(f"got {pixels.shape[0]} images for {batch} outputs; pass one image or one per output")
+        pixels = jnp.broadcast_to(pixels, (batch, *pixels.shape[1:]))
+        shape = (batch, height // self.vae_scale_factor, width // self.vae_scale_factor,
+                 self.vae.config.latent_channels)
+        noise = jax.random.normal(key, shape) if sample else jnp.zeros(shape, jnp.float32)
+        return encode_image_latents(self.vae, pixels, noise, tiled=self.vae_tiling)
+
+    # -- generation ------------------------------------------------------------------------------------------------
+
+    def schedule_keywords(self, num_inference_steps: int, sigmas, image_seq_len: int) -> dict:
+        """The scheduler's ``init`` keywords as diffusers' Flux pipelines pass them: ``sigmas`` (default
+        ``linspace(1, 1/N, N)``, unless the scheduler makes flow sigmas itself) and ``mu`` for ``image_seq_len``
+        tokens, for the schedulers that take them."""
+        scheduler, takes = self.scheduler, self.scheduler.SCHEDULE_KEYWORDS
+        if sigmas is None and "sigmas" in takes and not getattr(scheduler.config, "use_flow_sigmas", False):
+            sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+        mu = scheduler.dynamic_shift_mu(image_seq_len) if "mu" in takes and hasattr(scheduler,
+                                                                                     "dynamic_shift_mu") else None
+        return {"sigmas": None if sigmas is None else list(sigmas), "mu": mu}
+
+    def generate(self, positive: TextConditioning, negative: TextConditioning | None, *, batch: int, height: int,
+                 width: int, num_inference_steps: int, sigmas, guidance_scale: float, true_cfg_scale: float,
+                 key: PRNGKeyArray, latents=None, image=None, strength: float | None = None, reference=None,
+                 output_type: str = "uint8", progress: bool = True):
+        """Everything after the text encoders. ``positive`` / ``negative``: the text conditioning of ``batch``
+        rows (``negative`` only under true CFG). ``latents``: the initial noise (:data:`LATENTS_LAYOUT`), else drawn
+        from ``key``. ``image`` (image-to-image): the input's latents ``[batch, h, w, C]``, noised to ``strength``
+        with that noise. ``reference`` (Kontext): the reference image's latents, appended as tokens."""
+        check_output_type(output_type)
+        self._check_model()
+        f, c = self.vae_scale_factor, self.latent_channels
+        h, w = height // f, width // f
+        shape = (batch, h, w, c)
+        packed_shape = (batch, (h // 2) * (w // 2), 4 * c)
+        schedule = plan_schedule(self.scheduler, num_inference_steps, sample_shape=packed_shape,
+                                 strength=None if image is None else strength,
+                                 **self.schedule_keywords(num_inference_steps, sigmas, packed_shape[1]))
+        draws = noise_draws(key, shape)
+        noise = draws.noise if latents is None else given_array(latents, shape, "latents", LATENTS_LAYOUT)
+        dtype = self.activations_dtype
+
+        with self.timed("prepare"):
+            x = noise if image is None else self.scheduler.add_noise_at_step(schedule.state, image, noise)
+            x = flux.pack_latents(x)
+            ids = flux.image_ids(h // 2, w // 2)
+            extra = {}
+            if self.transformer.config.guidance_embeds:
+                extra["guidance"] = jnp.full((batch,), guidance_scale, jnp.float32)
+            if reference is not None:
+                extra["reference"] = flux.pack_latents(reference).astype(dtype)
+                reference_ids = flux.image_ids(reference.shape[1] // 2, reference.shape[2] // 2)
+                reference_ids[:, 0] = 1  # Kontext: the reference image's tokens sit at time index 1
+                ids = np.concatenate([ids, reference_ids])
+
+            def half(text: TextConditioning) -> dict:
+                rope = self.transformer.rotary_embedding(ids, flux.text_ids(text.embeds.shape[1]))
+                arrays = {"embeds": text.embeds.astype(dtype), "pooled": text.pooled.astype(dtype), **extra}
+                return {**self.shard(arrays), "rope": jax.tree.map(jnp.asarray, rope)}
+
+            guidance = Guidance(float(true_cfg_scale), mode="separate") if negative is not None else Guidance(1.0)
+            cond = (half(negative), half(positive)) if negative is not None else half(positive)
+            x = jax.block_until_ready(self.shard(x.astype(dtype)))
+
+        with self.timed("denoise"), progress_bar(schedule.num_steps, "denoising", enabled=progress):
+            x = jax.block_until_ready(denoise_loop(
+                FluxDenoiser(self.transformer), self.scheduler, schedule.state, x, cond, draws.loop_key,
+                guidance=guidance, num_steps=jnp.asarray(schedule.num_steps, jnp.int32), progress=progress))
+        x = flux.unpack_latents(x, h, w)
+        hint = (f"the {jnp.dtype(dtype).name} activations may have overflowed: run in float32 (activations_dtype, "
+                "--activations-dtype/--weights-dtype float32)" if jnp.dtype(dtype).itemsize < 4 else
+                "check the weights (a NaN in the checkpoint?)")
+        if output_type == "latent":
+            x = self.gather(x)
+            check_finite_output(x, what="latents", hint=hint)
+            return x
+        with self.timed("decode"):
+            images = self.gather(decode_latents(self.vae, x, tiled=self.vae_tiling))
+            check_finite_output(images, what="images", hint=hint)
+            return to_uint8(images)
+
+    def _prepare(self, prompt, prompt_2, negative_prompt, negative_prompt_2, *, true_cfg_scale, num_images_per_prompt,
+                 max_sequence_length, prompt_embeds, pooled_prompt_embeds, negative_prompt_embeds,
+                 negative_pooled_prompt_embeds):
+        """The text conditioning of every output row (``num_images_per_prompt`` rows per prompt)."""
+        self._check_model()
+        with self.timed("encode"):
+            positive, negative = self.text_conditioning(
+                prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
+                max_sequence_length=max_sequence_length, prompt_embeds=prompt_embeds,
+                pooled_prompt_embeds=pooled_prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
+                negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
+            positive = positive.repeat(num_images_per_prompt)
+            negative = None if negative is None else negative.repeat(num_images_per_prompt)
+        return positive, negative, positive.embeds.shape[0]
+
+    def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,
+                 negative_prompt: str | Sequence[str] | None = None,
+                 negative_prompt_2: str | Sequence[str] | None = None, true_cfg_scale: float = 1.0,
+                 height: int | None = None, width: int | None = None, num_inference_steps: int = 28,
+                 sigmas: Sequence[float] | None = None, guidance_scale: float = 3.5, num_images_per_prompt: int = 1,
+                 seed: int | None = None, key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None,
+                 pooled_prompt_embeds=None, negative_prompt_embeds=None, negative_pooled_prompt_embeds=None,
+                 max_sequence_length: int = MAX_SEQUENCE_LENGTH, output_type: str = "uint8", progress: bool = True):
+        """Images for ``prompt`` with diffusers' ``FluxPipeline`` arguments: uint8 ``[n, height, width, 3]``, or the
+        final latents (unpacked, channels-last) with ``output_type="latent"``.
+
+        Args:
+            prompt: What to generate (CLIP's prompt; T5's too unless ``prompt_2`` is given).
+            prompt_2: T5's prompt (default: ``prompt``).
+            negative_prompt: What to steer away from, with true CFG (``true_cfg_scale > 1``).
+            negative_prompt_2: T5's negative prompt (default: ``negative_prompt``).
+            true_cfg_scale: True classifier-free guidance scale: two model passes a step when > 1 and a negative
+                prompt is given.
+            height: Height in pixels, a multiple of 16 (2x the VAE's factor); default 1024.
+            width: Width in pixels, a multiple of 16 (2x the VAE's factor); default 1024.
+            num_inference_steps: Number of denoising steps (4 suits schnell, 28-50 dev).
+            sigmas: A custom noise-level schedule from 1 down (replaces num_inference_steps' linspace(1, 1/N, N)).
+            guidance_scale: The distilled guidance the transformer is conditioned on (models with guidance_embeds,
+                e.g. FLUX.1-dev; 3.5 is usual); ignored by others.
+            num_images_per_prompt: Images per prompt.
+            seed: Random seed (the same seed gives the same images).
+            latents: The initial noise ``[n, height/f, width/f, C]``, unpacked and channels-last (an array).
+            prompt_embeds: T5 embeddings ``[n, seq, joint_attention_dim]`` instead of ``prompt``.
+            pooled_prompt_embeds: CLIP's pooled embeddings ``[n, pooled_projection_dim]`` with ``prompt_embeds``.
+            negative_prompt_embeds: T5 embeddings of the negative prompt (true CFG).
+            negative_pooled_prompt_embeds: CLIP's pooled embeddings of the negative prompt (true CFG).
+            max_sequence_length: T5's prompt length in tokens (padded to it; at most 512).
+            output_type: ``"uint8"`` images or ``"latent"`` (unpacked, channels-last latents).
+            progress: Show a progress bar.
+        """
+        key = resolve_key(seed, key)
+        positive, negative, n = self._prepare(
+            prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
+            num_images_per_prompt=num_images_per_prompt, max_sequence_length=max_sequence_length,
+            prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
+        default = self.default_size()
+        height, width = default[0] if height is None else height, default[1] if width is None else width
+        return self.generate(positive, negative, batch=n, height=height, width=width,
+                             num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
+                             true_cfg_scale=true_cfg_scale, key=key, latents=latents, output_type=output_type,
+                             progress=progress)
+
+    # -- single files ----------------------------------------------------------------------------------------------
+
+    @classmethod
+    def single_file_layout(cls, view) -> str | None:
+        """The prefix of a Black Forest Labs Flux transformer in a ``.safetensors`` file (``""`` for BFL's own files,
+        ``"model.diffusion_model."`` for ComfyUI's), or ``None`` if the file holds none."""
+        names = set(view.names())
+        for prefix in ("", formats.FLUX_DIFFUSION_MODEL):
+            if {prefix + "img_in.weight", prefix + "txt_in.weight"} <= names:
+                return prefix
+        return None
+
+    @classmethod
+    def single_file_class(cls, layout: str, *, config=None, revision: str | None = None) -> type:
+        """The pipeline class a Flux single file loads as: ``config``'s ``model_index.json`` class (a Kontext folder
+        gives :class:`FluxKontextPipeline`), else :class:`FluxPipeline`."""
+        index = _config_index(config, revision)
+        named = resolve_class(index.get("_class_name", "")) if index else None
+        return named if isinstance(named, type) and issubclass(named, FluxPipeline) else cls
+
+    @classmethod
+    def read_single_file(cls, path, view, layout: str, *, config=None, revision: str | None = None, dtype=None,
+                         sharding=None, offload_encoders: bool = False, scan_layers: bool = False,
+                         scheduler: str | None = None, scheduler_options: Mapping[str, Any] | None = None,
+                         pipeline_class: type | None = None):
+        """``(class, components, options)`` of a Flux single file (what ``load_pipeline(path, config=...)`` builds
+        from): the transformer from the file (BFL's layout under ``layout``, its config from ``config``'s
+        ``transformer/config.json`` or read from the tensors), the VAE and text encoders from the file when it holds
+        them (ComfyUI's all-in-one files), everything else from ``config`` (a diffusers Flux folder or Hub id);
+        ``scheduler`` / ``scheduler_options`` swap the scheduler or set its config keys, as for a folder."""
+        where = f"file {os.fspath(path)!r}"
+        if config is None:
+            raise CheckpointError(
+                f"{where} holds a Flux transformer but not the rest of a pipeline (tokenizers, scheduler, and the VAE "
+                "and text encoders unless it is an all-in-one file); pass config= a diffusers Flux folder or Hub id, "
+                "e.g. eqxdiff.load_pipeline(file, config='black-forest-labs/FLUX.1-schnell')")
+        held = {"vae": COMFY_VAE, "text_encoder": COMFY_CLIP_L, "text_encoder_2": formats.COMFY_T5XXL}
+        held = {name: prefix for name, prefix in held.items() if any(n.startswith(prefix) for n in view.names())}
+        folder = _config_folder(config, revision, skip=("transformer", *held))
+        index = _read(folder, "model_index.json") or {}
+        target = cls.single_file_class(layout, config=folder)
+        if pipeline_class is not None and not issubclass(target, pipeline_class):
+            if not issubclass(pipeline_class, FluxPipeline):
+                raise CheckpointError(f"{where} holds a Flux transformer, which a {pipeline_class.__name__} cannot "
+                                      "use")
+            target = pipeline_class
+        weights_dtype = check_dtype(dtype) or check_dtype("float32")
+        flags = {c.name: c for c in target.COMPONENTS}
+        components: dict = {}
+        for c in target.COMPONENTS:
+            entry = index.get(c.name)
+            offload = offload_encoders and c.encoder
+            if c.name == "transformer":
+                components[c.name] = _read_transformer(path, view, layout, folder, where, dtype=weights_dtype,
+                                                       sharding=sharding, scan_layers=scan_layers and c.scan)
+            elif c.name in held:
+                components[c.name] = _read_held(path, view, folder, c.name, held[c.name], where, dtype=weights_dtype,
+                                                sharding=None if offload else sharding,
+                                                scan_layers=scan_layers and flags[c.name].scan)
+            elif not entry or entry[0] is None:
+                if not c.optional:
+                    raise CheckpointError(f"config={os.fspath(folder)!r} has no {c.name} (model_index.json), which "
+                                          f"{where} does not hold either; pass a diffusers Flux pipeline folder")
+                components[c.name] = None
+            elif c.kind == "tokenizer":
+                components[c.name] = load_tokenizer(folder / c.name)
+            elif c.kind == "scheduler":
+                raw = _read(folder, "scheduler/scheduler_config.json")
+                if raw is None:
+                    raise CheckpointError(f"config={os.fspath(folder)!r} has no scheduler/scheduler_config.json")
+                components[c.name], _ = build_scheduler(raw, scheduler, scheduler_options)
+            else:
+                try:
+                    components[c.name] = target.load_component(folder, c, entry, dtype=weights_dtype,
+                                                               sharding=None if offload else sharding,
+                                                               scan_layers=scan_layers and c.scan)
+                except CheckpointError as e:
+                    raise CheckpointError(
+                        f"{where} does not hold the {c.name}, so it is read from config={os.fspath(folder)!r}, which "
+                        f"cannot give it ({e}); pass config= a diffusers Flux folder with the {c.name}'s weights (or "
+                        "a Hub id: the weights the file lacks are fetched)") from None
+        options = {k: index[k] for k in target.OPTIONS if k in index}
+        return target, components, options
+
+
+class FluxImg2ImgPipeline(FluxPipeline):
+    """Flux image-to-image (diffusers' ``FluxImg2ImgPipeline``): the image's VAE latents noised to ``strength``
+    and denoised from there. The output has the image's size (eqxdiff does not resize input images)."""
+
+    CLASS_NAME: ClassVar[str] = "FluxImg2ImgPipeline"
+
+    @classmethod
+    def check_arguments(cls, arguments: Mapping[str, Any], limits: CallLimits = CallLimits()) -> None:
+        _require_image(cls, arguments)
+        super().check_arguments(arguments, limits)
+
+    def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,
+                 image=None, strength: float = 0.6, negative_prompt: str | Sequence[str] | None = None,
+                 negative_prompt_2: str | Sequence[str] | None = None, true_cfg_scale: float = 1.0,
+                 height: int | None = None, width: int | None = None, num_inference_steps: int = 28,
+                 sigmas: Sequence[float] | None = None, guidance_scale: float = 7.0, num_images_per_prompt: int = 1,
+                 seed: int | None = None, key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None,
+                 pooled_prompt_embeds=None, negative_prompt_embeds=None, negative_pooled_prompt_embeds=None,
+                 max_sequence_length: int = MAX_SEQUENCE_LENGTH, output_type: str = "uint8", progress: bool = True):
+        """Images for ``prompt`` starting from ``image``, with diffusers' ``FluxImg2ImgPipeline`` arguments (see
+        :meth:`FluxPipeline.__call__` for the shared ones).
+
+        Args:
+            image: The picture to start from: uint8 ``[n, H, W, 3]``, PIL, floats in [0, 1] (sides multiples of
+                16), or latents ``[n, h, w, C]`` channels-last.
+            strength: How much of the schedule to run (1.0 ignores the image's content).
+            height: Must equal the image's height if given (eqxdiff does not resize).
+            width: Must equal the image's width if given (eqxdiff does not resize).
+            guidance_scale: The distilled guidance (models with guidance_embeds).
+            latents: The noise added to the image's latents ``[n, height/f, width/f, C]`` (channels-last).
+        """
+        key = resolve_key(seed, key)
+        f = self.vae_scale_factor
+        size = (image.shape[1] * f, image.shape[2] * f) if self._given_latents(image) else _image_size(image)
+        for name, want, have in (("height", height, size[0]), ("width", width, size[1])):
+            if want is not None and want != have:
+                raise InputError(f"{name}={want} but the image's {name} is {have}; resize the image (eqxdiff does not "
+                                 f"resize) or leave {name} unset")
+        positive, negative, n = self._prepare(
+            prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
+            num_images_per_prompt=num_images_per_prompt, max_sequence_length=max_sequence_length,
+            prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
+        with self.timed("encode_image"):  # the posterior sample draws from noise_draws(key, shape).image's key
+            clean = self._image_latents(image, n, jax.random.split(key, 3)[1], sample=True)
+        return self.generate(positive, negative, batch=n, height=size[0], width=size[1],
+                             num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
+                             true_cfg_scale=true_cfg_scale, key=key, latents=latents, image=clean, strength=strength,
+                             output_type=output_type, progress=progress)
+
+
+class FluxKontextPipeline(FluxPipeline):
+    """Flux Kontext image editing (diffusers' ``FluxKontextPipeline``): the reference ``image``'s latent tokens are
+    appended to the noisy ones at positions ``(1, row, col)``; the transformer edits toward the prompt."""
+
+    CLASS_NAME: ClassVar[str] = "FluxKontextPipeline"
+    RESCALES_SIZE: ClassVar[bool] = True
+
+    @classmethod
+    def init_image_argument(cls, arguments):
+        return None  # the reference image is not an image-to-image start: any size, resized or not
+
+    @classmethod
+    def check_arguments(cls, arguments: Mapping[str, Any], limits: CallLimits = CallLimits()) -> None:
+        _require_image(cls, arguments)
+        super().check_arguments(arguments, limits)
+
+    def reference_image(self, image, *, auto_resize: bool = True):
+        """``image`` as Kontext takes it: rounded down to multiples of ``2 * f``, and with ``auto_resize`` resized to
+        the trained resolution of the nearest aspect ratio (:data:`KONTEXT_RESOLUTIONS`), as diffusers does."""
+        m = 2 * self.vae_scale_factor
+        height, width = _image_size(image)
+        height, width = height // m * m, width // m * m
+        if auto_resize:
+            aspect = width / height
+            _, width, height = min((abs(aspect - w / h), w, h) for w, h in KONTEXT_RESOLUTIONS)
+            height, width = height // m * m, width // m * m
+        if min(height, width) < m:
+            raise InputError(f"image is {_image_size(image)} pixels; Kontext needs at least {m}x{m}")
+        return image if (height, width) == _image_size(image) else _resized(image, height, width)
+
+    def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,
+                 image=None, negative_prompt: str | Sequence[str] | None = None,
+                 negative_prompt_2: str | Sequence[str] | None = None, true_cfg_scale: float = 1.0,
+                 height: int | None = None, width: int | None = None, num_inference_steps: int = 28,
+                 sigmas: Sequence[float] | None = None, guidance_scale: float = 3.5, num_images_per_prompt: int = 1,
+                 seed: int | None = None, key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None,
+                 pooled_prompt_embeds=None, negative_prompt_embeds=None, negative_pooled_prompt_embeds=None,
+                 max_sequence_length: int = MAX_SEQUENCE_LENGTH, max_area: int = 1024**2, auto_resize: bool = True,
+                 output_type: str = "uint8", progress: bool = True):
+        """Edit ``image`` toward ``prompt`` with diffusers' ``FluxKontextPipeline`` arguments (see
+        :meth:`FluxPipeline.__call__` for the shared ones).
+
+        Args:
+            image: The reference picture: uint8 ``[n, H, W, 3]``, PIL, floats in [0, 1], or latents ``[n, h, w, C]``
+                channels-last.
+            height: With width, the output's aspect ratio (default 1024x1024), scaled to max_area.
+            width: With height, the output's aspect ratio (default 1024x1024), scaled to max_area.
+            max_area: The output's area in pixels (diffusers' default 1024**2); height and width are rounded down
+                to multiples of 16.
+            auto_resize: Resize the reference to Kontext's trained resolution of the nearest aspect ratio.
+            latents: The initial noise ``[n, height/f, width/f, C]`` at the final size (channels-last).
+        """
+        if isinstance(max_area, bool) or not isinstance(max_area, int) or max_area < 1:
+            raise InputError(f"max_area={max_area!r} must be a positive int number of pixels")
+        key = resolve_key(seed, key)
+        default = self.default_size()
+        asked = (default[0] if height is None else height, default[1] if width is None else width)
+        for name, value in zip(("height", "width"), asked):
+            if not isinstance(value, int) or value <= 0:
+                raise InputError(f"{name}={value!r} must be a positive int number of pixels")
+        size = kontext_size(*asked, max_area=max_area, multiple_of=2 * self.vae_scale_factor)
+        if min(size) < 2 * self.vae_scale_factor:
+            raise InputError(f"max_area={max_area} at {asked[0]}x{asked[1]}'s aspect ratio leaves {size[0]}x{size[1]} "
+                             "pixels; raise max_area")
+        if size != asked and (height is not None or width is not None):
+            warnings.warn(f"Kontext generates {size[0]}x{size[1]} pixels: {asked[0]}x{asked[1]}'s aspect ratio at "
+                          f"max_area={max_area} (pass max_area=height*width to keep the size)", InputWarning,
+                          stacklevel=2)
+        positive, negative, n = self._prepare(
+            prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
+            num_images_per_prompt=num_images_per_prompt, max_sequence_length=max_sequence_length,
+            prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
+        with self.timed("encode_image"):
+            image = image if self._given_latents(image) else self.reference_image(image, auto_resize=auto_resize)
+            reference = self._image_latents(image, n, None, sample=False)
+        return self.generate(positive, negative, batch=n, height=size[0], width=size[1],
+                             num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
+                             true_cfg_scale=true_cfg_scale, key=key, latents=latents, reference=reference,
+                             output_type=output_type, progress=progress)
+
+
+# -- single-file helpers ------------------------------------------------------------------------------------------
+
+_CONFIG_FILES = ["*.json", "*.txt", "*.model"]  # configs and tokenizers (T5's sentencepiece model), no weights
+
+
+def _read(folder: Path | None, name: str) -> dict | None:
+    return read_json(folder / name) if folder is not None and (folder / name).is_file() else None
+
+
+def _config_index(config, revision: str | None) -> dict | None:
+    """``model_index.json`` of ``config`` (a folder, or a Hub id: that file alone is fetched), ``None`` without."""
+    if config is None:
+        return None
+    local = Path(os.fspath(config)).expanduser()
+    if local.is_dir():
+        return _read(local, "model_index.json")
+    return _read(_fetch(os.fspath(config), revision, ["model_index.json"]), "model_index.json")
+
+
+def _config_folder(config, revision: str | None, *, skip: Sequence[str]) -> Path:
+    """``config`` as a local folder; a Hub id is fetched without the weights of the components in ``skip`` (the
+    ones the single file holds)."""
+    local = Path(os.fspath(config)).expanduser()
+    if local.is_dir():
+        return local
+    p = os.fspath(config)
+    if p.startswith((".", "/", "~")) or p.count("/") != 1 or local.exists():
+        raise CheckpointError(f"config={p!r} is not a folder; pass a diffusers Flux pipeline folder or a Hub id such "
+                              "as 'black-forest-labs/FLUX.1-schnell'")
+    index = _read(_fetch(p, revision, ["model_index.json"]), "model_index.json") or {}
+    wanted = [f"{name}/*" for name, entry in index.items() if isinstance(entry, list) and name not in skip]
+    return _fetch(p, revision, [*_CONFIG_FILES, *wanted])
+
+
+def _fetch(repo: str, revision: str | None, patterns: list[str]) -> Path:
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
+    except Exception as e:  # network, auth and offline errors all end here
+        raise CheckpointError(f"config={repo!r}: could not fetch it from the Hugging Face Hub ({type(e).__name__}: "
+                              f"{e}). Offline, pass config= a local diffusers Flux folder") from e
+
+
+def _read_transformer(path, view, prefix: str, folder: Path, where: str, *, dtype, sharding, scan_layers: bool):
+    """The BFL transformer under ``prefix``, its config from ``folder``'s ``transformer/config.json`` (checked
+    against the tensors) or, without one, read from the tensors."""
+    given = _read(folder, "transformer/config.json")
+    model_cls = flux.FluxTransformer2DModel
+    if given is not None:
+        config = model_cls.config_class.from_dict(given)
+        hint = (f"config={os.fspath(folder)!r} describes another transformer than this file's: pass the folder of "
+                "this model (or one without transformer/config.json, to read the sizes from the file)")
+    else:
+        config = model_cls.config_class.from_dict(formats.flux_bfl_config(path, prefix=prefix))
+        hint = "The file is incomplete; download it again"
+    rules = formats.flux_bfl(prefix=prefix)
+    abstract = eqx.filter_eval_shape(lambda: model_cls(config, dtype=dtype, key=jax.random.key(0)))
+    layouts.check_tensors(view, abstract, rules, where=where, what=f"the Flux transformer ({prefix or 'no prefix'})",
+                          hint=hint)
+    return load(path, model_class=model_cls, config=config, conversion=rules, dtype=dtype, sharding=sharding,
+                scan_layers=scan_layers)
+
+
+def _read_held(path, view, folder: Path, name: str, prefix: str, where: str, *, dtype, sharding, scan_layers: bool):
+    """Component ``name`` of a ComfyUI all-in-one file (under ``prefix``), its config from ``folder``."""
+    given = _read(folder, f"{name}/config.json")
+    if given is None:
+        raise CheckpointError(f"{where} holds the {name} (under {prefix!r}) but config={os.fspath(folder)!r} has no "
+                              f"{name}/config.json to build it from; pass a diffusers Flux pipeline folder")
+    from_index = _read(folder, "model_index.json") or {}
+    class_name = given.get("_class_name") or (given.get("architectures") or [None])[0] or from_index[name][1]
+    model_cls = resolve_class(class_name)
+    config = model_cls.config_class.from_dict(given)
+    if name == "vae":
+        rules = layouts.ldm_vae(config, prefix=prefix)
+    elif name == "text_encoder":
+        rules = layouts.clip_text(prefix, view)
+    else:
+        rules = formats.select(prefix)
+    abstract = eqx.filter_eval_shape(lambda: model_cls(config, dtype=dtype, key=jax.random.key(0)))
+    layouts.check_tensors(view, abstract, rules, where=where, what=f"the {name} ({prefix}*)",
+                          hint=f"config={os.fspath(folder)!r} describes another {name}; pass this model's folder")
+    return load(path, model_class=model_cls, config=config, conversion=rules, dtype=dtype, sharding=sharding,
+                scan_layers=scan_layers)
+

@@ -1,0 +1,317 @@
+"""The Flux.1 pipelines end to end against diffusers (every pixel within 2/255 from the same initial noise):
+text-to-image with a guidance-distilled (dev-style) transformer and with a schnell-style one (other sizes, a
+two-level VAE), true classifier-free guidance, image-to-image, Kontext editing; the prompts tokenized by character
+tokenizers saved in the folders (so both sides tokenize alike) and given as embeddings. Then a Black Forest Labs
+transformer file and a ComfyUI all-in-one file loaded with config= equal the folder pipeline, a saved folder loads
+in diffusers, eqxdiff-generate lists the family's flags, and the errors a user can make.
+
+One tiny folder per variant, built once for the module; calls of one variant share their compiled programs.
+"""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import torch
+from diffusers.pipelines.flux import pipeline_flux_img2img, pipeline_flux_kontext
+
+import eqxdiff
+from eqxdiff.cli import generate
+from eqxdiff.loading import CheckpointError, formats, state_dict, write_safetensors
+from eqxdiff.loading import single_file as layouts
+from eqxdiff.pipelines import CallLimits, InputError, InputWarning, save_pipeline
+from eqxdiff.pipelines._unet import noise_draws
+from eqxdiff.pipelines.flux import (
+    COMFY_CLIP_L,
+    COMFY_VAE,
+    FluxImg2ImgPipeline,
+    FluxKontextPipeline,
+    FluxPipeline,
+    kontext_size,
+)
+
+from . import _tiny_flux
+from . import _tiny_flux_pipeline as tiny
+from ._util import assert_close, nhwc_to_nchw
+
+PROMPTS = ["a red cat", "two dogs"]
+NEGATIVES = ["blurry", "dark room"]
+SIZE = {"dev": 8, "schnell": 16}  # pixels: 16 packed tokens either way (vae scale factor 1 and 2)
+COMMON = dict(num_inference_steps=3, max_sequence_length=12)
+
+
+def _pixels_off(ours_uint8, ref_float) -> int:
+    return int(np.max(np.abs(ours_uint8.astype(int) - (np.asarray(ref_float) * 255).round().astype(int))))
+
+
+def _run(ref, **kwargs):
+    with torch.no_grad():
+        return ref(output_type="np", **kwargs).images
+
+
+def _packed(ref, noise):
+    """diffusers' packed latents of our channels-last noise ``[n, h, w, C]``."""
+    n, h, w, c = noise.shape
+    return ref._pack_latents(nhwc_to_nchw(noise), n, c, h, w)
+
+
+def _pixels(image):
+    return torch.from_numpy(image).permute(0, 3, 1, 2).float() / 255
+
+
+class Variant:
+    def __init__(self, folder, variant):
+        self.folder, self.name = folder, variant
+        self.ref = tiny.build(folder, variant)
+        self.pipe = eqxdiff.load_pipeline(folder)
+        size = SIZE[variant]
+        self.size = dict(height=size, width=size)
+        f = self.pipe.vae_scale_factor
+        self.shape = (2, size // f, size // f, self.pipe.latent_channels)
+        self.noise = np.random.default_rng(len(variant)).standard_normal(self.shape).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory):
+    return Variant(tmp_path_factory.mktemp("flux_dev"), "dev")
+
+
+@pytest.fixture(scope="module")
+def schnell(tmp_path_factory):
+    return Variant(tmp_path_factory.mktemp("flux_schnell"), "schnell")
+
+
+def test_dev_text_to_image_matches_diffusers(dev):
+    """Guidance embeds (dev): prompts through both character tokenizers, prompt_2 for T5, the dynamic shift; then
+    diffusers' own embeddings as prompt_embeds / pooled_prompt_embeds; one prompt, two images."""
+    pipe, ref = dev.pipe, dev.ref
+    assert type(pipe) is FluxPipeline and pipe.transformer.config.guidance_embeds
+    assert pipe.scheduler.config.use_dynamic_shifting
+    kwargs = dict(guidance_scale=4.0, **dev.size, **COMMON)
+    expected = _run(ref, prompt=PROMPTS, prompt_2=["green", "blue sky"], latents=_packed(ref, dev.noise), **kwargs)
+    ours = pipe(PROMPTS, ["green", "blue sky"], latents=dev.noise, progress=False, **kwargs)
+    assert ours.shape == (2, 8, 8, 3) and ours.dtype == np.uint8
+    assert _pixels_off(ours, expected) <= 2 and np.std(ours) > 1
+
+    with torch.no_grad():
+        embeds, pooled, _ = ref.encode_prompt(PROMPTS, ["green", "blue sky"], max_sequence_length=12)
+    text = pipe.encode_prompt(PROMPTS, ["green", "blue sky"], max_sequence_length=12)
+    assert_close(text.embeds, embeds.numpy(), 1e-4, "T5 embeddings")
+    assert_close(text.pooled, pooled.numpy(), 1e-4, "CLIP pooled embeddings")
+    given = pipe(prompt_embeds=embeds.numpy(), pooled_prompt_embeds=pooled.numpy(), latents=dev.noise,
+                 progress=False, **kwargs)
+    assert _pixels_off(given, expected) <= 2
+
+    # a custom schedule (shifted by mu as diffusers' set_timesteps shifts it)
+    custom = dict(kwargs, sigmas=[1.0, 0.7, 0.2])
+    expected = _run(ref, prompt=PROMPTS, latents=_packed(ref, dev.noise), **custom)
+    assert _pixels_off(pipe(PROMPTS, latents=dev.noise, progress=False, **custom), expected) <= 2
+
+    # another distilled guidance scale is another input of the same program; one prompt, two images
+    kwargs.update(guidance_scale=2.0, num_images_per_prompt=2)
+    expected = _run(ref, prompt="a red cat", latents=_packed(ref, dev.noise), **kwargs)
+    assert _pixels_off(pipe("a red cat", latents=dev.noise, progress=False, **kwargs), expected) <= 2
+    latents = pipe("a red cat", latents=dev.noise, output_type="latent", progress=False, **kwargs)
+    assert latents.shape == dev.shape  # unpacked, channels-last
+
+
+def test_schnell_text_to_image_and_true_cfg_match_diffusers(schnell):
+    """No guidance embedder (schnell), 2 + 2 blocks, a two-level VAE (vae scale factor 2, 2 latent channels),
+    static shift; then true CFG with negative prompts (two passes a step), and from negative embeddings."""
+    pipe, ref = schnell.pipe, schnell.ref
+    assert not pipe.transformer.config.guidance_embeds and pipe.vae_scale_factor == 2
+    kwargs = dict(**schnell.size, **COMMON)
+    expected = _run(ref, prompt=PROMPTS, latents=_packed(ref, schnell.noise), **kwargs)
+    ours = pipe(PROMPTS, latents=schnell.noise, progress=False, **kwargs)
+    assert ours.shape == (2, 16, 16, 3) and _pixels_off(ours, expected) <= 2
+
+    cfg = dict(true_cfg_scale=3.0, negative_prompt=NEGATIVES, negative_prompt_2=["grey", "noise"], **kwargs)
+    expected_cfg = _run(ref, prompt=PROMPTS, latents=_packed(ref, schnell.noise), **cfg)
+    ours_cfg = pipe(PROMPTS, latents=schnell.noise, progress=False, **cfg)
+    assert _pixels_off(ours_cfg, expected_cfg) <= 2
+    assert _pixels_off(ours_cfg, expected) > 2  # the negative half changed the images
+
+    with torch.no_grad():
+        negative, negative_pooled, _ = ref.encode_prompt(NEGATIVES, ["grey", "noise"], max_sequence_length=12)
+    given = pipe(PROMPTS, latents=schnell.noise, true_cfg_scale=3.0, negative_prompt_embeds=negative.numpy(),
+                 negative_pooled_prompt_embeds=negative_pooled.numpy(), progress=False, **kwargs)
+    assert _pixels_off(given, expected_cfg) <= 2
+    with pytest.warns(InputWarning, match="true CFG runs only with true_cfg_scale > 1"):
+        pipe(PROMPTS, latents=schnell.noise, negative_prompt=NEGATIVES, progress=False, **kwargs)
+
+
+def test_image_to_image_matches_diffusers(dev, monkeypatch):
+    """The dev folder as FluxImg2ImgPipeline: the image's VAE posterior sample (from our key) noised to strength
+    by the same noise, the dynamic shift at the image's token count, the schedule cut as diffusers cuts it."""
+    pipe = FluxImg2ImgPipeline.from_pretrained(dev.folder)
+    assert type(pipe) is FluxImg2ImgPipeline
+    image = np.random.default_rng(1).integers(0, 256, (2, 8, 8, 3), dtype=np.uint8)
+    draws = noise_draws(jax.random.key(7), dev.shape)
+    monkeypatch.setattr(pipeline_flux_img2img, "randn_tensor", lambda *a, **k: nhwc_to_nchw(dev.noise))
+    monkeypatch.setattr(pipeline_flux_img2img, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
+                        out.latent_dist.mean + out.latent_dist.std * nhwc_to_nchw(np.array(draws.image)))
+    kwargs = dict(strength=0.6, guidance_scale=5.0, **COMMON)  # 3 steps from 1: the text-to-image program
+    reference = pipeline_flux_img2img.FluxImg2ImgPipeline(**dev.ref.components)
+    expected = _run(reference, prompt=PROMPTS, image=_pixels(image), **dev.size, **kwargs)
+    ours = pipe(PROMPTS, image=image, latents=dev.noise, seed=7, progress=False, **kwargs)
+    assert ours.shape == (2, 8, 8, 3) and _pixels_off(ours, expected) <= 2
+
+
+def test_kontext_with_true_cfg_matches_diffusers(dev):
+    """Kontext on the dev folder: a 16x8 reference image's latent tokens appended at positions (1, row, col) to
+    an 8x8 output's, distilled guidance and true CFG together; the reference's size kept (auto_resize=False)."""
+    from diffusers import FluxKontextPipeline as Reference
+
+    pipe = FluxKontextPipeline.from_pipe(dev.pipe)
+    image = np.random.default_rng(2).integers(0, 256, (2, 16, 8, 3), dtype=np.uint8)
+    kwargs = dict(guidance_scale=3.0, true_cfg_scale=2.5, negative_prompt=NEGATIVES, max_area=64, **dev.size,
+                  **COMMON)
+    expected = _run(Reference(**dev.ref.components), prompt=PROMPTS, image=_pixels(image),
+                    latents=_packed(dev.ref, dev.noise), _auto_resize=False, **kwargs)
+    ours = pipe(PROMPTS, image=image, latents=dev.noise, auto_resize=False, progress=False, **kwargs)
+    assert ours.shape == (2, 8, 8, 3) and _pixels_off(ours, expected) <= 2
+
+
+def test_kontext_sizes_follow_diffusers(dev):
+    """The output size (aspect ratio at max_area, rounded down) and the reference resized to the nearest trained
+    resolution with Lanczos, as diffusers' FluxKontextPipeline does."""
+    from PIL import Image
+
+    Reference = pipeline_flux_kontext.FluxKontextPipeline
+
+    pipe = FluxKontextPipeline.from_pipe(dev.pipe)
+    processor = Reference(**dev.ref.components).image_processor
+    assert kontext_size(1024, 1024, max_area=1024**2, multiple_of=16) == (1024, 1024)
+    assert kontext_size(512, 768, max_area=1024**2, multiple_of=16) == (832, 1248)  # round(sqrt(A*r)) floored
+    picture = Image.fromarray(np.random.default_rng(3).integers(0, 256, (90, 140, 3), dtype=np.uint8))
+    resized = pipe.reference_image(picture)
+    height, width = processor.get_default_height_width(picture)
+    preferred = pipeline_flux_kontext.PREFERRED_KONTEXT_RESOLUTIONS
+    _, w, h = min((abs(width / height - w / h), w, h) for w, h in preferred)
+    assert (resized.height, resized.width) == (h, w)
+    np.testing.assert_array_equal(np.asarray(resized), np.asarray(processor.resize(picture, h, w)))
+    assert pipe.reference_image(picture, auto_resize=False).size == (140, 90)  # already multiples of 2
+
+
+@pytest.fixture(scope="module")
+def bfl_file(dev, tmp_path_factory):
+    """The dev transformer as a Black Forest Labs file (BFL's names, fused qkv / linear1)."""
+    path = tmp_path_factory.mktemp("bfl") / "flux1-tiny.safetensors"
+    write_safetensors(_tiny_flux.bfl_tensors(dev.ref.transformer), path)
+    return path
+
+
+def test_bfl_and_all_in_one_files_equal_the_folder(dev, bfl_file, tmp_path):
+    """A Black Forest Labs transformer file with config= the folder; a ComfyUI all-in-one file (the transformer
+    under model.diffusion_model., the VAE in the LDM layout, CLIP-L and T5 in transformers' names) with config=;
+    offload_encoders. All give the folder pipeline's images exactly."""
+    kwargs = dict(guidance_scale=4.0, **dev.size, **COMMON)
+    expected = dev.pipe(PROMPTS, latents=dev.noise, progress=False, **kwargs)
+    bfl = bfl_file
+    pipe = eqxdiff.load_pipeline(bfl, config=dev.folder)
+    assert type(pipe) is FluxPipeline
+    np.testing.assert_array_equal(pipe(PROMPTS, latents=dev.noise, progress=False, **kwargs), expected)
+
+    tensors = _tiny_flux.bfl_tensors(dev.ref.transformer, prefix=formats.FLUX_DIFFUSION_MODEL)
+    tensors.update(layouts.layout_tensors(dev.pipe.vae, layouts.ldm_vae(dev.pipe.vae.config, prefix=COMFY_VAE)))
+    for prefix, model in ((COMFY_CLIP_L, dev.ref.text_encoder), (formats.COMFY_T5XXL, dev.ref.text_encoder_2)):
+        tensors.update({prefix + k: v.numpy() for k, v in model.state_dict().items()})
+    write_safetensors(tensors, tmp_path / "flux1-tiny-all-in-one.safetensors")
+    folder = tmp_path / "configs_only"  # the components' configs, tokenizers and scheduler; no weights
+    shutil.copytree(dev.folder, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    pipe = eqxdiff.load_pipeline(tmp_path / "flux1-tiny-all-in-one.safetensors", config=folder,
+                                 offload_encoders=True)
+    for name in ("vae", "text_encoder", "text_encoder_2", "transformer"):
+        for key, value in state_dict(getattr(dev.pipe, name)).items():
+            np.testing.assert_array_equal(state_dict(getattr(pipe, name))[key], value, err_msg=f"{name}.{key}")
+    np.testing.assert_array_equal(pipe(PROMPTS, latents=dev.noise, progress=False, **kwargs), expected)
+
+    with pytest.raises(CheckpointError, match="pass config= a diffusers Flux folder"):
+        eqxdiff.load_pipeline(bfl)
+    with pytest.raises(CheckpointError, match="does not hold the vae, so it is read from config="):
+        eqxdiff.load_pipeline(bfl, config=folder)  # no weights for the components the file lacks
+
+
+def test_saved_folders_load_in_diffusers(dev, tmp_path):
+    """save_pipeline writes folders diffusers' FluxPipeline and FluxKontextPipeline load, with the same images."""
+    import diffusers
+
+    kwargs = dict(guidance_scale=4.0, **dev.size, **COMMON)
+    save_pipeline(dev.pipe, tmp_path / "flux")
+    index = json.loads((tmp_path / "flux" / "model_index.json").read_text())
+    assert index["_class_name"] == "FluxPipeline" and index["tokenizer_2"][0] == "transformers"
+    back = diffusers.FluxPipeline.from_pretrained(tmp_path / "flux")
+    back.set_progress_bar_config(disable=True)
+    latents = _packed(dev.ref, dev.noise)
+    np.testing.assert_array_equal(_run(back, prompt=PROMPTS, latents=latents, **kwargs),
+                                  _run(dev.ref, prompt=PROMPTS, latents=latents, **kwargs))
+
+    save_pipeline(FluxKontextPipeline.from_pipe(dev.pipe), tmp_path / "kontext")
+    assert type(eqxdiff.load_pipeline(tmp_path / "kontext")) is FluxKontextPipeline
+    assert type(diffusers.DiffusionPipeline.from_pretrained(tmp_path / "kontext")) is diffusers.FluxKontextPipeline
+
+
+def test_generate_runs_a_bfl_file(dev, bfl_file, tmp_path, capsys):
+    """eqxdiff-generate --model flux1-*.safetensors --config FOLDER: the file's class and options (its config's),
+    the same images as the folder pipeline from the same seed."""
+    with pytest.raises(SystemExit):
+        generate.main(["--model", str(bfl_file), "--config", str(dev.folder), "--help"])
+    assert "--true-cfg-scale" in capsys.readouterr().out
+    argv = ["--model", str(bfl_file), "--config", str(dev.folder), "--prompt", "a red cat", "--num-images", "2",
+            "--height", "8", "--width", "8", "--steps", "3", "--max-sequence-length", "12", "--seed", "5",
+            "--output-dir", str(tmp_path), "--no-progress"]
+    paths = generate.main(argv)
+    from PIL import Image
+
+    saved = np.stack([np.asarray(Image.open(p)) for p in paths])
+    expected = dev.pipe("a red cat", num_images_per_prompt=2, seed=5, progress=False, **dev.size, **COMMON)
+    np.testing.assert_array_equal(saved, expected)
+
+
+def test_generate_lists_the_flux_options(dev, tmp_path, capsys):
+    """eqxdiff-generate reads the options of a Flux folder's class from its __call__ (Kontext's image too)."""
+    for folder, flags in ((dev.folder, ("--true-cfg-scale", "--guidance-scale", "--max-sequence-length",
+                                        "--prompt-2", "--negative-prompt-2", "--sigmas", "FluxPipeline")),
+                          (tmp_path / "kontext", ("--image", "--max-area", "--auto-resize", "FluxKontextPipeline"))):
+        if not folder.exists():
+            save_pipeline(FluxKontextPipeline.from_pipe(dev.pipe), folder)
+        with pytest.raises(SystemExit) as e:
+            generate.main(["--model", str(folder), "--help"])
+        assert e.value.code == 0
+        text = capsys.readouterr().out
+        for flag in flags:
+            assert flag in text, flag
+        assert "--prompt-embeds" not in text and "--latents" not in text
+
+
+def test_errors_name_the_problem_and_the_fix(dev):
+    pipe = dev.pipe
+    with pytest.raises(InputError, match=r"height=1000 must be a multiple of 16 \(the VAE downsamples by 8 .*"
+                                         r"nearest valid height is 1008"):
+        FluxPipeline.check_arguments({"height": 1000}, CallLimits(size_factor=16))
+    with pytest.raises(InputError, match="width=9 must be a multiple of 2 .*nearest valid width is 10"):
+        pipe(PROMPTS, width=9, height=8, progress=False)
+    with pytest.raises(InputError, match=r"prompt_embeds must be \[n, seq, 32\]"):
+        pipe(prompt_embeds=np.zeros((1, 4, 16), np.float32), pooled_prompt_embeds=np.zeros((1, 32), np.float32))
+    with pytest.raises(InputError, match=r"pooled_prompt_embeds must be \[1, 32\]"):
+        pipe(prompt_embeds=np.zeros((1, 4, 32), np.float32), pooled_prompt_embeds=np.zeros((1, 8), np.float32))
+    with pytest.raises(InputError, match="needs pooled_prompt_embeds"):
+        pipe(prompt_embeds=np.zeros((1, 4, 32), np.float32))
+    with pytest.raises(InputError, match="not both"):
+        pipe("a cat", prompt_embeds=np.zeros((1, 4, 32), np.float32))
+    with pytest.raises(InputError, match="max_sequence_length=600 cannot be greater than 512"):
+        pipe("a cat", max_sequence_length=600)
+    with pytest.raises(InputError, match="FluxKontextPipeline needs image="):
+        FluxKontextPipeline.from_pipe(pipe)("a cat")
+    with pytest.raises(InputError, match="FluxImg2ImgPipeline needs image="):
+        FluxImg2ImgPipeline.from_pipe(pipe)("a cat")
+    with pytest.raises(InputError, match="image is 9x8 pixels, not a multiple of 2 .* resize or crop it to 10x8"):
+        FluxImg2ImgPipeline.from_pipe(pipe)("a cat", image=np.zeros((1, 9, 8, 3), np.uint8))
+    with pytest.raises(InputError, match="height=16 but the image's height is 8"):
+        FluxImg2ImgPipeline.from_pipe(pipe)("a cat", image=np.zeros((1, 8, 8, 3), np.uint8), height=16)
+    with pytest.raises(ValueError, match=r"latents must have shape \(2, 8, 8, 1\)"):
+        pipe(PROMPTS, latents=np.zeros((2, 4, 4, 1), np.float32), progress=False, **dev.size)
+    with pytest.warns(InputWarning, match="true_cfg_scale=4.0 has no effect without negative_prompt"):
+        pipe.text_conditioning(PROMPTS, true_cfg_scale=4.0, max_sequence_length=12)
