@@ -150,6 +150,16 @@ def jax_peak_bytes() -> int | None:
         return None
 
 
+def jax_bytes_in_use() -> int | None:
+    """Bytes JAX holds on its first device now (GPU/TPU; ``None`` on the CPU)."""
+    import jax
+
+    try:
+        return (jax.devices()[0].memory_stats() or {}).get("bytes_in_use")
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        return None
+
+
 def compiled_bytes(compiled) -> int | None:
     """Device memory one call of a compiled JAX function needs by XLA's own account: arguments, temporaries and
     the outputs that do not reuse a donated argument. Unlike :func:`jax_peak_bytes` it leaves out the scratch

@@ -33,8 +33,9 @@ from typing import Literal
 
 import tyro
 
-from _bench import (TorchDevice, fmt_seconds, gib, jax_device_name, jax_peak_bytes, load_average, mfu, on_gpu,
-                    rel_error, report_cpu_times, report_times, setup_frameworks, time_interleaved, torch_free, torch_peak_bytes, torch_sync)
+from _bench import (TorchDevice, fmt_seconds, gib, jax_bytes_in_use, jax_device_name, jax_peak_bytes, load_average,
+                    mfu, on_gpu, rel_error, report_cpu_times, report_times, setup_frameworks, time_interleaved,
+                    torch_free, torch_peak_bytes, torch_reset_peak, torch_sync)
 from _flux_configs import PRESETS, build_pipeline, parameters, transformer_flops
 from unet_step import check_attention
 
@@ -188,6 +189,10 @@ def main(args: Args) -> None:
 
         runners["diffusers" + (" (torch.compile)" if args.torch_compile else "")] = run_diffusers
 
+    resident = jax_bytes_in_use()
+    if resident is not None:
+        print(f"eqxdiff's weights on the device before the end-to-end runs: {gib(resident)}")
+    torch_reset_peak(device)
     outputs = {}
     for name, run in runners.items():
         t0 = time.perf_counter()
@@ -217,8 +222,9 @@ def main(args: Args) -> None:
         u = mfu(flops, split["denoise"], device_name)
         print(f"eqxdiff denoising loop: {flops / split['denoise'] / 1e12:.3g} TFLOP/s"
               + ("" if u is None else f", MFU {100 * u:.1f}% of the {device_name}'s dense bf16 peak"))
-    for name, peak in (("eqxdiff (the GPU autotuner's scratch while compiling too)", jax_peak_bytes()),
-                       ("diffusers", None if args.skip_diffusers else torch_peak_bytes(device))):
+    for name, peak in (("eqxdiff since the start (its T5 while encoding, the GPU autotuner's scratch too)",
+                        jax_peak_bytes()),
+                       ("diffusers in the end-to-end runs", None if args.skip_diffusers else torch_peak_bytes(device))):
         if peak is not None:
             print(f"peak device memory, {name}: {gib(peak)}")
     if scratch is not None:
