@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_suite.sh tests   OUTDIR   # GPU attention test classes, bf16 and cuDNN      [~4 min]
 #   bash benchmarks/gpu_suite.sh kernels OUTDIR   # attention: cuDNN vs flash (Mosaic GPU, Triton)  [~3 min]
 #   bash benchmarks/gpu_suite.sh models  OUTDIR   # SD 1.5 UNet CFG step and train step, bf16      [~5 min]
-#   bash benchmarks/gpu_suite.sh sdxl    OUTDIR   # SDXL 1024x1024 CFG step; ControlNet overhead   [~8 min, est.]
+#   bash benchmarks/gpu_suite.sh sdxl    OUTDIR   # SDXL UNet CFG step at 1024x1024, bf16          [~4 min, est.]
+#   bash benchmarks/gpu_suite.sh controlnet OUTDIR  # ControlNet overhead per step, SDXL and SD 1.5 [~7 min, est.]
 #   bash benchmarks/gpu_suite.sh flux_step  OUTDIR  # FLUX.1-dev transformer step, 4096+512 tokens  [~6 min, est.]
 #   bash benchmarks/gpu_suite.sh flux_fused OUTDIR  # the same, fused projections + torch.compile   [~8 min, est.]
 #   bash benchmarks/gpu_suite.sh flux_dev   OUTDIR  # FLUX.1-dev end to end, 28 steps, 1024x1024    [~8 min, est.]
@@ -17,7 +18,7 @@
 # (diffusers, torch). Each command's output goes to OUTDIR/<name>.txt as well as to the console; record what
 # matters in benchmarks/RESULTS.md with the device and the command.
 set -uo pipefail
-group=${1:?usage: gpu_suite.sh tests|kernels|models|sdxl|flux_step|flux_fused|flux_dev|flux_schnell [OUTDIR]}
+group=${1:?usage: gpu_suite.sh tests|kernels|models|sdxl|controlnet|flux_step|flux_fused|flux_dev|flux_schnell [OUTDIR]}
 out=${2:-gpu_results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -41,9 +42,11 @@ models)
     run unet_step 200 python3 benchmarks/unet_step.py --dtype bfloat16 --attention auto cudnn flash --repeats 5
     run train_step 250 python3 benchmarks/train_step.py --dtype bfloat16 --repeats 5 ;;
 sdxl)
-    run sdxl_step 300 python3 benchmarks/unet_step.py --preset sdxl --dtype bfloat16 --attention auto cudnn flash \
-        --repeats 20
-    run controlnet_sdxl 280 python3 benchmarks/controlnet_step.py --preset sdxl --dtype bfloat16 --repeats 20 ;;
+    run sdxl_step 540 python3 benchmarks/unet_step.py --preset sdxl --dtype bfloat16 --attention auto cudnn flash \
+        --repeats 20 ;;
+controlnet)
+    run controlnet_sdxl 330 python3 benchmarks/controlnet_step.py --preset sdxl --dtype bfloat16 --repeats 20
+    run controlnet_sd15 200 python3 benchmarks/controlnet_step.py --preset sd15 --dtype bfloat16 --repeats 20 ;;
 flux_step)
     run flux_step 580 python3 benchmarks/flux_step.py --preset dev --dtype bfloat16 --attention auto cudnn flash \
         --repeats 10 ;;
@@ -55,6 +58,6 @@ flux_dev)
 flux_schnell)
     run flux_schnell 580 python3 benchmarks/flux_pipeline.py --preset schnell --dtype bfloat16 --repeats 5 ;;
 *)
-    echo "unknown group '$group': use tests, kernels, models, sdxl, flux_step, flux_fused, flux_dev or flux_schnell" >&2
+    echo "unknown group '$group': use tests, kernels, models, sdxl, controlnet, flux_step, flux_fused, flux_dev or flux_schnell" >&2
     exit 2 ;;
 esac
