@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import eqxdiff
+from eqxdiff.core import ConfigError
 from eqxdiff.loading import (
     CheckpointError,
     SafetensorsFile,
@@ -200,7 +201,8 @@ def test_sd_inpainting_nine_channel_unet(tmp_path_factory, tmp_path, monkeypatch
 
 def test_lightning_all_in_one_file_with_trailing_euler(sdxl, tmp_path):
     """ComfyUI's all-in-one SDXL-Lightning file: the SDXL layout with a distilled UNet. Loaded with the base's
-    configs, run as its recipe says (Euler, trailing timesteps, guidance 0), equal to diffusers from the same file."""
+    configs and its recipe's scheduler (Euler, trailing timesteps), run at guidance 0: equal to diffusers from the
+    same file, not to the base."""
     from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
     from diffusers import StableDiffusionXLPipeline as Reference
 
@@ -209,7 +211,9 @@ def test_lightning_all_in_one_file_with_trailing_euler(sdxl, tmp_path):
     aio = StableDiffusionXLPipeline.from_pipe(sdxl.pipe, unet=eqxdiff.load(tmp_path / "unet"))
     file = save_single_file(aio, tmp_path / "sdxl_lightning_4step.safetensors")
 
-    fast = eqxdiff.load_pipeline(file, config=sdxl.configs).with_scheduler("euler", timestep_spacing="trailing")
+    fast = eqxdiff.load_pipeline(file, config=sdxl.configs, scheduler="euler",
+                                 scheduler_options={"timestep_spacing": "trailing"})
+    assert fast.scheduler.config.timestep_spacing == "trailing"
     theirs = Reference.from_single_file(str(file), config=str(sdxl.configs))
     theirs.scheduler = EulerDiscreteScheduler.from_config(theirs.scheduler.config, timestep_spacing="trailing")
     theirs.set_progress_bar_config(disable=True)
@@ -441,6 +445,10 @@ def test_errors_name_the_problem_and_the_fix(sd1, sdxl, published, tmp_path, mon
                                               r"config= a local diffusers folder"):
         eqxdiff.load_pipeline(published.file)
     assert asked == [("stable-diffusion-v1-5/stable-diffusion-v1-5", ["tokenizer/*"])]
+
+    # a scheduler option the scheduler does not have
+    with pytest.raises(ConfigError, match=r"EulerDiscreteScheduler has no config option\(s\) \['spacing'\]"):
+        eqxdiff.load_pipeline(sdxl.file, config=sdxl.configs, scheduler_options={"spacing": "trailing"})
 
     # config= is for single files only
     with pytest.raises(CheckpointError, match="config= is for single .safetensors files"):
