@@ -178,8 +178,8 @@ def _check_suffix(path: Path) -> None:
             "sd = sd.get('state_dict', sd); safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items() "
             "if torch.is_tensor(v)}, 'model.safetensors')`")
     if path.suffix.lower() != ".safetensors":
-        raise CheckpointError(f"{os.fspath(path)!r} is a file but not a .safetensors checkpoint; pass a pipeline's "
-                              "folder (the one holding model_index.json), a Hub id, or a single-file .safetensors")
+        raise CheckpointError(f"{os.fspath(path)!r} is a file; pass the model's folder (the one holding "
+                              "model_index.json), a Hub id, or a single-file .safetensors checkpoint")
 
 
 def _config_folder(config, revision: str | None, layout: layouts.Layout) -> Path | None:
