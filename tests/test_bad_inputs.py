@@ -304,7 +304,8 @@ API = [
     ("denoising-start-out-of-range", lambda c: eqxdiff.pipelines.check_arguments({"denoising_start": 1.5}),
      InputError, r"denoising_start=1.5 must be a float in \(0, 1\)"),
     ("denoising-start-without-image", lambda c: StableDiffusionXLPipeline.check_arguments(
-        {"prompt": "a", "image": None, "denoising_start": 0.8}), InputError, r"denoising_start=0.8 needs image="),
+        {"prompt": "a", "image": None, "denoising_start": 0.8}), InputError,
+     r"denoising_start needs image= \(the latents .*\); got denoising_start=0.8 alone"),
     ("strength-leaves-no-step", lambda c: c.pipe("a", image=np.zeros((16, 16, 3), np.uint8), strength=0.1,
                                                  num_inference_steps=4), ValueError, r"strength=0.1 with 4 steps "
      r"leaves no denoising step"),

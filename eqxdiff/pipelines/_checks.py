@@ -234,8 +234,9 @@ def check_arguments(arguments: Mapping[str, Any], limits: CallLimits = CallLimit
         raise InputError(f"strength={arguments['strength']} applies to image-to-image only; pass {init_image}= (the "
                          "picture to start from) or leave strength unset")
     if arguments.get("denoising_start") is not None and without_image:
-        raise InputError(f"denoising_start={arguments['denoising_start']} needs {init_image}= (the latents the first "
-                         "pipeline of the hand-off returned with output_type='latent')")
+        raise InputError(f"denoising_start needs {init_image}= (the latents the first pipeline of the hand-off "
+                         f"returned with output_type='latent'); got denoising_start={arguments['denoising_start']} "
+                         "alone")
     if arguments.get("mask_image") is not None and without_image:
         raise InputError(f"mask_image needs {init_image}= (the picture to inpaint); pass both or neither")
     start, end = arguments.get("denoising_start"), arguments.get("denoising_end")
