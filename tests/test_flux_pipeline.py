@@ -21,6 +21,7 @@ import eqxdiff
 from eqxdiff.cli import generate
 from eqxdiff.loading import CheckpointError, formats, state_dict, write_safetensors
 from eqxdiff.loading import single_file as layouts
+from eqxdiff.parallel import MeshConfig, make_mesh
 from eqxdiff.pipelines import CallLimits, InputError, InputWarning, save_pipeline
 from eqxdiff.pipelines._unet import noise_draws
 from eqxdiff.pipelines.flux import (
@@ -193,6 +194,16 @@ def test_kontext_sizes_follow_diffusers(dev):
     assert (resized.height, resized.width) == (h, w)
     np.testing.assert_array_equal(np.asarray(resized), np.asarray(processor.resize(picture, h, w)))
     assert pipe.reference_image(picture, auto_resize=False).size == (140, 90)  # already multiples of 2
+
+
+def test_mesh_equals_one_device(dev):
+    """On an FSDP x context mesh (weights sharded, batch over fsdp, tokens split over context: the joint attention
+    runs the ring kernel; the rotary tables stay whole): the one-device pipeline's images."""
+    mesh = make_mesh(MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=2, ici_context_parallelism=4))
+    kwargs = dict(guidance_scale=4.0, **dev.size, **COMMON)
+    expected = dev.pipe(PROMPTS, latents=dev.noise, progress=False, **kwargs)
+    ours = eqxdiff.load_pipeline(dev.folder, mesh=mesh)(PROMPTS, latents=dev.noise, progress=False, **kwargs)
+    assert np.max(np.abs(ours.astype(int) - expected.astype(int))) <= 1
 
 
 @pytest.fixture(scope="module")
