@@ -47,6 +47,8 @@ def make_dataset(
     center_crop: bool = True,
     random_flip: bool = True,
     interpolation: str = "bilinear",
+    micro_conditioning: bool = False,
+    max_length: int | dict[str, int] | None = None,
     shuffle: bool = True,
     seed: int = 0,
     num_epochs: int | None = None,
@@ -61,9 +63,14 @@ def make_dataset(
     Args:
         source: a source (``ImageFolderSource``, ``HFDatasetSource``, ``TFRecordSource``, ``SyntheticSource``,
             or any grain random-access source of raw records).
-        tokenizer: the model's tokenizer (``transformers``); captions padded to its ``model_max_length``.
+        tokenizer: the model's tokenizer (``transformers``); captions padded to its ``model_max_length``. A model
+            with several text encoders gives ``{batch key: tokenizer}`` (``input_ids``, ``input_ids_2``).
         batch_size: the global batch size, over all hosts.
         resolution, center_crop, random_flip, interpolation: see ``ImageCaptionTransform``.
+        micro_conditioning: also yield int32 ``original_size`` and ``crop_top_left`` ``[b, 2]`` (SDXL's
+            size and crop conditioning; see ``ImageCaptionTransform``).
+        max_length: token ids per caption (one number, or per key); default: each tokenizer's
+            ``model_max_length``.
         shuffle: global shuffle, different each epoch. seed: seeds the shuffle and the augmentations.
         num_epochs: passes over the data; ``None`` repeats forever.
         drop_remainder: drop a last partial batch (with ``num_epochs``); keeps batch shapes static.
@@ -83,7 +90,8 @@ def make_dataset(
     if batch_size % count:
         raise ValueError(f"batch_size={batch_size} must be divisible by the number of hosts ({count})")
     host_batch = batch_size // count
-    transform = ImageCaptionTransform(tokenizer, resolution, center_crop, random_flip, interpolation)
+    transform = ImageCaptionTransform(tokenizer, resolution, center_crop, random_flip, interpolation,
+                                      micro_conditioning, max_length)
     if len(source) == 0:
         raise DataError(f"empty dataset: {source!r} has no examples")
 

@@ -1,5 +1,8 @@
 """Image and caption transforms, as diffusers' training scripts apply them: resize the shorter side to the
-resolution, center (or random) crop, random horizontal flip, scale to [-1, 1]; then tokenize the caption.
+resolution, center (or random) crop, random horizontal flip, scale to [-1, 1]; then tokenize the caption (with one
+tokenizer, or each of a model's tokenizers). SDXL's micro-conditioning comes along on request: each image's size
+before resizing and the top-left corner of its crop (``original_size``, ``crop_top_left``, as diffusers'
+``train_text_to_image_sdxl.py`` records them).
 
 All are NumPy/PIL functions of one example; randomness comes from the ``np.random.Generator`` grain hands to
 ``random_map`` (seeded from the pipeline seed and the element's index), so results are reproducible and do
@@ -7,6 +10,7 @@ not depend on threads, workers or where the iterator was restored.
 """
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -38,13 +42,17 @@ def resize_to_cover(image: np.ndarray, height: int, width: int, interpolation: s
     return np.asarray(Image.fromarray(image).resize((new_w, new_h), resample=resample))
 
 
-def crop(image: np.ndarray, height: int, width: int, rng: np.random.Generator | None) -> np.ndarray:
-    """Center crop (``rng=None``, torchvision's rounding) or a uniformly random crop."""
+def crop_corner(image: np.ndarray, height: int, width: int, rng: np.random.Generator | None) -> tuple[int, int]:
+    """``(top, left)`` of a center crop (``rng=None``, torchvision's rounding) or of a uniformly random crop."""
     h, w = image.shape[:2]
     if rng is None:
-        top, left = int(round((h - height) / 2.0)), int(round((w - width) / 2.0))
-    else:
-        top, left = int(rng.integers(0, h - height + 1)), int(rng.integers(0, w - width + 1))
+        return int(round((h - height) / 2.0)), int(round((w - width) / 2.0))
+    return int(rng.integers(0, h - height + 1)), int(rng.integers(0, w - width + 1))
+
+
+def crop(image: np.ndarray, height: int, width: int, rng: np.random.Generator | None) -> np.ndarray:
+    """Center crop (``rng=None``, torchvision's rounding) or a uniformly random crop."""
+    top, left = crop_corner(image, height, width, rng)
     return image[top : top + height, left : left + width]
 
 
@@ -58,11 +66,19 @@ class ImageCaptionTransform:
     """One raw record (see ``eqxdiff.data._common``) to ``{"pixel_values", "input_ids"}``.
 
     Args:
-        tokenizer: a ``transformers`` tokenizer; captions are padded/truncated to its ``model_max_length``.
+        tokenizer: a ``transformers`` tokenizer; captions are padded/truncated to its ``model_max_length``. Or a
+            mapping ``{batch key: tokenizer}`` for a model with several text encoders (SDXL, Flux:
+            ``{"input_ids": clip, "input_ids_2": second}``): the caption is tokenized by each, under its key.
         resolution: output size, an int (square) or ``(height, width)``.
         center_crop: center crop if True, else a random crop.
         random_flip: flip left-right with probability 0.5.
         interpolation: ``nearest``, ``bilinear`` (diffusers' default), ``bicubic`` or ``lanczos``.
+        micro_conditioning: also return SDXL's micro-conditioning, int32 ``original_size`` ``(height, width)``
+            (the decoded image's, before resizing) and ``crop_top_left`` ``(top, left)`` (the crop's corner in the
+            resized image; for a flipped image, in the flipped image, as diffusers' SDXL script flips before it
+            crops).
+        max_length: token ids per caption, one number or ``{batch key: number}`` (Flux's T5 takes 512 whatever
+            its tokenizer says); default: each tokenizer's ``model_max_length``.
     """
 
     tokenizer: object
@@ -70,19 +86,43 @@ class ImageCaptionTransform:
     center_crop: bool = True
     random_flip: bool = True
     interpolation: str = "bilinear"
+    micro_conditioning: bool = False
+    max_length: int | Mapping[str, int] | None = None
 
     def __post_init__(self):
         _size(self.resolution)
         if self.interpolation not in _INTERPOLATIONS:
             raise ValueError(f"interpolation={self.interpolation!r} is not one of {_INTERPOLATIONS}")
-        max_length = getattr(self.tokenizer, "model_max_length", None)
-        if not isinstance(max_length, int) or not 0 < max_length < 1_000_000:
-            raise ValueError(f"the tokenizer's model_max_length={max_length!r} is not a usable sequence length; "
-                             "set tokenizer.model_max_length")
+        if not self.tokenizers:
+            raise ValueError("tokenizer: give a tokenizer, or a mapping {batch key: tokenizer} with at least one")
+        unknown = sorted(set(self.max_length) - set(self.tokenizers)) if isinstance(self.max_length, Mapping) else []
+        if unknown:
+            raise ValueError(f"max_length has keys {unknown} that no tokenizer fills (keys: {list(self.tokenizers)})")
+        for key in self.tokenizers:
+            length = self.length(key)
+            if not isinstance(length, int) or not 0 < length < 1_000_000:
+                raise ValueError(f"the tokenizer's model_max_length={length!r} ({key}) is not a usable sequence "
+                                 "length; set tokenizer.model_max_length or pass max_length")
 
-    def tokenize(self, caption: str) -> np.ndarray:
-        ids = self.tokenizer(caption, max_length=self.tokenizer.model_max_length, padding="max_length",
-                             truncation=True, return_tensors="np")["input_ids"]
+    @property
+    def tokenizers(self) -> dict:
+        """``{batch key: tokenizer}`` (``{"input_ids": tokenizer}`` for a single one)."""
+        if isinstance(self.tokenizer, Mapping):
+            return dict(self.tokenizer)
+        return {"input_ids": self.tokenizer}
+
+    def length(self, key: str) -> int:
+        """The token ids' length for batch ``key``: ``max_length``'s, else the tokenizer's ``model_max_length``."""
+        if isinstance(self.max_length, Mapping) and key in self.max_length:
+            return self.max_length[key]
+        if isinstance(self.max_length, int):
+            return self.max_length
+        return getattr(self.tokenizers[key], "model_max_length", None)
+
+    def tokenize(self, caption: str, tokenizer=None, max_length: int | None = None) -> np.ndarray:
+        tokenizer = self.tokenizer if tokenizer is None else tokenizer
+        ids = tokenizer(caption, max_length=max_length or tokenizer.model_max_length, padding="max_length",
+                        truncation=True, return_tensors="np")["input_ids"]
         return np.asarray(ids[0], dtype=np.int32)
 
     def __call__(self, record: dict, rng: np.random.Generator) -> dict:
@@ -90,11 +130,21 @@ class ImageCaptionTransform:
         image = decode_image(record["image"], record["name"])
         if image.shape[0] == 0 or image.shape[1] == 0:
             raise DataError(f"unreadable image {record['name']}: it is empty ({image.shape})")
+        original_size = image.shape[:2]
         image = resize_to_cover(image, height, width, self.interpolation)
-        image = crop(image, height, width, None if self.center_crop else rng)
+        top, left = crop_corner(image, height, width, None if self.center_crop else rng)
+        resized_width = image.shape[1]
+        image = image[top : top + height, left : left + width]
         if self.random_flip and rng.random() < 0.5:
             image = image[:, ::-1]
+            left = resized_width - left - width  # the same pixels, cropped from the flipped image
         caption = record["caption"]
         if not isinstance(caption, str):  # several captions: draw one, as diffusers' scripts do
             caption = caption[int(rng.integers(len(caption)))]
-        return {"pixel_values": to_unit_range(image), "input_ids": self.tokenize(caption)}
+        out = {"pixel_values": to_unit_range(image)}
+        for key, tokenizer in self.tokenizers.items():
+            out[key] = self.tokenize(caption, tokenizer, self.length(key))
+        if self.micro_conditioning:
+            out["original_size"] = np.asarray(original_size, np.int32)
+            out["crop_top_left"] = np.asarray((top, left), np.int32)
+        return out

@@ -2,6 +2,11 @@
 
 >>> from eqxdiff import train
 >>> state, frozen, losses = train.run(train.TrainConfig(steps=1500))     # the digits model, from scratch
+>>> train.run(train.TrainConfig(model="path/to/sdxl", data="my-images", cache_stream=True, ...))  # fine-tune
+
+Each family trains through its bundle (:class:`TrainModel`: :class:`LatentDiffusion` for Stable Diffusion,
+:class:`SDXLLatentDiffusion`, :class:`FluxFlowMatching`), found from the pipeline's class name
+(:data:`TRAIN_FAMILIES`); the step, loop, optimizer, mesh, remat, checkpoints and export are shared.
 """
 
 from ..data import ArrayBatches as ArrayBatches
@@ -12,9 +17,17 @@ from ._checkpoint import Checkpointer as Checkpointer
 from ._checkpoint import CheckpointMismatchError as CheckpointMismatchError
 from ._data import DataError as DataError
 from ._data import cache_arrays as cache_arrays
+from ._data import cache_stream as cache_stream
 from ._data import check_batch as check_batch
 from ._digits import DigitsArchitecture as DigitsArchitecture
 from ._digits import build_digits_model as build_digits_model
+from ._families import TRAIN_FAMILIES as TRAIN_FAMILIES
+from ._families import train_family as train_family
+from ._family import NullCondition as NullCondition
+from ._family import TextInput as TextInput
+from ._family import TrainModel as TrainModel
+from ._family import encode_batch as encode_batch
+from ._flux import FluxFlowMatching as FluxFlowMatching
 from ._init import host_init as host_init
 from ._interrupt import TrainingInterrupted as TrainingInterrupted
 from ._loop import data_parallel_mesh as data_parallel_mesh
@@ -38,11 +51,14 @@ from ._objectives import offset_noise as offset_noise
 from ._objectives import sample_timesteps as sample_timesteps
 from ._objectives import snr as snr
 from ._objectives import target as target
+from ._run import Setup as Setup
 from ._run import TrainConfig as TrainConfig
+from ._run import build as build
 from ._run import export_pipeline as export_pipeline
 from ._run import load_data as load_data
 from ._run import run as run
-from ._step import LatentDiffusion as LatentDiffusion
+from ._sd import LatentDiffusion as LatentDiffusion
+from ._sdxl import SDXLLatentDiffusion as SDXLLatentDiffusion
 from ._step import OptimizerConfig as OptimizerConfig
 from ._step import TrainState as TrainState
 from ._step import batch_loss as batch_loss

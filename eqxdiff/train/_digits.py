@@ -9,7 +9,7 @@ from ..models.clip import CLIPTextConfig, CLIPTextModel
 from ..models.unet2d import UNet2DConditionConfig, UNet2DConditionModel
 from ..models.vae import AutoencoderKL, AutoencoderKLConfig
 from ._init import host_init
-from ._step import LatentDiffusion
+from ._sd import LatentDiffusion
 
 # Stable Diffusion's training noise schedule; the saved pipeline samples with DPM-Solver++ on the same betas.
 SD_NOISE_SCHEDULE = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
@@ -21,14 +21,40 @@ class DigitsArchitecture:
     """Sizes of the from-scratch model. The VAE downsamples by ``2 ** (len(vae_channels) - 1)``."""
 
     image_size: int = 16
+    """Image size the models are built for (the UNet's sample size is this over the VAE's factor)."""
     vae_channels: tuple[int, ...] = (16, 32, 64)
+    """The VAE's channels per level; each level after the first halves the image."""
     latent_channels: int = 4
+    """Channels of the VAE's latents (the UNet's input and output)."""
     unet_channels: tuple[int, ...] = (32, 64)
+    """The UNet's channels per level (each level has one resnet and cross-attention)."""
     attention_heads: int = 4
+    """Attention heads of the UNet's transformer blocks."""
     text_hidden_size: int = 32
+    """Width of the CLIP text encoder (and the UNet's cross-attention input)."""
     text_layers: int = 2
+    """Layers of the CLIP text encoder."""
     text_heads: int = 4
+    """Attention heads of the CLIP text encoder."""
     norm_num_groups: int = 8
+    """Group-norm groups of the UNet and VAE (divides every channel count)."""
+
+    def __post_init__(self):
+        sizes = {"image_size": self.image_size, "latent_channels": self.latent_channels,
+                 "attention_heads": self.attention_heads, "text_hidden_size": self.text_hidden_size,
+                 "text_layers": self.text_layers, "text_heads": self.text_heads,
+                 "norm_num_groups": self.norm_num_groups}
+        for key, value in {**sizes, **{f"{k}[{i}]": c for k in ("vae_channels", "unet_channels")
+                                        for i, c in enumerate(getattr(self, k))}}.items():
+            if value < 1:
+                raise ValueError(f"architecture.{key}={value} must be >= 1")
+        for key in ("vae_channels", "unet_channels"):
+            if not getattr(self, key):
+                raise ValueError(f"architecture.{key} is empty; give at least one channel count")
+        factor = 2 ** (len(self.vae_channels) - 1)
+        if self.image_size % factor:
+            raise ValueError(f"architecture.image_size={self.image_size} must be a multiple of {factor} (the VAE's "
+                             f"{len(self.vae_channels)} levels halve it {len(self.vae_channels) - 1} times)")
 
     def configs(self, tokenizer):
         latent = self.image_size // 2 ** (len(self.vae_channels) - 1)

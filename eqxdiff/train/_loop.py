@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..parallel import DEFAULT_RULES, AxisRules, MeshConfig, batch_shards, make_mesh, param_shardings, shard_params
 from ._data import DataError, check_batch
+from ._family import TrainModel
 from ._interrupt import TrainingInterrupted, stop_on_signals
 from ._metrics import MetricsLogger, step_flops
 from ._step import TrainState, train_step
@@ -83,7 +84,7 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
     if start >= steps:
         return state, []
     first = next(batches)
-    check_batch(first, where="the first training batch")
+    check_batch(first, where="the first training batch", model=frozen if isinstance(frozen, TrainModel) else None)
     kwargs = dict(scheduler=scheduler, objective=objective, optimizer=optimizer, ema_decay=ema_decay)
     if mesh is not None:  # (only then: a keyword given is a different jit signature from one left out)
         state, frozen, kwargs["shardings"] = shard_state(state, frozen, mesh, rules)

@@ -1,33 +1,46 @@
 """``run(config)``: everything ``scripts/train.py`` does, callable from a notebook.
 
-Data (checked before anything is built), model (a pretrained pipeline, or the from-scratch digits architecture
-with its autoencoder stage), optional caching of latents and text embeddings, the train loop with metrics,
-checkpoints and samples, and the export of the trained pipeline in the diffusers format.
+Data (checked before anything is built), model (a pretrained pipeline of any family eqxdiff trains: Stable
+Diffusion, SDXL, Flux, through its :class:`~eqxdiff.train.TrainModel` bundle; or the from-scratch digits
+architecture with its autoencoder stage), optional caching of latents and text embeddings (in memory, or for a
+stream to memory-mapped files), the train loop with metrics, checkpoints and samples, and the export of the trained
+pipeline in the diffusers format. Nothing here names a family: the bundle says what trains, how text is encoded and
+what the denoiser is called with; the noise scheduler says which objective (DDPM or flow matching).
 """
 
 import dataclasses
+import inspect
 import json
+import math
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
-from ..data import (ArrayBatches, HFDatasetSource, ImageFolderSource, SyntheticSource, TFRecordSource,
-                    character_tokenizer, make_dataset)
+from ..data import (
+    ArrayBatches,
+    HFDatasetSource,
+    ImageFolderSource,
+    SyntheticSource,
+    TFRecordSource,
+    character_tokenizer,
+    make_dataset,
+)
 from ..data.digits import DigitsSource
-from ..loading import load, save_pretrained
+from ..loading import check_dtype, load, save_pretrained
 from ..parallel import MeshConfig, Plan, Remat, batch_shards, make_mesh, shard_params, with_plan
-from ..pipelines import StableDiffusionPipeline, load_pipeline, save_pipeline
-from ..schedulers import DDPMScheduler, scheduler_from_config
+from ..pipelines import load_pipeline, save_pipeline
+from ..schedulers import SCHEDULERS, DDPMScheduler, scheduler_from_config
 from ._autoencoder import fit_scaling_factor, train_autoencoder
 from ._checkpoint import Checkpointer, CheckpointMismatchError, mismatch_message
-from ._data import DataError, cache_arrays, check_batch
+from ._data import DataError, cache_arrays, cache_stream, check_batch
 from ._digits import SD_NOISE_SCHEDULE, DigitsArchitecture, build_digits_model
+from ._families import train_family
+from ._family import TrainModel
 from ._loop import fit, shard_state
 from ._metrics import MetricsLogger
 from ._objectives import Objective
-from ._step import LatentDiffusion, OptimizerConfig, init_state, make_optimizer, trainable_filter
+from ._step import OptimizerConfig, init_state, make_optimizer, trainable_filter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,18 +78,40 @@ class TrainConfig:
     seed: int = 0
     """Seed of the initialisation, the data order and the training noise."""
     optimizer: OptimizerConfig = OptimizerConfig()
+    """AdamW, its learning-rate schedule, clipping and gradient accumulation (``--optimizer.*``)."""
     objective: Objective = Objective()
+    """What the loss compares and how it weights timesteps (``--objective.*``)."""
     ema_decay: float | None = None
     """Keep an exponential moving average of the trained weights with this decay (exported instead of them)."""
     train_text_encoder: bool = False
     """Train the text encoder too (default: frozen)."""
     cache: bool = True
-    """Encode latents and text embeddings once before training (only while the VAE and text encoder are frozen)."""
+    """Encode latents and text embeddings once before training (only while the VAE and text encoders are frozen):
+    an in-memory dataset (digits) always; a stream (folder, hf_dataset, tfrecord, synthetic) with
+    ``cache_stream``. The text encoders then leave the devices (the empty prompt's embeddings are kept)."""
+    cache_stream: bool = False
+    """With ``cache``: encode a streamed dataset once, one pass in order with its crops and flips drawn once, into
+    ``output_dir/cache`` (``.npy`` files read back as memory maps; a resumed run with the same data and model reuses
+    them), and train on it in shuffled batches (diffusers' SDXL and Flux recipes). Off: a stream is encoded every
+    step, with fresh crops and flips each epoch."""
+    center_crop: bool = True
+    """Crop each resized image at its center (False: at random; SDXL conditions on where the crop was)."""
+    random_flip: bool = True
+    """Flip images left-right at random."""
+    guidance_scale: float = 3.5
+    """A guidance-distilled transformer (FLUX.1-dev's ``guidance_embeds``) trains at this constant guidance
+    (diffusers' ``--guidance_scale``); other models ignore it."""
+    max_sequence_length: int = 512
+    """Flux: T5's caption length in tokens (the pipeline's and diffusers' ``--max_sequence_length``: at most 512);
+    CLIP encoders take their tokenizer's length (77)."""
     architecture: DigitsArchitecture = DigitsArchitecture()
+    """From scratch (no ``model``): the sizes of the text encoder, UNet and VAE built (``--architecture.*``)."""
     autoencoder_steps: int = 600
     """From scratch: steps of the autoencoder stage that trains the VAE before the UNet."""
     autoencoder_batch_size: int = 32
+    """From scratch: images per step of the autoencoder stage."""
     autoencoder_learning_rate: float = 2e-3
+    """From scratch: the autoencoder stage's (constant) Adam learning rate."""
     kl_weight: float = 1e-4
     """From scratch: weight of the VAE's KL term (per latent element) against the pixel MSE."""
     mesh: MeshConfig | None = None
@@ -95,12 +130,15 @@ class TrainConfig:
     """Save the trained pipeline here in the diffusers format (default: ``output_dir/pipeline``)."""
     export_dtype: str | None = None
     """Dtype of the exported weights (float32 if None; float16 / bfloat16 halve the folder)."""
-    export_scheduler: str = "dpm++2m"
-    """Scheduler written to the exported pipeline (same betas as training)."""
+    export_scheduler: str | None = "dpm++2m"
+    """Scheduler written to the exported pipeline (same noise schedule as training); None: the fine-tuned
+    folder's own scheduler, as it was (from scratch: ``dpm++2m``)."""
     log_every: int = 25
+    """Write the loss, learning rate and throughput to metrics.jsonl and tensorboard every this many steps."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: never)."""
     keep_checkpoints: int = 3
+    """How many of the latest checkpoints to keep on disk (older ones are deleted)."""
     resume: bool = True
     """Continue from the latest checkpoint in ``output_dir/checkpoints`` if there is one."""
     profile_steps: tuple[int, ...] = ()
@@ -108,18 +146,41 @@ class TrainConfig:
     sample_every: int = 0
     """Generate images from ``sample_prompts`` every this many steps (0: only at the end if exporting)."""
     sample_prompts: tuple[str, ...] = ()
+    """Prompts of the sample images (saved under ``output_dir/samples`` and to tensorboard); none: no samples."""
     sample_steps: int = 20
+    """Denoising steps of each sample (with ``export_scheduler``)."""
     sample_guidance_scale: float = 4.0
+    """Classifier-free guidance scale of the samples."""
     progress: bool = True
+    """Show a progress bar."""
 
     def __post_init__(self):
-        for key in ("batch_size", "steps", "log_every", "keep_checkpoints"):
+        for key in ("batch_size", "steps", "log_every", "keep_checkpoints", "resolution", "autoencoder_steps",
+                    "autoencoder_batch_size", "sample_steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         if self.checkpoint_every < 0 or self.sample_every < 0:
             raise ValueError("checkpoint_every and sample_every must be >= 0")
+        if not 0 <= self.seed < 2**31:
+            raise ValueError(f"seed={self.seed} must be in [0, 2**31): it seeds JAX, NumPy and the data order")
+        if any(s < 0 for s in self.profile_steps):
+            raise ValueError(f"profile_steps={self.profile_steps} must be steps >= 0")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ValueError(f"ema_decay={self.ema_decay} must be in (0, 1)")
+        if not 0.0 < self.autoencoder_learning_rate < math.inf:
+            raise ValueError(f"autoencoder_learning_rate={self.autoencoder_learning_rate} must be a positive number")
+        if not 0.0 <= self.kl_weight < math.inf:
+            raise ValueError(f"kl_weight={self.kl_weight} must be a finite number >= 0")
+        if not math.isfinite(self.sample_guidance_scale):
+            raise ValueError(f"sample_guidance_scale={self.sample_guidance_scale} must be finite (<= 1: no guidance)")
+        if not 1 <= self.max_sequence_length <= 512:
+            raise ValueError(f"max_sequence_length={self.max_sequence_length} must be in [1, 512] (T5's limit in the "
+                             "Flux pipelines)")
+        if not math.isfinite(self.guidance_scale):
+            raise ValueError(f"guidance_scale={self.guidance_scale} must be finite")
+        if self.export_scheduler is not None and self.export_scheduler not in SCHEDULERS:
+            raise ValueError(f"export_scheduler={self.export_scheduler!r}; choose one of {list(SCHEDULERS)}")
+        check_dtype(self.export_dtype)
         object.__setattr__(self, "tfrecord", tuple(str(p) for p in self.tfrecord))
         object.__setattr__(self, "remat", Remat(self.remat))
         Plan(remat=self.remat, remat_names=self.remat_names)  # a bad remat/remat_names pair raises here
@@ -169,14 +230,22 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def load_data(config: TrainConfig, tokenizer):
-    """``("arrays", dict)`` for the digits (the whole set in memory: cacheable, exactly resumable) or
-    ``("stream", grain dataset)`` for the other sources (:func:`eqxdiff.data.make_dataset`). Sources check their
-    files when built, so bad data fails here, before any model is built or compiled."""
+def _text_tokenizers(tokenizer) -> dict:
+    """``{batch key: tokenizer}`` of one tokenizer (``input_ids``) or of such a mapping."""
+    return dict(tokenizer) if isinstance(tokenizer, dict) else {"input_ids": tokenizer}
+
+
+def open_source(config: TrainConfig, tokenizer=None):
+    """``("arrays", dict)`` for the digits (the whole set in memory; tokenized with ``tokenizer``) or
+    ``("source", source)``: the data source the flags select, checked (its files, columns, size) before any model
+    is built or compiled."""
     source = config.source
     if source == "digits":
-
-        arrays = DigitsSource(config.resolution, tokenizer=tokenizer).arrays
+        tokenizers = _text_tokenizers(tokenizer)
+        if list(tokenizers) != ["input_ids"]:
+            raise DataError(f"data='digits' (the from-scratch digits set) has one tokenizer's ids; this model "
+                            f"needs {list(tokenizers)}: train it on an image folder, hf_dataset, tfrecord or synthetic")
+        arrays = DigitsSource(config.resolution, tokenizer=tokenizers["input_ids"]).arrays
         check_batch(arrays, where="dataset 'digits'")
         if len(arrays["pixel_values"]) < config.batch_size:
             raise DataError(f"dataset 'digits' has {len(arrays['pixel_values'])} samples, fewer than "
@@ -204,30 +273,79 @@ def load_data(config: TrainConfig, tokenizer):
         raise DataError(f"data={config.data!r} is not 'digits', 'synthetic' or an image folder{hint}")
     if len(source) < config.batch_size:
         raise DataError(f"{source!r} has {len(source)} samples, fewer than batch_size={config.batch_size}")
-    return "stream", make_dataset(source, tokenizer=tokenizer, batch_size=config.batch_size,
-                                  resolution=config.resolution, seed=config.seed)
+    return "source", source
+
+
+def stream(config: TrainConfig, source, tokenizer, *, micro_conditioning: bool = False, **kwargs):
+    """:func:`eqxdiff.data.make_dataset` of ``source`` with the run's resolution, crops, flips and seed
+    (``kwargs``: its other arguments)."""
+    return make_dataset(source, tokenizer=_text_tokenizers(tokenizer), batch_size=config.batch_size,
+                        resolution=config.resolution, center_crop=config.center_crop, random_flip=config.random_flip,
+                        micro_conditioning=micro_conditioning, seed=config.seed, **kwargs)
+
+
+def load_data(config: TrainConfig, tokenizer, *, micro_conditioning: bool = False):
+    """``("arrays", dict)`` for the digits (the whole set in memory: cacheable, exactly resumable) or
+    ``("stream", grain dataset)`` for the other sources (:func:`eqxdiff.data.make_dataset`). Sources check their
+    files when built, so bad data fails here, before any model is built or compiled. ``tokenizer``: one, or
+    ``{batch key: tokenizer}`` for a model with several text encoders; ``micro_conditioning``: the batches carry
+    each image's original size and crop (SDXL)."""
+    kind, data = open_source(config, tokenizer)
+    if kind == "arrays":
+        return kind, data
+    return "stream", stream(config, data, tokenizer, micro_conditioning=micro_conditioning)
+
+
+@dataclasses.dataclass
+class Setup:
+    """What :func:`build` makes of a run's model: the family's bundle, its tokenizers by component name, the noise
+    scheduler the objective draws from, the scheduler samples and the export use unless ``export_scheduler`` names
+    another, and the pipeline's ``model_index.json`` options (SDXL's ``force_zeros_for_empty_prompt``)."""
+
+    model: TrainModel
+    tokenizers: dict
+    noise_scheduler: object
+    scheduler: object
+    options: dict
+    max_sequence_length: int = 512
+
+    @property
+    def text_tokenizers(self) -> dict:
+        """``{batch key: tokenizer}``, what the data tokenizes captions with."""
+        return {t.key: self.tokenizers[t.tokenizer] for t in self.model.TEXT}
+
+    @property
+    def text_lengths(self) -> dict:
+        """``{batch key: token ids per caption}`` (:meth:`eqxdiff.train.TrainModel.text_lengths`)."""
+        return self.model.text_lengths(self.tokenizers, max_sequence_length=self.max_sequence_length)
+
+
+def build(config: TrainConfig, mesh=None) -> Setup:
+    """The run's :class:`Setup`: ``config.model`` loaded (straight onto ``mesh``'s shardings when given) and given
+    to its family's bundle (:func:`eqxdiff.train._families.train_family`), or the digits architecture built from
+    scratch (its VAE still untrained: :func:`autoencoder_stage`)."""
+    if config.model is not None:
+        pipe = load_pipeline(config.model, mesh=mesh)
+        family = train_family(pipe.CLASS_NAME)
+        model, tokenizers, noise_scheduler = family.from_pipeline(
+            pipe, guidance_scale=config.guidance_scale, max_sequence_length=config.max_sequence_length)
+        return Setup(model, tokenizers, noise_scheduler, pipe.scheduler, dict(pipe.options),
+                     config.max_sequence_length)
+    tokenizer = character_tokenizer(max_length=32)
+    model = build_digits_model(config.architecture, tokenizer, seed=config.seed)
+    noise = DDPMScheduler.from_config({**SD_NOISE_SCHEDULE, "prediction_type":
+                                       config.objective.prediction_type or "epsilon"})
+    return Setup(model, {"tokenizer": tokenizer}, noise, scheduler_from_config(noise.config.to_dict(),
+                                                                                name="dpm++2m"), {})
 
 
 def build_model(config: TrainConfig):
-    """``(model, tokenizer, noise_scheduler)``; from scratch, the VAE is trained first (autoencoder stage) and
-    saved to ``output_dir/autoencoder`` so a resumed run reuses it."""
-
-    if config.model is not None:
-
-        pipe = load_pipeline(config.model)
-        model = LatentDiffusion(pipe.unet, pipe.text_encoder, pipe.vae, jnp.asarray(
-            pipe.tokenizer([""], padding="max_length", max_length=pipe.tokenizer.model_max_length,
-                           return_tensors="np").input_ids[0], jnp.int32))
-        raw = pipe.scheduler.config.to_dict()
-        return model, pipe.tokenizer, DDPMScheduler.from_config(raw)
-
-    tokenizer = character_tokenizer(max_length=32)
-    model = build_digits_model(config.architecture, tokenizer, seed=config.seed)
-    return model, tokenizer, DDPMScheduler.from_config({**SD_NOISE_SCHEDULE, "prediction_type":
-                                                        config.objective.prediction_type or "epsilon"})
+    """``(model, tokenizer, noise_scheduler)`` of :func:`build` (``tokenizer``: the first text encoder's)."""
+    setup = build(config)
+    return setup.model, next(iter(setup.tokenizers.values())), setup.noise_scheduler
 
 
-def autoencoder_stage(config: TrainConfig, model: LatentDiffusion, kind: str, data) -> LatentDiffusion:
+def autoencoder_stage(config: TrainConfig, model: TrainModel, kind: str, data) -> TrainModel:
     import equinox as eqx
 
 
@@ -254,15 +372,41 @@ def autoencoder_stage(config: TrainConfig, model: LatentDiffusion, kind: str, da
     return eqx.tree_at(lambda m: m.vae, model, vae)
 
 
-def export_pipeline(model: LatentDiffusion, tokenizer, noise_scheduler, folder, *, scheduler: str = "dpm++2m",
-                    dtype=None):
-    """Save ``model`` as a diffusers ``StableDiffusionPipeline`` folder sampling with ``scheduler``."""
-
-    sched = scheduler_from_config(noise_scheduler.config.to_dict(), name=scheduler)
-    pipe = StableDiffusionPipeline(tokenizer=tokenizer, text_encoder=model.text_encoder, unet=model.unet,
-                                   vae=model.vae, scheduler=sched)
+def export_pipeline(model: TrainModel, tokenizer, noise_scheduler, folder, *, scheduler: str | None = "dpm++2m",
+                    dtype=None, options: dict | None = None):
+    """Save ``model`` (a family's bundle, its text encoders in place) as a diffusers pipeline folder of its family
+    (``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``, ``FluxPipeline``) sampling with ``scheduler`` (a
+    name, on ``noise_scheduler``'s noise schedule; or a scheduler; ``None``: ``noise_scheduler`` itself).
+    ``tokenizer``: one, or ``{component name: tokenizer}``; ``options``: the pipeline's ``model_index.json``
+    settings."""
+    tokenizers = tokenizer if isinstance(tokenizer, dict) else {"tokenizer": tokenizer}
+    if scheduler is None:
+        scheduler = noise_scheduler
+    elif isinstance(scheduler, str):
+        scheduler = scheduler_from_config(noise_scheduler.config.to_dict(), name=scheduler)
+    pipe = model.pipeline(tokenizers, scheduler, options=options)
     save_pipeline(pipe, folder, dtype=dtype)
     return pipe
+
+
+def _sample_scheduler(config: TrainConfig, setup: Setup):
+    """The scheduler of samples and of the export: ``export_scheduler`` on the noise schedule, or the folder's."""
+    if config.export_scheduler is None:
+        return setup.scheduler
+    return scheduler_from_config(setup.noise_scheduler.config.to_dict(), name=config.export_scheduler)
+
+
+def _to_host(tree):
+    """``tree``'s arrays in host memory where each is whole on this host (the rest stay where they are)."""
+    return jax.tree.map(lambda x: jax.device_get(x) if getattr(x, "is_fully_addressable", True) else x, tree)
+
+
+def _cache_fingerprint(config: TrainConfig, model: TrainModel) -> dict:
+    """What a stream's cache depends on: the data flags, the model and the preprocessing."""
+    keys = ("model", "data", "hf_dataset", "hf_split", "image_column", "caption_column", "tfrecord", "image_key",
+            "caption_key", "resolution", "center_crop", "random_flip", "seed", "max_sequence_length")
+    return {**{k: getattr(config, k) for k in keys}, "family": type(model).__name__,
+            "processes": jax.process_count(), "process": jax.process_index()}
 
 
 def run(config: TrainConfig):
@@ -277,17 +421,36 @@ def run(config: TrainConfig):
         raise DataError(f"batch_size={config.batch_size} must be a multiple of {batch_shards(mesh)}: the mesh "
                         f"{dict(mesh.shape)} splits each batch over its data x fsdp axes; change batch_size or "
                         "the mesh's data/fsdp parallelism")
-    model, tokenizer, noise_scheduler = build_model(config)
-    kind, data = load_data(config, tokenizer)
+    source = None if config.source == "digits" else open_source(config)[1]  # bad data fails before any loading
+    setup = build(config, mesh)
+    model = setup.model
+    if source is None:
+        kind, data = open_source(config, setup.text_tokenizers)
+    else:
+        kind, data = "stream", stream(config, source, setup.text_tokenizers, max_length=setup.text_lengths,
+                                      micro_conditioning=model.micro_conditioning())
     if config.model is None:
         model = autoencoder_stage(config, model, kind, data)
+    cache = config.cache and not config.train_text_encoder
     if kind == "arrays":
         _log(f"data: {len(data['pixel_values'])} samples of {data['pixel_values'].shape[1:]}")
-        if config.cache and not config.train_text_encoder:
+        if cache:
             data = cache_arrays(model, data, log=_log)
         batches = ArrayBatches(data, config.batch_size, seed=config.seed)
-    else:  # a grain stream: encoded every step (caching holds a whole dataset in memory)
+    elif cache and config.cache_stream:  # one pass in order, encoded to memory-mapped files; shuffled batches
+        one_pass = stream(config, source, setup.text_tokenizers, max_length=setup.text_lengths,
+                          micro_conditioning=model.micro_conditioning(), shuffle=False, num_epochs=1,
+                          drop_remainder=False)
+        data = cache_stream(model, iter(one_pass), out / "cache", size=len(source) // jax.process_count(),
+                            fingerprint=_cache_fingerprint(config, model), log=_log)
+        batches = ArrayBatches(data, config.batch_size // jax.process_count(), seed=config.seed)
+    else:  # a grain stream: encoded every step
         batches = iter(data)
+        cache = False
+    encoders = {}
+    if cache:  # the embeddings are cached: the text encoders leave the devices (back for samples and the export)
+        model, encoders = model.without_text_encoders()
+        encoders = _to_host(encoders)
     if mesh is not None or config.remat is not Remat.NONE:
         model = with_plan(model, Plan(mesh, remat=config.remat, remat_names=config.remat_names))
     if mesh is not None:  # placed before the optimizer state is made, so no device holds a whole copy
@@ -296,6 +459,7 @@ def run(config: TrainConfig):
     spec = trainable_filter(model, train_text_encoder=config.train_text_encoder)
     state, frozen = init_state(model, optimizer, key=jax.random.key(config.seed), filter_spec=spec,
                                ema=config.ema_decay is not None)
+    del model
     if mesh is not None:  # on their final shardings before a checkpoint is restored onto them
         state, frozen, _ = shard_state(state, frozen, mesh)
     # Checkpoints every checkpoint_every steps, and on Ctrl-C / SIGTERM whatever it is.
@@ -310,14 +474,16 @@ def run(config: TrainConfig):
         _log(f"resumed from step {int(state.step)}")
     (out / "config.json").write_text(json.dumps(settings, indent=2))  # only once the run is known to fit
     logger = MetricsLogger(out, total_steps=config.steps, start_step=int(state.step), progress=config.progress)
+    scheduler = _sample_scheduler(config, setup)
     sample_fn = None
     if config.sample_prompts:
-        sample_fn = _sampler(config, tokenizer, noise_scheduler, frozen)
+        sample_fn = _sampler(config, setup, scheduler, frozen, encoders)
     objective = config.objective
     if objective.prediction_type is None:
-        objective = dataclasses.replace(objective, prediction_type=noise_scheduler.config.prediction_type)
+        default = getattr(setup.noise_scheduler.config, "prediction_type", None)  # flow matching: the velocity
+        objective = dataclasses.replace(objective, prediction_type=default)
     try:
-        state, losses = fit(state, frozen, batches, steps=config.steps, scheduler=noise_scheduler,
+        state, losses = fit(state, frozen, batches, steps=config.steps, scheduler=setup.noise_scheduler,
                             objective=objective, optimizer=optimizer, ema_decay=config.ema_decay or 0.0, mesh=mesh,
                             logger=logger, log_every=config.log_every, checkpointer=checkpointer,
                             profile_steps=config.profile_steps, profile_dir=out / "profile",
@@ -328,25 +494,27 @@ def run(config: TrainConfig):
         logger.close()
         checkpointer.close()
     _log(f"trained to step {int(state.step)} in {time.perf_counter() - t_start:.0f} s (wall, from the start)")
-    trained = state.model(jax.device_get(frozen), use_ema=True)
-    trained = jax.device_get(trained)
+    trained = state.model(_to_host(frozen), use_ema=True)
+    trained = _to_host(trained).with_text_encoders(encoders)
     folder = config.export_dir or out / "pipeline"
-    export_pipeline(trained, tokenizer, noise_scheduler, folder, scheduler=config.export_scheduler,
-                    dtype=config.export_dtype)
+    export_pipeline(trained, setup.tokenizers, setup.noise_scheduler, folder, scheduler=scheduler,
+                    dtype=config.export_dtype, options=setup.options)
     _log(f"exported the pipeline to {folder}; total {time.perf_counter() - t_start:.0f} s")
     return state, frozen, losses
 
 
-def _sampler(config: TrainConfig, tokenizer, noise_scheduler, frozen):
-
-    sched = scheduler_from_config(noise_scheduler.config.to_dict(), name=config.export_scheduler)
+def _sampler(config: TrainConfig, setup: Setup, scheduler, frozen, encoders):
+    """``sample(state)``: uint8 images of ``sample_prompts`` from the trained weights (their EMA), through the
+    family's pipeline (text encoders put on the devices only while they encode)."""
 
     def sample(state):
-        m = state.model(frozen, use_ema=True)
-        pipe = StableDiffusionPipeline(tokenizer=tokenizer, text_encoder=m.text_encoder, unet=m.unet, vae=m.vae,
-                                       scheduler=sched)
+        model = state.model(frozen, use_ema=True).with_text_encoders(encoders)
+        pipe = model.pipeline(setup.tokenizers, scheduler, options=setup.options, offload_encoders=bool(encoders))
+        extra = {}
+        if "max_sequence_length" in inspect.signature(pipe.__call__).parameters:  # Flux: T5 as trained
+            extra["max_sequence_length"] = config.max_sequence_length
         return pipe(list(config.sample_prompts), num_inference_steps=config.sample_steps,
-                    guidance_scale=config.sample_guidance_scale, seed=0, progress=False)
+                    guidance_scale=config.sample_guidance_scale, seed=0, progress=False, **extra)
 
     return sample
 

@@ -1,4 +1,4 @@
-"""The train state and the pure, jitted train step.
+"""The train state and the pure, jitted train step, shared by every family.
 
 >>> model = LatentDiffusion(unet=unet, text_encoder=text_encoder, vae=vae, null_input_ids=tokenize([""])[0])
 >>> optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-4, warmup_steps=500, total_steps=10_000))
@@ -6,15 +6,20 @@
 >>> state, metrics = train_step(state, frozen, batch, scheduler=scheduler, objective=Objective(),
 ...                             optimizer=optimizer)
 
-Only the leaves that ``trainable_filter`` marks (by default the UNet's arrays) are in ``state.params`` and get
-gradients and optimizer state; everything else (VAE, text encoder, the unconditional prompt) rides in ``frozen``,
-which the step never changes. A batch holds either ``pixel_values`` + ``input_ids`` (encoded each step) or the
-cached ``latent_mean`` + ``latent_std`` + ``encoder_hidden_states`` (see :func:`eqxdiff.train.cache_arrays`).
+``model`` is a family's bundle (:class:`eqxdiff.train.TrainModel`: :class:`LatentDiffusion` for Stable Diffusion,
+``SDXLLatentDiffusion``, ``FluxFlowMatching``). Only the leaves that ``trainable_filter`` marks (by default the
+denoiser's arrays: the UNet, the transformer) are in ``state.params`` and get gradients and optimizer state;
+everything else (VAE, text encoders, the unconditional prompt) rides in ``frozen``, which the step never changes.
+A batch holds either ``pixel_values`` + token ids (encoded each step) or the cached ``latent_mean`` + ``latent_std``
++ the text encoders' outputs (see :func:`eqxdiff.train.cache_arrays`), plus the family's per-image conditioning
+(``model.batch_keys``). The objective follows the noise scheduler: DDPM noise/v/sample prediction, or flow matching
+on a flow-matching scheduler (:func:`eqxdiff.train.diffusion_loss`).
 """
 
 import dataclasses
 import functools
-from typing import Any, ClassVar
+import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -22,37 +27,21 @@ import jax.numpy as jnp
 import optax
 
 from .._typing import Array, Int, PRNGKeyArray
+from ._family import TrainModel
 from ._objectives import Objective, diffusion_loss
+from ._sd import LatentDiffusion
+
+__all__ = ["LatentDiffusion", "OptimizerConfig", "TrainState", "batch_loss", "init_state", "make_optimizer",
+           "train_step", "trainable_filter"]
 
 SCHEDULES = ("constant", "cosine", "linear")
 
 
-class LatentDiffusion(eqx.Module):
-    """What a text-to-image train step needs: the denoiser, the text encoder, the VAE, and the token ids of the
-    empty prompt (caption dropout swaps them in, so the model learns the unconditional branch of guidance)."""
-
-    unet: Any
-    text_encoder: Any
-    vae: Any
-    null_input_ids: Int[Array, " seq"]
-
-    PARAM_AXES: ClassVar = {"null_input_ids": (None,)}  # token ids: replicated
-
-    def encode_text(self, input_ids):
-        return self.text_encoder(input_ids).last_hidden_state
-
-
-def trainable_filter(model: LatentDiffusion, *, train_text_encoder: bool = False, train_vae: bool = False):
-    """A filter spec (same structure, bools at the leaves): the UNet's arrays, plus the text encoder's/VAE's if
-    asked. ``eqx.partition(model, spec)`` splits the model into trainable and frozen halves."""
-    spec = jax.tree.map(lambda _: False, model)
-    arrays = lambda m: jax.tree.map(eqx.is_inexact_array, m)  # noqa: E731
-    spec = eqx.tree_at(lambda m: m.unet, spec, arrays(model.unet))
-    if train_text_encoder:
-        spec = eqx.tree_at(lambda m: m.text_encoder, spec, arrays(model.text_encoder))
-    if train_vae:
-        spec = eqx.tree_at(lambda m: m.vae, spec, arrays(model.vae))
-    return spec
+def trainable_filter(model: TrainModel, *, train_text_encoder: bool = False, train_vae: bool = False):
+    """A filter spec (same structure, bools at the leaves): the denoiser's arrays, plus the text encoders'/VAE's if
+    asked (:meth:`eqxdiff.train.TrainModel.trainable`). ``eqx.partition(model, spec)`` splits the model into
+    trainable and frozen halves."""
+    return model.trainable(train_text_encoder=train_text_encoder, train_vae=train_vae)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,22 +50,43 @@ class OptimizerConfig:
     gradient accumulation (``optax.MultiSteps``: one optimizer update per ``accumulation_steps`` micro-steps)."""
 
     learning_rate: float = 1e-4
+    """The peak learning rate (reached after ``warmup_steps``)."""
     warmup_steps: int = 0
+    """Optimizer updates of linear warmup from 0 to ``learning_rate``."""
     total_steps: int = 10_000
+    """Micro-steps the schedule spans (normally the run's ``steps``); the schedule has total_steps //
+    accumulation_steps updates."""
     schedule: str = "cosine"
+    """After warmup: ``cosine`` or ``linear`` decay to ``final_learning_rate_fraction``, or ``constant``."""
     final_learning_rate_fraction: float = 0.0
+    """Where the cosine/linear decay ends, as a fraction of ``learning_rate``."""
     beta1: float = 0.9
+    """Adam's first-moment decay."""
     beta2: float = 0.999
+    """Adam's second-moment decay."""
     eps: float = 1e-8
+    """Adam's epsilon (added to the root of the second moment)."""
     weight_decay: float = 1e-2
+    """AdamW's decoupled weight decay."""
     max_grad_norm: float | None = 1.0
+    """Clip the gradients' global norm to this (None: no clipping)."""
     accumulation_steps: int = 1
+    """Micro-steps whose gradients are averaged into one optimizer update."""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r}; choose one of {list(SCHEDULES)}")
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate={self.learning_rate} must be positive")
+        if not 0 < self.learning_rate < math.inf:
+            raise ValueError(f"learning_rate={self.learning_rate} must be a positive number")
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"{key}={getattr(self, key)} must be in [0, 1)")
+        if not 0.0 < self.eps < math.inf or not 0.0 <= self.weight_decay < math.inf:
+            raise ValueError(f"eps={self.eps} must be > 0 and weight_decay={self.weight_decay} >= 0 (finite)")
+        if self.max_grad_norm is not None and not 0.0 < self.max_grad_norm < math.inf:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm} must be > 0 (or None: no clipping)")
+        if not 0.0 <= self.final_learning_rate_fraction <= 1.0:
+            raise ValueError(f"final_learning_rate_fraction={self.final_learning_rate_fraction} must be in [0, 1]")
         if self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={self.accumulation_steps} must be >= 1")
         if self.warmup_steps < 0 or self.total_steps < 1:
@@ -156,30 +166,14 @@ def ema_decay_at(update: Int[Array, ""], decay: float) -> Array:
 
 
 def batch_loss(params, frozen, batch: dict, key, *, scheduler, objective: Objective):
-    """The loss of one batch (see the module docstring for the two batch layouts)."""
+    """The loss of one batch (see the module docstring for the batch layouts): a latent sample, the conditioning
+    (the empty prompt's for ``objective.caption_dropout`` of the samples), and the family's denoiser under the
+    scheduler's objective."""
     model = eqx.combine(params, frozen)
     k_latent, k_drop, k_loss = jax.random.split(key, 3)
-    if "latent_mean" in batch:
-        mean, std = batch["latent_mean"], batch["latent_std"]
-        latents = model.vae.scale_latents(mean + std * jax.random.normal(k_latent, mean.shape, mean.dtype))
-    else:
-        dist = model.vae.encode(batch["pixel_values"])
-        latents = model.vae.scale_latents(dist.sample(key=k_latent))
-    latents = jax.lax.stop_gradient(latents)
-    b = latents.shape[0]
-    if "encoder_hidden_states" in batch:
-        context = batch["encoder_hidden_states"]
-        if objective.caption_dropout > 0:
-            null = model.encode_text(model.null_input_ids[None])
-            drop = jax.random.bernoulli(k_drop, objective.caption_dropout, (b, 1, 1))
-            context = jnp.where(drop, null.astype(context.dtype), context)
-    else:
-        ids = batch["input_ids"]
-        if objective.caption_dropout > 0:
-            drop = jax.random.bernoulli(k_drop, objective.caption_dropout, (b, 1))
-            ids = jnp.where(drop, model.null_input_ids[None], ids)
-        context = model.encode_text(ids)
-    return diffusion_loss(model.unet, scheduler, objective, latents, context, k_loss)
+    latents = jax.lax.stop_gradient(model.latents(batch, k_latent))
+    cond = model.condition(batch, k_drop, objective.caption_dropout)
+    return diffusion_loss(model.denoise, scheduler, objective, latents, cond, k_loss)
 
 
 @eqx.filter_jit

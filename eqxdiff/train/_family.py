@@ -1,0 +1,240 @@
+"""What a model family gives the shared train stack: a :class:`TrainModel` bundle.
+
+A bundle is an ``eqx.Module`` holding the model that trains (``DENOISER``: a UNet, a transformer), its text
+encoders, its VAE and the token ids of the empty prompt, and saying
+
+- which batch keys carry each text encoder's token ids (``TEXT``), what the encoders produce (``CONDITION_KEYS``,
+  cached by :func:`eqxdiff.train.cache_arrays` when they are frozen) and which per-image conditioning the data
+  yields (``IMAGE_KEYS``: SDXL's original size and crop);
+- :meth:`~TrainModel.encode_text`: token ids to the conditioning arrays;
+- :meth:`~TrainModel.denoise`: the model call the objective drives (``denoise(x_t, t, cond)`` in the latents'
+  channels-last layout; the objective, DDPM noise prediction or flow matching, comes from the noise scheduler);
+- :meth:`~TrainModel.from_pipeline`: the bundle, its tokenizers and noise scheduler from a loaded pipeline.
+
+Everything else (the loss, caption dropout, latents from pixels or from the cache, the loop, the optimizer, the
+mesh, remat, checkpoints, export) is shared. A family adds its bundle file and one line in
+``eqxdiff/train/_families.py``.
+"""
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._typing import Array, Float, PRNGKeyArray
+from ..core import resolve_class
+from ..pipelines import DiffusionPipeline
+
+CACHED_LATENTS = ("latent_mean", "latent_std")  # the VAE posterior, cached in place of pixel_values
+
+
+class TextInput(NamedTuple):
+    """One text encoder of a bundle: the batch key of its token ids, its tokenizer's and its own component names
+    in the pipeline folder."""
+
+    key: str
+    tokenizer: str
+    encoder: str
+
+
+class NullCondition(eqx.Module):
+    """The encoded empty prompt (batch 1), kept once the text encoders leave the bundle (cached runs): the token
+    embeddings and, for families with one, the pooled embedding. Replicated on a mesh."""
+
+    embeds: Float[Array, "1 seq embed"]
+    pooled: Float[Array, "1 pooled"] | None = None
+
+    PARAM_AXES: ClassVar = {"embeds": (None, None, None), "pooled": (None, None)}
+
+
+class TrainModel(eqx.Module):
+    """Base of the families' training bundles (see the module docstring). Subclasses declare the class variables
+    and fields ``null_<key>`` (token ids of the empty prompt) for each ``TEXT`` key, and implement
+    :meth:`encode_text`, :meth:`denoise` and :meth:`from_pipeline`."""
+
+    DENOISER: ClassVar[str]
+    TEXT: ClassVar[tuple[TextInput, ...]]
+    CONDITION_KEYS: ClassVar[tuple[str, ...]]  # (token embeddings, [pooled]) as the denoiser reads them
+    IMAGE_KEYS: ClassVar[tuple[str, ...]] = ()
+    PIPELINE: ClassVar[str]  # the pipeline class (model_index.json ``_class_name``) exported
+    TRAINABLE_TEXT_ENCODERS: ClassVar[tuple[str, ...] | None] = None  # train_text_encoder's; None: all of TEXT
+
+    def param_axes(self) -> dict:
+        return {f"null_{t.key}": (None,) for t in self.TEXT}  # token ids: replicated
+
+    # -- what a family implements --------------------------------------------------------------------------------
+
+    def encode_text(self, ids: Mapping[str, Array]) -> dict[str, Array]:
+        """The conditioning arrays (``CONDITION_KEYS``) of token ids (``{TEXT key: [batch, seq]}``)."""
+        raise NotImplementedError
+
+    def denoise(self, x: Float[Array, "batch height width channels"], t, cond: Mapping[str, Array]) -> Array:
+        """The trained model's prediction at ``x`` (noisy latents), timesteps ``t`` ``[batch]`` (the noise
+        scheduler's: DDPM indices, or flow-matching timesteps in [0, 1000]), conditioning ``cond``."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_pipeline(cls, pipe: DiffusionPipeline, **settings):
+        """``(bundle, tokenizers {component name: tokenizer}, noise scheduler)`` of a loaded pipeline. ``settings``:
+        the run's ``guidance_scale`` and ``max_sequence_length`` (each family takes what it uses)."""
+        raise NotImplementedError
+
+    @classmethod
+    def text_lengths(cls, tokenizers: Mapping[str, Any], *, max_sequence_length: int = 512) -> dict[str, int]:
+        """``{TEXT key: token ids per caption}``: each tokenizer's ``model_max_length`` (as the pipelines pad);
+        a family whose pipeline pads to ``max_sequence_length`` (Flux's T5) overrides this."""
+        return {t.key: tokenizers[t.tokenizer].model_max_length for t in cls.TEXT}
+
+    @classmethod
+    def null_token_ids(cls, tokenizers: Mapping[str, Any], **settings) -> list[Array]:
+        """The empty prompt's token ids for each ``TEXT`` entry, at :meth:`text_lengths`."""
+        lengths = cls.text_lengths(tokenizers, max_sequence_length=settings.get("max_sequence_length", 512))
+        return [jnp.asarray(token_ids(tokenizers[t.tokenizer], [""], lengths[t.key])[0]) for t in cls.TEXT]
+
+    # -- shared ----------------------------------------------------------------------------------------------------
+
+    @property
+    def denoiser(self):
+        return getattr(self, self.DENOISER)
+
+    @classmethod
+    def micro_conditioning(cls) -> bool:
+        """Whether the data must yield the images' sizes and crops (SDXL)."""
+        return bool(cls.IMAGE_KEYS)
+
+    @classmethod
+    def batch_keys(cls, cached: bool) -> tuple[str, ...]:
+        """The keys a batch holds: pixels and token ids, or (``cached``) the VAE posterior and the encoders'
+        outputs; with the per-image conditioning either way."""
+        if cached:
+            return (*CACHED_LATENTS, *cls.CONDITION_KEYS, *cls.IMAGE_KEYS)
+        return ("pixel_values", *(t.key for t in cls.TEXT), *cls.IMAGE_KEYS)
+
+    def null_ids(self) -> dict[str, Array]:
+        return {t.key: getattr(self, f"null_{t.key}") for t in self.TEXT}
+
+    def null_condition(self) -> dict[str, Array]:
+        """The empty prompt's conditioning (batch 1): kept in ``null_embeds`` once the encoders are gone, else
+        encoded now."""
+        null = getattr(self, "null_embeds", None)
+        if null is None:
+            return self.encode_text({k: v[None] for k, v in self.null_ids().items()})
+        return dict(zip(self.CONDITION_KEYS, (null.embeds, null.pooled)[:len(self.CONDITION_KEYS)]))
+
+    def trainable(self, *, train_text_encoder: bool = False, train_vae: bool = False):
+        """A filter spec (the bundle's structure, bools at the leaves): the denoiser's arrays, plus the text
+        encoders' (``TRAINABLE_TEXT_ENCODERS``) and the VAE's if asked."""
+        spec = jax.tree.map(lambda _: False, self)
+        names = [self.DENOISER]
+        if train_text_encoder:
+            names += [n for n in (self.TRAINABLE_TEXT_ENCODERS or [t.encoder for t in self.TEXT])
+                      if getattr(self, n) is not None]
+        if train_vae:
+            names.append("vae")
+        for name in names:
+            spec = eqx.tree_at(lambda m, n=name: getattr(m, n), spec,
+                               jax.tree.map(eqx.is_inexact_array, getattr(self, name)))
+        return spec
+
+    def latents(self, batch: Mapping[str, Array], key: PRNGKeyArray) -> Array:
+        """Scaled latents ``[batch, h, w, c]``: a sample of the VAE posterior (cached or encoded now), through the
+        VAE's ``scale_latents`` (``(z - shift) * scale``)."""
+        if CACHED_LATENTS[0] in batch:
+            mean, std = batch["latent_mean"], batch["latent_std"]
+            z = mean + std * jax.random.normal(key, mean.shape, mean.dtype)
+        else:
+            z = self.vae.encode(batch["pixel_values"]).sample(key=key)
+        return self.vae.scale_latents(z)
+
+    def condition(self, batch: Mapping[str, Array], key: PRNGKeyArray, caption_dropout: float) -> dict[str, Array]:
+        """The denoiser's conditioning for ``batch``: cached or encoded text (the empty prompt's for a
+        ``caption_dropout`` fraction of the samples) and the per-image keys."""
+        images = {k: batch[k] for k in self.IMAGE_KEYS}
+        b = batch[self.batch_keys(CACHED_LATENTS[0] in batch)[0]].shape[0]
+        if self.CONDITION_KEYS[0] in batch:
+            text = {k: batch[k] for k in self.CONDITION_KEYS}
+            if caption_dropout > 0:
+                drop, null = jax.random.bernoulli(key, caption_dropout, (b,)), self.null_condition()
+                text = {k: jnp.where(drop.reshape((b,) + (1,) * (v.ndim - 1)), null[k].astype(v.dtype), v)
+                        for k, v in text.items()}
+            return {**text, **images}
+        ids = {t.key: batch[t.key] for t in self.TEXT}
+        if caption_dropout > 0:
+            drop, null = jax.random.bernoulli(key, caption_dropout, (b, 1)), self.null_ids()
+            ids = {k: jnp.where(drop, null[k][None], v) for k, v in ids.items()}
+        return {**self.encode_text(ids), **images}
+
+    # -- the encoders leave and come back ------------------------------------------------------------------------
+
+    def text_encoders(self) -> dict[str, Any]:
+        return {t.encoder: getattr(self, t.encoder) for t in self.TEXT}
+
+    def without_text_encoders(self):
+        """``(bundle, encoders)``: the bundle without its text encoders (``None``), holding the encoded empty prompt
+        instead (:class:`NullCondition`), and the encoders taken out (for :meth:`with_text_encoders`). For runs
+        whose text embeddings are cached: the encoders need no device memory during training."""
+        null = jax.device_get(encode_null(self))
+        held = NullCondition(*(jnp.asarray(null[k]) for k in self.CONDITION_KEYS))
+        encoders = self.text_encoders()
+        names = list(encoders)
+        bundle = eqx.tree_at(lambda m: [getattr(m, n) for n in names], self, [None] * len(names),
+                             is_leaf=lambda x: x is None)
+        bundle = eqx.tree_at(lambda m: m.null_embeds, bundle, held, is_leaf=lambda x: x is None)
+        return bundle, encoders
+
+    def with_text_encoders(self, encoders: Mapping[str, Any]):
+        """The bundle with ``encoders`` (from :meth:`without_text_encoders`) back in place."""
+        names = [n for n in encoders if getattr(self, n) is None]
+        if not names:
+            return self
+        return eqx.tree_at(lambda m: [getattr(m, n) for n in names], self, [encoders[n] for n in names],
+                           is_leaf=lambda x: x is None)
+
+    # -- as a pipeline -----------------------------------------------------------------------------------------
+
+    @classmethod
+    def pipeline_class(cls) -> type[DiffusionPipeline]:
+        found = resolve_class(cls.PIPELINE)
+        if found is None:
+            raise TypeError(f"{cls.__name__} exports a {cls.PIPELINE}, which eqxdiff does not serve yet")
+        return found
+
+    def pipeline(self, tokenizers: Mapping[str, Any], scheduler, *, options: Mapping[str, Any] | None = None,
+                 **kwargs) -> DiffusionPipeline:
+        """The family's pipeline of this bundle's models, ``tokenizers`` (by component name) and ``scheduler``
+        (to sample from, or to save with :func:`eqxdiff.pipelines.save_pipeline`); ``kwargs`` go to the
+        pipeline (``offload_encoders``, ``mesh`` ...)."""
+        cls = self.pipeline_class()
+        components = {}
+        for c in cls.COMPONENTS:
+            if c.kind == "tokenizer":
+                components[c.name] = tokenizers.get(c.name)
+            elif c.kind == "scheduler":
+                components[c.name] = scheduler
+            else:
+                components[c.name] = getattr(self, c.name, None)
+        return cls(**components, **dict(options or {}), **kwargs)
+
+
+def token_ids(tokenizer, texts, length: int) -> np.ndarray:
+    """int32 token ids ``[len(texts), length]``, padded and cut as the pipelines do."""
+    ids = tokenizer(list(texts), padding="max_length", max_length=length, truncation=True, return_tensors="np")
+    return np.asarray(ids.input_ids, np.int32)
+
+
+@eqx.filter_jit
+def encode_null(bundle: TrainModel) -> dict[str, Array]:
+    return bundle.encode_text({k: v[None] for k, v in bundle.null_ids().items()})
+
+
+@eqx.filter_jit
+def encode_batch(bundle: TrainModel, batch: Mapping[str, Array]) -> dict[str, Array]:
+    """What the cache holds for a batch of pixels and token ids: the VAE posterior's ``latent_mean`` /
+    ``latent_std`` (training still draws a fresh latent each step), the text encoders' outputs and the per-image
+    keys as they are."""
+    dist = bundle.vae.encode(batch["pixel_values"])
+    text = bundle.encode_text({t.key: batch[t.key] for t in bundle.TEXT})
+    return {"latent_mean": dist.mean, "latent_std": dist.std, **text, **{k: batch[k] for k in bundle.IMAGE_KEYS}}

@@ -1,0 +1,69 @@
+"""Flux.1 (dev, schnell), as diffusers' ``train_dreambooth_flux.py``: rectified-flow matching of the transformer
+on the VAE's shifted and scaled latents ``z = (vae_z - shift) * scale``, packed into 2x2 patches; the noise level
+``sigma`` from the flow-matching scheduler's training schedule at a density draw (``Objective.weighting_scheme``:
+uniform, logit-normal, mode; SD3's loss weightings); ``x_t = (1 - sigma) x0 + sigma * noise`` and the target
+``noise - x0``; text as the pipeline encodes it (CLIP's pooled output, T5's last hidden state); a guidance-distilled
+transformer (FLUX.1-dev) at a constant guidance (3.5 by default)."""
+
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax.numpy as jnp
+
+from .._typing import Array, Int
+from ..models.flux import image_ids, pack_latents, text_ids, unpack_latents
+from ..schedulers import FlowMatchEulerDiscreteScheduler
+from ._family import NullCondition, TextInput, TrainModel
+
+
+class FluxFlowMatching(TrainModel):
+    """Flux's ``transformer``, ``text_encoder`` (CLIP, pooled), ``text_encoder_2`` (T5), VAE, the empty prompt's
+    token ids for each, and ``guidance_scale``: the guidance embedded for a transformer with ``guidance_embeds``
+    (ignored by one without). ``train_text_encoder`` trains CLIP only, as diffusers' script does."""
+
+    DENOISER: ClassVar[str] = "transformer"
+    TEXT: ClassVar = (TextInput("input_ids", "tokenizer", "text_encoder"),
+                      TextInput("input_ids_2", "tokenizer_2", "text_encoder_2"))
+    CONDITION_KEYS: ClassVar = ("encoder_hidden_states", "pooled_projections")
+    PIPELINE: ClassVar[str] = "FluxPipeline"
+    TRAINABLE_TEXT_ENCODERS: ClassVar = ("text_encoder",)
+
+    transformer: Any
+    text_encoder: Any
+    text_encoder_2: Any
+    vae: Any
+    null_input_ids: Int[Array, " seq"]
+    null_input_ids_2: Int[Array, " seq2"]
+    null_embeds: NullCondition | None = None
+    guidance_scale: float = eqx.field(static=True, default=3.5)
+
+    def encode_text(self, ids):
+        pooled = self.text_encoder(ids["input_ids"]).pooler_output
+        return {"encoder_hidden_states": self.text_encoder_2(ids["input_ids_2"]).last_hidden_state,
+                "pooled_projections": pooled}
+
+    def denoise(self, x, t, cond):
+        """The velocity at latents ``x`` ``[b, h, w, c]`` and flow-matching timesteps ``t`` (``1000 sigma``): the
+        transformer on the packed latents at ``sigma = t / 1000``, unpacked."""
+        b, h, w, _ = x.shape
+        text = cond["encoder_hidden_states"]
+        rope = self.transformer.rotary_embedding(image_ids(h // 2, w // 2), text_ids(text.shape[1]))
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = jnp.full((b,), self.guidance_scale, x.dtype)
+        velocity = self.transformer(pack_latents(x), text, cond["pooled_projections"], t.astype(x.dtype) / 1000,
+                                    rope=rope, guidance=guidance)
+        return unpack_latents(velocity, h, w)
+
+    @classmethod
+    def text_lengths(cls, tokenizers, *, max_sequence_length: int = 512):
+        """CLIP's ids at its tokenizer's length (77), T5's at ``max_sequence_length`` (the pipeline's 512)."""
+        return {"input_ids": tokenizers["tokenizer"].model_max_length, "input_ids_2": max_sequence_length}
+
+    @classmethod
+    def from_pipeline(cls, pipe, *, guidance_scale: float = 3.5, max_sequence_length: int = 512):
+        tokenizers = {"tokenizer": pipe.tokenizer, "tokenizer_2": pipe.tokenizer_2}
+        nulls = cls.null_token_ids(tokenizers, max_sequence_length=max_sequence_length)
+        bundle = cls(pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.vae, *nulls,
+                     guidance_scale=float(guidance_scale))
+        return bundle, tokenizers, FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config.to_dict())
