@@ -6,9 +6,11 @@
     eqxdiff-train sd15 --tfrecord shards/ --caption-key caption         # ... on TFRecord files
     eqxdiff-train sd15 --data x --mesh.ici-data-parallelism 1 --mesh.ici-fsdp-parallelism -1 --remat FULL
     eqxdiff-train digits --optimizer.learning-rate 5e-4 --objective.snr-gamma 5 --help
+    eqxdiff-train sdxl --data path/to/folder              # SDXL base, encoders cached, FSDP + remat
+    eqxdiff-train flux-dev --data path/to/folder --objective.weighting-scheme logit_normal
 
-Every field of :class:`eqxdiff.train.TrainConfig` is a flag; a preset only changes the defaults. Presets run data
-parallel over every device (``--mesh.*`` changes the mesh). The trained pipeline is exported to
+Every field of :class:`eqxdiff.train.TrainConfig` is a flag; a preset only changes the defaults. The SD presets run
+data parallel over every device, ``sdxl`` and ``flux-*`` FSDP with remat (``--mesh.*`` changes the mesh). The trained pipeline is exported to
 ``OUTPUT_DIR/pipeline`` unless ``--export-dir`` says otherwise; nothing is written into the package.
 
 Every flag is checked before anything is loaded (:func:`validate`); a bad one stops the command with one line
@@ -26,7 +28,7 @@ import tyro
 
 from ..data import character_tokenizer
 from ..loading import PACKAGED_MODELS, read_config, resolve_folder
-from ..parallel import MeshConfig
+from ..parallel import MeshConfig, Remat
 from ..pipelines import InputError
 from ..train import DigitsArchitecture, Objective, OptimizerConfig, TrainConfig, run
 from ._command import DEBUG_HELP, config_errors_raise, run_command
@@ -69,6 +71,39 @@ PRESETS = {
             objective=Objective(snr_gamma=5.0, caption_dropout=0.05), ema_decay=0.9999,
             output_dir=Path("runs/sd21"), checkpoint_every=500, sample_every=500,
             sample_prompts=("a photo of a cat",), sample_steps=25, sample_guidance_scale=7.5)),
+    "sdxl": (
+        ("Fine-tune the SDXL base UNet at 1024 px as diffusers' train_text_to_image_sdxl.py: both text encoders "
+         "frozen and cached, each image's original size and crop as micro-conditioning, FSDP over every device with "
+         "remat (--data, --hf-dataset or --tfrecord)."),
+        TrainConfig(
+            model="stabilityai/stable-diffusion-xl-base-1.0", resolution=1024, batch_size=8, steps=10000,
+            mesh=MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1), remat=Remat.FULL, cache_stream=True,
+            optimizer=OptimizerConfig(learning_rate=1e-6, total_steps=10000, schedule="constant"),
+            objective=Objective(caption_dropout=0.2), export_scheduler=None, output_dir=Path("runs/sdxl"),
+            checkpoint_every=500, sample_every=500, sample_prompts=("a photo of a cat",), sample_steps=30,
+            sample_guidance_scale=5.0)),
+    "flux-dev": (
+        ("Flow-matching fine-tuning of FLUX.1-dev's transformer at 512 px (diffusers' Flux recipe: guidance 3.5 "
+         "embedded; --objective.weighting-scheme logit_normal / mode / cosmap ...), latents and text embeddings "
+         "cached, FSDP over every device with remat (--data, --hf-dataset or --tfrecord)."),
+        TrainConfig(
+            model="black-forest-labs/FLUX.1-dev", resolution=512, batch_size=8, steps=5000,
+            mesh=MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1), remat=Remat.FULL, cache_stream=True,
+            optimizer=OptimizerConfig(learning_rate=1e-5, total_steps=5000, schedule="constant"),
+            objective=Objective(weighting_scheme="none"), guidance_scale=3.5, max_sequence_length=512,
+            export_scheduler=None, output_dir=Path("runs/flux-dev"), checkpoint_every=500, sample_every=500,
+            sample_prompts=("a photo of a cat",), sample_steps=28, sample_guidance_scale=3.5)),
+    "flux-schnell": (
+        ("Flow-matching fine-tuning of FLUX.1-schnell's transformer at 512 px (no guidance embedding, T5 at 256 "
+         "tokens), latents and text embeddings cached, FSDP over every device with remat (--data, --hf-dataset or "
+         "--tfrecord)."),
+        TrainConfig(
+            model="black-forest-labs/FLUX.1-schnell", resolution=512, batch_size=8, steps=5000,
+            mesh=MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1), remat=Remat.FULL, cache_stream=True,
+            optimizer=OptimizerConfig(learning_rate=1e-5, total_steps=5000, schedule="constant"),
+            objective=Objective(weighting_scheme="none"), max_sequence_length=256, export_scheduler=None,
+            output_dir=Path("runs/flux-schnell"), checkpoint_every=500, sample_every=500,
+            sample_prompts=("a photo of a cat",), sample_steps=4, sample_guidance_scale=0.0)),
 }
 
 
