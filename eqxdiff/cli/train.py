@@ -10,8 +10,9 @@
     eqxdiff-train flux-dev --data path/to/folder --objective.weighting-scheme logit_normal
 
 Every field of :class:`eqxdiff.train.TrainConfig` is a flag; a preset only changes the defaults. The SD presets run
-data parallel over every device, ``sdxl`` and ``flux-*`` FSDP with remat (``--mesh.*`` changes the mesh). The trained pipeline is exported to
-``OUTPUT_DIR/pipeline`` unless ``--export-dir`` says otherwise; nothing is written into the package.
+data parallel over every device, ``sdxl`` and ``flux-*`` FSDP with remat (``--mesh.*`` changes the mesh). The trained
+pipeline is exported to ``OUTPUT_DIR/pipeline`` unless ``--export-dir`` says otherwise; nothing is written into the
+package.
 
 Every flag is checked before anything is loaded (:func:`validate`); a bad one stops the command with one line
 ``error: <what> (<how to fix>)`` and status 2 (``--debug`` shows the traceback). Ctrl-C or SIGTERM stop at the next
