@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from .._typing import Array, Int
 from ..models.flux import image_ids, pack_latents, text_ids, unpack_latents
+from ..pipelines.flux import clip_pooled, t5_embeddings
 from ..schedulers import FlowMatchEulerDiscreteScheduler
 from ._family import NullCondition, TextInput, TrainModel
 
@@ -38,9 +39,8 @@ class FluxFlowMatching(TrainModel):
     guidance_scale: float = eqx.field(static=True, default=3.5)
 
     def encode_text(self, ids):
-        pooled = self.text_encoder(ids["input_ids"]).pooler_output
-        return {"encoder_hidden_states": self.text_encoder_2(ids["input_ids_2"]).last_hidden_state,
-                "pooled_projections": pooled}
+        return {"encoder_hidden_states": t5_embeddings(self.text_encoder_2, ids["input_ids_2"]),
+                "pooled_projections": clip_pooled(self.text_encoder, ids["input_ids"])}
 
     def denoise(self, x, t, cond):
         """The velocity at latents ``x`` ``[b, h, w, c]`` and flow-matching timesteps ``t`` (``1000 sigma``): the
