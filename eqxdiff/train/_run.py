@@ -405,6 +405,9 @@ def _cache_fingerprint(config: TrainConfig, model: TrainModel) -> dict:
     """What a stream's cache depends on: the data flags, the model and the preprocessing."""
     keys = ("model", "data", "hf_dataset", "hf_split", "image_column", "caption_column", "tfrecord", "image_key",
             "caption_key", "resolution", "center_crop", "random_flip", "seed", "max_sequence_length")
+    if config.model is None:  # from scratch: the VAE the autoencoder stage trains
+        keys += ("architecture", "autoencoder_steps", "autoencoder_batch_size", "autoencoder_learning_rate",
+                 "kl_weight")
     return {**{k: getattr(config, k) for k in keys}, "family": type(model).__name__,
             "processes": jax.process_count(), "process": jax.process_index()}
 
@@ -451,6 +454,7 @@ def run(config: TrainConfig):
     if cache:  # the embeddings are cached: the text encoders leave the devices (back for samples and the export)
         model, encoders = model.without_text_encoders()
         encoders = _to_host(encoders)
+        setup = dataclasses.replace(setup, model=model)  # no reference to the encoders' device arrays is left
     if mesh is not None or config.remat is not Remat.NONE:
         model = with_plan(model, Plan(mesh, remat=config.remat, remat_names=config.remat_names))
     if mesh is not None:  # placed before the optimizer state is made, so no device holds a whole copy
