@@ -220,7 +220,7 @@ def test_family_options_read_types_and_inline_docstrings():
     assert helps["eta"] == "eta: DDIM's noise."
     assert helps["timesteps"] == "timesteps (descending): a custom schedule instead of num_inference_steps."
     assert helps["mask_image"].endswith("mask_image (white = repaint): inpainting.")  # after "a mask image file"
-    assert family.media == {"mask_image": "image"}
+    assert family.media == {"mask_image": "mask"}  # read in grayscale, as diffusers reads masks
 
 
 def _read_frames(path) -> np.ndarray:

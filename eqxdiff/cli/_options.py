@@ -6,9 +6,12 @@ Every argument of ``__call__`` whose annotation a command line can carry (``str`
 docstring's entry for it (an argument section in Google, NumPy or reST style, or eqxdiff's inline
 "``name``: what it does." sentences) or, for the arguments diffusers' pipelines share, :data:`COMMON_HELP`.
 Media inputs under diffusers' names (:data:`MEDIA_INPUTS`: ``image``, ``mask_image``, ``video`` ...) take a file
-path that is read before the call. Arrays (``latents``, ``prompt_embeds``), PRNG keys, callbacks and
-``output_type`` are not flags. A new family therefore needs nothing here: annotate ``__call__`` and name its
-arguments as diffusers does.
+path that is read before the call (a mask in grayscale). Arrays (``latents``, ``prompt_embeds``), PRNG keys,
+callbacks and ``output_type`` are not flags. A ``__call__`` that takes ``**kwargs`` passes them on to its base
+class's (a ControlNet pipeline's to Stable Diffusion's), so the flags of the ``__call__`` s further up the class's
+MRO join its own; an argument without annotation takes the annotation the same name has further up, else its
+default's type (``control_guidance_start=0.0``: a float). A new family therefore needs nothing here: annotate
+``__call__`` and name its arguments as diffusers does.
 """
 
 import dataclasses
@@ -23,7 +26,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import docstring_parser
+import numpy as np
 import tyro
+from PIL import Image
 
 from ..pipelines import InputError, read_image, read_video
 
@@ -31,11 +36,12 @@ from ..pipelines import InputError, read_image, read_video
 ALIASES: Mapping[str, tuple[str, ...]] = {
     "num_inference_steps": ("--steps",),
     "num_images_per_prompt": ("--num-images",),
+    "mask_image": ("--mask",),
 }
 
 # Arguments that take a file: what to read it as.
 MEDIA_INPUTS: Mapping[str, str] = {
-    "image": "image", "mask_image": "image", "control_image": "image", "last_image": "image",
+    "image": "image", "mask_image": "mask", "control_image": "image", "last_image": "image",
     "ip_adapter_image": "image", "video": "video",
 }
 
@@ -66,6 +72,10 @@ COMMON_HELP: Mapping[str, str] = {
     "last_image": "The last frame, as an image file (first-last-frame-to-video).",
     "ip_adapter_image": "An image file for the IP-Adapter.",
     "video": "An input video file.",
+    "control_guidance_start": "ControlNet: the fraction of the steps before which the nets are off.",
+    "control_guidance_end": "ControlNet: the fraction of the steps after which the nets are off.",
+    "guess_mode": "ControlNet guess mode: the nets see only the prompted half of the guided batch and try to "
+                  "recognise the control image's content without a prompt (guidance 3 to 5 suggested).",
 }
 
 _SCALARS = (str, int, float, bool, Path)
@@ -158,31 +168,62 @@ class FamilyOptions:
                 if not Path(path).is_file():
                     raise FileNotFoundError(f"{flag} {os.fspath(path)!r}: no such file")
                 try:
-                    kwargs[name] = (read_image if kind == "image" else read_video)(path)
+                    kwargs[name] = read_media(path, kind)
                 except InputError as e:
                     raise InputError(f"{flag}: {e}") from None
                 except (ValueError, OSError, RuntimeError, StopIteration) as e:  # ffmpeg's errors included
-                    what = "an image file Pillow" if kind == "image" else "a video file ffmpeg"
+                    what = "a video file ffmpeg" if kind == "video" else "an image file Pillow"
                     raise InputError(f"{flag} {os.fspath(path)!r} is not {what} can read "
                                      f"({type(e).__name__}); pass another file") from None
         return kwargs
 
 
-def family_options(pipeline_class: type, defaults: Mapping[str, Any] | None = None) -> FamilyOptions:
+def read_media(path, kind: str) -> np.ndarray:
+    """File ``path`` as a pipeline takes it: ``"image"`` uint8 RGB ``[H, W, 3]``, ``"mask"`` uint8 grayscale
+    ``[H, W]`` (PIL's ``convert("L")``, as diffusers' mask processor), ``"video"`` uint8 ``[F, H, W, 3]``."""
+    if kind == "video":
+        return read_video(path)
+    rgb = read_image(path)
+    return np.asarray(Image.fromarray(rgb).convert("L")) if kind == "mask" else rgb
+
+
+def _call_chain(pipeline_class: type) -> list:
+    """The ``__call__`` s a call of ``pipeline_class`` reaches: its own, then, while the last one takes
+    ``**kwargs``, the next one up the MRO (where a subclass passes its keyword arguments on)."""
+    calls = [k.__dict__["__call__"] for k in pipeline_class.__mro__ if "__call__" in k.__dict__]
+    chain = []
+    for call in calls:
+        chain.append(call)
+        kinds = {p.kind for p in inspect.signature(call).parameters.values()}
+        if inspect.Parameter.VAR_KEYWORD not in kinds:
+            break
+    return chain
+
+
+def family_options(pipeline_class: type, defaults: Mapping[str, Any] | None = None, *,
+                   exclude: Sequence[str] = ()) -> FamilyOptions:
     """The command-line options of ``pipeline_class`` (see the module docstring); ``defaults`` replaces the
-    signature's defaults of some of them (the shipped digits model's prompt)."""
-    call = pipeline_class.__call__
-    signature = inspect.signature(call)
-    hints, documented = _hints(call), _documented(call)
+    signature's defaults of some of them (the shipped digits model's prompt); ``exclude`` names arguments that are
+    not flags (the command sets them itself)."""
+    chain = _call_chain(pipeline_class)
+    hints = [_hints(call) for call in chain]
+    documented: dict[str, str] = {}
+    for call in reversed(chain):  # the subclass's own description wins
+        documented.update(_documented(call))
     defaults = dict(defaults or {})
+    params: dict[str, tuple[inspect.Parameter, int]] = {}  # name -> (parameter, its __call__'s place in the chain)
+    for i, call in enumerate(chain):
+        for name, param in list(inspect.signature(call).parameters.items())[1:]:  # [0] is self
+            if param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                params.setdefault(name, (param, i))
     fields, media = [], {}
-    for name, param in list(signature.parameters.items())[1:]:  # [0] is self
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name in NOT_FLAGS:
+    for name, (param, i) in params.items():
+        if name in NOT_FLAGS or name in exclude:
             continue
         if name in MEDIA_INPUTS:
             tp, default, media[name] = Path | None, None, MEDIA_INPUTS[name]
         else:
-            tp = _cli_type(hints.get(name, param.annotation))
+            tp = _cli_type(_annotation(name, param, hints[i:]))
             if tp is None:
                 continue
             default = defaults.pop(name, param.default)
@@ -200,3 +241,17 @@ def family_options(pipeline_class: type, defaults: Mapping[str, Any] | None = No
     options.__doc__ = (f"Options of {pipeline_class.__name__} (the --model folder's pipeline), read from its "
                        "__call__: diffusers' argument names.")
     return FamilyOptions(pipeline_class, options, media)
+
+
+def _annotation(name: str, param: inspect.Parameter, hints: Sequence[Mapping[str, Any]]):
+    """``param``'s annotation; without one, the same name's further up the ``__call__`` chain (``hints``, from
+    ``param``'s own ``__call__`` on), else the type of a bool, int, float or str default."""
+    if name in hints[0]:
+        return hints[0][name]
+    if param.annotation is not inspect.Parameter.empty:
+        return param.annotation
+    for found in hints[1:]:
+        if name in found:
+            return found[name]
+    default = param.default
+    return type(default) if type(default) in (bool, int, float, str) else None

@@ -4,10 +4,16 @@
     eqxdiff-generate --prompt "a handwritten digit two" --num-images 4
     eqxdiff-generate --model path/to/pipeline --prompt "a fox" --scheduler euler --steps 30
     eqxdiff-generate --model path/to/pipeline --help          # that pipeline's own options
+    eqxdiff-generate --model path/to/sdxl-base --prompt "a fox" --refiner path/to/sdxl-refiner --denoising-end 0.8
+    eqxdiff-generate --model path/to/sd15 --image photo.png --mask mask.png --prompt "a cat on a bench"
+    eqxdiff-generate --model path/to/sd15 --controlnet path/to/canny --control-image edges.png --prompt "a bird"
+    eqxdiff-generate --model model.safetensors --config path/to/diffusers-folder --prompt "a fox"
 
 The ``--model`` folder's ``model_index.json`` names its pipeline class; the family table
 (:data:`eqxdiff.core.FAMILY_TABLE`) gives eqxdiff's, and that class's ``__call__`` gives the family's options
-(:mod:`eqxdiff.cli._options`), so a new family needs nothing here. Images are saved as ``image_{i}.png`` and
+(:mod:`eqxdiff.cli._options`), so a new family needs nothing here. ``--controlnet`` (repeatable) runs the base's
+ControlNet pipeline with its ``--control-image`` and ``--controlnet-scale`` per net, ``--refiner`` finishes the
+base's latents with a second pipeline (:mod:`eqxdiff.cli._compose`). Images are saved as ``image_{i}.png`` and
 videos as ``video_{i}.mp4``, numbered on after the files already in ``--output-dir``, with the generation
 parameters in each file (:func:`eqxdiff.pipelines.read_parameters` reads them back). Load, compile and generation
 times go to stderr, the files' paths to stdout.
@@ -50,6 +56,23 @@ from ..pipelines import (
 )
 from ..schedulers import SCHEDULERS
 from ._command import DEBUG_HELP, config_errors_raise, run_command
+from ._compose import (
+    HANDED_LATENTS,
+    SCALE,
+    ControlNetOptions,
+    check_controlnets,
+    check_refiner,
+    check_window,
+    control_argument,
+    control_kwargs,
+    effective_scales,
+    excluded_arguments,
+    folder_nets,
+    is_controlnet,
+    load_controlnets,
+    refiner_kwargs,
+    run_class,
+)
 from ._options import FamilyOptions, family_options
 
 DEFAULT_MODEL = "digits"
@@ -72,6 +95,11 @@ class RunOptions:
     config: str | None = None
     """With a single .safetensors --model (a Black Forest Labs Flux file, an A1111/ComfyUI checkpoint): a diffusers
     folder or Hub id giving what the file lacks (tokenizers, scheduler, configs, a Flux file's other models)."""
+    refiner: str | None = None
+    """A refiner pipeline (folder or Hub id, e.g. SDXL's refiner) that finishes the --model base's latents: with
+    --denoising-end F the base runs the first F of the schedule and the refiner the rest (ensemble of experts),
+    without it the refiner refines the finished latents (its default strength). It gets the base's prompts, steps,
+    guidance, seed and scheduler flags."""
     scheduler: SchedulerName | None = None
     """Swap the checkpoint's scheduler by name, keeping its noise schedule and prediction type."""
     scheduler_option: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
@@ -115,13 +143,18 @@ class ParallelOptions:
     """This process's index, 0 .. num_processes-1 (default: EQXDIFF_PROCESS_ID)."""
 
 
-def _model_flag(argv: Sequence[str]) -> tuple[str, str | None, str | None]:
+def _early_flags(argv: Sequence[str]) -> argparse.Namespace:
+    """The flags that decide the pipeline class (and so the other flags): --model, --revision, --config, and
+    whether --controlnet, --image and --mask are given."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--model", default=DEFAULT_MODEL)
     pre.add_argument("--revision", default=None)
     pre.add_argument("--config", default=None)
+    pre.add_argument("--controlnet", action="append", default=[])
+    pre.add_argument("--image", default=None)
+    pre.add_argument("--mask", "--mask-image", dest="mask", default=None)
     known, _ = pre.parse_known_args(argv)
-    return known.model, known.revision, known.config
+    return known
 
 
 def _is_hub_id(model: str) -> bool:
@@ -187,21 +220,35 @@ def build_parser(family: FamilyOptions) -> type:
     return dataclasses.make_dataclass("GenerateArgs", [
         ("pipeline", Annotated[family.options, flat], dataclasses.field(default_factory=family.options)),
         ("run", Annotated[RunOptions, flat], dataclasses.field(default_factory=RunOptions)),
+        ("control", Annotated[ControlNetOptions, flat], dataclasses.field(default_factory=ControlNetOptions)),
         ("parallel", Annotated[ParallelOptions, flat], dataclasses.field(default_factory=ParallelOptions)),
         ("mesh", MeshConfig, dataclasses.field(default_factory=MeshConfig)),
     ], frozen=True)
 
 
 def parse(argv: Sequence[str] | None = None, *, prog: str | None = None):
-    """``(family, args)``: the ``--model`` folder's pipeline options and the parsed command line."""
+    """``(family, args)``: the options of the pipeline the command runs (the ``--model`` folder's, or its
+    ControlNet pipeline: :func:`eqxdiff.cli._compose.run_class`) and the parsed command line."""
+    family, args, _ = _parse(argv, prog=prog)
+    return family, args
+
+
+def _parse(argv: Sequence[str] | None, *, prog: str | None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    model, revision, config = _model_flag(argv)
-    cls = pipeline_class(model, revision, config)
-    family = family_options(cls, {"prompt": DIGITS_PROMPT} if model == DEFAULT_MODEL else None)
-    description = (f"Images or videos from a diffusion pipeline. The pipeline options are {cls.__name__}'s (the "
-                   f"--model folder's class); eqxdiff serves {', '.join(family_names('pipeline'))}. {DEBUG_HELP}")
+    early = _early_flags(argv)
+    folder_class = pipeline_class(early.model, early.revision, early.config)
+    cls = run_class(folder_class, controlnet=bool(early.controlnet), image=early.image is not None,
+                    mask=early.mask is not None)
+    family = family_options(cls, {"prompt": DIGITS_PROMPT} if early.model == DEFAULT_MODEL else None,
+                            exclude=excluded_arguments(cls))
+    what = ("the --model folder's class" if cls is folder_class else
+            f"the --model folder's {folder_class.__name__} with ControlNet" if early.controlnet else
+            f"the --model folder's {folder_class.__name__} for --image")
+    description = (f"Images or videos from a diffusion pipeline. The pipeline options are {cls.__name__}'s ({what}); "
+                   f"eqxdiff serves {', '.join(family_names('pipeline'))}. {DEBUG_HELP}")
     with config_errors_raise():
-        return family, tyro.cli(build_parser(family), args=argv, prog=prog, description=description)
+        args = tyro.cli(build_parser(family), args=argv, prog=prog, description=description)
+    return family, args, folder_class
 
 
 def scheduler_name(scheduler) -> str | None:
@@ -244,6 +291,10 @@ class Invocation:
     args: Any
     kwargs: dict[str, Any]
     scheduler_options: Mapping[str, Any]
+    # The class to load --model as when it is not the folder's own (a ControlNet folder run image-to-image).
+    load_class: type | None = None
+    nets: int = 0  # ControlNets in the run
+    refiner: FamilyOptions | None = None  # the --refiner's options
 
 
 def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> Invocation:
@@ -253,11 +304,14 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> I
     (:meth:`~eqxdiff.pipelines.DiffusionPipeline.check_arguments` with its ``folder_limits``: the VAE's factor, the
     text encoders' layers). Raises a ``ValueError`` (``InputError``, ``ConfigError``, ``CheckpointError``) or
     ``OSError`` naming the flag."""
-    family, args = parse(argv, prog=prog)
-    run = args.run
+    family, args, folder_class = _parse(argv, prog=prog)
+    run, control = args.run, args.control
     for flag, path in (("--output-dir", run.output_dir), ("--compilation-cache-dir", run.compilation_cache_dir)):
         if path is not None and path.exists() and not path.is_dir():  # before minutes of loading and compiling
             raise InputError(f"{flag} {os.fspath(path)!r} is a file; pass a folder (created if missing)")
+    if run.config is not None and not Path(run.model).expanduser().is_file():
+        raise InputError(f"--config is for a single .safetensors --model (it gives what the file lacks); --model "
+                         f"{run.model!r} holds its own configs: leave out --config")
     read = config_reader(run.model, run.revision, run.config)
     options = scheduler_options(run.scheduler_option)
     raw = read("scheduler/scheduler_config.json")
@@ -268,20 +322,44 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> I
             raise ConfigError(f"--scheduler-option: {e}") from None
     kwargs = family.call_kwargs(args.pipeline)  # input files are read (or found missing) before loading too
     cls = family.pipeline_class
+    nets = len(control.controlnet) or (folder_nets(read) if is_controlnet(cls) else 0)
+    if control.controlnet:
+        check_controlnets(control.controlnet, config_reader, read)
+    kwargs.update(control_kwargs(cls, control, nets))
+    check_window(kwargs)
+    refiner = None
+    if run.refiner is not None:
+        refiner = family_options(pipeline_class(run.refiner))
+        check_refiner(cls, refiner.pipeline_class, _flags(family), _flags(refiner), kwargs)
     if run.vae_tiling and not hasattr(cls, "enable_vae_tiling"):
         raise InputError(f"--vae-tiling: {cls.__name__} has no VAE tiling; leave the flag out")
+    flags = {SCALE: "--controlnet-scale", control_argument(cls): "--control-image"} if nets else {}
     try:
         cls.check_arguments({**kwargs}, cls.folder_limits(read))
     except InputError as e:
-        raise type(e)(as_flags(str(e), kwargs)) from None
-    return Invocation(family, args, kwargs, options)
+        raise type(e)(as_flags(str(e), kwargs, flags)) from None
+    if refiner is not None:
+        rcls = refiner.pipeline_class
+        arguments = refiner_kwargs(_flags(refiner), kwargs, HANDED_LATENTS)
+        try:
+            rcls.check_arguments(arguments, rcls.folder_limits(config_reader(run.refiner)))
+        except InputError as e:
+            raise type(e)(f"--refiner: {as_flags(str(e), arguments, {'denoising_start': '--denoising-end'})}"
+                          ) from None
+    load_class = None if control.controlnet or cls is folder_class else cls
+    return Invocation(family, args, kwargs, options, load_class, nets, refiner)
 
 
-def as_flags(message: str, names) -> str:
+def _flags(family: FamilyOptions) -> list[str]:
+    return [f.name for f in dataclasses.fields(family.options)]
+
+
+def as_flags(message: str, names, flags: Mapping[str, str] | None = None) -> str:
     """``message`` (about a pipeline call's arguments: ``height=0``, ``pass image=``) in the command's words
-    (``--height 0``, ``pass --image``)."""
-    for name in sorted(names, key=len, reverse=True):
-        flag = "--" + name.replace("_", "-")
+    (``--height 0``, ``pass --image``); ``flags`` gives the flag of an argument whose flag is not its name."""
+    flags = dict(flags or {})
+    for name in sorted({*names, *flags}, key=len, reverse=True):
+        flag = flags.get(name) or "--" + name.replace("_", "-")
         message = re.sub(rf"(?<![\w-]){name}=(?=[^\s,;)])", flag + " ", message)
         message = re.sub(rf"(?<![\w-]){name}=", flag, message)
         message = re.sub(rf"(?<![\w-]){name}(?= (?:must|applies|is|has|needs|unset|0 to))", flag, message)
@@ -304,23 +382,34 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
     main_process = jax.process_index() == 0
 
     t0 = time.perf_counter()
-    pipe = load_pipeline(run.model, revision=run.revision, config=run.config, dtype=run.weights_dtype,
-                         scheduler=run.scheduler,
-                         scheduler_options=checked.scheduler_options, attention=run.attention,
-                         activations_dtype=run.activations_dtype, mesh=mesh, offload_encoders=run.offload_encoders,
-                         scan_layers=run.scan_layers)
+    common = {"dtype": run.weights_dtype, "scheduler": run.scheduler, "scheduler_options": checked.scheduler_options,
+              "attention": run.attention, "activations_dtype": run.activations_dtype, "mesh": mesh,
+              "offload_encoders": run.offload_encoders, "scan_layers": run.scan_layers}
+    controlnets = args.control.controlnet
+    pipe = load_pipeline(run.model, revision=run.revision, config=run.config,
+                         **({"pipeline_class": checked.load_class} if checked.load_class else {}), **common)
+    if controlnets:  # the base's components shared with its ControlNet pipeline, as diffusers' from_pipe
+        nets = load_controlnets(controlnets, dtype=run.weights_dtype, mesh=mesh, rules=pipe.rules,
+                                attention=run.attention, scan_layers=run.scan_layers)
+        pipe = checked.family.pipeline_class.from_pipe(pipe, controlnet=nets)
+    refiner = None if run.refiner is None else load_pipeline(run.refiner, **common)
     load_s = time.perf_counter() - t0
-    if run.vae_tiling:
-        pipe.enable_vae_tiling()
+    for p in (pipe, refiner):
+        if run.vae_tiling and p is not None:
+            p.enable_vae_tiling()
     if "progress" in kwargs:
         kwargs["progress"] = kwargs["progress"] and main_process
     compile_before = _CompileSeconds.now()
     t0 = time.perf_counter()
-    outputs = pipe(**kwargs)
+    if refiner is None:
+        outputs = pipe(**kwargs)
+    else:  # the base hands its latents over to the refiner
+        latents = pipe(**{**kwargs, "output_type": "latent"})
+        outputs = refiner(**refiner_kwargs(_flags(checked.refiner), kwargs, latents))
     total_s = time.perf_counter() - t0
     compile_s = _CompileSeconds.now() - compile_before
 
-    params = _parameters(checked, pipe, outputs)
+    params = _parameters(checked, pipe, outputs, refiner)
     fps = run.fps or kwargs.get("frame_rate")
     paths = save_outputs(outputs, run.output_dir, params, fps=fps, overwrite=run.overwrite) if main_process else []
     print(f"load: {load_s:.2f} s | compile: {compile_s:.2f} s | generation (excluding compile): "
@@ -331,8 +420,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
     return paths
 
 
-def _parameters(checked: Invocation, pipe, outputs) -> dict:
-    """What went into the outputs, under the flags' names: enough to make them again."""
+def _parameters(checked: Invocation, pipe, outputs, refiner=None) -> dict:
+    """What went into the outputs, under the pipeline arguments' names: enough to make them again (with the
+    ControlNets' folders, control image files and scales, the single file's config folder, the refiner)."""
     args = checked.args
     values = {f.name: getattr(args.pipeline, f.name) for f in dataclasses.fields(args.pipeline)}
     values.pop("progress", None)
@@ -341,11 +431,20 @@ def _parameters(checked: Invocation, pipe, outputs) -> dict:
     values["height"], values["width"] = int(outputs.shape[-3]), int(outputs.shape[-2])
     if outputs.ndim == 5 and "num_frames" in values:
         values["num_frames"] = int(outputs.shape[1])
-    init_image = type(pipe).init_image_argument(values)
+    init_image = type(pipe).init_image_argument(checked.kwargs)
     if "strength" in values and (init_image is None or values.get(init_image) is None):
         del values["strength"]  # image-to-image only
-    run = args.run
-    extra = {"scheduler_options": dict(checked.scheduler_options)} if checked.scheduler_options else {}
+    run, control = args.run, args.control
+    extra: dict[str, Any] = {"scheduler_options": dict(checked.scheduler_options)} if checked.scheduler_options else {}
+    extra.update({k: v for k, v in (("revision", run.revision), ("config", run.config)) if v is not None})
+    if checked.nets:
+        if control.controlnet:
+            extra["controlnet"] = list(control.controlnet)
+        extra["control_image"] = [os.fspath(p) for p in control.control_image]
+        extra[SCALE] = effective_scales(type(pipe), checked.kwargs, checked.nets)
+    if refiner is not None:
+        extra.update(refiner=run.refiner, refiner_pipeline=type(refiner).__name__,
+                     refiner_scheduler=scheduler_name(getattr(refiner, "scheduler", None)))
     return {**values, "model": run.model, "pipeline": type(pipe).__name__,
             "scheduler": scheduler_name(getattr(pipe, "scheduler", None)), **extra,
             "weights_dtype": run.weights_dtype, "activations_dtype": run.activations_dtype,

@@ -1,0 +1,265 @@
+"""What ``eqxdiff-generate`` runs beyond one folder's pipeline: ControlNet models added to a base model (or a ControlNet
+pipeline folder's own nets) with their control images and scales, and a refiner that finishes the base's latents.
+
+- :func:`run_class`: the pipeline class a command line runs. The ``--model`` folder's, or with ``--controlnet`` its
+  ControlNet pipeline: the class of the family table that extends the base class by a ``controlnet`` component
+  (Stable Diffusion's and SDXL's today; a new family's ControlNet pipeline is found the same way). With ``--image``
+  the ControlNet pipeline that takes a picture to start from (its ``__call__`` has ``control_image``).
+- :class:`ControlNetOptions` (``--controlnet``, ``--control-image``, ``--controlnet-scale``, repeatable, one per
+  net in order) and :func:`control_kwargs`, which checks them against the nets' configs before anything loads and
+  turns them into the call's arguments. The start/end/guess options are the pipeline's own flags.
+- :func:`check_refiner` and :func:`refiner_kwargs`: a refiner folder finishing the base's latents (SDXL's ensemble
+  of experts: the base stops at ``--denoising-end``, the refiner starts there).
+"""
+
+import dataclasses
+import inspect
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import tyro
+from PIL import Image
+
+from ..core import family_names, resolve_class
+from ..loading import CheckpointError, load
+from ..models.controlnet import ControlNetModel
+from ..nn import with_attention_implementation
+from ..parallel import DEFAULT_RULES, sharding_fn
+from ..pipelines import InputError, read_image
+
+CONTROLNET = "controlnet"  # the component a ControlNet pipeline adds to its base
+SCALE = "controlnet_conditioning_scale"
+# A refiner call's arguments that the hand-off sets (the base's own go to the base only).
+HANDOFF = ("image", "mask_image", "strength", "denoising_start", "denoising_end", "latents", "output_type")
+# What a refiner's image check sees before loading: latents handed over (any 4-channel array).
+HANDED_LATENTS = np.zeros((1, 1, 1, 4), np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlNetOptions:
+    """ControlNet: nets added to the --model base (a Stable Diffusion 1.x/2.x or SDXL folder, Hub id or single file),
+    or the nets of a ControlNet pipeline --model. --image makes it image-to-image (SD 1.x/2.x)."""
+
+    controlnet: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """A ControlNet model folder or Hub id (config.json + weights) for the --model base; repeat the flag for several
+    nets (a multi-ControlNet, residuals summed)."""
+    control_image: Annotated[tuple[Path, ...], tyro.conf.UseAppendAction] = ()
+    """The control image file (edges, depth, pose ...) of each net, in --controlnet order: one per net. Resized to
+    the output size, which defaults to the first one's."""
+    controlnet_scale: Annotated[tuple[float, ...], tyro.conf.UseAppendAction] = ()
+    """Each net's conditioning scale (controlnet_conditioning_scale), in --controlnet order: one value for every
+    net, or one per net; default: the pipeline's (1.0; 0.8 for image-to-image, as diffusers)."""
+
+
+def _names(cls) -> set[str]:
+    return {c.name for c in cls.COMPONENTS}
+
+
+def is_controlnet(cls) -> bool:
+    """``cls`` is a ControlNet pipeline (it has a ``controlnet`` component)."""
+    return CONTROLNET in _names(cls)
+
+
+def _parameters(cls) -> Mapping[str, inspect.Parameter]:
+    return inspect.signature(cls.__call__).parameters
+
+
+def control_argument(cls) -> str:
+    """The ``__call__`` argument of ControlNet pipeline ``cls`` taking the control images: ``control_image`` where
+    ``image`` is the picture to start from (image-to-image), else ``image`` (diffusers' names)."""
+    return "control_image" if "control_image" in _parameters(cls) else "image"
+
+
+def _controlnet_classes() -> list[type]:
+    classes = {resolve_class(name) for name in family_names("pipeline")}
+    return sorted((c for c in classes if isinstance(c, type) and is_controlnet(c)), key=lambda c: c.__name__)
+
+
+def _base_name(cls) -> str:
+    """The pipeline a ControlNet class extends (its first ancestor without a ControlNet)."""
+    return next((b.__name__ for b in cls.__mro__[1:] if hasattr(b, "COMPONENTS") and not is_controlnet(b)),
+                cls.__name__)
+
+
+def controlnet_class(base: type, *, image_to_image: bool) -> type:
+    """The ControlNet pipeline class for ``base`` (a pipeline class, or a ControlNet class to switch to
+    image-to-image): a class of the family table that extends ``base`` by a ``controlnet`` component (or, for a
+    ControlNet ``base``, has its components), text-to-image or image-to-image. Raises ``InputError`` naming the
+    flag to leave out when there is none."""
+    wanted = _names(base) | {CONTROLNET}
+    found: dict[bool, type] = {}
+    for cls in _controlnet_classes():
+        if issubclass(cls, base) and _names(cls) == wanted:
+            found.setdefault(control_argument(cls) == "control_image", cls)
+    if image_to_image in found:
+        return found[image_to_image]
+    if found:
+        raise InputError(f"eqxdiff has no image-to-image ControlNet pipeline for {base.__name__}; leave out --image "
+                         "(the control images go to --control-image)")
+    bases = sorted({_base_name(c) for c in _controlnet_classes()})
+    raise InputError(f"eqxdiff has no ControlNet pipeline for the --model folder's {base.__name__}; ControlNets run "
+                     f"on {', '.join(bases)}: pass one of those as --model, or leave out --controlnet")
+
+
+def run_class(cls: type, *, controlnet: bool, image: bool, mask: bool) -> type:
+    """The class a command line runs: ``cls`` (the ``--model`` folder's), its ControlNet pipeline with
+    ``--controlnet``, the image-to-image ControlNet pipeline with ``--image``. ``--mask`` with a ControlNet is
+    refused (eqxdiff has no ControlNet inpainting)."""
+    if controlnet and is_controlnet(cls):
+        raise InputError(f"--model is a {cls.__name__}, which holds its ControlNet(s) already; leave out --controlnet "
+                         "(or pass its base model as --model)")
+    if not (controlnet or is_controlnet(cls)):
+        return cls
+    if mask:
+        raise InputError("--mask: eqxdiff has no ControlNet inpainting pipeline; leave out --mask or the ControlNet")
+    if controlnet or (image and control_argument(cls) == "image"):
+        return controlnet_class(cls, image_to_image=image)
+    return cls
+
+
+def excluded_arguments(cls) -> tuple[str, ...]:
+    """The ``__call__`` arguments of ``cls`` that are not flags of their own: a ControlNet pipeline's control
+    images and scales (``--control-image``, ``--controlnet-scale``) and the inpainting mask; for text-to-image also
+    what needs a picture to start from."""
+    if not is_controlnet(cls):
+        return ()
+    arg = control_argument(cls)
+    return (arg, SCALE, "mask_image") + (("strength", "denoising_start") if arg == "image" else ())
+
+
+# -- the nets -----------------------------------------------------------------------------------------------------
+
+def folder_nets(read: Callable[[str], Mapping | None]) -> int:
+    """How many nets a ControlNet pipeline folder holds (``read``: its JSON files): a ``MultiControlNetModel``
+    in ``controlnet``, ``controlnet_1`` ..., else one."""
+    entry = (read("model_index.json") or {}).get(CONTROLNET) or [None, None]
+    if entry[1] != "MultiControlNetModel":
+        return 1
+    n = 0
+    while read(f"{CONTROLNET}{'' if n == 0 else f'_{n}'}/config.json") is not None:
+        n += 1
+    return max(n, 1)
+
+
+def check_controlnets(paths: Sequence[str], reader, base_read: Callable[[str], Mapping | None]) -> None:
+    """Each ``--controlnet`` is a ControlNet model (its ``config.json``, read with ``reader(path)``) whose width
+    fits the ``--model`` UNet's (``cross_attention_dim``, ``block_out_channels``; skipped where the base's UNet
+    config is unknown, as for a single file without ``--config``)."""
+    unet = base_read("unet/config.json") or {}
+    for path in paths:
+        if Path(path).expanduser().is_file():
+            raise InputError(f"--controlnet {path!r} is a file; pass a ControlNet model folder (config.json and "
+                             "diffusion_pytorch_model.safetensors) or its Hub id")
+        config = reader(path)("config.json")
+        if config is None:
+            raise CheckpointError(f"--controlnet {path!r} holds no config.json; pass a ControlNet model folder "
+                                  "(config.json and diffusion_pytorch_model.safetensors) or its Hub id")
+        name = config.get("_class_name")
+        found = resolve_class(name) if isinstance(name, str) else None
+        if not (isinstance(found, type) and issubclass(found, ControlNetModel)):
+            raise CheckpointError(f"--controlnet {path!r} holds a {name!r} (config.json _class_name), not a "
+                                  "ControlNetModel; pass a ControlNet model folder or Hub id")
+        for key in ("cross_attention_dim", "block_out_channels"):
+            ours, theirs = config.get(key), unet.get(key)
+            if ours is not None and theirs is not None and _value(ours) != _value(theirs):
+                raise InputError(f"--controlnet {path!r} has {key}={_value(ours)} but the --model UNet has "
+                                 f"{_value(theirs)}: it was trained for another base model; pass a ControlNet of "
+                                 "this model's family")
+
+
+def _value(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def control_kwargs(cls: type, options: ControlNetOptions, nets: int) -> dict[str, Any]:
+    """The ControlNet arguments of a call of ``cls`` with ``nets`` nets: the control images (read here as PIL RGB
+    images, as diffusers' ``load_image`` gives them: resized with Lanczos to the output size) under
+    :func:`control_argument`, and ``controlnet_conditioning_scale`` if ``--controlnet-scale`` was given. Counts
+    that do not match the nets raise ``InputError`` naming the flags."""
+    if not is_controlnet(cls):
+        if options.control_image or options.controlnet_scale:
+            flag = "--control-image" if options.control_image else "--controlnet-scale"
+            raise InputError(f"{flag} needs a ControlNet: pass --controlnet FOLDER_OR_HUB_ID (or a ControlNet pipeline "
+                             "as --model)")
+        return {}
+    where = f"{nets} ControlNet{'s' if nets > 1 else ''}"
+    if len(options.control_image) != nets:
+        given = len(options.control_image)
+        raise InputError(f"--control-image given {given} time{'s' if given != 1 else ''} for {where}; give one "
+                         f"control image per net{', in --controlnet order' if options.controlnet else ''}")
+    if len(options.controlnet_scale) not in (0, 1, nets):
+        raise InputError(f"--controlnet-scale given {len(options.controlnet_scale)} times for {where}; give one "
+                         "value for every net or one per net")
+    images = []
+    for path in options.control_image:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--control-image {os.fspath(path)!r}: no such file")
+        try:
+            images.append(Image.fromarray(read_image(path)))
+        except InputError as e:
+            raise InputError(f"--control-image: {e}") from None
+    out: dict[str, Any] = {control_argument(cls): images[0] if nets == 1 else images}
+    if options.controlnet_scale:
+        scales = list(options.controlnet_scale)
+        out[SCALE] = scales[0] if len(scales) == 1 else scales
+    return out
+
+
+def check_window(kwargs: Mapping[str, Any]) -> None:
+    """``--control-guidance-start`` < ``--control-guidance-end``, both in [0, 1]."""
+    start, end = kwargs.get("control_guidance_start"), kwargs.get("control_guidance_end")
+    if start is not None and end is not None and not 0.0 <= start < end <= 1.0:
+        raise InputError(f"--control-guidance-start {start} and --control-guidance-end {end} must satisfy "
+                         "0 <= start < end <= 1 (the fractions of the steps the nets run in)")
+
+
+def effective_scales(cls: type, kwargs: Mapping[str, Any], nets: int) -> list[float] | None:
+    """Each net's conditioning scale in the call: the given one(s), else the pipeline's default."""
+    scale = kwargs.get(SCALE)
+    if scale is None:
+        default = _parameters(cls)[SCALE].default if SCALE in _parameters(cls) else None
+        scale = default if isinstance(default, (int, float)) else getattr(cls, "DEFAULT_CONTROL_SCALE", None)
+    if scale is None:
+        return None
+    return [float(s) for s in scale] if isinstance(scale, (list, tuple)) else [float(scale)] * nets
+
+
+def load_controlnets(paths: Sequence[str], *, dtype, mesh=None, rules=None, attention: str | None = None,
+                     scan_layers: bool = False) -> list:
+    """The ``--controlnet`` models, each read straight into ``dtype`` (and onto its sharding on a mesh)."""
+    sharding = None if mesh is None else sharding_fn(mesh, rules or DEFAULT_RULES)
+    nets = [load(path, dtype=dtype, sharding=sharding, scan_layers=scan_layers) for path in paths]
+    return [with_attention_implementation(n, attention) if attention else n for n in nets]
+
+
+# -- the refiner --------------------------------------------------------------------------------------------------
+
+def check_refiner(base: type, refiner: type, base_flags: Sequence[str], refiner_flags: Sequence[str],
+                  given: Mapping[str, Any]) -> None:
+    """A ``--refiner`` run can hand over: the base returns latents and stops at ``--denoising-end``
+    (``output_type`` and ``denoising_end`` arguments), the refiner starts from them (``image`` and
+    ``denoising_start``); no ``--mask``."""
+    if "denoising_end" not in base_flags or "output_type" not in _parameters(base):
+        raise InputError(f"--refiner: the --model's {base.__name__} cannot hand over latents (it takes no "
+                         "denoising_end); leave out --refiner")
+    if is_controlnet(base):
+        raise InputError("--refiner with a ControlNet is not supported; leave out --refiner or the ControlNet")
+    if "image" not in refiner_flags or "denoising_start" not in refiner_flags:
+        raise InputError(f"--refiner holds a {refiner.__name__}, which cannot start from handed-over latents (no "
+                         "image and denoising_start); pass a refiner (image-to-image) pipeline such as SDXL's")
+    if given.get("mask_image") is not None:
+        raise InputError("--mask with --refiner is not supported (the hand-off takes no mask); leave out one of them")
+
+
+def refiner_kwargs(refiner_flags: Sequence[str], kwargs: Mapping[str, Any], latents) -> dict[str, Any]:
+    """The refiner call's arguments: the base call's that the refiner takes (prompts, steps, guidance, seed,
+    micro-conditioning ...), ``image`` the handed-over ``latents`` and ``denoising_start`` the base's
+    ``denoising_end`` (without it the refiner refines the finished latents at its default ``strength``)."""
+    out = {k: v for k, v in kwargs.items() if k in refiner_flags and k not in HANDOFF}
+    out["image"] = latents
+    if kwargs.get("denoising_end") is not None:
+        out["denoising_start"] = kwargs["denoising_end"]
+    return out
