@@ -176,15 +176,12 @@ def kontext_size(height: int, width: int, *, max_area: int, multiple_of: int) ->
 
 
 def _image_size(image) -> tuple[int, int]:
-    if isinstance(image, Image.Image):
-        return image.height, image.width
-    if isinstance(image, Sequence) and image and isinstance(image[0], Image.Image):
-        return image[0].height, image[0].width
-    shape = np.shape(image)
-    if len(shape) not in (3, 4):
-        raise InputError(f"image must be [n, height, width, 3] or [height, width, 3] (channels-last RGB) or PIL, got "
-                         f"shape {shape}")
-    return int(shape[-3]), int(shape[-2])
+    size = image_size(image)
+    if size is None:
+        raise InputError(f"image must be PIL image(s) or an array [n, height, width, 3] / [height, width, 3] (uint8, "
+                         f"or floats in [0, 1]; channels-last RGB), got {type(image).__name__} of shape "
+                         f"{np.shape(image)}")
+    return size
 
 
 def _resized(image, height: int, width: int):
