@@ -1,9 +1,10 @@
 """The Flux.1 pipelines end to end against diffusers (every pixel within 2/255 from the same initial noise):
 text-to-image with a guidance-distilled (dev-style) transformer and with a schnell-style one (other sizes, a
 two-level VAE), true classifier-free guidance, image-to-image, Kontext editing; the prompts tokenized by character
-tokenizers saved in the folders (so both sides tokenize alike) and given as embeddings. Then a Black Forest Labs
-transformer file and a ComfyUI all-in-one file loaded with config= equal the folder pipeline, a saved folder loads
-in diffusers, eqxdiff-generate lists the family's flags, and the errors a user can make.
+tokenizers saved in the folders (so both sides tokenize alike) and given as embeddings. Then an FSDP x context
+mesh gives the one-device images, a Black Forest Labs transformer file and a ComfyUI all-in-one file loaded with
+config= equal the folder pipeline, saved folders load in diffusers, eqxdiff-generate lists the family's flags and
+runs a BFL file, and the errors a user can make.
 
 One tiny folder per variant, built once for the module; calls of one variant share their compiled programs.
 """
