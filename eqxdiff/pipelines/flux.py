@@ -824,7 +824,10 @@ def _read_transformer(path, view, prefix: str, folder: Path, where: str, *, dtyp
         hint = (f"config={os.fspath(folder)!r} describes another transformer than this file's: pass the folder of "
                 "this model (or one without transformer/config.json, to read the sizes from the file)")
     else:
-        config = model_cls.config_class.from_dict(formats.flux_bfl_config(path, prefix=prefix))
+        try:
+            config = model_cls.config_class.from_dict(formats.flux_bfl_config(path, prefix=prefix))
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; or pass config= a Flux folder holding transformer/config.json") from None
         hint = "The file is incomplete; download it again"
     rules = formats.flux_bfl(prefix=prefix)
     abstract = eqx.filter_eval_shape(lambda: model_cls(config, dtype=dtype, key=jax.random.key(0)))
