@@ -282,8 +282,8 @@ def test_openclip_text_tower_from_an_sdxl_single_file(clip, tmp_path):
     plain = eqxdiff.load(folder)
     _equal_models(model, plain)  # the same weights as the transformers folder gives, so the same outputs
     hidden, embeds = _run(model, jnp.asarray(ids))
-    for a, b in zip((hidden, embeds), _run(plain, jnp.asarray(ids))):
-        np.testing.assert_array_equal(a, b)
+    for a, b in zip((hidden, embeds), _run(plain, jnp.asarray(ids))):  # one compiled program, the same weights and
+        np.testing.assert_array_equal(a, b)  # inputs: the same float32 operations, exactly equal on any CPU
     assert_close(hidden, want.last_hidden_state.numpy(), what="last_hidden_state")
     assert_close(embeds, want.text_embeds.numpy(), what="text_embeds")
     # and back: eqxdiff's state dict through the inverse rules is the OpenCLIP part of the file

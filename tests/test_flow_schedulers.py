@@ -1,6 +1,11 @@
 """The flow-matching, UniPC, LCM and TCD schedulers (and the custom schedules diffusers' ``set_timesteps`` takes)
 against diffusers over whole jitted trajectories, fixed fake model outputs and the same noise; img2img starts; the
-DDPM scheduler read from a DPM-Solver config; errors; keys in a ``fori_loop``; convergence on a Gaussian target."""
+DDPM scheduler read from a DPM-Solver config; errors; keys in a ``fori_loop``; convergence on a Gaussian target.
+
+Every float32 comparison is bounded by diffusers' scheduler run in float64 (``diffusers_float64``: the same program,
+its float32 tables and arithmetic raised, the same noise): ours must be as accurate as diffusers' float32 run is
+against it, step by step. (XLA contracts the update's multiply-adds into FMAs where the CPU has them, PyTorch does
+not: the two float32 trajectories differ by a few ulps on one CPU and not on another, so no fixed bound.)"""
 
 import inspect
 import json
@@ -19,7 +24,7 @@ import eqxdiff
 from eqxdiff import schedulers as S
 from eqxdiff.schedulers import ConfigError, scheduler_from_config
 
-from ._util import assert_close, nhwc_to_nchw
+from ._util import assert_close_to_float64, diffusers_float64, nhwc_to_nchw
 
 # diffusers' schedulers trip NumPy 2's __array__(copy=) deprecation, and warn about custom schedules.
 pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
@@ -41,7 +46,7 @@ def _fake_jax(x, t):
 
 
 def _fake_torch(x, t):
-    return 0.3 * x + 0.1 * torch.sin(torch.as_tensor(t).float())
+    return 0.3 * x + 0.1 * torch.sin(torch.as_tensor(t).to(x.dtype))  # float32, or float64 in the float64 run
 
 
 @eqx.filter_jit
@@ -80,30 +85,50 @@ def _reference(ref, x, *, begin=0, **step_kwargs):
     return np.stack(samples), jnp.asarray(np.stack([_nhwc(z) for z in noises]))
 
 
-def _pair(class_name, config, n, init=None, eta=None):
+def _reference64(ref64, x, **kwargs):
+    """``_reference`` of a scheduler from ``_pair(..., float64=True)`` from ``x`` (float32 NCHW: its values), in
+    float64: the samples only (the noise is the float32 run's, replayed by the same generator)."""
+    with diffusers_float64():
+        return _reference(ref64, x.double(), **kwargs)[0]
+
+
+def _pair(class_name, config, n, init=None, eta=None, float64=False):
+    """diffusers' scheduler, ours and our state; with ``float64`` diffusers' built in float64 as well (last)."""
     raw = {"_class_name": class_name, "_diffusers_version": "0.42.1", **config}
     init = init or {}
-    ref = getattr(diffusers, class_name).from_config(raw)
-    ref.set_timesteps(n, **{k: (np.asarray(v) if k == "sigmas" else v) for k, v in init.items()})
+
+    def build():
+        ref = getattr(diffusers, class_name).from_config(raw)
+        ref.set_timesteps(n, **{k: (np.asarray(v) if k == "sigmas" else v) for k, v in init.items()})
+        return ref
+
+    ref = build()
     sched = scheduler_from_config(raw)
     if eta is not None:
         sched = S.TCDScheduler(sched.config, eta=eta)
-    return ref, sched, sched.init(n, sample_shape=SHAPE, **init)
+    pair = ref, sched, sched.init(n, sample_shape=SHAPE, **init)
+    if float64:
+        with diffusers_float64():
+            pair += (build(),)
+    return pair
 
 
-def _check_schedule(ref, state):
+def _check_schedule(ref, state, ref64):
+    """Integer timesteps exactly; float ones and the sigmas as accurate as diffusers', value by value."""
     if np.issubdtype(ref.timesteps.numpy().dtype, np.integer):
         np.testing.assert_array_equal(np.asarray(state.timesteps), ref.timesteps.numpy())
     else:
-        assert_close(state.timesteps, ref.timesteps.numpy(), 1e-6, "timesteps")
+        assert_close_to_float64(state.timesteps, ref.timesteps.numpy(), ref64.timesteps.numpy(), what="timesteps",
+                                elementwise=True)
     if hasattr(state, "sigmas"):
-        assert_close(state.sigmas, ref.sigmas.numpy(), 1e-6, "sigmas")
+        assert_close_to_float64(state.sigmas, ref.sigmas.numpy(), ref64.sigmas.numpy(), what="sigmas",
+                                elementwise=True)
 
 
-def _check_trajectory(ours, expected):
-    assert ours.shape == expected.shape
-    for i, (a, e) in enumerate(zip(ours, expected, strict=True)):
-        assert_close(a, e, 1e-5, f"sample after step {i}")
+def _check_trajectory(ours, expected, expected64):
+    assert ours.shape == expected.shape == expected64.shape
+    for i, (a, e, e64) in enumerate(zip(ours, expected, expected64, strict=True)):
+        assert_close_to_float64(a, e, e64, what=f"sample after step {i}")
 
 
 CASES = [
@@ -172,27 +197,29 @@ def _case_id(case):
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_trajectory_matches_diffusers(case):
     class_name, config, n, init, eta = case
-    ref, sched, state = _pair(class_name, config, n, init, eta)
-    _check_schedule(ref, state)
+    ref, sched, state, ref64 = _pair(class_name, config, n, init, eta, float64=True)
+    _check_schedule(ref, state, ref64)
     x = np.random.default_rng(len(state.timesteps)).standard_normal(SHAPE).astype(np.float32)
     sigma = float(getattr(ref, "init_noise_sigma", 1.0))  # (diffusers' flow-matching Euler has none: 1)
-    assert float(sched.init_noise_sigma(state)) == pytest.approx(sigma, rel=1e-6)
+    assert_close_to_float64(sched.init_noise_sigma(state), np.float32(sigma),
+                            np.float64(getattr(ref64, "init_noise_sigma", 1.0)), what="init_noise_sigma")
     x = x * sigma
-    expected, noises = _reference(ref, nhwc_to_nchw(x), **({} if eta is None else {"eta": eta}))
+    step_kwargs = {} if eta is None else {"eta": eta}
+    expected, noises = _reference(ref, nhwc_to_nchw(x), **step_kwargs)
     ours, final = _trajectory(sched, state, jnp.asarray(x), noises)
-    _check_trajectory(ours, expected)
+    _check_trajectory(ours, expected, _reference64(ref64, nhwc_to_nchw(x), **step_kwargs))
     assert int(final.step_index) == len(state.timesteps)
 
 
 def test_unipc_bh1_to_zero_stays_finite():
     """diffusers' bh1 UniPC multiplies a zero residual by B(h) = -inf on the step to sigma 0 and returns NaN; ours
     returns that step's order-1 prediction and agrees with diffusers on every step before it."""
-    ref, sched, state = _pair(UNIPC, dict(SD, solver_type="bh1"), 6)
+    ref, sched, state, ref64 = _pair(UNIPC, dict(SD, solver_type="bh1"), 6, float64=True)
     x = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
     expected, noises = _reference(ref, nhwc_to_nchw(x))
     ours, _ = _trajectory(sched, state, jnp.asarray(x), noises)
     assert np.isnan(expected[-1]).all() and np.isfinite(np.asarray(ours)).all()
-    _check_trajectory(ours[:-1], expected[:-1])
+    _check_trajectory(ours[:-1], expected[:-1], _reference64(ref64, nhwc_to_nchw(x))[:-1])
 
 
 @pytest.mark.parametrize("class_name,config,n,strength,begin", [
@@ -204,23 +231,28 @@ def test_unipc_bh1_to_zero_stays_finite():
 def test_img2img_start_matches_diffusers(class_name, config, n, strength, begin):
     """``init(strength=)`` starts where the diffusers img2img pipeline does, the noised start is the scheduler's
     forward process there (``scale_noise`` / ``add_noise`` after ``set_begin_index``), and the rest matches."""
-    ref, sched, state = _pair(class_name, config, n)
+    ref, sched, state, ref64 = _pair(class_name, config, n, float64=True)
     state = sched.init(n, sample_shape=SHAPE, strength=strength)
     assert state.begin_index == begin == sched.remaining_steps(sched.init(n, sample_shape=SHAPE)) - len(
         ref.timesteps[begin:])
     rng = np.random.default_rng(5)
     x0, noise = (rng.standard_normal(SHAPE).astype(np.float32) for _ in range(2))
-    ref.set_begin_index(begin)
-    t = ref.timesteps[begin:begin + 1].repeat(SHAPE[0])
-    if class_name == FLOW:
-        start = ref.scale_noise(nhwc_to_nchw(x0), t, nhwc_to_nchw(noise))
-    else:
-        start = ref.add_noise(nhwc_to_nchw(x0), nhwc_to_nchw(noise), t)
+
+    def noised(ref, x0, noise):
+        ref.set_begin_index(begin)
+        t = ref.timesteps[begin:begin + 1].repeat(SHAPE[0])
+        return ref.scale_noise(x0, t, noise) if class_name == FLOW else ref.add_noise(x0, noise, t)
+
+    start = noised(ref, nhwc_to_nchw(x0), nhwc_to_nchw(noise))
+    with diffusers_float64():
+        start64 = noised(ref64, nhwc_to_nchw(x0).double(), nhwc_to_nchw(noise).double())
     ours_start = sched.add_noise_at_step(state, jnp.asarray(x0), jnp.asarray(noise))
-    assert_close(ours_start, _nhwc(start), 1e-6, "noised start")
+    assert_close_to_float64(ours_start, _nhwc(start), _nhwc(start64), what="noised start")
     expected, noises = _reference(ref, start, begin=begin)
     ours, _ = _trajectory(sched, state, ours_start, noises)
-    _check_trajectory(ours, expected)
+    with diffusers_float64():  # from diffusers' float64 start: the whole float64 program
+        expected64 = _reference(ref64, start64, begin=begin)[0]
+    _check_trajectory(ours, expected, expected64)
 
 
 def test_ddpm_from_the_digits_dpm_solver_config_matches_diffusers():
@@ -233,12 +265,15 @@ def test_ddpm_from_the_digits_dpm_solver_config_matches_diffusers():
     assert sched.config.variance_type is None and scheduler_from_config(raw, name="ddpm").config == sched.config
     ref = diffusers.DDPMScheduler.from_config(raw)
     ref.set_timesteps(12)
+    with diffusers_float64():
+        ref64 = diffusers.DDPMScheduler.from_config(raw)
+        ref64.set_timesteps(12)
     state = sched.init(12, sample_shape=SHAPE)
-    _check_schedule(ref, state)
+    _check_schedule(ref, state, ref64)
     x = np.random.default_rng(2).standard_normal(SHAPE).astype(np.float32)
     expected, noises = _reference(ref, nhwc_to_nchw(x))
     ours, _ = _trajectory(sched, state, jnp.asarray(x), noises)
-    _check_trajectory(ours, expected)
+    _check_trajectory(ours, expected, _reference64(ref64, nhwc_to_nchw(x)))
 
 
 def test_training_schedule_and_dynamic_shift_match_diffusers():
@@ -247,11 +282,13 @@ def test_training_schedule_and_dynamic_shift_match_diffusers():
     raw = {"_class_name": FLOW, "use_dynamic_shifting": True, "base_shift": 0.4, "max_shift": 1.3,
            "base_image_seq_len": 128, "max_image_seq_len": 2048}
     sched = scheduler_from_config(raw)
-    for seq in (64, 1024, 4096):
+    for seq in (64, 1024, 4096):  # Python floats (float64), four operations either way: a few float64 ulps apart
         assert sched.dynamic_shift_mu(seq) == pytest.approx(calculate_shift(seq, 128, 2048, 0.4, 1.3), rel=1e-12)
     for config in ({}, {"shift": 3.0, "num_train_timesteps": 700}):
         ref = diffusers.FlowMatchEulerDiscreteScheduler(**config)
         timesteps, sigmas = S.FlowMatchEulerDiscreteScheduler.from_config(config).training_schedule()
+        # the same float32 operations in the same order, each a separate correctly rounded one in NumPy and in PyTorch
+        # (no FMA can join them): exactly equal on any CPU
         np.testing.assert_array_equal(timesteps, ref.timesteps.numpy())
         np.testing.assert_array_equal(sigmas, ref.sigmas.numpy())
 
@@ -261,6 +298,9 @@ def test_beta_quantile_matches_scipy():
 
     from eqxdiff.schedulers._sigmas import beta_ppf
 
+    # Both float64, and neither is rounding-limited: SciPy's (Boost's) inverse is within ~3e-16 of a 40-digit mpmath
+    # quantile, ours (bisection to 2^-40, then Newton on our float64 CDF) within ~3e-14; 1e-12 is that solver's
+    # accuracy with margin, far below the 6e-8 of the float32 sigmas it gives.
     q = np.concatenate([[0.0, 1e-6, 1e-4], np.linspace(0, 1, 41), [1 - 1e-4, 1.0]])
     for a, b in ((0.6, 0.6), (2.0, 5.0), (0.5, 1.5)):  # diffusers' (0.6, 0.6), and two skewed ones
         np.testing.assert_allclose(beta_ppf(q, a, b), beta.ppf(q, a, b), rtol=0, atol=1e-12)

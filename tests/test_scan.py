@@ -1,6 +1,7 @@
-"""scan_layers: stacked repeated layers run with lax.scan equal the unrolled model (outputs and gradients, 1e-5 in
-float32), with remat too; checkpoints load straight into the stacked layout (sharded as well) and write back the
-names transformers/diffusers load."""
+"""scan_layers: stacked repeated layers run with lax.scan equal the unrolled model (outputs and gradients, as
+accurate as the unrolled model's float32 run is against its float64 run: XLA rounds a loop body and the unrolled
+layers alike only up to its CPU's FMA contraction and vector-width blocking), with remat too; checkpoints load
+straight into the stacked layout (sharded as well) and write back the names transformers/diffusers load."""
 
 import functools
 import tempfile
@@ -23,7 +24,7 @@ from eqxdiff.core import leaf_specs
 from eqxdiff.loading import CheckpointError, state_dict
 from eqxdiff.parallel import MeshConfig, Plan, Remat, checkpoint_block, make_mesh, param_spec, sharding_fn, with_plan
 
-from ._util import assert_close, nchw_to_nhwc, randomize_torch, rel_error
+from ._util import assert_close, assert_close_to_float64, nchw_to_nhwc, randomize_torch, rel_error, run_float64
 
 CLIP = dict(vocab_size=99, hidden_size=32, intermediate_size=40, projection_dim=16, num_hidden_layers=3,
             num_attention_heads=4, max_position_embeddings=9, hidden_act="gelu", bos_token_id=0, eos_token_id=98,
@@ -80,8 +81,14 @@ def _clip_out(model):
     return (*out.hidden_states, out.last_hidden_state, out.pooler_output)
 
 
+def _like(model, tree):
+    """``tree``'s float arrays in the dtype of ``model``'s weights (float64 for its float64 reference run)."""
+    dtype = next(x.dtype for x in jax.tree.leaves(model) if jnp.issubdtype(x.dtype, jnp.floating))
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
 def _unet_out(model):
-    _, args, extra = _unet_inputs()
+    args, extra = _like(model, _unet_inputs()[1:])
     return (model(*args, **extra),)
 
 
@@ -96,31 +103,32 @@ def _evaluate(model, run):
     return outs, grads
 
 
-def _reference(model, run):
-    """The unrolled model's outputs and gradients (PyTorch-named): the ground truth the scanned variants match."""
-    outs, grads = _evaluate(model, run)
+def _reference(model, run, float64=False):
+    """The unrolled model's outputs and gradients (PyTorch-named): the ground truth the scanned variants match; with
+    ``float64``, the same program in float64 (its weights raised), which measures the float32 run's rounding."""
+    outs, grads = run_float64(_evaluate, model, run) if float64 else _evaluate(model, run)
     return outs, state_dict(grads)
 
 
 @functools.cache
 def _clip_reference():
+    """The unrolled CLIP, its outputs and gradients in float32, and the same in float64."""
     plain = eqxdiff.load(_clip_folder())
-    return (plain, *_reference(plain, _clip_out))
+    return (plain, *_reference(plain, _clip_out), _reference(plain, _clip_out, float64=True))
 
 
 def _assert_equal_to_unrolled(model, run, reference, what):
-    _, outs, grads = reference
+    _, outs, grads, (outs64, grads64) = reference
     got, got_grads = _reference(model, run)
-    assert len(got) == len(outs)
-    for i, (a, b) in enumerate(zip(got, outs)):
-        assert_close(a, b, 1e-5, what=f"{what} output {i}")
-    assert set(got_grads) == set(grads)
+    assert len(got) == len(outs) == len(outs64)
+    for i, (a, b, b64) in enumerate(zip(got, outs, outs64)):
+        assert_close_to_float64(a, b, b64, what=f"{what} output {i}")
+    assert set(got_grads) == set(grads) == set(grads64)
     # Relative to the largest gradient: some are zero in exact arithmetic (attention is blind to the key bias) and
     # hold only rounding noise, which no per-tensor relative error can match.
-    scale = max(float(np.max(np.abs(g))) for g in grads.values())
+    scale = max(float(np.max(np.abs(g))) for g in grads64.values())
     for name, g in grads.items():
-        err = float(np.max(np.abs(got_grads[name].astype(np.float64) - g))) / scale
-        assert err <= 1e-5, f"{what}: gradient of {name} is off by {err:.2e} of the largest gradient"
+        assert_close_to_float64(got_grads[name], g, grads64[name], what=f"{what}: gradient of {name}", scale=scale)
 
 
 def _reversed(model):
@@ -160,11 +168,12 @@ def test_stacked_builds_the_layers_the_unrolled_loop_builds(getkey):
         return jnp.tanh(layer(h[:, :3]) + h)
 
     want, outs = nn.run_layers(layers, step, x, collect=True)
+    want64, outs64 = run_float64(lambda layers, x: nn.run_layers(layers, step, x, collect=True), layers, x)
     got, ys = nn.run_layers(stacked, step, x, collect=True)
-    assert_close(got, want, 1e-6)
+    assert_close_to_float64(got, want, want64)
     assert len(ys) == len(outs) == 4
-    for a, b in zip(ys, outs):
-        assert_close(a, b, 1e-6)
+    for a, b, b64 in zip(ys, outs, outs64):
+        assert_close_to_float64(a, b, b64)
     backwards, _ = nn.run_layers(nn.Stacked.from_layers(layers[::-1]), step, x)
     assert rel_error(backwards, want) > 1e-3  # the order of the layers matters to the check above
 
@@ -282,9 +291,10 @@ def test_scanned_load_onto_a_mesh_reads_each_devices_slices():
 
 @functools.cache
 def _unet_outputs():
-    """The unrolled and the scanned UNet loaded from diffusers' folder, and the unrolled one's output."""
+    """The unrolled and the scanned UNet loaded from diffusers' folder, and the unrolled one's output (float32 and
+    float64)."""
     plain, scanned = eqxdiff.load(_unet_folder()), eqxdiff.load(_unet_folder(), scan_layers=True)
-    return plain, scanned, _jit_unet_out(plain)
+    return plain, scanned, _jit_unet_out(plain), run_float64(_jit_unet_out, plain)
 
 
 _jit_unet_out = eqx.filter_jit(_unet_out)
@@ -292,12 +302,12 @@ _jit_unet_out = eqx.filter_jit(_unet_out)
 
 def _transformer_inputs():
     k1, k2 = jax.random.split(jax.random.key(3))
-    return (jax.random.normal(k1, (2, 3, 4, 32)), jax.random.normal(k2, (2, 5, 24)),
+    return (jax.random.normal(k1, (2, 3, 4, 32), jnp.float32), jax.random.normal(k2, (2, 5, 24), jnp.float32),
             jnp.array([[True] * 5, [True, False, True, True, False]]))
 
 
 def _transformer_out(transformer, remat=Remat.NONE):
-    x, context, mask = _transformer_inputs()
+    x, context, mask = _like(transformer, _transformer_inputs())
     return (checkpoint_block(transformer, Plan(remat=remat))(x, context, mask=mask),)
 
 
@@ -305,18 +315,18 @@ def _transformer_out(transformer, remat=Remat.NONE):
 def _transformer_reference():
     """The unrolled UNet's mid-block transformer (depth 2), its outputs and gradients."""
     plain = _unet_outputs()[0].mid_block.attentions[0]
-    return (plain, *_reference(plain, _transformer_out))
+    return (plain, *_reference(plain, _transformer_out), _reference(plain, _transformer_out, float64=True))
 
 
 def test_scanned_unet_loads_stacked_and_equals_unrolled():
-    plain, scanned, want = _unet_outputs()
+    plain, scanned, want, want64 = _unet_outputs()
     down = scanned.down_blocks[1].attentions[0].transformer_blocks
     mid = scanned.mid_block.attentions[0].transformer_blocks
     assert isinstance(down, nn.Stacked) and len(down) == 2 and isinstance(mid, nn.Stacked) and len(mid) == 2
     assert down.layers.attn1.to_q.weight.shape == (2, 32, 32)
     assert len(_stacks(scanned)) == 4  # 1 down, 1 mid, 2 up attentions of depth 2; those of depth 1 stay unrolled
     assert isinstance(plain.mid_block.attentions[0].transformer_blocks, tuple)
-    assert_close(_jit_unet_out(scanned)[0], want[0], 1e-5, what="scanned UNet")
+    assert_close_to_float64(_jit_unet_out(scanned)[0], want[0], want64[0], what="scanned UNet")
     assert rel_error(_jit_unet_out(_reversed(scanned))[0], want[0]) > 1e-3  # a wrong order would be caught
 
 
@@ -334,7 +344,7 @@ def test_scanned_spatial_transformer_equals_unrolled(remat):
 
 
 def test_scanned_unet_round_trips_into_diffusers(tmp_path):
-    _, scanned, want = _unet_outputs()
+    _, scanned, want, _ = _unet_outputs()
     rolled = _map_stacks(scanned, lambda a: jnp.roll(a, 1, axis=0))  # new weights: the layers in another order
     eqxdiff.save_pretrained(rolled, tmp_path)
     ref = diffusers.UNet2DConditionModel.from_pretrained(tmp_path).eval()

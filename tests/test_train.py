@@ -42,6 +42,8 @@ from eqxdiff.train import (
 )
 from eqxdiff.train._digits import SD_NOISE_SCHEDULE
 
+from ._util import assert_close_to_float64, assert_leaves_close_to_float64, run_float64
+
 TINY = DigitsArchitecture(image_size=8, vae_channels=(8, 8), latent_channels=4, unet_channels=(8,),
                           attention_heads=2, text_hidden_size=8, text_layers=1, text_heads=2, norm_num_groups=4)
 # The scheduler, objective and optimizer train.run uses for RUN (below), so the direct steps on its mesh and its runs
@@ -76,16 +78,24 @@ def tiny():
 
 # -- objectives, by hand ---------------------------------------------------------------------------------------
 
+def _exactly(ours, exact, what):
+    """Float32 ``ours`` against an exact value (float64): as close as that value rounded once to float32, up to the
+    slack of the few roundings a float32 formula makes, value by value."""
+    exact = np.asarray(exact, np.float64)
+    assert_close_to_float64(ours, exact.astype(np.float32), exact, what=what, elementwise=True)
+
+
 def test_min_snr_weights_by_hand():
     s = jnp.asarray([0.25, 1.0, 5.0, 40.0])
     gamma = 5.0
-    np.testing.assert_allclose(min_snr_weights(s, gamma, "epsilon"), [1.0, 1.0, 1.0, 5.0 / 40.0], rtol=1e-6)
-    np.testing.assert_allclose(min_snr_weights(s, gamma, "v_prediction"),
-                               [0.25 / 1.25, 1.0 / 2.0, 5.0 / 6.0, 5.0 / 41.0], rtol=1e-6)
-    np.testing.assert_allclose(min_snr_weights(s, gamma, "sample"), [0.25, 1.0, 5.0, 5.0], rtol=1e-6)
+    _exactly(min_snr_weights(s, gamma, "epsilon"), [1.0, 1.0, 1.0, 5.0 / 40.0], "epsilon")
+    _exactly(min_snr_weights(s, gamma, "v_prediction"), [0.25 / 1.25, 1.0 / 2.0, 5.0 / 6.0, 5.0 / 41.0], "v")
+    _exactly(min_snr_weights(s, gamma, "sample"), [0.25, 1.0, 5.0, 5.0], "sample")
     acp = SCHED.alphas_cumprod
     t = jnp.asarray([0, 499, 999])
-    np.testing.assert_allclose(snr(acp, t), acp[[0, 499, 999]] / (1 - acp[[0, 499, 999]]), rtol=1e-6)
+    a = acp[[0, 499, 999]]  # float32 values: the formula on them, in float32 and in float64
+    assert_close_to_float64(snr(acp, t), a / (1 - a), a.astype(np.float64) / (1 - a.astype(np.float64)), what="snr",
+                            elementwise=True)
 
 
 def test_v_prediction_target_is_ddpm_velocity(getkey):
@@ -93,11 +103,12 @@ def test_v_prediction_target_is_ddpm_velocity(getkey):
     noise = jax.random.normal(getkey(), (3, 4, 4, 4))
     t = jnp.asarray([10, 500, 990])
     v = target(SCHED, "v_prediction", x, noise, t)
-    np.testing.assert_array_equal(v, SCHED.get_velocity(x, noise, t))
-    a = np.sqrt(SCHED.alphas_cumprod[[10, 500, 990]]).reshape(3, 1, 1, 1)
-    s = np.sqrt(1 - SCHED.alphas_cumprod[[10, 500, 990]]).reshape(3, 1, 1, 1)
-    np.testing.assert_allclose(v, a * np.asarray(noise) - s * np.asarray(x), atol=1e-6)
-    np.testing.assert_array_equal(target(SCHED, "epsilon", x, noise, t), noise)
+    np.testing.assert_array_equal(v, SCHED.get_velocity(x, noise, t))  # the same function on the same inputs
+    acp = SCHED.alphas_cumprod[[10, 500, 990]].reshape(3, 1, 1, 1)
+    expected = np.sqrt(acp) * np.asarray(noise) - np.sqrt(1 - acp) * np.asarray(x)  # float32, as NumPy rounds
+    acp, noise64, x64 = (np.asarray(a, np.float64) for a in (acp, noise, x))
+    assert_close_to_float64(v, expected, np.sqrt(acp) * noise64 - np.sqrt(1 - acp) * x64, what="velocity")
+    np.testing.assert_array_equal(target(SCHED, "epsilon", x, noise, t), noise)  # the noise itself, returned
     np.testing.assert_array_equal(target(SCHED, "sample", x, noise, t), x)
 
 
@@ -124,7 +135,7 @@ def test_diffusion_loss_by_hand(getkey, kind, gamma):
 
 
 def test_timestep_bias_weights_and_sampling(getkey):
-    w = TimestepBias("later", multiplier=3.0, portion=0.25).weights(8)
+    w = TimestepBias("later", multiplier=3.0, portion=0.25).weights(8)  # float64 NumPy: a division rounded once
     np.testing.assert_allclose(w, np.array([1, 1, 1, 1, 1, 1, 3, 3]) / 12)
     w = TimestepBias("range", multiplier=0.0, begin=2, end=6).weights(8)
     np.testing.assert_allclose(w, np.array([1, 1, 0, 0, 0, 0, 1, 1]) / 4)
@@ -141,14 +152,19 @@ def test_noise_offset_adds_a_per_channel_constant(getkey):
     key = getkey()
     plain, offset = offset_noise(key, x, 0.0), offset_noise(key, x, 0.5)
     diff = np.asarray(offset - plain)
-    np.testing.assert_allclose(diff, np.broadcast_to(diff[:, :1, :1, :], diff.shape), atol=1e-6)
     _, k_off = jax.random.split(key)
-    np.testing.assert_allclose(diff[:, 0, 0, :], 0.5 * np.asarray(jax.random.normal(k_off, (2, 3))), atol=1e-6)
+    constant = 0.5 * np.asarray(jax.random.normal(k_off, (2, 1, 1, 3)), np.float64)  # exact: 0.5 * a float32
+    # (noise + c) - noise rounds twice at the noise's magnitude: NumPy's float32 does the same two roundings
+    expected = (np.asarray(plain) + constant.astype(np.float32)) - np.asarray(plain)
+    assert_close_to_float64(diff, expected, np.broadcast_to(constant, diff.shape), what="offset")
+    assert_close_to_float64(diff[:, 0, 0, :], constant[:, 0, 0, :].astype(np.float32), constant[:, 0, 0, :],
+                            what="the offset's draws")
 
 
 def test_flow_matching_pair_by_hand():
     x0, noise = jnp.full((2, 1, 1, 1), 2.0), jnp.full((2, 1, 1, 1), -1.0)
     x_s, v = flow_matching_pair(x0, noise, jnp.asarray([0.0, 0.25]))
+    # powers of two and their sums: every float32 operation here is exact, so is the result (on any CPU, FMA or not)
     np.testing.assert_allclose(np.ravel(x_s), [2.0, 0.75 * 2.0 - 0.25])
     np.testing.assert_allclose(np.ravel(v), [-3.0, -3.0])
 
@@ -182,7 +198,10 @@ def test_cached_latents_give_the_same_loss(tiny, single_device_steps):
     state, frozen, _ = _state(model)
     (_, m1), _ = single_device_steps
     _, key = jax.random.split(state.key)  # the key train_step hands batch_loss
-    np.testing.assert_allclose(_loss(state.params, frozen, _batch(cached), key), m1["loss"], rtol=1e-5)
+    # the same sample, timesteps, noise and dropout: as accurate as the step's own loss against its float64 run
+    (_, m1_64), _ = single_device_steps_float64(tiny)
+    assert_close_to_float64(_loss(state.params, frozen, _batch(cached), key), m1["loss"], m1_64["loss"],
+                            what="cached-latent loss")
     assert set(cached) == {"latent_mean", "latent_std", "encoder_hidden_states"}
     assert cached["latent_mean"].shape == (32, 4, 4, 4) and np.all(cached["latent_std"] > 0)
 
@@ -262,27 +281,31 @@ def _data(x):
     return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def _assert_trees_close(got, want, what, tol=1e-5):
-    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
-    assert len(got) == len(want) > 0
-    worst = max(_rel(a, b) for a, b in zip(got, want))
-    assert worst <= tol, f"{what}: relative error {worst:.2e} > {tol:.0e}"
+def _two_steps(model, arrays):
+    state, frozen, optimizer = _state(model)
+    batch = shard_batch({k: v[:8] for k, v in arrays.items()}, None)
+    s1, m1 = train_step(state, frozen, batch, optimizer=optimizer, **KW)
+    s2, m2 = train_step(s1, frozen, batch, optimizer=optimizer, **KW)
+    return (s1, m1), (s2, m2)
 
 
 @pytest.fixture(scope="module")
 def single_device_steps(tiny):
     """Two single-device micro-steps (the first accumulates, the second updates) from the shared compiled step."""
     model, arrays, _ = tiny
-    state, frozen, optimizer = _state(model)
-    batch = shard_batch({k: v[:8] for k, v in arrays.items()}, None)
-    s1, m1 = train_step(state, frozen, batch, optimizer=optimizer, **KW)
-    s2, m2 = train_step(s1, frozen, batch, optimizer=optimizer, **KW)
-    return (s1, m1), (s2, m2)
+    return _two_steps(model, arrays)
+
+
+_FLOAT64_STEPS = {}
+
+
+def single_device_steps_float64(tiny):
+    """:func:`single_device_steps` in float64 (the same keys: the same draws), once: what the float32 steps'
+    rounding is measured against. The step's own ``eqx.filter_jit`` compiles it once more, for float64."""
+    if "steps" not in _FLOAT64_STEPS:
+        model, arrays, _ = tiny
+        _FLOAT64_STEPS["steps"] = run_float64(_two_steps, model, arrays, jit=False)
+    return _FLOAT64_STEPS["steps"]
 
 
 @pytest.mark.parametrize("mesh_config", [MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1), FSDP_DATA],
@@ -302,13 +325,17 @@ def test_sharded_step_equals_single_device(tiny, single_device_steps, mesh_confi
     assert batch["pixel_values"].sharding.shard_shape(batch["pixel_values"].shape)[0] == 1
     p1, n1 = train_step(state, frozen, batch, optimizer=optimizer, shardings=shardings, **KW)
     p2, n2 = train_step(p1, frozen, batch, optimizer=optimizer, shardings=shardings, **KW)
-    for got, want in ((n1, m1), (n2, m2)):
-        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
-        np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-5)
-    _assert_trees_close(p1.opt_state.acc_grads, s1.opt_state.acc_grads, "gradients")
-    _assert_trees_close(p2.params, s2.params, "updated params")
-    _assert_trees_close(p2.ema, s2.ema, "updated EMA")
-    _assert_trees_close(p2.opt_state.inner_opt_state[1][0].mu, s2.opt_state.inner_opt_state[1][0].mu, "Adam's mu")
+    # each as accurate as one device's float32 steps are against the same two steps in float64
+    (t1, k1), (t2, k2) = single_device_steps_float64(tiny)
+    for got, want, want64 in ((n1, m1, k1), (n2, m2, k2)):
+        for name in ("loss", "grad_norm"):
+            assert_close_to_float64(got[name], want[name], want64[name], what=name)
+    assert_leaves_close_to_float64(p1.opt_state.acc_grads, s1.opt_state.acc_grads, t1.opt_state.acc_grads,
+                                   what="gradients")
+    assert_leaves_close_to_float64(p2.params, s2.params, t2.params, what="updated params")
+    assert_leaves_close_to_float64(p2.ema, s2.ema, t2.ema, what="updated EMA")
+    assert_leaves_close_to_float64(p2.opt_state.inner_opt_state[1][0].mu, s2.opt_state.inner_opt_state[1][0].mu,
+                                   t2.opt_state.inner_opt_state[1][0].mu, what="Adam's mu")
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p2.params), jax.tree.leaves(state.params)))
     # shardings: as the rules give, kept by the step, and some really split (over fsdp: 4 or 8 ways)
     for tree in (state, p1, p2):
@@ -413,7 +440,9 @@ def test_run_from_each_source(sources, tmp_path, source):
     captions = [c.replace(" ", "") for c in tok.batch_decode(batch["input_ids"], skip_special_tokens=True)]
     assert sorted(captions) == sorted(f"a{c}square" for c in COLORS)
     for image, caption in zip(batch["pixel_values"], captions):
-        np.testing.assert_allclose(image[0, 0], np.array(COLORS[caption[1:-6]]) / 127.5 - 1, atol=1e-6)
+        color = np.array(COLORS[caption[1:-6]])  # the pipeline's float32 u / 127.5 - 1, rounded as NumPy's is
+        assert_close_to_float64(image[0, 0], color.astype(np.float32) / np.float32(127.5) - np.float32(1),
+                                color / 127.5 - 1, what=caption)
     _check_run(tmp_path, _run(sources, tmp_path, **changes), steps=1)
 
 

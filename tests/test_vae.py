@@ -16,7 +16,7 @@ from eqxdiff.core import ConfigError
 from eqxdiff.models.vae import AutoencoderKL, AutoencoderKLConfig, _batch_sliced
 
 from ._parity import ModelParity, run_jitted
-from ._util import assert_close, nchw_to_nhwc, nhwc_to_nchw
+from ._util import assert_close, assert_close_to_float64, nchw_to_nhwc, nhwc_to_nchw, run_float64
 
 # -- full-size configs of real checkpoints (config.json values) -------------------------------------------------
 SD = dict(block_out_channels=[128, 256, 512, 512], down_block_types=["DownEncoderBlock2D"] * 4,
@@ -163,16 +163,20 @@ def test_tiling_falls_back_to_plain_when_one_tile_holds_the_input(built):
 
 
 def test_sliced_decode_and_encode_equal_plain(built):
+    """Sample by sample, as accurate as the whole batch at once (both measured against its float64 run)."""
     mean, decoded = run_jitted(_sliced, built.model, built.inputs)
-    assert_close(decoded, built.actual["decode"], 1e-5, what="decode sliced")
-    assert_close(mean, built.actual["mean"], 1e-5, what="encode sliced")
+    actual64 = TestVAETwoLevelAttention.actual64(built)
+    assert_close_to_float64(decoded, built.actual["decode"], actual64["decode"], what="decode sliced")
+    assert_close_to_float64(mean, built.actual["mean"], actual64["mean"], what="encode sliced")
 
 
 def test_batch_slicing_handles_remainders():
     fn = lambda x: jnp.tanh(x) * jnp.sum(x, axis=(1, 2), keepdims=True)  # noqa: E731 - per-sample, shape-keeping
     x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3, 2)), jnp.float32)
+    x64 = np.asarray(x, np.float64)
+    exact = np.tanh(x64) * np.sum(x64, axis=(1, 2), keepdims=True)
     for size in (1, 2, 5, 7):  # 2 leaves a remainder of 1; 5 and 7 take the whole batch at once
-        np.testing.assert_allclose(_batch_sliced(fn, x, size), fn(x), rtol=1e-6, atol=1e-6, err_msg=f"{size=}")
+        assert_close_to_float64(_batch_sliced(fn, x, size), fn(x), exact, what=f"{size=}", elementwise=True)
 
 
 def test_sample_posterior_uses_the_key(built):
@@ -182,7 +186,11 @@ def test_sample_posterior_uses_the_key(built):
     sampled = mean + std * jax.random.normal(key, mean.shape)
     expected = TestVAETwoLevelAttention.run(vae, {**built.inputs, "z": sampled})["decode"]  # the parity compile
     got = run_jitted(_sampled, vae, (x, key))
-    assert_close(got, expected, 1e-5)
+    # the sampling program in float64 with the same draws: the float64 posterior's mean + std * the same noise
+    actual64 = TestVAETwoLevelAttention.actual64(built)
+    sampled64 = actual64["mean"] + np.exp(0.5 * actual64["logvar"]) * np.asarray(sampled - mean, np.float64) / std
+    expected64 = run_float64(TestVAETwoLevelAttention.outputs, vae, {**built.inputs, "z": sampled64})["decode"]
+    assert_close_to_float64(got, expected, expected64, what="sampled decode")
     assert np.max(np.abs(np.asarray(expected - built.actual["forward"]))) > 1e-3  # the sample is not the mode
     with pytest.raises(ValueError, match="needs a PRNG key"):
         vae(x, sample_posterior=True)
@@ -201,20 +209,28 @@ def _tiny_config(**changes) -> AutoencoderKLConfig:
 def test_scale_and_unscale_latents_with_shift_factor():
     vae = _abstract(_tiny_config(scaling_factor=0.3611, shift_factor=0.1159))
     z = jnp.asarray(np.random.default_rng(1).normal(size=(2, 5, 6, 4)), jnp.float32)
-    np.testing.assert_allclose(vae.scale_latents(z), (z - 0.1159) * 0.3611, rtol=1e-6)
-    np.testing.assert_allclose(vae.unscale_latents(vae.scale_latents(z)), z, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(vae.unscale_latents(z), z / 0.3611 + 0.1159, rtol=1e-6)
+    _check_latents(vae.scale_latents(z), lambda z: (z - 0.1159) * 0.3611, z)
+    _check_latents(vae.unscale_latents(vae.scale_latents(z)), lambda z: (z - 0.1159) * 0.3611 / 0.3611 + 0.1159, z)
+    _check_latents(vae.unscale_latents(z), lambda z: z / 0.3611 + 0.1159, z)
     no_shift = _abstract(_tiny_config(scaling_factor=0.5))
-    np.testing.assert_allclose(no_shift.scale_latents(z), z * 0.5, rtol=1e-6)
+    _check_latents(no_shift.scale_latents(z), lambda z: z * 0.5, z)
+
+
+def _check_latents(ours, formula, z):
+    """``ours`` as accurate as the formula in NumPy float32 (each operation rounded once), value by value, against
+    the formula in float64. (XLA may fuse a multiply and add into an FMA where the CPU has one: an ulp apart.)"""
+    z = np.asarray(z)
+    assert_close_to_float64(ours, formula(z).astype(np.float32), formula(z.astype(np.float64)), what="latents",
+                            elementwise=True)
 
 
 def test_scale_latents_with_latents_mean_and_std_follows_sdxl_pipelines():
     mean, std = (0.1, -0.2, 0.3, 0.0), (0.5, 1.5, 2.0, 1.0)
     vae = _abstract(_tiny_config(scaling_factor=0.5, latents_mean=mean, latents_std=std))
     z = jnp.asarray(np.random.default_rng(2).normal(size=(2, 5, 6, 4)), jnp.float32)
-    m, s = jnp.asarray(mean), jnp.asarray(std)
-    np.testing.assert_allclose(vae.scale_latents(z), (z - m) * 0.5 / s, rtol=1e-6)
-    np.testing.assert_allclose(vae.unscale_latents(z), z * s / 0.5 + m, rtol=1e-6)
+    m, s = np.asarray(mean, np.float32), np.asarray(std, np.float32)  # the config's values, as float32 arrays
+    _check_latents(vae.scale_latents(z), lambda z: (z - m.astype(z.dtype)) * 0.5 / s.astype(z.dtype), z)
+    _check_latents(vae.unscale_latents(z), lambda z: z * s.astype(z.dtype) / 0.5 + m.astype(z.dtype), z)
 
 
 @pytest.mark.parametrize("key,value,match", [
