@@ -280,3 +280,16 @@ def test_a_controlnet_pipeline_folder_takes_the_same_flags(sd, files, tmp_path):
     assert img2img.load_class.__name__ == "StableDiffusionControlNetImg2ImgPipeline"
     assert len(img2img.kwargs["control_image"]) == 2 and img2img.kwargs["image"].shape == (32, 32, 3)
     assert json.loads((folder / "model_index.json").read_text())["controlnet"][1] == "MultiControlNetModel"
+
+
+def test_a_controlnet_pipeline_from_a_loaded_base_keeps_its_scheduler_settings(sd):
+    """What the command does in Python (README): the ControlNet pipeline from a loaded base with from_pipe shares
+    its components and keeps the scheduler config keys the swapped-in scheduler does not read (DDIM's clip_sample
+    under Euler), so a later swap back still has them."""
+    from eqxdiff.pipelines.controlnet import StableDiffusionControlNetPipeline
+
+    base = eqxdiff.load_pipeline(sd.root / "base", scheduler="euler")
+    assert base.scheduler_extras["clip_sample"] is False
+    pipe = StableDiffusionControlNetPipeline.from_pipe(base, controlnet=[eqxdiff.load(sd.root / "controlnet_0")])
+    assert pipe.unet is base.unet and pipe.scheduler_extras == base.scheduler_extras
+    assert pipe.with_scheduler("ddim").scheduler.config.clip_sample is False

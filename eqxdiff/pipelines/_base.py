@@ -166,7 +166,8 @@ class DiffusionPipeline:
         shared = {c.name: getattr(pipe, c.name, None) for c in cls.COMPONENTS}
         options = {k: getattr(pipe, k) for k in cls.OPTIONS if hasattr(pipe, k)}
         new = cls(activations_dtype=pipe.activations_dtype, mesh=pipe.mesh, rules=pipe.rules,
-                  offload_encoders=pipe.offload_encoders, **{**shared, **options, **overrides})
+                  offload_encoders=pipe.offload_encoders,
+                  **{"scheduler_extras": pipe.scheduler_extras, **shared, **options, **overrides})
         return new
 
     # -- what a call may ask for -----------------------------------------------------------------------------
