@@ -392,10 +392,10 @@ def tiny_sd(tmp_path_factory):
 
 
 def _float_images(pipe, monkeypatch):
-    from eqxdiff.pipelines import _unet
+    from eqxdiff.pipelines import _latents
 
-    # Compare the float images the VAE decodes (where the UNet pipelines turn them into uint8), not 8-bit ones.
-    monkeypatch.setattr(_unet, "to_uint8", lambda x: np.asarray(x))
+    # Compare the float images the VAE decodes (where the latent pipelines turn them into uint8), not 8-bit ones.
+    monkeypatch.setattr(_latents, "to_uint8", lambda x: np.asarray(x))
     latents = np.random.default_rng(0).standard_normal((2, 16, 16, 4)).astype(np.float32)
     return pipe(["a red cat", "two dogs"], latents=latents, height=32, width=32, num_inference_steps=2,
                 guidance_scale=5.0, progress=False)

@@ -10,21 +10,19 @@ functions too (``encode_image_latents``, ``decode_latents``, ``prepare_latents``
 import dataclasses
 from typing import Any, ClassVar
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, PRNGKeyArray
-from ._base import DiffusionPipeline, check_size, given_array
+from ._base import check_size, given_array
 from ._checks import (
     CallLimits,
-    check_finite_output,
     check_image_size,
     check_output_type,
 )
 from ._denoise import Denoiser, Guidance, Schedule, denoise_loop, plan_schedule
-from ._images import to_model_range, to_uint8
+from ._images import to_model_range
 from ._inpaint import (
     IMAGE_LATENTS,
     INPAINT_KEYS,
@@ -37,7 +35,7 @@ from ._inpaint import (
     prepare_mask,
     with_mask_channels,
 )
-from ._progress import progress_bar
+from ._latents import LatentPipeline, encode_image_latents
 
 LATENTS_LAYOUT = "[n, height/f, width/f, channels] (channels-last; f = the VAE's downsampling)"
 
@@ -75,24 +73,6 @@ def denoise(unet, scheduler, state, latents: Float[Array, "batch height width ch
 def prepare_latents(key: PRNGKeyArray, shape: tuple[int, ...], scheduler, state, dtype=jnp.float32):
     """Initial noise ``[n, h/8, w/8, c]`` scaled by the scheduler's ``init_noise_sigma``."""
     return (jax.random.normal(key, shape, dtype) * scheduler.init_noise_sigma(state)).astype(dtype)
-
-
-@eqx.filter_jit
-def encode_image_latents(vae, image: Float[Array, "batch height width 3"],
-                         posterior_noise: Float[Array, "batch h w latent"], *, tiled: bool = False):
-    """VAE latents of ``[-1, 1]`` images, sampled with the given standard-normal noise, then scaled; ``tiled``
-    encodes in overlapping tiles (``AutoencoderKL.encode_tiled``: bounded memory for large images)."""
-    dist = vae.encode_tiled(image) if tiled else vae.encode(image)
-    return vae.scale_latents(dist.mean + dist.std * posterior_noise)
-
-
-@eqx.filter_jit
-def decode_latents(vae, latents: Float[Array, "batch h w latent"], *,
-                   tiled: bool = False) -> Float[Array, "batch height width 3"]:
-    """Scaled latents back to ``[-1, 1]`` images; ``tiled`` decodes in overlapping tiles
-    (``AutoencoderKL.decode_tiled``, as diffusers' ``enable_vae_tiling()``)."""
-    z = vae.unscale_latents(latents).astype(jnp.float32)
-    return vae.decode_tiled(z) if tiled else vae.decode(z)
 
 
 def guidance_embedding(guidance_scale: float, dim: int, batch: int) -> Float[Array, "batch dim"]:
@@ -134,7 +114,7 @@ def noise_draws(key: PRNGKeyArray, shape: tuple[int, ...]) -> NoiseDraws:
     return NoiseDraws(*(jax.random.normal(k, shape) for k in (noise_key, image_key, masked_key)), loop_key)
 
 
-class UNetPipeline(DiffusionPipeline):
+class UNetPipeline(LatentPipeline):
     """Base of the UNet pipelines: ``unet``, ``vae`` and ``scheduler`` components, and :meth:`generate`.
 
     ``DEFAULT_STRENGTH`` is the family's default ``strength`` for image-to-image and for inpainting."""
@@ -142,20 +122,9 @@ class UNetPipeline(DiffusionPipeline):
     DEFAULT_STRENGTH: ClassVar[tuple[float, float]] = (0.8, 1.0)
     # What a call must be given (diffusers' task classes: image-to-image needs image, inpainting image and mask).
     REQUIRED_INPUTS: ClassVar[tuple[str, ...]] = ()
-    # Encode and decode with the VAE in overlapping tiles (enable_vae_tiling): bounded memory at large sizes.
-    vae_tiling: bool = False
     # Layers from the end that the default text embedding already skips: clip_skip may go up to the text encoders'
     # layer count minus this (SD takes the last layer's output: 0; SDXL the penultimate: 1).
     CLIP_SKIP_OFFSET: ClassVar[int] = 0
-
-    def enable_vae_tiling(self, enabled: bool = True) -> None:
-        """Encode and decode images with the VAE in overlapping tiles of its ``sample_size`` (diffusers'
-        ``enable_vae_tiling()``): the VAE's memory stays bounded at large sizes, seams are blended."""
-        self.vae_tiling = bool(enabled)
-
-    @property
-    def vae_scale_factor(self) -> int:
-        return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
     def call_limits(self) -> CallLimits:
         layers = [getattr(getattr(self, c.name).config, "num_hidden_layers", None) for c in self.COMPONENTS
@@ -339,19 +308,7 @@ class UNetPipeline(DiffusionPipeline):
             cond = {k: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v for k, v in cond.items()}
             x = jax.block_until_ready(x.astype(dtype))
 
-        with self.timed("denoise"), progress_bar(schedule.num_steps, "denoising", enabled=progress):
-            x = jax.block_until_ready(denoise_loop(
-                denoiser, scheduler, state, self.shard(x), self.shard(cond), draws.loop_key,
-                guidance=guidance, num_steps=jnp.asarray(schedule.num_steps, jnp.int32), progress=progress))
-        hint = (f"the {jnp.dtype(dtype).name} activations may have overflowed: run in float32 (activations_dtype, "
-                f"--activations-dtype/--weights-dtype float32)" if jnp.dtype(dtype).itemsize < 4 else
-                "check the weights (a NaN in the checkpoint?)")
-        hint += f" or lower guidance_scale (now {guidance_scale:g})" if guidance.enabled else ""
-        if output_type == "latent":
-            x = self.gather(x)
-            check_finite_output(x, what="latents", hint=hint)
-            return x
-        with self.timed("decode"):
-            images = self.gather(decode_latents(self.vae, x, tiled=self.vae_tiling))
-            check_finite_output(images, what="images", hint=hint)
-            return to_uint8(images)
+        x = self.run_loop(denoiser, scheduler, state, self.shard(x), self.shard(cond), draws.loop_key,
+                          guidance=guidance, num_steps=schedule.num_steps, progress=progress)
+        return self.finish(x, output_type, guided_by=f"guidance_scale (now {guidance_scale:g})" if guidance.enabled
+                           else None)

@@ -52,7 +52,6 @@ from ..loading import single_file as layouts
 from ..models import flux
 from ._base import (
     Component,
-    DiffusionPipeline,
     as_list,
     build_scheduler,
     given_array,
@@ -60,11 +59,11 @@ from ._base import (
     prompt_list,
     resolve_key,
 )
-from ._checks import CallLimits, InputError, InputWarning, check_finite_output, check_output_type, image_size
-from ._denoise import Denoiser, Guidance, denoise_loop, plan_schedule
-from ._images import to_model_range, to_uint8
-from ._progress import progress_bar
-from ._unet import decode_latents, encode_image_latents, noise_draws
+from ._checks import CallLimits, InputError, InputWarning, check_output_type, image_size
+from ._denoise import Denoiser, Guidance, plan_schedule
+from ._images import to_model_range
+from ._latents import LatentPipeline, encode_image_latents
+from ._unet import noise_draws
 from .stable_diffusion import tokenize
 
 __all__ = ["FluxDenoiser", "FluxImg2ImgPipeline", "FluxKontextPipeline", "FluxPipeline", "KONTEXT_RESOLUTIONS",
@@ -213,7 +212,7 @@ def _require_image(cls, arguments: Mapping[str, Any]) -> None:
 # -- the pipelines ------------------------------------------------------------------------------------------------
 
 
-class FluxPipeline(DiffusionPipeline):
+class FluxPipeline(LatentPipeline):
     """Flux.1 text-to-image (diffusers' ``FluxPipeline`` folders: FLUX.1-dev, FLUX.1-schnell and their fine-tunes).
 
     Call it with diffusers' argument names; it returns uint8 images ``[n, height, width, 3]`` (or, with
@@ -235,19 +234,7 @@ class FluxPipeline(DiffusionPipeline):
     INDEX_EXTRAS: ClassVar = {"image_encoder": [None, None], "feature_extractor": [None, None]}
     # Kontext scales the requested size to max_area itself: any height/width is accepted there.
     RESCALES_SIZE: ClassVar[bool] = False
-    # Encode and decode with the VAE in overlapping tiles (enable_vae_tiling): bounded memory at large sizes.
-    vae_tiling: bool = False
-
-    def enable_vae_tiling(self, enabled: bool = True) -> None:
-        """Encode and decode images with the VAE in overlapping tiles (diffusers' ``enable_vae_tiling()``), as the
-        UNet pipelines do."""
-        self.vae_tiling = bool(enabled)
-
     # -- sizes and limits ----------------------------------------------------------------------------------------
-
-    @property
-    def vae_scale_factor(self) -> int:
-        return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
     @property
     def latent_channels(self) -> int:
@@ -474,22 +461,10 @@ class FluxPipeline(DiffusionPipeline):
             cond = (half(negative), half(positive)) if negative is not None else half(positive)
             x = jax.block_until_ready(self.shard(x.astype(dtype)))
 
-        with self.timed("denoise"), progress_bar(schedule.num_steps, "denoising", enabled=progress):
-            x = jax.block_until_ready(denoise_loop(
-                FluxDenoiser(self.transformer), self.scheduler, schedule.state, x, cond, draws.loop_key,
-                guidance=guidance, num_steps=jnp.asarray(schedule.num_steps, jnp.int32), progress=progress))
-        x = flux.unpack_latents(x, h, w)
-        hint = (f"the {jnp.dtype(dtype).name} activations may have overflowed: run in float32 (activations_dtype, "
-                "--activations-dtype/--weights-dtype float32)" if jnp.dtype(dtype).itemsize < 4 else
-                "check the weights (a NaN in the checkpoint?)")
-        if output_type == "latent":
-            x = self.gather(x)
-            check_finite_output(x, what="latents", hint=hint)
-            return x
-        with self.timed("decode"):
-            images = self.gather(decode_latents(self.vae, x, tiled=self.vae_tiling))
-            check_finite_output(images, what="images", hint=hint)
-            return to_uint8(images)
+        x = self.run_loop(FluxDenoiser(self.transformer), self.scheduler, schedule.state, x, cond, draws.loop_key,
+                          guidance=guidance, num_steps=schedule.num_steps, progress=progress)
+        return self.finish(flux.unpack_latents(x, h, w), output_type,
+                           guided_by=f"true_cfg_scale (now {true_cfg_scale:g})" if guidance.enabled else None)
 
     def _prepare(self, prompt, prompt_2, negative_prompt, negative_prompt_2, *, true_cfg_scale, num_images_per_prompt,
                  max_sequence_length, prompt_embeds, pooled_prompt_embeds, negative_prompt_embeds,

@@ -20,14 +20,8 @@ from ._base import Component, as_list, given_array, prompt_list, resolve_key
 from ._checks import InputWarning
 from ._denoise import Guidance, rescale_noise_cfg
 from ._images import to_model_range, to_uint8
-from ._unet import (
-    UNetDenoiser,
-    UNetPipeline,
-    decode_latents,
-    denoise,
-    encode_image_latents,
-    prepare_latents,
-)
+from ._latents import decode_latents, encode_image_latents
+from ._unet import UNetDenoiser, UNetPipeline, denoise, prepare_latents
 
 __all__ = ["Guidance", "StableDiffusionInpaintPipeline", "StableDiffusionPipeline", "UNetDenoiser", "decode_latents",
            "denoise", "encode_image_latents", "encode_prompt", "prepare_latents", "rescale_noise_cfg",
