@@ -115,6 +115,14 @@ def stretch_to_terminal(sigmas: np.ndarray, terminal: float) -> np.ndarray:
     return 1 - one_minus / scale
 
 
+def shift_flow_sigmas(sigmas: np.ndarray, *, dynamic: bool, shift_type: str, mu, shift: float,
+                      terminal) -> np.ndarray:
+    """Flow-matching sigmas shifted as FlowMatchEuler and UniPC's flow mode shift them: by the resolution (``mu``,
+    ``dynamic``) or by a fixed ``shift``, then stretched to ``terminal`` if one is set."""
+    sigmas = time_shift(shift_type, mu, sigmas) if dynamic else static_shift(sigmas, shift)
+    return stretch_to_terminal(sigmas, terminal) if terminal else sigmas
+
+
 def dynamic_shift_mu(image_seq_len: int, *, base_seq_len: int = 256, max_seq_len: int = 4096,
                      base_shift: float = 0.5, max_shift: float = 1.15) -> float:
     """``mu`` for :func:`time_shift` at ``image_seq_len`` latent tokens: linear from ``base_shift`` at

@@ -28,7 +28,7 @@ from ._base import (
     resolve_begin_index,
     step_noise,
 )
-from ._sigmas import SHIFT_TYPES, dynamic_shift_mu, respace, static_shift, stretch_to_terminal, time_shift
+from ._sigmas import SHIFT_TYPES, dynamic_shift_mu, respace, shift_flow_sigmas
 
 SPACINGS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
 
@@ -127,12 +127,8 @@ class FlowMatchEulerDiscreteScheduler(AbstractScheduler):
             else:
                 grid = timesteps
             sigmas = grid / big_n
-        if cfg.use_dynamic_shifting:
-            sigmas = time_shift(cfg.time_shift_type, mu, sigmas)
-        else:
-            sigmas = static_shift(sigmas, cfg.shift)
-        if cfg.shift_terminal:
-            sigmas = stretch_to_terminal(sigmas, cfg.shift_terminal)
+        sigmas = shift_flow_sigmas(sigmas, dynamic=cfg.use_dynamic_shifting, shift_type=cfg.time_shift_type, mu=mu,
+                                   shift=cfg.shift, terminal=cfg.shift_terminal)
         for key, kind in zip(SPACINGS, ("karras", "exponential", "beta")):
             if getattr(cfg, key):
                 sigmas = respace(kind, sigmas, n)

@@ -34,7 +34,7 @@ from ._beta import (
     threshold_sample,
     train_sigmas,
 )
-from ._sigmas import SHIFT_TYPES, respace, static_shift, stretch_to_terminal, time_shift
+from ._sigmas import SHIFT_TYPES, respace, shift_flow_sigmas
 
 SPACINGS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
 # diffusers maps DPM-Solver's solver types to bh2 (a DPM-Solver config swapped to UniPC carries "midpoint").
@@ -125,12 +125,8 @@ class UniPCMultistepScheduler(AbstractBetaScheduler):
         cfg = self.config
         if sigmas is None:
             sigmas = np.linspace(1, 1 / cfg.num_train_timesteps, n + 1)[:-1]
-        if cfg.use_dynamic_shifting:
-            sigmas = time_shift(cfg.time_shift_type, mu, sigmas)
-        else:
-            sigmas = static_shift(sigmas, cfg.flow_shift)
-        if cfg.shift_terminal:
-            sigmas = stretch_to_terminal(sigmas, cfg.shift_terminal)
+        sigmas = shift_flow_sigmas(sigmas, dynamic=cfg.use_dynamic_shifting, shift_type=cfg.time_shift_type, mu=mu,
+                                   shift=cfg.flow_shift, terminal=cfg.shift_terminal)
         sigmas = np.array(sigmas)
         if np.fabs(sigmas[0] - 1) < 1e-6:  # keep log(sigma) and log(1 - sigma) finite at the first step
             sigmas[0] -= 1e-6
