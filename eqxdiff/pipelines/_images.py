@@ -18,13 +18,19 @@ def to_uint8(images) -> np.ndarray:
     return (x * 255).round().astype(np.uint8)
 
 
-def to_model_range(images) -> jnp.ndarray:
-    """uint8 ``[n, h, w, 3]`` images, PIL images, or floats in ``[0, 1]`` as float32 in ``[-1, 1]``."""
+def pil_to_array(images, mode: str = "RGB"):
+    """A PIL image or a list of them as one uint8 array ``[n, h, w, c]`` (``[n, h, w]`` for mode ``"L"``),
+    converted to ``mode``; anything else is returned as it is."""
     if isinstance(images, Image.Image):
         images = [images]
     if isinstance(images, Sequence) and images and isinstance(images[0], Image.Image):
-        images = np.stack([np.asarray(im.convert("RGB")) for im in images])
-    arr = np.asarray(images)
+        return np.stack([np.asarray(im.convert(mode)) for im in images])
+    return images
+
+
+def to_model_range(images) -> jnp.ndarray:
+    """uint8 ``[n, h, w, 3]`` images, PIL images, or floats in ``[0, 1]`` as float32 in ``[-1, 1]``."""
+    arr = np.asarray(pil_to_array(images, "RGB"))
     if arr.ndim == 3:
         arr = arr[None]
     if arr.ndim != 4 or arr.shape[-1] != 3:

@@ -14,13 +14,12 @@ The denoiser reads these arrays from its ``cond`` under the keys in :data:`INPAI
 (not doubled for guidance: they are the same for both halves).
 """
 
-from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
-from PIL import Image
 
 from .._typing import Array, Float
+from ._images import pil_to_array
 
 # cond keys: the 9-channel model's inputs, and the 4-channel blend's.
 MASK, MASKED_IMAGE_LATENTS, IMAGE_LATENTS, NOISE = "mask", "masked_image_latents", "image_latents", "noise"
@@ -33,11 +32,7 @@ def prepare_mask(mask_image, *, batch: int, height: int, width: int) -> Float[Ar
     Accepts a PIL image (or a list: converted to grayscale), or an array ``[H, W]``, ``[H, W, 1]``, ``[n, H, W]``
     or ``[n, H, W, 1]``: uint8 (0-255), bool, or floats in ``[0, 1]``. ``n`` is 1 or ``batch``; the size must be
     the image's (resize the mask, not the other way round)."""
-    if isinstance(mask_image, Image.Image):
-        mask_image = [mask_image]
-    if isinstance(mask_image, Sequence) and mask_image and isinstance(mask_image[0], Image.Image):
-        mask_image = np.stack([np.asarray(m.convert("L")) for m in mask_image])
-    arr = np.asarray(mask_image)
+    arr = np.asarray(pil_to_array(mask_image, "L"))
     if arr.ndim == 2:
         arr = arr[None, :, :, None]
     elif arr.ndim == 3:
