@@ -219,17 +219,23 @@ def time_interleaved(runners: Mapping[str, Callable[[], object]], repeats: int, 
     return times
 
 
-def report_cpu_times(cpu_times: Mapping[str, list[float]], reference: str) -> None:
-    """On the CPU: each variant's median process CPU time (all threads, both frameworks use the same cores) and its
-    ratio to ``reference``'s. While other jobs share the cores a run's wall time grows by the time it waits for
-    them, its CPU time much less, so a CPU-time ratio is the steadier figure under load (threads that spin while
-    waiting count too: read it beside the wall-time ratio, not instead of it)."""
+def report_cpu_times(cpu_times: Mapping[str, list[float]], reference: str,
+                     wall_times: Mapping[str, list[float]] | None = None) -> None:
+    """On the CPU: each variant's median process CPU time (all threads) and its ratio to ``reference``'s, and with
+    ``wall_times`` how many cores it kept busy (CPU time / wall time). While other jobs share the cores a run's wall
+    time grows by the time it waits for them, its CPU time much less; and a framework that keeps both cores busy on
+    a quiet machine loses more to a busy neighbour than one that keeps one busy. So read the wall-time ratio with
+    the cores each side used: a ratio is only what a quiet machine gives when both sides used the cores they use
+    there. (Threads that spin while they wait count as busy.)"""
     med = {name: statistics.median(ts) for name, ts in cpu_times.items()}
     if reference not in med:
         return
     width = max(map(len, med))
     for name, m in med.items():
-        print(f"{name:<{width}} CPU time: median {fmt_seconds(m)}  ({m / med[reference]:.2f}x {reference})")
+        busy = ""
+        if wall_times is not None and name in wall_times:
+            busy = f", {m / statistics.median(wall_times[name]):.1f} of {os.cpu_count()} cores busy"
+        print(f"{name:<{width}} CPU time: median {fmt_seconds(m)}  ({m / med[reference]:.2f}x {reference}{busy})")
 
 
 def fmt_seconds(t: float) -> str:

@@ -77,7 +77,7 @@ def main(args: Args) -> None:
     med = report_times(times)
     on_cpu = not on_gpu() and device.type == "cpu"
     if on_cpu:
-        report_cpu_times(cpu, "diffusers unet")
+        report_cpu_times(cpu, "diffusers unet", times)
     for name, peak in (("eqxdiff (both variants; the GPU autotuner's scratch too)", jax_peak_bytes()),
                        ("diffusers", None if args.skip_diffusers else torch_peak_bytes(device))):
         if peak is not None:

@@ -206,7 +206,7 @@ def main(args: Args) -> None:
     print(f"after timing: {load_average()}")
     med = report_times(times, f"end to end ({steps} steps + decode)")
     if not on_gpu() and device.type == "cpu" and not args.skip_diffusers:
-        report_cpu_times(cpu, next(n for n in cpu if n.startswith("diffusers")))
+        report_cpu_times(cpu, next(n for n in cpu if n.startswith("diffusers")), times)
     split = {k: statistics.median(v) for k, v in phases.items()}
     print("eqxdiff's split (medians of pipe.timings): " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in split.items())
           + (f"; {fmt_seconds(split['denoise'] / steps)} per denoising step" if "denoise" in split else ""))

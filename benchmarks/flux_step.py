@@ -214,7 +214,7 @@ def main(args: Args) -> None:
     print(f"after timing: {load_average()}")
     med = report_times(times)
     if not on_gpu() and device.type == "cpu":
-        report_cpu_times(cpu, "diffusers")
+        report_cpu_times(cpu, "diffusers", times)
     device_name = jax_device_name()
     for name, m in med.items():
         u = mfu(flops, m, device_name)

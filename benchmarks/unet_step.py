@@ -93,7 +93,7 @@ def main(args: Args) -> None:
     print(f"after timing: {load_average()}")
     med = report_times(times)
     if not on_gpu() and device.type == "cpu":
-        report_cpu_times(cpu, "diffusers")
+        report_cpu_times(cpu, "diffusers", times)
     peaks = {"eqxdiff (all attention variants, and the GPU autotuner's scratch while compiling)": jax_peak_bytes(),
              "diffusers": None if args.skip_diffusers else torch_peak_bytes(device)}
     for name, peak in peaks.items():
