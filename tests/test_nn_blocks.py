@@ -233,7 +233,9 @@ def test_timestep_embedding_matches_diffusers(dim, flip, shift, scale):
 def test_timestep_frequencies_and_large_timesteps(dim, shift):
     """Near t = 1000 an angle's own float32 ulp is ~6e-5, so a frequency one ulp off (PyTorch's float32 exp is not
     correctly rounded everywhere; ours is, from float64) moves the embedding by more than 1e-5. So: the frequencies
-    equal diffusers' up to that ulp, and the rest of the computation matches diffusers' formula on our frequencies."""
+    equal diffusers' up to that ulp, and the rest of the computation matches diffusers' formula on our frequencies.
+    (PyTorch's float32 exp is its vectorised kernel for this CPU's instruction set: which entries it rounds
+    correctly, so the share equal to ours, can differ on another CPU; the 1-ulp bound holds for any faithful exp.)"""
     half = dim // 2
     theirs = torch.exp(-math.log(10000) * torch.arange(0, half, dtype=torch.float32) / (half - shift)).numpy()
     ours = nn.timestep_frequencies(dim, freq_shift=shift)
@@ -360,7 +362,9 @@ def test_ltx_rope_tables_with_front_padding(dim, grid, scale):
 def test_ltx_rope_tables_at_full_size(dim):
     """At the real widths PyTorch's float32 linspace and power are not always correctly rounded: some of its
     frequencies are a few ulps off ours, which moves angles near 10^4 pi / 2 by ~1e-3. Every channel of a frequency
-    PyTorch rounds as we do matches at 1e-5; the others are within those ulps."""
+    PyTorch rounds as we do is as accurate as PyTorch's table against its float64 run; the others are within those
+    ulps. (PyTorch's float32 power is its vectorised kernel for this CPU's instruction set: the share it rounds as we
+    do can differ on another CPU.)"""
     grid, scale = (3, 5, 7), (8 / 25, 32, 32)
     n = dim // 6
     linspace = torch.linspace(math.log(1.0, 10000.0), math.log(10000.0, 10000.0), n, dtype=torch.float32)
