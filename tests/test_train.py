@@ -412,6 +412,8 @@ def _check_run(out, result, steps, mesh_size=8):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == steps and rows[-1]["loss"] == losses[-1]
     assert (out / "pipeline" / "model_index.json").is_file()
+    scheduler = json.loads((out / "pipeline" / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler["clip_sample"] is False and scheduler["set_alpha_to_one"] is False  # what DDIM/DDPM would read
     params = jax.tree.leaves(state.params)
     assert all(len(x.sharding.device_set) == mesh_size for x in params)
     if mesh_size > 1:

@@ -11,9 +11,11 @@ from ..models.vae import AutoencoderKL, AutoencoderKLConfig
 from ._init import host_init
 from ._sd import LatentDiffusion
 
-# Stable Diffusion's training noise schedule; the saved pipeline samples with DPM-Solver++ on the same betas.
+# Stable Diffusion's training noise schedule; the saved pipeline samples with DPM-Solver++ on the same betas. Its
+# scheduler_config.json keeps SD's sampling settings (no x0 clipping, no final alpha of one) for a swap to DDIM/DDPM:
+# clip_sample defaults to true there, which blurs latents that are not confined to [-1, 1].
 SD_NOISE_SCHEDULE = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                         steps_offset=1)
+                         steps_offset=1, clip_sample=False, set_alpha_to_one=False)
 
 
 @dataclasses.dataclass(frozen=True)
