@@ -18,7 +18,8 @@ How the figures are taken (the device method of this project: warm-up, medians, 
   (:func:`compiled_bytes`);
 - MFU = model FLOPs per second / the device's dense bf16 peak (:data:`PEAK_BF16_TFLOPS`, datasheet figures); the
   model FLOPs are counted analytically (each script documents its formula) and checked against XLA's cost analysis
-  of the compiled step where XLA counts a scanned layer stack in full (see :func:`xla_flops`).
+  of the compiled step where XLA counts a scanned layer stack in full (see
+  :func:`eqxdiff.train.step_flops`).
 """
 
 import os
@@ -171,21 +172,6 @@ def compiled_bytes(compiled) -> int | None:
         return m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
     except Exception:  # noqa: BLE001 - a backend without memory analysis: a report line is not worth a crash
         return None
-
-
-def xla_flops(compiled) -> float | None:
-    """FLOPs of one call of a compiled function by XLA's cost analysis (``None`` where the backend has none).
-
-    XLA counts a ``while`` loop's body once, whatever its trip count, so a model whose layers run under
-    ``lax.scan`` (``scan_layers``) is under-counted: compare with an unrolled model, or use an analytic count."""
-    try:
-        cost = getattr(compiled, "compiled", compiled).cost_analysis()
-    except Exception:  # noqa: BLE001 - some backends do not implement cost analysis
-        return None
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else None
-    flops = None if not cost else cost.get("flops")
-    return float(flops) if flops and flops > 0 else None
 
 
 def gib(n: int) -> str:

@@ -81,6 +81,7 @@ def xla_unrolled_flops(config, grid: tuple[int, int], text_tokens: int, batch: i
 
     from eqxdiff.models.flux import FluxTransformer2DModel, image_ids, text_ids
     from eqxdiff.nn import with_attention_implementation
+    from eqxdiff.train import step_flops
 
     model = eqx.filter_eval_shape(FluxTransformer2DModel, config, dtype=dtype, key=jax.random.key(0))
     model = with_attention_implementation(model, "xla")
@@ -95,12 +96,7 @@ def xla_unrolled_flops(config, grid: tuple[int, int], text_tokens: int, batch: i
     def step(params, *a):
         return _call(eqx.combine(params, static), *a)
 
-    try:
-        cost = jax.jit(step).lower(params, *args).cost_analysis()
-    except Exception:  # noqa: BLE001 - a cross-check only
-        return None
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return None if not cost else float(cost.get("flops", 0)) or None
+    return step_flops(jax.jit(step).lower(params, *args))
 
 
 def _call(model, tokens, embeds, pooled, sigma, guidance, rope):

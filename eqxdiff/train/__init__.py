@@ -37,6 +37,7 @@ from ._loop import shard_state as shard_state
 from ._loop import state_shardings as state_shardings
 from ._metrics import MetricsLogger as MetricsLogger
 from ._metrics import image_grid as image_grid
+from ._metrics import step_flops as step_flops
 from ._objectives import Objective as Objective
 from ._objectives import TimestepBias as TimestepBias
 from ._objectives import diffusion_loss as diffusion_loss

@@ -9,7 +9,9 @@ import numpy as np
 
 def step_flops(compiled) -> float | None:
     """FLOPs of one compiled step on one device, from XLA's cost analysis (``None`` if the backend has none).
-    ``compiled`` is what ``eqx.filter_jit(f).lower(...).compile()`` or ``jax.jit(f).lower(...).compile()`` return."""
+    ``compiled`` is what ``eqx.filter_jit(f).lower(...).compile()`` or ``jax.jit(f).lower(...).compile()`` return (or
+    the lowered step: XLA's count without compiling). XLA counts a ``while`` loop's body once, whatever its trip
+    count, so layers run under ``lax.scan`` (``scan_layers``) or chunked attention are under-counted."""
     try:
         cost = getattr(compiled, "compiled", compiled).cost_analysis()
     except Exception:  # noqa: BLE001 - some backends do not implement cost analysis
