@@ -1,4 +1,4 @@
-"""``eqxdiff-train`` (and ``python scripts/train.py``): train or fine-tune a Stable Diffusion model.
+"""``eqxdiff-train`` (and ``python scripts/train.py``): train or fine-tune a Stable Diffusion, SDXL or Flux model.
 
     eqxdiff-train digits                                  # the shipped digits model, from scratch
     eqxdiff-train sd15 --data path/to/folder --steps 2000 # fine-tune SD 1.5 on captioned images
@@ -34,8 +34,8 @@ from ..pipelines import InputError
 from ..train import DigitsArchitecture, Objective, OptimizerConfig, TrainConfig, run
 from ._command import DEBUG_HELP, config_errors_raise, run_command
 
-DESCRIPTION = ("Train or fine-tune a Stable Diffusion model: every field of eqxdiff.train.TrainConfig is a flag, a "
-               f"preset sets the defaults. {DEBUG_HELP}")
+DESCRIPTION = ("Train or fine-tune a Stable Diffusion, SDXL or Flux model: every field of eqxdiff.train.TrainConfig "
+               f"is a flag, a preset sets the defaults. {DEBUG_HELP}")
 MEMORY_HINT = ("a smaller --batch-size (with --optimizer.accumulation-steps to keep the effective batch), a smaller "
                "--resolution, --remat FULL, --no-cache with a large dataset, or shard over more devices "
                "(--mesh.ici-fsdp-parallelism -1)")
