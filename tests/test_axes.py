@@ -44,6 +44,12 @@ TINY_CONFIGS: dict[str, Tiny | list[Tiny]] = {
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), attention_head_dim=2, transformer_layers_per_block=2,
         addition_embed_type="text_time", addition_time_embed_dim=4, projection_class_embeddings_input_dim=6 * 4 + 8,
         conditioning_embedding_out_channels=(4, 8)),
+    "ControlNetUnionModel": dict(
+        block_out_channels=(8, 16), norm_num_groups=4, layers_per_block=1, cross_attention_dim=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), attention_head_dim=2, addition_embed_type="text_time",
+        addition_time_embed_dim=4, projection_class_embeddings_input_dim=6 * 4 + 8,
+        conditioning_embedding_out_channels=(4, 8), num_control_type=3, num_trans_channel=8, num_trans_head=2,
+        num_trans_layer=2, num_proj_channel=8),
     "AutoencoderKL": dict(block_out_channels=(8, 16), norm_num_groups=4, latent_channels=4,
                           down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2),
     "CLIPTextModel": dict(vocab_size=11, hidden_size=8, intermediate_size=12, num_attention_heads=2,

@@ -36,6 +36,8 @@ FAMILY_TABLE: dict[str, str] = {
     "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",
     "StableDiffusionControlNetImg2ImgPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetImg2ImgPipeline",
     "StableDiffusionXLControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionXLControlNetPipeline",
+    # ControlNet-Union (SDXL)
+    "ControlNetUnionModel": "eqxdiff.models.controlnet_union:ControlNetUnionModel",
 }
 
 # Pipelines reading single .safetensors files in a layout of their own (eqxdiff.load_pipeline(file, config=...)),

@@ -252,14 +252,8 @@ class ControlNetModel(PretrainedModel):
         """
         c = self.config
         check_conditioning(self, sample, encoder_hidden_states, text_embeds, time_ids)
-        b, height, width, _ = sample.shape
-        f = c.conditioning_downscale
-        want = (b, height * f, width * f, c.conditioning_channels)
-        if controlnet_cond.shape != want:
-            raise ValueError(f"{type(self).__name__}: controlnet_cond must be {list(want)} = [batch, height * {f}, "
-                             f"width * {f}, conditioning_channels] (channels-last, the latents' size times "
-                             f"2 ** (len(conditioning_embedding_out_channels) - 1)), got shape "
-                             f"{controlnet_cond.shape}")
+        b = sample.shape[0]
+        self.check_control_image(sample, controlnet_cond)
         dtype = sample.dtype
         if c.controlnet_conditioning_channel_order == "bgr":
             controlnet_cond = jnp.flip(controlnet_cond, axis=-1)
@@ -268,8 +262,28 @@ class ControlNetModel(PretrainedModel):
 
         plan = self.plan
         h = self.conv_in(constrain(sample, plan, IMAGE))
-        h = constrain(h + self.controlnet_cond_embedding(controlnet_cond.astype(dtype)), plan, IMAGE)
-        h, skips = run_encoder(self, h, emb, context, None)
+        h = h + self.controlnet_cond_embedding(controlnet_cond.astype(dtype))
+        return self.residuals(h, emb, context, conditioning_scale=conditioning_scale, guess_mode=guess_mode)
+
+    def check_control_image(self, sample, controlnet_cond, what: str = "controlnet_cond") -> None:
+        """Raise ``ValueError`` naming the fix unless ``controlnet_cond`` fits ``sample`` (channels-last, the
+        latents' size times :attr:`ControlNetConfig.conditioning_downscale`)."""
+        c = self.config
+        b, height, width, _ = sample.shape
+        f = c.conditioning_downscale
+        want = (b, height * f, width * f, c.conditioning_channels)
+        if controlnet_cond.shape != want:
+            raise ValueError(f"{type(self).__name__}: {what} must be {list(want)} = [batch, height * {f}, "
+                             f"width * {f}, conditioning_channels] (channels-last, the latents' size times "
+                             f"2 ** (len(conditioning_embedding_out_channels) - 1)), got shape "
+                             f"{controlnet_cond.shape}")
+
+    def residuals(self, h, emb, context, *, conditioning_scale, guess_mode: bool) -> ControlNetOutput:
+        """The residuals from ``h`` (``conv_in``'s output with the control image's embedding added), the time
+        embedding ``emb`` and the text ``context``: the down and mid blocks, the zero convolutions, the scales and
+        the pooling of :meth:`__call__` (a ControlNet variant fusing its controls its own way reuses them)."""
+        c, plan = self.config, self.plan
+        h, skips = run_encoder(self, constrain(h, plan, IMAGE), emb, context, None)
         down = [conv(s) for conv, s in zip(self.controlnet_down_blocks, skips)]
         mid = self.controlnet_mid_block(h)
 
@@ -278,7 +292,7 @@ class ControlNetModel(PretrainedModel):
             scales = jnp.asarray(np.logspace(-1, 0, n + 1), jnp.float32) * conditioning_scale
         else:
             scales = jnp.full((n + 1,), conditioning_scale, jnp.float32)
-        scales = scales.astype(dtype)
+        scales = scales.astype(h.dtype)
         down = [r * scales[i] for i, r in enumerate(down)]
         mid = mid * scales[n]
         if c.global_pool_conditions:

@@ -1,0 +1,174 @@
+"""ControlNet-Union: the model on the parity base (:mod:`tests._parity`) at two tiny configs (SDXL-style with
+``text_time``, two token layers and four control types; SD-style without ``text_time``, a one-channel control
+image downsampled 4x, other sinusoid flags) against full-size layouts, each run with one control image, with two at
+different scales (plain and guess mode) and as a member of a multi-net (``from_multi``, guess mode); config and
+input errors. Then the SDXL pipeline against diffusers' (every pixel within 2/255 from the same initial latents).
+
+The reference's token attention runs across the batch (see :mod:`eqxdiff.models.controlnet_union`): the inputs
+use a batch of two different samples so that the quirk is exercised."""
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+
+from eqxdiff.core import ConfigError
+from eqxdiff.models.controlnet_union import ControlNetUnionConfig, ControlNetUnionModel, control_type_vector
+
+from ._parity import ModelParity
+from ._util import nhwc_to_nchw
+
+# xinsir/controlnet-union-sdxl-1.0 (and its ProMax variant, 8 control types): diffusers/controlnet-canny-sdxl-1.0's
+# encoder with the union's keys
+UNION_SDXL = dict(addition_embed_type="text_time", addition_time_embed_dim=256, attention_head_dim=[5, 10, 20],
+                  block_out_channels=[320, 640, 1280], cross_attention_dim=2048,
+                  down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+                  projection_class_embeddings_input_dim=2816, transformer_layers_per_block=[1, 2, 10],
+                  use_linear_projection=True, conditioning_embedding_out_channels=[16, 32, 96, 256],
+                  num_control_type=6, num_trans_channel=320, num_trans_head=8, num_trans_layer=1, num_proj_channel=320)
+UNION_PROMAX = dict(UNION_SDXL, num_control_type=8)
+
+# name -> (control images used, their modes, scales, from_multi, guess_mode)
+VARIANTS = {
+    "one": (1, (2,), (0.7,), False, False),
+    "two": (2, (1, 0), (0.6, 1.3), False, False),
+    "two_guess": (2, (1, 0), (0.6, 1.3), False, True),
+    "multi_guess": (1, (0,), (0.8,), True, True),
+}
+
+
+def _torch(x):
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def _nhwc(t) -> np.ndarray:
+    return t.permute(0, 2, 3, 1).numpy()
+
+
+class ControlNetUnionParity(ModelParity):
+    model_class = ControlNetUnionModel
+    reference_class = diffusers.ControlNetUnionModel
+
+    def inputs(self, reference):
+        rng = np.random.default_rng(1)
+        c, b, size = reference.config, 2, 8
+        f = 2 ** (len(c.conditioning_embedding_out_channels) - 1)
+        out = dict(sample=rng.standard_normal((b, size, size, c.in_channels), np.float32),
+                   timestep=np.array([3, 817], np.int32),
+                   encoder_hidden_states=rng.standard_normal((b, 7, c.cross_attention_dim), np.float32),
+                   images=[rng.random((b, size * f, size * f, c.conditioning_channels), np.float32)
+                           for _ in range(2)])
+        out["control_types"] = {name: np.broadcast_to(np.asarray(control_type_vector(modes, c.num_control_type)),
+                                                      (b, c.num_control_type)).copy()
+                                for name, (_, modes, *_) in VARIANTS.items()}
+        if c.addition_embed_type == "text_time":
+            text = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
+            out["text_embeds"] = rng.standard_normal((b, text), np.float32)
+            out["time_ids"] = np.array([[32, 32, 0, 0, 32, 32], [24, 20, 2, 1, 16, 16]], np.float32)
+        return out
+
+    def reference_outputs(self, reference, inputs):
+        kw = dict(sample=nhwc_to_nchw(inputs["sample"]), timestep=_torch(inputs["timestep"]),
+                  encoder_hidden_states=_torch(inputs["encoder_hidden_states"]), return_dict=False)
+        if "text_embeds" in inputs:
+            kw["added_cond_kwargs"] = dict(text_embeds=_torch(inputs["text_embeds"]),
+                                           time_ids=_torch(inputs["time_ids"]))
+        out = {}
+        for name, (n, modes, scales, multi, guess) in VARIANTS.items():
+            down, mid = reference(**kw, controlnet_cond=[nhwc_to_nchw(im) for im in inputs["images"][:n]],
+                                  control_type=_torch(inputs["control_types"][name]), control_type_idx=list(modes),
+                                  conditioning_scale=list(scales), from_multi=multi, guess_mode=guess)
+            out.update({f"{name}_down_{i}": _nhwc(r) for i, r in enumerate(down)})
+            out[f"{name}_mid"] = _nhwc(mid)
+        return out
+
+    @staticmethod
+    def outputs(model, inputs):
+        x = dict(inputs)
+        args = [x.pop(k) for k in ("sample", "timestep", "encoder_hidden_states")]
+        images, types = x.pop("images"), x.pop("control_types")
+        out = {}
+        for name, (n, modes, scales, multi, guess) in VARIANTS.items():
+            down, mid = model(*args, images[:n], types[name], modes, conditioning_scale=scales, from_multi=multi,
+                              guess_mode=guess, **x)
+            out.update({f"{name}_down_{i}": r for i, r in enumerate(down)})
+            out[f"{name}_mid"] = mid
+        return out
+
+
+class TestControlNetUnionSDXL(ControlNetUnionParity):
+    config = dict(block_out_channels=(32, 64), layers_per_block=1, in_channels=4, norm_num_groups=8,
+                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), attention_head_dim=(2, 4),
+                  use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+                  transformer_layers_per_block=(1, 2), projection_class_embeddings_input_dim=80,
+                  cross_attention_dim=64, conditioning_embedding_out_channels=(16, 32), num_control_type=4,
+                  num_trans_channel=32, num_trans_head=4, num_trans_layer=2, num_proj_channel=32)
+    full_size = {"union-sdxl": UNION_SDXL, "union-promax": UNION_PROMAX}
+
+
+class TestControlNetUnionSmall(ControlNetUnionParity):
+    config = dict(block_out_channels=(16, 32), layers_per_block=1, in_channels=4, norm_num_groups=4,
+                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), attention_head_dim=2,
+                  cross_attention_dim=24, addition_time_embed_dim=4, conditioning_embedding_out_channels=(8, 8, 16),
+                  conditioning_channels=1, flip_sin_to_cos=False, freq_shift=1, num_control_type=3,
+                  num_trans_channel=16, num_trans_head=2, num_trans_layer=1, num_proj_channel=16)
+    full_size = {"union-sdxl": UNION_SDXL}
+
+
+# -- what the parity base does not check -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sdxl_case(tmp_path_factory):
+    return TestControlNetUnionSDXL.build(tmp_path_factory)
+
+
+def test_every_input_steers_the_residuals(sdxl_case):
+    """The variants differ (the parity could not see an ignored input otherwise): a second image and its scale,
+    guess mode, and the first scale where it multiplies the residuals."""
+    out = sdxl_case.actual
+    for a, b in [("one", "two"), ("two", "two_guess"), ("one", "multi_guess")]:
+        diff = np.max(np.abs(out[f"{a}_down_0"] - out[f"{b}_down_0"]))
+        assert diff > 1e-3 * np.max(np.abs(out[f"{b}_down_0"])), (a, b)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("num_trans_channel", 16, "num_trans_channel=16 must equal block_out_channels"),
+    ("num_proj_channel", 16, "num_proj_channel=16 must equal block_out_channels"),
+    ("num_trans_head", 5, "num_trans_head=5 must divide num_trans_channel=32"),
+    ("addition_time_embed_dim", None, "addition_time_embed_dim=None must be set"),
+    ("controlnet_conditioning_channel_order", "bgr", "controlnet_conditioning_channel_order='bgr'"),
+    ("num_control_type", 0, "num_control_type=0 must be at least 1"),
+])
+def test_bad_configs_raise(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        ControlNetUnionConfig.from_dict({**TestControlNetUnionSDXL.config, key: value})
+
+
+def test_config_json_is_diffusers_union_only(sdxl_case):
+    written = sdxl_case.model.checkpoint_config()
+    assert written["_class_name"] == "ControlNetUnionModel"
+    assert "mid_block_type" not in written and "up_block_types" not in written
+    assert set(written) - {"_class_name"} <= set(dict(sdxl_case.reference.config))
+
+
+def test_bad_inputs_are_rejected_readably(sdxl_case):
+    import jax.numpy as jnp
+
+    model = sdxl_case.model
+    x = sdxl_case.inputs
+    args = (jnp.asarray(x["sample"]), 1, jnp.asarray(x["encoder_hidden_states"]))
+    images = [jnp.asarray(im) for im in x["images"]]
+    kw = dict(text_embeds=jnp.asarray(x["text_embeds"]), time_ids=jnp.asarray(x["time_ids"]))
+    ctype = jnp.asarray(x["control_types"]["two"])
+    with pytest.raises(ValueError, match="control mode 4 is out of range; this net knows 4 control modes, 0 to 3"):
+        model(*args, images, ctype, [1, 4], **kw)
+    with pytest.raises(ValueError, match="2 control images need as many control modes in control_type_idx, got 1"):
+        model(*args, images, ctype, [1], **kw)
+    with pytest.raises(ValueError, match="conditioning_scale has 3 entries for 2 control images"):
+        model(*args, images, ctype, [1, 0], conditioning_scale=[1.0, 1.0, 1.0], **kw)
+    with pytest.raises(ValueError, match=r"control_type must be \[2, 4\]"):
+        model(*args, images, ctype[:, :3], [1, 0], **kw)
+    with pytest.raises(ValueError, match=r"controlnet_cond\[1\] must be \[2, 16, 16, 3\]"):
+        model(*args, [images[0], images[1][:, ::2, ::2]], ctype, [1, 0], **kw)
+    with pytest.raises(ValueError, match="control_mode 6 is out of range: this ControlNet-Union knows 6"):
+        control_type_vector([0, 6], 6)
