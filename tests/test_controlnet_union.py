@@ -7,15 +7,27 @@ input errors. Then the SDXL pipeline against diffusers' (every pixel within 2/25
 The reference's token attention runs across the batch (see :mod:`eqxdiff.models.controlnet_union`): the inputs
 use a batch of two different samples so that the quirk is exercised."""
 
+import json
+
 import diffusers
 import numpy as np
 import pytest
 import torch
 
+import eqxdiff
 from eqxdiff.core import ConfigError
-from eqxdiff.models.controlnet_union import ControlNetUnionConfig, ControlNetUnionModel, control_type_vector
+from eqxdiff.models.controlnet_union import (
+    ControlNetUnionConfig,
+    ControlNetUnionModel,
+    MultiControlNetUnionModel,
+    control_type_vector,
+)
+from eqxdiff.pipelines import save_pipeline
+from eqxdiff.pipelines.controlnet_union import StableDiffusionXLControlNetUnionPipeline
 
-from ._parity import ModelParity
+from . import _tiny_controlnet as tiny_cn
+from . import _tiny_controlnet_union as tiny
+from ._parity import ModelParity, _public_config
 from ._util import nhwc_to_nchw
 
 # xinsir/controlnet-union-sdxl-1.0 (and its ProMax variant, 8 control types): diffusers/controlnet-canny-sdxl-1.0's
@@ -172,3 +184,124 @@ def test_bad_inputs_are_rejected_readably(sdxl_case):
         model(*args, [images[0], images[1][:, ::2, ::2]], ctype, [1, 0], **kw)
     with pytest.raises(ValueError, match="control_mode 6 is out of range: this ControlNet-Union knows 6"):
         control_type_vector([0, 6], 6)
+
+
+# -- the pipeline: every pixel within 2/255 of diffusers' from the same initial latents -----------------------------
+
+PROMPTS = ["a red cat", "two dogs"]
+STEPS = 3  # windows below switch images on and off by thirds of the schedule
+
+
+def _pixels_off(ours_uint8, ref_float) -> int:
+    return int(np.max(np.abs(ours_uint8.astype(int) - (np.asarray(ref_float) * 255).round().astype(int))))
+
+
+def _tensor(image):
+    return torch.from_numpy(image).permute(0, 3, 1, 2).float() / 255
+
+
+def _reference(ref, images, latents, **kwargs):
+    with torch.no_grad():
+        return ref(PROMPTS, control_image=[_tensor(i) for i in images], latents=nhwc_to_nchw(latents),
+                   output_type="np", num_inference_steps=STEPS, **kwargs).images
+
+
+@pytest.fixture(scope="module")
+def latents():
+    return np.random.default_rng(0).standard_normal((2, 16, 16, 4)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def images():
+    """Two control images: one for every output, and one per prompt."""
+    return [tiny_cn.control_images(1, 32, seed=3), tiny_cn.control_images(2, 32, seed=4)]
+
+
+@pytest.fixture(scope="module")
+def union(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sdxl-controlnet-union")
+    ref = tiny.build_sdxl(folder, tiny.union_net(31))
+    return ref, folder, eqxdiff.load_pipeline(folder)
+
+
+def test_two_control_modes_match_diffusers(union, latents, images):
+    """One net, two images of two modes at different scales, guided; then per-image windows, then other modes. One
+    compiled loop serves the three calls (scales and modes are traced)."""
+    ref, _, pipe = union
+    assert type(pipe) is StableDiffusionXLControlNetUnionPipeline and type(pipe.controlnet) is ControlNetUnionModel
+    calls = {"two": dict(control_mode=[1, 3], controlnet_conditioning_scale=[0.7, 1.2]),
+             "window": dict(control_mode=[1, 3], controlnet_conditioning_scale=[0.7, 1.2],
+                            control_guidance_start=[0.0, 0.4], control_guidance_end=[0.7, 1.0]),
+             "modes": dict(control_mode=[0, 2], controlnet_conditioning_scale=[0.7, 1.2])}
+    outputs = {}
+    for name, kw in calls.items():
+        expected = _reference(ref, images, latents, **kw)
+        outputs[name] = pipe(PROMPTS, control_image=images, latents=latents, num_inference_steps=STEPS,
+                             progress=False, **kw)
+        assert outputs[name].shape == (2, 32, 32, 3)
+        assert _pixels_off(outputs[name], expected) <= 2, name
+    for name in ("window", "modes"):  # the window and the modes steer the images
+        assert _pixels_off(outputs[name], outputs["two"] / 255) > 10, name
+
+
+def test_one_image_in_guess_mode_matches_diffusers(union, latents, images):
+    """One image (its scale multiplies the residuals), guess mode, no guidance (diffusers 0.42 fails with both)."""
+    ref, _, pipe = union
+    kw = dict(control_mode=2, controlnet_conditioning_scale=0.8, guess_mode=True, guidance_scale=1.0)
+    expected = _reference(ref, images[:1], latents, **kw)
+    ours = pipe(PROMPTS, control_image=images[0], latents=latents, num_inference_steps=STEPS, progress=False, **kw)
+    assert _pixels_off(ours, expected) <= 2
+
+
+def test_two_union_nets_match_diffusers(tmp_path, latents, images):
+    """MultiControlNetUnionModel: one image and mode per net (of different num_control_type), per-net scales and
+    windows; saved as diffusers saves it (controlnet, controlnet_1)."""
+    nets = [tiny.union_net(32), tiny.union_net(33, num_control_type=3)]
+    ref = tiny.build_sdxl(tmp_path / "multi", nets)
+    pipe = eqxdiff.load_pipeline(tmp_path / "multi")
+    assert isinstance(pipe.controlnet, MultiControlNetUnionModel) and len(pipe.nets) == 2
+    kw = dict(control_mode=[3, 2], controlnet_conditioning_scale=[0.7, 1.2], control_guidance_end=[1.0, 0.5])
+    expected = _reference(ref, images, latents, **kw)
+    ours = pipe(PROMPTS, control_image=images, latents=latents, num_inference_steps=STEPS, progress=False, **kw)
+    assert _pixels_off(ours, expected) <= 2
+    save_pipeline(pipe, tmp_path / "saved")
+    written = json.loads((tmp_path / "saved" / "model_index.json").read_text())
+    assert written["controlnet"] == json.loads((tmp_path / "multi" / "model_index.json").read_text())["controlnet"]
+    for i, net in enumerate(nets):
+        again = diffusers.ControlNetUnionModel.from_pretrained(tmp_path / "saved" / f"controlnet{f'_{i}' if i else ''}")
+        assert _public_config(again) == _public_config(net)
+        for name, t in net.state_dict().items():
+            torch.testing.assert_close(again.state_dict()[name], t, rtol=0, atol=0, msg=name)
+
+
+def test_pipeline_folder_round_trips_through_diffusers(union, tmp_path):
+    ref, _, pipe = union
+    save_pipeline(pipe, tmp_path)
+    again = diffusers.StableDiffusionXLControlNetUnionPipeline.from_pretrained(tmp_path)
+    assert type(again.controlnet) is diffusers.ControlNetUnionModel
+    for name, t in ref.controlnet.state_dict().items():
+        torch.testing.assert_close(again.controlnet.state_dict()[name], t, rtol=0, atol=0, msg=name)
+    assert eqxdiff.load_pipeline(tmp_path).controlnet.config == pipe.controlnet.config
+
+
+def test_bad_control_inputs_name_the_fix(union, images):
+    _, _, pipe = union
+    with pytest.raises(ValueError, match="control_mode 4 is out of range: this ControlNet-Union knows 4"):
+        pipe(PROMPTS, control_image=images, control_mode=[1, 4])
+    with pytest.raises(ValueError, match=r"2 control image\(s\) and 1 control_mode\(s\) given"):
+        pipe(PROMPTS, control_image=images, control_mode=1)
+    with pytest.raises(ValueError, match="control_mode= is required"):
+        pipe(PROMPTS, control_image=images)
+    with pytest.raises(ValueError, match="needs control_image="):
+        pipe(PROMPTS, control_mode=1)
+    with pytest.raises(ValueError, match="controlnet_conditioning_scale has 3 entries for 2 control images"):
+        pipe(PROMPTS, control_image=images, control_mode=[1, 2], controlnet_conditioning_scale=[1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="must satisfy 0 <= start < end <= 1"):
+        pipe(PROMPTS, control_image=images, control_mode=[1, 2], control_guidance_start=0.5, control_guidance_end=0.5)
+    with pytest.raises(ValueError, match="is text-to-image"):
+        pipe(PROMPTS, control_image=images, control_mode=[1, 2], image=images[0])
+    multi = StableDiffusionXLControlNetUnionPipeline.from_pipe(pipe, controlnet=[pipe.controlnet, pipe.controlnet])
+    with pytest.raises(ValueError, match="2 ControlNet-Union nets take one control image and one control_mode each"):
+        multi(PROMPTS, control_image=images[:1], control_mode=1)
+    with pytest.raises(TypeError, match="ControlNetUnionModel"):
+        StableDiffusionXLControlNetUnionPipeline.from_pipe(pipe, controlnet=pipe.unet)

@@ -38,6 +38,8 @@ FAMILY_TABLE: dict[str, str] = {
     "StableDiffusionXLControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionXLControlNetPipeline",
     # ControlNet-Union (SDXL)
     "ControlNetUnionModel": "eqxdiff.models.controlnet_union:ControlNetUnionModel",
+    "StableDiffusionXLControlNetUnionPipeline":
+        "eqxdiff.pipelines.controlnet_union:StableDiffusionXLControlNetUnionPipeline",
 }
 
 # Pipelines reading single .safetensors files in a layout of their own (eqxdiff.load_pipeline(file, config=...)),

@@ -31,7 +31,14 @@ import jax.numpy as jnp
 
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
 from ..core import ConfigError, Plan, constrain
-from ..nn import Attention, LayerNorm, Linear, TimestepEmbedding, activation, timestep_embedding
+from ..nn import (
+    Attention,
+    LayerNorm,
+    Linear,
+    TimestepEmbedding,
+    activation,
+    timestep_embedding,
+)
 from ._base import PretrainedModel
 from .controlnet import ControlNetConfig, ControlNetModel, ControlNetOutput
 from .unet2d import IMAGE, TimestepLike, check_conditioning, embed_time
@@ -163,7 +170,7 @@ class ResidualAttentionBlock(eqx.Module):
 
 # -- the model --------------------------------------------------------------------------------------------------
 
-Scale = float | int | Float[Array, ""]  # noqa: PYI041 (beartype: an int is no float)
+Scale = float | int | Float[Array, ""]
 
 
 def _per_condition(conditioning_scale, n: int) -> list:

@@ -171,12 +171,12 @@ def control_input(controlnet, image, *, scale, start, end, guess_mode: bool) -> 
     return ControlInput(images, scales, tuple(map(float, starts)), tuple(map(float, ends)), guess)
 
 
-def _controlnets(value) -> ControlNetModel | MultiControlNetModel:
-    """A pipeline's ``controlnet`` component from one net, a list of nets or a :class:`MultiControlNetModel`."""
+def _controlnets(value, net: type = ControlNetModel, multi: type = MultiControlNetModel):
+    """A pipeline's ``controlnet`` component from one ``net``, a list of them or a ``multi`` of them."""
     if isinstance(value, (list, tuple)):
-        return value[0] if len(value) == 1 else MultiControlNetModel(value)
-    if not isinstance(value, (ControlNetModel, MultiControlNetModel)):
-        raise TypeError(f"controlnet must be a ControlNetModel, a list of them or a MultiControlNetModel, got "
+        return value[0] if len(value) == 1 else multi(value)
+    if not isinstance(value, (net, multi)):
+        raise TypeError(f"controlnet must be a {net.__name__}, a list of them or a {multi.__name__}, got "
                         f"{type(value).__name__}")
     return value
 
@@ -206,25 +206,25 @@ class ControlNetDenoiser(UNetDenoiser):
             images = [jnp.concatenate([im, im]) for im in images]
         xc = pick(x)
         kwargs = {k: pick(rest[k]) for k in ("text_embeds", "time_ids") if k in rest}
-        scale = self.scales[step]
         args = (xc, jnp.broadcast_to(t, (xc.shape[0],)), pick(rest["encoder_hidden_states"]))
-        if isinstance(self.controlnet, MultiControlNetModel):
-            down, mid = self.controlnet(*args, images, conditioning_scale=scale, guess_mode=self.guess_mode,
-                                        **kwargs)
-        else:
-            down, mid = self.controlnet(*args, images[0], conditioning_scale=scale[0], guess_mode=self.guess_mode,
-                                        **kwargs)
+        down, mid = self.run_nets(args, images, self.scales[step], kwargs)
         if half:
             down = tuple(jnp.concatenate([jnp.zeros_like(d), d]) for d in down)
             mid = jnp.concatenate([jnp.zeros_like(mid), mid])
         return super().__call__(x, t, {**rest, "down_block_additional_residuals": down,
                                        "mid_block_additional_residual": mid}, step=step)
 
+    def run_nets(self, args, images, scale, kwargs):
+        """The net(s) on ``args`` (latents, timesteps, text), their control ``images`` and this step's ``scale``
+        (one per entry of the table's row); a ControlNet variant calls its nets its own way here."""
+        if isinstance(self.controlnet, MultiControlNetModel):
+            return self.controlnet(*args, images, conditioning_scale=scale, guess_mode=self.guess_mode, **kwargs)
+        return self.controlnet(*args, images[0], conditioning_scale=scale[0], guess_mode=self.guess_mode, **kwargs)
+
 
 # -- the pipelines ------------------------------------------------------------------------------------------------
 
 CONTROLNET = Component("controlnet", "diffusers")
-_MULTI = "MultiControlNetModel"
 
 
 def _net_folder(i: int) -> str:
@@ -237,35 +237,37 @@ class _ControlNetPipeline:
     the denoiser running it. A call binds its :class:`ControlInput` to a shallow copy of the pipeline and runs the
     SD/SDXL call on it."""
 
+    NET_CLASS: ClassVar[type] = ControlNetModel  # the nets this pipeline runs
+    MULTI_CLASS: ClassVar[type] = MultiControlNetModel  # several of them (its name is model_index.json's)
     _control: ControlInput | None = None
 
     def __init__(self, *, controlnet, **kwargs):
-        super().__init__(controlnet=_controlnets(controlnet), **kwargs)
+        super().__init__(controlnet=_controlnets(controlnet, self.NET_CLASS, self.MULTI_CLASS), **kwargs)
 
     @property
-    def nets(self) -> tuple[ControlNetModel, ...]:
+    def nets(self) -> tuple:
         c = self.controlnet
-        return c.nets if isinstance(c, MultiControlNetModel) else (c,)
+        return c.nets if isinstance(c, self.MULTI_CLASS) else (c,)
 
     @classmethod
     def load_component(cls, folder: Path, component: Component, entry, **load_kwargs):
-        if component.name != CONTROLNET.name or entry[1] != _MULTI:
+        if component.name != CONTROLNET.name or entry[1] != cls.MULTI_CLASS.__name__:
             return super().load_component(folder, component, entry, **load_kwargs)
         nets, i = [], 0
         while (Path(folder) / _net_folder(i)).is_dir():
             nets.append(load(folder, _net_folder(i), **load_kwargs))
             i += 1
         if not nets:
-            raise CheckpointError(f"model_index.json in {str(folder)!r} names a {_MULTI} but there is no controlnet "
-                                  "folder")
-        return MultiControlNetModel(nets)
+            raise CheckpointError(f"model_index.json in {str(folder)!r} names a {entry[1]} but there is no "
+                                  "controlnet folder")
+        return cls.MULTI_CLASS(nets)
 
     def save_component(self, folder: Path, component: Component, value, *, dtype=None) -> list:
-        if not isinstance(value, MultiControlNetModel):
+        if not isinstance(value, self.MULTI_CLASS):
             return super().save_component(folder, component, value, dtype=dtype)
         for i, net in enumerate(value.nets):
             save_pretrained(net, Path(folder) / _net_folder(i), dtype=dtype)
-        return ["diffusers", _MULTI]
+        return ["diffusers", self.MULTI_CLASS.__name__]
 
     def _with_control(self, image, *, scale, start, end, guess_mode, num_images_per_prompt: int):
         control = control_input(self.controlnet, image, scale=scale, start=start, end=end, guess_mode=guess_mode)
@@ -280,7 +282,7 @@ class _ControlNetPipeline:
             raise TypeError(f"{type(self).__name__}.generate runs inside a call of the pipeline (it needs the call's "
                             "control images)")
         images = control.prepared(batch=batch, height=height, width=width, multiple=self.vae_scale_factor)
-        for i, (net, image) in enumerate(zip(self.nets, images)):
+        for i, (net, image) in enumerate(zip(self.image_nets(), images)):
             if image.shape[-1] != net.config.conditioning_channels:
                 raise ValueError(f"control image {i} has {image.shape[-1]} channels; its ControlNet takes "
                                  f"{net.config.conditioning_channels} (conditioning_channels)")
@@ -289,8 +291,15 @@ class _ControlNetPipeline:
         table = np.zeros((total, len(images)), np.float32)
         table[begin:] = control_scales(control.scales, control.starts, control.ends, total - begin)
         cond = {**cond, **{f"{CONTROL_IMAGE}_{i}": jnp.asarray(im) for i, im in enumerate(images)}}
-        denoiser = ControlNetDenoiser(self.unet, self.controlnet, jnp.asarray(table), control.guess_mode)
-        return denoiser, cond
+        return self.make_denoiser(jnp.asarray(table)), cond
+
+    def image_nets(self) -> tuple:
+        """The net reading each of the call's control images (one image per net here)."""
+        return self.nets
+
+    def make_denoiser(self, scales) -> ControlNetDenoiser:
+        """The loop's denoiser for this call, with its ``[steps, images]`` table of ``scales``."""
+        return ControlNetDenoiser(self.unet, self.controlnet, scales, self._control.guess_mode)
 
 
 def _control_kwargs(kwargs: dict) -> int:

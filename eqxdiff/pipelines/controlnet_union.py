@@ -1,0 +1,157 @@
+"""SDXL with ControlNet-Union (diffusers' ``StableDiffusionXLControlNetUnionPipeline``): one union net reading
+several control images, each of its own control mode (canny, depth, pose ... as the net was trained), or several
+union nets (diffusers' ``MultiControlNetUnionModel``: ``controlnet``, ``controlnet_1`` ... in the folder) with one
+image and mode each.
+
+It is the SDXL ControlNet pipeline (:mod:`eqxdiff.pipelines.controlnet`) with a union net: per control image (one
+net) or per net (several), a ``controlnet_conditioning_scale`` and a ``control_guidance_start`` / ``_end`` window,
+as diffusers. With one net and several images each image's scale weighs its part of the fusion and the residuals
+are not scaled again (diffusers' rule), so outside an image's window the net still runs on the others (and on none:
+the latents alone). The ``control_type`` one-hot of the modes is the same for every sample of the batch.
+
+``guess_mode`` with classifier-free guidance runs the nets on the prompted half of the batch only, as the other
+ControlNet pipelines do (diffusers 0.42's union pipeline fails there: it repeats ``control_type`` for both halves).
+The union's token attention mixes the samples of a batch (see :mod:`eqxdiff.models.controlnet_union`), so the
+guided batch runs as one (``Guidance(mode="batched")``), as diffusers runs it.
+
+>>> pipe = eqxdiff.load_pipeline("path/to/sdxl-controlnet-union")
+>>> images = pipe("a fox", control_image=[depth, pose], control_mode=[1, 0], num_inference_steps=30)
+"""
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+from .._typing import Array, Float, Int
+from ..models.controlnet_union import (
+    ControlNetUnionModel,
+    MultiControlNetUnionModel,
+    control_type_vector,
+)
+from ._base import Component
+from ._checks import InputError
+from .controlnet import (
+    CONTROLNET,
+    ControlInput,
+    ControlNetDenoiser,
+    _control_kwargs,
+    _ControlNetPipeline,
+)
+from .stable_diffusion_xl import StableDiffusionXLPipeline
+
+__all__ = ["ControlNetUnionDenoiser", "StableDiffusionXLControlNetUnionPipeline"]
+
+
+class ControlNetUnionDenoiser(ControlNetDenoiser):
+    """:class:`~eqxdiff.pipelines.controlnet.ControlNetDenoiser` for union nets: ``modes`` holds each control
+    image's mode and ``control_types`` each net's one-hot ``control_type`` (traced: a new mode reuses the compiled
+    loop)."""
+
+    controlnet: ControlNetUnionModel | MultiControlNetUnionModel
+    modes: Int[Array, " images"]
+    control_types: tuple[Float[Array, " num_control_type"], ...]
+
+    def run_nets(self, args, images, scale, kwargs):
+        batch = args[0].shape[0]
+        types = [jnp.broadcast_to(t, (batch, t.shape[0])) for t in self.control_types]
+        if isinstance(self.controlnet, MultiControlNetUnionModel):
+            return self.controlnet(*args, [[im] for im in images], types,
+                                   [self.modes[i:i + 1] for i in range(len(images))],
+                                   conditioning_scale=[scale[i] for i in range(len(images))],
+                                   guess_mode=self.guess_mode, **kwargs)
+        return self.controlnet(*args, images, types[0], self.modes, conditioning_scale=scale,
+                               guess_mode=self.guess_mode, **kwargs)
+
+
+def _listed(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _per_entry(value, n: int, name: str, what: str) -> tuple:
+    values = tuple(value) if isinstance(value, (list, tuple)) else (value,) * n
+    if len(values) != n:
+        raise InputError(f"{name} has {len(values)} entries for {n} {what}; give one value or one per {what[:-1]}")
+    return values
+
+
+class StableDiffusionXLControlNetUnionPipeline(_ControlNetPipeline, StableDiffusionXLPipeline):
+    """SDXL with ControlNet-Union net(s) (see the module docstring). ``control_image``: the control image(s), a
+    list for several; ``control_mode``: each image's control mode (an int, or a list in the images' order). The
+    output size defaults to the first control image's. The other arguments are
+    :class:`~eqxdiff.pipelines.StableDiffusionXLPipeline`'s."""
+
+    CLASS_NAME: ClassVar[str] = "StableDiffusionXLControlNetUnionPipeline"
+    COMPONENTS: ClassVar[tuple[Component, ...]] = (*StableDiffusionXLPipeline.COMPONENTS, CONTROLNET)
+    NET_CLASS: ClassVar[type] = ControlNetUnionModel
+    MULTI_CLASS: ClassVar[type] = MultiControlNetUnionModel
+    _modes: tuple[int, ...] = ()
+
+    def __call__(self, prompt=None, prompt_2=None, control_image=None, *,
+                 control_mode: int | Sequence[int] | None = None,
+                 controlnet_conditioning_scale: float | Sequence[float] = 1.0,
+                 control_guidance_start: float | Sequence[float] = 0.0,
+                 control_guidance_end: float | Sequence[float] = 1.0, guess_mode: bool = False, height=None,
+                 width=None, **kwargs):
+        """Images for ``prompt`` steered by ``control_image`` of ``control_mode`` (see the class docstring).
+
+        ``controlnet_conditioning_scale``, ``control_guidance_start`` / ``control_guidance_end``: one value, or one
+        per control image (one net) or per net (several). ``guess_mode``: the nets see no prompt (the prompted half
+        of a guided batch; forced by a net with ``global_pool_conditions``)."""
+        for name in ("image", "mask_image"):
+            if kwargs.get(name) is not None:
+                raise InputError(f"{type(self).__name__} is text-to-image (diffusers' takes no {name}=); the control "
+                                 "images go to control_image=")
+        bound = self._with_union_control(control_image, control_mode, scale=controlnet_conditioning_scale,
+                                         start=control_guidance_start, end=control_guidance_end,
+                                         guess_mode=guess_mode, num_images_per_prompt=_control_kwargs(kwargs))
+        height, width = bound._control.size(height, width, self.vae_scale_factor)
+        return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, height=height, width=width, **kwargs)
+
+    def _with_union_control(self, image, mode, *, scale, start, end, guess_mode, num_images_per_prompt: int):
+        """The call's control inputs checked as diffusers' ``check_inputs`` checks them, bound to a shallow copy of
+        the pipeline: one entry per control image."""
+        nets = self.nets
+        if image is None:
+            raise InputError(f"{type(self).__name__} needs control_image= (a control image, or a list of them)")
+        if mode is None:
+            raise InputError("control_mode= is required: the control mode of each control image (an int, or a list "
+                             "in the images' order), e.g. the index of 'depth' in the net's control types")
+        images, modes = _listed(image), [int(m) for m in _listed(mode)]
+        if len(images) != len(modes):
+            raise InputError(f"{len(images)} control image(s) and {len(modes)} control_mode(s) given; give one "
+                             "control mode per control image, in the same order")
+        if len(nets) > 1 and len(images) != len(nets):
+            raise InputError(f"{len(nets)} ControlNet-Union nets take one control image and one control_mode each; "
+                             f"got {len(images)}")
+        for i, m in enumerate(modes):
+            net = nets[i if len(nets) > 1 else 0]
+            control_type_vector([m], net.config.num_control_type)  # raises for a mode out of range
+        what = "nets" if len(nets) > 1 else "control images"
+        scales = tuple(float(s) for s in _per_entry(scale, len(images), "controlnet_conditioning_scale", what))
+        starts = _per_entry(start, len(images), "control_guidance_start", what)
+        ends = _per_entry(end, len(images), "control_guidance_end", what)
+        for s, e in zip(starts, ends):
+            if not 0.0 <= s < e <= 1.0:
+                raise InputError(f"control_guidance_start={s} and control_guidance_end={e} must satisfy 0 <= start < "
+                                 "end <= 1")
+        guess = bool(guess_mode) or nets[0].config.global_pool_conditions  # diffusers: the first net's
+        bound = object.__new__(type(self))
+        bound.__dict__.update(self.__dict__)
+        bound._control = ControlInput(tuple(images), scales, tuple(map(float, starts)), tuple(map(float, ends)),
+                                      guess, num_images_per_prompt)
+        bound._modes = tuple(modes)
+        return bound
+
+    def image_nets(self) -> tuple:
+        nets = self.nets
+        return nets if len(nets) > 1 else nets * len(self._modes)
+
+    def make_denoiser(self, scales) -> ControlNetUnionDenoiser:
+        nets, modes = self.nets, self._modes
+        if len(nets) > 1:
+            types = tuple(control_type_vector([m], n.config.num_control_type) for n, m in zip(nets, modes))
+        else:
+            types = (control_type_vector(modes, nets[0].config.num_control_type),)
+        return ControlNetUnionDenoiser(self.unet, self.controlnet, scales, self._control.guess_mode,
+                                       jnp.asarray(modes, jnp.int32), types)
