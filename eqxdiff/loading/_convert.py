@@ -517,9 +517,9 @@ class Tie(Rule):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Drop(Rule):
-    """Tensors matching any of ``patterns`` are not used (buffers, other components' weights). Writing back, they
-    are not restored: the inverse is nothing."""
+class _Select(Rule):
+    """A rule over the tensors matching any of ``patterns``, which has no inverse: what it leaves out is not
+    restored when writing back."""
 
     patterns: tuple[str, ...]
 
@@ -528,32 +528,29 @@ class Drop(Rule):
         for p in self.patterns:
             _check_template(self, p, "pattern")
 
-    def apply(self, view, where="checkpoint"):
-        consumed = {n for p in self.patterns for n, _ in self._sources(view, p, where)}
-        return _Converted(view, {}, consumed, self, where)
+    def _matched(self, view, where) -> set[str]:
+        return {n for p in self.patterns for n, _ in self._sources(view, p, where)}
 
     def inverse(self):
         return ()
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Keep(Rule):
+class Drop(_Select):
+    """Tensors matching any of ``patterns`` are not used (buffers, other components' weights). Writing back, they
+    are not restored: the inverse is nothing."""
+
+    def apply(self, view, where="checkpoint"):
+        return _Converted(view, {}, self._matched(view, where), self, where)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Keep(_Select):
     """Only tensors matching one of ``patterns`` are kept: one component out of an all-in-one file. The inverse is
     nothing (the other components are not restored)."""
 
-    patterns: tuple[str, ...]
-
-    def __post_init__(self):
-        _set(self, patterns=_tuple(self.patterns))
-        for p in self.patterns:
-            _check_template(self, p, "pattern")
-
     def apply(self, view, where="checkpoint"):
-        kept = {n for p in self.patterns for n, _ in self._sources(view, p, where)}
-        return _Converted(view, {}, set(view.names()) - kept, self, where)
-
-    def inverse(self):
-        return ()
+        return _Converted(view, {}, set(view.names()) - self._matched(view, where), self, where)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
