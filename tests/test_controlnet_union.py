@@ -26,6 +26,7 @@ from eqxdiff.pipelines import save_pipeline
 from eqxdiff.pipelines.controlnet_union import StableDiffusionXLControlNetUnionPipeline
 
 from . import _tiny_controlnet as tiny_cn
+from . import _tiny_sdxl
 from . import _tiny_controlnet_union as tiny
 from ._parity import ModelParity, _public_config
 from ._util import nhwc_to_nchw
@@ -305,3 +306,71 @@ def test_bad_control_inputs_name_the_fix(union, images):
         multi(PROMPTS, control_image=images[:1], control_mode=1)
     with pytest.raises(TypeError, match="ControlNetUnionModel"):
         StableDiffusionXLControlNetUnionPipeline.from_pipe(pipe, controlnet=pipe.unet)
+
+
+# -- eqxdiff-generate -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cli_folders(union, images, tmp_path_factory):
+    """The union pipeline's SDXL base and its net in folders of their own (the same configs as ``union``'s: the
+    command's programs are the ones the pipeline tests compiled), and the control images as PNG files."""
+    from PIL import Image
+
+    ref, _, _ = union
+    root = tmp_path_factory.mktemp("cli")
+    base = diffusers.StableDiffusionXLPipeline(**{k: v for k, v in ref.components.items() if k != "controlnet"},
+                                               add_watermarker=False)
+    _tiny_sdxl.save(base, root / "base")
+    ref.controlnet.save_pretrained(root / "union", safe_serialization=True)
+    files = []
+    for i, image in enumerate(images):
+        Image.fromarray(image[0]).save(root / f"control_{i}.png")
+        files.append(root / f"control_{i}.png")
+    return root, files
+
+
+def test_generate_runs_a_union_net_on_an_sdxl_base(union, cli_folders, tmp_path):
+    """--controlnet FOLDER holding a ControlNetUnionModel runs the union pipeline, with --control-image and
+    --control-mode repeated (one mode per image) and a scale per image: diffusers' union pipeline of the same
+    components from the same initial noise."""
+    from PIL import Image
+
+    from eqxdiff.cli import generate
+    from eqxdiff.pipelines import read_parameters, seed_key
+    from eqxdiff.pipelines._unet import noise_draws
+
+    ref, _, _ = union
+    root, files = cli_folders
+    argv = ["--model", str(root / "base"), "--controlnet", str(root / "union"), "--control-image", str(files[0]),
+            "--control-mode", "1", "--control-image", str(files[1]), "--control-mode", "3", "--controlnet-scale",
+            "0.7", "--controlnet-scale", "1.2", "--prompt", PROMPTS[0], "--num-images-per-prompt", "2", "--steps",
+            str(STEPS), "--seed", "5", "--no-progress", "--output-dir", str(tmp_path)]
+    paths = generate.main(argv)
+    ours = np.stack([np.asarray(Image.open(p)) for p in paths])
+    noise = nhwc_to_nchw(noise_draws(seed_key(5), (2, 16, 16, 4)).noise)
+    with torch.no_grad():
+        expected = ref(PROMPTS[0], control_image=[Image.open(f) for f in files], control_mode=[1, 3],
+                       controlnet_conditioning_scale=[0.7, 1.2], num_images_per_prompt=2, latents=noise,
+                       num_inference_steps=STEPS, output_type="np").images
+    assert _pixels_off(ours, expected) <= 2
+    params = read_parameters(paths[0])
+    assert params["pipeline"] == "StableDiffusionXLControlNetUnionPipeline"
+    assert params["control_mode"] == [1, 3] and params["controlnet_conditioning_scale"] == [0.7, 1.2]
+
+
+def test_generate_checks_control_modes_before_loading(union, cli_folders):
+    from eqxdiff.cli import generate
+    from eqxdiff.pipelines import InputError
+
+    _, folder, _ = union
+    root, files = cli_folders
+    images = ["--control-image", str(files[0]), "--control-image", str(files[1])]
+    checked = generate.validate(["--model", str(folder), *images, "--control-mode", "2", "--control-mode", "0"])
+    assert checked.family.pipeline_class is StableDiffusionXLControlNetUnionPipeline
+    assert checked.kwargs["control_mode"] == [2, 0] and len(checked.kwargs["control_image"]) == 2
+    with pytest.raises(InputError, match="--control-mode given 1 time for 2 --control-image"):
+        generate.validate(["--model", str(root / "base"), "--controlnet", str(root / "union"), *images,
+                           "--control-mode", "2"])
+    with pytest.raises(InputError, match="no image-to-image ControlNet pipeline"):
+        generate.validate(["--model", str(folder), *images, "--control-mode", "2", "--control-mode", "0",
+                           "--image", str(files[0])])

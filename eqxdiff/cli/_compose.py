@@ -52,6 +52,10 @@ class ControlNetOptions:
     controlnet_scale: Annotated[tuple[float, ...], tyro.conf.UseAppendAction] = ()
     """Each net's conditioning scale (controlnet_conditioning_scale), in --controlnet order: one value for every
     net, or one per net; default: the pipeline's (1.0; 0.8 for image-to-image, as diffusers)."""
+    control_mode: Annotated[tuple[int, ...], tyro.conf.UseAppendAction] = ()
+    """ControlNet-Union: the control mode of each --control-image, in the same order (the index of canny, depth,
+    pose ... among the net's control types). One union net reads several images (a scale each); several nets one
+    each."""
 
 
 def _names(cls) -> set[str]:
@@ -69,8 +73,19 @@ def _parameters(cls) -> Mapping[str, inspect.Parameter]:
 
 def control_argument(cls) -> str:
     """The ``__call__`` argument of ControlNet pipeline ``cls`` taking the control images: ``control_image`` where
-    ``image`` is the picture to start from (image-to-image), else ``image`` (diffusers' names)."""
+    ``image`` is the picture to start from (image-to-image) or the pipeline names it so (ControlNet-Union), else
+    ``image`` (diffusers' names)."""
     return "control_image" if "control_image" in _parameters(cls) else "image"
+
+
+def starts_from_image(cls) -> bool:
+    """ControlNet pipeline ``cls`` starts from a picture: its ``__call__`` takes ``image`` and ``control_image``."""
+    return {"image", "control_image"} <= set(_parameters(cls))
+
+
+def takes_modes(cls) -> bool:
+    """ControlNet pipeline ``cls`` takes a ``control_mode`` per control image (ControlNet-Union)."""
+    return "control_mode" in _parameters(cls)
 
 
 def _controlnet_classes() -> list[type]:
@@ -84,30 +99,34 @@ def _base_name(cls) -> str:
                 cls.__name__)
 
 
-def controlnet_class(base: type, *, image_to_image: bool) -> type:
+def controlnet_class(base: type, *, image_to_image: bool, net: type | None = None) -> type:
     """The ControlNet pipeline class for ``base`` (a pipeline class, or a ControlNet class to switch to
     image-to-image): a class of the family table that extends ``base`` by a ``controlnet`` component (or, for a
-    ControlNet ``base``, has its components), text-to-image or image-to-image. Raises ``InputError`` naming the
-    flag to leave out when there is none."""
+    ControlNet ``base``, has its components), text-to-image or image-to-image, running ``net`` (a model class: a
+    pipeline's ``NET_CLASS``; default any). Raises ``InputError`` naming the flag to leave out when there is
+    none."""
     wanted = _names(base) | {CONTROLNET}
     found: dict[bool, type] = {}
     for cls in _controlnet_classes():
-        if issubclass(cls, base) and _names(cls) == wanted:
-            found.setdefault(control_argument(cls) == "control_image", cls)
+        if issubclass(cls, base) and _names(cls) == wanted and net in (None, getattr(cls, "NET_CLASS", None)):
+            found.setdefault(starts_from_image(cls), cls)
     if image_to_image in found:
         return found[image_to_image]
     if found:
         raise InputError(f"eqxdiff has no image-to-image ControlNet pipeline for {base.__name__}; leave out --image "
                          "(the control images go to --control-image)")
-    bases = sorted({_base_name(c) for c in _controlnet_classes()})
-    raise InputError(f"eqxdiff has no ControlNet pipeline for the --model folder's {base.__name__}; ControlNets run "
-                     f"on {', '.join(bases)}: pass one of those as --model, or leave out --controlnet")
+    runs = [c for c in _controlnet_classes() if net in (None, getattr(c, "NET_CLASS", None))]
+    bases = sorted({_base_name(c) for c in runs})
+    what = "ControlNets" if net is None else f"{net.__name__}s"
+    raise InputError(f"eqxdiff has no ControlNet pipeline for the --model folder's {base.__name__}"
+                     f"{'' if net is None else f' with a {net.__name__}'}; {what} run on {', '.join(bases)}: pass one "
+                     "of those as --model, or leave out --controlnet")
 
 
-def run_class(cls: type, *, controlnet: bool, image: bool, mask: bool) -> type:
+def run_class(cls: type, *, controlnet: bool, image: bool, mask: bool, net: type | None = None) -> type:
     """The class a command line runs: ``cls`` (the ``--model`` folder's), its ControlNet pipeline with
     ``--controlnet``, the image-to-image ControlNet pipeline with ``--image``. ``--mask`` with a ControlNet is
-    refused (eqxdiff has no ControlNet inpainting)."""
+    refused (eqxdiff has no ControlNet inpainting). ``net``: the model class of the first ``--controlnet``."""
     if controlnet and is_controlnet(cls):
         raise InputError(f"--model is a {cls.__name__}, which holds its ControlNet(s) already; leave out --controlnet "
                          "(or pass its base model as --model)")
@@ -115,8 +134,8 @@ def run_class(cls: type, *, controlnet: bool, image: bool, mask: bool) -> type:
         return cls
     if mask:
         raise InputError("--mask: eqxdiff has no ControlNet inpainting pipeline; leave out --mask or the ControlNet")
-    if controlnet or (image and control_argument(cls) == "image"):
-        return controlnet_class(cls, image_to_image=image)
+    if controlnet or (image and not starts_from_image(cls)):
+        return controlnet_class(cls, image_to_image=image, net=net)
     return cls
 
 
@@ -126,17 +145,18 @@ def excluded_arguments(cls) -> tuple[str, ...]:
     what needs a picture to start from."""
     if not is_controlnet(cls):
         return ()
-    arg = control_argument(cls)
-    return (arg, SCALE, "mask_image") + (("strength", "denoising_start") if arg == "image" else ())
+    modes = ("control_mode",) if takes_modes(cls) else ()
+    return (control_argument(cls), SCALE, "mask_image", *modes) + (
+        () if starts_from_image(cls) else ("image", "strength", "denoising_start"))
 
 
 # -- the nets -----------------------------------------------------------------------------------------------------
 
 def folder_nets(read: Callable[[str], Mapping | None]) -> int:
-    """How many nets a ControlNet pipeline folder holds (``read``: its JSON files): a ``MultiControlNetModel``
-    in ``controlnet``, ``controlnet_1`` ..., else one."""
+    """How many nets a ControlNet pipeline folder holds (``read``: its JSON files): a ``MultiControlNetModel`` (or
+    ``MultiControlNetUnionModel``) in ``controlnet``, ``controlnet_1`` ..., else one."""
     entry = (read("model_index.json") or {}).get(CONTROLNET) or [None, None]
-    if entry[1] != "MultiControlNetModel":
+    if entry[1] not in ("MultiControlNetModel", "MultiControlNetUnionModel"):
         return 1
     n = 0
     while read(f"{CONTROLNET}{'' if n == 0 else f'_{n}'}/config.json") is not None:
@@ -144,10 +164,25 @@ def folder_nets(read: Callable[[str], Mapping | None]) -> int:
     return max(n, 1)
 
 
-def check_controlnets(paths: Sequence[str], reader, base_read: Callable[[str], Mapping | None]) -> None:
-    """Each ``--controlnet`` is a ControlNet model (its ``config.json``, read with ``reader(path)``) whose width
-    fits the ``--model`` UNet's (``cross_attention_dim``, ``block_out_channels``; skipped where the base's UNet
-    config is unknown, as for a single file without ``--config``)."""
+def net_class(paths: Sequence[str], reader) -> type | None:
+    """The model class the first ``--controlnet``'s ``config.json`` names if a ControlNet pipeline runs it
+    (``None`` otherwise, or if it cannot be read: the checks after parsing say why)."""
+    try:
+        config = reader(paths[0])("config.json") if paths else None
+    except (OSError, ValueError):
+        return None
+    name = config.get("_class_name") if isinstance(config, Mapping) else None
+    found = resolve_class(name) if isinstance(name, str) else None
+    runs = {getattr(c, "NET_CLASS", None) for c in _controlnet_classes()}
+    return found if isinstance(found, type) and found in runs else None
+
+
+def check_controlnets(paths: Sequence[str], reader, base_read: Callable[[str], Mapping | None],
+                      net: type | None = None) -> None:
+    """Each ``--controlnet`` is a ``net`` model (default ``ControlNetModel``; its ``config.json``, read with
+    ``reader(path)``) whose width fits the ``--model`` UNet's (``cross_attention_dim``, ``block_out_channels``;
+    skipped where the base's UNet config is unknown, as for a single file without ``--config``)."""
+    net = net or ControlNetModel
     unet = base_read("unet/config.json") or {}
     for path in paths:
         if Path(path).expanduser().is_file():
@@ -159,9 +194,9 @@ def check_controlnets(paths: Sequence[str], reader, base_read: Callable[[str], M
                                   "(config.json and diffusion_pytorch_model.safetensors) or its Hub id")
         name = config.get("_class_name")
         found = resolve_class(name) if isinstance(name, str) else None
-        if not (isinstance(found, type) and issubclass(found, ControlNetModel)):
+        if not (isinstance(found, type) and issubclass(found, net)):
             raise CheckpointError(f"--controlnet {path!r} holds a {name!r} (config.json _class_name), not a "
-                                  "ControlNetModel; pass a ControlNet model folder or Hub id")
+                                  f"{net.__name__}; pass a ControlNet model folder or Hub id (nets of one kind)")
         for key in ("cross_attention_dim", "block_out_channels"):
             ours, theirs = config.get(key), unet.get(key)
             if ours is not None and theirs is not None and _value(ours) != _value(theirs):
@@ -180,11 +215,16 @@ def control_kwargs(cls: type, options: ControlNetOptions, nets: int) -> dict[str
     :func:`control_argument`, and ``controlnet_conditioning_scale`` if ``--controlnet-scale`` was given. Counts
     that do not match the nets raise ``InputError`` naming the flags."""
     if not is_controlnet(cls):
-        if options.control_image or options.controlnet_scale:
-            flag = "--control-image" if options.control_image else "--controlnet-scale"
+        if options.control_image or options.controlnet_scale or options.control_mode:
+            flag = ("--control-image" if options.control_image else "--controlnet-scale" if options.controlnet_scale
+                    else "--control-mode")
             raise InputError(f"{flag} needs a ControlNet: pass --controlnet FOLDER_OR_HUB_ID (or a ControlNet pipeline "
                              "as --model)")
         return {}
+    if takes_modes(cls):
+        return _union_kwargs(cls, options, nets)
+    if options.control_mode:
+        raise InputError(f"--control-mode is for ControlNet-Union nets; {cls.__name__} takes none: leave it out")
     where = f"{nets} ControlNet{'s' if nets > 1 else ''}"
     if len(options.control_image) != nets:
         given = len(options.control_image)
@@ -193,6 +233,15 @@ def control_kwargs(cls: type, options: ControlNetOptions, nets: int) -> dict[str
     if len(options.controlnet_scale) not in (0, 1, nets):
         raise InputError(f"--controlnet-scale given {len(options.controlnet_scale)} times for {where}; give one "
                          "value for every net or one per net")
+    images = _control_images(options)
+    out: dict[str, Any] = {control_argument(cls): images[0] if nets == 1 else images}
+    if options.controlnet_scale:
+        scales = list(options.controlnet_scale)
+        out[SCALE] = scales[0] if len(scales) == 1 else scales
+    return out
+
+
+def _control_images(options: ControlNetOptions) -> list:
     images = []
     for path in options.control_image:
         if not Path(path).is_file():
@@ -201,7 +250,23 @@ def control_kwargs(cls: type, options: ControlNetOptions, nets: int) -> dict[str
             images.append(Image.fromarray(read_image(path)))
         except InputError as e:
             raise InputError(f"--control-image: {e}") from None
-    out: dict[str, Any] = {control_argument(cls): images[0] if nets == 1 else images}
+    return images
+
+
+def _union_kwargs(cls: type, options: ControlNetOptions, nets: int) -> dict[str, Any]:
+    """:func:`control_kwargs` for ControlNet-Union: a list of control images, their modes and scales."""
+    given, modes = len(options.control_image), len(options.control_mode)
+    if given == 0 or (nets > 1 and given != nets):
+        want = f"one per net, in --controlnet order ({nets} nets)" if nets > 1 else "one or more"
+        raise InputError(f"--control-image given {given} times for {cls.__name__}; give {want}")
+    if modes != given:
+        raise InputError(f"--control-mode given {modes} time{'s' if modes != 1 else ''} for {given} --control-image; "
+                         "give the control mode of each control image, in the same order")
+    if len(options.controlnet_scale) not in (0, 1, given):
+        raise InputError(f"--controlnet-scale given {len(options.controlnet_scale)} times for {given} control "
+                         "images; give one value for every image or one per image")
+    out: dict[str, Any] = {control_argument(cls): _control_images(options),
+                           "control_mode": list(options.control_mode)}
     if options.controlnet_scale:
         scales = list(options.controlnet_scale)
         out[SCALE] = scales[0] if len(scales) == 1 else scales

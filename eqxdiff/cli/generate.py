@@ -70,6 +70,7 @@ from ._compose import (
     folder_nets,
     is_controlnet,
     load_controlnets,
+    net_class,
     refiner_kwargs,
     run_class,
 )
@@ -238,7 +239,7 @@ def _parse(argv: Sequence[str] | None, *, prog: str | None):
     early = _early_flags(argv)
     folder_class = pipeline_class(early.model, early.revision, early.config)
     cls = run_class(folder_class, controlnet=bool(early.controlnet), image=early.image is not None,
-                    mask=early.mask is not None)
+                    mask=early.mask is not None, net=net_class(early.controlnet, config_reader))
     family = family_options(cls, {"prompt": DIGITS_PROMPT} if early.model == DEFAULT_MODEL else None,
                             exclude=excluded_arguments(cls))
     what = ("the --model folder's class" if cls is folder_class else
@@ -324,7 +325,7 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> I
     cls = family.pipeline_class
     nets = len(control.controlnet) or (folder_nets(read) if is_controlnet(cls) else 0)
     if control.controlnet:
-        check_controlnets(control.controlnet, config_reader, read)
+        check_controlnets(control.controlnet, config_reader, read, getattr(cls, "NET_CLASS", None))
     kwargs.update(control_kwargs(cls, control, nets))
     check_window(kwargs)
     refiner = None
@@ -441,7 +442,9 @@ def _parameters(checked: Invocation, pipe, outputs, refiner=None) -> dict:
         if control.controlnet:
             extra["controlnet"] = list(control.controlnet)
         extra["control_image"] = [os.fspath(p) for p in control.control_image]
-        extra[SCALE] = effective_scales(type(pipe), checked.kwargs, checked.nets)
+        extra[SCALE] = effective_scales(type(pipe), checked.kwargs, len(control.control_image) or checked.nets)
+        if control.control_mode:
+            extra["control_mode"] = list(control.control_mode)
     if refiner is not None:
         extra.update(refiner=run.refiner, refiner_pipeline=type(refiner).__name__,
                      refiner_scheduler=scheduler_name(getattr(refiner, "scheduler", None)))
