@@ -245,10 +245,19 @@ def test_two_control_modes_match_diffusers(union, latents, images):
         assert _pixels_off(outputs[name], outputs["two"] / 255) > 10, name
 
 
-def test_one_image_in_guess_mode_matches_diffusers(union, latents, images):
-    """One image (its scale multiplies the residuals), guess mode, no guidance (diffusers 0.42 fails with both)."""
+def test_one_image_in_guess_mode_matches_diffusers(union, latents, images, monkeypatch):
+    """One image (its scale multiplies the residuals) in guess mode, without guidance, then with it: the net on
+    the prompted half. diffusers 0.42 fails there (it passes the net the guided batch's control_type, twice the
+    net's batch); its net is given the rows of its batch (all rows are the same one-hot) for the reference."""
     ref, _, pipe = union
     kw = dict(control_mode=2, controlnet_conditioning_scale=0.8, guess_mode=True, guidance_scale=1.0)
+    expected = _reference(ref, images[:1], latents, **kw)
+    ours = pipe(PROMPTS, control_image=images[0], latents=latents, num_inference_steps=STEPS, progress=False, **kw)
+    assert _pixels_off(ours, expected) <= 2
+    forward = ref.controlnet.forward
+    monkeypatch.setattr(ref.controlnet, "forward", lambda sample, *a, control_type, **k:
+                        forward(sample, *a, control_type=control_type[:sample.shape[0]], **k))
+    kw["guidance_scale"] = 5.0
     expected = _reference(ref, images[:1], latents, **kw)
     ours = pipe(PROMPTS, control_image=images[0], latents=latents, num_inference_steps=STEPS, progress=False, **kw)
     assert _pixels_off(ours, expected) <= 2
