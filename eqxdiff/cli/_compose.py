@@ -6,8 +6,9 @@ pipeline folder's own nets) with their control images and scales, and a refiner 
   (Stable Diffusion's and SDXL's today; a new family's ControlNet pipeline is found the same way). With ``--image``
   the ControlNet pipeline that takes a picture to start from (its ``__call__`` has ``control_image``).
 - :class:`ControlNetOptions` (``--controlnet``, ``--control-image``, ``--controlnet-scale``, repeatable, one per
-  net in order) and :func:`control_kwargs`, which checks them against the nets' configs before anything loads and
-  turns them into the call's arguments. The start/end/guess options are the pipeline's own flags.
+  net in order; ``--control-mode`` per control image for ControlNet-Union, whose pipeline is picked by the
+  ``--controlnet`` folder's model class) and :func:`control_kwargs`, which checks them against the nets' configs
+  before anything loads and turns them into the call's arguments. The start/end/guess options are the pipeline's own flags.
 - :func:`check_refiner` and :func:`refiner_kwargs`: a refiner folder finishing the base's latents (SDXL's ensemble
   of experts: the base stops at ``--denoising-end``, the refiner starts there).
 """
