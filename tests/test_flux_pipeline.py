@@ -178,7 +178,7 @@ def test_kontext_with_true_cfg_matches_diffusers(dev):
 
 def test_kontext_sizes_follow_diffusers(dev):
     """The output size (aspect ratio at max_area, rounded down) and the reference resized to the nearest trained
-    resolution with Lanczos, as diffusers' FluxKontextPipeline does."""
+    resolution as diffusers' FluxKontextPipeline does: PIL with Lanczos, arrays nearest-neighbour."""
     from PIL import Image
 
     Reference = pipeline_flux_kontext.FluxKontextPipeline
@@ -195,6 +195,13 @@ def test_kontext_sizes_follow_diffusers(dev):
     assert (resized.height, resized.width) == (h, w)
     np.testing.assert_array_equal(np.asarray(resized), np.asarray(processor.resize(picture, h, w)))
     assert pipe.reference_image(picture, auto_resize=False).size == (140, 90)  # already multiples of 2
+    # arrays are resized nearest-neighbour, as diffusers' resize does them (floats in [0, 1]; uint8 the same pixels)
+    array = np.asarray(picture)
+    floats = pipe.reference_image(array[None].astype(np.float32) / 255)
+    theirs = processor.resize(array[None].astype(np.float32) / 255, h, w)
+    assert floats.shape == theirs.shape == (1, h, w, 3)
+    np.testing.assert_array_equal(floats, theirs)
+    np.testing.assert_array_equal(pipe.reference_image(array), np.round(theirs[0] * 255).astype(np.uint8))
 
 
 def test_mesh_equals_one_device(dev):

@@ -28,6 +28,20 @@ def pil_to_array(images, mode: str = "RGB"):
     return images
 
 
+def resize_nearest(arr: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Nearest-neighbour resize of ``[n, h, w, c]`` as ``torch.nn.functional.interpolate`` does (diffusers'
+    ``VaeImageProcessor.resize`` of array inputs): source index ``floor(i * (in / out))`` with the ratio in float32.
+    It only picks pixels, so uint8 and float arrays give the same picture."""
+
+    def index(size_in: int, size_out: int) -> np.ndarray:
+        if size_in == size_out:
+            return np.arange(size_out)
+        ratio = np.float32(size_in) / np.float32(size_out)
+        return np.minimum(np.floor(np.arange(size_out, dtype=np.float32) * ratio).astype(np.int64), size_in - 1)
+
+    return arr[:, index(arr.shape[1], height)][:, :, index(arr.shape[2], width)]
+
+
 def to_model_range(images) -> jnp.ndarray:
     """uint8 ``[n, h, w, 3]`` images, PIL images, or floats in ``[0, 1]`` as float32 in ``[-1, 1]``."""
     arr = np.asarray(pil_to_array(images, "RGB"))

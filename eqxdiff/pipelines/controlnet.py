@@ -28,6 +28,7 @@ from .._typing import Array, Float
 from ..loading import CheckpointError, load, save_pretrained
 from ..models.controlnet import ControlNetModel, MultiControlNetModel
 from ._base import Component
+from ._images import resize_nearest
 from ._unet import UNetDenoiser
 from .stable_diffusion import StableDiffusionPipeline
 from .stable_diffusion_xl import StableDiffusionXLPipeline
@@ -37,19 +38,6 @@ __all__ = ["ControlInput", "ControlNetDenoiser", "StableDiffusionControlNetImg2I
            "control_scales", "prepare_control_image"]
 
 CONTROL_IMAGE = "controlnet_cond"  # cond keys controlnet_cond_0, controlnet_cond_1, ...: each net's control images
-
-
-def _nearest(arr: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Nearest-neighbour resize of ``[n, h, w, c]`` as ``torch.nn.functional.interpolate`` does (diffusers' resize of
-    array inputs): source index ``floor(i * (in / out))`` with the ratio in float32."""
-
-    def index(size_in: int, size_out: int) -> np.ndarray:
-        if size_in == size_out:
-            return np.arange(size_out)
-        ratio = np.float32(size_in) / np.float32(size_out)
-        return np.minimum(np.floor(np.arange(size_out, dtype=np.float32) * ratio).astype(np.int64), size_in - 1)
-
-    return arr[:, index(arr.shape[1], height)][:, :, index(arr.shape[2], width)]
 
 
 def prepare_control_image(image, *, height: int | None = None, width: int | None = None, multiple: int = 8
@@ -86,7 +74,7 @@ def prepare_control_image(image, *, height: int | None = None, width: int | None
         if arr.min() < 0 or arr.max() > 1:
             raise ValueError("a float control image must lie in [0, 1] (pass uint8 for 0-255 images)")
     if arr.shape[1:3] != (height, width):
-        arr = _nearest(arr, height, width)
+        arr = resize_nearest(arr, height, width)
     return arr
 
 

@@ -61,7 +61,7 @@ from ._base import (
 )
 from ._checks import CallLimits, InputError, InputWarning, check_output_type, image_size
 from ._denoise import Denoiser, Guidance, plan_schedule
-from ._images import to_model_range
+from ._images import resize_nearest, to_model_range
 from ._latents import LatentPipeline, encode_image_latents
 from ._unet import noise_draws
 from .stable_diffusion import tokenize
@@ -184,8 +184,8 @@ def _image_size(image) -> tuple[int, int]:
 
 
 def _resized(image, height: int, width: int):
-    """``image`` (PIL, or uint8 / [0, 1] float arrays) resized to ``height`` x ``width`` with Lanczos, as diffusers'
-    ``VaeImageProcessor.resize`` resizes PIL images."""
+    """``image`` resized to ``height`` x ``width`` as diffusers' ``VaeImageProcessor.resize`` does: PIL images with
+    Lanczos, arrays (uint8, or floats in [0, 1]; channels-last) nearest-neighbour."""
     def one(im):
         return im.resize((width, height), resample=Image.Resampling.LANCZOS, reducing_gap=None)
 
@@ -194,12 +194,7 @@ def _resized(image, height: int, width: int):
     if isinstance(image, Sequence) and image and isinstance(image[0], Image.Image):
         return [one(im.convert("RGB")) for im in image]
     arr = np.asarray(image)
-    batch = arr if arr.ndim == 4 else arr[None]
-    if arr.dtype == np.uint8:
-        out = np.stack([np.asarray(one(Image.fromarray(im))) for im in batch])
-    else:
-        out = np.stack([np.stack([np.asarray(one(Image.fromarray(im[..., k].astype(np.float32), mode="F")))
-                                  for k in range(im.shape[-1])], axis=-1) for im in batch]).clip(0.0, 1.0)
+    out = resize_nearest(arr if arr.ndim == 4 else arr[None], height, width)
     return out if arr.ndim == 4 else out[0]
 
 
