@@ -21,7 +21,7 @@ from eqxdiff.loading import state_dict
 from eqxdiff.models.t5 import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel, relative_position_buckets
 
 from ._parity import ModelParity
-from ._util import assert_close, assert_close_to_float64
+from ._util import assert_close, assert_close_to_float64, randomize_torch
 
 # The tiny T5 of the family notes (ReLU, 8 buckets up to 128), a gated-GELU one whose 12-token max distance the
 # 23-token inputs exceed, and a UMT5 (a table per block; 10 buckets up to 16).
@@ -202,9 +202,9 @@ def test_config_round_trip_and_errors(tmp_path):
     assert config.is_gated_act and config.dense_act_fn == "gelu_new"
     umt5 = UMT5Config()
     assert (umt5.vocab_size, umt5.feed_forward_proj, umt5.to_dict()["model_type"]) == (250112, "gated-gelu", "umt5")
-    with pytest.raises(ConfigError, match=r"unsupported config value feed_forward_proj='gated-silu'; eqxdiff "
-                                          r"supports feed_forward_proj in \['relu', 'gated-gelu'\]"):
-        T5Config(feed_forward_proj="gated-silu")
+    with pytest.raises(ConfigError, match=r"unsupported config value feed_forward_proj='gated-tanh'; eqxdiff "
+                                          r"supports feed_forward_proj in \['relu', 'gelu', .*'gated-silu'"):
+        T5Config(feed_forward_proj="gated-tanh")
     with pytest.raises(ConfigError, match=r"model_type='umt5'"):
         T5Config.from_dict({**CONFIGS["relu"], "model_type": "umt5"})
     with pytest.raises(ConfigError, match=r"num_heads=0 must be a positive integer"):
@@ -229,3 +229,21 @@ def test_wrong_inputs_are_named():
         run(jnp.zeros((7,), jnp.int32))
     with pytest.raises(TypeError, match="attention_mask"):
         run(jnp.zeros((2, 7), jnp.int32), attention_mask=jnp.ones((2, 6), jnp.int32))
+
+
+@pytest.mark.parametrize("proj", ["gated-silu", "gelu", "gated-gelu_new"])
+def test_other_feed_forward_activations_match_transformers(proj, tmp_path):
+    """transformers reads ``feed_forward_proj`` as ``[gated-]ACT`` (ACT any of its activations; only "gated-gelu"
+    alone means the tanh GELU): one block each, every weight random, last hidden state at 1e-4."""
+    config = dict(vocab_size=37, d_model=12, d_kv=5, d_ff=20, num_layers=1, num_heads=3,
+                  relative_attention_num_buckets=6, relative_attention_max_distance=9, feed_forward_proj=proj)
+    ref = transformers.T5EncoderModel(transformers.T5Config(**config)).eval()
+    randomize_torch(ref, seed=7)
+    ref.save_pretrained(tmp_path)
+    ours = eqxdiff.load(tmp_path)
+    assert ours.config.dense_act_fn == ref.config.dense_act_fn
+    assert ours.config.is_gated_act == ref.config.is_gated_act
+    ids = np.random.default_rng(7).integers(0, 37, (2, 11))
+    with torch.no_grad():
+        theirs = ref(input_ids=torch.from_numpy(ids)).last_hidden_state.numpy()
+    assert_close(ours(jnp.asarray(ids)).last_hidden_state, theirs, 1e-4)

@@ -8,8 +8,9 @@ transformers folders.
 State-dict names are transformers' (``encoder.block.0.layer.0.SelfAttention.q.weight`` ...). Numerics follow
 ``transformers.T5EncoderModel`` / ``UMT5EncoderModel`` in eval mode: pre-norm blocks with T5's RMS layer norm
 (variance in float32, no mean, no bias), self-attention **without** the ``1/sqrt(d)`` scaling and with a learned
-relative position bias added to the logits (the padding mask on top of it), a ReLU or gated-GELU (``gelu_new``,
-tanh) feed-forward, and a final layer norm.
+relative position bias added to the logits (the padding mask on top of it), a feed-forward of ``feed_forward_proj``
+(ReLU, gated-GELU (``gelu_new``, tanh), or any ``[gated-]ACT`` of :data:`FEED_FORWARD_ACTIVATIONS`), and a final layer
+norm.
 
 - T5: only block 0 holds the bias table (``relative_attention_bias``, buckets x heads); its bias
   ``[1, heads, seq, seq]`` is computed once and reused by every block. Here the table lives beside the blocks (its
@@ -38,12 +39,18 @@ from ..core import ModelConfig, Plan, checkpoint_block, constrain
 from ._base import PretrainedModel
 
 
+# transformers' feed_forward_proj: "ACT" (wo(act(wi x))) or "gated-ACT" (wo(act(wi_0 x) * wi_1 x)), ACT one of its
+# activation names; "gated-gelu" alone means the tanh GELU (gelu_new), as transformers reads it.
+FEED_FORWARD_ACTIVATIONS = ("relu", "gelu", "gelu_new", "gelu_pytorch_tanh", "quick_gelu", "silu", "swish", "mish")
+FEED_FORWARD_PROJ = (*FEED_FORWARD_ACTIVATIONS, *(f"gated-{act}" for act in FEED_FORWARD_ACTIVATIONS))
+
+
 @dataclasses.dataclass(frozen=True)
 class T5Config(ModelConfig):
     """The ``config.json`` transformers writes for ``T5EncoderModel`` (defaults are transformers'). Dropout is
     never applied (eval mode); ``dropout_rate`` is kept to be written back."""
 
-    SUPPORTED_VALUES: ClassVar = {"feed_forward_proj": ("relu", "gated-gelu"), "model_type": ("t5",)}
+    SUPPORTED_VALUES: ClassVar = {"feed_forward_proj": FEED_FORWARD_PROJ, "model_type": ("t5",)}
     model_type: ClassVar[str] = "t5"
 
     vocab_size: int = 32128
@@ -82,7 +89,7 @@ class T5Config(ModelConfig):
     @property
     def dense_act_fn(self) -> str:
         """The feed-forward activation as transformers names it ("gated-gelu" is the tanh GELU, ``gelu_new``)."""
-        return "gelu_new" if self.feed_forward_proj == "gated-gelu" else self.feed_forward_proj
+        return "gelu_new" if self.feed_forward_proj == "gated-gelu" else self.feed_forward_proj.split("-")[-1]
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "model_type": self.model_type}
@@ -92,7 +99,7 @@ class T5Config(ModelConfig):
 class UMT5Config(T5Config):
     """The ``config.json`` transformers writes for ``UMT5EncoderModel``: T5's keys, UMT5's defaults."""
 
-    SUPPORTED_VALUES: ClassVar = {"feed_forward_proj": ("relu", "gated-gelu"), "model_type": ("umt5",)}
+    SUPPORTED_VALUES: ClassVar = {"feed_forward_proj": FEED_FORWARD_PROJ, "model_type": ("umt5",)}
     model_type: ClassVar[str] = "umt5"
 
     vocab_size: int = 250112
@@ -134,7 +141,7 @@ def _bias_table(config: T5Config, dtype, key) -> nn.Embedding:
 
 
 class T5DenseActDense(eqx.Module):
-    """``wo(act(wi(x)))`` (``feed_forward_proj="relu"``)."""
+    """``wo(act(wi(x)))`` (``feed_forward_proj="relu"``, or another activation without ``gated-``)."""
 
     wi: nn.Linear
     wo: nn.Linear
