@@ -9,6 +9,7 @@ if "--xla_force_host_platform_device_count" not in _xla_flags:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import gc  # noqa: E402
 import random  # noqa: E402
 
 import jax  # noqa: E402
@@ -17,6 +18,17 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 # Shared test bases: pytest rewrites their asserts too, so a failure shows the values compared.
 pytest.register_assert_rewrite("tests._parity", "tests._util")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test module, drop JAX's caches of compiled programs (a module's tests share theirs; later modules
+    do not reuse them). XLA:CPU maps each executable's machine code into its own memory areas, and the whole suite's
+    programs kept alive in one process passed Linux's default limit of 65530 mappings (vm.max_map_count): the next
+    compile then crashed with a segmentation fault."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
