@@ -22,10 +22,11 @@ Everything random (shuffle order per epoch, crops, flips, which of several capti
 """
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import grain
 
-from ._common import DataError
+from ._common import DataError, decode_image, raise_problems
 from ._transforms import ImageCaptionTransform
 
 
@@ -123,10 +124,6 @@ def make_dataset(
 def validate_decode(source, *, num_threads: int | None = None) -> None:
     """Decode every image of ``source`` now (a ``DataError`` listing the unreadable ones): the same as a source's
     ``check="full"``, for a source built with a lighter check."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ._common import decode_image, raise_problems
-
     def one(i):
         try:
             record = source[i]
