@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import eqxdiff
+from eqxdiff.core import family_names, resolve_class
 from eqxdiff.pipelines import StableDiffusionPipeline, read_parameters, save_images, save_pipeline
 from eqxdiff.pipelines import stable_diffusion as sd
 
@@ -123,6 +124,32 @@ def test_load_pipeline_errors(tmp_path):
         eqxdiff.load_pipeline(tmp_path / "ok")
     with pytest.raises(eqxdiff.CheckpointError, match="model_index.json not found"):
         eqxdiff.load_pipeline(tmp_path)
+    # a T5 as SD's text encoder: refused before anything loads, naming the component, the class and the choices
+    t5 = dict(index, text_encoder=["transformers", "T5EncoderModel"])
+    (tmp_path / "ok" / "model_index.json").write_text(json.dumps(t5))
+    with pytest.raises(eqxdiff.CheckpointError, match=r"gives component 'text_encoder' the class 'T5EncoderModel', "
+                                                      r"but a StableDiffusionPipeline runs CLIPTextModel as its"):
+        eqxdiff.load_pipeline(tmp_path / "ok")
+    with pytest.raises(eqxdiff.CheckpointError, match="component 'unet' the class 'FluxTransformer2DModel'"):
+        StableDiffusionPipeline.check_component_class(
+            next(c for c in StableDiffusionPipeline.COMPONENTS if c.name == "unet"),
+            ["diffusers", "FluxTransformer2DModel"], "a folder")
+
+
+def test_every_pipeline_names_the_classes_of_its_models():
+    """Every served pipeline says which checkpoint classes each of its models may be, and each is one the family
+    table serves (a ControlNet pipeline's nets: its net class, or its multi-net wrapper)."""
+    models = set(family_names("model"))
+    for name in family_names("pipeline"):
+        cls = resolve_class(name)
+        for c in cls.COMPONENTS:
+            if c.kind != "model":
+                assert not cls.component_classes(c), (name, c.name)
+                continue
+            accepted = cls.component_classes(c)
+            assert accepted, f"{name}.{c.name} names no class"
+            wrappers = {getattr(cls, "MULTI_CLASS", type).__name__}
+            assert set(accepted) <= models | wrappers, (name, c.name, accepted)
 
 
 def test_save_pipeline_round_trips_through_diffusers(tmp_path):

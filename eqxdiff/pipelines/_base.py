@@ -46,13 +46,16 @@ class Component:
     """One entry of a pipeline's ``model_index.json``: a subfolder of the pipeline folder.
 
     ``kind``: ``"model"`` (read with :func:`eqxdiff.load`), ``"tokenizer"`` (transformers' own) or ``"scheduler"``.
-    ``library``: what ``model_index.json`` says reads it (``diffusers`` or ``transformers``). ``optional``: a folder
-    may lack it (``[null, null]`` in the index). ``encoder``: a text/image encoder, kept in host memory with
+    ``library``: what ``model_index.json`` says reads it (``diffusers`` or ``transformers``). ``classes``: the
+    checkpoint classes (``model_index.json``'s ``[library, class]``, family-table names) the pipeline runs there;
+    :func:`load_pipeline` refuses any other before loading it (empty: any model eqxdiff serves). ``optional``: a
+    folder may lack it (``[null, null]`` in the index). ``encoder``: a text/image encoder, kept in host memory with
     ``offload_encoders``. ``scan``: stacked under ``scan_layers`` (models with repeated layers)."""
 
     name: str
     library: str
     kind: str = "model"
+    classes: tuple[str, ...] = ()
     optional: bool = False
     encoder: bool = False
     scan: bool = True
@@ -61,6 +64,10 @@ class Component:
         if self.kind not in COMPONENT_KINDS or self.library not in LIBRARIES:
             raise ValueError(f"Component {self.name!r}: kind={self.kind!r} (one of {COMPONENT_KINDS}), "
                              f"library={self.library!r} (one of {LIBRARIES})")
+        if isinstance(self.classes, str) or not all(isinstance(c, str) for c in self.classes):
+            raise ValueError(f"Component {self.name!r}: classes={self.classes!r} must be a tuple of class names")
+        if self.classes and self.kind != "model":
+            raise ValueError(f"Component {self.name!r}: classes are checked for models, not a {self.kind}")
 
 
 def load_tokenizer(folder):
@@ -146,6 +153,25 @@ class DiffusionPipeline:
 
     def save_pretrained(self, folder, *, dtype=None) -> Path:
         return save_pipeline(self, folder, dtype=dtype)
+
+    @classmethod
+    def component_classes(cls, component: Component) -> tuple[str, ...]:
+        """The checkpoint classes (``model_index.json`` names) this pipeline runs as ``component``: its
+        :attr:`Component.classes`. A pipeline whose choice is its own (a ControlNet pipeline's nets) overrides this."""
+        return component.classes
+
+    @classmethod
+    def check_component_class(cls, component: Component, entry, where: str) -> None:
+        """Raise :class:`~eqxdiff.loading.CheckpointError` unless ``entry`` (``component``'s ``[library, class]`` in
+        the ``model_index.json`` of ``where``) names a class this pipeline runs there (:meth:`component_classes`)."""
+        accepted = cls.component_classes(component)
+        found = entry[1] if isinstance(entry, (list, tuple)) and len(entry) == 2 else entry
+        if component.kind != "model" or not accepted or found in accepted:
+            return
+        raise CheckpointError(
+            f"model_index.json in {where} gives component {component.name!r} the class {found!r}, but a "
+            f"{cls.__name__} runs {' or '.join(accepted)} as its {component.name}; use a folder made for this "
+            f"pipeline, or replace its {component.name}/ with a {accepted[0]} (eqxdiff.load it to check)")
 
     @classmethod
     def load_component(cls, folder: Path, component: Component, entry, **load_kwargs):
@@ -416,6 +442,9 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     if missing:
         raise CheckpointError(f"model_index.json in {os.fspath(folder)!r} lacks component(s) {missing} that a "
                               f"{name} needs")
+    for c in cls.COMPONENTS:
+        if _index_entry(index, c.name) is not None:
+            cls.check_component_class(c, index[c.name], repr(os.fspath(folder)))
     if mesh is not None and sharding is None:
         sharding = sharding_fn(mesh, rules or DEFAULT_RULES)
     components, extras = {}, {}

@@ -238,6 +238,12 @@ class _ControlNetPipeline:
         return c.nets if isinstance(c, self.MULTI_CLASS) else (c,)
 
     @classmethod
+    def component_classes(cls, component: Component) -> tuple[str, ...]:
+        if component.name == CONTROLNET.name:
+            return cls.NET_CLASS.__name__, cls.MULTI_CLASS.__name__
+        return super().component_classes(component)
+
+    @classmethod
     def load_component(cls, folder: Path, component: Component, entry, **load_kwargs):
         if component.name != CONTROLNET.name or entry[1] != cls.MULTI_CLASS.__name__:
             return super().load_component(folder, component, entry, **load_kwargs)

@@ -219,12 +219,12 @@ class FluxPipeline(LatentPipeline):
     CLASS_NAME: ClassVar[str] = "FluxPipeline"
     COMPONENTS: ClassVar[tuple[Component, ...]] = (
         Component("scheduler", "diffusers", "scheduler"),
-        Component("vae", "diffusers", scan=False),
-        Component("text_encoder", "transformers", encoder=True),
+        Component("vae", "diffusers", classes=("AutoencoderKL",), scan=False),
+        Component("text_encoder", "transformers", classes=("CLIPTextModel",), encoder=True),
         Component("tokenizer", "transformers", "tokenizer"),
-        Component("text_encoder_2", "transformers", encoder=True),
+        Component("text_encoder_2", "transformers", classes=("T5EncoderModel",), encoder=True),
         Component("tokenizer_2", "transformers", "tokenizer"),
-        Component("transformer", "diffusers"),
+        Component("transformer", "diffusers", classes=("FluxTransformer2DModel",)),
     )
     INDEX_EXTRAS: ClassVar = {"image_encoder": [None, None], "feature_extractor": [None, None]}
     # Kontext scales the requested size to max_area itself: any height/width is accepted there.
@@ -596,6 +596,7 @@ class FluxPipeline(LatentPipeline):
                     raise CheckpointError(f"config={os.fspath(folder)!r} has no scheduler/scheduler_config.json")
                 components[c.name], _ = build_scheduler(raw, scheduler, scheduler_options)
             else:
+                target.check_component_class(c, entry, repr(os.fspath(folder)))
                 try:
                     components[c.name] = target.load_component(folder, c, entry, dtype=weights_dtype,
                                                                sharding=None if offload else sharding,

@@ -90,9 +90,9 @@ class StableDiffusionPipeline(UNetPipeline):
     CLASS_NAME: ClassVar[str] = "StableDiffusionPipeline"
     COMPONENTS: ClassVar[tuple[Component, ...]] = (
         Component("tokenizer", "transformers", "tokenizer"),
-        Component("text_encoder", "transformers", encoder=True),
-        Component("unet", "diffusers"),
-        Component("vae", "diffusers", scan=False),
+        Component("text_encoder", "transformers", classes=("CLIPTextModel",), encoder=True),
+        Component("unet", "diffusers", classes=("UNet2DConditionModel",)),
+        Component("vae", "diffusers", classes=("AutoencoderKL",), scan=False),
         Component("scheduler", "diffusers", "scheduler"),
     )
     INDEX_EXTRAS: ClassVar = {"feature_extractor": [None, None], "safety_checker": [None, None],

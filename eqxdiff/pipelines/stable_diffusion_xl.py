@@ -63,10 +63,10 @@ class StableDiffusionXLPipeline(UNetPipeline):
     COMPONENTS: ClassVar[tuple[Component, ...]] = (
         Component("tokenizer", "transformers", "tokenizer", optional=True),
         Component("tokenizer_2", "transformers", "tokenizer"),
-        Component("text_encoder", "transformers", optional=True, encoder=True),
-        Component("text_encoder_2", "transformers", encoder=True),
-        Component("unet", "diffusers"),
-        Component("vae", "diffusers", scan=False),
+        Component("text_encoder", "transformers", classes=("CLIPTextModel",), optional=True, encoder=True),
+        Component("text_encoder_2", "transformers", classes=("CLIPTextModelWithProjection",), encoder=True),
+        Component("unet", "diffusers", classes=("UNet2DConditionModel",)),
+        Component("vae", "diffusers", classes=("AutoencoderKL",), scan=False),
         Component("scheduler", "diffusers", "scheduler"),
     )
     INDEX_EXTRAS: ClassVar = {"image_encoder": [None, None], "feature_extractor": [None, None]}
