@@ -86,7 +86,15 @@ def test_pipeline_options_and_errors(tmp_path):
     pipe = eqxdiff.load_pipeline(tmp_path, scheduler="euler")
     assert type(pipe.scheduler).__name__.lower().startswith("euler")
     a = pipe("a cat", num_images_per_prompt=3, num_inference_steps=2, seed=1, height=32, width=48, progress=False)
+    first = dict(pipe.timings)
     b = pipe("a cat", num_images_per_prompt=3, num_inference_steps=2, seed=1, height=32, width=48, progress=False)
+    # each stage's wall time and the compile time within it; the second call reuses every compiled program
+    stages = ("call", "encode", "prepare", "denoise", "decode")
+    assert set(first) == set(pipe.timings) == {*stages, *(f"{s}_compile" for s in stages)}
+    assert all(0 <= first[f"{s}_compile"] <= first[s] for s in stages)
+    assert first["denoise_compile"] > 0 and first["call_compile"] >= first["denoise_compile"]
+    assert pipe.timings["call_compile"] == pipe.timings["denoise_compile"] == 0.0
+    assert pipe.timings["call"] >= pipe.timings["denoise"] + pipe.timings["decode"]
     assert a.shape == (3, 32, 48, 3)
     np.testing.assert_array_equal(a, b)  # a seed reproduces
     assert not np.array_equal(a[0], a[1])  # images per prompt differ

@@ -8,6 +8,7 @@ finds the class through the family table (:data:`eqxdiff.core.FAMILY_TABLE`).
 """
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -39,6 +40,37 @@ from ._single_file import read_single_file
 
 COMPONENT_KINDS = ("model", "tokenizer", "scheduler")
 LIBRARIES = ("diffusers", "transformers")
+COMPILE_SUFFIX = "_compile"  # timings[stage + COMPILE_SUFFIX]: the compile seconds within timings[stage]
+
+
+class _CompileClock:
+    """Seconds JAX has spent compiling in this process: its ``/jax/core/compile/`` duration events (tracing to a
+    jaxpr, lowering to MLIR, XLA's compile), summed by one listener, registered on first use."""
+
+    seconds = 0.0
+    _registered = False
+
+    @classmethod
+    def now(cls) -> float:
+        if not cls._registered:
+            jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+            cls._registered = True
+        return cls.seconds
+
+    @classmethod
+    def _on_event(cls, name: str, duration: float, **_) -> None:
+        if name.startswith("/jax/core/compile/"):
+            cls.seconds += duration
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling JAX programs (tracing, lowering and XLA's compile) since the first
+    reading; the difference of two readings is the compile time between them (what :meth:`DiffusionPipeline.timed`
+    records)."""
+    return _CompileClock.now()
+
+
+_IN_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("eqxdiff_pipeline_call", default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +120,10 @@ class DiffusionPipeline:
     parameters placed by ``rules`` (default :data:`eqxdiff.parallel.DEFAULT_RULES`), activations constrained at
     block boundaries, the batch split over data+fsdp. ``offload_encoders`` keeps the encoders' weights in host
     memory and puts them on the devices only while they encode (:meth:`encoder`), so they are gone before the loop.
+
+    :attr:`timings` holds the last call's seconds: ``"call"`` (the whole call) and each stage a family times
+    (``"encode"``, ``"prepare"``, ``"denoise"``, ``"decode"`` ...), wall time with compiling included, and beside each
+    the compile seconds within it (``"call_compile"``, ``"denoise_compile"`` ...); run time is their difference.
     """
 
     CLASS_NAME: ClassVar[str]
@@ -271,23 +307,26 @@ class DiffusionPipeline:
 
     @contextlib.contextmanager
     def timed(self, stage: str):
-        """Record the wall time of a stage (``encode``, ``denoise``, ``decode`` ...) in :attr:`timings`."""
-        t0 = time.perf_counter()
+        """Record a stage's (``encode``, ``denoise``, ``decode`` ...) wall time in :attr:`timings` under its name, and
+        the seconds spent compiling JAX programs meanwhile under ``stage + "_compile"`` (:func:`compile_seconds`)."""
+        compiled, t0 = compile_seconds(), time.perf_counter()
         try:
             yield
         finally:
             self.timings[stage] = time.perf_counter() - t0
+            self.timings[stage + COMPILE_SUFFIX] = compile_seconds() - compiled
 
 
 def _checking_arguments(call):
     """``call`` (a family's ``__call__``) checking its arguments first (:meth:`DiffusionPipeline.check_arguments`
-    with the pipeline's :meth:`~DiffusionPipeline.call_limits`); its signature and docstring stay ``call``'s."""
+    with the pipeline's :meth:`~DiffusionPipeline.call_limits`) and timed: the outermost call starts
+    :attr:`~DiffusionPipeline.timings` afresh and records itself as ``"call"``; a call made inside it (a ControlNet
+    pipeline's passing its arguments on) adds its stages. Its signature and docstring stay ``call``'s."""
     signature = inspect.signature(call)
     params = list(signature.parameters.values())
     var_keyword = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
 
-    @functools.wraps(call)
-    def checked(self, *args, **kwargs):
+    def checked_call(self, args, kwargs):
         try:
             bound = signature.bind(self, *args, **kwargs)
         except TypeError as e:
@@ -298,6 +337,18 @@ def _checking_arguments(call):
         self.check_arguments(arguments, self.call_limits())
         self.check_call(arguments)
         return call(self, *args, **kwargs)
+
+    @functools.wraps(call)
+    def checked(self, *args, **kwargs):
+        if _IN_CALL.get():
+            return checked_call(self, args, kwargs)
+        token = _IN_CALL.set(True)
+        self.timings.clear()  # in place: a call's shallow copies of the pipeline share the dict
+        try:
+            with self.timed("call"):
+                return checked_call(self, args, kwargs)
+        finally:
+            _IN_CALL.reset(token)
 
     checked.__checks_arguments__ = True
     return checked
