@@ -1,14 +1,16 @@
 """SDXL end to end against diffusers (every pixel within 2/255 from the same initial noise): text-to-image on two
-UNet configs (with and without ``force_zeros_for_empty_prompt``), image-to-image, the refiner (aesthetic score, no
-first text encoder), the base -> refiner hand-off, few-step distilled runs (SDXL-Lightning's trailing Euler at
-guidance 0 with a UNet read from a lone .safetensors file, and its one-step x0 variant; LCM and TCD), and the
-errors a user can make.
+UNet configs (with and without ``force_zeros_for_empty_prompt``; negative prompts for each encoder),
+image-to-image, the refiner (aesthetic score, no first text encoder), the base -> refiner hand-off, few-step
+distilled runs (SDXL-Lightning's trailing Euler at guidance 0 with a UNet read from a lone .safetensors file, and its
+one-step x0 variant; Hyper-SD's LCM at ``timesteps=[800]``, trailing DDIM and one-step TCD at guidance 0; LCM and
+TCD with a guidance-embedding UNet), and the errors a user can make.
 
 One tiny pipeline folder per role, built once for the module; tests share compiled programs (same shapes, guidance
 and scheduler), so most of the time is the first compile of each program.
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -140,7 +142,8 @@ def test_time_ids_follow_diffusers(base, refiner):
 
 def test_second_unet_config_encodes_the_empty_negative_prompt(tmp_path, latents):
     """UNet B (three levels, attention in the first two, other heads and time-id width) in a folder with
-    force_zeros_for_empty_prompt=false: the negative is the encoded empty prompt. clip_skip and guidance_rescale."""
+    force_zeros_for_empty_prompt=false: the negative is the encoded empty prompt. clip_skip and guidance_rescale;
+    then negative_prompt and a different negative_prompt_2."""
     ref = tiny.build_base(tmp_path, unet_config=tiny.UNET_B, force_zeros_for_empty_prompt=False, seed=5)
     pipe = eqxdiff.load_pipeline(tmp_path)
     assert pipe.force_zeros_for_empty_prompt is False
@@ -148,6 +151,13 @@ def test_second_unet_config_encodes_the_empty_negative_prompt(tmp_path, latents)
     expected = _run(ref, prompt=PROMPTS, latents=nhwc_to_nchw(latents), **kwargs)
     ours = pipe(PROMPTS, latents=latents, progress=False, **kwargs)
     assert _pixels_off(ours, expected) <= 2
+    # negative prompts for each encoder (the same compiled loop): negative_prompt_2 goes to the second encoder
+    negatives = dict(negative_prompt=["blurry", "dark room"], negative_prompt_2=["grainy photo", "fog"])
+    expected = _run(ref, prompt=PROMPTS, latents=nhwc_to_nchw(latents), **negatives, **kwargs)
+    ours_negatives = pipe(PROMPTS, latents=latents, progress=False, **negatives, **kwargs)
+    assert _pixels_off(ours_negatives, expected) <= 2
+    first_only = pipe(PROMPTS, latents=latents, progress=False, negative_prompt=negatives["negative_prompt"], **kwargs)
+    assert _pixels_off(ours_negatives, first_only / 255) > 2
     # the folder's option round-trips through save_pipeline, and diffusers reads it back
     save_pipeline(pipe, tmp_path / "again")
     index = json.loads((tmp_path / "again" / "model_index.json").read_text())
@@ -206,15 +216,18 @@ def test_refiner_and_hand_off_match_diffusers(base, refiner, monkeypatch):
 
 def test_lightning_unet_from_a_lone_file_with_trailing_euler(base, tmp_path, latents):
     """SDXL-Lightning as its users run it: a UNet state dict in one .safetensors file (diffusers' names, no
-    config) loaded into the base's UNet config, Euler with trailing timesteps, guidance 0."""
-    from diffusers import EulerDiscreteScheduler
+    config) loaded into the base's UNet config, Euler with trailing timesteps, guidance 0; its one-step x0 UNet.
+    Then Hyper-SD's recipes on such a UNet at guidance 0: the 1-step UNet with LCM at timesteps=[800], N steps of
+    DDIM with trailing timesteps, and the 1-step TCD recipe (eta=1)."""
+    from diffusers import DDIMScheduler, EulerDiscreteScheduler, LCMScheduler, TCDScheduler
     from safetensors.torch import save_file
 
     folder, ref, pipe = base
     lightning = tiny.unet(tiny.UNET_A, seed=40)
     save_file(lightning.state_dict(), tmp_path / "lightning_4step_unet.safetensors")
     unet = eqxdiff.load(tmp_path / "lightning_4step_unet.safetensors", config=folder, subfolder="unet")
-    fast = StableDiffusionXLPipeline.from_pipe(pipe, unet=unet).with_scheduler("euler", timestep_spacing="trailing")
+    distilled = StableDiffusionXLPipeline.from_pipe(pipe, unet=unet)
+    fast = distilled.with_scheduler("euler", timestep_spacing="trailing")
     scheduler = EulerDiscreteScheduler.from_config(ref.scheduler.config, timestep_spacing="trailing")
     ref_fast = type(ref)(**{**ref.components, "unet": lightning, "scheduler": scheduler})
     kwargs = dict(num_inference_steps=4, guidance_scale=0.0, height=32, width=32)
@@ -230,6 +243,19 @@ def test_lightning_unet_from_a_lone_file_with_trailing_euler(base, tmp_path, lat
     kwargs["num_inference_steps"] = 1
     expected = _run(ref_x0, prompt=PROMPTS, latents=nhwc_to_nchw(latents), **kwargs)
     assert _pixels_off(x0(PROMPTS, latents=latents, progress=False, **kwargs), expected) <= 2
+
+    # Hyper-SD (the lone file's UNet standing in for its UNet or fused LoRA), each scheduler from the base's: the
+    # 1-step UNet with LCM from t = 800, N steps of trailing DDIM, the 1-step TCD recipe (the consistency
+    # schedulers add no noise after their last step: nothing is drawn)
+    for name, cls, options, recipe in (
+            ("lcm", LCMScheduler, {}, dict(num_inference_steps=1, timesteps=[800])),
+            ("ddim", DDIMScheduler, dict(timestep_spacing="trailing"), dict(num_inference_steps=4)),
+            ("tcd", TCDScheduler, {}, dict(num_inference_steps=1, eta=1.0))):
+        hyper = distilled.with_scheduler(name, **options)
+        ref_hyper = type(ref)(**{**ref_fast.components, "scheduler": cls.from_config(ref.scheduler.config, **options)})
+        common = dict(guidance_scale=0.0, height=32, width=32, **recipe)
+        expected = _run(ref_hyper, prompt=PROMPTS, latents=nhwc_to_nchw(latents), **common)
+        assert _pixels_off(hyper(PROMPTS, latents=latents, progress=False, **common), expected) <= 2, name
 
 
 def test_consistency_schedulers_with_a_guidance_embedding_unet(base, tmp_path, latents, monkeypatch):
@@ -267,7 +293,8 @@ def test_errors_name_the_fix(base, refiner, tmp_path):
         pipe(prompt_embeds=np.zeros((1, 16, 80), np.float32))
     with pytest.raises(ValueError, match=r"latents must have shape \(1, 16, 16, 4\)"):
         pipe("a cat", latents=np.zeros((1, 4, 16, 16), np.float32), height=32, width=32)
-    with pytest.raises(ValueError, match="height=30 must be a multiple of 2|height=31 must be a multiple of 2"):
+    with pytest.raises(ValueError, match=re.escape("height=31 must be a multiple of 2 (the VAE downsamples by 2); "
+                                                   "try height=30")):
         pipe("a cat", height=31, width=32)
     with pytest.raises(ValueError, match="denoising_start needs image="):
         pipe("a cat", denoising_start=0.5)
