@@ -40,11 +40,20 @@ def test_text_to_image_matches_diffusers(tmp_path, scheduler, prediction, sd2, k
     pipe = eqxdiff.load_pipeline(tmp_path)
     latents = np.random.default_rng(0).standard_normal((2, 16, 16, 4)).astype(np.float32)
     expected = _reference_images(ref, latents, **kwargs)
-    ours = pipe(PROMPTS, kwargs.pop("negative_prompt", None), latents=latents, height=32, width=32,
-                progress=False, **kwargs)
+    negative_prompt = kwargs.pop("negative_prompt", None)
+    ours = pipe(PROMPTS, negative_prompt, latents=latents, height=32, width=32, progress=False, **kwargs)
     assert ours.dtype == np.uint8 and ours.shape == (2, 32, 32, 3)
     assert _max_pixel_diff(ours, expected) <= 2
     assert np.std(ours) > 1  # a real image, not a constant
+
+    # diffusers' own text embeddings (and its negative ones under guidance) given instead of the prompts: the same
+    # images from the same compiled loop
+    with torch.no_grad():
+        embeds, negative = ref.encode_prompt(PROMPTS, "cpu", 1, kwargs["guidance_scale"] > 1, negative_prompt)
+    assert (negative is None) == (kwargs["guidance_scale"] <= 1)
+    given = pipe(prompt_embeds=embeds.numpy(), negative_prompt_embeds=None if negative is None else negative.numpy(),
+                 latents=latents, height=32, width=32, progress=False, **kwargs)
+    assert _max_pixel_diff(given, expected) <= 2
 
 
 def test_image_to_image_matches_diffusers(tmp_path, monkeypatch):
