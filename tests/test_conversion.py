@@ -2,8 +2,6 @@
 tensor, and models read from other formats (OpenCLIP's fused text tower, single-file prefixes, ComfyUI's T5) equal
 to the same model read from its transformers folder, and to transformers."""
 
-import importlib.util
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -318,8 +316,6 @@ T5_CONFIGS = {
 }
 
 
-@pytest.mark.skipif(importlib.util.find_spec("eqxdiff.models.t5") is None,
-                    reason="eqxdiff/models/t5.py (T5EncoderModel) is not written yet")
 @pytest.mark.parametrize("name,tied", [("relu", "shared.weight"), ("gated-gelu", "encoder.embed_tokens.weight")])
 def test_t5_encoder_from_a_comfyui_file(name, tied, tmp_path):
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """T5 and UMT5 encoders: the parity base (:mod:`tests._parity`: every hidden state, with and without a padding mask)
-at ReLU and gated-GELU T5 configs and a UMT5 one, against full-size layouts (t5-base, t5-v1_1-xxl, umt5-xxl); then
+at ReLU and gated-GELU configs of each, against full-size layouts (t5-base, t5-v1_1-xxl, umt5-xxl); then
 what the base does not check: scan_layers, gradients through the relative position bias (against PyTorch's), the
 tied embedding under either name, the buckets at their log-scale boundaries, config and input errors."""
 
@@ -24,7 +24,9 @@ from ._parity import ModelParity
 from ._util import assert_close, assert_close_to_float64, randomize_torch
 
 # The tiny T5 of the family notes (ReLU, 8 buckets up to 128), a gated-GELU one whose 12-token max distance the
-# 23-token inputs exceed, and a UMT5 (a table per block; 10 buckets up to 16).
+# 23-token inputs exceed, and two UMT5s (a table per block): gated-GELU with 10 buckets up to 16 (exceeded), and ReLU
+# with 16 buckets up to 40 (every distance log-spaced below the limit), heads narrower than the model
+# (3 x 6 = 18 < 24) and another layer-norm epsilon.
 CONFIGS = {
     "relu": dict(vocab_size=1103, d_model=32, d_kv=8, d_ff=37, num_layers=5, num_heads=4,
                  relative_attention_num_buckets=8, feed_forward_proj="relu"),
@@ -33,6 +35,9 @@ CONFIGS = {
                        feed_forward_proj="gated-gelu"),
     "umt5": dict(vocab_size=101, d_model=16, d_kv=4, d_ff=28, num_layers=3, num_heads=4,
                  relative_attention_num_buckets=10, relative_attention_max_distance=16, feed_forward_proj="gated-gelu"),
+    "umt5-relu": dict(vocab_size=89, d_model=24, d_kv=6, d_ff=36, num_layers=2, num_heads=3,
+                      relative_attention_num_buckets=16, relative_attention_max_distance=40, layer_norm_epsilon=1e-5,
+                      feed_forward_proj="relu"),
 }
 SEQ = 23
 
@@ -101,6 +106,10 @@ class TestT5GatedGelu(T5EncoderParity):
 
 class TestUMT5(UMT5EncoderParity):
     config = CONFIGS["umt5"]
+
+
+class TestUMT5Relu(UMT5EncoderParity):
+    config = CONFIGS["umt5-relu"]
 
 
 @pytest.mark.parametrize("parity", [TestT5GatedGelu, TestUMT5])
