@@ -128,6 +128,12 @@ _SD1_UNET = {"block_out_channels": [320, 640, 1280, 1280], "layers_per_block": 2
 _XL_VAE = {**_SD_VAE, "sample_size": 1024, "scaling_factor": 0.13025}
 _BIG_G = {"vocab_size": 49408, "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
           "num_attention_heads": 20, "max_position_embeddings": 77, "hidden_act": "gelu", "projection_dim": 1280}
+_SDXL_UNET = {"block_out_channels": [320, 640, 1280], "layers_per_block": 2, "cross_attention_dim": 2048,
+              "attention_head_dim": [5, 10, 20], "transformer_layers_per_block": [1, 2, 10],
+              "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+              "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+              "use_linear_projection": True, "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
+              "projection_class_embeddings_input_dim": 2816, "norm_num_groups": 32, "sample_size": 128}
 
 PUBLISHED = {  # family: {component: (checkpoint class, config.json)}
     "sd1": {"text_encoder": ("CLIPTextModel", _CLIP_L), "unet": ("UNet2DConditionModel", _SD1_UNET),
@@ -143,14 +149,12 @@ PUBLISHED = {  # family: {component: (checkpoint class, config.json)}
                                               "upcast_attention": True, "sample_size": 96}),
             "vae": ("AutoencoderKL", {**_SD_VAE, "sample_size": 768})},
     "sdxl": {"text_encoder": ("CLIPTextModel", _CLIP_L), "text_encoder_2": ("CLIPTextModelWithProjection", _BIG_G),
-             "unet": ("UNet2DConditionModel", {
-                 "block_out_channels": [320, 640, 1280], "layers_per_block": 2, "cross_attention_dim": 2048,
-                 "attention_head_dim": [5, 10, 20], "transformer_layers_per_block": [1, 2, 10],
-                 "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-                 "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-                 "use_linear_projection": True, "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
-                 "projection_class_embeddings_input_dim": 2816, "norm_num_groups": 32, "sample_size": 128}),
-             "vae": ("AutoencoderKL", _XL_VAE)},
+             "unet": ("UNet2DConditionModel", _SDXL_UNET), "vae": ("AutoencoderKL", _XL_VAE)},
+    # diffusers/stable-diffusion-xl-1.0-inpainting-0.1 (trained from the base): the base's configs, 9 UNet inputs
+    "sdxl_inpaint": {"text_encoder": ("CLIPTextModel", _CLIP_L),
+                     "text_encoder_2": ("CLIPTextModelWithProjection", _BIG_G),
+                     "unet": ("UNet2DConditionModel", {**_SDXL_UNET, "in_channels": 9}),
+                     "vae": ("AutoencoderKL", _XL_VAE)},
     "sdxl_refiner": {"text_encoder_2": ("CLIPTextModelWithProjection", _BIG_G),
                      "unet": ("UNet2DConditionModel", {
                          "block_out_channels": [384, 768, 1536, 1536], "layers_per_block": 2,

@@ -1,9 +1,9 @@
 """Single-file checkpoints (A1111 / ComfyUI / SGM ``.safetensors``) against diffusers' own single-file reader.
 
-For each family (SD 1.x epsilon, SD 2.x v-prediction with OpenCLIP, SDXL base, the SDXL refiner, SD inpainting with
-a 9-channel UNet) a tiny diffusers pipeline is saved to a folder, loaded with eqxdiff and written as one file in
-the LDM/SGM layout (``save_single_file``). Then: eqxdiff reads the file (``config=`` the folder's configs and
-tokenizers, no weights) into exactly the folder's weights and generates the same images; diffusers'
+For each family (SD 1.x epsilon, SD 2.x v-prediction with OpenCLIP, SDXL base, the SDXL refiner, SD and SDXL
+inpainting with a 9-channel UNet) a tiny diffusers pipeline is saved to a folder, loaded with eqxdiff and written as
+one file in the LDM/SGM layout (``save_single_file``). Then: eqxdiff reads the file (``config=`` the folder's
+configs and tokenizers, no weights) into exactly the folder's weights and generates the same images; diffusers'
 ``from_single_file`` reads the file back into the very weights the folder holds (so the layout is diffusers'), and
 its images are within 2/255 of ours; ``save_pipeline`` of the file's pipeline gives a folder diffusers loads. Also:
 configs inferred from the tensors (every value the tensors show; a pipeline built with its family's published
@@ -38,6 +38,7 @@ from eqxdiff.pipelines import (
     StableDiffusionInpaintPipeline,
     StableDiffusionPipeline,
     StableDiffusionXLImg2ImgPipeline,
+    StableDiffusionXLInpaintPipeline,
     StableDiffusionXLPipeline,
     save_pipeline,
     save_single_file,
@@ -199,6 +200,38 @@ def test_sd_inpainting_nine_channel_unet(tmp_path_factory, tmp_path, monkeypatch
                     reference)
 
 
+def test_sdxl_inpainting_nine_channel_unet(tmp_path_factory, tmp_path, monkeypatch):
+    """An SDXL inpainting file (the SDXL layout, conv_in with 9 input channels) loads as
+    StableDiffusionXLInpaintPipeline; at diffusers' default strength 0.9999 diffusers draws the image's and the
+    masked image's latents and the noise from our key."""
+    from diffusers import StableDiffusionXLInpaintPipeline as Reference
+    from diffusers.pipelines.stable_diffusion_xl import pipeline_stable_diffusion_xl_inpaint as module
+
+    case = make_case(tmp_path_factory.mktemp("xl_inpaint"), tiny.build_inpaint)
+    single = case.single
+    assert type(single) is StableDiffusionXLInpaintPipeline and single.unet.config.in_channels == 9
+    assert single.force_zeros_for_empty_prompt and not single.requires_aesthetics_score
+    rng = np.random.default_rng(6)
+    image = rng.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    mask = np.zeros((2, 32, 32), np.uint8)
+    mask[0, 4:20, 8:30] = 255
+    mask[1, 10:32, 0:14] = 255
+    draws = noise_draws(jax.random.key(2), XL_LATENTS)
+    common = dict(num_inference_steps=2, guidance_scale=5.0, original_size=(40, 40))
+
+    def reference(ref):
+        posterior = iter([draws.image, draws.masked_image])
+        monkeypatch.setattr(module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(draws.noise))
+        monkeypatch.setattr(module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
+                            out.latent_dist.mean + out.latent_dist.std * nhwc_to_nchw(next(posterior)))
+        return _images(ref, prompt=PROMPTS, image=torch.from_numpy(image).permute(0, 3, 1, 2).float() / 255,
+                       mask_image=torch.from_numpy(mask[:, None].astype(np.float32) / 255), **common)
+
+    _check_pipeline(case, Reference, tmp_path,
+                    lambda pipe: pipe(PROMPTS, image=image, mask_image=mask, seed=2, progress=False, **common),
+                    reference)
+
+
 def test_lightning_all_in_one_file_with_trailing_euler(sdxl, tmp_path):
     """ComfyUI's all-in-one SDXL-Lightning file: the SDXL layout with a distilled UNet. Loaded with the base's
     configs and its recipe's scheduler (Euler, trailing timesteps), run at guidance 0: equal to diffusers from the
@@ -298,16 +331,16 @@ def test_a_pipeline_with_published_values_loads_from_the_file_alone(published):
 # -- full-size layouts on the meta device --------------------------------------------------------------------------
 
 DIFFUSERS_TYPES = {"sd1": "v1", "sd1_inpaint": "inpainting", "sd2": "v2", "sdxl": "xl_base",
-                   "sdxl_refiner": "xl_refiner"}
+                   "sdxl_inpaint": "xl_inpaint", "sdxl_refiner": "xl_refiner"}
 TOKEN_IDS = {"bos_token_id", "eos_token_id", "pad_token_id"}  # the tokenizer's; CLIP's own are assumed
 
 
 @pytest.mark.parametrize("family", list(DIFFUSERS_TYPES))
 def test_full_size_layouts_are_the_ones_diffusers_reads(family):
-    """The published SD 1.5 / inpainting / 2.1 / SDXL base / refiner configs at full size, names and shapes only:
-    the file eqxdiff would write is the family diffusers detects, diffusers' own converters turn it into exactly its
-    models' names and shapes, and eqxdiff infers the published configs back from it (SD 2.x with its unused last
-    OpenCLIP block)."""
+    """The published SD 1.5 / inpainting / 2.1 / SDXL base / SDXL inpainting / refiner configs at full size, names
+    and shapes only: the file eqxdiff would write is the family diffusers detects, diffusers' own converters turn it
+    into exactly its models' names and shapes, and eqxdiff infers the published configs back from it (SD 2.x with
+    its unused last OpenCLIP block)."""
     from diffusers.loaders import single_file_utils as reader
 
     published = PUBLISHED[family]
