@@ -2,8 +2,9 @@
 configs (plain and guess-mode residuals) against full-size layouts, a variant's forward (bgr, pooled residuals,
 UNetMidBlock2D, a 1-channel control image downsampled 4x), from_unet, remat, config and input errors; then the
 pipelines against diffusers' (every pixel within 2/255 from the same initial latents): SD with one net (scale,
-start/end) and two (bgr, pooled, guess mode), SD image-to-image, SDXL with one net and two in guess mode; the
-multi-ControlNet folder layout, control-image preparation, the per-step scales and the errors.
+start/end) and two (bgr, pooled, guess mode), a pooled net forcing guess mode (alone, not as the second of two), SD
+image-to-image, SDXL with one net and two in guess mode; the multi-ControlNet folder layout, control-image
+preparation, the per-step scales and the errors.
 
 Pipeline folders are built once per module and share their compiled programs (the scales are a traced table: a
 new scale or window reuses the loop)."""
@@ -313,6 +314,26 @@ def test_sd_multicontrolnet_guess_mode_matches_diffusers(sd_multi, latents):
     expected = _reference(ref, images, latents, **kw)
     ours = pipe(PROMPTS, image=images, latents=latents, num_inference_steps=STEPS, progress=False, **kw)
     assert _pixels_off(ours, expected) <= 2
+
+
+def test_pooled_net_forces_guess_mode_as_diffusers(sd_multi, latents):
+    """guess_mode not passed, guidance on: a lone net with global_pool_conditions runs in guess mode (on the
+    positive half only), as diffusers forces it; two nets follow the first net's flag only (diffusers reads
+    ``nets[0]``), so the pair whose second net pools runs without guess mode."""
+    ref, _, multi = sd_multi
+    pooled, ref_pooled = multi.nets[1], ref.controlnet.nets[1]
+    assert pooled.config.global_pool_conditions and not multi.nets[0].config.global_pool_conditions
+    single = StableDiffusionControlNetPipeline.from_pipe(multi, controlnet=pooled)
+    ref_single = diffusers.StableDiffusionControlNetPipeline(**{**ref.components, "controlnet": ref_pooled})
+    ref_single.set_progress_bar_config(disable=True)
+    image = tiny.control_images(2, 32, seed=10)
+    kw = dict(guidance_scale=5.0, controlnet_conditioning_scale=0.9)
+    ours = single(PROMPTS, image=image, latents=latents, num_inference_steps=STEPS, progress=False, **kw)
+    assert _pixels_off(ours, _reference(ref_single, image, latents, **kw)) <= 2
+
+    images = [tiny.control_images(1, 32, seed=11), image]
+    ours = multi(PROMPTS, image=images, latents=latents, num_inference_steps=STEPS, progress=False, **kw)
+    assert _pixels_off(ours, _reference(ref, images, latents, **kw)) <= 2
 
 
 def test_sd_controlnet_img2img_matches_diffusers(sd, monkeypatch):
