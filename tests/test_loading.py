@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import sys
 import types
 
@@ -141,6 +142,35 @@ def test_errors_name_the_problem(tmp_path, monkeypatch):
         eqxdiff.load(_write_folder(tmp_path / "c", config={"_class_name": "TinyModel", "act_fn": "gelu"}))
     with pytest.raises(CheckpointError, match="is a file"):
         eqxdiff.load(_write_folder(tmp_path / "f") / "config.json")
+    wrong = _write_folder(tmp_path / "w", config={"_class_name": "TinyModel", "width": "4"})
+    with pytest.raises(ConfigError, match=rf"config.json in {re.escape(repr(str(wrong)))}: TinyConfig: config value "
+                                          r"width='4' has the wrong type; width must be int"):
+        eqxdiff.load(wrong)
+    with pytest.raises(ConfigError, match=r"with config_overrides \{'width': 2.5\}: .*width=2.5 has the wrong type"):
+        eqxdiff.load(_write_folder(tmp_path / "o"), config_overrides={"width": 2.5})
+
+
+@dataclasses.dataclass(frozen=True)
+class _ListConfig(ModelConfig):
+    widths: tuple[int, ...] = (4,)
+    size: int | tuple[int, int] | None = None
+
+
+def test_config_types_are_checked_entry_by_entry():
+    """Every entry of a list is checked (beartype alone checks one entry at random: a config.json list with one
+    wrong entry passed or failed by chance)."""
+    for _ in range(10):
+        with pytest.raises(ConfigError, match=r"widths=\(4, 4, 4, 4, 4, 4, 4, 4, '8'\) has the wrong type; widths must "
+                                              r"be tuple\[int, ...\]"):
+            _ListConfig.from_dict({"widths": [4] * 8 + ["8"]})
+        with pytest.raises(ConfigError, match=r"size=\(8, '8'\) has the wrong type"):
+            _ListConfig.from_dict({"size": [8, "8"]})
+    with pytest.raises(ConfigError, match=r"size=\(8, 8, 8\) has the wrong type"):
+        _ListConfig.from_dict({"size": [8, 8, 8]})
+    with pytest.raises(ConfigError, match=r"widths=\(4, 8.0\) has the wrong type"):
+        _ListConfig.from_dict({"widths": [4, 8.0]})
+    assert _ListConfig.from_dict({"widths": [4, 8], "size": [8, 16]}) == _ListConfig((4, 8), (8, 16))
+    assert _ListConfig.from_dict({"widths": [], "size": 8}).size == 8
 
 
 def test_hub_id_offline_gives_a_clear_error(monkeypatch, tmp_path):

@@ -9,6 +9,7 @@ against the values eqxdiff implements. Subclasses add their own checks after ``s
 
 import dataclasses
 import functools
+import types
 import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, Self
@@ -36,6 +37,21 @@ def _thaw(value):
 _TOWER = BeartypeConf(is_pep484_tower=True)  # an int is an acceptable float, as in JSON
 
 
+def _bearable(value, hint) -> bool:
+    """``value`` fits ``hint``, every entry of a tuple checked: beartype checks one random entry of a container, so a
+    list in config.json with one entry of the wrong type would pass or fail by chance."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_bearable(value, a) for a in args)
+    if origin is tuple and args:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_bearable(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_bearable(v, a) for v, a in zip(value, args))
+    return is_bearable(value, hint, conf=_TOWER)
+
+
 @functools.cache
 def _field_types(cls) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
@@ -58,7 +74,7 @@ class ModelConfig:
         for f, hint in _field_types(type(self)).items():
             value = _freeze(getattr(self, f))
             object.__setattr__(self, f, value)
-            if not is_bearable(value, hint, conf=_TOWER):
+            if not _bearable(value, hint):
                 raise ConfigError(f"{name}: config value {f}={value!r} has the wrong type; {f} must be "
                                   f"{_describe(hint)}")
         self._check_supported({k: getattr(self, k) for k in self.SUPPORTED_VALUES if k in _field_types(type(self))})

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import nn
-from ..core import ModelConfig, family_names, resolve_class
+from ..core import ConfigError, ModelConfig, family_names, resolve_class
 from ._convert import (
     Concat,
     Drop,
@@ -323,7 +323,11 @@ def _class_and_config(source: ModelConfig | Mapping, described: str, model_class
             raise CheckpointError(f"{cls.__name__} takes a {cls.config_class.__name__}, not a "
                                   f"{type(source).__name__}")
         return cls, (cls.config_class.from_dict({**source.to_dict(), **overrides}) if overrides else source)
-    return cls, cls.config_class.from_dict({**source, **overrides})
+    try:
+        return cls, cls.config_class.from_dict({**source, **overrides})
+    except ConfigError as e:  # a value of the wrong type, or one eqxdiff does not implement: name the file
+        raise ConfigError(f"{described}{f' with config_overrides {dict(overrides)}' if overrides else ''}: {e}"
+                          ) from None
 
 
 # The files a model folder's weights and config live in (any variant or shard of them): a save replaces these and
@@ -410,6 +414,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointFiles",
     "check_dtype",
+    "class_name_of",
     "key_map_rules",
     "load",
     "model_class",
