@@ -1,6 +1,8 @@
 """End to end: eqxdiff's Stable Diffusion pipeline against diffusers', pixel for pixel (<= 2/255)."""
 
 import json
+import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +11,10 @@ import pytest
 import torch
 
 import eqxdiff
-from eqxdiff.core import family_names, resolve_class
+from eqxdiff.cli import generate
+from eqxdiff.core import ConfigError, family_names, resolve_class
 from eqxdiff.pipelines import StableDiffusionPipeline, read_parameters, save_images, save_pipeline
+from eqxdiff.pipelines.flux import FluxPipeline
 from eqxdiff.pipelines import stable_diffusion as sd
 
 from ._tiny_sd import build_pipeline
@@ -151,6 +155,34 @@ def test_load_pipeline_errors(tmp_path):
         StableDiffusionPipeline.check_component_class(
             next(c for c in StableDiffusionPipeline.COMPONENTS if c.name == "unet"),
             ["diffusers", "FluxTransformer2DModel"], "a folder")
+
+
+@pytest.mark.parametrize("component,key,value", [("unet", "sample_size", "16"),
+                                                  ("vae", "block_out_channels", "16"),
+                                                  ("vae", "block_out_channels", [16, "32"])])
+def test_wrong_typed_config_values_name_the_file_and_the_key(tmp_path_factory, tmp_path, component, key, value):
+    """A config value of the wrong type in a copied tiny folder: eqxdiff-generate's checks before loading (the
+    pipelines' folder_limits, read through the config classes) and eqxdiff.load both raise ConfigError naming the
+    file and the key (the value reached _warn_if_large raw and crashed there with a TypeError)."""
+    tiny = tmp_path_factory.getbasetemp() / "tiny_sd_configs"
+    if not tiny.exists():
+        build_pipeline(tiny)
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny, folder)
+    path = folder / component / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+
+    def read(name):
+        return json.loads((folder / name).read_text()) if (folder / name).is_file() else None
+
+    bad = re.escape(f"{key}={tuple(value) if isinstance(value, list) else value!r} has the wrong type")
+    for cls in (StableDiffusionPipeline, FluxPipeline) if component == "vae" else (StableDiffusionPipeline,):
+        with pytest.raises(ConfigError, match=rf"^{component}/config.json: .*{bad}"):
+            cls.folder_limits(read)
+    with pytest.raises(ConfigError, match=rf"{component}/config.json: .*{bad}"):
+        generate.validate(["--model", str(folder), "--prompt", "a cat", "--height", "32", "--width", "32"])
+    with pytest.raises(ConfigError, match=rf"config.json in {re.escape(repr(str(folder / component)))}: .*{bad}"):
+        eqxdiff.load(folder, component)
 
 
 def test_every_pipeline_names_the_classes_of_its_models():

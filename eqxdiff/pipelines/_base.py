@@ -22,11 +22,13 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from ..core import DEFAULT_RULES, ConfigError, Plan, family_names, resolve_class
+from ..core import DEFAULT_RULES, ConfigError, ModelConfig, Plan, family_names, resolve_class
 from ..loading import (
     CheckpointError,
     check_dtype,
+    class_name_of,
     load,
+    model_class,
     read_config,
     replacing_folder,
     resolve_folder,
@@ -261,8 +263,32 @@ class DiffusionPipeline:
     @classmethod
     def folder_limits(cls, read_json: Callable[[str], Mapping | None]) -> CallLimits:
         """:meth:`call_limits` from the configs of a pipeline folder, before loading it: ``read_json(path)`` reads
-        ``path`` (``"vae/config.json"``) relative to the folder, ``None`` if it is missing."""
+        ``path`` (``"vae/config.json"``) relative to the folder, ``None`` if it is missing. Read the configs with
+        :meth:`folder_config`, which checks them as loading would."""
         return CallLimits()
+
+    @classmethod
+    def folder_config(cls, read_json: Callable[[str], Mapping | None], name: str) -> ModelConfig | None:
+        """Component ``name``'s ``config.json`` (``read_json`` as for :meth:`folder_limits`) read into its config
+        class, as :func:`eqxdiff.load` reads it: every value type-checked, a bad one raising
+        :class:`~eqxdiff.core.ConfigError` that names the file and the key. The class is the one the config names
+        (``_class_name`` / ``architectures``), else the component's first of :meth:`component_classes`; ``None``
+        without a config or a class eqxdiff serves (loading says why)."""
+        path = f"{name}/config.json"
+        raw = read_json(path)
+        if raw is None:
+            return None
+        component = next((c for c in cls.COMPONENTS if c.name == name), None)
+        accepted = cls.component_classes(component) if component is not None else ()
+        named = raw.get("_class_name") or (raw.get("architectures") or [None])[0]
+        try:
+            model = model_class(class_name_of(raw, path) if named or not accepted else accepted[0])
+        except CheckpointError:
+            return None
+        try:
+            return model.config_class.from_dict(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
     @property
     def options(self) -> dict[str, Any]:

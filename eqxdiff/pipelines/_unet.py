@@ -35,7 +35,7 @@ from ._inpaint import (
     prepare_mask,
     with_mask_channels,
 )
-from ._latents import LatentPipeline, encode_image_latents
+from ._latents import LatentPipeline, encode_image_latents, vae_factor
 
 LATENTS_LAYOUT = "[n, height/f, width/f, channels] (channels-last; f = the VAE's downsampling)"
 
@@ -133,12 +133,12 @@ class UNetPipeline(LatentPipeline):
 
     @classmethod
     def folder_limits(cls, read_json) -> CallLimits:
-        vae, unet = read_json("vae/config.json"), read_json("unet/config.json")
+        vae, unet = cls.folder_config(read_json, "vae"), cls.folder_config(read_json, "unet")
         if vae is None or unet is None:
             return CallLimits()
-        layers = [(read_json(f"{c.name}/config.json") or {}).get("num_hidden_layers") for c in cls.COMPONENTS
+        layers = [getattr(cls.folder_config(read_json, c.name), "num_hidden_layers", None) for c in cls.COMPONENTS
                   if c.encoder]
-        return cls._limits(2 ** (len(vae.get("block_out_channels", (0,) * 4)) - 1), unet.get("sample_size"), layers)
+        return cls._limits(vae_factor(vae), unet.sample_size, layers)
 
     def check_call(self, arguments) -> None:
         """The schedule a call asks for exists (the steps, ``strength``, a hand-off's fractions, a custom
