@@ -262,6 +262,23 @@ def test_lone_file_errors_say_what_to_pass(tmp_path):
                      conversion=[eqxdiff.loading.Rename("proj.weight", "proj.w")])
 
 
+@pytest.mark.parametrize("suffix", [".ckpt", ".PT", ".pth", ".bin"])
+def test_a_pickle_file_says_what_it_is_and_how_to_convert_it(tmp_path, suffix):
+    """eqxdiff.load of a PyTorch pickle says so and how to convert it: the message load_pipeline and
+    eqxdiff-generate give (one message), whatever else the call passes; the file is never unpickled."""
+    pickle = tmp_path / f"model{suffix}"
+    torch.save(_torch_weights(), pickle)
+    expected = (rf"{re.escape(repr(str(pickle)))} is a PyTorch pickle; eqxdiff reads only \.safetensors files .*"
+                r"from_single_file\('model" + re.escape(suffix) + r"'\).*safetensors\.torch\.save_file")
+    messages = []
+    for call in (lambda: eqxdiff.load(pickle), lambda: eqxdiff.load(pickle, model_class="TinyModel", config={}),
+                 lambda: eqxdiff.load(pickle, "unet"), lambda: eqxdiff.load_pipeline(pickle)):
+        with pytest.raises(CheckpointError, match=expected) as e:
+            call()
+        messages.append(str(e.value))
+    assert len(set(messages)) == 1
+
+
 def _cut(path, keep_bytes):
     data = path.read_bytes()
     path.write_bytes(data[:keep_bytes])

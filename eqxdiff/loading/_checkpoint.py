@@ -24,7 +24,7 @@ from ._convert import (
     convert_tensors,
     inverse,
 )
-from ._errors import CheckpointError
+from ._errors import PICKLE_SUFFIXES, CheckpointError, pickle_error
 from ._fill import fill_module, state_dict
 from ._safetensors import SafetensorsFile, write_safetensors
 
@@ -74,6 +74,8 @@ def resolve_folder(path_or_hub_id: str | os.PathLike, subfolder: str | None = No
     if local.is_dir():
         folder = local
     elif local.exists():
+        if local.suffix.lower() in PICKLE_SUFFIXES:
+            raise pickle_error(local)
         raise CheckpointError(f"{p!r} is a file; pass the model's folder (the one holding config.json)")
     elif p in PACKAGED_MODELS:
         folder = PACKAGED_MODELS[p]
@@ -253,6 +255,8 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
     dt = check_dtype(dtype) or jnp.dtype(jnp.float32)
     lone = Path(os.fspath(path_or_hub_id)).expanduser()
     if lone.is_file():
+        if lone.suffix.lower() in PICKLE_SUFFIXES:
+            raise pickle_error(lone)
         if config is None:
             raise CheckpointError(
                 f"{os.fspath(path_or_hub_id)!r} is a file; pass the model's folder (the one holding config.json), "

@@ -35,6 +35,7 @@ from ..models.clip import CLIPTextConfig
 from ..models.unet2d import UNet2DConditionConfig
 from ..models.vae import AutoencoderKLConfig
 from ._convert import Dim, Drop, Rename, Reshape, Rule, convert, convert_tensors, inverse
+from ._errors import PICKLE_SUFFIXES as PICKLE_SUFFIXES
 from ._errors import CheckpointError
 from ._fill import state_dict
 from .formats import SD1_CLIP, SD2_OPENCLIP, SDXL_CLIP, SDXL_OPENCLIP, openclip_text, select
@@ -48,8 +49,6 @@ KNOWN_PREFIXES: Mapping[str, str] = {
     SDXL_CLIP: "SDXL CLIP text encoder", SDXL_OPENCLIP: "SDXL OpenCLIP text encoder",
     SDXL_REFINER_OPENCLIP: "SDXL refiner OpenCLIP text encoder",
 }
-
-PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 
 
 # -- families ---------------------------------------------------------------------------------------------------------

@@ -16,7 +16,16 @@ import jax
 from huggingface_hub import snapshot_download
 
 from ..core import SINGLE_FILE_PIPELINES, ConfigError, ModelConfig, resolve_class
-from ..loading import CheckpointError, SafetensorsFile, check_dtype, load, model_class, read_json, write_safetensors
+from ..loading import (
+    CheckpointError,
+    SafetensorsFile,
+    check_dtype,
+    load,
+    model_class,
+    pickle_error,
+    read_json,
+    write_safetensors,
+)
 from ..loading import single_file as layouts
 from ..schedulers import scheduler_from_config
 
@@ -170,13 +179,7 @@ def _family_layout(view):
 
 def _check_suffix(path: Path) -> None:
     if path.suffix.lower() in layouts.PICKLE_SUFFIXES:
-        raise CheckpointError(
-            f"{os.fspath(path)!r} is a PyTorch pickle; eqxdiff reads only .safetensors files (a pickle can run code "
-            "when loaded). Convert it once where you trust it, with diffusers: "
-            f"`StableDiffusionPipeline.from_single_file({path.name!r}).save_pretrained('folder')` (eqxdiff loads the "
-            "folder), or with safetensors: `sd = torch.load(path, map_location='cpu', weights_only=True); "
-            "sd = sd.get('state_dict', sd); safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items() "
-            "if torch.is_tensor(v)}, 'model.safetensors')`")
+        raise pickle_error(path)
     if path.suffix.lower() != ".safetensors":
         raise CheckpointError(f"{os.fspath(path)!r} is a file; pass the model's folder (the one holding "
                               "model_index.json), a Hub id, or a single-file .safetensors checkpoint")
