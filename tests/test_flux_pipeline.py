@@ -20,6 +20,7 @@ from diffusers.pipelines.flux import pipeline_flux_img2img, pipeline_flux_kontex
 
 import eqxdiff
 from eqxdiff.cli import generate
+from eqxdiff.core import ConfigError
 from eqxdiff.loading import CheckpointError, formats, state_dict, write_safetensors
 from eqxdiff.loading import single_file as layouts
 from eqxdiff.parallel import MeshConfig, make_mesh
@@ -256,6 +257,34 @@ def test_bfl_and_all_in_one_files_equal_the_folder(dev, bfl_file, tmp_path):
     with pytest.raises(CheckpointError, match="heads of 16 channels.*or pass config= a Flux folder holding "
                                               "transformer/config.json"):
         eqxdiff.load_pipeline(bfl, config=no_transformer)
+
+
+def test_fused_projections_from_a_folder_and_a_bfl_file(dev, bfl_file):
+    """config_overrides asks the transformer for fused projections from load_pipeline (a folder, and a BFL file with
+    config=): its fused weights are diffusers' tensors concatenated, and its images are the unfused pipeline's (one
+    more compiled loop; the file's pipeline reuses it and gives the folder's images exactly)."""
+    kwargs = dict(guidance_scale=4.0, **dev.size, **COMMON)
+    fused_transformer = {"transformer": {"fused_projections": True}}
+    fused = eqxdiff.load_pipeline(dev.folder, config_overrides=fused_transformer)
+    assert fused.transformer.config.fused_projections and not dev.pipe.transformer.config.fused_projections
+    assert state_dict(fused.transformer).keys() != state_dict(dev.pipe.transformer).keys()
+    images = fused(PROMPTS, latents=dev.noise, progress=False, **kwargs)
+    expected = dev.pipe(PROMPTS, latents=dev.noise, progress=False, **kwargs)
+    assert np.max(np.abs(images.astype(int) - expected.astype(int))) <= 1  # float32 rounding of larger matmuls only
+    from_file = eqxdiff.load_pipeline(bfl_file, config=dev.folder, config_overrides=fused_transformer)
+    for key, value in state_dict(fused.transformer).items():
+        np.testing.assert_array_equal(state_dict(from_file.transformer)[key], value, err_msg=key)
+    np.testing.assert_array_equal(from_file(PROMPTS, latents=dev.noise, progress=False, **kwargs), images)
+
+    with pytest.raises(ConfigError, match=r"config_overrides=\{'fused_projections': True\} must map model components "
+                                          r"to the config keys .*'transformer'"):
+        eqxdiff.load_pipeline(dev.folder, config_overrides={"fused_projections": True})
+    with pytest.raises(ConfigError, match=r"config_overrides names \['unet'\], not models of a FluxPipeline: its "
+                                          r"models are \['vae', 'text_encoder', 'text_encoder_2', 'transformer'\]"):
+        eqxdiff.load_pipeline(bfl_file, config=dev.folder, config_overrides={"unet": {"sample_size": 8}})
+    with pytest.raises(ConfigError, match=r"config_overrides \['fused_projection'\] are not settings of a "
+                                          r"FluxTransformer2DConfig .*'fused_projections'"):
+        eqxdiff.load_pipeline(dev.folder, config_overrides={"transformer": {"fused_projection": True}})
 
 
 def test_saved_folders_load_in_diffusers(dev, tmp_path):

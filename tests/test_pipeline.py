@@ -13,7 +13,13 @@ import torch
 import eqxdiff
 from eqxdiff.cli import generate
 from eqxdiff.core import ConfigError, family_names, resolve_class
-from eqxdiff.pipelines import StableDiffusionPipeline, read_parameters, save_images, save_pipeline
+from eqxdiff.pipelines import (
+    StableDiffusionPipeline,
+    read_parameters,
+    save_images,
+    save_pipeline,
+    save_single_file,
+)
 from eqxdiff.pipelines.flux import FluxPipeline
 from eqxdiff.pipelines import stable_diffusion as sd
 
@@ -183,6 +189,25 @@ def test_wrong_typed_config_values_name_the_file_and_the_key(tmp_path_factory, t
         generate.validate(["--model", str(folder), "--prompt", "a cat", "--height", "32", "--width", "32"])
     with pytest.raises(ConfigError, match=rf"config.json in {re.escape(repr(str(folder / component)))}: .*{bad}"):
         eqxdiff.load(folder, component)
+
+
+def test_config_overrides_reach_each_model_from_a_folder_and_a_single_file(tmp_path):
+    """load_pipeline's config_overrides set config keys per model, from a folder and from a single file (whose
+    tensors are checked against the file's own configs); what is not a model, or not a setting, is named."""
+    build_pipeline(tmp_path / "sd")
+    overrides = {"text_encoder": {"hidden_act": "gelu"}, "vae": {"scaling_factor": 0.5}}
+    file = save_single_file(eqxdiff.load_pipeline(tmp_path / "sd"), tmp_path / "sd.safetensors")
+    for pipe in (eqxdiff.load_pipeline(tmp_path / "sd", config_overrides=overrides),
+                 eqxdiff.load_pipeline(file, config=tmp_path / "sd", config_overrides=overrides)):
+        assert pipe.text_encoder.config.hidden_act == "gelu" and pipe.vae.config.scaling_factor == 0.5
+        assert pipe.unet.config == eqxdiff.load(tmp_path / "sd", "unet").config
+    for path, kwargs in ((tmp_path / "sd", {}), (file, {"config": tmp_path / "sd"})):
+        with pytest.raises(ConfigError, match=r"config_overrides names \['scheduler'\], not models of a "
+                                              r"StableDiffusionPipeline: its models are \['text_encoder', 'unet', "
+                                              r"'vae'\] \(the scheduler's keys go in scheduler_options\)"):
+            eqxdiff.load_pipeline(path, config_overrides={"scheduler": {"steps_offset": 0}}, **kwargs)
+        with pytest.raises(ConfigError, match=r"config_overrides \['act'\] are not settings of a CLIPTextConfig"):
+            eqxdiff.load_pipeline(path, config_overrides={"text_encoder": {"act": "gelu"}}, **kwargs)
 
 
 def test_every_pipeline_names_the_classes_of_its_models():

@@ -1,6 +1,7 @@
 """``load`` and ``save_pretrained``: Hugging Face diffusers/transformers folders <-> eqxdiff modules."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -242,6 +243,8 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
     (default: float32; float8 files are cast to it) and, if ``sharding(name, shape)`` returns one, onto that
     sharding. ``scan_layers=True`` builds the repeated layers stacked (``eqxdiff.nn.scan_layers``: run with
     ``lax.scan``, same numbers) and fills each stacked leaf straight from the per-layer tensors.
+    ``config_overrides`` sets config keys over the checkpoint's (each a field of the model's config class; an eqxdiff
+    setting such as Flux's ``fused_projections``, or a value to try).
 
     A lone ``.safetensors`` file (no config.json beside it) is read when the call says what it holds:
     ``config`` (a config object, a dict of config.json's keys, a config.json path, or a folder / Hub id holding
@@ -322,6 +325,11 @@ def _class_and_config(source: ModelConfig | Mapping, described: str, model_class
     else:
         raise CheckpointError(f"model_class={model_class!r}: pass a checkpoint class name such as 'CLIPTextModel' "
                               f"(eqxdiff can load {family_names('model')}) or an eqxdiff model class")
+    fields = [f.name for f in dataclasses.fields(cls.config_class)]
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ConfigError(f"config_overrides {unknown} are not settings of a {cls.config_class.__name__} "
+                          f"({cls.__name__}); it has {fields}")
     if isinstance(source, ModelConfig):
         if not isinstance(source, cls.config_class):
             raise CheckpointError(f"{cls.__name__} takes a {cls.config_class.__name__}, not a "

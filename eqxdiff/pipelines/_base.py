@@ -212,6 +212,24 @@ class DiffusionPipeline:
             f"pipeline, or replace its {component.name}/ with a {accepted[0]} (eqxdiff.load it to check)")
 
     @classmethod
+    def check_config_overrides(cls, overrides: Mapping[str, Mapping[str, Any]] | None) -> dict[str, dict]:
+        """:func:`load_pipeline`'s ``config_overrides`` checked against this pipeline's models: a mapping from
+        model components to the config keys set in each (``{"transformer": {"fused_projections": True}}``);
+        returned as a dict of dicts (``{}`` for ``None``). Each model's keys are checked by :func:`eqxdiff.load`."""
+        if overrides is None:
+            return {}
+        models = [c.name for c in cls.COMPONENTS if c.kind == "model"]
+        if not isinstance(overrides, Mapping) or not all(isinstance(v, Mapping) for v in overrides.values()):
+            raise ConfigError(f"config_overrides={overrides!r} must map model components to the config keys to set "
+                              f"in each, e.g. {{{models[-1]!r}: {{key: value}}}}; a {cls.__name__}'s models are "
+                              f"{models}")
+        unknown = sorted(set(overrides) - set(models))
+        if unknown:
+            raise ConfigError(f"config_overrides names {unknown}, not models of a {cls.__name__}: its models are "
+                              f"{models} (the scheduler's keys go in scheduler_options)")
+        return {name: dict(keys) for name, keys in overrides.items()}
+
+    @classmethod
     def load_component(cls, folder: Path, component: Component, entry, **load_kwargs):
         """Model ``component`` from pipeline ``folder`` (``entry``: its ``[library, class]`` in model_index.json;
         ``load_kwargs`` go to :func:`eqxdiff.load`). A component stored in several folders overrides this."""
@@ -471,7 +489,8 @@ def _index_entry(index: Mapping, name: str):
 def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, variant: str | None = None,
                   scheduler: str | None = None, attention: str | None = None, activations_dtype=None,
                   sharding=None, mesh=None, rules=None, offload_encoders: bool = False, scan_layers: bool = False,
-                  pipeline_class: type | None = None, config=None, scheduler_options: Mapping[str, Any] | None = None):
+                  pipeline_class: type | None = None, config=None, scheduler_options: Mapping[str, Any] | None = None,
+                  config_overrides: Mapping[str, Mapping[str, Any]] | None = None):
     """Load every component a ``model_index.json`` lists and return the pipeline its ``_class_name`` names.
 
     ``dtype`` sets the weights (default float32); ``scheduler`` swaps the checkpoint's scheduler by name
@@ -482,7 +501,9 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     default :data:`eqxdiff.parallel.DEFAULT_RULES`; each device reads only its slices) and runs the pipeline on
     the mesh; ``offload_encoders`` keeps the encoders in host memory outside encoding. ``scan_layers`` stacks the
     models' repeated layers (run with ``lax.scan``: faster compiles, same numbers; see
-    :func:`eqxdiff.nn.scan_layers`). The class's :attr:`~DiffusionPipeline.OPTIONS` are read from
+    :func:`eqxdiff.nn.scan_layers`). ``config_overrides`` sets config keys of the models, per component, as
+    :func:`eqxdiff.load`'s does for one (``{"transformer": {"fused_projections": True}}``: Flux's fused projections;
+    :meth:`DiffusionPipeline.check_config_overrides`). The class's :attr:`~DiffusionPipeline.OPTIONS` are read from
     ``model_index.json``. ``pipeline_class`` (``Cls.from_pretrained``) loads the folder as that class: a subclass
     of it, or another task of the same family (the same components, e.g. an SDXL base folder as image-to-image).
     A single ``.safetensors`` file (A1111 / ComfyUI / SGM layout) is read by
@@ -497,7 +518,7 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
         cls, components, options = read_single_file(
             path_or_hub_id, config=config, revision=revision, dtype=weights_dtype, sharding=sharding,
             offload_encoders=offload_encoders, scan_layers=scan_layers, scheduler=scheduler,
-            scheduler_options=scheduler_options, pipeline_class=pipeline_class)
+            scheduler_options=scheduler_options, pipeline_class=pipeline_class, config_overrides=config_overrides)
         return cls(attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
                    offload_encoders=offload_encoders, **components, **options)
     if config is not None:
@@ -522,6 +543,10 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     for c in cls.COMPONENTS:
         if _index_entry(index, c.name) is not None:
             cls.check_component_class(c, index[c.name], repr(os.fspath(folder)))
+    overrides = cls.check_config_overrides(config_overrides)
+    absent = sorted(k for k in overrides if _index_entry(index, k) is None)
+    if absent:
+        raise ConfigError(f"config_overrides sets {absent}, which {os.fspath(folder)!r} does not hold")
     if mesh is not None and sharding is None:
         sharding = sharding_fn(mesh, rules or DEFAULT_RULES)
     components, extras = {}, {}
@@ -532,7 +557,8 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
             offload = offload_encoders and c.encoder
             components[c.name] = cls.load_component(folder, c, index[c.name], dtype=weights_dtype, variant=variant,
                                                     sharding=None if offload else sharding,
-                                                    scan_layers=scan_layers and c.scan)
+                                                    scan_layers=scan_layers and c.scan,
+                                                    config_overrides=overrides.get(c.name))
         elif c.kind == "tokenizer":
             components[c.name] = load_tokenizer(folder / c.name)
         else:

@@ -37,8 +37,8 @@ _TOKENIZERS = {"tokenizer": "text_encoder", "tokenizer_2": "text_encoder_2"}  # 
 
 def read_single_file(path, *, config=None, revision: str | None = None, dtype=None, sharding=None,
                      offload_encoders: bool = False, scan_layers: bool = False, scheduler: str | None = None,
-                     scheduler_options: Mapping | None = None,
-                     pipeline_class: type | None = None) -> tuple[type, dict, dict]:
+                     scheduler_options: Mapping | None = None, pipeline_class: type | None = None,
+                     config_overrides: Mapping[str, Mapping] | None = None) -> tuple[type, dict, dict]:
     """The pipeline class, components and options of a single-file checkpoint (what ``load_pipeline`` builds the
     pipeline from; call ``eqxdiff.load_pipeline(path, config=...)`` rather than this).
 
@@ -52,7 +52,8 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
     ``scheduler_options={"prediction_type": "epsilon"}`` or its ``config``) and the tokenizers come from the
     family's Hub repository. ``scheduler`` swaps the scheduler by name and ``scheduler_options`` sets its config keys
     (SDXL-Lightning: ``scheduler="euler", scheduler_options={"timestep_spacing": "trailing"}``).
-    ``pipeline_class`` loads the file as another class with the same components.
+    ``pipeline_class`` loads the file as another class with the same components. ``config_overrides`` sets config
+    keys of the models, per component, as for a folder (:func:`eqxdiff.load_pipeline`).
     """
     path = Path(os.fspath(path)).expanduser()
     where = f"file {os.fspath(path)!r}"
@@ -63,7 +64,8 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
         return family[0].read_single_file(path, file, family[1], config=config, revision=revision, dtype=dtype,
                                           sharding=sharding, offload_encoders=offload_encoders,
                                           scan_layers=scan_layers, scheduler=scheduler,
-                                          scheduler_options=scheduler_options, pipeline_class=pipeline_class)
+                                          scheduler_options=scheduler_options, pipeline_class=pipeline_class,
+                                          config_overrides=config_overrides)
     layout = layouts.detect(file, where)
     folder = _config_folder(config, revision, layout)
     cls = resolve_class(layout.pipeline)
@@ -72,6 +74,10 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
             raise CheckpointError(f"{where} holds a {layout.pipeline}, whose components a {pipeline_class.__name__} "
                                   "cannot use")
         cls = pipeline_class
+    overrides = cls.check_config_overrides(config_overrides)
+    absent = sorted(set(overrides) - {part.name for part in layout.parts})
+    if absent:
+        raise ConfigError(f"config_overrides sets {absent}, which {where} does not hold")
     weights_dtype = check_dtype(dtype) or check_dtype("float32")
     flags = {c.name: c for c in cls.COMPONENTS}
     components: dict = {}
@@ -102,7 +108,8 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
         offload = offload_encoders and flags[part.name].encoder
         components[part.name] = load(path, model_class=model_cls, config=cfg, conversion=rules,
                                      dtype=weights_dtype, sharding=None if offload else sharding,
-                                     scan_layers=scan_layers and flags[part.name].scan)
+                                     scan_layers=scan_layers and flags[part.name].scan,
+                                     config_overrides=overrides.get(part.name))
     tokenizers = [c.name for c in cls.COMPONENTS if c.kind == "tokenizer" and _TOKENIZERS[c.name] in components]
     if folder is None and tokenizers:  # the family's own, from the Hub
         folder_of_tokenizers = _fetch(layout.hub_id, None, [f"{t}/*" for t in tokenizers],

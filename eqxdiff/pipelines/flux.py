@@ -46,7 +46,7 @@ from huggingface_hub import snapshot_download
 from PIL import Image
 
 from .._typing import Array, Float, Int, PRNGKeyArray
-from ..core import resolve_class
+from ..core import ConfigError, resolve_class
 from ..loading import CheckpointError, check_dtype, formats, load, read_json
 from ..loading import single_file as layouts
 from ..models import flux
@@ -548,12 +548,13 @@ class FluxPipeline(LatentPipeline):
     def read_single_file(cls, path, view, layout: str, *, config=None, revision: str | None = None, dtype=None,
                          sharding=None, offload_encoders: bool = False, scan_layers: bool = False,
                          scheduler: str | None = None, scheduler_options: Mapping[str, Any] | None = None,
-                         pipeline_class: type | None = None):
+                         pipeline_class: type | None = None, config_overrides: Mapping[str, Mapping] | None = None):
         """``(class, components, options)`` of a Flux single file (what ``load_pipeline(path, config=...)`` builds
         from): the transformer from the file (BFL's layout under ``layout``, its config from ``config``'s
         ``transformer/config.json`` or read from the tensors), the VAE and text encoders from the file when it holds
         them (ComfyUI's all-in-one files), everything else from ``config`` (a diffusers Flux folder or Hub id);
-        ``scheduler`` / ``scheduler_options`` swap the scheduler or set its config keys, as for a folder."""
+        ``scheduler`` / ``scheduler_options`` swap the scheduler or set its config keys, and ``config_overrides``
+        the models' (``{"transformer": {"fused_projections": True}}``), as for a folder."""
         where = f"file {os.fspath(path)!r}"
         if config is None:
             raise CheckpointError(
@@ -571,22 +572,24 @@ class FluxPipeline(LatentPipeline):
                                       "use")
             target = pipeline_class
         weights_dtype = check_dtype(dtype) or check_dtype("float32")
-        flags = {c.name: c for c in target.COMPONENTS}
+        overrides = target.check_config_overrides(config_overrides)
         components: dict = {}
         for c in target.COMPONENTS:
             entry = index.get(c.name)
             offload = offload_encoders and c.encoder
+            load_kwargs = dict(dtype=weights_dtype, sharding=None if offload else sharding,
+                               scan_layers=scan_layers and c.scan, config_overrides=overrides.get(c.name))
             if c.name == "transformer":
-                components[c.name] = _read_transformer(path, view, layout, folder, where, dtype=weights_dtype,
-                                                       sharding=sharding, scan_layers=scan_layers and c.scan)
+                components[c.name] = _read_transformer(path, view, layout, folder, where, **load_kwargs)
             elif c.name in held:
-                components[c.name] = _read_held(path, view, folder, c.name, held[c.name], where, dtype=weights_dtype,
-                                                sharding=None if offload else sharding,
-                                                scan_layers=scan_layers and flags[c.name].scan)
+                components[c.name] = _read_held(path, view, folder, c.name, held[c.name], where, **load_kwargs)
             elif not entry or entry[0] is None:
                 if not c.optional:
                     raise CheckpointError(f"config={os.fspath(folder)!r} has no {c.name} (model_index.json), which "
                                           f"{where} does not hold either; pass a diffusers Flux pipeline folder")
+                if c.name in overrides:
+                    raise ConfigError(f"config_overrides sets the {c.name}, which neither {where} nor "
+                                      f"config={os.fspath(folder)!r} holds")
                 components[c.name] = None
             elif c.kind == "tokenizer":
                 components[c.name] = load_tokenizer(folder / c.name)
@@ -598,9 +601,7 @@ class FluxPipeline(LatentPipeline):
             else:
                 target.check_component_class(c, entry, repr(os.fspath(folder)))
                 try:
-                    components[c.name] = target.load_component(folder, c, entry, dtype=weights_dtype,
-                                                               sharding=None if offload else sharding,
-                                                               scan_layers=scan_layers and c.scan)
+                    components[c.name] = target.load_component(folder, c, entry, **load_kwargs)
                 except CheckpointError as e:
                     raise CheckpointError(
                         f"{where} does not hold the {c.name}, so it is read from config={os.fspath(folder)!r}, which "
@@ -785,7 +786,8 @@ def _fetch(repo: str, revision: str | None, patterns: list[str]) -> Path:
                               f"{e}). Offline, pass config= a local diffusers Flux folder") from e
 
 
-def _read_transformer(path, view, prefix: str, folder: Path, where: str, *, dtype, sharding, scan_layers: bool):
+def _read_transformer(path, view, prefix: str, folder: Path, where: str, *, dtype, sharding, scan_layers: bool,
+                      config_overrides=None):
     """The BFL transformer under ``prefix``, its config from ``folder``'s ``transformer/config.json`` (checked
     against the tensors) or, without one, read from the tensors."""
     given = _read(folder, "transformer/config.json")
@@ -805,10 +807,11 @@ def _read_transformer(path, view, prefix: str, folder: Path, where: str, *, dtyp
     layouts.check_tensors(view, abstract, rules, where=where, what=f"the Flux transformer ({prefix or 'no prefix'})",
                           hint=hint)
     return load(path, model_class=model_cls, config=config, conversion=rules, dtype=dtype, sharding=sharding,
-                scan_layers=scan_layers)
+                scan_layers=scan_layers, config_overrides=config_overrides)
 
 
-def _read_held(path, view, folder: Path, name: str, prefix: str, where: str, *, dtype, sharding, scan_layers: bool):
+def _read_held(path, view, folder: Path, name: str, prefix: str, where: str, *, dtype, sharding, scan_layers: bool,
+               config_overrides=None):
     """Component ``name`` of a ComfyUI all-in-one file (under ``prefix``), its config from ``folder``."""
     given = _read(folder, f"{name}/config.json")
     if given is None:
@@ -828,5 +831,5 @@ def _read_held(path, view, folder: Path, name: str, prefix: str, where: str, *, 
     layouts.check_tensors(view, abstract, rules, where=where, what=f"the {name} ({prefix}*)",
                           hint=f"config={os.fspath(folder)!r} describes another {name}; pass this model's folder")
     return load(path, model_class=model_cls, config=config, conversion=rules, dtype=dtype, sharding=sharding,
-                scan_layers=scan_layers)
+                scan_layers=scan_layers, config_overrides=config_overrides)
 
