@@ -23,6 +23,7 @@ from eqxdiff.core import ConfigError
 from eqxdiff.loading import CheckpointError, formats, inverse, state_dict, write_safetensors
 from eqxdiff.models import flux
 from eqxdiff.models.flux import FluxTransformer2DConfig, FluxTransformer2DModel
+from eqxdiff.nn import with_attention_implementation
 from eqxdiff.parallel import MeshConfig, Plan, Remat, make_mesh, param_spec, shard_batch, sharding_fn, with_plan
 
 from . import _tiny_flux as tiny
@@ -223,15 +224,19 @@ def reference_O0(wide):
     return float32, TestFluxWideRope.actual64(wide)["sample"]
 
 
-@pytest.mark.parametrize("strategy", list(MESH_RUNS))
-def test_mesh_equals_single_device(wide, reference_O0, strategy):
+# The context-parallel run pins its kernel, each in turn (4 heads over 4 context devices: either could be chosen).
+@pytest.mark.parametrize("strategy,attention", [("fsdp+tensor", None), ("fsdp+context-fused", "ring"),
+                                                ("fsdp+context-fused", "ulysses")])
+def test_mesh_equals_single_device(wide, reference_O0, strategy, attention):
     """The WideRope model (4 heads, 4 text + 8 image tokens) on 8 devices: every parameter placed by its declared
-    axes (read straight onto the mesh), the tokens split over ``context`` (ring/Ulysses inside a shard_map), output
-    equal to one device."""
+    axes (read straight onto the mesh), the tokens split over ``context`` (the ring or the Ulysses kernel inside a
+    shard_map, asked for by name), output equal to one device."""
     config, remat, names, fused = MESH_RUNS[strategy]
     mesh = make_mesh(config)
     model = eqxdiff.load(wide.folder, sharding=sharding_fn(mesh), config_overrides={"fused_projections": fused})
     model = with_plan(model, Plan(mesh, remat=remat, remat_names=names))
+    if attention is not None:
+        model = with_attention_implementation(model, attention)
     batch = {k: v for k, v in wide.inputs.items() if k != "rope"}
     inputs = {**shard_batch(batch, mesh), "rope": wide.inputs["rope"]}
     out = _jit_O0(TestFluxWideRope.outputs, model, inputs)["sample"]
@@ -248,7 +253,9 @@ def test_mesh_equals_single_device(wide, reference_O0, strategy):
         qkv = model.single_transformer_blocks[1].to_qkv_mlp.weight  # [3 * 48 + 192, 48]: the embed axis over fsdp
         assert qkv.sharding.spec == P(None, "fsdp") and qkv.addressable_shards[0].data.shape == (336, 24)
         jaxpr = str(jax.make_jaxpr(lambda m, i: TestFluxWideRope.outputs(m, i))(model, inputs))
-        assert "shard_map" in jaxpr  # the joint attention ran a context-parallel kernel
+        assert "shard_map" in jaxpr  # the joint attention ran a context-parallel kernel, the one asked for:
+        ring, ulysses = "ppermute" in jaxpr, "all_to_all" in jaxpr  # k/v shards passed on, or heads exchanged
+        assert (ring, ulysses) == (attention == "ring", attention == "ulysses"), (ring, ulysses)
 
 
 # -- Black Forest Labs' single files --------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import json
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -37,7 +38,7 @@ from eqxdiff.pipelines.flux import (
 
 from . import _tiny_flux
 from . import _tiny_flux_pipeline as tiny
-from ._util import assert_close, nhwc_to_nchw
+from ._util import assert_close, nhwc_to_nchw, rel_error
 
 PROMPTS = ["a red cat", "two dogs"]
 NEGATIVES = ["blurry", "dark room"]
@@ -207,12 +208,53 @@ def test_kontext_sizes_follow_diffusers(dev):
 
 def test_mesh_equals_one_device(dev):
     """On an FSDP x context mesh (weights sharded, batch over fsdp, tokens split over context: the joint attention
-    runs the ring kernel; the rotary tables stay whole): the one-device pipeline's images."""
+    runs the ring kernel; the rotary tables stay whole), the text encoders offloaded: the one-device pipeline's
+    images."""
     mesh = make_mesh(MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=2, ici_context_parallelism=4))
     kwargs = dict(guidance_scale=4.0, **dev.size, **COMMON)
     expected = dev.pipe(PROMPTS, latents=dev.noise, progress=False, **kwargs)
-    ours = eqxdiff.load_pipeline(dev.folder, mesh=mesh)(PROMPTS, latents=dev.noise, progress=False, **kwargs)
+    pipe = eqxdiff.load_pipeline(dev.folder, mesh=mesh, offload_encoders=True)
+    for name in ("text_encoder", "text_encoder_2"):  # in host memory, put on the devices only while encoding
+        assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(getattr(pipe, name))), name
+    assert all(isinstance(x, jax.Array) and x.sharding.mesh.shape == mesh.shape
+               for x in jax.tree.leaves(pipe.transformer))
+    ours = pipe(PROMPTS, latents=dev.noise, progress=False, **kwargs)
     assert np.max(np.abs(ours.astype(int) - expected.astype(int))) <= 1
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(pipe.text_encoder_2))  # still on the host after
+
+
+def test_bfloat16_dev_pipeline_runs_close_to_float32(dev):
+    """The dev folder loaded in bfloat16 (weights and activations, as on a GPU): every transformer leaf bfloat16, the
+    scheduler's schedule and step arithmetic float32 (a bfloat16 sample in, float32 math, the sample's dtype out, as
+    diffusers' FlowMatchEulerDiscreteScheduler does), finite images close to the float32 run's.
+
+    The bound is loose and documented: bfloat16 keeps 8 mantissa bits (2**-8 = 0.4% per rounding), and this
+    pipeline chains four bfloat16 models (CLIP, T5, the transformer three steps running, the VAE). The final latents
+    measured 5.2% (max |difference| over max |latents|) and the images 8 levels at most, 1.0 on average, on the
+    machine that wrote this; the bounds are twice the latents' figure (the parity base's per-model bfloat16 sanity
+    bound is 5%) and three times the images'."""
+    pipe = eqxdiff.load_pipeline(dev.folder, dtype="bfloat16")
+    assert pipe.activations_dtype == jnp.bfloat16
+    floats = [x for x in jax.tree.leaves(pipe.transformer) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and all(x.dtype == jnp.bfloat16 for x in floats)
+    kwargs = dict(guidance_scale=4.0, **dev.size, **COMMON)
+    latents = {name: p(PROMPTS, latents=dev.noise, output_type="latent", progress=False, **kwargs)
+               for name, p in (("float32", dev.pipe), ("bfloat16", pipe))}
+    assert latents["bfloat16"].dtype == jnp.bfloat16 and latents["float32"].dtype == jnp.float32
+    assert rel_error(np.asarray(latents["bfloat16"], np.float32), latents["float32"]) <= 0.1
+    images = pipe(PROMPTS, latents=dev.noise, progress=False, **kwargs)  # NaN or inf would raise NonFiniteError
+    off = np.abs(images.astype(int) - dev.pipe(PROMPTS, latents=dev.noise, progress=False, **kwargs).astype(int))
+    assert images.shape == (2, 8, 8, 3) and np.std(images) > 1 and off.max() <= 24 and off.mean() <= 3
+
+    state = pipe.scheduler.init(3, sample_shape=dev.shape, **pipe.schedule_keywords(3, None, 16))
+    assert state.sigmas.dtype == state.timesteps.dtype == jnp.float32
+    sample, velocity = (jnp.asarray(a, jnp.bfloat16) for a in np.random.default_rng(5).standard_normal((2, 4, 16)))
+    stepped, _ = pipe.scheduler.step(state, velocity, sample)
+    sigma, following = state.sigmas[0], state.sigmas[1]
+    float32_step = sample.astype(jnp.float32) + (following - sigma) * velocity.astype(jnp.float32)
+    assert stepped.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(stepped, np.float32), np.asarray(float32_step.astype(jnp.bfloat16),
+                                                                                np.float32))
 
 
 @pytest.fixture(scope="module")
@@ -323,13 +365,38 @@ def test_generate_runs_a_bfl_file(dev, bfl_file, tmp_path, capsys):
     np.testing.assert_array_equal(saved, expected)
 
 
-def test_generate_lists_the_flux_options(dev, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def kontext_folder(dev, tmp_path_factory):
+    """The dev pipeline saved as a FluxKontextPipeline folder."""
+    return save_pipeline(FluxKontextPipeline.from_pipe(dev.pipe), tmp_path_factory.mktemp("flux") / "kontext")
+
+
+def test_generate_runs_a_kontext_folder_with_an_image_file(dev, kontext_folder, tmp_path):
+    """eqxdiff-generate --model KONTEXT_FOLDER --image file.png: diffusers' FluxKontextPipeline's images (within
+    2/255) from the same noise (the seed's) and reference, with true CFG and distilled guidance; the sizes and scales
+    of test_kontext_with_true_cfg_matches_diffusers, whose compiled programs it reuses."""
+    from PIL import Image
+    from diffusers import FluxKontextPipeline as Reference
+
+    image = np.random.default_rng(4).integers(0, 256, (16, 8, 3), dtype=np.uint8)
+    Image.fromarray(image).save(tmp_path / "reference.png")
+    argv = ["--model", str(kontext_folder), "--image", str(tmp_path / "reference.png"), "--prompt", "a red cat",
+            "--negative-prompt", "blurry", "--true-cfg-scale", "2.5", "--guidance-scale", "3.0", "--num-images", "2",
+            "--height", "8", "--width", "8", "--max-area", "64", "--no-auto-resize", "--steps", "3",
+            "--max-sequence-length", "12", "--seed", "6", "--output-dir", str(tmp_path / "out"), "--no-progress"]
+    saved = np.stack([np.asarray(Image.open(p)) for p in generate.main(argv)])
+    noise = np.array(noise_draws(jax.random.key(6), dev.shape).noise)  # writable, for torch
+    expected = _run(Reference(**dev.ref.components), prompt="a red cat", negative_prompt="blurry",
+                    num_images_per_prompt=2, image=_pixels(image[None]), latents=_packed(dev.ref, noise),
+                    _auto_resize=False, guidance_scale=3.0, true_cfg_scale=2.5, max_area=64, **dev.size, **COMMON)
+    assert saved.shape == (2, 8, 8, 3) and _pixels_off(saved, expected) <= 2 and np.std(saved) > 1
+
+
+def test_generate_lists_the_flux_options(dev, kontext_folder, capsys):
     """eqxdiff-generate reads the options of a Flux folder's class from its __call__ (Kontext's image too)."""
     for folder, flags in ((dev.folder, ("--true-cfg-scale", "--guidance-scale", "--max-sequence-length",
                                         "--prompt-2", "--negative-prompt-2", "--sigmas", "FluxPipeline")),
-                          (tmp_path / "kontext", ("--image", "--max-area", "--auto-resize", "FluxKontextPipeline"))):
-        if not folder.exists():
-            save_pipeline(FluxKontextPipeline.from_pipe(dev.pipe), folder)
+                          (kontext_folder, ("--image", "--max-area", "--auto-resize", "FluxKontextPipeline"))):
         with pytest.raises(SystemExit) as e:
             generate.main(["--model", str(folder), "--help"])
         assert e.value.code == 0
