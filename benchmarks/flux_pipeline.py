@@ -131,8 +131,9 @@ def main(args: Args) -> None:
     torch_free(device)
 
     t0 = time.perf_counter()
-    pipe = eqxdiff.load_pipeline(folder, dtype=args.dtype, attention=None if args.attention == "auto" else args.attention,
-                                 scan_layers=args.scan_layers, offload_encoders=args.offload_encoders,
+    pipe = eqxdiff.load_pipeline(folder, dtype=args.dtype, scan_layers=args.scan_layers,
+                                 attention=None if args.attention == "auto" else args.attention,
+                                 offload_encoders=args.offload_encoders,
                                  config_overrides={"transformer": {"fused_projections": True}} if args.fused else None)
     print(f"eqxdiff.load_pipeline: {time.perf_counter() - t0:.1f}s")
 
