@@ -3,6 +3,10 @@ exactly (without recompiling), FSDP and FSDP + data meshes of the 8 simulated CP
 ``train.run`` end to end from each data source, and the errors a user can hit."""
 
 import dataclasses
+import json
+import os
+import shutil
+import signal
 
 import equinox as eqx
 import jax
@@ -40,6 +44,10 @@ from eqxdiff.train import (
     train_step,
     trainable_filter,
 )
+import eqxdiff
+from eqxdiff.train import CheckpointMismatchError, TrainingInterrupted, run
+from eqxdiff.train import _autoencoder as autoencoder_module
+from eqxdiff.train import _run as run_module
 from eqxdiff.train._digits import SD_NOISE_SCHEDULE
 
 from ._util import assert_close_to_float64, assert_leaves_close_to_float64, run_float64
@@ -461,30 +469,46 @@ def test_run_synthetic_resumes_exactly(sources, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_sigint_saves_a_checkpoint_and_the_run_resumes_exactly(sources, tmp_path, monkeypatch):
-    """A real SIGINT during step 1 of 2 (sent from the metrics logger) stops the run at the step boundary with a
-    saved checkpoint (no checkpoint_every needed) and TrainingInterrupted; the same command resumes and ends where an
-    uninterrupted run ends, loss for loss and weight for weight."""
-    import os
-    import signal
+@pytest.fixture
+def sigterm_raises():
+    """While the test runs, a SIGTERM that reaches the process's handler raises (instead of killing pytest): a loop
+    that failed to catch it fails the test. The test's own handler is put back after it (checked by the tests)."""
 
-    from eqxdiff.train import TrainingInterrupted
+    class Unhandled(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Unhandled("SIGTERM was not caught by the loop")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    yield handler
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_a_checkpoint_and_the_run_resumes_exactly(sources, tmp_path, monkeypatch, sigterm_raises,
+                                                                 signum):
+    """A real SIGINT (Ctrl-C) or SIGTERM (what Slurm or Kubernetes send before a kill) during step 1 of 2 (sent
+    from the metrics logger) stops the run at the step boundary with a saved checkpoint (no checkpoint_every
+    needed) and TrainingInterrupted; the same command resumes and ends where an uninterrupted run ends, loss for
+    loss and weight for weight. The runs reuse the module's compiled step."""
     from eqxdiff.train._metrics import MetricsLogger
 
     one = dict(data="synthetic", mesh=None, steps=2)
     straight = _run(sources, tmp_path / "a", **one)
     log = MetricsLogger.log
+    handler = signal.getsignal(signum)
 
     def log_then_interrupt(self, step, row):
         log(self, step, row)
         if step == 1:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signum)
 
     monkeypatch.setattr(MetricsLogger, "log", log_then_interrupt)
     with pytest.raises(TrainingInterrupted, match="interrupted at step 1; checkpoint saved in") as stopped:
         _run(sources, tmp_path / "b", **one)
     assert stopped.value.step == 1 and (tmp_path / "b" / "checkpoints" / "1").is_dir()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler was put back
+    assert signal.getsignal(signum) is handler  # the handler was put back
     monkeypatch.setattr(MetricsLogger, "log", log)
     resumed = _run(sources, tmp_path / "b", **one)
     assert resumed[2] == straight[2][1:]
@@ -507,6 +531,73 @@ def test_resume_with_another_architecture_refuses_before_restoring(sources, tmp_
                        r"conv_in\.bias: \[8\] float32 in the checkpoint, \[16\] float32 in this run"):
         _run(sources, tmp_path, architecture=wider, **dict(one, steps=2))
     assert (tmp_path / "config.json").read_text() == saved
+
+
+def test_resume_with_another_autoencoder_refuses_before_reusing_it(sources, tmp_path):
+    """OUTPUT_DIR/autoencoder is reused only by a run whose VAE settings are those of the run that trained it: a
+    changed VAE architecture (or KL weight, autoencoder steps ...) is refused with the list of what differs, before
+    anything is written (the run's config.json and the saved VAE stay as they were). Nothing compiles: the earlier
+    run is its config.json and its autoencoder."""
+    earlier = dataclasses.replace(RUN, output_dir=tmp_path, data="synthetic", mesh=None)
+    shutil.copytree(sources["autoencoder"], tmp_path / "autoencoder")
+    (tmp_path / "config.json").write_text(json.dumps(run_module._settings(earlier), indent=2))
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    wider = dataclasses.replace(TINY, vae_channels=(8, 16))
+    with pytest.raises(CheckpointMismatchError, match=r"the autoencoder in .*autoencoder was trained with other "
+                       r"settings than this run's; it was not reused and nothing was changed. Settings that differ "
+                       r"from that run's config.json: architecture.vae_channels: \[8, 8\] -> \[8, 16\]; kl_weight: "
+                       r"0.0001 -> 0.001. Run with that run's settings, use another output_dir, or delete "):
+        run(dataclasses.replace(earlier, architecture=wider, kl_weight=1e-3, steps=2))
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+
+
+def test_a_signal_stops_the_autoencoder_stage_and_keeps_nothing(tiny, tmp_path, monkeypatch, sigterm_raises):
+    """SIGTERM during the autoencoder stage (sent from the stage's log line of step 1 of 3) stops it at the step
+    boundary: TrainingInterrupted says that nothing of the stage was kept and how to start again, no autoencoder
+    folder is written, and the handlers are put back. (The stage's step is a stand-in: the stopping is the loop's,
+    and nothing needs to compile.)"""
+    model, arrays, _ = tiny
+    log = run_module._log
+
+    def log_then_terminate(message):
+        log(message)
+        if message.startswith("autoencoder step 1/"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    steps = []
+
+    def stand_in_step(carry, images, key, optimizer, kl_weight):
+        steps.append(images.shape)
+        return carry, jnp.float32(0.5)
+
+    monkeypatch.setattr(run_module, "_log", log_then_terminate)
+    monkeypatch.setattr(autoencoder_module, "_vae_step", stand_in_step)
+    config = dataclasses.replace(RUN, output_dir=tmp_path, autoencoder_steps=3, autoencoder_batch_size=8)
+    with pytest.raises(TrainingInterrupted, match=r"^autoencoder stage interrupted at step 1 of 3; nothing of it was "
+                       r"kept \(run the same command to train it again from the start\)$") as stopped:
+        run_module.autoencoder_stage(config, model, "arrays", arrays)
+    assert stopped.value.step == 1 and stopped.value.checkpoint is None and steps == [(8, 8, 8, 3)]
+    assert not (tmp_path / "autoencoder").exists()
+    assert signal.getsignal(signal.SIGTERM) is sigterm_raises
+
+
+def test_fine_tune_the_shipped_digits_model(tmp_path):
+    """``model="digits"``: the shipped pipeline (its scheduler config has ``variance_type: null``, which once crashed
+    DDPMScheduler.from_config) fine-tuned for one step on synthetic images, exported, and the export loads with the
+    trained weights. One compile of the digits UNet's step (cached latents: no VAE or text encoder in it)."""
+    config = TrainConfig(model="digits", data="synthetic", resolution=16, batch_size=2, steps=1, mesh=None,
+                         cache_stream=True, log_every=1, progress=False, output_dir=tmp_path,
+                         optimizer=OptimizerConfig(total_steps=1))
+    state, _, losses = run(config)
+    assert int(state.step) == 1 and len(losses) == 1 and np.isfinite(losses[0])
+    assert not list((tmp_path / "checkpoints").glob("*"))  # no checkpoint_every: none written
+    exported = eqxdiff.load_pipeline(tmp_path / "pipeline")
+    shipped = eqxdiff.load_pipeline("digits")
+    assert type(exported) is type(shipped) and type(exported.scheduler) is type(shipped.scheduler)
+    assert exported.scheduler.config == shipped.scheduler.config
+    trained, original = exported.unet.conv_in.weight, shipped.unet.conv_in.weight
+    assert trained.shape == original.shape and not np.array_equal(trained, original)
+    np.testing.assert_array_equal(exported.vae.encoder.conv_in.weight, shipped.vae.encoder.conv_in.weight)
 
 
 def test_run_resumes_on_the_mesh(sources, tmp_path):

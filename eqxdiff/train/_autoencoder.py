@@ -10,6 +10,7 @@ import numpy as np
 import optax
 
 from .._typing import Array, Float, PRNGKeyArray
+from ._interrupt import TrainingInterrupted, stop_on_signals
 
 
 def vae_loss(vae, images: Float[Array, "batch height width 3"], key: PRNGKeyArray, *,
@@ -32,7 +33,11 @@ def _vae_step(carry, images, key, optimizer, kl_weight):
 def train_autoencoder(vae, batches, *, steps: int, key: PRNGKeyArray, learning_rate: float = 1e-3,
                       kl_weight: float = 1e-4, log_every: int = 100, log=print):
     """Train ``vae`` on ``batches`` (dicts with ``pixel_values``) for ``steps`` steps of AdamW with cosine decay;
-    returns ``(vae, losses)``."""
+    returns ``(vae, losses)``.
+
+    Ctrl-C (SIGINT) or SIGTERM stop it at the next step boundary with :class:`eqxdiff.train.TrainingInterrupted`
+    (no checkpoint: the stage keeps nothing, and a run started again trains it from the start); a second Ctrl-C
+    aborts at once."""
     if steps < 1:
         raise ValueError(f"autoencoder steps={steps} must be >= 1")
     optimizer = optax.chain(optax.clip_by_global_norm(1.0),
@@ -40,11 +45,17 @@ def train_autoencoder(vae, batches, *, steps: int, key: PRNGKeyArray, learning_r
                                                                            steps, learning_rate * 0.05)))
     carry = (vae, optimizer.init(eqx.filter(vae, eqx.is_array)))
     losses = []
-    for i, k in zip(range(steps), jax.random.split(key, steps)):
-        carry, loss = _vae_step(carry, jnp.asarray(next(batches)["pixel_values"]), k, optimizer, kl_weight)
-        if (i + 1) % log_every == 0 or i + 1 == steps:
-            losses.append(float(loss))
-            log(f"autoencoder step {i + 1}/{steps}: loss {losses[-1]:.5f}")
+    with stop_on_signals(notice="stopping the autoencoder stage after this step; it keeps nothing (Ctrl-C "
+                                 "again aborts at once)") as stop:
+        for i, k in zip(range(steps), jax.random.split(key, steps)):
+            carry, loss = _vae_step(carry, jnp.asarray(next(batches)["pixel_values"]), k, optimizer, kl_weight)
+            if (i + 1) % log_every == 0 or i + 1 == steps:
+                losses.append(float(loss))
+                log(f"autoencoder step {i + 1}/{steps}: loss {losses[-1]:.5f}")
+            if stop.requested is not None and i + 1 < steps:
+                raise TrainingInterrupted(i + 1, None, f"autoencoder stage interrupted at step {i + 1} of {steps}; "
+                                          "nothing of it was kept (run the same command to train it again from "
+                                          "the start)")
     return carry[0], losses
 
 

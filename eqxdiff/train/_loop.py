@@ -7,6 +7,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..data import to_global_batch
 from ..parallel import DEFAULT_RULES, AxisRules, MeshConfig, batch_shards, make_mesh, param_shardings, shard_params
 from ._data import DataError, check_batch
 from ._family import TrainModel
@@ -51,8 +52,6 @@ def shard_batch(batch: dict, mesh: jax.sharding.Mesh | None, rules: AxisRules = 
     (:func:`eqxdiff.data.to_global_batch`, so on several hosts each passes its own rows)."""
     if mesh is None:
         return {k: jax.numpy.asarray(v) for k, v in batch.items()}
-    from ..data import to_global_batch
-
     n = batch_shards(mesh, rules)
     b = len(next(iter(batch.values()))) * jax.process_count()
     if b % n:

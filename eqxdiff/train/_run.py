@@ -15,6 +15,7 @@ import math
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 
 from ..data import (
@@ -159,8 +160,9 @@ class TrainConfig:
                     "autoencoder_batch_size", "sample_steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
-        if self.checkpoint_every < 0 or self.sample_every < 0:
-            raise ValueError("checkpoint_every and sample_every must be >= 0")
+        for key in ("checkpoint_every", "sample_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 0 (0: never)")
         if not 0 <= self.seed < 2**31:
             raise ValueError(f"seed={self.seed} must be in [0, 2**31): it seeds JAX, NumPy and the data order")
         if any(s < 0 for s in self.profile_steps):
@@ -180,7 +182,10 @@ class TrainConfig:
             raise ValueError(f"guidance_scale={self.guidance_scale} must be finite")
         if self.export_scheduler is not None and self.export_scheduler not in SCHEDULERS:
             raise ValueError(f"export_scheduler={self.export_scheduler!r}; choose one of {list(SCHEDULERS)}")
-        check_dtype(self.export_dtype)
+        try:
+            check_dtype(self.export_dtype)
+        except ValueError as e:
+            raise type(e)(f"export_dtype={self.export_dtype!r}: {e}") from None
         object.__setattr__(self, "tfrecord", tuple(str(p) for p in self.tfrecord))
         object.__setattr__(self, "remat", Remat(self.remat))
         Plan(remat=self.remat, remat_names=self.remat_names)  # a bad remat/remat_names pair raises here
@@ -223,7 +228,7 @@ class TrainConfig:
         return source
 
 
-_SOURCE_FLAGS = "data (digits, synthetic or an image folder), hf_dataset, tfrecord"
+_SOURCE_FLAGS = "data= (digits, synthetic or an image folder), hf_dataset= or tfrecord="
 
 
 def _log(msg: str) -> None:
@@ -345,12 +350,28 @@ def build_model(config: TrainConfig):
     return setup.model, next(iter(setup.tokenizers.values())), setup.noise_scheduler
 
 
+# What the autoencoder stage's VAE depends on (config.json's dotted names): its sizes, the stage's training and data.
+AUTOENCODER_SETTINGS = ("architecture.vae_channels", "architecture.latent_channels", "architecture.norm_num_groups",
+                        "architecture.image_size", "autoencoder_steps", "autoencoder_batch_size",
+                        "autoencoder_learning_rate", "kl_weight", "resolution", "data", "hf_dataset", "tfrecord")
+
+
 def autoencoder_stage(config: TrainConfig, model: TrainModel, kind: str, data) -> TrainModel:
-    import equinox as eqx
-
-
-    folder = Path(config.output_dir) / "autoencoder"
+    """``model`` with its VAE trained by the autoencoder stage (:func:`eqxdiff.train.train_autoencoder`, then the
+    latent scaling factor fitted) and saved to ``OUTPUT_DIR/autoencoder``; or the VAE saved there by an earlier run
+    of this output folder, reused if that run's ``config.json`` agrees on :data:`AUTOENCODER_SETTINGS` (else
+    :class:`~eqxdiff.train.CheckpointMismatchError` listing what differs, before anything is written). A signal
+    stops the stage with :class:`~eqxdiff.train.TrainingInterrupted`, nothing of it kept."""
+    out = Path(config.output_dir)
+    folder = out / "autoencoder"
     if (folder / "config.json").is_file():
+        changed = _changed_settings(out / "config.json", _settings(config), keys=AUTOENCODER_SETTINGS)
+        if changed:
+            raise CheckpointMismatchError(
+                f"the autoencoder in {folder} was trained with other settings than this run's; it was not reused "
+                f"and nothing was changed. Settings that differ from that run's config.json: {changed}. Run with "
+                f"that run's settings, use another output_dir, or delete {folder} (and {out / 'checkpoints'}) to "
+                "train a new autoencoder")
         _log(f"autoencoder stage: reusing {folder}")
         return eqx.tree_at(lambda m: m.vae, model, load(folder))
     t0 = time.perf_counter()
@@ -418,7 +439,7 @@ def run(config: TrainConfig):
     t_start = time.perf_counter()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    settings = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    settings = _settings(config)
     mesh = None if config.mesh is None else make_mesh(config.mesh)
     if config.batch_size % batch_shards(mesh):
         raise DataError(f"batch_size={config.batch_size} must be a multiple of {batch_shards(mesh)}: the mesh "
@@ -528,9 +549,14 @@ _PER_RUN = {"steps", "output_dir", "log_every", "checkpoint_every", "keep_checkp
             "export_dtype", "export_scheduler"}
 
 
-def _changed_settings(path: Path, settings: dict) -> str:
+def _settings(config: TrainConfig) -> dict:
+    """``config`` as the run's ``config.json`` holds it (nested dicts, JSON values)."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def _changed_settings(path: Path, settings: dict, keys: tuple[str, ...] | None = None) -> str:
     """``key: saved -> now`` for the settings (dotted for nested ones) that differ from a saved config.json,
-    leaving out those that may change between resumed runs (steps, logging, export ...)."""
+    leaving out those that may change between resumed runs (steps, logging, export ...); only ``keys`` if given."""
     if not path.is_file():
         return ""
     try:
@@ -547,4 +573,4 @@ def _changed_settings(path: Path, settings: dict) -> str:
 
     old, new = dict(flat(saved)), dict(flat(settings))
     return "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
-                     if old.get(k) != new.get(k))
+                     if old.get(k) != new.get(k) and (keys is None or k in keys))
