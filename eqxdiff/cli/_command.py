@@ -6,20 +6,22 @@
 - Out of memory prints which settings lower memory and exits with status 1; so does a model that produced NaN.
 - Ctrl-C exits with status 130; a training run stopped by a signal (``TrainingInterrupted``) says where its checkpoint
   is, in one line.
-- Warnings print as one ``warning: ...`` line each.
+- Warnings print as one ``warning: ...`` line each, each text once (a check run before loading and again by the
+  pipeline warns once).
 - ``--debug`` (anywhere on the command line) shows the full traceback and Python's own warning format instead.
 """
 
 import contextlib
 import os
+import re
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import tyro._errors
 
-from ..pipelines import NonFiniteError
+from ..pipelines import InputError, NonFiniteError
 from ..train import TrainingInterrupted
 
 DEBUG_FLAG = "--debug"
@@ -64,6 +66,10 @@ def config_errors_raise():
         if isinstance(event, errors.MissingArgs):
             names = ", ".join(_flag(a.arg) for a in event.missing_arguments)
             raise FlagError(f"missing required flag(s) {names}")
+        if isinstance(event, errors.MissingSubcommand):
+            names = ", ".join(event.subcommand_spec.parser_from_name)
+            given = "" if event.found_token is None else f"{event.found_token!r} is not one of them; "
+            raise FlagError(f"name one of {names} first ({given}--help describes each)")
 
     with tyro._errors.on_parse_error(hook):
         yield
@@ -83,10 +89,50 @@ def is_out_of_memory(error: BaseException) -> bool:
         s in str(error) for s in _OUT_OF_MEMORY)
 
 
+def as_flags(message: str, names, flags: Mapping[str, str] | None = None) -> str:
+    """``message`` (about a call's arguments or a config's fields: ``height=0``, ``pass image=``, ``needs
+    remat_names``) in the command's words (``--height 0``, ``pass --image``, ``needs --remat-names``); ``flags``
+    gives the flag of a name whose flag is not ``--`` and the name with ``-`` for ``_`` (a nested config's field:
+    ``{"learning_rate": "--optimizer.learning-rate"}``)."""
+    flags = dict(flags or {})
+    for name in sorted({*names, *flags}, key=len, reverse=True):
+        flag = flags.get(name) or "--" + name.replace("_", "-")
+        word = rf"(?<![\w.-]){re.escape(name)}"
+        message = re.sub(rf"{word}=(?=[^\s,;)])", flag + " ", message)
+        message = re.sub(rf"{word}=", flag, message)
+        message = re.sub(rf"{word}(?= (?:must|applies|is|has|needs|unset|0 to|\[))", flag, message)
+        message = re.sub(rf"\b(raise|needs|use|lower) {re.escape(name)}(?![\w.-])", rf"\1 {flag}", message)
+    return message
+
+
+def check_output_folder(flag: str, path) -> None:
+    """``path`` (given as ``flag``) can be the folder a command writes into: it is a folder, or it is missing and
+    its nearest existing ancestor is a folder this process may create folders in. Checked before minutes of
+    loading, compiling or training, whose results would be lost when the folder cannot be made; raises
+    :class:`~eqxdiff.pipelines.InputError` naming the flag and the fix."""
+    given = os.fspath(path)
+    absolute = Path(os.path.abspath(Path(path).expanduser()))
+    existing = absolute
+    while not (existing.exists() or existing.is_symlink()):
+        existing = existing.parent
+    if not existing.is_dir():
+        kind = "a file" if existing.is_file() else "not a folder"
+        where = f"is {kind}" if existing == absolute else f"lies under {os.fspath(existing)!r}, which is {kind}"
+        raise InputError(f"{flag} {given!r} {where}; pass a folder (created if missing)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {given!r}: no permission to write in {os.fspath(existing)!r}; pass a folder you "
+                         "can write to")
+
+
 @contextlib.contextmanager
 def _one_line_warnings():
+    shown = set()  # a warning the checks before loading gave is not repeated when the pipeline's checks give it
+
     def show(message, category, filename, lineno, file=None, line=None):
-        print(f"warning: {one_line(str(message))}", file=sys.stderr if file is None else file)
+        text = f"warning: {one_line(str(message))}"
+        if text not in shown:
+            shown.add(text)
+            print(text, file=sys.stderr if file is None else file)
 
     previous = warnings.showwarning
     warnings.showwarning = show

@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -55,7 +54,7 @@ from ..pipelines import (
     single_file_class,
 )
 from ..schedulers import SCHEDULERS
-from ._command import DEBUG_HELP, config_errors_raise, run_command
+from ._command import DEBUG_HELP, as_flags, check_output_folder, config_errors_raise, run_command
 from ._compose import (
     HANDED_LATENTS,
     SCALE,
@@ -308,19 +307,14 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> I
     family, args, folder_class = _parse(argv, prog=prog)
     run, control = args.run, args.control
     for flag, path in (("--output-dir", run.output_dir), ("--compilation-cache-dir", run.compilation_cache_dir)):
-        if path is not None and path.exists() and not path.is_dir():  # before minutes of loading and compiling
-            raise InputError(f"{flag} {os.fspath(path)!r} is a file; pass a folder (created if missing)")
+        if path is not None:  # before minutes of loading and compiling
+            check_output_folder(flag, path)
     if run.config is not None and not Path(run.model).expanduser().is_file():
         raise InputError(f"--config is for a single .safetensors --model (it gives what the file lacks); --model "
                          f"{run.model!r} holds its own configs: leave out --config")
     read = config_reader(run.model, run.revision, run.config)
     options = scheduler_options(run.scheduler_option)
-    raw = read("scheduler/scheduler_config.json")
-    if raw is not None and (run.scheduler or options):
-        try:
-            build_scheduler(raw, run.scheduler, options)
-        except ConfigError as e:
-            raise ConfigError(f"--scheduler-option: {e}") from None
+    scheduler = _scheduler(read, run.scheduler, options)
     kwargs = family.call_kwargs(args.pipeline)  # input files are read (or found missing) before loading too
     cls = family.pipeline_class
     nets = len(control.controlnet) or (folder_nets(read) if is_controlnet(cls) else 0)
@@ -337,13 +331,15 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> I
     flags = {SCALE: "--controlnet-scale", control_argument(cls): "--control-image"} if nets else {}
     try:
         cls.check_arguments({**kwargs}, cls.folder_limits(read))
+        check_schedule(cls, scheduler, kwargs, read)
     except InputError as e:
         raise type(e)(as_flags(str(e), kwargs, flags)) from None
     if refiner is not None:
-        rcls = refiner.pipeline_class
+        rcls, rread = refiner.pipeline_class, config_reader(run.refiner)
         arguments = refiner_kwargs(_flags(refiner), kwargs, HANDED_LATENTS)
         try:
-            rcls.check_arguments(arguments, rcls.folder_limits(config_reader(run.refiner)))
+            rcls.check_arguments(arguments, rcls.folder_limits(rread))
+            check_schedule(rcls, _scheduler(rread, run.scheduler, options), arguments, rread)
         except InputError as e:
             raise type(e)(f"--refiner: {as_flags(str(e), arguments, {'denoising_start': '--denoising-end'})}"
                           ) from None
@@ -355,16 +351,45 @@ def _flags(family: FamilyOptions) -> list[str]:
     return [f.name for f in dataclasses.fields(family.options)]
 
 
-def as_flags(message: str, names, flags: Mapping[str, str] | None = None) -> str:
-    """``message`` (about a pipeline call's arguments: ``height=0``, ``pass image=``) in the command's words
-    (``--height 0``, ``pass --image``); ``flags`` gives the flag of an argument whose flag is not its name."""
-    flags = dict(flags or {})
-    for name in sorted({*names, *flags}, key=len, reverse=True):
-        flag = flags.get(name) or "--" + name.replace("_", "-")
-        message = re.sub(rf"(?<![\w-]){name}=(?=[^\s,;)])", flag + " ", message)
-        message = re.sub(rf"(?<![\w-]){name}=", flag, message)
-        message = re.sub(rf"(?<![\w-]){name}(?= (?:must|applies|is|has|needs|unset|0 to))", flag, message)
-    return message
+def _scheduler(read, name: str | None, options: Mapping[str, Any]):
+    """The scheduler the pipeline will sample with (the folder's ``scheduler_config.json``, swapped to ``name`` and
+    with ``options`` set, as :func:`~eqxdiff.pipelines.load_pipeline` builds it), or ``None`` without one."""
+    raw = read("scheduler/scheduler_config.json")
+    if raw is None:
+        return None
+    try:
+        return build_scheduler(raw, name, options)[0]
+    except ConfigError as e:
+        raise ConfigError(f"--scheduler-option: {e}" if name or options else str(e)) from None
+
+
+class _BeforeLoading:
+    """A pipeline class as its :meth:`~eqxdiff.pipelines.DiffusionPipeline.check_call` sees it before loading:
+    the scheduler built from the folder's config and the VAE's latent channels (from its ``config.json``); every
+    other attribute is the class's."""
+
+    def __init__(self, cls: type, scheduler, latent_channels: int):
+        self._cls, self.scheduler, self.latent_channels = cls, scheduler, latent_channels
+
+    def __getattr__(self, name: str):
+        return getattr(self._cls, name)
+
+
+def check_schedule(cls: type, scheduler, kwargs: Mapping[str, Any], read) -> None:
+    """The schedule a call of ``cls`` with ``kwargs`` asks for exists, before anything is loaded: the class's own
+    :meth:`~eqxdiff.pipelines.DiffusionPipeline.check_call` (the steps within the training timesteps, a
+    ``strength`` or hand-off that leaves a step, a custom ``timesteps`` / ``sigmas`` the scheduler takes: what
+    :func:`~eqxdiff.pipelines.plan_schedule` refuses) on ``scheduler`` (:func:`_scheduler`; ``None``: not
+    checked). Raises :class:`~eqxdiff.pipelines.InputError` with the check's message."""
+    if scheduler is None:
+        return
+    latent_channels = (read("vae/config.json") or {}).get("latent_channels", 4)
+    try:
+        cls.check_call(_BeforeLoading(cls, scheduler, latent_channels), {**kwargs})
+    except InputError:
+        raise
+    except ValueError as e:  # the scheduler's and plan_schedule's errors: the call's arguments cannot run
+        raise InputError(str(e)) from None
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[Path]:
