@@ -11,6 +11,7 @@ compiled program (what a PNG records, NaN out of a model) share one program at t
 import copy
 import dataclasses
 import json
+import os
 import re
 import shutil
 import sys
@@ -61,6 +62,7 @@ def ws(tmp_path_factory, pipe):
     (root / "out").mkdir()
     Image.fromarray(np.full((16, 16, 3), 7, np.uint8)).save(root / "out" / "image_0.png")
     Image.fromarray(np.zeros((18, 18, 3), np.uint8)).save(root / "odd.png")
+    Image.fromarray(np.full((16, 16, 3), 200, np.uint8)).save(root / "square.png")
     (root / "taken").write_text("a file where a folder should be")
     (root / "notes.png").write_text("not an image")
     (root / "unknown").mkdir()
@@ -132,8 +134,20 @@ GENERATE = [
     ("image-not-a-multiple", ["--image", "{odd}"], InputError, r"image is 18x18 pixels, not a multiple of 4 .*; "
      r"resize or crop it to 16x16"),
     ("output-dir-is-a-file", ["--output-dir", "{taken}"], InputError, r"--output-dir '.*taken' is a file"),
+    ("output-dir-under-a-file", ["--output-dir", "{taken}/sub/dir"], InputError, r"--output-dir '.*taken/sub/dir' "
+     r"lies under '.*taken', which is a file; pass a folder \(created if missing\)"),
     ("cache-dir-is-a-file", ["--compilation-cache-dir", "{taken}"], InputError, r"--compilation-cache-dir .* is a "
      r"file"),
+    ("cache-dir-under-a-file", ["--compilation-cache-dir", "{taken}/cache"], InputError, r"--compilation-cache-dir "
+     r"'.*taken/cache' lies under '.*taken', which is a file"),
+    ("steps-beyond-schedule", ["--steps", "5000"], InputError, r"--num-inference-steps 5000 must be in \[1, "
+     r"num_train_timesteps=1000\]"),
+    ("strength-leaves-no-step", ["--image", "{square}", "--strength", "0.1", "--steps", "4"], InputError,
+     r"--strength 0.1 with 4 steps leaves no denoising step; raise --num-inference-steps or move the fraction"),
+    ("timesteps-outside-schedule", ["--timesteps", "5000", "10"], InputError, r"--timesteps \[5000, 10\] fall "
+     r"outside \[0, num_train_timesteps=1000\)"),
+    ("sigmas-not-taken", ["--sigmas", "1.0", "0.5"], InputError, r"DPMSolverMultistepScheduler.init does not take "
+     r"--sigmas .*; it takes --timesteps"),
     ("scheduler-option-no-value", ["--scheduler-option", "clip_sample"], InputError, r"must be KEY=VALUE"),
     ("scheduler-option-unknown", ["--scheduler", "ddim", "--scheduler-option", "nope=1"], ConfigError,
      r"DDIMScheduler has no config option\(s\) \['nope'\]; it takes .*clip_sample"),
@@ -155,48 +169,68 @@ GENERATE = [
 ]
 
 TRAIN = [
-    ("resolution-zero", ["digits", "--resolution", "0"], ValueError, r"resolution=0 must be >= 1"),
+    ("resolution-zero", ["digits", "--resolution", "0"], ValueError, r"--resolution 0 must be >= 1"),
     ("resolution-not-multiple", ["digits", "--resolution", "18"], InputError, r"--resolution 18 must be a multiple "
      r"of 4 .*try --resolution 16"),
-    ("seed-negative", ["digits", "--seed", "-1"], ValueError, r"seed=-1 must be in \[0, 2\*\*31\)"),
-    ("seed-huge", ["digits", "--seed", str(2**40)], ValueError, r"seed=1099511627776 must be in"),
-    ("lr-nan", ["digits", "--optimizer.learning-rate", "nan"], ValueError, r"learning_rate=nan must be a positive"),
-    ("lr-negative", ["digits", "--optimizer.learning-rate", "-1e-3"], ValueError, r"learning_rate=-0.001 must be"),
-    ("beta-one", ["digits", "--optimizer.beta1", "1.0"], ValueError, r"beta1=1.0 must be in \[0, 1\)"),
-    ("schedule-unknown", ["digits", "--optimizer.schedule", "step"], ValueError, r"schedule='step'; choose one of"),
-    ("clip-norm-zero", ["digits", "--optimizer.max-grad-norm", "0"], ValueError, r"max_grad_norm=0.0 must be > 0"),
-    ("snr-nan", ["digits", "--objective.snr-gamma", "nan"], ValueError, r"snr_gamma=nan must be positive"),
-    ("dropout-one", ["digits", "--objective.caption-dropout", "1.0"], ValueError, r"caption_dropout=1.0 must be in"),
+    ("seed-negative", ["digits", "--seed", "-1"], ValueError, r"--seed -1 must be in \[0, 2\*\*31\)"),
+    ("seed-huge", ["digits", "--seed", str(2**40)], ValueError, r"--seed 1099511627776 must be in"),
+    ("lr-nan", ["digits", "--optimizer.learning-rate", "nan"], ValueError, r"--optimizer.learning-rate nan must be a "
+     r"positive"),
+    ("lr-negative", ["digits", "--optimizer.learning-rate", "-1e-3"], ValueError, r"--optimizer.learning-rate -0.001 "
+     r"must be"),
+    ("beta-one", ["digits", "--optimizer.beta1", "1.0"], ValueError, r"--optimizer.beta1 1.0 must be in \[0, 1\)"),
+    ("schedule-unknown", ["digits", "--optimizer.schedule", "step"], ValueError, r"--optimizer.schedule 'step'; "
+     r"choose one of"),
+    ("clip-norm-zero", ["digits", "--optimizer.max-grad-norm", "0"], ValueError, r"--optimizer.max-grad-norm 0.0 "
+     r"must be > 0"),
+    ("snr-nan", ["digits", "--objective.snr-gamma", "nan"], ValueError, r"--objective.snr-gamma nan must be "
+     r"positive"),
+    ("dropout-one", ["digits", "--objective.caption-dropout", "1.0"], ValueError, r"--objective.caption-dropout 1.0 "
+     r"must be in"),
     ("prediction-unknown", ["digits", "--objective.prediction-type", "noise"], ValueError,
-     r"prediction_type='noise'; choose one of"),
-    ("offset-inf", ["digits", "--objective.noise-offset", "inf"], ValueError, r"noise_offset=inf must be >= 0"),
-    ("ema-one", ["digits", "--ema-decay", "1.0"], ValueError, r"ema_decay=1.0 must be in \(0, 1\)"),
-    ("kl-nan", ["digits", "--kl-weight", "nan"], ValueError, r"kl_weight=nan must be a finite number"),
-    ("vae-lr-zero", ["digits", "--autoencoder-learning-rate", "0"], ValueError, r"autoencoder_learning_rate=0.0"),
-    ("sample-guidance-inf", ["digits", "--sample-guidance-scale", "inf"], ValueError, r"sample_guidance_scale=inf "
+     r"--objective.prediction-type 'noise'; choose one of"),
+    ("offset-inf", ["digits", "--objective.noise-offset", "inf"], ValueError, r"--objective.noise-offset inf must be "
+     r">= 0"),
+    ("ema-one", ["digits", "--ema-decay", "1.0"], ValueError, r"--ema-decay 1.0 must be in \(0, 1\)"),
+    ("kl-nan", ["digits", "--kl-weight", "nan"], ValueError, r"--kl-weight nan must be a finite number"),
+    ("vae-lr-zero", ["digits", "--autoencoder-learning-rate", "0"], ValueError, r"--autoencoder-learning-rate 0.0 "
+     r"must be a positive number"),
+    ("sample-guidance-inf", ["digits", "--sample-guidance-scale", "inf"], ValueError, r"--sample-guidance-scale inf "
      r"must be finite"),
-    ("batch-zero", ["digits", "--batch-size", "0"], ValueError, r"batch_size=0 must be >= 1"),
-    ("architecture-odd-size", ["digits", "--architecture.image-size", "18"], ValueError, r"architecture.image_size=18 "
-     r"must be a multiple of 4"),
-    ("architecture-no-channels", ["digits", "--architecture.unet-channels"], ValueError, r"architecture."
-     r"unet_channels is empty"),
-    ("architecture-groups", ["digits", "--architecture.norm-num-groups", "7"], ConfigError, r"norm_num_groups=7 "
-     r"must be an int dividing every block_out_channels"),
+    ("batch-zero", ["digits", "--batch-size", "0"], ValueError, r"--batch-size 0 must be >= 1"),
+    ("checkpoint-every-negative", ["digits", "--checkpoint-every", "-1"], ValueError, r"--checkpoint-every -1 must "
+     r"be >= 0 \(0: never\)"),
+    ("architecture-odd-size", ["digits", "--architecture.image-size", "18"], ValueError, r"--architecture.image-size "
+     r"18 must be a multiple of 4"),
+    ("architecture-no-channels", ["digits", "--architecture.unet-channels"], ValueError, r"--architecture."
+     r"unet-channels is empty"),
+    ("architecture-groups", ["digits", "--architecture.norm-num-groups", "7"], ConfigError, r"--architecture."
+     r"norm-num-groups 7 must be an int dividing every block_out_channels"),
     ("export-into-shipped-model", ["digits", "--export-dir", str(DIGITS)], InputError, r"--export-dir .* is inside "
      r"the 'digits' model shipped with eqxdiff; pass another folder"),
     ("export-dir-is-a-file", ["digits", "--export-dir", "{taken}"], InputError, r"--export-dir '.*taken' is a file"),
+    ("export-dir-under-a-file", ["digits", "--export-dir", "{taken}/pipeline"], InputError, r"--export-dir "
+     r"'.*taken/pipeline' lies under '.*taken', which is a file; pass a folder \(created if missing\)"),
     ("output-dir-is-a-file", ["digits", "--output-dir", "{taken}"], InputError, r"--output-dir '.*taken' is a file"),
-    ("export-scheduler-unknown", ["digits", "--export-scheduler", "nope"], ValueError, r"export_scheduler='nope'; "
+    ("output-dir-under-a-file", ["digits", "--output-dir", "{taken}/runs/a"], InputError, r"--output-dir "
+     r"'.*taken/runs/a' lies under '.*taken', which is a file"),
+    ("export-scheduler-unknown", ["digits", "--export-scheduler", "nope"], ValueError, r"--export-scheduler 'nope'; "
      r"choose one of"),
-    ("export-dtype-unknown", ["digits", "--export-dtype", "fp33"], CheckpointError, r"unknown dtype 'fp33'"),
-    ("fine-tune-without-data", ["sd15"], ValueError, r"fine-tuning needs training data: set one of data"),
+    ("export-dtype-unknown", ["digits", "--export-dtype", "fp33"], CheckpointError, r"--export-dtype 'fp33': unknown "
+     r"dtype 'fp33'"),
+    ("fine-tune-without-data", ["sd15"], ValueError, r"fine-tuning needs training data: set one of --data \(digits, "
+     r"synthetic or an image folder\), --hf-dataset or --tfrecord"),
     ("two-sources", ["digits", "--data", "x", "--hf-dataset", "y"], ValueError, r"give one data source, got "
-     r"data='x' and hf_dataset='y'"),
-    ("key-for-another-source", ["digits", "--image-key", "jpeg"], ValueError, r"image_key='jpeg' is for the "
+     r"--data 'x' and --hf-dataset 'y'; keep one of --data"),
+    ("key-for-another-source", ["digits", "--image-key", "jpeg"], ValueError, r"--image-key 'jpeg' is for the "
      r"tfrecord source, but the data source is 'digits'; remove it"),
-    ("mesh-negative", ["digits", "--mesh.ici-data-parallelism", "-2"], MeshError, r"ici_data_parallelism=-2"),
-    ("remat-named-without-names", ["digits", "--remat", "NAMED"], ValueError, r"remat='named' needs remat_names"),
-    ("preset-unknown", ["sd99"], _command.FlagError, r"'sd99'|sd99"),
+    ("mesh-negative", ["digits", "--mesh.ici-data-parallelism", "-2"], MeshError, r"--mesh.ici-data-parallelism -2 "
+     r"must be a positive int"),
+    ("remat-named-without-names", ["digits", "--remat", "NAMED"], ValueError, r"--remat 'named' needs --remat-names"),
+    ("preset-unknown", ["sd99"], _command.FlagError, r"unknown preset 'sd99'; a command line starts with a preset, "
+     r"one of digits, sd15, sd21, sdxl, flux-dev, flux-schnell"),
+    ("preset-missing", ["--steps", "3"], _command.FlagError, r"^a command line starts with a preset, one of digits, "
+     r"sd15"),
 ]
 
 
@@ -461,6 +495,27 @@ def test_warnings_print_one_line_each(capsys):
     assert capsys.readouterr().err.splitlines() == ["warning: first line; second line"]
 
 
+def _stop_after_the_checks(*args, **kwargs):
+    raise InputError("stopped after the call's checks")
+
+
+def test_a_warning_prints_once_though_checked_before_loading_and_in_the_call(ws, unchanged, monkeypatch, capsys):
+    """The size estimate warns in ``validate`` (before loading) and again in the pipeline's own checks: the command
+    prints it once. (Python's warning filter would not hide the second: they come from different lines.)"""
+    from eqxdiff.pipelines import stable_diffusion
+
+    monkeypatch.setattr(stable_diffusion, "encode_prompt", _stop_after_the_checks)  # the digits model loads: no compile
+    monkeypatch.setattr(sys, "argv", ["eqxdiff-generate", "--height", "512", "--width", "512"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with pytest.raises(SystemExit) as info:
+            generate.cli()
+    lines = capsys.readouterr().err.splitlines()
+    assert info.value.code == 2 and lines[-1] == "error: stopped after the call's checks", lines
+    warned = [line for line in lines if line.startswith("warning:")]
+    assert len(warned) == 1 and warned[0].startswith("warning: 512x512 pixels is 1024x the model's native 16x16"), lines
+
+
 # -- nothing is lost ----------------------------------------------------------------------------------------------
 
 def test_a_save_replaces_the_folder_whole_and_keeps_what_is_not_its_own(pipe, tmp_path):
@@ -475,6 +530,24 @@ def test_a_save_replaces_the_folder_whole_and_keeps_what_is_not_its_own(pipe, tm
                                                         "pytorch_lora_weights.safetensors"]
     assert eqxdiff.load(folder).encoder.conv_in.weight.dtype == jax.numpy.float32  # loads (cast on read)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vae"]  # no temporary folder left behind
+
+
+def test_an_output_folder_this_process_cannot_write_in_is_refused(ws, unchanged, monkeypatch):
+    """A missing --output-dir / --export-dir whose nearest existing folder denies writing is refused before loading
+    or training. (The tests run as root, which a chmod does not stop: the permission check's answer is set here.)"""
+    locked, access = ws.root / "out", os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != locked and access(path, mode, **kw))
+    monkeypatch.setattr(generate, "load_pipeline", _must_not_load)
+    monkeypatch.setattr(train, "run", _must_not_load)
+    cases = [(generate, ["--output-dir", f"{locked}/new/images"], "--output-dir"),
+             (train, ["digits", "--export-dir", f"{locked}/pipeline"], "--export-dir"),
+             (train, ["digits", "--output-dir", str(locked)], "--output-dir")]
+    for command, argv, flag in cases:
+        with pytest.raises(InputError, match=rf"^{flag} '{argv[-1]}': no permission to write in '{locked}'; pass a "
+                                             r"folder you can write to$") as info:
+            command.validate(argv)
+        one_line(str(info.value))
+    generate.validate(["--output-dir", f"{ws.root}/cwd/new/images"])  # beside it, a folder it may create: accepted
 
 
 def test_train_exports_outside_the_package():
@@ -492,7 +565,9 @@ def test_limits_read_before_loading_equal_the_loaded_models(pipe):
 
     assert type(pipe).folder_limits(read) == pipe.call_limits() == CallLimits(4, (16, 16), 2)
     # SDXL takes the penultimate layer by default: one layer less to skip; the smaller encoder decides.
-    configs = {"vae/config.json": {"block_out_channels": [1, 2, 3, 4]}, "unet/config.json": {"sample_size": 128},
+    vae = {"block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlock2D"] * 4,
+           "up_block_types": ["UpDecoderBlock2D"] * 4}  # read through AutoencoderKLConfig: a config it accepts
+    configs = {"vae/config.json": vae, "unet/config.json": {"sample_size": 128},
                "text_encoder/config.json": {"num_hidden_layers": 12},
                "text_encoder_2/config.json": {"num_hidden_layers": 32}}
     assert StableDiffusionXLPipeline.folder_limits(configs.get) == CallLimits(8, (1024, 1024), 11)
@@ -519,11 +594,14 @@ def test_shipped_scheduler_keeps_what_the_model_was_trained_for():
 
 # -- what needs a compiled program: one, shared ---------------------------------------------------------------------
 
+GENERATED = ["--steps", "2", "--seed", "3", "--scheduler", "ddim", "--scheduler-option", "timestep_spacing=trailing",
+             "--vae-tiling", "--no-progress"]
+
+
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
     out = tmp_path_factory.mktemp("generated")
-    argv = ["--steps", "2", "--seed", "3", "--scheduler", "ddim", "--scheduler-option", "timestep_spacing=trailing",
-            "--vae-tiling", "--output-dir", str(out), "--no-progress"]
+    argv = [*GENERATED, "--output-dir", str(out)]
     return out, argv, generate.main(argv)
 
 
@@ -534,6 +612,24 @@ def test_outputs_record_what_was_used(generated):
     assert params["scheduler"] == "ddim" and params["scheduler_options"] == {"timestep_spacing": "trailing"}
     assert "strength" not in params  # text-to-image: no strength recorded
     assert params["vae_tiling"] is True
+
+
+def _no_denoising(self, denoiser, scheduler, state, latents, *args, **kwargs):
+    return latents
+
+
+def test_image_to_image_records_its_strength(generated, ws, tmp_path, monkeypatch):
+    """The PNG of an image-to-image run records its strength (and the input file). The denoising loop is left out
+    (the noised image latents are decoded as they are): what is recorded does not depend on it, and the loop of
+    an image-to-image call would compile again."""
+    from eqxdiff.pipelines import _latents
+
+    monkeypatch.setattr(_latents.LatentPipeline, "run_loop", _no_denoising)
+    paths = generate.main([*GENERATED, "--image", ws.paths["square"], "--strength", "0.5", "--output-dir",
+                           str(tmp_path)])
+    params = read_parameters(paths[0])
+    assert params["strength"] == 0.5 and params["image"] == ws.paths["square"]
+    assert (params["height"], params["width"]) == (16, 16)  # the input image's size
 
 
 def test_nan_from_the_model_is_an_error_and_writes_nothing(generated, pipe, monkeypatch, capsys):
@@ -556,6 +652,20 @@ def test_nan_from_the_model_is_an_error_and_writes_nothing(generated, pipe, monk
                                               "check the weights (a NaN in the checkpoint?) or lower guidance_scale "
                                               "(now 7.5)"], lines
     assert snapshot(out) == before
+
+
+def test_nan_in_half_precision_says_to_run_in_float32(pipe):
+    """Non-finite final latents of a bfloat16 run: the hint is the overflow of half-precision activations (and the
+    guidance), not the checkpoint. (Checked on the latents the loop hands over: nothing compiles.)"""
+    half = copy.copy(pipe)
+    half.activations_dtype = jax.numpy.dtype("bfloat16")
+    latents = jax.numpy.full((2, 4, 4, 4), jax.numpy.nan, jax.numpy.bfloat16).at[0].set(0.0)
+    with pytest.raises(NonFiniteError, match=r"^the model produced NaN or infinite values in 1 of 2 latents; the "
+                       r"bfloat16 activations may have overflowed: run in float32 \(activations_dtype, "
+                       r"--activations-dtype/--weights-dtype float32\) or lower guidance_scale \(now 7.5\)$"):
+        half.finish(latents, "latent", guided_by="guidance_scale (now 7.5)")
+    with pytest.raises(NonFiniteError, match=r"in 1 of 2 latents; check the weights \(a NaN in the checkpoint\?\)$"):
+        pipe.finish(latents.astype(jax.numpy.float32), "latent")
 
 
 def test_shipped_model_untouched_by_everything_above():

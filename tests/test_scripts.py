@@ -5,6 +5,7 @@ equal to one device, train presets, and a wheel installed into a fresh venv."""
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,12 +17,14 @@ from pathlib import Path
 import imageio_ffmpeg
 import numpy as np
 import pytest
+import tyro
 from PIL import Image
 
 import eqxdiff
 from eqxdiff.cli import generate, train
 from eqxdiff.cli._options import family_options
 from eqxdiff.core import FAMILY_TABLE
+from eqxdiff.parallel import MeshConfig, Remat
 from eqxdiff.pipelines import Component, DiffusionPipeline, read_parameters, write_video
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -257,6 +260,76 @@ def test_train_exports_under_the_output_dir_unless_told():
 def test_train_rejects_conflicting_sources():
     with pytest.raises(ValueError, match="give one data source"):  # raised, for eqxdiff-train's one-line error
         train.parse(["digits", "--data", "folder", "--hf-dataset", "user/name"])
+
+
+# What tests/test_train_sdxl.py and tests/test_train_flux.py train with: FSDP over every device, full remat, the
+# stream's latents and text embeddings cached (frozen text encoders), the folder's own scheduler exported.
+LARGE_PRESETS = {
+    "sdxl": dict(model="stabilityai/stable-diffusion-xl-base-1.0", resolution=1024),
+    "flux-dev": dict(model="black-forest-labs/FLUX.1-dev", resolution=512, guidance_scale=3.5,
+                     max_sequence_length=512, sample_guidance_scale=3.5),
+    "flux-schnell": dict(model="black-forest-labs/FLUX.1-schnell", resolution=512, max_sequence_length=256,
+                         sample_guidance_scale=0.0, sample_steps=4),
+}
+
+
+@pytest.mark.parametrize("preset", list(LARGE_PRESETS))
+def test_large_presets_train_as_their_family_tests_do(preset, tmp_path, monkeypatch):
+    config = train.parse([preset])
+    assert config.mesh == MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1)
+    assert config.remat is Remat.FULL and config.remat_names == ()
+    assert config.cache and config.cache_stream and not config.train_text_encoder
+    assert config.export_scheduler is None and config.export_dir is None
+    assert config.optimizer.total_steps == config.steps and config.objective.weighting_scheme == "none"
+    for key, value in LARGE_PRESETS[preset].items():
+        assert getattr(config, key) == value, (preset, key)
+    monkeypatch.chdir(tmp_path)  # the checks before loading accept it (a Hub model is not fetched by them)
+    assert train.validate([preset, "--data", str(tmp_path)]) == dataclasses.replace(config, data=str(tmp_path))
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """``{flag: its help text}`` from tyro's ``--help`` (box or plain layout; the help beside the flag or on the
+    lines under it)."""
+    entries, flag = {}, None
+    for line in text.splitlines():
+        content = line.strip("\u2502").rstrip()  # the box's side borders, if drawn
+        found = re.match(r" {0,3}(-{1,2}[\w][\w.-]*)", content)
+        if found:
+            flag = found.group(1)
+            parts = re.split(r"\s{2,}", content.strip(), maxsplit=1)
+            entries[flag] = parts[1] if len(parts) > 1 else ""
+        elif flag is not None and re.match(r" {4,}\S", content):
+            entries[flag] += " " + content.strip()
+        else:
+            flag = None
+    return entries
+
+
+def _help_text(entry: str) -> str:
+    return re.sub(r"\s*\((?:default: .*|required|fixed.*)\)$", "", entry).strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class _HalfDocumented:
+    documented: int = 1
+    """Has a help text."""
+    undocumented: int = 2
+
+
+@pytest.mark.parametrize("preset", list(train.PRESETS))
+def test_every_train_flag_has_help(preset, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):  # the parser reads an undocumented field as an empty help
+        tyro.cli(_HalfDocumented, args=["--help"])
+    probe = {k: _help_text(v) for k, v in _help_entries(capsys.readouterr().out).items()}
+    assert probe["--documented"] == "Has a help text." and probe["--undocumented"] == ""
+    with pytest.raises(SystemExit) as info:
+        train.parse([preset, "--help"])
+    assert info.value.code == 0
+    entries = _help_entries(capsys.readouterr().out)
+    assert set(train.FIELD_FLAGS.values()) <= set(entries), sorted(set(train.FIELD_FLAGS.values()) - set(entries))
+    undocumented = sorted(flag for flag, entry in entries.items() if not _help_text(entry))
+    assert not undocumented, f"eqxdiff-train {preset} --help: no help for {undocumented}"
 
 
 # -- a wheel is a complete install ---------------------------------------------------------------------------------

@@ -15,13 +15,17 @@ pipeline is exported to ``OUTPUT_DIR/pipeline`` unless ``--export-dir`` says oth
 package.
 
 Every flag is checked before anything is loaded (:func:`validate`); a bad one stops the command with one line
-``error: <what> (<how to fix>)`` and status 2 (``--debug`` shows the traceback). Ctrl-C or SIGTERM stop at the next
-step with a checkpoint saved: ``interrupted at step N; checkpoint saved in DIR (run the same command to resume)``
-and status 130.
+``error: <what> (<how to fix>)`` naming the flags, and status 2 (``--debug`` shows the traceback). Ctrl-C or SIGTERM
+stop at the next step with a checkpoint saved: ``interrupted at step N; checkpoint saved in DIR (run the same command
+to resume)`` and status 130; during the autoencoder stage of a from-scratch run (minutes) nothing of that stage is
+kept, and the same command trains it again.
 """
 
+import dataclasses
 import os
 import sys
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,7 +36,7 @@ from ..loading import PACKAGED_MODELS, read_config, resolve_folder
 from ..parallel import MeshConfig, Remat
 from ..pipelines import InputError
 from ..train import DigitsArchitecture, Objective, OptimizerConfig, TrainConfig, run
-from ._command import DEBUG_HELP, config_errors_raise, run_command
+from ._command import DEBUG_HELP, FlagError, as_flags, check_output_folder, config_errors_raise, run_command
 
 DESCRIPTION = ("Train or fine-tune a Stable Diffusion, SDXL or Flux model: every field of eqxdiff.train.TrainConfig "
                f"is a flag, a preset sets the defaults. {DEBUG_HELP}")
@@ -108,11 +112,62 @@ PRESETS = {
 }
 
 
+def _nested_config(tp) -> type | None:
+    """The dataclass a field annotation holds (``MeshConfig | None``: ``MeshConfig``), or ``None``."""
+    members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    return next((m for m in members if dataclasses.is_dataclass(m)), None)
+
+
+def _leaf_fields(cls: type, prefix: str = "") -> list[str]:
+    """The dotted names of ``cls``'s fields, those of nested configs spelled out (``optimizer.learning_rate``)."""
+    names = []
+    for field in dataclasses.fields(cls):
+        nested = _nested_config(typing.get_type_hints(cls)[field.name])
+        names += [prefix + field.name] if nested is None else _leaf_fields(nested, f"{prefix}{field.name}.")
+    return names
+
+
+def field_flags(cls: type = TrainConfig) -> dict[str, str]:
+    """``{name: flag}`` of every field of ``cls`` and of the configs nested in it, under the names the configs'
+    errors use: the dotted path (``optimizer.learning_rate``, ``architecture.image_size``) and, where no other
+    field has it, the bare name (``learning_rate``) -> ``--optimizer.learning-rate``."""
+    dotted = {name: "--" + name.replace("_", "-") for name in _leaf_fields(cls)}
+    bare: dict[str, list[str]] = {}
+    for name, flag in dotted.items():
+        bare.setdefault(name.rsplit(".", 1)[-1], []).append(flag)
+    return {**{k: v[0] for k, v in bare.items() if len(v) == 1}, **dotted}
+
+
+FIELD_FLAGS = field_flags()
+
+
+def in_flags(error: ValueError) -> ValueError:
+    """``error`` (a :class:`~eqxdiff.train.TrainConfig` field's check: ``learning_rate=nan must be ...``) with the
+    fields named as the flags that set them (``--optimizer.learning-rate nan must be ...``), of the same type."""
+    message = as_flags(str(error), (), FIELD_FLAGS)
+    return error if message == str(error) else type(error)(message)
+
+
+def _check_preset(argv: Sequence[str], prog: str | None) -> None:
+    if not argv or argv[0] in PRESETS or any(a in ("-h", "--help") for a in argv):
+        return  # no arguments: tyro's own message names the presets
+    first = "" if argv[0].startswith("-") else f"unknown preset {argv[0]!r}; "
+    raise FlagError(f"{first}a command line starts with a preset, one of {', '.join(PRESETS)} "
+                    f"({prog or 'eqxdiff-train'} PRESET [flags]; --help describes each)")
+
+
 def parse(argv: Sequence[str] | None = None, *, prog: str | None = None) -> TrainConfig:
     """The :class:`~eqxdiff.train.TrainConfig` a command line (default ``sys.argv[1:]``) selects: a preset's, with
-    the flags given."""
-    with config_errors_raise():
-        return tyro.extras.overridable_config_cli(PRESETS, args=argv, prog=prog, description=DESCRIPTION)
+    the flags given. A value a config refuses raises its ``ValueError`` with the flags named (:func:`in_flags`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _check_preset(argv, prog)
+    try:
+        with config_errors_raise():
+            return tyro.extras.overridable_config_cli(PRESETS, args=argv, prog=prog, description=DESCRIPTION)
+    except FlagError:
+        raise
+    except ValueError as e:
+        raise in_flags(e) from None
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -126,11 +181,13 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
     a file, never the model shipped inside eqxdiff), the from-scratch architecture's model configs, and a resolution
     the VAE can downsample. Raises a ``ValueError`` naming the flag."""
     config = parse(argv, prog=prog)
-    config.source  # noqa: B018 - a missing or conflicting data source raises ValueError
+    try:
+        config.source  # noqa: B018 - a missing or conflicting data source raises ValueError
+    except ValueError as e:
+        raise in_flags(e) from None
     export = config.export_dir or Path(config.output_dir) / "pipeline"
     for flag, path in (("--output-dir", Path(config.output_dir)), ("--export-dir", export)):
-        if path.exists() and not path.is_dir():
-            raise InputError(f"{flag} {os.fspath(path)!r} is a file; pass a folder (created if missing)")
+        check_output_folder(flag, path)  # a file, or under one: refused before hours of training
         shipped = next((name for name, folder in PACKAGED_MODELS.items() if _inside(path, folder)), None)
         if shipped is not None:
             raise InputError(f"{flag} {os.fspath(path)!r} is inside the {shipped!r} model shipped with eqxdiff; pass "
@@ -138,7 +195,10 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
                              "yourself to replace the shipped model)")
     if config.model is None:
         tokenizer = character_tokenizer(max_length=32)
-        _, _, vae = config.architecture.configs(tokenizer)  # ConfigError for sizes the models cannot take
+        try:
+            _, _, vae = config.architecture.configs(tokenizer)  # ConfigError for sizes the models cannot take
+        except ValueError as e:
+            raise in_flags(e) from None
         factor = 2 ** (len(vae.block_out_channels) - 1)
     else:
         factor = _vae_factor(config.model)
