@@ -263,25 +263,6 @@ def scheduler_name(scheduler) -> str | None:
     return type(scheduler).__name__
 
 
-class _CompileSeconds:
-    """Sums JAX's compile-duration events (tracing, lowering, XLA compile); one listener per process."""
-
-    seconds = 0.0
-    _registered = False
-
-    @classmethod
-    def now(cls) -> float:
-        if not cls._registered:
-            jax.monitoring.register_event_duration_secs_listener(cls._on_event)
-            cls._registered = True
-        return cls.seconds
-
-    @classmethod
-    def _on_event(cls, name, duration, **_):
-        if name.startswith("/jax/core/compile/"):
-            cls.seconds += duration
-
-
 @dataclasses.dataclass(frozen=True)
 class Invocation:
     """A checked command line: the family's options, the parsed flags, the pipeline call's keyword arguments (input
@@ -365,8 +346,8 @@ def _scheduler(read, name: str | None, options: Mapping[str, Any]):
 
 class _BeforeLoading:
     """A pipeline class as its :meth:`~eqxdiff.pipelines.DiffusionPipeline.check_call` sees it before loading:
-    the scheduler built from the folder's config and the VAE's latent channels (from its ``config.json``); every
-    other attribute is the class's."""
+    the scheduler built from the folder's config and the VAE's latent channels (its ``config.json`` read through
+    its config class); every other attribute is the class's."""
 
     def __init__(self, cls: type, scheduler, latent_channels: int):
         self._cls, self.scheduler, self.latent_channels = cls, scheduler, latent_channels
@@ -383,7 +364,8 @@ def check_schedule(cls: type, scheduler, kwargs: Mapping[str, Any], read) -> Non
     checked). Raises :class:`~eqxdiff.pipelines.InputError` with the check's message."""
     if scheduler is None:
         return
-    latent_channels = (read("vae/config.json") or {}).get("latent_channels", 4)
+    vae = cls.folder_config(read, "vae")
+    latent_channels = 4 if vae is None else vae.latent_channels
     try:
         cls.check_call(_BeforeLoading(cls, scheduler, latent_channels), {**kwargs})
     except InputError:
@@ -425,7 +407,6 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
             p.enable_vae_tiling()
     if "progress" in kwargs:
         kwargs["progress"] = kwargs["progress"] and main_process
-    compile_before = _CompileSeconds.now()
     t0 = time.perf_counter()
     if refiner is None:
         outputs = pipe(**kwargs)
@@ -433,7 +414,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
         latents = pipe(**{**kwargs, "output_type": "latent"})
         outputs = refiner(**refiner_kwargs(_flags(checked.refiner), kwargs, latents))
     total_s = time.perf_counter() - t0
-    compile_s = _CompileSeconds.now() - compile_before
+    compile_s = sum(p.timings["call_compile"] for p in (pipe, refiner) if p is not None)
 
     params = _parameters(checked, pipe, outputs, refiner)
     fps = run.fps or kwargs.get("frame_rate")
