@@ -263,6 +263,27 @@ def test_one_image_in_guess_mode_matches_diffusers(union, latents, images, monke
     assert _pixels_off(ours, expected) <= 2
 
 
+def test_pooled_net_forces_guess_mode_as_diffusers(union, latents, images, tmp_path, monkeypatch):
+    """guess_mode not passed, guidance on: a net with global_pool_conditions runs in guess mode (on the prompted
+    half only), as diffusers 0.42's union pipeline forces it from the net's config (``nets[0]``'s for a
+    MultiControlNetUnionModel, the rule the ControlNet pipelines' test covers for two nets). diffusers' net is given
+    its batch's rows of control_type, as in the guess-mode test above."""
+    ref, _, pipe = union
+    net = tiny.union_net(34, global_pool_conditions=True)
+    net.save_pretrained(tmp_path / "pooled", safe_serialization=True)
+    pooled = StableDiffusionXLControlNetUnionPipeline.from_pipe(pipe, controlnet=eqxdiff.load(tmp_path / "pooled"))
+    assert pooled.controlnet.config.global_pool_conditions
+    reference = diffusers.StableDiffusionXLControlNetUnionPipeline(**{**ref.components, "controlnet": net})
+    reference.set_progress_bar_config(disable=True)
+    forward = net.forward
+    monkeypatch.setattr(net, "forward", lambda sample, *a, control_type, **k:
+                        forward(sample, *a, control_type=control_type[:sample.shape[0]], **k))
+    kw = dict(control_mode=2, controlnet_conditioning_scale=0.8, guidance_scale=5.0)
+    expected = _reference(reference, images[:1], latents, **kw)
+    ours = pooled(PROMPTS, control_image=images[0], latents=latents, num_inference_steps=STEPS, progress=False, **kw)
+    assert _pixels_off(ours, expected) <= 2
+
+
 def test_two_union_nets_match_diffusers(tmp_path, latents, images):
     """MultiControlNetUnionModel: one image and mode per net (of different num_control_type), per-net scales and
     windows; saved as diffusers saves it (controlnet, controlnet_1)."""
