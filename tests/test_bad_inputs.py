@@ -67,6 +67,10 @@ def ws(tmp_path_factory, pipe):
     (root / "notes.png").write_text("not an image")
     (root / "unknown").mkdir()
     (root / "unknown" / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanVideoPipeline"}))
+    (root / "flux").mkdir()  # a pipeline without a UNet (checked before its configs are read)
+    (root / "flux" / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    (root / "unet.ckpt").write_bytes(b"a pickle")
+    (root / "cut.safetensors").write_bytes(b"\x10\x00")
     (root / "broken").mkdir()
     (root / "broken" / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline",')
     eqxdiff.save_pretrained(pipe.vae, root / "saved_vae")
@@ -164,6 +168,24 @@ GENERATE = [
     ("model-unknown-family", ["--model", "{unknown}"], CheckpointError, r"'HunyuanVideoPipeline' pipeline.*eqxdiff "
      r"serves .*StableDiffusionPipeline"),
     ("model-index-broken", ["--model", "{broken}"], CheckpointError, r"model_index.json' is not valid JSON: .* line 1"),
+    ("unet-missing", ["--unet", "{root}/missing_unet.safetensors"], FileNotFoundError, r"--unet "
+     r"'.*missing_unet.safetensors': no such file or folder; pass a UNet .safetensors file in diffusers' names"),
+    ("unet-pickle", ["--unet", "{unet}"], CheckpointError, r"--unet: '.*unet.ckpt' is a PyTorch pickle; eqxdiff "
+     r"reads only .safetensors files"),
+    ("unet-not-safetensors", ["--unet", "{notes}"], CheckpointError, r"--unet '.*notes.png' is not a .safetensors "
+     r"file; pass a UNet .safetensors file in diffusers' names or a UNet folder"),
+    ("unet-truncated", ["--unet", "{cut}"], CheckpointError, r"--unet: '.*cut.safetensors' is truncated or corrupt"),
+    ("unet-file-not-a-unet", ["--unet", "{saved_vae}/diffusion_pytorch_model.safetensors"], CheckpointError,
+     r"--unet .* holds no conv_in.weight: not a UNet in diffusers' names .*; a whole-model single file .* goes to "
+     r"--model, with --config"),
+    ("unet-folder-not-a-unet", ["--unet", "{saved_vae}"], CheckpointError, r"--unet '.*saved_vae' holds a "
+     r"'AutoencoderKL' \(config.json _class_name\), not a UNet2DConditionModel, which a StableDiffusionPipeline runs "
+     r"as its UNet"),
+    ("unet-folder-without-config", ["--unet", "{out}"], CheckpointError, r"--unet '.*out' holds no config.json; "
+     r"pass a UNet folder"),
+    ("unet-for-a-pipeline-without-one", ["--model", "{flux}", "--unet", "{cut}"], InputError, r"--unet replaces a "
+     r"pipeline's UNet, but the --model folder's FluxPipeline has none \(its models: vae, text_encoder, "
+     r"text_encoder_2, transformer\); leave out --unet"),
     ("mesh-zero", ["--mesh.ici-fsdp-parallelism", "0"], MeshError, r"ici_fsdp_parallelism=0 must be a positive int"),
     ("mesh-two-fills", ["--mesh.ici-fsdp-parallelism", "-1"], MeshError, r"only one ici_\* parallelism may be -1"),
 ]

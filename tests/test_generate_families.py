@@ -2,7 +2,8 @@
 runs it (files in, PNGs out) and compared with diffusers from the same draws (every pixel within 2/255): an SDXL
 base read from a single file with ``--config``, with its second prompt and micro-conditioning flags, handing its
 latents over to a ``--refiner`` at ``--denoising-end``; SDXL inpainting from ``--image`` and ``--mask`` files; two
-ControlNets loaded from their own folders onto a Stable Diffusion base (per-net scales, a window). Then, without
+ControlNets loaded from their own folders onto a Stable Diffusion base (per-net scales, a window); a lone UNet file
+in place of the SDXL base's (``--unet``, SDXL-Lightning's recipe), also as the Python recipe runs it. Then, without
 loading: the pipeline each combination runs (SDXL's ControlNet pipeline, ControlNet image-to-image, a ControlNet
 pipeline folder), the flags each shows, and the errors, which all come before anything is loaded.
 
@@ -148,6 +149,74 @@ def test_sdxl_inpainting_from_image_and_mask_files(xl, files, tmp_path, monkeypa
     assert params["pipeline"] == "StableDiffusionXLInpaintPipeline" and params["strength"] is None
 
 
+def test_a_lone_unet_file_replaces_the_base_unet(xl, tmp_path):
+    """--unet FILE: a distilled UNet published as one .safetensors file in diffusers' names without a config
+    (SDXL-Lightning's, Hyper-SDXL's) runs in the --model base, read into its UNet's config, with its recipe's
+    scheduler flags (Lightning: Euler, trailing timesteps, no guidance): diffusers' pipeline holding that UNet from
+    the same draws, and exactly the Python recipe's images (README: eqxdiff.load(file, config=base,
+    subfolder="unet"), from_pipe), which reuses the command's compiled programs."""
+    from diffusers import EulerDiscreteScheduler
+    from safetensors.torch import save_file
+
+    from eqxdiff.pipelines import StableDiffusionXLPipeline
+
+    lightning = tiny_xl.unet(tiny_xl.UNET_A, seed=40)
+    file = tmp_path / "lightning_2step_unet.safetensors"
+    save_file(lightning.state_dict(), file)
+    ours, params = _generate(tmp_path / "out", "--model", str(xl.root / "base"), "--unet", str(file), "--scheduler",
+                             "euler", "--scheduler-option", "timestep_spacing=trailing", "--guidance-scale", "0",
+                             "--prompt", PROMPT, "--seed", "3")
+    scheduler = EulerDiscreteScheduler.from_config(xl.base.scheduler.config, timestep_spacing="trailing")
+    kwargs = {"prompt": PROMPT, "guidance_scale": 0.0, "num_inference_steps": 2, "latents": _noise(3, XL_SHAPE)}
+    expected = _run(type(xl.base)(**{**xl.base.components, "unet": lightning, "scheduler": scheduler}), **kwargs)
+    assert ours.shape == (32, 32, 3) and _pixels_off(ours[None], expected) <= 2
+    own = _run(type(xl.base)(**{**xl.base.components, "scheduler": scheduler}), **kwargs)
+    assert _pixels_off(ours[None], own) > 10  # the base's own UNet draws other pixels
+
+    base = eqxdiff.load_pipeline(xl.root / "base")
+    unet = eqxdiff.load(file, config=xl.root / "base", subfolder="unet")
+    recipe = StableDiffusionXLPipeline.from_pipe(base, unet=unet).with_scheduler("euler", timestep_spacing="trailing")
+    np.testing.assert_array_equal(ours[None], recipe(PROMPT, num_inference_steps=2, guidance_scale=0.0, seed=3,
+                                                     progress=False))
+    assert recipe.timings["call_compile"] == 0.0  # the same programs: the command's UNet is the recipe's
+    assert params["unet"] == str(file) and params["model"] == str(xl.root / "base")
+    assert params["pipeline"] == "StableDiffusionXLPipeline" and params["scheduler"] == "euler"
+    assert params["scheduler_options"] == {"timestep_spacing": "trailing"} and params["guidance_scale"] == 0
+
+
+def test_the_unet_loads_as_the_other_components(xl, tmp_path, monkeypatch):
+    """--unet honours --weights-dtype, the mesh, --scan-layers and --attention as the pipeline's own models do:
+    bfloat16 leaves read onto the FSDP mesh, the repeated transformer layers stacked, the chosen kernel (the command
+    is stopped once the UNet is loaded: nothing compiles)."""
+    import equinox as eqx
+    import jax
+    from safetensors.torch import save_file
+
+    from eqxdiff.nn import Stacked
+
+    class Loaded(Exception):
+        pass
+
+    def stop(path, pipe, **kwargs):
+        raise Loaded(load_unet(path, pipe, **kwargs), pipe)
+
+    load_unet = generate.load_unet
+    monkeypatch.setattr(generate, "load_unet", stop)
+    save_file(tiny_xl.unet(tiny_xl.UNET_A, seed=41).state_dict(), tmp_path / "unet.safetensors")
+    with pytest.raises(Loaded) as info:
+        _generate(tmp_path / "out", "--model", str(xl.root / "base"), "--unet", str(tmp_path / "unet.safetensors"),
+                  "--weights-dtype", "bfloat16", "--scan-layers", "--attention", "chunked",
+                  "--mesh.ici-data-parallelism", "1", "--mesh.ici-fsdp-parallelism", "-1")
+    unet, pipe = info.value.args
+    leaves = jax.tree.leaves(eqx.filter(unet, eqx.is_array))
+    assert {x.dtype for x in leaves} == {np.dtype(jax.numpy.bfloat16)}
+    assert dict(pipe.mesh.shape)["fsdp"] == 8 and all(x.sharding.mesh == pipe.mesh for x in leaves)
+    assert any(x.sharding.spec != jax.sharding.PartitionSpec() for x in leaves)  # sharded, not replicated
+    assert any(isinstance(m, Stacked) for m in jax.tree.leaves(unet, is_leaf=lambda m: isinstance(m, Stacked)))
+    kernels = jax.tree.leaves(unet, is_leaf=lambda m: hasattr(m, "implementation"))
+    assert {m.implementation for m in kernels if hasattr(m, "implementation")} == {"chunked"}
+
+
 # -- ControlNet ---------------------------------------------------------------------------------------------------
 
 def test_two_controlnets_from_their_folders_on_an_sd_base(sd, files, tmp_path):
@@ -205,6 +274,18 @@ def test_each_path_shows_its_flags(xl, sd, capsys):
     assert "StableDiffusionControlNetImg2ImgPipeline's" in text and "--strength" in text
 
 
+def test_a_unet_goes_with_the_other_flags(xl, files):
+    """--unet (a folder, or a lone file) with --controlnet, and on a single-file --model with or without --config
+    (without, the --model UNet's widths are unknown before loading: only the file itself is checked)."""
+    unet = xl.root / "base" / "unet"
+    file, single = unet / "diffusion_pytorch_model.safetensors", str(xl.root / "sdxl_base.safetensors")
+    checked = generate.validate(["--model", str(xl.root / "base"), "--unet", str(unet), "--controlnet",
+                                 str(xl.root / "controlnet"), "--control-image", str(files.edges)])
+    assert checked.family.pipeline_class.__name__ == "StableDiffusionXLControlNetPipeline"
+    for argv in (["--model", single, "--config", str(xl.root / "configs")], ["--model", single]):
+        assert generate.validate([*argv, "--unet", str(file)]).args.run.unet == str(file)
+
+
 def test_controlnet_image_to_image_is_checked_with_its_picture(sd, files):
     checked = generate.validate(["--model", str(sd.root / "base"), "--controlnet", str(sd.root / "controlnet_0"),
                                  "--image", str(files.photo), "--control-image", str(files.edges), "--strength",
@@ -256,6 +337,14 @@ def test_errors_name_the_flags_before_loading(xl, sd, files, tmp_path):
     _refused(InputError, "--mask with --refiner", [
         "--model", str(xl.root / "base"), "--refiner", str(xl.root / "refiner"), "--image", str(files.photo), "--mask",
         str(files.mask)])
+    sd_unet = sd.root / "base" / "unet"  # a Stable Diffusion UNet on the SDXL base: its text width differs
+    _refused(InputError, r"--unet '.*unet' has cross_attention_dim=32 \(in its config.json\) but the --model UNet has "
+             "80: it was made for another base model", ["--model", str(xl.root / "base"), "--unet", str(sd_unet)])
+    _refused(InputError, r"--unet '.*diffusion_pytorch_model.safetensors' has cross_attention_dim=32 \(by its "
+             r"tensors' shapes\) but the --model UNet has 80", [
+        "--model", str(xl.root / "base"), "--unet", str(sd_unet / "diffusion_pytorch_model.safetensors")])
+    _refused(InputError, r"--unet .* has in_channels=9 \(in its config.json\) but the --model UNet has 4", [
+        "--model", str(xl.root / "base"), "--unet", str(xl.root / "inpaint" / "unet")])
     _refused(InputError, "--denoising-end", [  # the refiner's start is the base's end: one flag, checked once
         "--model", str(xl.root / "base"), "--refiner", str(xl.root / "refiner"), "--denoising-end", "1.5"])
 

@@ -1,5 +1,6 @@
 """What ``eqxdiff-generate`` runs beyond one folder's pipeline: ControlNet models added to a base model (or a ControlNet
-pipeline folder's own nets) with their control images and scales, and a refiner that finishes the base's latents.
+pipeline folder's own nets) with their control images and scales, a refiner that finishes the base's latents, and a
+UNet in place of the base's.
 
 - :func:`run_class`: the pipeline class a command line runs. The ``--model`` folder's, or with ``--controlnet`` its
   ControlNet pipeline: the class of the family table that extends the base class by a ``controlnet`` component
@@ -11,6 +12,9 @@ pipeline folder's own nets) with their control images and scales, and a refiner 
   before anything loads and turns them into the call's arguments. The start/end/guess options are the pipeline's own flags.
 - :func:`check_refiner` and :func:`refiner_kwargs`: a refiner folder finishing the base's latents (SDXL's ensemble
   of experts: the base stops at ``--denoising-end``, the refiner starts there).
+- :func:`check_unet` and :func:`load_unet`: ``--unet``, a UNet in place of the base's (a distilled one such as
+  SDXL-Lightning's or Hyper-SD's, published as one ``.safetensors`` file in diffusers' names without a config: read
+  into the base UNet's config, as ``eqxdiff.load(file, config=base, subfolder="unet")``; or a UNet folder).
 """
 
 import dataclasses
@@ -25,13 +29,20 @@ import tyro
 from PIL import Image
 
 from ..core import family_names, resolve_class
-from ..loading import CheckpointError, load
+from ..loading import CheckpointError, SafetensorsFile, load, pickle_error
+from ..loading.single_file import PICKLE_SUFFIXES
 from ..models.controlnet import ControlNetModel
 from ..nn import with_attention_implementation
 from ..parallel import DEFAULT_RULES, sharding_fn
 from ..pipelines import InputError, read_image
 
 CONTROLNET = "controlnet"  # the component a ControlNet pipeline adds to its base
+UNET = "unet"  # the component --unet replaces
+# What a UNet's tensors say of the config keys the pipeline feeds it (latent channels in and out, the text encoders'
+# width): (key, tensor in diffusers' names or a suffix of one, the axis of its PyTorch shape). A --unet must agree
+# with the --model UNet on these; its blocks may differ (a distilled UNet).
+UNET_INTERFACE = (("in_channels", "conv_in.weight", 1), ("out_channels", "conv_out.weight", 0),
+                  ("cross_attention_dim", ".attn2.to_k.weight", 1))
 SCALE = "controlnet_conditioning_scale"
 # A refiner call's arguments that the hand-off sets (the base's own go to the base only).
 HANDOFF = ("image", "mask_image", "strength", "denoising_start", "denoising_end", "latents", "output_type")
@@ -61,6 +72,12 @@ class ControlNetOptions:
 
 def _names(cls) -> set[str]:
     return {c.name for c in cls.COMPONENTS}
+
+
+def is_hub_id(path: str) -> bool:
+    """``path`` names no local file or folder and reads as a Hugging Face Hub id (``owner/name``)."""
+    return (not Path(path).expanduser().exists() and path.count("/") == 1
+            and not path.startswith((".", "/", "~")))
 
 
 def is_controlnet(cls) -> bool:
@@ -329,3 +346,87 @@ def refiner_kwargs(refiner_flags: Sequence[str], kwargs: Mapping[str, Any], late
     if kwargs.get("denoising_end") is not None:
         out["denoising_start"] = kwargs["denoising_end"]
     return out
+
+
+# -- the UNet -------------------------------------------------------------------------------------------------------
+
+def check_unet(cls: type, path: str, reader, base_read: Callable[[str], Mapping | None]) -> None:
+    """``--unet path`` can replace the UNet of a ``cls`` pipeline, before anything loads: ``cls`` has a ``unet``
+    component; ``path`` is a ``.safetensors`` file (a pickle gets :func:`eqxdiff.loading.pickle_error`'s message) that
+    opens and holds a UNet in diffusers' names, or a folder / Hub id whose ``config.json`` (read with
+    ``reader(path)``) names a class ``cls`` runs as its UNet; and either agrees with the ``--model`` UNet's config
+    (``base_read("unet/config.json")``; skipped where unknown, as for a single file without ``--config``) on
+    :data:`UNET_INTERFACE`. Raises ``InputError``, ``CheckpointError`` or ``FileNotFoundError`` naming the flag."""
+    component = next((c for c in cls.COMPONENTS if c.name == UNET), None)
+    if component is None:
+        models = ", ".join(c.name for c in cls.COMPONENTS if c.kind == "model")
+        raise InputError(f"--unet replaces a pipeline's UNet, but the --model folder's {cls.__name__} has none (its "
+                         f"models: {models}); leave out --unet")
+    base = base_read(f"{UNET}/config.json") or {}
+    local = Path(path).expanduser()
+    if local.is_file():
+        ours, where = _file_interface(local, path), "by its tensors' shapes"
+    elif local.is_dir() or is_hub_id(path):
+        ours, where = _folder_interface(cls, component, path, reader), "in its config.json"
+    else:
+        raise FileNotFoundError(f"--unet {path!r}: no such file or folder; pass a UNet .safetensors file in "
+                                "diffusers' names (sdxl_lightning_4step_unet.safetensors ...) or a UNet folder")
+    for key, value in ours.items():
+        theirs = base.get(key)
+        if theirs is not None and value is not None and _value(theirs) != _value(value):
+            raise InputError(f"--unet {path!r} has {key}={_value(value)} ({where}) but the --model UNet has "
+                             f"{_value(theirs)}: it was made for another base model; pass a UNet of this model's "
+                             "family")
+
+
+def _file_interface(file: Path, path: str) -> dict[str, Any]:
+    """:data:`UNET_INTERFACE` as lone UNet file ``file``'s tensor shapes give it (its header alone is read)."""
+    if file.suffix.lower() in PICKLE_SUFFIXES:
+        raise CheckpointError(f"--unet: {pickle_error(file)}")
+    if file.suffix.lower() != ".safetensors":
+        raise CheckpointError(f"--unet {path!r} is not a .safetensors file; pass a UNet .safetensors file in "
+                              "diffusers' names or a UNet folder (config.json and diffusion_pytorch_model.safetensors)")
+    try:
+        header = SafetensorsFile(file)
+    except CheckpointError as e:
+        raise CheckpointError(f"--unet: {e}") from None
+    names = header.names()
+    if "conv_in.weight" not in names:
+        raise CheckpointError(f"--unet {path!r} holds no conv_in.weight: not a UNet in diffusers' names (as "
+                              "SDXL-Lightning's *_unet.safetensors and Hyper-SDXL's *-Unet.safetensors are); a "
+                              "whole-model single file (A1111, ComfyUI) goes to --model, with --config")
+    out = {}
+    for key, name, axis in UNET_INTERFACE:
+        found = next((n for n in names if n == name or (name.startswith(".") and n.endswith(name))), None)
+        out[key] = None if found is None else header.shape(found)[axis]
+    return out
+
+
+def _folder_interface(cls: type, component, path: str, reader) -> dict[str, Any]:
+    """:data:`UNET_INTERFACE` from UNet folder (or Hub id) ``path``'s ``config.json``, whose class ``cls`` must run as
+    its UNet."""
+    config = reader(path)("config.json")
+    if config is None:
+        where = "is no local file or folder, and the Hugging Face Hub gave no config.json for it" if is_hub_id(path) \
+            else "holds no config.json"
+        raise CheckpointError(f"--unet {path!r} {where}; pass a UNet folder (config.json and "
+                              "diffusion_pytorch_model.safetensors), its Hub id, or a UNet .safetensors file")
+    name, accepted = config.get("_class_name"), cls.component_classes(component)
+    if accepted and name not in accepted:
+        raise CheckpointError(f"--unet {path!r} holds a {name!r} (config.json _class_name), not a "
+                              f"{' or '.join(accepted)}, which a {cls.__name__} runs as its UNet; pass a UNet folder "
+                              "or file")
+    return {key: config.get(key) for key, _, _ in UNET_INTERFACE}
+
+
+def load_unet(path: str, pipe, *, dtype, attention: str | None = None, scan_layers: bool = False):
+    """The ``--unet`` model for pipeline ``pipe``, read straight into ``dtype`` and, on ``pipe``'s mesh, onto its
+    sharding by ``pipe``'s rules: a lone file into the config of ``pipe``'s UNet (what ``eqxdiff.load(file,
+    config=<--model>, subfolder="unet")`` reads; also right for a single-file ``--model``), a folder or Hub id with
+    its own ``config.json``. ``scan_layers`` stacks its layers where ``pipe``'s class scans its UNet."""
+    component = next(c for c in type(pipe).COMPONENTS if c.name == UNET)
+    sharding = None if pipe.mesh is None else sharding_fn(pipe.mesh, pipe.rules or DEFAULT_RULES)
+    base = getattr(pipe, UNET)
+    lone = {"config": base.config, "model_class": type(base)} if Path(path).expanduser().is_file() else {}
+    unet = load(path, dtype=dtype, sharding=sharding, scan_layers=scan_layers and component.scan, **lone)
+    return with_attention_implementation(unet, attention) if attention else unet

@@ -7,16 +7,18 @@
     eqxdiff-generate --model path/to/sdxl-base --prompt "a fox" --refiner path/to/sdxl-refiner --denoising-end 0.8
     eqxdiff-generate --model path/to/sd15 --image photo.png --mask mask.png --prompt "a cat on a bench"
     eqxdiff-generate --model path/to/sd15 --controlnet path/to/canny --control-image edges.png --prompt "a bird"
+    eqxdiff-generate --model path/to/sdxl-base --unet sdxl_lightning_4step_unet.safetensors --scheduler euler \
+        --scheduler-option timestep_spacing=trailing --steps 4 --guidance-scale 0 --prompt "a fox"
     eqxdiff-generate --model model.safetensors --config path/to/diffusers-folder --prompt "a fox"
 
 The ``--model`` folder's ``model_index.json`` names its pipeline class; the family table
 (:data:`eqxdiff.core.FAMILY_TABLE`) gives eqxdiff's, and that class's ``__call__`` gives the family's options
 (:mod:`eqxdiff.cli._options`), so a new family needs nothing here. ``--controlnet`` (repeatable) runs the base's
 ControlNet pipeline with its ``--control-image`` and ``--controlnet-scale`` per net, ``--refiner`` finishes the
-base's latents with a second pipeline (:mod:`eqxdiff.cli._compose`). Images are saved as ``image_{i}.png`` and
-videos as ``video_{i}.mp4``, numbered on after the files already in ``--output-dir``, with the generation
-parameters in each file (:func:`eqxdiff.pipelines.read_parameters` reads them back). Load, compile and generation
-times go to stderr, the files' paths to stdout.
+base's latents with a second pipeline, ``--unet`` replaces the base's UNet (:mod:`eqxdiff.cli._compose`). Images
+are saved as ``image_{i}.png`` and videos as ``video_{i}.mp4``, numbered on after the files already in
+``--output-dir``, with the generation parameters in each file (:func:`eqxdiff.pipelines.read_parameters` reads them
+back). Load, compile and generation times go to stderr, the files' paths to stdout.
 
 Every flag is checked before anything is loaded (:func:`validate`: the family's arguments against the folder's
 configs, the scheduler options, the input and output paths); a bad one stops the command with one line
@@ -61,6 +63,7 @@ from ._compose import (
     ControlNetOptions,
     check_controlnets,
     check_refiner,
+    check_unet,
     check_window,
     control_argument,
     control_kwargs,
@@ -68,7 +71,9 @@ from ._compose import (
     excluded_arguments,
     folder_nets,
     is_controlnet,
+    is_hub_id,
     load_controlnets,
+    load_unet,
     net_class,
     refiner_kwargs,
     run_class,
@@ -100,6 +105,11 @@ class RunOptions:
     --denoising-end F the base runs the first F of the schedule and the refiner the rest (ensemble of experts),
     without it the refiner refines the finished latents (its default strength). It gets the base's prompts, steps,
     guidance, seed and scheduler flags."""
+    unet: str | None = None
+    """A UNet in place of the --model pipeline's: a .safetensors file in diffusers' names without a config (a
+    distilled UNet: SDXL-Lightning's sdxl_lightning_4step_unet.safetensors, Hyper-SDXL's
+    Hyper-SDXL-1step-Unet.safetensors), read into the --model UNet's config, or a UNet folder or Hub id. Give its
+    recipe's scheduler flags (Lightning: --scheduler euler --scheduler-option timestep_spacing=trailing)."""
     scheduler: SchedulerName | None = None
     """Swap the checkpoint's scheduler by name, keeping its noise schedule and prediction type."""
     scheduler_option: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
@@ -157,18 +167,13 @@ def _early_flags(argv: Sequence[str]) -> argparse.Namespace:
     return known
 
 
-def _is_hub_id(model: str) -> bool:
-    return (not Path(model).expanduser().exists() and model.count("/") == 1
-            and not model.startswith((".", "/", "~")))
-
-
 def pipeline_class(model: str, revision: str | None = None, config: str | None = None) -> type[DiffusionPipeline]:
     """The eqxdiff pipeline class serving ``model`` (a folder, a Hub id or a shipped name), from its
     ``model_index.json`` alone (a Hub id fetches only that file); a single ``.safetensors`` file's from its tensor
     names (and ``config``'s ``model_index.json``, :func:`eqxdiff.pipelines.single_file_class`)."""
     if Path(model).expanduser().is_file():
         return single_file_class(model, config=config, revision=revision)
-    if _is_hub_id(model):
+    if is_hub_id(model):
         try:
             folder = Path(hf_hub_download(model, "model_index.json", revision=revision)).parent
         except Exception as e:  # network, auth, offline and missing-file errors all end here
@@ -189,7 +194,7 @@ def config_reader(model: str, revision: str | None = None, config: str | None = 
     or a shipped name; for a single file, of its ``config``) as a dict, ``None`` if it has none."""
     if Path(model).expanduser().is_file():
         return (lambda path: None) if config is None else config_reader(config, revision)
-    if _is_hub_id(model):
+    if is_hub_id(model):
         def read(path: str):
             try:
                 return read_json(hf_hub_download(model, path, revision=revision))
@@ -280,8 +285,8 @@ class Invocation:
 
 def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> Invocation:
     """Parse ``argv`` and check every flag without loading the pipeline: the paths (--output-dir, the compilation
-    cache), the scheduler and its options against the folder's scheduler config, the input files (read here), and
-    the family's arguments against the folder's model configs
+    cache), the --unet (:func:`eqxdiff.cli._compose.check_unet`), the scheduler and its options against the folder's
+    scheduler config, the input files (read here), and the family's arguments against the folder's model configs
     (:meth:`~eqxdiff.pipelines.DiffusionPipeline.check_arguments` with its ``folder_limits``: the VAE's factor, the
     text encoders' layers). Raises a ``ValueError`` (``InputError``, ``ConfigError``, ``CheckpointError``) or
     ``OSError`` naming the flag."""
@@ -294,6 +299,8 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> I
         raise InputError(f"--config is for a single .safetensors --model (it gives what the file lacks); --model "
                          f"{run.model!r} holds its own configs: leave out --config")
     read = config_reader(run.model, run.revision, run.config)
+    if run.unet is not None:
+        check_unet(family.pipeline_class, run.unet, config_reader, read)
     options = scheduler_options(run.scheduler_option)
     scheduler = _scheduler(read, run.scheduler, options)
     kwargs = family.call_kwargs(args.pipeline)  # input files are read (or found missing) before loading too
@@ -396,10 +403,15 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
     controlnets = args.control.controlnet
     pipe = load_pipeline(run.model, revision=run.revision, config=run.config,
                          **({"pipeline_class": checked.load_class} if checked.load_class else {}), **common)
-    if controlnets:  # the base's components shared with its ControlNet pipeline, as diffusers' from_pipe
-        nets = load_controlnets(controlnets, dtype=run.weights_dtype, mesh=mesh, rules=pipe.rules,
-                                attention=run.attention, scan_layers=run.scan_layers)
-        pipe = checked.family.pipeline_class.from_pipe(pipe, controlnet=nets)
+    added = {}
+    if controlnets:
+        added["controlnet"] = load_controlnets(controlnets, dtype=run.weights_dtype, mesh=mesh, rules=pipe.rules,
+                                               attention=run.attention, scan_layers=run.scan_layers)
+    if run.unet is not None:
+        added["unet"] = load_unet(run.unet, pipe, dtype=run.weights_dtype, attention=run.attention,
+                                  scan_layers=run.scan_layers)
+    if added:  # the base's other components shared (its ControlNet pipeline with nets), as diffusers' from_pipe
+        pipe = checked.family.pipeline_class.from_pipe(pipe, **added)
     refiner = None if run.refiner is None else load_pipeline(run.refiner, **common)
     load_s = time.perf_counter() - t0
     for p in (pipe, refiner):
@@ -429,7 +441,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
 
 def _parameters(checked: Invocation, pipe, outputs, refiner=None) -> dict:
     """What went into the outputs, under the pipeline arguments' names: enough to make them again (with the
-    ControlNets' folders, control image files and scales, the single file's config folder, the refiner)."""
+    ControlNets' folders, control image files and scales, the single file's config folder, the --unet, the
+    refiner)."""
     args = checked.args
     values = {f.name: getattr(args.pipeline, f.name) for f in dataclasses.fields(args.pipeline)}
     values.pop("progress", None)
@@ -443,7 +456,8 @@ def _parameters(checked: Invocation, pipe, outputs, refiner=None) -> dict:
         del values["strength"]  # image-to-image only
     run, control = args.run, args.control
     extra: dict[str, Any] = {"scheduler_options": dict(checked.scheduler_options)} if checked.scheduler_options else {}
-    extra.update({k: v for k, v in (("revision", run.revision), ("config", run.config)) if v is not None})
+    extra.update({k: v for k, v in (("revision", run.revision), ("config", run.config), ("unet", run.unet))
+                  if v is not None})
     if checked.nets:
         if control.controlnet:
             extra["controlnet"] = list(control.controlnet)
