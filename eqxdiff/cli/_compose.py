@@ -29,7 +29,7 @@ import tyro
 from PIL import Image
 
 from ..core import family_names, resolve_class
-from ..loading import CheckpointError, SafetensorsFile, load, pickle_error
+from ..loading import CheckpointError, SafetensorsFile, is_hub_id, load, pickle_error
 from ..loading.single_file import PICKLE_SUFFIXES
 from ..models.controlnet import ControlNetModel
 from ..nn import with_attention_implementation
@@ -72,12 +72,6 @@ class ControlNetOptions:
 
 def _names(cls) -> set[str]:
     return {c.name for c in cls.COMPONENTS}
-
-
-def is_hub_id(path: str) -> bool:
-    """``path`` names no local file or folder and reads as a Hugging Face Hub id (``owner/name``)."""
-    return (not Path(path).expanduser().exists() and path.count("/") == 1
-            and not path.startswith((".", "/", "~")))
 
 
 def is_controlnet(cls) -> bool:

@@ -45,7 +45,7 @@ import tyro
 from huggingface_hub import hf_hub_download
 
 from ..core import ConfigError, family_names, resolve_class
-from ..loading import CheckpointError, read_config, read_json, resolve_folder
+from ..loading import CheckpointError, is_hub_id, read_config, read_json, resolve_folder
 from ..parallel import MeshConfig, initialize_distributed, make_mesh
 from ..pipelines import (
     DiffusionPipeline,
@@ -71,7 +71,6 @@ from ._compose import (
     excluded_arguments,
     folder_nets,
     is_controlnet,
-    is_hub_id,
     load_controlnets,
     load_unet,
     net_class,

@@ -5,6 +5,7 @@ from ._checkpoint import PACKAGED_MODELS as PACKAGED_MODELS
 from ._checkpoint import CheckpointFiles as CheckpointFiles
 from ._checkpoint import check_dtype as check_dtype
 from ._checkpoint import class_name_of as class_name_of
+from ._checkpoint import is_hub_id as is_hub_id
 from ._checkpoint import key_map_rules as key_map_rules
 from ._checkpoint import load as load
 from ._checkpoint import model_class as model_class

@@ -66,6 +66,13 @@ def _looks_local(p: str) -> bool:
     return p.startswith((".", "/", "~")) or os.sep in p.strip("/").replace("/", "", 1) or p.count("/") != 1
 
 
+def is_hub_id(path: str | os.PathLike) -> bool:
+    """``path`` names no local file or folder and reads as a Hugging Face Hub id (``owner/name``): what
+    :func:`resolve_folder` fetches from the Hub."""
+    p = os.fspath(path)
+    return not Path(p).expanduser().exists() and not _looks_local(p)
+
+
 def resolve_folder(path_or_hub_id: str | os.PathLike, subfolder: str | None = None, *,
                    revision: str | None = None) -> Path:
     """A local folder, a Hugging Face Hub id fetched (or found in the cache) with ``huggingface_hub``, or the bare
