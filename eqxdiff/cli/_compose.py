@@ -29,8 +29,7 @@ import tyro
 from PIL import Image
 
 from ..core import family_names, resolve_class
-from ..loading import CheckpointError, SafetensorsFile, is_hub_id, load, pickle_error
-from ..loading.single_file import PICKLE_SUFFIXES
+from ..loading import PICKLE_SUFFIXES, CheckpointError, SafetensorsFile, is_hub_id, load, pickle_error
 from ..models.controlnet import ControlNetModel
 from ..nn import with_attention_implementation
 from ..parallel import DEFAULT_RULES, sharding_fn

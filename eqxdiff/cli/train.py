@@ -199,7 +199,7 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
             _, _, vae = config.architecture.configs(tokenizer)  # ConfigError for sizes the models cannot take
         except ValueError as e:
             raise in_flags(e) from None
-        factor = 2 ** (len(vae.block_out_channels) - 1)
+        factor = vae.downsample_factor
     else:
         factor = _vae_factor(config.model)
     if factor and config.resolution % factor:

@@ -14,11 +14,6 @@ from ._images import to_uint8
 from ._progress import progress_bar
 
 
-def vae_factor(config) -> int:
-    """How much an ``AutoencoderKL`` of ``config`` downsamples: 2 per level after the first."""
-    return 2 ** (len(config.block_out_channels) - 1)
-
-
 @eqx.filter_jit
 def encode_image_latents(vae, image: Float[Array, "batch height width 3"],
                          posterior_noise: Float[Array, "batch h w latent"], *, tiled: bool = False):
@@ -50,7 +45,7 @@ class LatentPipeline(DiffusionPipeline):
 
     @property
     def vae_scale_factor(self) -> int:
-        return vae_factor(self.vae.config)
+        return self.vae.config.downsample_factor
 
     def run_loop(self, denoiser, scheduler, state, latents, cond, key, *, guidance: Guidance, num_steps: int,
                  progress: bool):

@@ -35,7 +35,7 @@ from ._inpaint import (
     prepare_mask,
     with_mask_channels,
 )
-from ._latents import LatentPipeline, encode_image_latents, vae_factor
+from ._latents import LatentPipeline, encode_image_latents
 
 LATENTS_LAYOUT = "[n, height/f, width/f, channels] (channels-last; f = the VAE's downsampling)"
 
@@ -138,7 +138,7 @@ class UNetPipeline(LatentPipeline):
             return CallLimits()
         layers = [getattr(cls.folder_config(read_json, c.name), "num_hidden_layers", None) for c in cls.COMPONENTS
                   if c.encoder]
-        return cls._limits(vae_factor(vae), unet.sample_size, layers)
+        return cls._limits(vae.downsample_factor, unet.sample_size, layers)
 
     def check_call(self, arguments) -> None:
         """The schedule a call asks for exists (the steps, ``strength``, a hand-off's fractions, a custom

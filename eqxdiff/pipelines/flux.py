@@ -62,7 +62,7 @@ from ._base import (
 from ._checks import CallLimits, InputError, InputWarning, check_output_type, image_size
 from ._denoise import Denoiser, Guidance, plan_schedule
 from ._images import resize_nearest, to_model_range
-from ._latents import LatentPipeline, encode_image_latents, vae_factor
+from ._latents import LatentPipeline, encode_image_latents
 from ._unet import noise_draws
 from .stable_diffusion import tokenize
 
@@ -249,7 +249,7 @@ class FluxPipeline(LatentPipeline):
         vae = cls.folder_config(read_json, "vae")
         if vae is None:
             return CallLimits()
-        f = vae_factor(vae)
+        f = vae.downsample_factor
         return CallLimits(size_factor=None if cls.RESCALES_SIZE else 2 * f,
                           native_size=(DEFAULT_SAMPLE_SIZE * f,) * 2)
 

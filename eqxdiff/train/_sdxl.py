@@ -41,7 +41,7 @@ class SDXLLatentDiffusion(TrainModel):
     def time_ids(self, cond, height: int, width: int) -> Array:
         """``[batch, 6]``: each image's ``original_size + crop_top_left``, then the target size (``height x width``
         latents times the VAE's factor: the training resolution)."""
-        f = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        f = self.vae.config.downsample_factor
         size = cond["original_size"]
         target = jnp.broadcast_to(jnp.asarray([height * f, width * f], jnp.float32), size.shape)
         return jnp.concatenate([size.astype(jnp.float32), cond["crop_top_left"].astype(jnp.float32), target], -1)
