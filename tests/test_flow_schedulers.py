@@ -49,11 +49,16 @@ def _fake_torch(x, t):
     return 0.3 * x + 0.1 * torch.sin(torch.as_tensor(t).to(x.dtype))  # float32, or float64 in the float64 run
 
 
-@eqx.filter_jit
 def _trajectory(sched, state, x, noises):
     """Every intermediate sample of a jitted ``lax.scan`` over ``sched.step`` (the noises are ignored by
-    deterministic schedulers)."""
+    deterministic schedulers), run as the pipelines' loop runs it: on the state padded to the fixed schedule length,
+    with the scheduler's ``stepper()`` (every parity case also proves that padding and the stepper change
+    nothing)."""
+    return _scan(sched.stepper(), S.pad_schedule(state), x, noises)
 
+
+@eqx.filter_jit
+def _scan(sched, state, x, noises):
     def body(carry, noise):
         x, state = carry
         out = _fake_jax(sched.scale_model_input(state, x), sched.current_timestep(state))

@@ -55,17 +55,24 @@ def _learned(raw):
     return raw.get("variance_type") in ("learned", "learned_range")
 
 
-@eqx.filter_jit
 def _trajectory(sched, state, x, noises, learned):
-    """Every intermediate sample of a jitted ``lax.scan`` over ``sched.step``."""
+    """Every intermediate sample of a jitted ``lax.scan`` over ``sched.step``, run as the pipelines' loop runs it:
+    on the state padded to the fixed schedule length and with the scheduler's ``stepper()`` (so every parity case
+    below also proves that padding and the stepper change nothing)."""
+    length = int(sched.remaining_steps(state))
+    xs, final = _scan(sched.stepper(), S.pad_schedule(state), x, noises, learned, length)
+    return xs, final
 
+
+@eqx.filter_jit
+def _scan(sched, state, x, noises, learned, length):
     def body(carry, noise):
         x, state = carry
         out = _fake_jax(sched.scale_model_input(state, x), sched.current_timestep(state), learned)
         x, state = sched.step(state, out, x, noise=noise)
         return (x, state), x
 
-    (_, state), xs = jax.lax.scan(body, (x, state), noises, length=sched.remaining_steps(state))
+    (_, state), xs = jax.lax.scan(body, (x, state), noises, length=length)
     return xs, state
 
 

@@ -18,35 +18,56 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray
+from ..schedulers import pad_schedule
 from ._progress import tick
 
 GUIDANCE_MODES = ("batched", "separate")
 
 
-@dataclasses.dataclass(frozen=True)
-class Guidance:
-    """Classifier-free guidance settings (static: they decide the traced graph).
+class Guidance(eqx.Module):
+    """Classifier-free guidance: ``uncond + scale * (cond - uncond)``, then optionally rescaled toward the
+    conditional output's std (``rescale``, Lin et al. 2023).
 
-    ``scale > 1`` turns guidance on: ``uncond + scale * (cond - uncond)``, then optionally rescaled toward the
-    conditional output's std (``rescale``, Lin et al. 2023). ``mode="batched"`` runs both halves in one call (the
-    conditioning arrays hold ``[negative; positive]`` along the batch, as diffusers' UNet pipelines do);
-    ``"separate"`` makes two calls with ``cond = (negative, positive)`` (Flux's true CFG, whose two halves may differ
-    in shape)."""
+    ``scale`` and ``rescale`` are arrays, traced in the loop: a call that changes only them compiles nothing.
+    ``scale`` is one value, or one per timestep of the schedule (``[steps]``, indexed by the scheduler's step
+    index: Wan 2.2's ``guidance_scale_2`` below its boundary, interval guidance). What shapes the traced graph is
+    static: whether guidance runs at all (``enabled``: some scale above 1, as diffusers' ``guidance_scale > 1``)
+    and how (``mode``). ``"batched"`` runs both halves in one call (the conditioning arrays hold
+    ``[negative; positive]`` along the batch, as diffusers' UNet pipelines do); ``"separate"`` makes two calls with
+    ``cond = (negative, positive)`` (Flux's true CFG, whose two halves may differ in shape)."""
 
-    scale: float = 7.5
-    rescale: float = 0.0
-    mode: str = "batched"
+    scale: Float[Array, "*steps"]
+    rescale: Float[Array, ""]
+    mode: str = eqx.field(static=True)
+    enabled: bool = eqx.field(static=True)
 
-    def __post_init__(self):
-        if self.mode not in GUIDANCE_MODES:
-            raise ValueError(f"Guidance: mode={self.mode!r}; choose one of {GUIDANCE_MODES}")
+    def __init__(self, scale=7.5, rescale=0.0, mode: str = "batched", *, enabled: bool | None = None):
+        if mode not in GUIDANCE_MODES:
+            raise ValueError(f"Guidance: mode={mode!r}; choose one of {GUIDANCE_MODES}")
+        self.scale = jnp.asarray(scale, jnp.float32)
+        self.rescale = jnp.asarray(rescale, jnp.float32)
+        if self.scale.ndim > 1 or self.rescale.ndim:
+            raise ValueError(f"Guidance: scale must be one value or one per step (got shape {self.scale.shape}), "
+                             f"rescale one value (got shape {self.rescale.shape})")
+        self.mode = mode
+        self.enabled = bool(np.any(np.asarray(self.scale) > 1.0)) if enabled is None else bool(enabled)
 
-    @property
-    def enabled(self) -> bool:
-        return self.scale > 1.0
+    def at(self, step) -> Float[Array, ""]:
+        """The scale at the scheduler's step index ``step``."""
+        return self.scale if self.scale.ndim == 0 else self.scale[step]
+
+    def padded(self, length: int) -> "Guidance":
+        """A per-step scale padded (repeating its last value) to ``length`` steps, the loop's fixed schedule
+        length; a single scale as it is."""
+        if self.scale.ndim == 0 or self.scale.shape[0] == length:
+            return self
+        if self.scale.shape[0] > length:
+            raise ValueError(f"Guidance: {self.scale.shape[0]} per-step scales for a schedule of {length} steps")
+        scale = np.pad(np.asarray(self.scale), (0, length - self.scale.shape[0]), mode="edge")
+        return Guidance(scale, self.rescale, self.mode, enabled=self.enabled)
 
 
-def rescale_noise_cfg(noise_cfg, noise_text, guidance_rescale: float):
+def rescale_noise_cfg(noise_cfg, noise_text, guidance_rescale):
     """Rescale guided noise toward the text-conditioned noise's std (Lin et al. 2023, sec. 3.4)."""
     axes = tuple(range(1, noise_cfg.ndim))
     std_text = jnp.std(noise_text, axis=axes, keepdims=True, ddof=1)
@@ -55,12 +76,13 @@ def rescale_noise_cfg(noise_cfg, noise_text, guidance_rescale: float):
     return guidance_rescale * rescaled + (1 - guidance_rescale) * noise_cfg
 
 
-def combine_guidance(uncond, cond, guidance: Guidance):
-    """``uncond + scale * (cond - uncond)``, rescaled if ``guidance.rescale > 0``."""
-    out = uncond + guidance.scale * (cond - uncond)
-    if guidance.rescale > 0:
-        out = rescale_noise_cfg(out, cond, guidance.rescale)
-    return out
+def combine_guidance(uncond, cond, guidance: Guidance, step=0):
+    """``uncond + scale * (cond - uncond)`` at the step index ``step``, rescaled where ``guidance.rescale > 0``
+    (a traced choice: the rescaled output is computed every step and selected, never mixed in at 0)."""
+    scale = guidance.at(step).astype(uncond.dtype)
+    out = uncond + scale * (cond - uncond)
+    rescale = guidance.rescale.astype(out.dtype)
+    return jnp.where(rescale > 0, rescale_noise_cfg(out, cond, rescale), out)
 
 
 class Denoiser(eqx.Module):
@@ -84,27 +106,46 @@ def guided_output(denoiser: Denoiser, x, t, cond, guidance: Guidance, *, step):
         return denoiser(x, t, cond, step=step)
     if guidance.mode == "separate":
         negative, positive = cond
-        return combine_guidance(denoiser(x, t, negative, step=step), denoiser(x, t, positive, step=step), guidance)
+        return combine_guidance(denoiser(x, t, negative, step=step), denoiser(x, t, positive, step=step), guidance,
+                                step)
     out = denoiser(jnp.concatenate([x, x]), t, cond, step=step)
     uncond, text = jnp.split(out, 2)
-    return combine_guidance(uncond, text, guidance)
+    return combine_guidance(uncond, text, guidance, step)
 
 
-@eqx.filter_jit
 def denoise_loop(denoiser: Denoiser, scheduler, state, latents: Float[Array, "batch *spatial channels"], cond,
-                 key: PRNGKeyArray, *, guidance: Guidance = Guidance(1.0),
+                 key: PRNGKeyArray, *, guidance: Guidance | None = None,
                  num_steps: int | Int[Array, ""] | None = None, progress: bool = False):
     """Run the scheduler's remaining steps from ``state`` (or the first ``num_steps`` of them, to stop early as
-    ``denoising_end`` does): the whole loop is one ``lax.fori_loop``.
+    ``denoising_end`` does): the whole loop is one jitted ``lax.fori_loop``.
 
     Each step scales the latents for the model (``scheduler.scale_model_input``), takes the guided model output
     and the scheduler's step (stochastic schedulers draw from ``key``), then :meth:`Denoiser.after_step`.
-    ``num_steps`` given as an array is a traced trip count: runs stopping at different steps share one program.
+
+    Values are traced and shapes compile: the schedule is padded to its fixed length (``pad_schedule``), the trip
+    count is an array, the scheduler is its :meth:`~eqxdiff.schedulers.AbstractScheduler.stepper` and guidance
+    holds arrays, so calls that differ in the number of steps, the start (``strength``), the guidance values, the
+    noise or a schedule-only scheduler option share one compiled program.
     """
+    state = pad_schedule(state)
+    guidance = (Guidance(1.0) if guidance is None else guidance).padded(state.timesteps.shape[0])
     remaining = scheduler.remaining_steps(state)
     steps = remaining if num_steps is None else num_steps
-    if isinstance(steps, int) and not 0 <= steps <= remaining:
-        raise ValueError(f"num_steps={num_steps} must be in [0, {remaining}] (the steps left in the schedule)")
+    given, left = _concrete_int(steps), _concrete_int(remaining)
+    if given is not None and left is not None and not 0 <= given <= left:
+        raise ValueError(f"num_steps={num_steps} must be in [0, {left}] (the steps left in the schedule)")
+    return _denoise_loop(denoiser, scheduler.stepper(), state, latents, cond, key, guidance,
+                         jnp.asarray(steps, jnp.int32), progress=progress)
+
+
+def _concrete_int(value) -> int | None:
+    """``value`` as a Python int, or ``None`` when it is traced."""
+    return None if isinstance(value, jax.core.Tracer) else int(value)
+
+
+@eqx.filter_jit
+def _denoise_loop(denoiser: Denoiser, scheduler, state, latents, cond, key, guidance: Guidance, steps, *,
+                  progress: bool):
     end = state.step_index + steps
 
     def body(_, carry):
@@ -179,7 +220,7 @@ def plan_schedule(scheduler, num_inference_steps: int | None, *, sample_shape: t
                                begin_index=len(timesteps) - min(count, len(timesteps)), **schedule)
     else:
         state = scheduler.init(num_inference_steps, sample_shape=sample_shape, strength=strength, **schedule)
-    num_steps = scheduler.remaining_steps(state)
+    num_steps = int(scheduler.remaining_steps(state))
     if end is not None:
         run = np.asarray(scheduler.timesteps_to_run(state))
         num_steps = int(np.sum(run >= _cutoff(scheduler, end)))
@@ -188,4 +229,4 @@ def plan_schedule(scheduler, num_inference_steps: int | None, *, sample_shape: t
                 if strength is not None else f"denoising_end={end}")
         raise ValueError(f"{what} with {state.timesteps.shape[0]} steps leaves no denoising step; raise "
                          "num_inference_steps or move the fraction")
-    return Schedule(state, num_steps, adds_noise=start is None)
+    return Schedule(pad_schedule(state), num_steps, adds_noise=start is None)

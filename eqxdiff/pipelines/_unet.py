@@ -265,7 +265,7 @@ class UNetPipeline(LatentPipeline):
         shape = (batch, height // f, width // f, c)
         scheduler = self.scheduler
         if "eta" in {field.name for field in dataclasses.fields(scheduler)}:
-            scheduler = dataclasses.replace(scheduler, eta=float(eta))
+            scheduler = dataclasses.replace(scheduler, eta=jnp.asarray(eta, jnp.float32))  # traced: no recompile
         schedule = plan_schedule(scheduler, num_inference_steps, sample_shape=shape,
                                  strength=None if image is None else strength, denoising_start=denoising_start,
                                  denoising_end=denoising_end, **(schedule or {}))

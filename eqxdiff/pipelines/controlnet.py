@@ -280,10 +280,12 @@ class _ControlNetPipeline:
             if image.shape[-1] != net.config.conditioning_channels:
                 raise ValueError(f"control image {i} has {image.shape[-1]} channels; its ControlNet takes "
                                  f"{net.config.conditioning_channels} (conditioning_channels)")
+        # One row per step of the (padded) schedule, indexed by the scheduler's step index: a traced table, so new
+        # scales, start / end fractions or step counts compile nothing.
         state = schedule.state
-        total, begin = int(state.timesteps.shape[0]), state.begin_index
-        table = np.zeros((total, len(images)), np.float32)
-        table[begin:] = control_scales(control.scales, control.starts, control.ends, total - begin)
+        length, total, begin = int(state.timesteps.shape[0]), int(state.num_timesteps), int(state.begin_index)
+        table = np.zeros((length, len(images)), np.float32)
+        table[begin:total] = control_scales(control.scales, control.starts, control.ends, total - begin)
         cond = {**cond, **{f"{CONTROL_IMAGE}_{i}": jnp.asarray(im) for i, im in enumerate(images)}}
         return self.make_denoiser(jnp.asarray(table)), cond
 

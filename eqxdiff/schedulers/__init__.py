@@ -11,6 +11,11 @@
 ...     return x, state, key
 >>> x, state, _ = jax.lax.fori_loop(0, sched.remaining_steps(state), body, (x, state, key))
 
+States are arrays only: ``step_index``, ``begin_index`` and ``num_timesteps`` too. ``pad_schedule(state)`` pads the
+per-step arrays to a fixed length (:data:`SCHEDULE_BUCKET`), after which schedules of any length and start share
+one compiled loop (the pipelines' ``denoise_loop`` does this, and runs ``sched.stepper()``, which drops the config
+fields that only shape the schedule, such as a flow shift).
+
 ``init`` also takes the keywords of the diffusers scheduler's ``set_timesteps``: ``timesteps=`` / ``sigmas=`` custom
 schedules, ``mu=`` (dynamic shifting of flow-matching sigmas; ``dynamic_shift_mu(image_seq_len)``), LCM's
 ``original_inference_steps=``. Schedulers of the DDPM process (:class:`AbstractBetaScheduler`) also have
@@ -19,11 +24,14 @@ schedules, ``mu=`` (dynamic shifting of flow-matching sigmas; ``dynamic_shift_mu
 """
 
 from ..core import ConfigError as ConfigError
+from ._base import SCHEDULE_BUCKET as SCHEDULE_BUCKET
 from ._base import AbstractScheduler as AbstractScheduler
 from ._base import AbstractSchedulerState as AbstractSchedulerState
 from ._base import AbstractSigmaState as AbstractSigmaState
 from ._base import SchedulerConfig as SchedulerConfig
 from ._base import SigmaState as SigmaState
+from ._base import pad_schedule as pad_schedule
+from ._base import schedule_length as schedule_length
 from ._beta import AbstractBetaScheduler as AbstractBetaScheduler
 from ._beta import BetaScheduleConfig as BetaScheduleConfig
 from ._registry import SCHEDULER_CLASSES as SCHEDULER_CLASSES

@@ -10,6 +10,8 @@ dtype out) around the subclass's :meth:`AbstractScheduler.update`.
 
 import abc
 import dataclasses
+import functools
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -30,6 +32,10 @@ class SchedulerConfig(ModelConfig):
 
     Subclasses add their own keys and may change a default (diffusers' defaults differ per class).
     """
+
+    # Fields that only shape the schedule: ``init`` reads them on the host, ``step`` never does (see
+    # ``AbstractScheduler.stepper``). A subclass adds its own; leaving one out only costs a recompile.
+    SCHEDULE_ONLY: ClassVar[frozenset[str]] = frozenset()
 
     num_train_timesteps: int = 1000
     # The checkpoint dict this config was read from (not part of equality): which keys it set, and keys that
@@ -143,19 +149,93 @@ def step_noise(name: str, shape, dtype, key, noise):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Counters and the fixed-length schedule
+
+# Per-step arrays are padded to a multiple of this many steps (1024: every schedule of up to 1000 training
+# timesteps, the common case, has one length); longer custom schedules take the next power of two.
+SCHEDULE_BUCKET = 1024
+_STEP_AXES = {"steps": 0, "steps_plus_one": 1}  # a per-step field's leading axis -> entries beyond the steps
+
+
+def to_device(value, dtype=None) -> Array:
+    """A host value as a device array, compiling nothing (``jnp.asarray`` of a NumPy array compiles a small copy
+    program for each new shape: a new schedule length would compile one per per-step array)."""
+    return jax.device_put(np.asarray(value, dtype))
+
+
+def counters(num_timesteps: int, begin: int) -> dict[str, Array]:
+    """The state's ``step_index`` / ``begin_index`` (both ``begin``) and ``num_timesteps``, as int32 arrays."""
+    begin = to_device(begin, np.int32)
+    return {"step_index": begin, "begin_index": begin, "num_timesteps": to_device(num_timesteps, np.int32)}
+
+
+def is_zero(value) -> bool:
+    """Whether ``value`` is a Python number equal to 0 (a static zero: a stochastic step may skip its draw); an
+    array is never statically zero."""
+    return isinstance(value, (int, float)) and value == 0
+
+
+def schedule_length(num_steps: int) -> int:
+    """The padded length of a schedule of ``num_steps`` steps: :data:`SCHEDULE_BUCKET`, doubled until it fits."""
+    length = SCHEDULE_BUCKET
+    while length < num_steps:
+        length *= 2
+    return length
+
+
+@functools.cache
+def _per_step_fields(cls: type) -> dict[str, int]:
+    """``{field: extra}`` of a state class's per-step arrays (annotated ``" steps ..."``, or ``" steps_plus_one"``:
+    one entry more than the steps)."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        dims = getattr(hint, "dims", ())
+        first = getattr(dims[0], "name", None) if dims else None
+        if first in _STEP_AXES:
+            out[name] = _STEP_AXES[first]
+    return out
+
+
+def pad_schedule(state: "AbstractSchedulerState", length: int | None = None) -> "AbstractSchedulerState":
+    """``state`` with its per-step arrays padded (repeating their last entry) to ``length`` steps, by default
+    :func:`schedule_length` of their present length. Only ``num_timesteps`` says where the schedule ends, so the
+    padded state steps exactly as the original; states of any schedule length up to the bucket (and any start)
+    have the same shapes, hence one compiled loop. Works on traced states too (it reads shapes only)."""
+    steps = int(state.timesteps.shape[0])
+    length = schedule_length(steps) if length is None else length
+    if length < steps:
+        raise ValueError(f"pad_schedule: length={length} is shorter than the schedule's {steps} steps")
+    if length == steps:
+        return state
+    changes = {}
+    for name, extra in _per_step_fields(type(state)).items():
+        value = getattr(state, name)
+        pad = [(0, length + extra - value.shape[0])] + [(0, 0)] * (value.ndim - 1)
+        if isinstance(value, jax.core.Tracer):
+            changes[name] = jnp.pad(value, pad, mode="edge")
+        else:  # on the host: no program is compiled for a new schedule length
+            changes[name] = to_device(np.pad(np.asarray(value), pad, mode="edge"))
+    return dataclasses.replace(state, **changes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # State and scheduler bases
 
 
 class AbstractSchedulerState(eqx.Module):
-    """A scheduler's state: arrays only (plus the static ``begin_index``), threaded through ``step``.
+    """A scheduler's state: arrays only, threaded through ``step``.
 
     ``step_index`` is the index of the current timestep into ``timesteps``; it starts at ``begin_index`` and
-    grows by one per ``step``, so a ``lax.fori_loop`` body never needs its loop index.
+    grows by one per ``step``, so a ``lax.fori_loop`` body never needs its loop index. ``num_timesteps`` is the
+    schedule's length. All three are arrays, so that schedules of any length and start share one compiled loop
+    once their per-step arrays are padded to a fixed length (:func:`pad_schedule`): the fields annotated with a
+    leading ``steps`` (or ``steps_plus_one``) axis are the per-step ones.
     """
 
     timesteps: eqx.AbstractVar[Shaped[Array, " steps"]]
     step_index: eqx.AbstractVar[Int[Array, ""]]
-    begin_index: eqx.AbstractVar[int]
+    begin_index: eqx.AbstractVar[Int[Array, ""]]
+    num_timesteps: eqx.AbstractVar[Int[Array, ""]]
 
 
 class AbstractSigmaState(AbstractSchedulerState):
@@ -171,7 +251,8 @@ class SigmaState(AbstractSigmaState):
     timesteps: Float[Array, " steps"]
     sigmas: Float[Array, " steps_plus_one"]
     step_index: Int[Array, ""]
-    begin_index: int = eqx.field(static=True)
+    begin_index: Int[Array, ""]
+    num_timesteps: Int[Array, ""]
 
 
 class AbstractScheduler(eqx.Module):
@@ -239,14 +320,26 @@ class AbstractScheduler(eqx.Module):
         """The timestep to give the model at the current step."""
         return state.timesteps[state.step_index]
 
-    def remaining_steps(self, state: AbstractSchedulerState) -> int:
-        """How many ``step`` calls are left from the state's start: a Python int (a static loop length) when
-        called on the state ``init`` returned."""
-        return int(state.timesteps.shape[0]) - state.begin_index
+    def remaining_steps(self, state: AbstractSchedulerState) -> Int[Array, ""]:
+        """How many ``step`` calls are left from the state's start (an int32 array: a traced loop length;
+        ``int(...)`` of it on the host)."""
+        return state.num_timesteps - state.begin_index
 
-    def timesteps_to_run(self, state: AbstractSchedulerState) -> Shaped[Array, " run"]:
-        """The timesteps from ``begin_index`` on (all of them unless ``init`` was given ``strength``)."""
-        return state.timesteps[state.begin_index:]
+    def timesteps_to_run(self, state: AbstractSchedulerState) -> np.ndarray:
+        """The timesteps from ``begin_index`` on (all of them unless ``init`` was given ``strength``), on the
+        host (the state's arrays must be concrete)."""
+        return np.asarray(state.timesteps)[int(state.begin_index):int(state.num_timesteps)]
+
+    def stepper(self) -> "AbstractScheduler":
+        """This scheduler as the denoising loop sees it: the config fields that only shape the schedule (read by
+        ``init`` on the host, never by ``step``: the config class's ``SCHEDULE_ONLY``) set back to their defaults,
+        so that schedulers differing only in them (a flow shift, Karras sigma bounds ...) share one compiled loop.
+        Its ``step`` gives the same results as this scheduler's on this scheduler's states."""
+        cfg = self.config
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.name in cfg.SCHEDULE_ONLY}
+        if not defaults or all(getattr(cfg, k) == v for k, v in defaults.items()):
+            return self
+        return dataclasses.replace(self, config=dataclasses.replace(cfg, **defaults))
 
     def init_noise_sigma(self, state: AbstractSchedulerState) -> Float[Array, ""]:
         """The standard deviation of the initial noise."""

@@ -41,6 +41,8 @@ class BetaScheduleConfig(SchedulerConfig):
         "prediction_type": PREDICTION_TYPES,
     }
 
+    SCHEDULE_ONLY: ClassVar[frozenset[str]] = frozenset({"timestep_spacing", "steps_offset"})
+
     beta_start: float = 0.0001
     beta_end: float = 0.02
     beta_schedule: str = "linear"
@@ -85,6 +87,9 @@ class SigmaSpacingConfig(BetaScheduleConfig):
     SUPPORTED_VALUES: ClassVar[Mapping[str, tuple]] = {
         **BetaScheduleConfig.SUPPORTED_VALUES, "use_karras_sigmas": BOOLS, "use_exponential_sigmas": BOOLS,
         "use_beta_sigmas": (False,)}
+
+    SCHEDULE_ONLY: ClassVar[frozenset[str]] = BetaScheduleConfig.SCHEDULE_ONLY | {
+        "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas"}
 
     use_karras_sigmas: bool = False
     use_exponential_sigmas: bool = False
@@ -248,7 +253,8 @@ class AlphaProdState(AbstractSchedulerState):
     alpha_prod: Float[Array, " steps"]
     alpha_prod_prev: Float[Array, " steps"]
     step_index: Int[Array, ""]
-    begin_index: int = eqx.field(static=True)
+    begin_index: Int[Array, ""]
+    num_timesteps: Int[Array, ""]
 
 
 class AbstractBetaScheduler(AbstractScheduler):

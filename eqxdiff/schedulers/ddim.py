@@ -7,7 +7,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from ._base import BOOLS, check_num_steps, resolve_begin_index, step_noise
+from .._typing import Array, Float
+from ._base import BOOLS, check_num_steps, counters, is_zero, resolve_begin_index, step_noise, to_device
 from ._beta import (
     AbstractBetaScheduler,
     AlphaProdState,
@@ -23,6 +24,8 @@ from ._beta import (
 class DDIMConfig(ClipSampleConfig):
     SUPPORTED_VALUES: ClassVar = {**ClipSampleConfig.SUPPORTED_VALUES, "set_alpha_to_one": BOOLS}
 
+    SCHEDULE_ONLY: ClassVar = ClipSampleConfig.SCHEDULE_ONLY | {"set_alpha_to_one"}
+
     set_alpha_to_one: bool = True
 
 
@@ -31,11 +34,13 @@ DDIMState = AlphaProdState  # the same state as DDPM's
 
 class DDIMScheduler(AbstractBetaScheduler):
     """DDIM. ``eta`` (0: deterministic DDIM, 1: DDPM-like) and ``use_clipped_model_output`` are the arguments
-    diffusers takes in ``step``; here they are static fields so that every scheduler's ``step`` looks the same."""
+    diffusers takes in ``step``; here they are fields so that every scheduler's ``step`` looks the same. ``eta``
+    may be an array (a traced value: the pipelines pass one, so a new ``eta`` compiles nothing); a Python ``0``
+    skips the noise draw, any other value adds ``eta``-scaled noise (none at all when the array holds 0)."""
 
     CONFIG: ClassVar[type[DDIMConfig]] = DDIMConfig
     config: DDIMConfig = eqx.field(static=True, default=DDIMConfig())
-    eta: float = eqx.field(static=True, default=0.0)
+    eta: float | Float[Array, ""] = 0.0
     use_clipped_model_output: bool = eqx.field(static=True, default=False)
 
     def _init(self, num_inference_steps: int, *, sample_shape, strength, begin_index) -> DDIMState:
@@ -49,9 +54,8 @@ class DDIMScheduler(AbstractBetaScheduler):
         prev = timesteps - cfg.num_train_timesteps // num_inference_steps
         alpha_prev = np.where(prev >= 0, acp[np.clip(prev, 0, None)], final)
         begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
-        return DDIMState(timesteps=jnp.asarray(timesteps, jnp.int32), alpha_prod=jnp.asarray(acp[timesteps]),
-                         alpha_prod_prev=jnp.asarray(alpha_prev, jnp.float32),
-                         step_index=jnp.asarray(begin, jnp.int32), begin_index=begin)
+        return DDIMState(timesteps=to_device(timesteps, np.int32), alpha_prod=to_device(acp[timesteps]),
+                         alpha_prod_prev=to_device(alpha_prev, np.float32), **counters(len(timesteps), begin))
 
     def update(self, state: DDIMState, out, x, *, key=None, noise=None):
         cfg = self.config
@@ -64,6 +68,6 @@ class DDIMScheduler(AbstractBetaScheduler):
         if self.use_clipped_model_output:
             eps = (x - jnp.sqrt(a_t) * x0) / jnp.sqrt(b_t)
         prev = jnp.sqrt(a_prev) * x0 + jnp.sqrt(1 - a_prev - std * std) * eps
-        if self.eta > 0:
+        if not is_zero(self.eta):
             prev = prev + std * step_noise("DDIMScheduler", x.shape, x.dtype, key, noise)
         return prev, state

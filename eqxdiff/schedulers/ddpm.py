@@ -9,7 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
-from ._base import check_descending, check_num_steps, custom_schedule, one_of_steps_or, resolve_begin_index, step_noise
+from ._base import (
+    check_descending,
+    check_num_steps,
+    counters,
+    custom_schedule,
+    one_of_steps_or,
+    resolve_begin_index,
+    step_noise,
+    to_device,
+)
 from ._beta import (
     AbstractBetaScheduler,
     AlphaProdState,
@@ -61,9 +70,8 @@ class DDPMScheduler(AbstractBetaScheduler):
         # The previous timestep is the next entry of the schedule; past the last one alpha_prod is 1.
         alpha_prev = np.concatenate([acp[timesteps[1:]], np.ones(1, np.float32)])
         begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
-        return DDPMState(timesteps=jnp.asarray(timesteps, jnp.int32), alpha_prod=jnp.asarray(acp[timesteps]),
-                         alpha_prod_prev=jnp.asarray(alpha_prev), step_index=jnp.asarray(begin, jnp.int32),
-                         begin_index=begin)
+        return DDPMState(timesteps=to_device(timesteps, np.int32), alpha_prod=to_device(acp[timesteps]),
+                         alpha_prod_prev=to_device(alpha_prev), **counters(len(timesteps), begin))
 
     @typechecked
     def step(self, state: DDPMState, model_output: Float[Array, "..."], sample: Float[Array, "*dims"], *,

@@ -15,9 +15,11 @@ from ._base import (
     BOOLS,
     AbstractSchedulerState,
     check_num_steps,
+    counters,
     custom_schedule,
     one_of_steps_or,
     resolve_begin_index,
+    to_device,
 )
 from ._beta import (
     AbstractBetaScheduler,
@@ -38,6 +40,8 @@ class DPMSolverConfig(SigmaSpacingConfig):
         "use_lu_lambdas": (False,), "use_flow_sigmas": (False,), "use_dynamic_shifting": (False,),
         "final_sigmas_type": ("zero", "sigma_min"), "variance_type": (None, "learned", "learned_range"),
         "thresholding": BOOLS, "rescale_betas_zero_snr": BOOLS}
+
+    SCHEDULE_ONLY: ClassVar = SigmaSpacingConfig.SCHEDULE_ONLY | {"lambda_min_clipped"}
 
     timestep_spacing: str = "linspace"
     solver_order: int = 2
@@ -66,7 +70,8 @@ class DPMSolverState(AbstractSchedulerState):
     model_outputs: Float[Array, "order *dims"]
     lower_order_nums: Int[Array, ""]
     step_index: Int[Array, ""]
-    begin_index: int = eqx.field(static=True)
+    begin_index: Int[Array, ""]
+    num_timesteps: Int[Array, ""]
 
 
 def _alpha_sigma(sigma):
@@ -134,10 +139,9 @@ class DPMSolverMultistepScheduler(AbstractBetaScheduler):
         last = np.sqrt((np.float32(1) - acp[0]) / acp[0]) if cfg.final_sigmas_type == "sigma_min" else 0.0
         sigmas = np.concatenate([sigmas, [last]]).astype(np.float32)
         begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
-        return DPMSolverState(timesteps=jnp.asarray(timesteps, jnp.int32), sigmas=jnp.asarray(sigmas),
+        return DPMSolverState(timesteps=to_device(timesteps, np.int32), sigmas=to_device(sigmas),
                               model_outputs=jnp.zeros((cfg.solver_order, *sample_shape), jnp.float32),
-                              lower_order_nums=jnp.zeros((), jnp.int32), step_index=jnp.asarray(begin, jnp.int32),
-                              begin_index=begin)
+                              lower_order_nums=jnp.zeros((), jnp.int32), **counters(len(timesteps), begin))
 
     def _data_prediction(self, state: DPMSolverState, out, x):
         cfg = self.config
@@ -189,9 +193,9 @@ class DPMSolverMultistepScheduler(AbstractBetaScheduler):
             out = out[..., :x.shape[-1]]  # drop the predicted variance (the channels' second half)
         if out.shape != x.shape:
             raise ValueError(f"model_output shape {out.shape} must equal the sample shape {x.shape}")
-        n = state.timesteps.shape[0]
+        n = state.num_timesteps
         i = state.step_index
-        final_first_order = cfg.euler_at_final or (cfg.lower_order_final and n < 15) or cfg.final_sigmas_type == "zero"
+        final_first_order = cfg.euler_at_final | (cfg.lower_order_final & (n < 15)) | (cfg.final_sigmas_type == "zero")
         # (diffusers' "lower_order_second" only matters for third order, which eqxdiff does not implement.)
         lower_final = (i == n - 1) & final_first_order
         x0 = self._data_prediction(state, out, x)

@@ -14,11 +14,13 @@ from ._base import (
     AbstractSigmaState,
     SigmaState,
     check_num_steps,
+    counters,
     custom_schedule,
     one_of_steps_or,
     per_sample,
     resolve_begin_index,
     step_noise,
+    to_device,
 )
 from ._beta import (
     AbstractBetaScheduler,
@@ -47,6 +49,9 @@ class EulerConfig(SigmaSpacingConfig):
         **SigmaSpacingConfig.SUPPORTED_VALUES, "interpolation_type": ("linear",),
         "timestep_type": ("discrete", "continuous"), "final_sigmas_type": ("zero", "sigma_min"),
         "rescale_betas_zero_snr": BOOLS}
+
+    SCHEDULE_ONLY: ClassVar = SigmaSpacingConfig.SCHEDULE_ONLY | {"sigma_min", "sigma_max", "timestep_type",
+                                                                  "final_sigmas_type"}
 
     timestep_spacing: str = "linspace"
     interpolation_type: str = "linear"
@@ -140,8 +145,8 @@ class EulerDiscreteScheduler(AbstractSigmaScheduler):
         if cfg.timestep_type == "continuous" and cfg.prediction_type == "v_prediction":
             timesteps = np.float32(0.25) * np.log(sigmas[:-1])
         begin = resolve_begin_index(n, n, self.order, strength, begin_index)
-        return SigmaState(timesteps=jnp.asarray(timesteps, jnp.float32), sigmas=jnp.asarray(sigmas),
-                          step_index=jnp.asarray(begin, jnp.int32), begin_index=begin)
+        return SigmaState(timesteps=to_device(timesteps, np.float32), sigmas=to_device(sigmas),
+                          **counters(n, begin))
 
     def _custom_sigmas(self, sigmas):
         """diffusers' ``set_timesteps(sigmas=...)``: ``n + 1`` levels (the last is where the last step goes), the
@@ -183,8 +188,8 @@ class EulerAncestralDiscreteScheduler(AbstractSigmaScheduler):
         timesteps, sigmas, _ = euler_timesteps_and_sigmas(self, num_inference_steps)
         sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
         begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
-        return SigmaState(timesteps=jnp.asarray(timesteps, jnp.float32), sigmas=jnp.asarray(sigmas),
-                          step_index=jnp.asarray(begin, jnp.int32), begin_index=begin)
+        return SigmaState(timesteps=to_device(timesteps, np.float32), sigmas=to_device(sigmas),
+                          **counters(len(timesteps), begin))
 
     def update(self, state: SigmaState, out, x, *, key=None, noise=None):
         sigma_from, sigma_to = state.sigmas[state.step_index], state.sigmas[state.step_index + 1]

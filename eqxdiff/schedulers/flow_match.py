@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 import equinox as eqx
-import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, typechecked
@@ -24,9 +23,11 @@ from ._base import (
     SchedulerConfig,
     SigmaState,
     check_num_steps,
+    counters,
     custom_schedule,
     resolve_begin_index,
     step_noise,
+    to_device,
 )
 from ._sigmas import SHIFT_TYPES, dynamic_shift_mu, respace, shift_flow_sigmas
 
@@ -39,6 +40,10 @@ class FlowMatchEulerConfig(SchedulerConfig):
         "use_dynamic_shifting": BOOLS, "invert_sigmas": BOOLS, "use_karras_sigmas": BOOLS,
         "use_exponential_sigmas": BOOLS, "use_beta_sigmas": BOOLS, "time_shift_type": SHIFT_TYPES,
         "stochastic_sampling": BOOLS}
+
+    SCHEDULE_ONLY: ClassVar[frozenset[str]] = frozenset({
+        *SPACINGS, "shift", "use_dynamic_shifting", "base_shift", "max_shift", "base_image_seq_len",
+        "max_image_seq_len", "invert_sigmas", "shift_terminal", "time_shift_type"})
 
     shift: float = 1.0
     use_dynamic_shifting: bool = False
@@ -139,8 +144,8 @@ class FlowMatchEulerDiscreteScheduler(AbstractScheduler):
             timesteps = sigmas * np.float32(big_n)
         sigmas = np.concatenate([sigmas, np.full(1, 1.0 if cfg.invert_sigmas else 0.0, np.float32)])
         begin = resolve_begin_index(n, n, self.order, strength, begin_index, whole_steps=False)
-        return SigmaState(timesteps=jnp.asarray(timesteps, jnp.float32), sigmas=jnp.asarray(sigmas),
-                          step_index=jnp.asarray(begin, jnp.int32), begin_index=begin)
+        return SigmaState(timesteps=to_device(timesteps, np.float32), sigmas=to_device(sigmas),
+                          **counters(n, begin))
 
     def update(self, state: SigmaState, out, x, *, key=None, noise=None):
         sigma, sigma_next = state.sigmas[state.step_index], state.sigmas[state.step_index + 1]

@@ -21,10 +21,13 @@ from .._typing import Array, Bool, Float, Int
 from ._base import (
     AbstractSchedulerState,
     check_descending,
+    counters,
     custom_schedule,
+    is_zero,
     one_of_steps_or,
     resolve_begin_index,
     step_noise,
+    to_device,
 )
 from ._beta import AbstractBetaScheduler, ClipSampleConfig, clip_or_threshold, x0_and_eps
 
@@ -32,6 +35,9 @@ from ._beta import AbstractBetaScheduler, ClipSampleConfig, clip_or_threshold, x
 @dataclasses.dataclass(frozen=True)
 class LCMConfig(ClipSampleConfig):
     """``LCMScheduler``'s and ``TCDScheduler``'s keys (the same ones, with the same defaults)."""
+
+    SCHEDULE_ONLY: ClassVar = ClipSampleConfig.SCHEDULE_ONLY | {"original_inference_steps", "timestep_scaling",
+                                                                "set_alpha_to_one"}
 
     beta_start: float = 0.00085
     beta_end: float = 0.012
@@ -61,7 +67,8 @@ class LCMState(AbstractSchedulerState):
     aux: Float[Array, "steps 2"]
     renoise: Bool[Array, " steps"]
     step_index: Int[Array, ""]
-    begin_index: int = eqx.field(static=True)
+    begin_index: Int[Array, ""]
+    num_timesteps: Int[Array, ""]
 
 
 TCDState = LCMState
@@ -109,10 +116,9 @@ class _ConsistencyScheduler(AbstractBetaScheduler):
         nxt = np.concatenate([timesteps[1:], [self._after_last(timesteps[-1])]])
         alpha_prev, aux = self._per_step(timesteps, nxt, acp)
         begin = resolve_begin_index(n, n, self.order, strength, begin_index)
-        return LCMState(timesteps=jnp.asarray(timesteps, jnp.int32), alpha_prod=jnp.asarray(acp[timesteps]),
-                        alpha_prod_prev=jnp.asarray(alpha_prev, jnp.float32), aux=jnp.asarray(aux, jnp.float32),
-                        renoise=jnp.asarray(np.arange(n) != n - 1), step_index=jnp.asarray(begin, jnp.int32),
-                        begin_index=begin)
+        return LCMState(timesteps=to_device(timesteps, np.int32), alpha_prod=to_device(acp[timesteps]),
+                        alpha_prod_prev=to_device(alpha_prev, np.float32), aux=to_device(aux, np.float32),
+                        renoise=to_device(np.arange(n) != n - 1), **counters(n, begin))
 
     @abc.abstractmethod
     def _after_last(self, last: int) -> int:
@@ -158,12 +164,13 @@ class LCMScheduler(_ConsistencyScheduler):
 
 class TCDScheduler(_ConsistencyScheduler):
     """Trajectory Consistency Distillation's strategic stochastic sampling. ``eta`` (the paper's gamma, diffusers'
-    ``step(eta=)``, default 0.3) is a static field as DDIM's is; with ``eta > 0`` ``step`` needs ``key=`` (or
-    ``noise=``)."""
+    ``step(eta=)``, default 0.3) is a field as DDIM's is (a Python float or an array: the intermediate timesteps it
+    picks are computed by ``init`` on the host, so a new value compiles nothing); unless it is a Python ``0``,
+    ``step`` needs ``key=`` (or ``noise=``)."""
 
     CONFIG: ClassVar[type[LCMConfig]] = LCMConfig
     config: LCMConfig = eqx.field(static=True, default=LCMConfig())
-    eta: float = eqx.field(static=True, default=0.3)
+    eta: float | Float[Array, ""] = 0.3
 
     def __check_init__(self):
         if not 0.0 <= self.eta <= 1.0:
@@ -189,8 +196,8 @@ class TCDScheduler(_ConsistencyScheduler):
         a_t, a_prev, a_s = state.alpha_prod[i], state.alpha_prod_prev[i], state.aux[i, 0]
         x0, eps = x0_and_eps(self.config.prediction_type, out, x, a_t)
         x_s = jnp.sqrt(a_s) * x0 + jnp.sqrt(1 - a_s) * eps
-        if self.eta == 0:
+        if is_zero(self.eta):
             return x_s, state
         fresh = step_noise("TCDScheduler", x.shape, x.dtype, key, noise)
         renoised = jnp.sqrt(a_prev / a_s) * x_s + jnp.sqrt(1 - a_prev / a_s) * fresh
-        return jnp.where(state.renoise[i], renoised, x_s), state
+        return jnp.where(state.renoise[i] & (self.eta != 0), renoised, x_s), state

@@ -13,7 +13,7 @@ import numpy as np
 from numpy.polynomial import Polynomial
 
 from .._typing import Array, Float, Int
-from ._base import AbstractSigmaState, resolve_begin_index
+from ._base import AbstractSigmaState, counters, resolve_begin_index, to_device
 from ._beta import SigmaSpacingConfig, sigma_to_t, x0_from_sigma
 from ._sigmas import exponential_sigmas, karras_sigmas
 from .euler import AbstractSigmaScheduler, euler_timesteps_and_sigmas
@@ -34,7 +34,8 @@ class LMSState(AbstractSigmaState):
     coeffs: Float[Array, "steps 4"]
     derivatives: Float[Array, "4 *dims"]
     step_index: Int[Array, ""]
-    begin_index: int = eqx.field(static=True)
+    begin_index: Int[Array, ""]
+    num_timesteps: Int[Array, ""]
 
 
 def lms_coefficients(sigmas: np.ndarray, num_steps: int) -> np.ndarray:
@@ -70,9 +71,9 @@ class LMSDiscreteScheduler(AbstractSigmaScheduler):
             timesteps = sigma_to_t(sigmas, log_sigmas)
         sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
         begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
-        return LMSState(timesteps=jnp.asarray(timesteps, jnp.float32), sigmas=jnp.asarray(sigmas),
-                        step_index=jnp.asarray(begin, jnp.int32), begin_index=begin,
-                        coeffs=jnp.asarray(lms_coefficients(sigmas, num_inference_steps)),
+        return LMSState(timesteps=to_device(timesteps, np.float32), sigmas=to_device(sigmas),
+                        **counters(len(timesteps), begin),
+                        coeffs=to_device(lms_coefficients(sigmas, num_inference_steps)),
                         derivatives=jnp.zeros((LMS_ORDER, *sample_shape), jnp.float32))
 
     def update(self, state: LMSState, out, x, *, key=None, noise=None):

@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 
 from .._typing import Array, Float, Int
-from ._base import BOOLS, AbstractSchedulerState, check_num_steps, resolve_begin_index
+from ._base import BOOLS, AbstractSchedulerState, check_num_steps, counters, resolve_begin_index, to_device
 from ._beta import AbstractBetaScheduler, BetaScheduleConfig, check_train_indices, spaced_timesteps
 
 PNDM_ORDER = 4
@@ -20,6 +20,8 @@ PNDM_ORDER = 4
 class PNDMConfig(BetaScheduleConfig):
     SUPPORTED_VALUES: ClassVar = {**BetaScheduleConfig.SUPPORTED_VALUES, "prediction_type": ("epsilon", "v_prediction"),
                                   "skip_prk_steps": BOOLS, "set_alpha_to_one": BOOLS}
+
+    SCHEDULE_ONLY: ClassVar = BetaScheduleConfig.SCHEDULE_ONLY | {"set_alpha_to_one"}
 
     skip_prk_steps: bool = False
     set_alpha_to_one: bool = False
@@ -38,8 +40,9 @@ class PNDMState(AbstractSchedulerState):
     cur_sample: Float[Array, "*dims"]
     cur_model_output: Float[Array, "*dims"]
     step_index: Int[Array, ""]
-    begin_index: int = eqx.field(static=True)
-    num_prk: int = eqx.field(static=True)
+    begin_index: Int[Array, ""]
+    num_timesteps: Int[Array, ""]
+    num_prk: Int[Array, ""]
 
 
 def _plms_combination(ets, model_output, index):
@@ -101,11 +104,11 @@ class PNDMScheduler(AbstractBetaScheduler):
         final = np.float32(1.0) if cfg.set_alpha_to_one else acp[0]
         alpha_prev = np.where(t_prev >= 0, acp[np.clip(t_prev, 0, None)], final)
         zeros = jnp.zeros(tuple(sample_shape), jnp.float32)
-        return PNDMState(timesteps=jnp.asarray(timesteps, jnp.int32), alpha_prod=jnp.asarray(acp[t_now]),
-                         alpha_prod_prev=jnp.asarray(alpha_prev, jnp.float32),
+        return PNDMState(timesteps=to_device(timesteps, np.int32), alpha_prod=to_device(acp[t_now]),
+                         alpha_prod_prev=to_device(alpha_prev, np.float32),
                          ets=jnp.zeros((PNDM_ORDER, *sample_shape), jnp.float32),
                          num_ets=jnp.zeros((), jnp.int32), cur_sample=zeros, cur_model_output=zeros,
-                         step_index=jnp.asarray(begin, jnp.int32), begin_index=begin, num_prk=len(prk))
+                         num_prk=to_device(len(prk), np.int32), **counters(len(timesteps), begin))
 
     def _plms(self, state: PNDMState, out, x):
         counter = state.step_index - state.begin_index
@@ -132,7 +135,7 @@ class PNDMScheduler(AbstractBetaScheduler):
         return combined, cur_sample, new
 
     def update(self, state: PNDMState, out, x, *, key=None, noise=None):
-        if state.num_prk:
+        if not self.config.skip_prk_steps:
             is_prk = state.step_index - state.begin_index < state.num_prk
             combined, base, state = lax.cond(is_prk, self._prk, self._plms, state, out, x)
         else:

@@ -22,8 +22,10 @@ from ._base import (
     BOOLS,
     AbstractSigmaState,
     check_num_steps,
+    counters,
     custom_schedule,
     resolve_begin_index,
+    to_device,
 )
 from ._beta import (
     PREDICTION_TYPES,
@@ -50,6 +52,10 @@ class UniPCConfig(BetaScheduleConfig):
         "use_exponential_sigmas": BOOLS, "use_beta_sigmas": BOOLS, "use_flow_sigmas": BOOLS,
         "final_sigmas_type": ("zero", "sigma_min"), "rescale_betas_zero_snr": BOOLS, "use_dynamic_shifting": BOOLS,
         "time_shift_type": SHIFT_TYPES}
+
+    SCHEDULE_ONLY: ClassVar[frozenset[str]] = BetaScheduleConfig.SCHEDULE_ONLY | {
+        *SPACINGS, "flow_shift", "use_dynamic_shifting", "time_shift_type", "sigma_min", "sigma_max",
+        "shift_terminal", "final_sigmas_type", "disable_corrector"}
 
     solver_order: int = 2
     thresholding: bool = False
@@ -101,7 +107,8 @@ class UniPCState(AbstractSigmaState):
     this_order: Int[Array, ""]
     lower_order_nums: Int[Array, ""]
     step_index: Int[Array, ""]
-    begin_index: int = eqx.field(static=True)
+    begin_index: Int[Array, ""]
+    num_timesteps: Int[Array, ""]
 
 
 class UniPCMultistepScheduler(AbstractBetaScheduler):
@@ -181,11 +188,10 @@ class UniPCMultistepScheduler(AbstractBetaScheduler):
         corrector = (steps > 0) & ~np.isin(steps - 1, np.asarray(cfg.disable_corrector, np.int64))
         begin = resolve_begin_index(n, len(timesteps), self.order, strength, begin_index)
         zeros = jnp.zeros(tuple(sample_shape), jnp.float32)
-        return UniPCState(timesteps=jnp.asarray(timesteps, jnp.int32), sigmas=jnp.asarray(sigmas),
-                          corrector=jnp.asarray(corrector), model_outputs=jnp.zeros((cfg.solver_order, *sample_shape)),
+        return UniPCState(timesteps=to_device(timesteps, np.int32), sigmas=to_device(sigmas),
+                          corrector=to_device(corrector), model_outputs=jnp.zeros((cfg.solver_order, *sample_shape)),
                           last_sample=zeros, this_order=jnp.zeros((), jnp.int32),
-                          lower_order_nums=jnp.zeros((), jnp.int32), step_index=jnp.asarray(begin, jnp.int32),
-                          begin_index=begin)
+                          lower_order_nums=jnp.zeros((), jnp.int32), **counters(len(timesteps), begin))
 
     # -- device: the step ------------------------------------------------------------------------------------
 
@@ -291,7 +297,7 @@ class UniPCMultistepScheduler(AbstractBetaScheduler):
         m = jnp.concatenate([state.model_outputs[1:], converted[None]])
         this_order = cfg.solver_order
         if cfg.lower_order_final:
-            this_order = jnp.minimum(this_order, state.timesteps.shape[0] - i)
+            this_order = jnp.minimum(this_order, state.num_timesteps - i)
         this_order = jnp.minimum(this_order, state.lower_order_nums + 1)
         branches = [lambda m, x, p=p: self._update(state, m, x, i, i + 1, p) for p in orders]
         prev = lax.switch(this_order - 1, branches, m, x)
