@@ -391,6 +391,25 @@ def test_pipeline_errors(tokenizer):
         make_dataset(source, tokenizer=tokenizer, batch_size=8, resolution=8, num_epochs=1)
     with pytest.raises(ValueError, match="interpolation='cubic'"):
         make_dataset(source, tokenizer=tokenizer, batch_size=2, resolution=8, interpolation="cubic")
+    with pytest.raises(ValueError, match=r"image_keys \['aspect_ratio'\] are not facts the transform records; ask "
+                       r"for some of \['original_size', 'crop_top_left'\]"):
+        make_dataset(source, tokenizer=tokenizer, batch_size=2, resolution=8, image_keys=("crop_top_left",
+                                                                                          "aspect_ratio"))
+
+
+def test_image_facts_are_what_the_model_asks_for(tokenizer):
+    """A stream carries the per-image facts asked for by name (``image_keys``, a model's ``IMAGE_KEYS``), only
+    those: none by default, one alone, or both, as int32 pairs per image."""
+    source = SyntheticSource(4, height=20, width=10)
+    kwargs = dict(tokenizer=tokenizer, batch_size=4, resolution=8, shuffle=False, random_flip=False)
+    (plain,) = _take(make_dataset(source, **kwargs), 1)
+    assert sorted(plain) == ["input_ids", "pixel_values"]
+    (crop,) = _take(make_dataset(source, image_keys=("crop_top_left",), **kwargs), 1)
+    assert sorted(crop) == ["crop_top_left", "input_ids", "pixel_values"]
+    (both,) = _take(make_dataset(source, image_keys=("original_size", "crop_top_left"), **kwargs), 1)
+    assert both["original_size"].dtype == np.int32 and both["original_size"].tolist() == [[20, 10]] * 4
+    assert both["crop_top_left"].tolist() == crop["crop_top_left"].tolist() == [[4, 0]] * 4  # 16 x 8, centered
+    np.testing.assert_array_equal(both["pixel_values"], plain["pixel_values"])
 
 
 def test_worker_processes_same_batches_and_state(tokenizer):

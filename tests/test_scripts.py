@@ -25,7 +25,8 @@ from eqxdiff.cli import generate, train
 from eqxdiff.cli._options import family_options
 from eqxdiff.core import FAMILY_TABLE
 from eqxdiff.parallel import MeshConfig, Remat
-from eqxdiff.pipelines import Component, DiffusionPipeline, read_parameters, write_video
+from eqxdiff.pipelines import Component, DiffusionPipeline, InputError, read_parameters, write_video
+from eqxdiff.train import FamilyOptions, FluxOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -265,11 +266,11 @@ def test_train_rejects_conflicting_sources():
 # What tests/test_train_sdxl.py and tests/test_train_flux.py train with: FSDP over every device, full remat, the
 # stream's latents and text embeddings cached (frozen text encoders), the folder's own scheduler exported.
 LARGE_PRESETS = {
-    "sdxl": dict(model="stabilityai/stable-diffusion-xl-base-1.0", resolution=1024),
-    "flux-dev": dict(model="black-forest-labs/FLUX.1-dev", resolution=512, guidance_scale=3.5,
-                     max_sequence_length=512, sample_guidance_scale=3.5),
-    "flux-schnell": dict(model="black-forest-labs/FLUX.1-schnell", resolution=512, max_sequence_length=256,
-                         sample_guidance_scale=0.0, sample_steps=4),
+    "sdxl": dict(model="stabilityai/stable-diffusion-xl-base-1.0", resolution=1024, family=FamilyOptions()),
+    "flux-dev": dict(model="black-forest-labs/FLUX.1-dev", resolution=512,
+                     family=FluxOptions(guidance_scale=3.5, max_sequence_length=512), sample_guidance_scale=3.5),
+    "flux-schnell": dict(model="black-forest-labs/FLUX.1-schnell", resolution=512,
+                         family=FluxOptions(max_sequence_length=256), sample_guidance_scale=0.0, sample_steps=4),
 }
 
 
@@ -285,6 +286,52 @@ def test_large_presets_train_as_their_family_tests_do(preset, tmp_path, monkeypa
         assert getattr(config, key) == value, (preset, key)
     monkeypatch.chdir(tmp_path)  # the checks before loading accept it (a Hub model is not fetched by them)
     assert train.validate([preset, "--data", str(tmp_path)]) == dataclasses.replace(config, data=str(tmp_path))
+
+
+def test_family_options_are_flags_of_their_presets(capsys):
+    """A family's own options are ``--family.*`` flags of its presets, named in their errors; the top-level flags
+    they were before (``--guidance-scale``, ``--max-sequence-length``) still set them, with a note; under a preset
+    whose family lacks them, the error names the presets that take them."""
+    config = train.parse(["flux-dev", "--family.guidance-scale", "2.5", "--family.max-sequence-length=128"])
+    assert config.family == FluxOptions(guidance_scale=2.5, max_sequence_length=128)
+    capsys.readouterr()
+    assert train.parse(["flux-schnell", "--guidance-scale", "4", "--max-sequence-length=64", "--steps", "3"]) == \
+        dataclasses.replace(train.PRESETS["flux-schnell"][1], steps=3, family=FluxOptions(4.0, 64))
+    assert capsys.readouterr().err.splitlines() == [
+        "note: --guidance-scale is --family.guidance-scale now (the old name still works)",
+        "note: --max-sequence-length is --family.max-sequence-length now (the old name still works)"]
+    with pytest.raises(ValueError, match=r"^--family.max-sequence-length 513 must be in \[1, 512\]"):
+        train.parse(["flux-dev", "--family.max-sequence-length", "513"])
+    with pytest.raises(ValueError, match=r"^--family.guidance-scale nan must be finite$"):
+        train.parse(["flux-dev", "--max-sequence-length", "8", "--guidance-scale", "nan"])
+    with pytest.raises(train.FlagError, match=r"^--guidance-scale \(--family.guidance-scale now\) is a family "
+                       r"option of the flux-dev and flux-schnell presets; the sd15 preset's family takes none$"):
+        train.parse(["sd15", "--guidance-scale", "3"])
+    with pytest.raises(train.FlagError, match=r"^--family.max-sequence-length is a family option of the flux-dev "
+                       r"and flux-schnell presets; the sdxl preset's family takes none$"):
+        train.parse(["sdxl", "--family.max-sequence-length", "77"])
+    assert train.field_flags(train.PRESETS["flux-dev"][1])["max_sequence_length"] == "--family.max-sequence-length"
+    assert "max_sequence_length" not in train.FIELD_FLAGS and "guidance_scale" not in train.FIELD_FLAGS
+
+
+def test_a_model_of_another_family_than_the_preset_is_refused_before_loading(tmp_path, monkeypatch):
+    """A local --model folder is checked against the preset before anything loads: a pipeline eqxdiff does not
+    train, or (flux-dev) Flux options given to an SDXL folder, are one-line errors naming the fix."""
+    monkeypatch.setattr(train, "run", lambda config: pytest.fail("loaded"))
+    for name in ("sdxl", "kontext"):
+        (tmp_path / name / "vae").mkdir(parents=True)
+        (tmp_path / name / "vae" / "config.json").write_text(json.dumps({"block_out_channels": [8, 8]}))
+    (tmp_path / "sdxl" / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    (tmp_path / "kontext" / "model_index.json").write_text(json.dumps({"_class_name": "FluxKontextPipeline"}))
+    data = ["--data", str(tmp_path), "--output-dir", str(tmp_path / "run"), "--resolution", "16"]
+    with pytest.raises(InputError, match=r"--model '.*sdxl' is a StableDiffusionXLPipeline, which trains as "
+                       r"SDXLLatentDiffusion, but the preset's --family.\* options are FluxOptions, another family's; "
+                       r"start from a preset of the model's family \(digits, sd15, sd21, sdxl\) with --model"):
+        train.main(["flux-dev", "--model", str(tmp_path / "sdxl"), *data])
+    with pytest.raises(ValueError, match=r"eqxdiff does not fine-tune a FluxKontextPipeline"):
+        train.main(["flux-dev", "--model", str(tmp_path / "kontext"), *data])
+    config = train.validate(["sdxl", "--model", str(tmp_path / "sdxl"), *data])
+    assert config.family == FamilyOptions()
 
 
 def _help_entries(text: str) -> dict[str, str]:
@@ -327,7 +374,8 @@ def test_every_train_flag_has_help(preset, capsys, monkeypatch):
         train.parse([preset, "--help"])
     assert info.value.code == 0
     entries = _help_entries(capsys.readouterr().out)
-    assert set(train.FIELD_FLAGS.values()) <= set(entries), sorted(set(train.FIELD_FLAGS.values()) - set(entries))
+    flags = set(train.field_flags(train.PRESETS[preset][1]).values())  # with the family's --family.* options
+    assert set(train.FIELD_FLAGS.values()) <= flags and flags <= set(entries), sorted(flags - set(entries))
     undocumented = sorted(flag for flag, entry in entries.items() if not _help_text(entry))
     assert not undocumented, f"eqxdiff-train {preset} --help: no help for {undocumented}"
 

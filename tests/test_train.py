@@ -47,7 +47,8 @@ from eqxdiff.train import (
 import eqxdiff
 from eqxdiff.train import CheckpointMismatchError, TrainingInterrupted, run
 from eqxdiff.train import _autoencoder as autoencoder_module
-from eqxdiff.train import _run as run_module
+from eqxdiff.train import _setup as train_setup
+from eqxdiff.train._config import run_settings
 from eqxdiff.train._digits import SD_NOISE_SCHEDULE
 
 from ._util import assert_close_to_float64, assert_leaves_close_to_float64, run_float64
@@ -73,7 +74,7 @@ RUN = TrainConfig(resolution=8, batch_size=8, steps=1, architecture=TINY, object
 def tiny():
     """RUN's tiny LatentDiffusion (one UNet level with cross-attention, latents 4x4x4), 32 samples of pixels and
     token ids, and the same samples encoded by ``cache_arrays``."""
-    from eqxdiff.train._run import build_model
+    from eqxdiff.train._setup import build_model
 
     model, tok, sched = build_model(RUN)
     assert sched.config == SCHED.config
@@ -375,7 +376,7 @@ def sources(tmp_path_factory):
 
     from eqxdiff.data import write_tfrecord
     from eqxdiff.loading import save_pretrained
-    from eqxdiff.train._run import build_model
+    from eqxdiff.train._setup import build_model
 
     root = tmp_path_factory.mktemp("sources")
     folder = root / "folder"
@@ -540,7 +541,7 @@ def test_resume_with_another_autoencoder_refuses_before_reusing_it(sources, tmp_
     run is its config.json and its autoencoder."""
     earlier = dataclasses.replace(RUN, output_dir=tmp_path, data="synthetic", mesh=None)
     shutil.copytree(sources["autoencoder"], tmp_path / "autoencoder")
-    (tmp_path / "config.json").write_text(json.dumps(run_module._settings(earlier), indent=2))
+    (tmp_path / "config.json").write_text(json.dumps(run_settings(earlier), indent=2))
     before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
     wider = dataclasses.replace(TINY, vae_channels=(8, 16))
     with pytest.raises(CheckpointMismatchError, match=r"the autoencoder in .*autoencoder was trained with other "
@@ -557,7 +558,7 @@ def test_a_signal_stops_the_autoencoder_stage_and_keeps_nothing(tiny, tmp_path, 
     folder is written, and the handlers are put back. (The stage's step is a stand-in: the stopping is the loop's,
     and nothing needs to compile.)"""
     model, arrays, _ = tiny
-    log = run_module._log
+    log = train_setup.log_line
 
     def log_then_terminate(message):
         log(message)
@@ -570,12 +571,12 @@ def test_a_signal_stops_the_autoencoder_stage_and_keeps_nothing(tiny, tmp_path, 
         steps.append(images.shape)
         return carry, jnp.float32(0.5)
 
-    monkeypatch.setattr(run_module, "_log", log_then_terminate)
+    monkeypatch.setattr(train_setup, "log_line", log_then_terminate)
     monkeypatch.setattr(autoencoder_module, "_vae_step", stand_in_step)
     config = dataclasses.replace(RUN, output_dir=tmp_path, autoencoder_steps=3, autoencoder_batch_size=8)
     with pytest.raises(TrainingInterrupted, match=r"^autoencoder stage interrupted at step 1 of 3; nothing of it was "
                        r"kept \(run the same command to train it again from the start\)$") as stopped:
-        run_module.autoencoder_stage(config, model, "arrays", arrays)
+        train_setup.autoencoder_stage(config, model, "arrays", arrays)
     assert stopped.value.step == 1 and stopped.value.checkpoint is None and steps == [(8, 8, 8, 3)]
     assert not (tmp_path / "autoencoder").exists()
     assert signal.getsignal(signal.SIGTERM) is sigterm_raises

@@ -6,8 +6,10 @@ diffusers' ``FluxPipeline`` loads the export. The pieces against diffusers: the 
 recipe (density draws, the scheduler's training sigmas, packing, guidance 3.5, SD3 loss weighting) computed with
 diffusers' transformer. One compiled step program serves both runs."""
 
+import dataclasses
 import json
 import shutil
+import types
 
 import equinox as eqx
 import jax
@@ -20,22 +22,26 @@ from eqxdiff.core import leaf_specs
 from eqxdiff.data import ImageFolderSource
 from eqxdiff.parallel import MeshConfig, Remat
 from eqxdiff.train import (
+    FamilyOptions,
     FluxFlowMatching,
+    FluxOptions,
     Objective,
     OptimizerConfig,
     TrainConfig,
     batch_loss,
     build,
+    family_options,
     flow_density,
     run,
 )
-from eqxdiff.train._run import stream
+from eqxdiff.train import _run as run_module
+from eqxdiff.train._sources import stream
 
 from . import _tiny_flux_pipeline
 from ._util import rel_error
 
 RESOLUTION = 8  # the dev variant's VAE keeps the size (factor 1): 8x8 latents of 1 channel, 16 packed tokens
-T5_LENGTH = 24  # T5's caption length (its character tokenizer says 16: the run's max_sequence_length wins)
+T5_LENGTH = 24  # T5's caption length (its character tokenizer says 16: Flux's max_sequence_length option wins)
 SIZES = [(12, 8), (8, 8), (10, 14), (16, 9), (9, 12), (8, 20), (11, 11), (18, 10)]  # (height, width)
 FSDP = MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1)
 OBJECTIVE = Objective(weighting_scheme="logit_normal", logit_mean=0.3, logit_std=0.8)
@@ -59,7 +65,8 @@ def folders(tmp_path_factory):
 
 def _config(root, **changes) -> TrainConfig:
     settings = dict(model=str(root / "pipe"), data=str(root / "images"), resolution=RESOLUTION, batch_size=8,
-                    steps=4, mesh=FSDP, remat=Remat.FULL, cache_stream=True, max_sequence_length=T5_LENGTH,
+                    steps=4, mesh=FSDP, remat=Remat.FULL, cache_stream=True,
+                    family=FluxOptions(max_sequence_length=T5_LENGTH),
                     export_scheduler=None, log_every=1, progress=False, objective=OBJECTIVE,
                     optimizer=OptimizerConfig(learning_rate=3e-3, total_steps=4, schedule="constant"))
     return TrainConfig(**{**settings, **changes})
@@ -85,7 +92,7 @@ def _cache(root, rows=slice(None)) -> dict[str, np.ndarray]:
 
 def test_cache_holds_what_diffusers_encodes(folders, runs):
     """The cached text embeddings are diffusers' ``FluxPipeline.encode_prompt`` of each caption (T5 at the run's
-    ``max_sequence_length``, CLIP's pooled output), the cached posterior diffusers' VAE's on the same pixels."""
+    ``FluxOptions.max_sequence_length``, CLIP's pooled output), the cached posterior diffusers' VAE's on the same pixels."""
     root, pipe = folders
     cache = _cache(root)
     source = ImageFolderSource(root / "images")
@@ -181,7 +188,8 @@ def test_flux_trains_on_the_fsdp_mesh_the_loss_falls_and_resume_is_exact(folders
     assert params and all(len(x.sharding.device_set) == 8 for x in params)
     assert any(not x.sharding.is_fully_replicated for x in params)
     assert frozen.text_encoder is None and frozen.text_encoder_2 is None and frozen.null_embeds is not None
-    assert frozen.transformer.plan.remat is Remat.FULL and frozen.guidance_scale == 3.5
+    assert frozen.transformer.plan.remat is Remat.FULL
+    assert frozen.options == FluxOptions(guidance_scale=3.5, max_sequence_length=T5_LENGTH)
 
     _, initial, frozen_one, loss_fn = single_device
     transformer = jax.tree.unflatten(jax.tree.structure(initial.transformer),
@@ -225,9 +233,55 @@ def test_export_loads_in_diffusers(folders, runs):
     assert images.shape == (1, 16, 16, 3) and np.all(np.isfinite(images))
 
 
-def test_flux_settings_errors():
-    """The Flux settings a user can get wrong."""
+def test_samples_call_the_pipeline_with_the_options_as_trained(folders, single_device, monkeypatch):
+    """The run's samples go through the family's pipeline with ``call_options`` (T5 at the trained length) beside
+    the sample settings; the pipeline is a stand-in that records its call (nothing compiles)."""
+    root, _ = folders
+    setup = single_device[0]
+    assert setup.model.call_options() == {"max_sequence_length": T5_LENGTH}
+    calls = []
+
+    def pipeline(self, tokenizers, scheduler, **kwargs):
+        assert tokenizers is setup.tokenizers and scheduler == "the scheduler"
+        return lambda prompts, **call: calls.append((prompts, call))
+
+    monkeypatch.setattr(FluxFlowMatching, "pipeline", pipeline)
+    config = _config(root, sample_prompts=("a red fox",), sample_steps=3, sample_guidance_scale=2.0)
+    state = types.SimpleNamespace(model=lambda frozen, use_ema: setup.model)
+    run_module._sampler(config, setup, "the scheduler", frozen=None, encoders={})(state)
+    assert calls == [(["a red fox"], dict(num_inference_steps=3, guidance_scale=2.0, seed=0, progress=False,
+                                          max_sequence_length=T5_LENGTH))]
+
+
+def test_flux_options_errors(folders, single_device):
+    """Flux's options a user can get wrong, and options of one family given to another."""
+    from eqxdiff.train import SDXLLatentDiffusion
+
     with pytest.raises(ValueError, match=r"max_sequence_length=513 must be in \[1, 512\]"):
-        TrainConfig(max_sequence_length=513)
+        FluxOptions(max_sequence_length=513)
     with pytest.raises(ValueError, match="guidance_scale=nan must be finite"):
-        TrainConfig(guidance_scale=float("nan"))
+        FluxOptions(guidance_scale=float("nan"))
+    with pytest.raises(TypeError, match="family=3.5 must be a family's options"):
+        TrainConfig(family=3.5)
+    assert family_options(FamilyOptions(), FluxFlowMatching, "x") == FluxOptions()  # the family's defaults
+    given = FluxOptions(guidance_scale=2.0)
+    assert family_options(given, FluxFlowMatching, "x") is given
+    with pytest.raises(ValueError, match=r"family=FluxOptions\(guidance_scale=2.0, max_sequence_length=512\) holds "
+                       r"another family's options, but model 'x' trains as SDXLLatentDiffusion, which takes no family "
+                       r"options"):
+        family_options(given, SDXLLatentDiffusion, "model 'x'")
+    root, _ = folders
+    with pytest.raises(ValueError, match=r"model=.*pipe' \(a FluxPipeline\) trains as FluxFlowMatching, which takes "
+                       r"options \['guidance_scale', 'max_sequence_length'\] \(FluxOptions\)"):
+        build(dataclasses.replace(_config(root, mesh=None), family=_OtherOptions()))
+    b = single_device[0].model
+    with pytest.raises(TypeError, match=r"FluxFlowMatching takes FluxOptions options, got FamilyOptions\(\)"):
+        FluxFlowMatching(b.transformer, b.text_encoder, b.text_encoder_2, b.vae, b.null_input_ids,
+                         b.null_input_ids_2, options=FamilyOptions())
+
+
+@dataclasses.dataclass(frozen=True)
+class _OtherOptions(FamilyOptions):
+    """Some other family's options."""
+
+    strength: float = 1.0

@@ -29,7 +29,7 @@ from eqxdiff.train import (
     run,
     train_family,
 )
-from eqxdiff.train._run import open_source, stream
+from eqxdiff.train._sources import open_source
 
 from . import _tiny_sdxl
 from ._util import rel_error
@@ -89,9 +89,10 @@ def runs(folders):
 
 
 def test_micro_conditioning_records_the_size_and_the_crop_of_the_pixels():
-    """``original_size`` is the decoded image's; ``crop_top_left`` is where the output pixels sit in the resized
-    image (in the flipped image when flipped, as diffusers' script flips before cropping), for random and center
-    crops of tall and wide images; each tokenizer fills its key."""
+    """The facts the SDXL bundle asks the data for (``IMAGE_KEYS``): ``original_size`` is the decoded image's;
+    ``crop_top_left`` is where the output pixels sit in the resized image (in the flipped image when flipped, as
+    diffusers' script flips before cropping), for random and center crops of tall and wide images; each tokenizer
+    fills its key."""
     tok, tok_2 = character_tokenizer(16), character_tokenizer(12)
     y, x = np.mgrid[:40, :60]
     picture = np.stack([(3 * y + 7 * x) % 256, (11 * y + 2 * x) % 256, (5 * x * y) % 256], -1).astype(np.uint8)
@@ -99,7 +100,8 @@ def test_micro_conditioning_records_the_size_and_the_crop_of_the_pixels():
         resized = resize_to_cover(image, RESOLUTION, RESOLUTION)
         for center_crop in (True, False):
             transform = ImageCaptionTransform({"input_ids": tok, "input_ids_2": tok_2}, RESOLUTION,
-                                              center_crop=center_crop, micro_conditioning=True)
+                                              center_crop=center_crop,
+                                              image_keys=SDXLLatentDiffusion.IMAGE_KEYS)
             seen = set()
             for seed in range(12):
                 out = transform({"image": image, "caption": "a cat", "name": "x"}, np.random.default_rng(seed))
@@ -131,10 +133,9 @@ def test_cache_holds_what_diffusers_encodes(folders, runs):
         embeds, _, pooled, _ = pipe.encode_prompt(source.captions, do_classifier_free_guidance=False)
     assert rel_error(cache["encoder_hidden_states"], embeds.numpy()) <= 1e-4
     assert rel_error(cache["text_embeds"], pooled.numpy()) <= 1e-4
-    config = _config(root)
-    tokenizers = {"input_ids": pipe.tokenizer, "input_ids_2": pipe.tokenizer_2}
-    (batch,) = list(stream(config, source, tokenizers, micro_conditioning=True, shuffle=False, num_epochs=1,
-                           drop_remainder=False))
+    setup = build(_config(root, mesh=None))
+    (batch,) = list(setup.stream(_config(root), source, shuffle=False, num_epochs=1, drop_remainder=False))
+    assert sorted(batch) == sorted(SDXLLatentDiffusion.batch_keys(cached=False))  # what the bundle asks for
     with torch.no_grad():
         dist = pipe.vae.encode(torch.from_numpy(np.moveaxis(batch["pixel_values"], -1, 1))).latent_dist
     assert rel_error(cache["latent_mean"], np.moveaxis(dist.mean.numpy(), 1, -1)) <= 1e-4

@@ -35,7 +35,16 @@ from ..data import character_tokenizer
 from ..loading import PACKAGED_MODELS, read_config, resolve_folder
 from ..parallel import MeshConfig, Remat
 from ..pipelines import InputError
-from ..train import DigitsArchitecture, Objective, OptimizerConfig, TrainConfig, run
+from ..train import (
+    DigitsArchitecture,
+    FluxOptions,
+    Objective,
+    OptimizerConfig,
+    TrainConfig,
+    family_options,
+    run,
+    train_family,
+)
 from ._command import DEBUG_HELP, FlagError, as_flags, check_output_folder, config_errors_raise, run_command
 
 DESCRIPTION = ("Train or fine-tune a Stable Diffusion, SDXL or Flux model: every field of eqxdiff.train.TrainConfig "
@@ -43,6 +52,34 @@ DESCRIPTION = ("Train or fine-tune a Stable Diffusion, SDXL or Flux model: every
 MEMORY_HINT = ("a smaller --batch-size (with --optimizer.accumulation-steps to keep the effective batch), a smaller "
                "--resolution, --remat FULL, --no-cache with a large dataset, or shard over more devices "
                "(--mesh.ici-fsdp-parallelism -1)")
+_CAT = ("a photo of a cat",)
+_FSDP = MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1)
+
+
+def _stable_diffusion(model: str, name: str, resolution: int) -> TrainConfig:
+    """An SD 1.x/2.x fine-tuning preset (diffusers' ``train_text_to_image.py``): data parallel over every device,
+    4 micro-steps per update, Min-SNR, EMA, checkpoints and samples every 500 steps."""
+    return TrainConfig(
+        model=model, resolution=resolution, batch_size=1, steps=15000, mesh=MeshConfig(),
+        optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=500, total_steps=15000, schedule="constant",
+                                  accumulation_steps=4),
+        objective=Objective(snr_gamma=5.0, caption_dropout=0.05), ema_decay=0.9999, output_dir=Path(f"runs/{name}"),
+        checkpoint_every=500, sample_every=500, sample_prompts=_CAT, sample_steps=25, sample_guidance_scale=7.5)
+
+
+def _large(model: str, name: str, *, resolution: int, steps: int, learning_rate: float, **changes) -> TrainConfig:
+    """A preset for a model that needs the whole machine (SDXL, Flux): FSDP over every device with full remat, a
+    stream's latents and text embeddings cached once, a constant learning rate, the folder's own scheduler
+    exported, checkpoints and samples every 500 steps; ``changes``: the family's objective, options, samples."""
+    return TrainConfig(
+        model=model, resolution=resolution, batch_size=8, steps=steps, mesh=_FSDP, remat=Remat.FULL,
+        cache_stream=True, optimizer=OptimizerConfig(learning_rate=learning_rate, total_steps=steps,
+                                                     schedule="constant"),
+        export_scheduler=None, output_dir=Path(f"runs/{name}"), checkpoint_every=500, sample_every=500,
+        sample_prompts=_CAT, **changes)
+
+
+# name: (description, config). A family's own options are its preset's ``family`` (--family.*).
 PRESETS = {
     "digits": (
         ("The digits model shipped with eqxdiff: SD classes at a small size, trained from scratch on "
@@ -59,56 +96,31 @@ PRESETS = {
                                  ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")))),
     "sd15": (
         "Fine-tune Stable Diffusion 1.5 (epsilon prediction) at 512 px (--data, --hf-dataset or --tfrecord).",
-        TrainConfig(
-            model="stable-diffusion-v1-5/stable-diffusion-v1-5", resolution=512, batch_size=1, steps=15000,
-            mesh=MeshConfig(),
-            optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=500, total_steps=15000, schedule="constant",
-                                      accumulation_steps=4),
-            objective=Objective(snr_gamma=5.0, caption_dropout=0.05), ema_decay=0.9999,
-            output_dir=Path("runs/sd15"), checkpoint_every=500, sample_every=500,
-            sample_prompts=("a photo of a cat",), sample_steps=25, sample_guidance_scale=7.5)),
+        _stable_diffusion("stable-diffusion-v1-5/stable-diffusion-v1-5", "sd15", 512)),
     "sd21": (
         "Fine-tune Stable Diffusion 2.1 (v-prediction) at 768 px (--data, --hf-dataset or --tfrecord).",
-        TrainConfig(
-            model="stabilityai/stable-diffusion-2-1", resolution=768, batch_size=1, steps=15000, mesh=MeshConfig(),
-            optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=500, total_steps=15000, schedule="constant",
-                                      accumulation_steps=4),
-            objective=Objective(snr_gamma=5.0, caption_dropout=0.05), ema_decay=0.9999,
-            output_dir=Path("runs/sd21"), checkpoint_every=500, sample_every=500,
-            sample_prompts=("a photo of a cat",), sample_steps=25, sample_guidance_scale=7.5)),
+        _stable_diffusion("stabilityai/stable-diffusion-2-1", "sd21", 768)),
     "sdxl": (
         ("Fine-tune the SDXL base UNet at 1024 px as diffusers' train_text_to_image_sdxl.py: both text encoders "
          "frozen and cached, each image's original size and crop as micro-conditioning, FSDP over every device with "
          "remat (--data, --hf-dataset or --tfrecord)."),
-        TrainConfig(
-            model="stabilityai/stable-diffusion-xl-base-1.0", resolution=1024, batch_size=8, steps=10000,
-            mesh=MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1), remat=Remat.FULL, cache_stream=True,
-            optimizer=OptimizerConfig(learning_rate=1e-6, total_steps=10000, schedule="constant"),
-            objective=Objective(caption_dropout=0.2), export_scheduler=None, output_dir=Path("runs/sdxl"),
-            checkpoint_every=500, sample_every=500, sample_prompts=("a photo of a cat",), sample_steps=30,
-            sample_guidance_scale=5.0)),
+        _large("stabilityai/stable-diffusion-xl-base-1.0", "sdxl", resolution=1024, steps=10000, learning_rate=1e-6,
+               objective=Objective(caption_dropout=0.2), sample_steps=30, sample_guidance_scale=5.0)),
     "flux-dev": (
         ("Flow-matching fine-tuning of FLUX.1-dev's transformer at 512 px (diffusers' Flux recipe: guidance 3.5 "
-         "embedded; --objective.weighting-scheme logit_normal / mode / cosmap ...), latents and text embeddings "
-         "cached, FSDP over every device with remat (--data, --hf-dataset or --tfrecord)."),
-        TrainConfig(
-            model="black-forest-labs/FLUX.1-dev", resolution=512, batch_size=8, steps=5000,
-            mesh=MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1), remat=Remat.FULL, cache_stream=True,
-            optimizer=OptimizerConfig(learning_rate=1e-5, total_steps=5000, schedule="constant"),
-            objective=Objective(weighting_scheme="none"), guidance_scale=3.5, max_sequence_length=512,
-            export_scheduler=None, output_dir=Path("runs/flux-dev"), checkpoint_every=500, sample_every=500,
-            sample_prompts=("a photo of a cat",), sample_steps=28, sample_guidance_scale=3.5)),
+         "embedded, --family.guidance-scale; --objective.weighting-scheme logit_normal / mode / cosmap ...), latents "
+         "and text embeddings cached, FSDP over every device with remat (--data, --hf-dataset or --tfrecord)."),
+        _large("black-forest-labs/FLUX.1-dev", "flux-dev", resolution=512, steps=5000, learning_rate=1e-5,
+               objective=Objective(weighting_scheme="none"),
+               family=FluxOptions(guidance_scale=3.5, max_sequence_length=512), sample_steps=28,
+               sample_guidance_scale=3.5)),
     "flux-schnell": (
         ("Flow-matching fine-tuning of FLUX.1-schnell's transformer at 512 px (no guidance embedding, T5 at 256 "
-         "tokens), latents and text embeddings cached, FSDP over every device with remat (--data, --hf-dataset or "
-         "--tfrecord)."),
-        TrainConfig(
-            model="black-forest-labs/FLUX.1-schnell", resolution=512, batch_size=8, steps=5000,
-            mesh=MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1), remat=Remat.FULL, cache_stream=True,
-            optimizer=OptimizerConfig(learning_rate=1e-5, total_steps=5000, schedule="constant"),
-            objective=Objective(weighting_scheme="none"), max_sequence_length=256, export_scheduler=None,
-            output_dir=Path("runs/flux-schnell"), checkpoint_every=500, sample_every=500,
-            sample_prompts=("a photo of a cat",), sample_steps=4, sample_guidance_scale=0.0)),
+         "tokens: --family.max-sequence-length), latents and text embeddings cached, FSDP over every device with "
+         "remat (--data, --hf-dataset or --tfrecord)."),
+        _large("black-forest-labs/FLUX.1-schnell", "flux-schnell", resolution=512, steps=5000, learning_rate=1e-5,
+               objective=Objective(weighting_scheme="none"), family=FluxOptions(max_sequence_length=256),
+               sample_steps=4, sample_guidance_scale=0.0)),
 }
 
 
@@ -118,20 +130,25 @@ def _nested_config(tp) -> type | None:
     return next((m for m in members if dataclasses.is_dataclass(m)), None)
 
 
-def _leaf_fields(cls: type, prefix: str = "") -> list[str]:
-    """The dotted names of ``cls``'s fields, those of nested configs spelled out (``optimizer.learning_rate``)."""
+def _leaf_fields(config, prefix: str = "") -> list[str]:
+    """The dotted names of the fields of ``config`` (a config class, or an instance: its nested configs' own
+    classes, as a preset's ``family`` options), those of nested configs spelled out (``optimizer.learning_rate``)."""
+    cls = config if isinstance(config, type) else type(config)
+    hints = typing.get_type_hints(cls)
     names = []
     for field in dataclasses.fields(cls):
-        nested = _nested_config(typing.get_type_hints(cls)[field.name])
+        value = None if isinstance(config, type) else getattr(config, field.name)
+        nested = value if dataclasses.is_dataclass(value) else _nested_config(hints[field.name])
         names += [prefix + field.name] if nested is None else _leaf_fields(nested, f"{prefix}{field.name}.")
     return names
 
 
-def field_flags(cls: type = TrainConfig) -> dict[str, str]:
-    """``{name: flag}`` of every field of ``cls`` and of the configs nested in it, under the names the configs'
-    errors use: the dotted path (``optimizer.learning_rate``, ``architecture.image_size``) and, where no other
-    field has it, the bare name (``learning_rate``) -> ``--optimizer.learning-rate``."""
-    dotted = {name: "--" + name.replace("_", "-") for name in _leaf_fields(cls)}
+def field_flags(config: type | TrainConfig = TrainConfig) -> dict[str, str]:
+    """``{name: flag}`` of every field of ``config`` (:class:`~eqxdiff.train.TrainConfig`, or a preset's config:
+    with its family's options) and of the configs nested in it, under the names the configs' errors use: the dotted
+    path (``optimizer.learning_rate``, ``family.guidance_scale``) and, where no other field has it, the bare name
+    (``learning_rate``) -> ``--optimizer.learning-rate``."""
+    dotted = {name: "--" + name.replace("_", "-") for name in _leaf_fields(config)}
     bare: dict[str, list[str]] = {}
     for name, flag in dotted.items():
         bare.setdefault(name.rsplit(".", 1)[-1], []).append(flag)
@@ -141,10 +158,11 @@ def field_flags(cls: type = TrainConfig) -> dict[str, str]:
 FIELD_FLAGS = field_flags()
 
 
-def in_flags(error: ValueError) -> ValueError:
+def in_flags(error: ValueError, flags: dict[str, str] = FIELD_FLAGS) -> ValueError:
     """``error`` (a :class:`~eqxdiff.train.TrainConfig` field's check: ``learning_rate=nan must be ...``) with the
-    fields named as the flags that set them (``--optimizer.learning-rate nan must be ...``), of the same type."""
-    message = as_flags(str(error), (), FIELD_FLAGS)
+    fields named as the flags that set them (``--optimizer.learning-rate nan must be ...``; ``flags``: a preset's
+    :func:`field_flags`, for its family's options), of the same type."""
+    message = as_flags(str(error), (), flags)
     return error if message == str(error) else type(error)(message)
 
 
@@ -156,18 +174,52 @@ def _check_preset(argv: Sequence[str], prog: str | None) -> None:
                     f"({prog or 'eqxdiff-train'} PRESET [flags]; --help describes each)")
 
 
+def _family_fields(config: TrainConfig) -> list[str]:
+    return [f.name for f in dataclasses.fields(config.family)]
+
+
+def _family_flags(argv: list[str]) -> list[str]:
+    """``argv`` with a family option given by its bare name (``--guidance-scale``, ``--max-sequence-length``: the
+    top-level flags they were before ``--family.*``) renamed to its ``--family.*`` flag, with a note. A family
+    option the preset's family does not take raises :class:`FlagError` naming the presets whose family does."""
+    if not argv or argv[0] not in PRESETS:
+        return argv
+    preset, config = argv[0], PRESETS[argv[0]][1]
+    own = _family_fields(config)
+    renamed = [preset]
+    for token in argv[1:]:
+        name, sep, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        field = name.removeprefix("family.").replace("-", "_")
+        if name and "--" + name not in FIELD_FLAGS.values():
+            others = [p for p, (_, c) in PRESETS.items() if field in _family_fields(c)]
+            flag = "--family." + field.replace("_", "-")
+            if field in own and not name.startswith("family."):
+                print(f"note: --{name} is {flag} now (the old name still works)", file=sys.stderr)
+                token = f"{flag}{sep}{value}"
+            elif field not in own and others:
+                takes = ", ".join("--family." + f.replace("_", "-") for f in own) or "none"
+                given = "--" + name if "--" + name == flag else f"--{name} ({flag} now)"
+                raise FlagError(f"{given} is a family option of the {' and '.join(others)} presets; the {preset} "
+                                f"preset's family takes {takes}")
+        renamed.append(token)
+    return renamed
+
+
 def parse(argv: Sequence[str] | None = None, *, prog: str | None = None) -> TrainConfig:
     """The :class:`~eqxdiff.train.TrainConfig` a command line (default ``sys.argv[1:]``) selects: a preset's, with
-    the flags given. A value a config refuses raises its ``ValueError`` with the flags named (:func:`in_flags`)."""
+    the flags given (a family option also by its bare name, as it was before ``--family.*``: :func:`_family_flags`).
+    A value a config refuses raises its ``ValueError`` with the flags named (:func:`in_flags`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     _check_preset(argv, prog)
+    argv = _family_flags(argv)
+    flags = field_flags(PRESETS[argv[0]][1]) if argv and argv[0] in PRESETS else FIELD_FLAGS
     try:
         with config_errors_raise():
             return tyro.extras.overridable_config_cli(PRESETS, args=argv, prog=prog, description=DESCRIPTION)
     except FlagError:
         raise
     except ValueError as e:
-        raise in_flags(e) from None
+        raise in_flags(e, flags) from None
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -193,6 +245,7 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
             raise InputError(f"{flag} {os.fspath(path)!r} is inside the {shipped!r} model shipped with eqxdiff; pass "
                              f"another folder (copy the exported pipeline over {os.fspath(PACKAGED_MODELS[shipped])} "
                              "yourself to replace the shipped model)")
+    _check_family(config)
     if config.model is None:
         tokenizer = character_tokenizer(max_length=32)
         try:
@@ -208,13 +261,37 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
     return config
 
 
+def _local(model: str) -> bool:
+    """Whether ``model`` is a folder on this machine (or a model shipped with eqxdiff), read before loading; a Hub
+    id is read when it loads."""
+    return Path(model).expanduser().is_dir() or model in PACKAGED_MODELS
+
+
 def _vae_factor(model: str) -> int | None:
     """The VAE's downsampling factor of a local pipeline folder (``None`` for a Hub id: read when it loads)."""
-    local = Path(model).expanduser()
-    if not local.is_dir() and model not in PACKAGED_MODELS:
+    if not _local(model):
         return None
     vae = read_config(resolve_folder(model, "vae"))
     return 2 ** (len(vae.get("block_out_channels", (0,) * 4)) - 1)
+
+
+def _check_family(config: TrainConfig) -> None:
+    """A local ``--model`` folder's pipeline is one eqxdiff trains, and the preset's family options (``--family.*``)
+    are its family's (:func:`eqxdiff.train.family_options`), before anything is loaded."""
+    if config.model is None or not _local(config.model):
+        return
+    index = resolve_folder(config.model) / "model_index.json"
+    name = read_config(index.parent, index.name).get("_class_name") if index.is_file() else None
+    if name is None:
+        return  # not a pipeline folder: loading says so
+    family = train_family(name)
+    try:
+        family_options(config.family, family, f"--model {config.model!r} (a {name})")
+    except ValueError:
+        presets = [p for p, (_, c) in PRESETS.items() if type(c.family) is family.OPTIONS]
+        raise InputError(f"--model {config.model!r} is a {name}, which trains as {family.__name__}, but the "
+                         f"preset's --family.* options are {type(config.family).__name__}, another family's; start "
+                         f"from a preset of the model's family ({', '.join(presets)}) with --model") from None
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> None:

@@ -18,4 +18,5 @@ from ._synthetic import SyntheticSource as SyntheticSource
 from ._tfrecord import TFRecordSource as TFRecordSource
 from ._tfrecord import write_tfrecord as write_tfrecord
 from ._tokenizer import character_tokenizer as character_tokenizer
+from ._transforms import IMAGE_FACTS as IMAGE_FACTS
 from ._transforms import ImageCaptionTransform as ImageCaptionTransform

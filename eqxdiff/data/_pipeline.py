@@ -48,7 +48,7 @@ def make_dataset(
     center_crop: bool = True,
     random_flip: bool = True,
     interpolation: str = "bilinear",
-    micro_conditioning: bool = False,
+    image_keys: tuple[str, ...] = (),
     max_length: int | dict[str, int] | None = None,
     shuffle: bool = True,
     seed: int = 0,
@@ -68,8 +68,8 @@ def make_dataset(
             with several text encoders gives ``{batch key: tokenizer}`` (``input_ids``, ``input_ids_2``).
         batch_size: the global batch size, over all hosts.
         resolution, center_crop, random_flip, interpolation: see ``ImageCaptionTransform``.
-        micro_conditioning: also yield int32 ``original_size`` and ``crop_top_left`` ``[b, 2]`` (SDXL's
-            size and crop conditioning; see ``ImageCaptionTransform``).
+        image_keys: also yield these facts of each image, int32 ``[b, 2]`` (names of ``IMAGE_FACTS``: the
+            ``original_size`` and ``crop_top_left`` a model conditions on; see ``ImageCaptionTransform``).
         max_length: token ids per caption (one number, or per key); default: each tokenizer's
             ``model_max_length``.
         shuffle: global shuffle, different each epoch. seed: seeds the shuffle and the augmentations.
@@ -92,7 +92,7 @@ def make_dataset(
         raise ValueError(f"batch_size={batch_size} must be divisible by the number of hosts ({count})")
     host_batch = batch_size // count
     transform = ImageCaptionTransform(tokenizer, resolution, center_crop, random_flip, interpolation,
-                                      micro_conditioning, max_length)
+                                      image_keys, max_length)
     if len(source) == 0:
         raise DataError(f"empty dataset: {source!r} has no examples")
 

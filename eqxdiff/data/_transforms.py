@@ -1,8 +1,8 @@
 """Image and caption transforms, as diffusers' training scripts apply them: resize the shorter side to the
 resolution, center (or random) crop, random horizontal flip, scale to [-1, 1]; then tokenize the caption (with one
-tokenizer, or each of a model's tokenizers). SDXL's micro-conditioning comes along on request: each image's size
-before resizing and the top-left corner of its crop (``original_size``, ``crop_top_left``, as diffusers'
-``train_text_to_image_sdxl.py`` records them).
+tokenizer, or each of a model's tokenizers). Facts of what was done to each image come along on request, by the
+names of :data:`IMAGE_FACTS` (a model that conditions on them asks for the ones it reads: ``original_size``,
+``crop_top_left``, recorded as diffusers' ``train_text_to_image_sdxl.py`` records them).
 
 All are NumPy/PIL functions of one example; randomness comes from the ``np.random.Generator`` grain hands to
 ``random_map`` (seeded from the pipeline seed and the element's index), so results are reproducible and do
@@ -11,12 +11,25 @@ not depend on threads, workers or where the iterator was restored.
 
 import dataclasses
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 
 from ._common import DataError, decode_image
 
 _INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos")
+
+
+class ImageFacts(NamedTuple):
+    """What a transform records of each image beside its pixels (int32 pairs), by the names a model asks for them
+    with (``image_keys``; ``eqxdiff.train.TrainModel.IMAGE_KEYS``)."""
+
+    original_size: tuple[int, int]  # (height, width) of the decoded image, before resizing
+    crop_top_left: tuple[int, int]  # (top, left) of the crop in the resized image; for a flipped image, in the
+    # flipped image (diffusers' SDXL script flips before it crops)
+
+
+IMAGE_FACTS = ImageFacts._fields
 
 
 def _size(resolution) -> tuple[int, int]:
@@ -73,10 +86,8 @@ class ImageCaptionTransform:
         center_crop: center crop if True, else a random crop.
         random_flip: flip left-right with probability 0.5.
         interpolation: ``nearest``, ``bilinear`` (diffusers' default), ``bicubic`` or ``lanczos``.
-        micro_conditioning: also return SDXL's micro-conditioning, int32 ``original_size`` ``(height, width)``
-            (the decoded image's, before resizing) and ``crop_top_left`` ``(top, left)`` (the crop's corner in the
-            resized image; for a flipped image, in the flipped image, as diffusers' SDXL script flips before it
-            crops).
+        image_keys: also return these facts of each image (int32 pairs), names of :data:`IMAGE_FACTS`:
+            ``original_size`` (the decoded image's ``(height, width)``), ``crop_top_left`` (the crop's corner).
         max_length: token ids per caption, one number or ``{batch key: number}`` (Flux's T5 takes 512 whatever
             its tokenizer says); default: each tokenizer's ``model_max_length``.
     """
@@ -86,13 +97,18 @@ class ImageCaptionTransform:
     center_crop: bool = True
     random_flip: bool = True
     interpolation: str = "bilinear"
-    micro_conditioning: bool = False
+    image_keys: tuple[str, ...] = ()
     max_length: int | Mapping[str, int] | None = None
 
     def __post_init__(self):
         _size(self.resolution)
         if self.interpolation not in _INTERPOLATIONS:
             raise ValueError(f"interpolation={self.interpolation!r} is not one of {_INTERPOLATIONS}")
+        object.__setattr__(self, "image_keys", tuple(self.image_keys))
+        unknown = [k for k in self.image_keys if k not in IMAGE_FACTS]
+        if unknown:
+            raise ValueError(f"image_keys {unknown} are not facts the transform records; ask for some of "
+                             f"{list(IMAGE_FACTS)}")
         if not self.tokenizers:
             raise ValueError("tokenizer: give a tokenizer, or a mapping {batch key: tokenizer} with at least one")
         unknown = sorted(set(self.max_length) - set(self.tokenizers)) if isinstance(self.max_length, Mapping) else []
@@ -144,7 +160,6 @@ class ImageCaptionTransform:
         out = {"pixel_values": to_unit_range(image)}
         for key, tokenizer in self.tokenizers.items():
             out[key] = self.tokenize(caption, tokenizer, self.length(key))
-        if self.micro_conditioning:
-            out["original_size"] = np.asarray(original_size, np.int32)
-            out["crop_top_left"] = np.asarray((top, left), np.int32)
+        facts = ImageFacts(original_size=original_size, crop_top_left=(top, left))
+        out.update({k: np.asarray(getattr(facts, k), np.int32) for k in self.image_keys})
         return out

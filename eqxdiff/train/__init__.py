@@ -6,7 +6,8 @@
 
 Each family trains through its bundle (:class:`TrainModel`: :class:`LatentDiffusion` for Stable Diffusion,
 :class:`SDXLLatentDiffusion`, :class:`FluxFlowMatching`), found from the pipeline's class name
-(:data:`TRAIN_FAMILIES`); the step, loop, optimizer, mesh, remat, checkpoints and export are shared.
+(:data:`TRAIN_FAMILIES`), with its own options (``TrainConfig.family``: :class:`FluxOptions` for Flux's guidance
+and T5 length); the step, loop, optimizer, mesh, remat, checkpoints and export are shared.
 """
 
 from ..data import ArrayBatches as ArrayBatches
@@ -15,6 +16,7 @@ from ._autoencoder import train_autoencoder as train_autoencoder
 from ._autoencoder import vae_loss as vae_loss
 from ._checkpoint import Checkpointer as Checkpointer
 from ._checkpoint import CheckpointMismatchError as CheckpointMismatchError
+from ._config import TrainConfig as TrainConfig
 from ._data import DataError as DataError
 from ._data import cache_arrays as cache_arrays
 from ._data import cache_stream as cache_stream
@@ -23,11 +25,13 @@ from ._digits import DigitsArchitecture as DigitsArchitecture
 from ._digits import build_digits_model as build_digits_model
 from ._families import TRAIN_FAMILIES as TRAIN_FAMILIES
 from ._families import train_family as train_family
+from ._family import FamilyOptions as FamilyOptions
 from ._family import NullCondition as NullCondition
 from ._family import TextInput as TextInput
 from ._family import TrainModel as TrainModel
 from ._family import encode_batch as encode_batch
 from ._flux import FluxFlowMatching as FluxFlowMatching
+from ._flux import FluxOptions as FluxOptions
 from ._init import host_init as host_init
 from ._interrupt import TrainingInterrupted as TrainingInterrupted
 from ._loop import data_parallel_mesh as data_parallel_mesh
@@ -52,14 +56,14 @@ from ._objectives import offset_noise as offset_noise
 from ._objectives import sample_timesteps as sample_timesteps
 from ._objectives import snr as snr
 from ._objectives import target as target
-from ._run import Setup as Setup
-from ._run import TrainConfig as TrainConfig
-from ._run import build as build
-from ._run import export_pipeline as export_pipeline
-from ._run import load_data as load_data
 from ._run import run as run
 from ._sd import LatentDiffusion as LatentDiffusion
 from ._sdxl import SDXLLatentDiffusion as SDXLLatentDiffusion
+from ._setup import Setup as Setup
+from ._setup import build as build
+from ._setup import export_pipeline as export_pipeline
+from ._setup import family_options as family_options
+from ._sources import load_data as load_data
 from ._step import OptimizerConfig as OptimizerConfig
 from ._step import TrainState as TrainState
 from ._step import batch_loss as batch_loss

@@ -22,8 +22,8 @@ def check_batch(batch: Mapping[str, np.ndarray], *, where: str = "batch",
     """Raise :class:`DataError` unless ``batch`` is a training batch of ``model``'s family (a bundle or its class;
     default: Stable Diffusion's): ``pixel_values`` float ``[b, h, w, 3]`` in ``[-1, 1]`` and int ``[b, seq]`` token
     ids per text encoder (``input_ids``, ``input_ids_2``), or the cached ``latent_mean``/``latent_std`` and text encoder outputs;
-    with the family's per-image conditioning (SDXL's ``original_size``, ``crop_top_left`` ``[b, 2]``); all with the
-    same nonzero ``b``."""
+    with the per-image facts the family conditions on (``IMAGE_KEYS``: int pairs ``[b, 2]``); all with the same
+    nonzero ``b``."""
     family = LatentDiffusion if model is None else model if isinstance(model, type) else type(model)
     keys = family.batch_keys(cached=CACHED_LATENTS[0] in batch)
     missing = [k for k in keys if k not in batch]
@@ -35,7 +35,7 @@ def check_batch(batch: Mapping[str, np.ndarray], *, where: str = "batch",
         raise DataError(f"{where} is empty or its arrays disagree on the batch size: {sizes}")
     for k in family.IMAGE_KEYS:
         if np.ndim(batch[k]) != 2 or np.shape(batch[k])[1] != 2:
-            raise DataError(f"{where}: {k} must be [batch, 2] (height, width / top, left), got {np.shape(batch[k])}")
+            raise DataError(f"{where}: {k} must be [batch, 2] (a pair per image), got {np.shape(batch[k])}")
     if "pixel_values" in batch:
         px = np.asarray(batch["pixel_values"])
         if px.ndim != 4 or px.shape[-1] != 3:

@@ -4,18 +4,25 @@ A bundle is an ``eqx.Module`` holding the model that trains (``DENOISER``: a UNe
 encoders, its VAE and the token ids of the empty prompt, and saying
 
 - which batch keys carry each text encoder's token ids (``TEXT``), what the encoders produce (``CONDITION_KEYS``,
-  cached by :func:`eqxdiff.train.cache_arrays` when they are frozen) and which per-image conditioning the data
-  yields (``IMAGE_KEYS``: SDXL's original size and crop);
+  cached by :func:`eqxdiff.train.cache_arrays` when they are frozen) and which per-image facts the data must
+  record beside the pixels (``IMAGE_KEYS``, names from :data:`eqxdiff.data.IMAGE_FACTS`: SDXL asks for each
+  image's original size and crop);
+- its own training options (``OPTIONS``: a frozen dataclass subclassing :class:`FamilyOptions`, held in the
+  bundle's static ``options``; ``TrainConfig.family`` and ``--family.*`` set them): Flux's guidance and T5 length.
+  ``TextInput.length`` names the option that sets an encoder's token count, ``CALL_OPTIONS`` the options the
+  pipeline's call takes as trained (for samples);
 - :meth:`~TrainModel.encode_text`: token ids to the conditioning arrays;
 - :meth:`~TrainModel.denoise`: the model call the objective drives (``denoise(x_t, t, cond)`` in the latents'
-  channels-last layout; the objective, DDPM noise prediction or flow matching, comes from the noise scheduler);
-- :meth:`~TrainModel.from_pipeline`: the bundle, its tokenizers and noise scheduler from a loaded pipeline.
+  channels-last layout; the objective, DDPM noise prediction or flow matching, comes from the noise scheduler,
+  ``NOISE_SCHEDULER`` on the folder's config).
 
-Everything else (the loss, caption dropout, latents from pixels or from the cache, the loop, the optimizer, the
-mesh, remat, checkpoints, export) is shared. A family adds its bundle file and one line in
-``eqxdiff/train/_families.py``.
+:meth:`~TrainModel.from_pipeline` (the bundle, its tokenizers and noise scheduler from a loaded pipeline) is shared
+too: it reads the components the declarations name. Everything else (the loss, caption dropout, latents from pixels
+or from the cache, the loop, the optimizer, the mesh, remat, checkpoints, export) is shared. A family adds its
+bundle file and one line in ``eqxdiff/train/_families.py``.
 """
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
@@ -31,13 +38,23 @@ from ..pipelines import DiffusionPipeline
 CACHED_LATENTS = ("latent_mean", "latent_std")  # the VAE posterior, cached in place of pixel_values
 
 
+@dataclasses.dataclass(frozen=True)
+class FamilyOptions:
+    """A model family's own training options: the base, with none. A family with options subclasses it (a frozen
+    dataclass whose fields carry docstrings: they become ``eqxdiff-train``'s ``--family.*`` flags under the family's
+    presets) and names the subclass in its bundle's ``OPTIONS``. ``TrainConfig(family=FamilyOptions())``: the
+    defaults of the family the model turns out to be."""
+
+
 class TextInput(NamedTuple):
     """One text encoder of a bundle: the batch key of its token ids, its tokenizer's and its own component names
-    in the pipeline folder."""
+    in the pipeline folder, and ``length``: the family option (a field of its ``OPTIONS``) that sets how many token
+    ids a caption takes (``None``: the tokenizer's ``model_max_length``, as the pipelines pad)."""
 
     key: str
     tokenizer: str
     encoder: str
+    length: str | None = None
 
 
 class NullCondition(eqx.Module):
@@ -52,15 +69,27 @@ class NullCondition(eqx.Module):
 
 class TrainModel(eqx.Module):
     """Base of the families' training bundles (see the module docstring). Subclasses declare the class variables
-    and fields ``null_<key>`` (token ids of the empty prompt) for each ``TEXT`` key, and implement
-    :meth:`encode_text`, :meth:`denoise` and :meth:`from_pipeline`."""
+    and fields named as the pipeline's components (``DENOISER``, each ``TEXT`` encoder, ``vae``), ``null_<key>``
+    (token ids of the empty prompt) for each ``TEXT`` key and ``null_embeds``, and implement :meth:`encode_text` and
+    :meth:`denoise`."""
 
     DENOISER: ClassVar[str]
     TEXT: ClassVar[tuple[TextInput, ...]]
     CONDITION_KEYS: ClassVar[tuple[str, ...]]  # (token embeddings, [pooled]) as the denoiser reads them
-    IMAGE_KEYS: ClassVar[tuple[str, ...]] = ()
+    IMAGE_KEYS: ClassVar[tuple[str, ...]] = ()  # per-image facts of eqxdiff.data.IMAGE_FACTS the denoiser reads
     PIPELINE: ClassVar[str]  # the pipeline class (model_index.json ``_class_name``) exported
+    NOISE_SCHEDULER: ClassVar[type]  # the training noise process, built on the pipeline folder's scheduler config
     TRAINABLE_TEXT_ENCODERS: ClassVar[tuple[str, ...] | None] = None  # train_text_encoder's; None: all of TEXT
+    OPTIONS: ClassVar[type[FamilyOptions]] = FamilyOptions
+    CALL_OPTIONS: ClassVar[tuple[str, ...]] = ()  # options the pipeline's __call__ takes as trained (samples)
+
+    options: FamilyOptions = eqx.field(static=True, default=None, kw_only=True)  # None: OPTIONS()
+
+    def __post_init__(self):
+        if self.options is None:
+            self.options = self.OPTIONS()
+        if type(self.options) is not self.OPTIONS:
+            raise TypeError(f"{type(self).__name__} takes {self.OPTIONS.__name__} options, got {self.options!r}")
 
     def param_axes(self) -> dict:
         return {f"null_{t.key}": (None,) for t in self.TEXT}  # token ids: replicated
@@ -76,34 +105,39 @@ class TrainModel(eqx.Module):
         scheduler's: DDPM indices, or flow-matching timesteps in [0, 1000]), conditioning ``cond``."""
         raise NotImplementedError
 
-    @classmethod
-    def from_pipeline(cls, pipe: DiffusionPipeline, **settings):
-        """``(bundle, tokenizers {component name: tokenizer}, noise scheduler)`` of a loaded pipeline. ``settings``:
-        the run's ``guidance_scale`` and ``max_sequence_length`` (each family takes what it uses)."""
-        raise NotImplementedError
-
-    @classmethod
-    def text_lengths(cls, tokenizers: Mapping[str, Any], *, max_sequence_length: int = 512) -> dict[str, int]:
-        """``{TEXT key: token ids per caption}``: each tokenizer's ``model_max_length`` (as the pipelines pad);
-        a family whose pipeline pads to ``max_sequence_length`` (Flux's T5) overrides this."""
-        return {t.key: tokenizers[t.tokenizer].model_max_length for t in cls.TEXT}
-
-    @classmethod
-    def null_token_ids(cls, tokenizers: Mapping[str, Any], **settings) -> list[Array]:
-        """The empty prompt's token ids for each ``TEXT`` entry, at :meth:`text_lengths`."""
-        lengths = cls.text_lengths(tokenizers, max_sequence_length=settings.get("max_sequence_length", 512))
-        return [jnp.asarray(token_ids(tokenizers[t.tokenizer], [""], lengths[t.key])[0]) for t in cls.TEXT]
-
     # -- shared ----------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pipeline(cls, pipe: DiffusionPipeline, options: FamilyOptions | None = None):
+        """``(bundle, tokenizers {component name: tokenizer}, noise scheduler)`` of a loaded pipeline: its
+        components the bundle's fields name, the empty prompt's token ids at :meth:`text_lengths`, ``options``
+        (default ``OPTIONS()``) and ``NOISE_SCHEDULER`` on the folder's scheduler config. A family that must check
+        the pipeline first (SDXL: not a refiner) overrides this and calls it."""
+        options = cls.OPTIONS() if options is None else options
+        tokenizers = {t.tokenizer: getattr(pipe, t.tokenizer) for t in cls.TEXT}
+        lengths = cls.text_lengths(tokenizers, options)
+        nulls = {f"null_{t.key}": jnp.asarray(token_ids(tokenizers[t.tokenizer], [""], lengths[t.key])[0])
+                 for t in cls.TEXT}
+        models = {name: getattr(pipe, name) for name in (cls.DENOISER, *(t.encoder for t in cls.TEXT), "vae")}
+        bundle = cls(**models, **nulls, options=options)
+        return bundle, tokenizers, cls.NOISE_SCHEDULER.from_config(pipe.scheduler.config.to_dict())
+
+    @classmethod
+    def text_lengths(cls, tokenizers: Mapping[str, Any], options: FamilyOptions | None = None) -> dict[str, int]:
+        """``{TEXT key: token ids per caption}``: the option a ``TextInput.length`` names (Flux's T5:
+        ``max_sequence_length``), else the tokenizer's ``model_max_length`` (as the pipelines pad)."""
+        options = cls.OPTIONS() if options is None else options
+        return {t.key: getattr(options, t.length) if t.length else tokenizers[t.tokenizer].model_max_length
+                for t in cls.TEXT}
+
+    def call_options(self) -> dict[str, Any]:
+        """The pipeline call's arguments that must be as trained (``CALL_OPTIONS`` from :attr:`options`: Flux's
+        ``max_sequence_length``), for samples."""
+        return {name: getattr(self.options, name) for name in self.CALL_OPTIONS}
 
     @property
     def denoiser(self):
         return getattr(self, self.DENOISER)
-
-    @classmethod
-    def micro_conditioning(cls) -> bool:
-        """Whether the data must yield the images' sizes and crops (SDXL)."""
-        return bool(cls.IMAGE_KEYS)
 
     @classmethod
     def batch_keys(cls, cached: bool) -> tuple[str, ...]:

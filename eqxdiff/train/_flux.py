@@ -2,32 +2,58 @@
 on the VAE's shifted and scaled latents ``z = (vae_z - shift) * scale``, packed into 2x2 patches; the noise level
 ``sigma`` from the flow-matching scheduler's training schedule at a density draw (``Objective.weighting_scheme``:
 uniform, logit-normal, mode; SD3's loss weightings); ``x_t = (1 - sigma) x0 + sigma * noise`` and the target
-``noise - x0``; text as the pipeline encodes it (CLIP's pooled output, T5's last hidden state); a guidance-distilled
-transformer (FLUX.1-dev) at a constant guidance (3.5 by default)."""
+``noise - x0``; text as the pipeline encodes it (CLIP's pooled output, T5's last hidden state at
+``max_sequence_length`` tokens); a guidance-distilled transformer (FLUX.1-dev) at a constant guidance (3.5 by
+default). Both settings are Flux's own options (:class:`FluxOptions`: ``--family.*`` under the ``flux-*``
+presets)."""
 
+import dataclasses
+import math
 from typing import Any, ClassVar
 
-import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import Array, Int
 from ..models.flux import image_ids, pack_latents, text_ids, unpack_latents
 from ..pipelines.flux import clip_pooled, t5_embeddings
 from ..schedulers import FlowMatchEulerDiscreteScheduler
-from ._family import NullCondition, TextInput, TrainModel
+from ._family import FamilyOptions, NullCondition, TextInput, TrainModel
+
+
+@dataclasses.dataclass(frozen=True)
+class FluxOptions(FamilyOptions):
+    """Flux's training options (``--family.*`` under the ``flux-dev`` and ``flux-schnell`` presets)."""
+
+    guidance_scale: float = 3.5
+    """A guidance-distilled transformer (FLUX.1-dev's ``guidance_embeds``) trains at this constant guidance
+    (diffusers' ``--guidance_scale``); one without (schnell) ignores it."""
+    max_sequence_length: int = 512
+    """T5's caption length in tokens, in training and in the samples (the pipeline's and diffusers'
+    ``--max_sequence_length``: at most 512); CLIP takes its tokenizer's length (77)."""
+
+    def __post_init__(self):
+        if not 1 <= self.max_sequence_length <= 512:
+            raise ValueError(f"max_sequence_length={self.max_sequence_length} must be in [1, 512] (T5's limit in the "
+                             "Flux pipelines)")
+        if not math.isfinite(self.guidance_scale):
+            raise ValueError(f"guidance_scale={self.guidance_scale} must be finite")
 
 
 class FluxFlowMatching(TrainModel):
     """Flux's ``transformer``, ``text_encoder`` (CLIP, pooled), ``text_encoder_2`` (T5), VAE, the empty prompt's
-    token ids for each, and ``guidance_scale``: the guidance embedded for a transformer with ``guidance_embeds``
-    (ignored by one without). ``train_text_encoder`` trains CLIP only, as diffusers' script does."""
+    token ids for each, and its :class:`FluxOptions`: the guidance embedded for a transformer with
+    ``guidance_embeds`` (ignored by one without), T5's token count. ``train_text_encoder`` trains CLIP only, as
+    diffusers' script does."""
 
     DENOISER: ClassVar[str] = "transformer"
     TEXT: ClassVar = (TextInput("input_ids", "tokenizer", "text_encoder"),
-                      TextInput("input_ids_2", "tokenizer_2", "text_encoder_2"))
+                      TextInput("input_ids_2", "tokenizer_2", "text_encoder_2", length="max_sequence_length"))
     CONDITION_KEYS: ClassVar = ("encoder_hidden_states", "pooled_projections")
     PIPELINE: ClassVar[str] = "FluxPipeline"
+    NOISE_SCHEDULER: ClassVar = FlowMatchEulerDiscreteScheduler
     TRAINABLE_TEXT_ENCODERS: ClassVar = ("text_encoder",)
+    OPTIONS: ClassVar = FluxOptions
+    CALL_OPTIONS: ClassVar = ("max_sequence_length",)  # samples read T5 as it was trained
 
     transformer: Any
     text_encoder: Any
@@ -36,7 +62,6 @@ class FluxFlowMatching(TrainModel):
     null_input_ids: Int[Array, " seq"]
     null_input_ids_2: Int[Array, " seq2"]
     null_embeds: NullCondition | None = None
-    guidance_scale: float = eqx.field(static=True, default=3.5)
 
     def encode_text(self, ids):
         return {"encoder_hidden_states": t5_embeddings(self.text_encoder_2, ids["input_ids_2"]),
@@ -50,20 +75,7 @@ class FluxFlowMatching(TrainModel):
         rope = self.transformer.rotary_embedding(image_ids(h // 2, w // 2), text_ids(text.shape[1]))
         guidance = None
         if self.transformer.config.guidance_embeds:
-            guidance = jnp.full((b,), self.guidance_scale, x.dtype)
+            guidance = jnp.full((b,), self.options.guidance_scale, x.dtype)
         velocity = self.transformer(pack_latents(x), text, cond["pooled_projections"], t.astype(x.dtype) / 1000,
                                     rope=rope, guidance=guidance)
         return unpack_latents(velocity, h, w)
-
-    @classmethod
-    def text_lengths(cls, tokenizers, *, max_sequence_length: int = 512):
-        """CLIP's ids at its tokenizer's length (77), T5's at ``max_sequence_length`` (the pipeline's 512)."""
-        return {"input_ids": tokenizers["tokenizer"].model_max_length, "input_ids_2": max_sequence_length}
-
-    @classmethod
-    def from_pipeline(cls, pipe, *, guidance_scale: float = 3.5, max_sequence_length: int = 512):
-        tokenizers = {"tokenizer": pipe.tokenizer, "tokenizer_2": pipe.tokenizer_2}
-        nulls = cls.null_token_ids(tokenizers, max_sequence_length=max_sequence_length)
-        bundle = cls(pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.vae, *nulls,
-                     guidance_scale=float(guidance_scale))
-        return bundle, tokenizers, FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config.to_dict())

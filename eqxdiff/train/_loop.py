@@ -129,13 +129,7 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
                 on_step(done, state)
             if stop.requested is not None and done < steps:
                 _flush(pending, losses)
-                if tracing:
-                    jax.profiler.stop_trace()
-                if checkpointer is not None:
-                    if checkpointer.latest_step() != done:
-                        checkpointer.save(done, state, batches)
-                    checkpointer.wait()
-                raise TrainingInterrupted(done, None if checkpointer is None else checkpointer.directory)
+                raise _interrupted(done, state, batches, checkpointer, tracing)
             if done < steps:
                 batch = shard_batch(next(batches), mesh, rules)
     if tracing:
@@ -143,6 +137,18 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
     if checkpointer is not None:
         checkpointer.wait()
     return state, losses
+
+
+def _interrupted(done: int, state, batches, checkpointer, tracing: bool) -> TrainingInterrupted:
+    """The error of a loop stopped by a signal after step ``done``, once the profiler trace is closed and the state
+    saved with ``checkpointer`` (if given; not twice when the step's own checkpoint was just written)."""
+    if tracing:
+        jax.profiler.stop_trace()
+    if checkpointer is not None:
+        if checkpointer.latest_step() != done:
+            checkpointer.save(done, state, batches)
+        checkpointer.wait()
+    return TrainingInterrupted(done, None if checkpointer is None else checkpointer.directory)
 
 
 def _flush(pending: list, losses: list) -> list:

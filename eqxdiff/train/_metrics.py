@@ -7,6 +7,11 @@ from pathlib import Path
 import numpy as np
 
 
+def log_line(message: str) -> None:
+    """A run's console line, with the time: ``[12:34:56] message``."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
 def step_flops(compiled) -> float | None:
     """FLOPs of one compiled step on one device, from XLA's cost analysis (``None`` if the backend has none).
     ``compiled`` is what ``eqx.filter_jit(f).lower(...).compile()`` or ``jax.jit(f).lower(...).compile()`` return (or

@@ -16,6 +16,7 @@ class LatentDiffusion(TrainModel):
     TEXT: ClassVar = (TextInput("input_ids", "tokenizer", "text_encoder"),)
     CONDITION_KEYS: ClassVar = ("encoder_hidden_states",)
     PIPELINE: ClassVar[str] = "StableDiffusionPipeline"
+    NOISE_SCHEDULER: ClassVar = DDPMScheduler
 
     unet: Any
     text_encoder: Any
@@ -28,9 +29,3 @@ class LatentDiffusion(TrainModel):
 
     def denoise(self, x, t, cond):
         return self.unet(x, t, cond["encoder_hidden_states"])
-
-    @classmethod
-    def from_pipeline(cls, pipe, **settings):
-        tokenizers = {"tokenizer": pipe.tokenizer}
-        bundle = cls(pipe.unet, pipe.text_encoder, pipe.vae, *cls.null_token_ids(tokenizers, **settings))
-        return bundle, tokenizers, DDPMScheduler.from_config(pipe.scheduler.config.to_dict())

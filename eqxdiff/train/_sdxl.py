@@ -15,8 +15,9 @@ from ._family import NullCondition, TextInput, TrainModel
 
 class SDXLLatentDiffusion(TrainModel):
     """SDXL's UNet, ``text_encoder`` (CLIP ViT-L), ``text_encoder_2`` (with projection), VAE, and the empty
-    prompt's token ids for each. Batches carry ``original_size`` and ``crop_top_left`` (int ``[batch, 2]``, from
-    the data transforms); the target size is the training resolution."""
+    prompt's token ids for each. Batches carry each image's ``original_size`` and ``crop_top_left`` (int
+    ``[batch, 2]``: the facts ``IMAGE_KEYS`` asks the data transforms for); the target size is the training
+    resolution."""
 
     DENOISER: ClassVar[str] = "unet"
     TEXT: ClassVar = (TextInput("input_ids", "tokenizer", "text_encoder"),
@@ -24,6 +25,7 @@ class SDXLLatentDiffusion(TrainModel):
     CONDITION_KEYS: ClassVar = ("encoder_hidden_states", "text_embeds")
     IMAGE_KEYS: ClassVar = ("original_size", "crop_top_left")
     PIPELINE: ClassVar[str] = "StableDiffusionXLPipeline"
+    NOISE_SCHEDULER: ClassVar = DDPMScheduler
 
     unet: Any
     text_encoder: Any
@@ -51,7 +53,8 @@ class SDXLLatentDiffusion(TrainModel):
                          time_ids=self.time_ids(cond, x.shape[1], x.shape[2]))
 
     @classmethod
-    def from_pipeline(cls, pipe, **settings):
+    def from_pipeline(cls, pipe, options=None):
+        """The shared :meth:`~eqxdiff.train.TrainModel.from_pipeline`, for an SDXL base pipeline only."""
         if pipe.text_encoder is None or getattr(pipe, "requires_aesthetics_score", False):
             raise ValueError(f"{type(pipe).__name__} without text_encoder or with aesthetic-score conditioning (an "
                              "SDXL refiner): eqxdiff fine-tunes SDXL base UNets (both text encoders, size and crop "
@@ -63,7 +66,4 @@ class SDXLLatentDiffusion(TrainModel):
             raise ValueError(f"the UNet's projection_class_embeddings_input_dim={width} is not 6 time ids x "
                              f"{c.addition_time_embed_dim} + pooled {pooled}: not an SDXL base UNet (original size, "
                              "crop, target size)")
-        tokenizers = {"tokenizer": pipe.tokenizer, "tokenizer_2": pipe.tokenizer_2}
-        bundle = cls(pipe.unet, pipe.text_encoder, pipe.text_encoder_2, pipe.vae,
-                     *cls.null_token_ids(tokenizers, **settings))
-        return bundle, tokenizers, DDPMScheduler.from_config(pipe.scheduler.config.to_dict())
+        return super().from_pipeline(pipe, options)

@@ -1,0 +1,230 @@
+"""What a training run is told: :class:`TrainConfig` (every field a flag of ``eqxdiff-train``), and the run's
+``config.json`` (:func:`run_settings`) with what changed since a saved one (:func:`changed_settings`)."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from ..loading import check_dtype
+from ..parallel import MeshConfig, Plan, Remat
+from ..schedulers import SCHEDULERS
+from ._digits import DigitsArchitecture
+from ._family import FamilyOptions
+from ._objectives import Objective
+from ._step import OptimizerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run. ``model=None`` trains the digits architecture from scratch (``architecture``)."""
+
+    model: str | None = None
+    """A diffusers pipeline folder or Hub id to fine-tune; None: build ``architecture`` from scratch."""
+    data: str | None = None
+    """``digits`` (scikit-learn's handwritten digits), ``synthetic`` (random images, for benchmarks) or an image
+    folder with captions (metadata.jsonl / metadata.csv, or a .txt beside each image). None: ``digits`` when
+    training from scratch and no other source is given. Give one of ``data``, ``hf_dataset``, ``tfrecord``."""
+    hf_dataset: str | None = None
+    """A Hugging Face dataset: a Hub id, a folder written by ``save_to_disk``, a .parquet/.json(l)/.csv/.arrow file,
+    or a folder ``datasets`` reads (parquet shards, an image folder with metadata.jsonl)."""
+    hf_split: str = "train"
+    """The split of ``hf_dataset`` to train on."""
+    image_column: str | None = None
+    """``hf_dataset``'s image column (default ``image``), or the file-name field of an image folder's metadata
+    (default ``file_name``)."""
+    caption_column: str | None = None
+    """``hf_dataset``'s caption column, or the caption field of an image folder's metadata (default ``text``)."""
+    tfrecord: tuple[str, ...] = ()
+    """TFRecord files of ``tf.train.Example`` records, or folders of ``*.tfrecord*`` files."""
+    image_key: str | None = None
+    """The ``tfrecord`` feature holding encoded image bytes (default ``image``)."""
+    caption_key: str | None = None
+    """The ``tfrecord`` feature holding the caption (default ``text``)."""
+    resolution: int = 16
+    """Training image size (digits are upscaled to it; folders are resized and center-cropped)."""
+    batch_size: int = 64
+    """Samples per micro-step (over all devices)."""
+    steps: int = 1000
+    """Micro-steps to train (optimizer updates = steps / optimizer.accumulation_steps)."""
+    seed: int = 0
+    """Seed of the initialisation, the data order and the training noise."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """AdamW, its learning-rate schedule, clipping and gradient accumulation (``--optimizer.*``)."""
+    objective: Objective = Objective()
+    """What the loss compares and how it weights timesteps (``--objective.*``)."""
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the trained weights with this decay (exported instead of them)."""
+    train_text_encoder: bool = False
+    """Train the text encoder too (default: frozen)."""
+    cache: bool = True
+    """Encode latents and text embeddings once before training (only while the VAE and text encoders are frozen):
+    an in-memory dataset (digits) always; a stream (folder, hf_dataset, tfrecord, synthetic) with
+    ``cache_stream``. The text encoders then leave the devices (the empty prompt's embeddings are kept)."""
+    cache_stream: bool = False
+    """With ``cache``: encode a streamed dataset once, one pass in order with its crops and flips drawn once, into
+    ``output_dir/cache`` (``.npy`` files read back as memory maps; a resumed run with the same data and model reuses
+    them), and train on it in shuffled batches (diffusers' SDXL and Flux recipes). Off: a stream is encoded every
+    step, with fresh crops and flips each epoch."""
+    center_crop: bool = True
+    """Crop each resized image at its center (False: at random; SDXL conditions on where the crop was)."""
+    random_flip: bool = True
+    """Flip images left-right at random."""
+    family: FamilyOptions = FamilyOptions()
+    """The model family's own training options (``--family.*``: a preset sets its family's, e.g. ``flux-dev``'s
+    guidance and T5 length, ``eqxdiff.train.FluxOptions``); ``FamilyOptions()``: the defaults of the family the
+    model turns out to be."""
+    architecture: DigitsArchitecture = DigitsArchitecture()
+    """From scratch (no ``model``): the sizes of the text encoder, UNet and VAE built (``--architecture.*``)."""
+    autoencoder_steps: int = 600
+    """From scratch: steps of the autoencoder stage that trains the VAE before the UNet."""
+    autoencoder_batch_size: int = 32
+    """From scratch: images per step of the autoencoder stage."""
+    autoencoder_learning_rate: float = 2e-3
+    """From scratch: the autoencoder stage's (constant) Adam learning rate."""
+    kl_weight: float = 1e-4
+    """From scratch: weight of the VAE's KL term (per latent element) against the pixel MSE."""
+    mesh: MeshConfig | None = None
+    """The device mesh (``data, fsdp, context, tensor`` sizes; -1 fills): the batch is split over data x fsdp, the
+    trainable weights, their optimizer state and EMA and the frozen weights are placed by the logical-axis rules
+    (replicated under pure data parallelism, sharded over ``fsdp``/``tensor``). ``MeshConfig()``: data parallel
+    over every device. None: one device."""
+    remat: Remat = Remat.NONE
+    """Rematerialisation at block boundaries (UNet blocks, CLIP layers): recompute activations in the backward pass
+    instead of keeping them (``eqxdiff.parallel.Remat``)."""
+    remat_names: tuple[str, ...] = ()
+    """With ``remat`` ``named``/``offload_named``: the checkpoint names to keep (``resnet``, ``transformer``, ...)."""
+    output_dir: Path = Path("runs/train")
+    """Metrics (metrics.jsonl, tensorboard/), samples, profiles, checkpoints and the autoencoder stage go here."""
+    export_dir: Path | None = None
+    """Save the trained pipeline here in the diffusers format (default: ``output_dir/pipeline``)."""
+    export_dtype: str | None = None
+    """Dtype of the exported weights (float32 if None; float16 / bfloat16 halve the folder)."""
+    export_scheduler: str | None = "dpm++2m"
+    """Scheduler written to the exported pipeline (same noise schedule as training); None: the fine-tuned
+    folder's own scheduler, as it was (from scratch: ``dpm++2m``)."""
+    log_every: int = 25
+    """Write the loss, learning rate and throughput to metrics.jsonl and tensorboard every this many steps."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (0: never)."""
+    keep_checkpoints: int = 3
+    """How many of the latest checkpoints to keep on disk (older ones are deleted)."""
+    resume: bool = True
+    """Continue from the latest checkpoint in ``output_dir/checkpoints`` if there is one."""
+    profile_steps: tuple[int, ...] = ()
+    """Steps (0-based) to record a JAX profiler trace of, into ``output_dir/profile``."""
+    sample_every: int = 0
+    """Generate images from ``sample_prompts`` every this many steps (0: only at the end if exporting)."""
+    sample_prompts: tuple[str, ...] = ()
+    """Prompts of the sample images (saved under ``output_dir/samples`` and to tensorboard); none: no samples."""
+    sample_steps: int = 20
+    """Denoising steps of each sample (with ``export_scheduler``)."""
+    sample_guidance_scale: float = 4.0
+    """Classifier-free guidance scale of the samples."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self):
+        for key in ("batch_size", "steps", "log_every", "keep_checkpoints", "resolution", "autoencoder_steps",
+                    "autoencoder_batch_size", "sample_steps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        for key in ("checkpoint_every", "sample_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 0 (0: never)")
+        if not 0 <= self.seed < 2**31:
+            raise ValueError(f"seed={self.seed} must be in [0, 2**31): it seeds JAX, NumPy and the data order")
+        if any(s < 0 for s in self.profile_steps):
+            raise ValueError(f"profile_steps={self.profile_steps} must be steps >= 0")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay={self.ema_decay} must be in (0, 1)")
+        if not 0.0 < self.autoencoder_learning_rate < math.inf:
+            raise ValueError(f"autoencoder_learning_rate={self.autoencoder_learning_rate} must be a positive number")
+        if not 0.0 <= self.kl_weight < math.inf:
+            raise ValueError(f"kl_weight={self.kl_weight} must be a finite number >= 0")
+        if not math.isfinite(self.sample_guidance_scale):
+            raise ValueError(f"sample_guidance_scale={self.sample_guidance_scale} must be finite (<= 1: no guidance)")
+        if not isinstance(self.family, FamilyOptions):
+            raise TypeError(f"family={self.family!r} must be a family's options (an eqxdiff.train.FamilyOptions, "
+                            "e.g. FluxOptions(guidance_scale=3.5))")
+        if self.export_scheduler is not None and self.export_scheduler not in SCHEDULERS:
+            raise ValueError(f"export_scheduler={self.export_scheduler!r}; choose one of {list(SCHEDULERS)}")
+        try:
+            check_dtype(self.export_dtype)
+        except ValueError as e:
+            raise type(e)(f"export_dtype={self.export_dtype!r}: {e}") from None
+        object.__setattr__(self, "tfrecord", tuple(str(p) for p in self.tfrecord))
+        object.__setattr__(self, "remat", Remat(self.remat))
+        Plan(remat=self.remat, remat_names=self.remat_names)  # a bad remat/remat_names pair raises here
+        self._source(require=False)  # conflicting data flags raise now; a missing source when training starts
+
+    @property
+    def source(self) -> str:
+        """Which data source the flags select: ``digits``, ``synthetic``, ``folder``, ``hf`` or ``tfrecord``.
+        Raises ``ValueError`` naming the flags when they select none, several, or set options of another."""
+        return self._source(require=True)
+
+    def _source(self, require: bool) -> str | None:
+        given = {"data": self.data, "hf_dataset": self.hf_dataset, "tfrecord": self.tfrecord or None}
+        given = {k: v for k, v in given.items() if v is not None and v != ""}
+        if len(given) > 1:
+            raise ValueError("give one data source, got " + " and ".join(f"{k}={v!r}" for k, v in given.items())
+                             + f"; keep one of {_SOURCE_FLAGS}")
+        if not given:
+            if self.model is not None:
+                if not require:
+                    return None
+                raise ValueError(f"fine-tuning needs training data: set one of {_SOURCE_FLAGS}")
+            source = "digits"
+        elif "hf_dataset" in given:
+            source = "hf"
+        elif "tfrecord" in given:
+            source = "tfrecord"
+        else:
+            source = self.data if self.data in ("digits", "synthetic") else "folder"
+        allowed = {"hf": ("image_column", "caption_column"), "folder": ("image_column", "caption_column"),
+                   "tfrecord": ("image_key", "caption_key")}.get(source, ())
+        for option in ("image_column", "caption_column", "image_key", "caption_key"):
+            if getattr(self, option) is not None and option not in allowed:
+                fits = ("the tfrecord source" if option.endswith("_key")
+                        else "an hf_dataset or an image folder (data=FOLDER)")
+                hint = {"image_column": "image_key", "caption_column": "caption_key",
+                        "image_key": "image_column", "caption_key": "caption_column"}[option]
+                raise ValueError(f"{option}={getattr(self, option)!r} is for {fits}, but the data source is "
+                                 f"{source!r}" + (f"; use {hint}" if hint in allowed else "; remove it"))
+        return source
+
+
+_SOURCE_FLAGS = "data= (digits, synthetic or an image folder), hf_dataset= or tfrecord="
+
+
+_PER_RUN = {"steps", "output_dir", "log_every", "checkpoint_every", "keep_checkpoints", "resume", "profile_steps",
+            "sample_every", "sample_prompts", "sample_steps", "sample_guidance_scale", "progress", "export_dir",
+            "export_dtype", "export_scheduler"}
+
+
+def run_settings(config: TrainConfig) -> dict:
+    """``config`` as the run's ``config.json`` holds it (nested dicts, JSON values)."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def changed_settings(path: Path, settings: dict, keys: tuple[str, ...] | None = None) -> str:
+    """``key: saved -> now`` for the settings (dotted for nested ones) that differ from a saved config.json,
+    leaving out those that may change between resumed runs (steps, logging, export ...); only ``keys`` if given."""
+    if not path.is_file():
+        return ""
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return ""
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            elif prefix or k not in _PER_RUN:
+                yield f"{prefix}{k}", v
+
+    old, new = dict(flat(saved)), dict(flat(settings))
+    return "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
+                     if old.get(k) != new.get(k) and (keys is None or k in keys))

@@ -1,0 +1,160 @@
+"""The model side of a run: :func:`build` loads a pipeline into its family's bundle with the run's family options
+(or builds the digits architecture, whose VAE :func:`autoencoder_stage` trains first), and :func:`export_pipeline`
+saves a bundle as its family's pipeline."""
+
+import dataclasses
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+
+from ..data import ArrayBatches, character_tokenizer
+from ..loading import load, save_pretrained
+from ..pipelines import load_pipeline, save_pipeline
+from ..schedulers import DDPMScheduler, scheduler_from_config
+from ._autoencoder import fit_scaling_factor, train_autoencoder
+from ._checkpoint import CheckpointMismatchError
+from ._config import TrainConfig, changed_settings, run_settings
+from ._digits import SD_NOISE_SCHEDULE, build_digits_model
+from ._families import train_family
+from ._family import FamilyOptions, TrainModel
+from ._metrics import log_line
+from ._sd import LatentDiffusion
+from ._sources import stream
+
+
+@dataclasses.dataclass
+class Setup:
+    """What :func:`build` makes of a run's model: the family's bundle, its tokenizers by component name, the noise
+    scheduler the objective draws from, the scheduler samples and the export use unless ``export_scheduler`` names
+    another, and the pipeline's ``model_index.json`` options (SDXL's ``force_zeros_for_empty_prompt``)."""
+
+    model: TrainModel
+    tokenizers: dict
+    noise_scheduler: object
+    scheduler: object
+    options: dict
+
+    @property
+    def text_tokenizers(self) -> dict:
+        """``{batch key: tokenizer}``, what the data tokenizes captions with."""
+        return {t.key: self.tokenizers[t.tokenizer] for t in self.model.TEXT}
+
+    @property
+    def text_lengths(self) -> dict:
+        """``{batch key: token ids per caption}`` (:meth:`eqxdiff.train.TrainModel.text_lengths`)."""
+        return self.model.text_lengths(self.tokenizers, self.model.options)
+
+    def stream(self, config: TrainConfig, source, **kwargs):
+        """:func:`~eqxdiff.train.stream` of ``source`` as the model reads it: captions tokenized by its tokenizers at
+        its lengths, with the per-image facts it conditions on (``kwargs``: the rest of ``make_dataset``'s)."""
+        return stream(config, source, self.text_tokenizers, max_length=self.text_lengths,
+                      image_keys=self.model.IMAGE_KEYS, **kwargs)
+
+
+def family_options(given: FamilyOptions, family: type[TrainModel], what: str) -> FamilyOptions:
+    """The options ``family``'s bundle trains with: ``given`` (``TrainConfig.family``) when they are that family's,
+    its defaults when ``given`` is the bare :class:`FamilyOptions`; ``ValueError`` for another family's (``what``:
+    the model, in the message)."""
+    if type(given) is family.OPTIONS:
+        return given
+    if type(given) is FamilyOptions:
+        return family.OPTIONS()
+    fields = [f.name for f in dataclasses.fields(family.OPTIONS)]
+    takes = f"options {fields} ({family.OPTIONS.__name__})" if fields else "no family options"
+    raise ValueError(f"family={given!r} holds another family's options, but {what} trains as {family.__name__}, "
+                     f"which takes {takes}; leave family at FamilyOptions() (its defaults) or start from that "
+                     "family's preset")
+
+
+def build(config: TrainConfig, mesh=None) -> Setup:
+    """The run's :class:`Setup`: ``config.model`` loaded (straight onto ``mesh``'s shardings when given) and given
+    to its family's bundle (:func:`eqxdiff.train._families.train_family`), or the digits architecture built from
+    scratch (its VAE still untrained: :func:`autoencoder_stage`)."""
+    if config.model is not None:
+        pipe = load_pipeline(config.model, mesh=mesh)
+        family = train_family(pipe.CLASS_NAME)
+        options = family_options(config.family, family, f"model={config.model!r} (a {pipe.CLASS_NAME})")
+        model, tokenizers, noise_scheduler = family.from_pipeline(pipe, options)
+        return Setup(model, tokenizers, noise_scheduler, pipe.scheduler, dict(pipe.options))
+    family_options(config.family, LatentDiffusion, "the from-scratch digits architecture")
+    tokenizer = character_tokenizer(max_length=32)
+    model = build_digits_model(config.architecture, tokenizer, seed=config.seed)
+    noise = DDPMScheduler.from_config({**SD_NOISE_SCHEDULE, "prediction_type":
+                                       config.objective.prediction_type or "epsilon"})
+    return Setup(model, {"tokenizer": tokenizer}, noise, scheduler_from_config(noise.config.to_dict(),
+                                                                                name="dpm++2m"), {})
+
+
+def build_model(config: TrainConfig):
+    """``(model, tokenizer, noise_scheduler)`` of :func:`build` (``tokenizer``: the first text encoder's)."""
+    setup = build(config)
+    return setup.model, next(iter(setup.tokenizers.values())), setup.noise_scheduler
+
+
+# What the autoencoder stage's VAE depends on (config.json's dotted names): its sizes, the stage's training and data.
+AUTOENCODER_SETTINGS = ("architecture.vae_channels", "architecture.latent_channels", "architecture.norm_num_groups",
+                        "architecture.image_size", "autoencoder_steps", "autoencoder_batch_size",
+                        "autoencoder_learning_rate", "kl_weight", "resolution", "data", "hf_dataset", "tfrecord")
+
+
+def autoencoder_stage(config: TrainConfig, model: TrainModel, kind: str, data) -> TrainModel:
+    """``model`` with its VAE trained by the autoencoder stage (:func:`eqxdiff.train.train_autoencoder`, then the
+    latent scaling factor fitted) and saved to ``OUTPUT_DIR/autoencoder``; or the VAE saved there by an earlier run
+    of this output folder, reused if that run's ``config.json`` agrees on :data:`AUTOENCODER_SETTINGS` (else
+    :class:`~eqxdiff.train.CheckpointMismatchError` listing what differs, before anything is written). A signal
+    stops the stage with :class:`~eqxdiff.train.TrainingInterrupted`, nothing of it kept."""
+    out = Path(config.output_dir)
+    folder = out / "autoencoder"
+    if (folder / "config.json").is_file():
+        changed = changed_settings(out / "config.json", run_settings(config), keys=AUTOENCODER_SETTINGS)
+        if changed:
+            raise CheckpointMismatchError(
+                f"the autoencoder in {folder} was trained with other settings than this run's; it was not reused "
+                f"and nothing was changed. Settings that differ from that run's config.json: {changed}. Run with "
+                f"that run's settings, use another output_dir, or delete {folder} (and {out / 'checkpoints'}) to "
+                "train a new autoencoder")
+        log_line(f"autoencoder stage: reusing {folder}")
+        return eqx.tree_at(lambda m: m.vae, model, load(folder))
+    t0 = time.perf_counter()
+    if kind == "arrays":
+        batches = ArrayBatches({"pixel_values": data["pixel_values"]}, config.autoencoder_batch_size,
+                               seed=config.seed + 1)
+        images = data["pixel_values"]
+    else:
+        batches = iter(data)
+        images = next(iter(data))["pixel_values"]
+    vae, _ = train_autoencoder(model.vae, batches, steps=config.autoencoder_steps,
+                               key=jax.random.key(config.seed + 1), learning_rate=config.autoencoder_learning_rate,
+                               kl_weight=config.kl_weight, log_every=max(config.autoencoder_steps // 10, 1),
+                               log=log_line)
+    vae = fit_scaling_factor(vae, images, key=jax.random.key(config.seed + 2))
+    save_pretrained(vae, folder)
+    log_line(f"autoencoder stage: {time.perf_counter() - t0:.0f} s, scaling_factor "
+         f"{vae.config.scaling_factor:.4f}, saved to {folder}")
+    return eqx.tree_at(lambda m: m.vae, model, vae)
+
+
+def export_pipeline(model: TrainModel, tokenizer, noise_scheduler, folder, *, scheduler: str | None = "dpm++2m",
+                    dtype=None, options: dict | None = None):
+    """Save ``model`` (a family's bundle, its text encoders in place) as a diffusers pipeline folder of its family
+    (``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``, ``FluxPipeline``) sampling with ``scheduler`` (a
+    name, on ``noise_scheduler``'s noise schedule; or a scheduler; ``None``: ``noise_scheduler`` itself).
+    ``tokenizer``: one, or ``{component name: tokenizer}``; ``options``: the pipeline's ``model_index.json``
+    settings."""
+    tokenizers = tokenizer if isinstance(tokenizer, dict) else {"tokenizer": tokenizer}
+    if scheduler is None:
+        scheduler = noise_scheduler
+    elif isinstance(scheduler, str):
+        scheduler = scheduler_from_config(noise_scheduler.config.to_dict(), name=scheduler)
+    pipe = model.pipeline(tokenizers, scheduler, options=options)
+    save_pipeline(pipe, folder, dtype=dtype)
+    return pipe
+
+
+def sample_scheduler(config: TrainConfig, setup: Setup):
+    """The scheduler of samples and of the export: ``export_scheduler`` on the noise schedule, or the folder's."""
+    if config.export_scheduler is None:
+        return setup.scheduler
+    return scheduler_from_config(setup.noise_scheduler.config.to_dict(), name=config.export_scheduler)

@@ -1,0 +1,76 @@
+"""The data a :class:`~eqxdiff.train.TrainConfig` selects: the digits in memory, or a source (image folder,
+Hugging Face dataset, TFRecord files, synthetic images) checked before any model is built, streamed through
+:func:`eqxdiff.data.make_dataset` with the run's resolution, crops, flips and seed."""
+
+from pathlib import Path
+
+from ..data import HFDatasetSource, ImageFolderSource, SyntheticSource, TFRecordSource, make_dataset
+from ..data.digits import DigitsSource
+from ._config import TrainConfig
+from ._data import DataError, check_batch
+
+
+def _text_tokenizers(tokenizer) -> dict:
+    """``{batch key: tokenizer}`` of one tokenizer (``input_ids``) or of such a mapping."""
+    return dict(tokenizer) if isinstance(tokenizer, dict) else {"input_ids": tokenizer}
+
+
+def open_source(config: TrainConfig, tokenizer=None):
+    """``("arrays", dict)`` for the digits (the whole set in memory; tokenized with ``tokenizer``) or
+    ``("source", source)``: the data source the flags select, checked (its files, columns, size) before any model
+    is built or compiled."""
+    source = config.source
+    if source == "digits":
+        tokenizers = _text_tokenizers(tokenizer)
+        if list(tokenizers) != ["input_ids"]:
+            raise DataError(f"data='digits' (the from-scratch digits set) has one tokenizer's ids; this model "
+                            f"needs {list(tokenizers)}: train it on an image folder, hf_dataset, tfrecord or synthetic")
+        arrays = DigitsSource(config.resolution, tokenizer=tokenizers["input_ids"]).arrays
+        check_batch(arrays, where="dataset 'digits'")
+        if len(arrays["pixel_values"]) < config.batch_size:
+            raise DataError(f"dataset 'digits' has {len(arrays['pixel_values'])} samples, fewer than "
+                            f"batch_size={config.batch_size}")
+        return "arrays", arrays
+
+    columns = {k: v for k, v in (("image_column", config.image_column), ("caption_column", config.caption_column))
+               if v is not None}
+    if source == "synthetic":
+        source = SyntheticSource(max(1024, config.batch_size), height=config.resolution, width=config.resolution,
+                                 seed=config.seed)
+    elif source == "hf":
+        source = HFDatasetSource(config.hf_dataset, split=config.hf_split, **columns)
+    elif source == "tfrecord":
+        keys = {k: v for k, v in (("image_key", config.image_key), ("caption_key", config.caption_key))
+                if v is not None}
+        source = TFRecordSource(config.tfrecord, **keys)
+    elif Path(config.data).is_dir():
+        source = ImageFolderSource(config.data, **columns)
+    else:
+        name = config.data.lower()
+        hint = ("; for TFRecord files use tfrecord (--tfrecord)" if ".tfrecord" in name else
+                "; for a Hugging Face dataset (a Hub id, parquet, json, csv or arrow files) use hf_dataset "
+                "(--hf-dataset)")
+        raise DataError(f"data={config.data!r} is not 'digits', 'synthetic' or an image folder{hint}")
+    if len(source) < config.batch_size:
+        raise DataError(f"{source!r} has {len(source)} samples, fewer than batch_size={config.batch_size}")
+    return "source", source
+
+
+def stream(config: TrainConfig, source, tokenizer, **kwargs):
+    """:func:`eqxdiff.data.make_dataset` of ``source`` with the run's resolution, crops, flips and seed
+    (``kwargs``: its other arguments: ``max_length``, ``image_keys``, ``shuffle`` ...)."""
+    return make_dataset(source, tokenizer=_text_tokenizers(tokenizer), batch_size=config.batch_size,
+                        resolution=config.resolution, center_crop=config.center_crop, random_flip=config.random_flip,
+                        seed=config.seed, **kwargs)
+
+
+def load_data(config: TrainConfig, tokenizer, *, image_keys: tuple[str, ...] = ()):
+    """``("arrays", dict)`` for the digits (the whole set in memory: cacheable, exactly resumable) or
+    ``("stream", grain dataset)`` for the other sources (:func:`eqxdiff.data.make_dataset`). Sources check their
+    files when built, so bad data fails here, before any model is built or compiled. ``tokenizer``: one, or
+    ``{batch key: tokenizer}`` for a model with several text encoders; ``image_keys``: the per-image facts the
+    batches carry (a family's ``IMAGE_KEYS``: SDXL's original size and crop)."""
+    kind, data = open_source(config, tokenizer)
+    if kind == "arrays":
+        return kind, data
+    return "stream", stream(config, data, tokenizer, image_keys=image_keys)
