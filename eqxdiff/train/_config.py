@@ -9,6 +9,7 @@ from pathlib import Path
 from ..loading import check_dtype
 from ..parallel import MeshConfig, Plan, Remat
 from ..schedulers import SCHEDULERS
+from ._checks import check_choice
 from ._digits import DigitsArchitecture
 from ._family import FamilyOptions
 from ._objectives import Objective
@@ -147,8 +148,8 @@ class TrainConfig:
         if not isinstance(self.family, FamilyOptions):
             raise TypeError(f"family={self.family!r} must be a family's options (an eqxdiff.train.FamilyOptions, "
                             "e.g. FluxOptions(guidance_scale=3.5))")
-        if self.export_scheduler is not None and self.export_scheduler not in SCHEDULERS:
-            raise ValueError(f"export_scheduler={self.export_scheduler!r}; choose one of {list(SCHEDULERS)}")
+        if self.export_scheduler is not None:
+            check_choice("export_scheduler", self.export_scheduler, SCHEDULERS)
         try:
             check_dtype(self.export_dtype)
         except ValueError as e:

@@ -17,6 +17,7 @@ import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
 from ..schedulers import FlowMatchEulerDiscreteScheduler
+from ._checks import check_choice
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample", "flow_prediction")
 BIAS_STRATEGIES = ("none", "earlier", "later", "range")
@@ -44,8 +45,7 @@ class TimestepBias:
     """``range``: one past the last biased timestep."""
 
     def __post_init__(self):
-        if self.strategy not in BIAS_STRATEGIES:
-            raise ValueError(f"timestep bias strategy={self.strategy!r}; choose one of {list(BIAS_STRATEGIES)}")
+        check_choice("timestep bias strategy", self.strategy, BIAS_STRATEGIES)
         if not 0 <= self.multiplier < math.inf:
             raise ValueError(f"timestep bias multiplier={self.multiplier} must be >= 0")
         if not 0.0 < self.portion <= 1.0:
@@ -99,14 +99,13 @@ class Objective:
     """Flow matching, ``mode``: the scale of the mode-seeking density."""
 
     def __post_init__(self):
-        if self.weighting_scheme not in WEIGHTING_SCHEMES:
-            raise ValueError(f"weighting_scheme={self.weighting_scheme!r}; choose one of {list(WEIGHTING_SCHEMES)}")
+        check_choice("weighting_scheme", self.weighting_scheme, WEIGHTING_SCHEMES)
         if not 0 < self.logit_std < math.inf:
             raise ValueError(f"logit_std={self.logit_std} must be > 0")
         if not math.isfinite(self.logit_mean) or not math.isfinite(self.mode_scale):
             raise ValueError(f"logit_mean={self.logit_mean} and mode_scale={self.mode_scale} must be finite")
-        if self.prediction_type is not None and self.prediction_type not in PREDICTION_TYPES:
-            raise ValueError(f"prediction_type={self.prediction_type!r}; choose one of {list(PREDICTION_TYPES)}")
+        if self.prediction_type is not None:
+            check_choice("prediction_type", self.prediction_type, PREDICTION_TYPES)
         if self.snr_gamma is not None and not 0 < self.snr_gamma < math.inf:
             raise ValueError(f"snr_gamma={self.snr_gamma} must be positive (or None to turn Min-SNR off)")
         if not 0.0 <= self.caption_dropout < 1.0:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from .._typing import Array, Int, PRNGKeyArray
+from ._checks import check_choice
 from ._family import TrainModel
 from ._objectives import Objective, diffusion_loss
 from ._sd import LatentDiffusion
@@ -74,8 +75,7 @@ class OptimizerConfig:
     """Micro-steps whose gradients are averaged into one optimizer update."""
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}; choose one of {list(SCHEDULES)}")
+        check_choice("schedule", self.schedule, SCHEDULES)
         if not 0 < self.learning_rate < math.inf:
             raise ValueError(f"learning_rate={self.learning_rate} must be a positive number")
         for key in ("beta1", "beta2"):
