@@ -269,3 +269,8 @@ class Substitute(Rule):
             raise ConversionError(f"{self}: no tensor in the {where} matches {self.pattern!r}")
         return Converted(view, produced, set(origin.values()), self, where, origin)
 
+
+def select(prefix: str) -> tuple[Rule, ...]:
+    """Only the tensors under ``prefix`` (one component of an all-in-one file), with the prefix removed. Written
+    back, the prefix returns."""
+    return (Keep(prefix + "{name}"), Rename(prefix + "{name}", "{name}"))
