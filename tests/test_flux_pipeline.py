@@ -22,14 +22,15 @@ from diffusers.pipelines.flux import pipeline_flux_img2img, pipeline_flux_kontex
 import eqxdiff
 from eqxdiff.cli import generate
 from eqxdiff.core import ConfigError
-from eqxdiff.loading import CheckpointError, formats, state_dict, write_safetensors
+from eqxdiff.loading import CheckpointError, SafetensorsFile, formats, state_dict, write_safetensors
 from eqxdiff.loading import single_file as layouts
 from eqxdiff.parallel import MeshConfig, make_mesh
-from eqxdiff.pipelines import CallLimits, InputError, InputWarning, save_pipeline
+from eqxdiff.pipelines import CallLimits, InputError, InputWarning, save_pipeline, save_single_file
 from eqxdiff.pipelines._unet import noise_draws
 from eqxdiff.pipelines.flux import (
     COMFY_CLIP_L,
     COMFY_VAE,
+    SINGLE_FILE_LAYOUTS,
     FluxImg2ImgPipeline,
     FluxKontextPipeline,
     FluxPipeline,
@@ -268,7 +269,8 @@ def bfl_file(dev, tmp_path_factory):
 def test_bfl_and_all_in_one_files_equal_the_folder(dev, bfl_file, tmp_path):
     """A Black Forest Labs transformer file with config= the folder; a ComfyUI all-in-one file (the transformer
     under model.diffusion_model., the VAE in the LDM layout, CLIP-L and T5 in transformers' names) with config=;
-    offload_encoders. All give the folder pipeline's images exactly."""
+    offload_encoders. All give the folder pipeline's images exactly. save_single_file writes the pipeline as such a
+    file (the shared writer, the Flux layout's data), which reads back into the same weights."""
     kwargs = dict(guidance_scale=4.0, **dev.size, **COMMON)
     expected = dev.pipe(PROMPTS, latents=dev.noise, progress=False, **kwargs)
     bfl = bfl_file
@@ -289,6 +291,22 @@ def test_bfl_and_all_in_one_files_equal_the_folder(dev, bfl_file, tmp_path):
         for key, value in state_dict(getattr(dev.pipe, name)).items():
             np.testing.assert_array_equal(state_dict(getattr(pipe, name))[key], value, err_msg=f"{name}.{key}")
     np.testing.assert_array_equal(pipe(PROMPTS, latents=dev.noise, progress=False, **kwargs), expected)
+
+    # written by eqxdiff: the same layout (the transformer's tensors BFL's, as built above), read back the same
+    written = SafetensorsFile(save_single_file(dev.pipe, tmp_path / "written.safetensors"))
+    assert layouts.detect_in(written, "file", SINGLE_FILE_LAYOUTS).name == "flux_comfyui"
+    transformer = {n: v for n, v in tensors.items() if n.startswith(formats.FLUX_DIFFUSION_MODEL)}
+    assert {n for n in written.names() if n.startswith(formats.FLUX_DIFFUSION_MODEL)} == transformer.keys()
+    for n, v in transformer.items():
+        np.testing.assert_array_equal(written.get(n), v, err_msg=n)
+    again = eqxdiff.load_pipeline(tmp_path / "written.safetensors", config=folder)
+    for name in ("vae", "text_encoder", "text_encoder_2", "transformer"):
+        for key, value in state_dict(getattr(dev.pipe, name)).items():
+            np.testing.assert_array_equal(state_dict(getattr(again, name))[key], value, err_msg=f"{name}.{key}")
+    with pytest.raises(ValueError, match="FluxPipeline has no unet, which a sd1 single file holds"):
+        save_single_file(dev.pipe, tmp_path / "sd1.safetensors", layout="sd1")
+    with pytest.raises(ValueError, match=r"layout='flux'; choose one of \['flux_bfl', 'flux_comfyui', "):
+        save_single_file(dev.pipe, tmp_path / "flux.safetensors", layout="flux")
 
     with pytest.raises(CheckpointError, match="pass config= a diffusers Flux folder"):
         eqxdiff.load_pipeline(bfl)

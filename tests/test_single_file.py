@@ -11,8 +11,10 @@ values loads from the file alone), an SDXL-Lightning-style all-in-one file with 
 the errors a user meets.
 """
 
+import dataclasses
 import json
 import shutil
+from types import SimpleNamespace
 
 import equinox as eqx
 import jax
@@ -116,6 +118,7 @@ def test_sd1_matches_the_folder_and_diffusers(sd1, tmp_path):
     assert sorted({n.split(".")[0] for n in SafetensorsFile(sd1.file).names()}) == [
         "cond_stage_model", "first_stage_model", "model"]
     assert type(sd1.single) is StableDiffusionPipeline
+    assert layouts.detect(SafetensorsFile(sd1.file), "file") is layouts.SD1  # quick-GELU CLIP: not SD 2.x's OpenCLIP
     _check_pipeline(sd1, Reference, tmp_path, *_sd_runner(_noise(SD_LATENTS), negative_prompt=["blurry", "dark"]))
 
 
@@ -260,6 +263,19 @@ def test_lightning_all_in_one_file_with_trailing_euler(sdxl, tmp_path):
     assert pixels_off(ours, _images(sdxl.ref, prompt=PROMPTS, latents=nhwc_to_nchw(latents), **common)) > 2
 
 
+def test_scheduler_keys_its_class_does_not_read_are_kept(sd1, tmp_path):
+    """A file's scheduler is read as a folder's (build_scheduler): config keys its class does not read (a DDPM
+    config's variance_type under a PNDM scheduler) are kept, for a swap and for saving, as for the folder."""
+    configs = shutil.copytree(sd1.configs, tmp_path / "configs")
+    raw = json.loads((configs / "scheduler" / "scheduler_config.json").read_text())
+    (configs / "scheduler" / "scheduler_config.json").write_text(json.dumps({**raw, "variance_type": "fixed_small"}))
+    pipe = eqxdiff.load_pipeline(sd1.file, config=configs)
+    assert pipe.scheduler_extras == {"variance_type": "fixed_small"}
+    save_pipeline(pipe, tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "scheduler" / "scheduler_config.json").read_text())["variance_type"] \
+        == "fixed_small"
+
+
 # -- configs inferred from the tensors --------------------------------------------------------------------------------
 
 # What a single file's tensors cannot show; the rest of each config.json must be inferred exactly.
@@ -270,14 +286,18 @@ NOT_SHOWN = {"unet": {"attention_head_dim", "norm_num_groups", "sample_size", "u
 NOT_SHOWN["text_encoder_2"] = NOT_SHOWN["text_encoder"] - {"projection_dim"}
 
 
+def _infer_all(layout, view) -> dict:
+    """Each part's config inferred in the layout's order, each seeing the ones before it (the SDXL UNet's time ids
+    read the pooled text encoder's projection width)."""
+    out = {}
+    for part in layout.parts:
+        out[part.name] = part.infer(view, where="file", configs={k: SimpleNamespace(**v) for k, v in out.items()})
+    return out
+
+
 def _inferred(case) -> dict:
     file = SafetensorsFile(case.file)
-    layout = layouts.detect(file, "file")
-    out, pooled = {}, None
-    for part in sorted(layout.parts, key=lambda p: p.name == "unet"):
-        out[part.name] = layout.infer(part, file, where="file", pooled_dim=pooled)
-        pooled = out[part.name]["projection_dim"] if part.name == "text_encoder_2" else pooled
-    return out
+    return _infer_all(layouts.detect(file, "file"), file)
 
 
 def _freeze(value):
@@ -344,26 +364,25 @@ def test_full_size_layouts_are_the_ones_diffusers_reads(family):
     from diffusers.loaders import single_file_utils as reader
 
     published = PUBLISHED[family]
-    layout = layouts.Layout(layouts.FAMILIES[family.removesuffix("_inpaint")], inpainting="inpaint" in family)
+    layout = layouts.BY_NAME[family]
     shapes = {}
     for part in layout.parts:
         cls = model_class(published[part.name][0])
         config = cls.config_class.from_dict(published[part.name][1])
         abstract = eqx.filter_eval_shape(lambda c=config, m=cls: m(c, key=jax.random.key(0)))
-        shapes.update(layouts.layout_shapes(abstract, layout.rules(part, config)))
-        if family == "sd2" and part.kind == "openclip":
-            padding = layouts.openclip_padding_block(config, part.prefix, config.num_hidden_layers)
-            shapes.update({k: v.shape for k, v in padding.items()})
+        shapes.update(layouts.layout_shapes(abstract, part.rules(config)))
+        shapes.update({k: v.shape for k, v in part.extra_tensors(config).items()})  # SD 2.x's unused last block
+    assert any(n.startswith("cond_stage_model.model.transformer.resblocks.23.") for n in shapes) == (family == "sd2")
     meta = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
     assert reader.infer_diffusers_model_type(meta) == DIFFUSERS_TYPES[family]
 
     for part in layout.parts:
         model = torch_model_on_meta(*published[part.name])
-        if part.name == "unet":
+        if isinstance(part, layouts.LdmUNet):
             converted = reader.convert_ldm_unet_checkpoint(meta, model.config)
-        elif part.name == "vae":
+        elif isinstance(part, layouts.LdmVae):
             converted = reader.convert_ldm_vae_checkpoint(meta, model.config)
-        elif part.kind == "clip":
+        elif isinstance(part, layouts.ClipText):
             converted = {k: v for k, v in reader.convert_ldm_clip_checkpoint(meta).items() if k.startswith("text_")}
         else:
             converted = reader.convert_open_clip_checkpoint(model, meta, prefix=part.prefix)
@@ -372,14 +391,11 @@ def test_full_size_layouts_are_the_ones_diffusers_reads(family):
 
     view = TensorDict({n: np.broadcast_to(np.float32(0), s) for n, s in shapes.items()})
     assert layouts.detect(view, "file") == layout
-    pooled = None
-    for part in sorted(layout.parts, key=lambda p: p.name == "unet"):
-        inferred = layout.infer(part, view, where="file", pooled_dim=pooled)
-        pooled = inferred["projection_dim"] if part.name == "text_encoder_2" else pooled
+    for part, inferred in zip(layout.parts, _infer_all(layout, view).values()):
         cls = model_class(published[part.name][0])
         ours = cls.config_class.from_dict(inferred).to_dict()
         theirs = cls.config_class.from_dict(published[part.name][1]).to_dict()
-        skip = TOKEN_IDS | ({"projection_dim"} if family == "sd2" and part.kind else set())
+        skip = TOKEN_IDS | ({"projection_dim"} if family == "sd2" and part.name == "text_encoder" else set())
         assert {k: v for k, v in ours.items() if k not in skip} == \
             {k: v for k, v in theirs.items() if k not in skip}, part.name
 
@@ -427,6 +443,16 @@ def _other_unet(configs, target):
     return target
 
 
+def test_layouts_are_declared_in_the_order_their_configs_are_read():
+    """A part whose config reads another's (the SDXL UNet's added embedding: the pooled text encoder's width) comes
+    after it in its layout; a layout declaring them the other way round is refused where it is declared."""
+    te2, unet = (p for p in layouts.SDXL.parts if p.name in ("text_encoder_2", "unet"))
+    assert unet.needs == ("text_encoder_2",)
+    with pytest.raises(ValueError, match=r"layout 'sdxl': the unet needs \['text_encoder_2'\], which are not parts "
+                                         r"declared before it"):
+        dataclasses.replace(layouts.SDXL, parts=(unet, te2))
+
+
 def test_errors_name_the_problem_and_the_fix(sd1, sdxl, published, tmp_path, monkeypatch):
     # a file in none of the layouts (a UNet in diffusers' names): the known prefixes are listed
     plain = tmp_path / "unet.safetensors"
@@ -446,6 +472,10 @@ def test_errors_name_the_problem_and_the_fix(sd1, sdxl, published, tmp_path, mon
     encoder = "cond_stage_model.transformer.text_model.final_layer_norm.weight"
     with pytest.raises(CheckpointError, match=rf"the text_encoder .*missing: '{encoder}'"):
         eqxdiff.load_pipeline(_rewrite(sd1.file, tmp_path / "cut2.safetensors", drop={encoder}), config=sd1.configs)
+    no_text = _rewrite(sd1.file, tmp_path / "no_text.safetensors", keep=lambda n: not n.startswith("cond_stage"))
+    with pytest.raises(CheckpointError, match=r"under 'model\.diffusion_model\.', 'first_stage_model\.' but not a "
+                                              r"whole pipeline .*sd1: 'cond_stage_model\.transformer\.'.*load\("):
+        eqxdiff.load_pipeline(no_text, config=sd1.configs)
     no_vae = _rewrite(sd1.file, tmp_path / "no_vae.safetensors", keep=lambda n: not n.startswith("first_stage"))
     with pytest.raises(CheckpointError, match=r"holds no vae \(no tensor under 'first_stage_model\.'\)"):
         eqxdiff.load_pipeline(no_vae, config=sd1.configs)

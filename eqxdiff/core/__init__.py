@@ -5,15 +5,17 @@
   rules they read (:class:`AxisRules`, :data:`DEFAULT_RULES`);
 - parameter naming (:func:`leaf_specs`: PyTorch names, layouts and logical axes), used by loading and parallel;
 - the tree walk behind ``with_plan``, ``scan_layers`` and ``with_attention_implementation``;
-- the family table (:data:`FAMILY_TABLE`): checkpoint class names to the eqxdiff classes serving them.
+- the family table (:data:`FAMILY_TABLE`): checkpoint class names to the eqxdiff classes serving them, and the
+  families' single-file layouts (:data:`SINGLE_FILE_LAYOUTS`).
 """
 
 from ._config import ConfigError as ConfigError
 from ._config import ModelConfig as ModelConfig
 from ._families import FAMILY_TABLE as FAMILY_TABLE
-from ._families import SINGLE_FILE_PIPELINES as SINGLE_FILE_PIPELINES
+from ._families import SINGLE_FILE_LAYOUTS as SINGLE_FILE_LAYOUTS
 from ._families import family_names as family_names
 from ._families import resolve_class as resolve_class
+from ._families import single_file_layouts as single_file_layouts
 from ._naming import STACKED as STACKED
 from ._naming import LeafSpec as LeafSpec
 from ._naming import declared_axes as declared_axes

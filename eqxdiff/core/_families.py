@@ -42,10 +42,14 @@ FAMILY_TABLE: dict[str, str] = {
         "eqxdiff.pipelines.controlnet_union:StableDiffusionXLControlNetUnionPipeline",
 }
 
-# Pipelines reading single .safetensors files in a layout of their own (eqxdiff.load_pipeline(file, config=...)),
-# asked in this order before the Stable Diffusion layouts: a class's single_file_layout(view) recognises a file,
-# its single_file_class names the class it loads as, its read_single_file loads it.
-SINGLE_FILE_PIPELINES: tuple[str, ...] = ("FluxPipeline",)
+# Single .safetensors files holding a pipeline (eqxdiff.load_pipeline(file, config=...)): "module:NAME" of each
+# family's declared layouts (a tuple of eqxdiff.loading.single_file.Layout: the tensors that tell a file, its models
+# with their conversion rules and configs, what the rest of the pipeline comes from), imported on first use and
+# matched in this order. One shared assembly (eqxdiff.pipelines._single_file) reads and writes every layout.
+SINGLE_FILE_LAYOUTS: tuple[str, ...] = (
+    "eqxdiff.pipelines.flux:SINGLE_FILE_LAYOUTS",  # Black Forest Labs and ComfyUI Flux.1 files
+    "eqxdiff.loading.single_file:LAYOUTS",  # A1111 / ComfyUI / SGM Stable Diffusion 1.x, 2.x, SDXL files
+)
 
 _KINDS = {"model": "eqxdiff.models.", "pipeline": "eqxdiff.pipelines."}
 
@@ -62,3 +66,12 @@ def resolve_class(name: str, table: Mapping[str, str] = FAMILY_TABLE) -> type | 
         return None
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def single_file_layouts(table: tuple[str, ...] = SINGLE_FILE_LAYOUTS) -> tuple:
+    """Every family's single-file layouts (:data:`SINGLE_FILE_LAYOUTS`), in the order a file is matched."""
+    layouts = []
+    for target in table:
+        module, name = target.split(":")
+        layouts.extend(getattr(importlib.import_module(module), name))
+    return tuple(layouts)

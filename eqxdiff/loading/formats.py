@@ -10,11 +10,14 @@ Pass them to ``eqxdiff.load(..., conversion=...)``; compose them with ``*``:
 Each rule set converts to the names eqxdiff reads and, through :func:`eqxdiff.loading.inverse`, back.
 """
 
+import dataclasses
 import os
-import re
+from collections.abc import Mapping
 
-from ._convert import Dim, Drop, Keep, Rename, Rule, Split, SwapHalves, Transpose
+from ._convert import Dim, Drop, Rename, Rule, Split, SwapHalves, Transpose
 from ._errors import CheckpointError
+from ._layout import Part, Stored
+from ._rules import select as select
 from ._safetensors import SafetensorsFile
 
 # Where single-file checkpoints keep their text encoders (diffusers' single_file_utils reads the same prefixes).
@@ -24,12 +27,6 @@ SDXL_CLIP = "conditioner.embedders.0.transformer."  # SDXL (SGM): transformers' 
 SDXL_OPENCLIP = "conditioner.embedders.1.model."  # SDXL (SGM): OpenCLIP bigG names
 COMFY_T5XXL = "text_encoders.t5xxl.transformer."  # ComfyUI all-in-one Flux/SD3 files: transformers' T5 names
 FLUX_DIFFUSION_MODEL = "model.diffusion_model."  # ComfyUI / fp8 repackagings of Flux: BFL's names below it
-
-
-def select(prefix: str) -> tuple[Rule, ...]:
-    """Only the tensors under ``prefix`` (one component of an all-in-one file), with the prefix removed. Written
-    back, the prefix returns."""
-    return (Keep(prefix + "{name}"), Rename(prefix + "{name}", "{name}"))
 
 
 def openclip_text(*, projection: bool = True) -> tuple[Rule, ...]:
@@ -120,31 +117,50 @@ def flux_bfl_config(path: str | os.PathLike, *, prefix: str = "",
     >>> eqxdiff.load("flux1-schnell.safetensors", model_class="FluxTransformer2DModel",
     ...              config=formats.flux_bfl_config("flux1-schnell.safetensors"), conversion=rules)
     """
-    f = SafetensorsFile(path)
-    shapes = {n[len(prefix):]: tuple(f.shape(n)) for n in f.names() if n.startswith(prefix)}
+    return bfl_config(SafetensorsFile(path), where=repr(os.fspath(path)), prefix=prefix,
+                      axes_dims_rope=axes_dims_rope)
+
+
+def bfl_config(view, *, where: str, prefix: str = "", axes_dims_rope: tuple[int, ...] | None = None) -> dict:
+    """:func:`flux_bfl_config` of the file ``view`` (``where`` names it in errors)."""
+    t = Stored(view, prefix)
 
     def shape(name: str) -> tuple[int, ...]:
-        if name not in shapes:
-            raise CheckpointError(f"{os.fspath(path)!r} holds no {prefix + name!r}: not a Black Forest Labs Flux.1 "
-                                  "transformer file (or give its prefix=)")
-        return shapes[name]
-
-    def count(kind: str) -> int:
-        return len({m.group(1) for n in shapes if (m := re.match(rf"{kind}\.(\d+)\.", n))})
+        if not t.has(name):
+            raise CheckpointError(f"{where} holds no {prefix + name!r}: not a Black Forest Labs Flux.1 transformer "
+                                  "file (or give its prefix=)")
+        return t.shapes[name]
 
     width, in_channels = shape("img_in.weight")
-    head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0] if count("double_blocks") else \
+    head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0] if t.count("double_blocks") else \
         shape("single_blocks.0.norm.query_norm.scale")[0]
     if axes_dims_rope is None:
         if head_dim not in FLUX_AXES_DIMS_ROPE:
-            raise CheckpointError(f"{os.fspath(path)!r} has heads of {head_dim} channels; say how they split between "
-                                  "the position axes: flux_bfl_config(..., axes_dims_rope=(...))")
+            raise CheckpointError(f"{where} has heads of {head_dim} channels; say how they split between the "
+                                  "position axes: flux_bfl_config(..., axes_dims_rope=(...))")
         axes_dims_rope = FLUX_AXES_DIMS_ROPE[head_dim]
     out = shape("final_layer.linear.weight")[0]
     return {"_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": in_channels,
-            "out_channels": None if out == in_channels else out, "num_layers": count("double_blocks"),
-            "num_single_layers": count("single_blocks"), "attention_head_dim": head_dim,
+            "out_channels": None if out == in_channels else out, "num_layers": t.count("double_blocks"),
+            "num_single_layers": t.count("single_blocks"), "attention_head_dim": head_dim,
             "num_attention_heads": width // head_dim, "joint_attention_dim": shape("txt_in.weight")[1],
             "pooled_projection_dim": shape("vector_in.in_layer.weight")[1],
-            "guidance_embeds": "guidance_in.in_layer.weight" in shapes, "axes_dims_rope": list(axes_dims_rope)}
+            "guidance_embeds": t.has("guidance_in.in_layer.weight"), "axes_dims_rope": list(axes_dims_rope)}
 
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BflTransformer(Part):
+    """A Black Forest Labs Flux.1 transformer as a single-file part (:func:`flux_bfl` under ``prefix``), its config
+    read from the tensors (:func:`bfl_config`)."""
+
+    name: str = "transformer"
+    model_class: str = "FluxTransformer2DModel"
+
+    def rules(self, config, view=None) -> tuple[Rule, ...]:
+        return flux_bfl(prefix=self.prefix)
+
+    def infer(self, view, *, where: str, configs: Mapping) -> dict:
+        try:
+            return bfl_config(view, where=where, prefix=self.prefix)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; or pass config= a Flux folder holding {self.name}/config.json") from None

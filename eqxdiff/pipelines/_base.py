@@ -36,8 +36,10 @@ from ..loading import (
 )
 from ..nn import with_attention_implementation
 from ..parallel import shard_batch, shard_params, sharding_fn, with_plan
-from ..schedulers import scheduler_from_config
 from ._checks import CallLimits, InputError, InputTypeError, check_arguments
+from ._components import build_scheduler as build_scheduler
+from ._components import load_tokenizer as load_tokenizer
+from ._components import pipeline_class_for
 from ._single_file import read_single_file
 
 COMPONENT_KINDS = ("model", "tokenizer", "scheduler")
@@ -102,15 +104,6 @@ class Component:
             raise ValueError(f"Component {self.name!r}: classes={self.classes!r} must be a tuple of class names")
         if self.classes and self.kind != "model":
             raise ValueError(f"Component {self.name!r}: classes are checked for models, not a {self.kind}")
-
-
-def load_tokenizer(folder):
-    """The checkpoint's own tokenizer through transformers (no download)."""
-    from transformers import AutoTokenizer
-
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"tokenizer folder {os.fspath(folder)!r} not found")
-    return AutoTokenizer.from_pretrained(os.fspath(folder))
 
 
 class DiffusionPipeline:
@@ -398,22 +391,6 @@ def _checking_arguments(call):
     return checked
 
 
-def build_scheduler(raw: Mapping[str, Any], name: str | None = None, options: Mapping[str, Any] | None = None):
-    """``(scheduler, extras)``: the scheduler ``raw`` (a ``scheduler_config.json`` dict) describes, or the one
-    ``name`` swaps in (:func:`eqxdiff.schedulers.scheduler_from_config`), with config keys ``options`` set last; and
-    the keys of ``raw`` that its class does not read (kept for a later swap and for saving). An option the class
-    does not have raises :class:`~eqxdiff.core.ConfigError` naming the ones it has."""
-    options = dict(options or {})
-    scheduler = scheduler_from_config(raw, name=name, **options)
-    fields = {f.name for f in dataclasses.fields(scheduler.config)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ConfigError(f"{type(scheduler).__name__} has no config option(s) {unknown}; it takes "
-                          f"{', '.join(sorted(fields))}")
-    extras = {k: v for k, v in raw.items() if k not in fields and not k.startswith("_")}
-    return scheduler, extras
-
-
 # -- argument handling every family's __call__ shares ----------------------------------------------------------
 
 
@@ -506,21 +483,22 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     :meth:`DiffusionPipeline.check_config_overrides`). The class's :attr:`~DiffusionPipeline.OPTIONS` are read from
     ``model_index.json``. ``pipeline_class`` (``Cls.from_pretrained``) loads the folder as that class: a subclass
     of it, or another task of the same family (the same components, e.g. an SDXL base folder as image-to-image).
-    A single ``.safetensors`` file (A1111 / ComfyUI / SGM layout) is read by
-    :func:`eqxdiff.pipelines._single_file.read_single_file`; ``config`` (a diffusers folder or Hub id) gives what
-    such a file lacks (tokenizers, scheduler, configs).
+    A single ``.safetensors`` file in a layout a family declares (A1111 / ComfyUI / SGM, Black Forest Labs; see
+    :data:`eqxdiff.core.SINGLE_FILE_LAYOUTS`) is read by :func:`eqxdiff.pipelines._single_file.read_single_file`;
+    ``config`` (a diffusers folder or Hub id) gives what such a file lacks (tokenizers, scheduler, configs).
     """
     weights_dtype = check_dtype(dtype) or check_dtype("float32")
     act_dtype = check_dtype(activations_dtype) or weights_dtype
     if Path(os.fspath(path_or_hub_id)).expanduser().is_file():
         if mesh is not None and sharding is None:
             sharding = sharding_fn(mesh, rules or DEFAULT_RULES)
-        cls, components, options = read_single_file(
+        read = read_single_file(
             path_or_hub_id, config=config, revision=revision, dtype=weights_dtype, sharding=sharding,
             offload_encoders=offload_encoders, scan_layers=scan_layers, scheduler=scheduler,
             scheduler_options=scheduler_options, pipeline_class=pipeline_class, config_overrides=config_overrides)
-        return cls(attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
-                   offload_encoders=offload_encoders, **components, **options)
+        return read.cls(attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
+                        offload_encoders=offload_encoders, scheduler_extras=read.scheduler_extras,
+                        **read.components, **read.options)
     if config is not None:
         raise CheckpointError("config= is for single .safetensors files; a pipeline folder holds its own configs")
     folder = resolve_folder(path_or_hub_id, revision=revision)
@@ -530,12 +508,7 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     if cls is None or not (isinstance(cls, type) and issubclass(cls, DiffusionPipeline)):
         raise CheckpointError(f"unknown pipeline class {name!r} in model_index.json; eqxdiff serves "
                               f"{family_names('pipeline')}")
-    if pipeline_class is not None and not issubclass(cls, pipeline_class):
-        # Another task of the same family (an SDXL base folder loaded for image-to-image ...): the same components.
-        if _component_names(cls) != _component_names(pipeline_class):
-            raise CheckpointError(f"{os.fspath(folder)!r} holds a {name}, whose components "
-                                  f"{sorted(_component_names(cls))} a {pipeline_class.__name__} cannot use")
-        cls = pipeline_class
+    cls = pipeline_class_for(cls, pipeline_class, where=repr(os.fspath(folder)), holds=name)
     missing = [c.name for c in cls.COMPONENTS if not c.optional and _index_entry(index, c.name) is None]
     if missing:
         raise CheckpointError(f"model_index.json in {os.fspath(folder)!r} lacks component(s) {missing} that a "
@@ -567,10 +540,6 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     options = {k: index[k] for k in cls.OPTIONS if k in index}
     return cls(attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
                offload_encoders=offload_encoders, scheduler_extras=extras, **components, **options)
-
-
-def _component_names(cls) -> set[str]:
-    return {c.name for c in cls.COMPONENTS}
 
 
 def save_pipeline(pipe: DiffusionPipeline, folder, *, dtype=None) -> Path:

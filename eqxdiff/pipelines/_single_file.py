@@ -1,9 +1,13 @@
-"""Whole pipelines in one ``.safetensors`` file (A1111 / ComfyUI / SGM layouts: SD 1.x, SD 2.x, SDXL base, refiner
-and inpainting, ComfyUI's all-in-one SDXL files such as SDXL-Lightning's) in and out of eqxdiff.
+"""Whole pipelines in one ``.safetensors`` file, in and out of eqxdiff: the one assembly that reads and writes every
+layout the families declare (:data:`eqxdiff.core.SINGLE_FILE_LAYOUTS`: A1111 / ComfyUI / SGM Stable Diffusion 1.x,
+2.x and SDXL files with their inpainting and refiner variants, Black Forest Labs' and ComfyUI's Flux files).
 
 ``eqxdiff.load_pipeline("file.safetensors", config=...)`` reaches :func:`read_single_file`; :func:`save_single_file`
-writes a pipeline in the layout. The layouts are conversion rules (:mod:`eqxdiff.loading.single_file`): each model
-is read from the file's memory map through them straight into its dtype and, with a mesh, onto its sharding.
+writes a pipeline in a layout. A layout (:class:`eqxdiff.loading.single_file.Layout`) says which models the file
+holds and how to read each (conversion rules, a config from the tensors or from ``config=``); each model is read
+from the file's memory map through its rules straight into its dtype and, with a mesh, onto its sharding. What the
+file lacks comes from ``config=`` (a diffusers folder or Hub id: only the files the file lacks are fetched) or from
+the layout's published values.
 """
 
 import dataclasses
@@ -15,152 +19,138 @@ import equinox as eqx
 import jax
 from huggingface_hub import snapshot_download
 
-from ..core import SINGLE_FILE_PIPELINES, ConfigError, ModelConfig, resolve_class
+from ..core import ConfigError, ModelConfig, resolve_class, single_file_layouts
 from ..loading import (
+    PICKLE_SUFFIXES,
     CheckpointError,
     SafetensorsFile,
     check_dtype,
+    is_hub_id,
     load,
     model_class,
     pickle_error,
     read_json,
     write_safetensors,
 )
-from ..loading import single_file as layouts
-from ..schedulers import scheduler_from_config
+from ..loading.single_file import Layout, Part, Shapes, check_tensors, detect_in, layout_shapes, layout_tensors
+from ._components import build_scheduler, load_tokenizer, pipeline_class_for
 
-__all__ = ["read_single_file", "save_single_file", "single_file_class"]
+__all__ = ["SingleFile", "read_single_file", "save_single_file", "single_file_class"]
 
-_CONFIG_FILES = ["*.json", "*.txt"]  # a pipeline's configs and tokenizers, no weights
-_TOKENIZERS = {"tokenizer": "text_encoder", "tokenizer_2": "text_encoder_2"}  # and the encoder each serves
+_CONFIG_FILES = ["*.json", "*.txt", "*.model"]  # a pipeline's configs and tokenizers (T5's sentencepiece), no weights
+
+
+@dataclasses.dataclass(frozen=True)
+class SingleFile:
+    """What :func:`read_single_file` reads: the pipeline class and its constructor's arguments."""
+
+    cls: type
+    components: dict
+    options: dict
+    scheduler_extras: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """``config=`` of a single file: ``folder`` once local (``None`` without ``config=``), ``hub_id`` while a Hub
+    repository is not fetched yet, and its ``model_index.json``."""
+
+    given: object
+    folder: Path | None
+    hub_id: str | None
+    index: Mapping
+
+    def read(self, name: str) -> dict | None:
+        return read_json(self.folder / name) if self.folder is not None and (self.folder / name).is_file() else None
 
 
 def read_single_file(path, *, config=None, revision: str | None = None, dtype=None, sharding=None,
                      offload_encoders: bool = False, scan_layers: bool = False, scheduler: str | None = None,
                      scheduler_options: Mapping | None = None, pipeline_class: type | None = None,
-                     config_overrides: Mapping[str, Mapping] | None = None) -> tuple[type, dict, dict]:
-    """The pipeline class, components and options of a single-file checkpoint (what ``load_pipeline`` builds the
-    pipeline from; call ``eqxdiff.load_pipeline(path, config=...)`` rather than this).
+                     config_overrides: Mapping[str, Mapping] | None = None) -> SingleFile:
+    """The pipeline class and components of a single-file checkpoint (what ``load_pipeline`` builds the pipeline
+    from; call ``eqxdiff.load_pipeline(path, config=...)`` rather than this).
 
-    The family (SD 1.x, SD 2.x, SDXL base or refiner) is read from the file's prefixes, inpainting from its UNet's
-    9 input channels. ``config``: a diffusers folder or Hub id (only its JSON and tokenizer files are fetched) for
-    what the file lacks: the tokenizers, the scheduler, ``model_index.json``'s options, and any component whose
-    ``config.json`` it holds (the rest are inferred from the tensors). Without ``config`` every model's config is
-    inferred (:mod:`eqxdiff.loading.single_file` says which values come from the family's published configs: the
-    attention heads, norm groups, sizes), the scheduler is the family's (SD 1.x PNDM; SD 2.x DDIM with
-    v-prediction, as SD 2.1-768; SDXL Euler; for an SD 2.x epsilon model pass
+    The layout is read from the file's tensor names (the first of :data:`eqxdiff.core.SINGLE_FILE_LAYOUTS` whose
+    signature it holds: SD 1.x, SD 2.x, SDXL base or refiner, inpainting by its UNet's 9 input channels, Flux).
+    ``config``: a diffusers folder or Hub id for what the file lacks: the tokenizers, the scheduler,
+    ``model_index.json``'s class and options, the models the file does not hold (a Hub id fetches their weights, and
+    only the JSON and tokenizer files of the rest), and the ``config.json`` of any model it holds (the others are
+    read from the tensors, with the layout's published values for what they do not show). Without ``config`` (not
+    for every layout: a Flux file needs one), every config is read from the tensors, the scheduler is the layout's
+    (SD 1.x PNDM; SD 2.x DDIM with v-prediction, as SD 2.1-768; SDXL Euler; for an SD 2.x epsilon model pass
     ``scheduler_options={"prediction_type": "epsilon"}`` or its ``config``) and the tokenizers come from the
     family's Hub repository. ``scheduler`` swaps the scheduler by name and ``scheduler_options`` sets its config keys
-    (SDXL-Lightning: ``scheduler="euler", scheduler_options={"timestep_spacing": "trailing"}``).
-    ``pipeline_class`` loads the file as another class with the same components. ``config_overrides`` sets config
-    keys of the models, per component, as for a folder (:func:`eqxdiff.load_pipeline`).
+    (SDXL-Lightning: ``scheduler="euler", scheduler_options={"timestep_spacing": "trailing"}``). ``pipeline_class``
+    loads the file as another class with the same components. ``config_overrides`` sets config keys of the models,
+    per component, as for a folder (:func:`eqxdiff.load_pipeline`).
     """
-    path = Path(os.fspath(path)).expanduser()
+    path, file = _open(path)
     where = f"file {os.fspath(path)!r}"
-    _check_suffix(path)
-    file = SafetensorsFile(path)
-    family = _family_layout(file)
-    if family is not None:  # a family reading a layout of its own (the family table's SINGLE_FILE_PIPELINES)
-        return family[0].read_single_file(path, file, family[1], config=config, revision=revision, dtype=dtype,
-                                          sharding=sharding, offload_encoders=offload_encoders,
-                                          scan_layers=scan_layers, scheduler=scheduler,
-                                          scheduler_options=scheduler_options, pipeline_class=pipeline_class,
-                                          config_overrides=config_overrides)
-    layout = layouts.detect(file, where)
-    folder = _config_folder(config, revision, layout)
-    cls = resolve_class(layout.pipeline)
-    if pipeline_class is not None and not issubclass(cls, pipeline_class):
-        if {c.name for c in cls.COMPONENTS} != {c.name for c in pipeline_class.COMPONENTS}:
-            raise CheckpointError(f"{where} holds a {layout.pipeline}, whose components a {pipeline_class.__name__} "
-                                  "cannot use")
-        cls = pipeline_class
+    layout = detect_in(file, where, single_file_layouts())
+    held = [part for part in layout.parts if part.held(file)]
+    source = _config_source(config, revision, layout, held, where)
+    found = _layout_class(layout, source.index)
+    cls = pipeline_class_for(found, pipeline_class, where=where, holds=found.__name__)
+    source = _fetched(source, revision, cls, held)
     overrides = cls.check_config_overrides(config_overrides)
-    absent = sorted(set(overrides) - {part.name for part in layout.parts})
-    if absent:
-        raise ConfigError(f"config_overrides sets {absent}, which {where} does not hold")
+    _check_overrides_held(overrides, held, source, where)
     weights_dtype = check_dtype(dtype) or check_dtype("float32")
     flags = {c.name: c for c in cls.COMPONENTS}
-    components: dict = {}
-    pooled = None
-    for part in sorted(layout.parts, key=lambda p: p.name == "unet"):  # the UNet's time ids need the pooled width
-        model_cls = model_class(part.model_class)
-        given = _component_config(folder, part.name)
-        if given is not None:
-            cfg, hint = model_cls.config_class.from_dict(given), (
-                f"The config passed (config={os.fspath(config)!r}) does not describe this file's {part.name}: pass "
-                "a diffusers folder or Hub id of this very model, or no config= to infer it from the tensors")
-        else:
-            try:
-                cfg = model_cls.config_class.from_dict(layout.infer(part, file, where=where, pooled_dim=pooled))
-            except ConfigError as e:
-                raise CheckpointError(
-                    f"cannot infer the config of the {part.name} in {where}: the values its tensors do not show, taken "
-                    f"from {layout.family.name}'s published configs, do not fit them ({e}). Pass config= a diffusers "
-                    "folder or Hub id of this model (its component config.json files)") from None
-            hint = ("The file is incomplete or its models are not of one pipeline; download it again, or pass "
-                    "config= a diffusers folder of this model")
-        if part.name == "text_encoder_2":
-            pooled = cfg.projection_dim
-        rules = layout.rules(part, cfg, file)
-        abstract = eqx.filter_eval_shape(lambda c=cfg, m=model_cls: m(c, dtype=weights_dtype, key=jax.random.key(0)))
-        layouts.check_tensors(file, abstract, rules, where=where, what=f"the {part.name} ({part.prefix}*)",
-                              hint=hint)
-        offload = offload_encoders and flags[part.name].encoder
-        components[part.name] = load(path, model_class=model_cls, config=cfg, conversion=rules,
-                                     dtype=weights_dtype, sharding=None if offload else sharding,
-                                     scan_layers=scan_layers and flags[part.name].scan,
-                                     config_overrides=overrides.get(part.name))
-    tokenizers = [c.name for c in cls.COMPONENTS if c.kind == "tokenizer" and _TOKENIZERS[c.name] in components]
-    if folder is None and tokenizers:  # the family's own, from the Hub
-        folder_of_tokenizers = _fetch(layout.hub_id, None, [f"{t}/*" for t in tokenizers],
-                                      f"{where} holds no tokenizer and no config= was given, so eqxdiff fetches "
-                                      f"{layout.family.name}'s")
-    else:
-        folder_of_tokenizers = folder
+
+    def load_kwargs(name: str) -> dict:
+        offload = offload_encoders and flags[name].encoder
+        return dict(dtype=weights_dtype, sharding=None if offload else sharding,
+                    scan_layers=scan_layers and flags[name].scan, config_overrides=overrides.get(name))
+
+    components = _read_held(path, file, layout, held, source, where, load_kwargs)
+    components.update(_read_lacking(cls, layout, components, source, where, load_kwargs))
+    components.update(_read_tokenizers(cls, layout, components, source, where))
+    raw = source.read("scheduler/scheduler_config.json") or layout.scheduler
+    if raw is None:
+        raise CheckpointError(f"config={os.fspath(source.given)!r} has no scheduler/scheduler_config.json; pass a "
+                              f"diffusers {layout.family} pipeline folder")
+    extras: dict = {}
     for c in cls.COMPONENTS:
-        if c.kind == "tokenizer":
-            components[c.name] = _tokenizer(folder_of_tokenizers, c.name, where) if c.name in tokenizers else None
-    raw = _read(folder, "scheduler/scheduler_config.json") or layout.scheduler
-    components["scheduler"] = _scheduler(raw, scheduler, scheduler_options or {})
-    index = _read(folder, "model_index.json") or {}
-    options = {k: index.get(k, layout.family.options.get(k, default)) for k, default in cls.OPTIONS.items()}
-    return cls, components, options
+        if c.kind == "scheduler":
+            components[c.name], extras = build_scheduler(raw, scheduler, scheduler_options)
+    options = {k: source.index.get(k, layout.options.get(k, default)) for k, default in cls.OPTIONS.items()}
+    return SingleFile(cls, components, options, extras)
 
 
 def single_file_class(path, *, config=None, revision: str | None = None) -> type:
     """The pipeline class ``load_pipeline(path, config=config)`` builds, read from the file's tensor names (and, for
-    a family of :data:`eqxdiff.core.SINGLE_FILE_PIPELINES`, ``config``'s ``model_index.json``) without loading it:
-    what ``eqxdiff-generate`` takes a single file's options from."""
-    path = Path(os.fspath(path)).expanduser()
-    _check_suffix(path)
-    file = SafetensorsFile(path)
-    family = _family_layout(file)
-    if family is not None:
-        return family[0].single_file_class(family[1], config=config, revision=revision)
-    return resolve_class(layouts.detect(file, f"file {os.fspath(path)!r}").pipeline)
+    a layout that loads as several classes, ``config``'s ``model_index.json``: a Flux Kontext folder) without
+    loading it: what ``eqxdiff-generate`` takes a single file's options from."""
+    path, file = _open(path)
+    where = f"file {os.fspath(path)!r}"
+    layout = detect_in(file, where, single_file_layouts())
+    if len(layout.pipelines) == 1 or config is None:
+        return resolve_class(layout.pipelines[0])
+    return _layout_class(layout, _config_source(config, revision, layout, (), where).index)
 
 
-def save_single_file(pipe, path, *, dtype=None, family: str | None = None) -> Path:
-    """Write ``pipe`` (an SD 1.x/2.x or SDXL pipeline) as one ``.safetensors`` file in the A1111 / SGM layout, which
-    :func:`eqxdiff.load_pipeline` and diffusers' ``from_single_file`` read. ``family``: ``"sd1"``, ``"sd2"``,
-    ``"sdxl"`` or ``"sdxl_refiner"``; by default an SDXL pipeline without its first text encoder is a refiner and
-    a Stable Diffusion pipeline whose text encoder runs GELU (OpenCLIP's) is SD 2.x. An SD 2.x file gets one more
-    OpenCLIP block than the text encoder has, of zeros (an identity), as SD 2.x files hold a last block their
-    pipelines never run. Tokenizers and scheduler are not written: a single file has none. ``dtype`` casts the
-    floating-point tensors (e.g. ``"float16"``)."""
-    family = family or _family_of(pipe)
-    if family not in layouts.FAMILIES:
-        raise ValueError(f"family={family!r}; choose one of {list(layouts.FAMILIES)}")
-    layout = layouts.Layout(layouts.FAMILIES[family])
+def save_single_file(pipe, path, *, dtype=None, layout: str | None = None) -> Path:
+    """Write ``pipe`` as one ``.safetensors`` file in a single-file layout, which :func:`eqxdiff.load_pipeline` reads:
+    an SD 1.x/2.x or SDXL pipeline in the A1111 / SGM layout (diffusers' ``from_single_file`` reads it too), a Flux
+    pipeline as a ComfyUI all-in-one file. ``layout`` names one (``"sd1"``, ``"sd2"``, ``"sdxl"``, ``"sdxl_refiner"``,
+    ``"flux_comfyui"`` ...: :data:`eqxdiff.core.SINGLE_FILE_LAYOUTS`); by default the first whose models are exactly
+    the pipeline's, each one it holds (an SD 2.x file's OpenCLIP is a GELU text encoder, SD 1.x's CLIP is not), and
+    whose signature the written file has (an inpainting UNet's 9 channels). A layout's extra tensors are written too
+    (an SD 2.x file gets one more OpenCLIP block than the text encoder has, of zeros: an identity, as SD 2.x files
+    hold a last block their pipelines never run). Tokenizers and scheduler are not written: a single file has none.
+    ``dtype`` casts the floating-point tensors (e.g. ``"float16"``)."""
+    chosen = _layout_to_write(pipe, layout)
     tensors: dict = {}
-    for part in layout.parts:
+    for part in chosen.parts:
         model = getattr(pipe, part.name, None)
+        if model is None and part.optional:
+            continue
         if model is None:
-            raise ValueError(f"{type(pipe).__name__} has no {part.name}, which a {family} single file holds; pass "
-                             f"family= the layout of this pipeline (one of {list(layouts.FAMILIES)})")
-        tensors.update(layouts.layout_tensors(model, layout.rules(part, model.config)))
-        if family == "sd2" and part.kind == "openclip":
-            tensors.update(layouts.openclip_padding_block(model.config, part.prefix, model.config.num_hidden_layers))
+            raise ValueError(f"{type(pipe).__name__} has no {part.name}, which a {chosen.name} single file holds; "
+                             "pass layout= the layout of this pipeline")
+        tensors.update(layout_tensors(model, part.rules(model.config)))
+        tensors.update(part.extra_tensors(model.config))
     if dtype is not None:
         dt = check_dtype(dtype)
         tensors = {k: v.astype(dt) if v.dtype.kind == "f" else v for k, v in tensors.items()}
@@ -170,43 +160,166 @@ def save_single_file(pipe, path, *, dtype=None, family: str | None = None) -> Pa
     return path
 
 
-# -- helpers ----------------------------------------------------------------------------------------------------------
+# -- reading the models -----------------------------------------------------------------------------------------------
 
 
-def _family_layout(view):
-    """``(pipeline class, layout)`` of the first of :data:`eqxdiff.core.SINGLE_FILE_PIPELINES` whose layout the
-    file ``view`` is in (its ``single_file_layout(view)``), or ``None``."""
-    for name in SINGLE_FILE_PIPELINES:
-        cls = resolve_class(name)
-        layout = cls.single_file_layout(view)
-        if layout is not None:
-            return cls, layout
-    return None
+def _read_held(path, file, layout: Layout, held: list[Part], source: _Config, where: str, load_kwargs) -> dict:
+    """The models the file holds, in the layout's order (a part's config may read the configs before it)."""
+    components, configs = {}, {}
+    for part in held:
+        kwargs = load_kwargs(part.name)
+        model_cls = model_class(part.model_class)
+        config, hint = _part_config(part, model_cls, file, layout, source, where, configs)
+        configs[part.name] = config
+        rules = part.rules(config, file)
+        dt = kwargs["dtype"]
+        abstract = eqx.filter_eval_shape(lambda c=config, m=model_cls: m(c, dtype=dt, key=jax.random.key(0)))
+        what = f"the {part.name} ({part.prefix}*)" if part.prefix else f"the {part.name} (no prefix)"
+        check_tensors(file, abstract, rules, where=where, what=what, hint=hint)
+        components[part.name] = load(path, model_class=model_cls, config=config, conversion=rules, **kwargs)
+    return components
 
 
-def _check_suffix(path: Path) -> None:
-    if path.suffix.lower() in layouts.PICKLE_SUFFIXES:
+def _part_config(part: Part, model_cls, file, layout: Layout, source: _Config, where: str, configs: Mapping):
+    """``(config, hint)``: the part's config from ``config=`` or else the tensors, and what to do if the file's
+    tensors do not fit it."""
+    given = source.read(f"{part.name}/config.json")
+    if given is not None:
+        hint = (f"The config passed (config={os.fspath(source.given)!r}) does not describe this file's {part.name}: "
+                "pass a diffusers folder or Hub id of this very model")
+        if part.infer_config:
+            hint += (f", or one without {part.name}/config.json to read it from the tensors" if layout.needs_config
+                     else ", or no config= to infer it from the tensors")
+        return model_cls.config_class.from_dict(given), hint
+    raw = part.infer(file, where=where, configs=configs) if part.infer_config else None
+    if raw is None:
+        lacking = (f"config={os.fspath(source.given)!r} has no {part.name}/config.json" if source.folder is not None
+                   else "no config= was given")
+        raise CheckpointError(f"{where} holds the {part.name} (under {part.prefix!r}), whose config its tensors do "
+                              f"not give, and {lacking}; pass config= a diffusers {layout.family} pipeline folder or "
+                              "Hub id")
+    try:
+        config = model_cls.config_class.from_dict(raw)
+    except ConfigError as e:
+        raise CheckpointError(
+            f"cannot infer the config of the {part.name} in {where}: the values its tensors do not show, taken from "
+            f"{layout.family}'s published configs, do not fit them ({e}). Pass config= a diffusers folder or Hub id "
+            "of this model (its component config.json files)") from None
+    return config, ("The file is incomplete or its models are not of one pipeline; download it again, or pass "
+                    "config= a diffusers folder of this model")
+
+
+def _read_lacking(cls, layout: Layout, components: Mapping, source: _Config, where: str, load_kwargs) -> dict:
+    """The models of ``cls`` that the file does not hold, from ``config=``'s folder (``None`` where optional)."""
+    out = {}
+    for c in cls.COMPONENTS:
+        if c.kind != "model" or c.name in components:
+            continue
+        entry = source.index.get(c.name)
+        if entry and entry[0] is not None:
+            cls.check_component_class(c, entry, repr(os.fspath(source.folder)))
+            try:
+                out[c.name] = cls.load_component(source.folder, c, entry, **load_kwargs(c.name))
+            except CheckpointError as e:
+                raise CheckpointError(
+                    f"{where} does not hold the {c.name}, so it is read from config={os.fspath(source.given)!r}, "
+                    f"which cannot give it ({e}); pass config= a diffusers {layout.family} folder with the "
+                    f"{c.name}'s weights (or a Hub id: the weights the file lacks are fetched)") from None
+        elif c.optional:
+            out[c.name] = None
+        else:
+            given = "no config= was given" if source.folder is None else \
+                f"config={os.fspath(source.given)!r} has no {c.name} (model_index.json)"
+            raise CheckpointError(f"{where} does not hold the {c.name} and {given}; pass config= a diffusers "
+                                  f"{layout.family} pipeline folder")
+    return out
+
+
+def _read_tokenizers(cls, layout: Layout, components: Mapping, source: _Config, where: str) -> dict:
+    """Each tokenizer whose model (``layout.tokenizers``) was loaded, from ``config=`` or, without it, from the
+    layout's Hub repository (only the tokenizers fetched); the others ``None``."""
+    tokenizers = [c.name for c in cls.COMPONENTS if c.kind == "tokenizer"]
+    needed = [t for t in tokenizers if components.get(layout.tokenizers.get(t, "")) is not None]
+    folder = source.folder
+    if folder is None and needed:
+        folder = _fetch(layout.hub_id, None, [f"{t}/*" for t in needed],
+                        f"{where} holds no tokenizer and no config= was given, so eqxdiff fetches {layout.family}'s")
+    out = {}
+    for name in tokenizers:
+        if name not in needed:
+            out[name] = None
+        elif not (folder / name).is_dir():
+            raise CheckpointError(f"{where} holds no tokenizer and config={os.fspath(folder)!r} has no {name} "
+                                  f"folder; pass config= a diffusers folder or Hub id of this model family that "
+                                  f"holds {name}/")
+        else:
+            out[name] = load_tokenizer(folder / name)
+    return out
+
+
+def _check_overrides_held(overrides: Mapping, held: list[Part], source: _Config, where: str) -> None:
+    listed = {k for k, entry in source.index.items() if isinstance(entry, list) and entry and entry[0] is not None}
+    absent = sorted(set(overrides) - {part.name for part in held} - listed)
+    if absent:
+        nor = f" nor config={os.fspath(source.given)!r}" if source.folder is not None else ""
+        raise ConfigError(f"config_overrides sets {absent}, which {where} does not hold{nor}")
+
+
+# -- the layout, the class and config= --------------------------------------------------------------------------------
+
+
+def _open(path) -> tuple[Path, SafetensorsFile]:
+    path = Path(os.fspath(path)).expanduser()
+    if path.suffix.lower() in PICKLE_SUFFIXES:
         raise pickle_error(path)
     if path.suffix.lower() != ".safetensors":
         raise CheckpointError(f"{os.fspath(path)!r} is a file; pass the model's folder (the one holding "
                               "model_index.json), a Hub id, or a single-file .safetensors checkpoint")
+    return path, SafetensorsFile(path)
 
 
-def _config_folder(config, revision: str | None, layout: layouts.Layout) -> Path | None:
-    """``config`` as a local folder (a Hub id: its JSON and tokenizer files fetched); ``None`` without one."""
+def _layout_class(layout: Layout, index: Mapping) -> type:
+    """The class a file in ``layout`` loads as: the one ``config=``'s ``model_index.json`` names if the layout
+    loads as it, else the layout's first."""
+    named = index.get("_class_name")
+    return resolve_class(named if named in layout.pipelines else layout.pipelines[0])
+
+
+def _config_source(config, revision: str | None, layout: Layout, held, where: str) -> _Config:
+    """``config=`` checked, with its ``model_index.json`` (a Hub id: that file alone fetched so far)."""
     if config is None:
-        return None
+        if layout.needs_config:
+            holds = " and ".join(f"the {part.name}" for part in held) or "models"
+            raise CheckpointError(
+                f"{where} holds {holds} of a {layout.family} pipeline but not the rest of it (tokenizers, scheduler "
+                f"and the models it lacks); pass config= a diffusers {layout.family} folder or Hub id, e.g. "
+                f"eqxdiff.load_pipeline(file, config={layout.hub_id!r})")
+        return _Config(None, None, None, {})
     if isinstance(config, (ModelConfig, Mapping)):
         raise CheckpointError("config= for a single file is a diffusers pipeline folder or Hub id (its tokenizers, "
                               "scheduler and component configs), not one model's config")
     p = os.fspath(config)
     local = Path(p).expanduser()
     if local.is_dir():
-        return local
-    if p.startswith((".", "/", "~")) or p.count("/") != 1 or local.exists():
-        raise CheckpointError(f"config={p!r} is not a folder; pass a diffusers pipeline folder or a Hub id such as "
-                              f"{layout.hub_id!r}")
-    return _fetch(p, revision, _CONFIG_FILES, f"config={p!r}")
+        index = read_json(local / "model_index.json") if (local / "model_index.json").is_file() else {}
+        return _Config(config, local, None, index)
+    if not is_hub_id(p):
+        raise CheckpointError(f"config={p!r} is not a folder; pass a diffusers {layout.family} pipeline folder or a "
+                              f"Hub id such as {layout.hub_id!r}")
+    fetched = _fetch(p, revision, ["model_index.json"], f"config={p!r}")
+    index = read_json(fetched / "model_index.json") if (fetched / "model_index.json").is_file() else {}
+    return _Config(config, None, p, index)
+
+
+def _fetched(source: _Config, revision: str | None, cls: type, held: list[Part]) -> _Config:
+    """``source`` with a Hub id fetched: its configs and tokenizers, and the weights of ``cls``'s models that the
+    file does not hold (``held``)."""
+    if source.hub_id is None:
+        return source
+    lacking = [f"{c.name}/*" for c in cls.COMPONENTS
+               if c.kind == "model" and c.name not in {part.name for part in held}]
+    folder = _fetch(source.hub_id, revision, [*_CONFIG_FILES, *lacking], f"config={source.hub_id!r}")
+    return dataclasses.replace(source, folder=folder, hub_id=None)
 
 
 def _fetch(repo: str, revision: str | None, patterns: list[str], what: str) -> Path:
@@ -219,35 +332,26 @@ def _fetch(repo: str, revision: str | None, patterns: list[str], what: str) -> P
             f"{repo} --exclude '*.safetensors' '*.bin' --local-dir DIR` on a connected machine)") from e
 
 
-def _read(folder: Path | None, name: str) -> dict | None:
-    return read_json(folder / name) if folder is not None and (folder / name).is_file() else None
+def _layout_to_write(pipe, name: str | None) -> Layout:
+    """The layout ``name``, or by default the first that writes exactly ``pipe``'s models (see
+    :func:`save_single_file`)."""
+    layouts = single_file_layouts()
+    if name is not None:
+        by_name = {layout.name: layout for layout in layouts}
+        if name not in by_name:
+            raise ValueError(f"layout={name!r}; choose one of {list(by_name)}")
+        return by_name[name]
+    models = {c.name: getattr(pipe, c.name) for c in pipe.COMPONENTS
+              if c.kind == "model" and getattr(pipe, c.name, None) is not None}
+    for layout in layouts:
+        parts = {part.name: part for part in layout.parts if part.name in models or not part.optional}
+        if parts.keys() != models.keys() or not all(p.fits(models[n].config) for n, p in parts.items()):
+            continue
+        shapes = {}
+        for n, part in parts.items():
+            shapes.update(layout_shapes(models[n], part.rules(models[n].config)))
+        if layout.matches(Shapes(shapes)):
+            return layout
+    raise ValueError(f"no single-file layout holds exactly a {type(pipe).__name__}'s models {sorted(models)}; pass "
+                     f"layout= one of {[layout.name for layout in layouts]} to write the models it holds")
 
-
-def _component_config(folder: Path | None, name: str) -> dict | None:
-    return _read(folder, f"{name}/config.json")
-
-
-def _scheduler(raw: Mapping, name: str | None, options: Mapping):
-    """The scheduler ``raw`` describes (or the one ``name`` swaps in) with config keys ``options`` set."""
-    scheduler = scheduler_from_config(raw, name=name, **options)
-    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(scheduler.config)})
-    if unknown:
-        raise ConfigError(f"{type(scheduler).__name__} has no config option(s) {unknown}; it takes "
-                          f"{', '.join(f.name for f in dataclasses.fields(scheduler.config))}")
-    return scheduler
-
-
-def _tokenizer(folder: Path | None, name: str, where: str):
-    from transformers import AutoTokenizer
-
-    if not (folder / name).is_dir():
-        raise CheckpointError(f"{where} holds no tokenizer and config={os.fspath(folder)!r} has no {name} folder; "
-                              f"pass config= a diffusers folder or Hub id of this model family that holds {name}/")
-    return AutoTokenizer.from_pretrained(os.fspath(folder / name))
-
-
-def _family_of(pipe) -> str:
-    if hasattr(pipe, "text_encoder_2"):
-        return "sdxl" if getattr(pipe, "text_encoder", None) is not None else "sdxl_refiner"
-    encoder = getattr(pipe, "text_encoder", None)
-    return "sd2" if encoder is not None and encoder.config.hidden_act == "gelu" else "sd1"

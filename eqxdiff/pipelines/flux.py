@@ -27,35 +27,31 @@ resized to the nearest of Kontext's trained resolutions unless ``auto_resize=Fal
 
 **Single files.** ``eqxdiff.load_pipeline("flux1-dev.safetensors", config=FOLDER)`` reads Black Forest Labs'
 transformer file (or a ComfyUI one under ``model.diffusion_model.``, with its VAE and text encoders if it holds
-them) and the rest of the pipeline from ``config``: a diffusers Flux folder or Hub id.
+them) and the rest of the pipeline from ``config``: a diffusers Flux folder or Hub id. These layouts are data
+(:data:`SINGLE_FILE_LAYOUTS`), read and written by the shared single-file code (``save_single_file(pipe, path)``
+writes a ComfyUI all-in-one file).
 """
 
 import dataclasses
 import math
-import os
 import warnings
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from huggingface_hub import snapshot_download
 from PIL import Image
 
 from .._typing import Array, Float, Int, PRNGKeyArray
-from ..core import ConfigError, resolve_class
-from ..loading import CheckpointError, check_dtype, formats, load, read_json
-from ..loading import single_file as layouts
+from ..loading import CheckpointError, formats
+from ..loading.single_file import ClipText, Layout, LdmVae, Part
 from ..models import flux
 from ._base import (
     Component,
     as_list,
-    build_scheduler,
     given_array,
-    load_tokenizer,
     prompt_list,
     resolve_key,
 )
@@ -524,92 +520,6 @@ class FluxPipeline(LatentPipeline):
                              true_cfg_scale=true_cfg_scale, key=key, latents=latents, output_type=output_type,
                              progress=progress)
 
-    # -- single files ----------------------------------------------------------------------------------------------
-
-    @classmethod
-    def single_file_layout(cls, view) -> str | None:
-        """The prefix of a Black Forest Labs Flux transformer in a ``.safetensors`` file (``""`` for BFL's own files,
-        ``"model.diffusion_model."`` for ComfyUI's), or ``None`` if the file holds none."""
-        names = set(view.names())
-        for prefix in ("", formats.FLUX_DIFFUSION_MODEL):
-            if {prefix + "img_in.weight", prefix + "txt_in.weight"} <= names:
-                return prefix
-        return None
-
-    @classmethod
-    def single_file_class(cls, layout: str, *, config=None, revision: str | None = None) -> type:
-        """The pipeline class a Flux single file loads as: ``config``'s ``model_index.json`` class (a Kontext folder
-        gives :class:`FluxKontextPipeline`), else :class:`FluxPipeline`."""
-        index = _config_index(config, revision)
-        named = resolve_class(index.get("_class_name", "")) if index else None
-        return named if isinstance(named, type) and issubclass(named, FluxPipeline) else cls
-
-    @classmethod
-    def read_single_file(cls, path, view, layout: str, *, config=None, revision: str | None = None, dtype=None,
-                         sharding=None, offload_encoders: bool = False, scan_layers: bool = False,
-                         scheduler: str | None = None, scheduler_options: Mapping[str, Any] | None = None,
-                         pipeline_class: type | None = None, config_overrides: Mapping[str, Mapping] | None = None):
-        """``(class, components, options)`` of a Flux single file (what ``load_pipeline(path, config=...)`` builds
-        from): the transformer from the file (BFL's layout under ``layout``, its config from ``config``'s
-        ``transformer/config.json`` or read from the tensors), the VAE and text encoders from the file when it holds
-        them (ComfyUI's all-in-one files), everything else from ``config`` (a diffusers Flux folder or Hub id);
-        ``scheduler`` / ``scheduler_options`` swap the scheduler or set its config keys, and ``config_overrides``
-        the models' (``{"transformer": {"fused_projections": True}}``), as for a folder."""
-        where = f"file {os.fspath(path)!r}"
-        if config is None:
-            raise CheckpointError(
-                f"{where} holds a Flux transformer but not the rest of a pipeline (tokenizers, scheduler, and the VAE "
-                "and text encoders unless it is an all-in-one file); pass config= a diffusers Flux folder or Hub id, "
-                "e.g. eqxdiff.load_pipeline(file, config='black-forest-labs/FLUX.1-schnell')")
-        held = {"vae": COMFY_VAE, "text_encoder": COMFY_CLIP_L, "text_encoder_2": formats.COMFY_T5XXL}
-        held = {name: prefix for name, prefix in held.items() if any(n.startswith(prefix) for n in view.names())}
-        folder = _config_folder(config, revision, skip=("transformer", *held))
-        index = _read(folder, "model_index.json") or {}
-        target = cls.single_file_class(layout, config=folder)
-        if pipeline_class is not None and not issubclass(target, pipeline_class):
-            if not issubclass(pipeline_class, FluxPipeline):
-                raise CheckpointError(f"{where} holds a Flux transformer, which a {pipeline_class.__name__} cannot "
-                                      "use")
-            target = pipeline_class
-        weights_dtype = check_dtype(dtype) or check_dtype("float32")
-        overrides = target.check_config_overrides(config_overrides)
-        components: dict = {}
-        for c in target.COMPONENTS:
-            entry = index.get(c.name)
-            offload = offload_encoders and c.encoder
-            load_kwargs = dict(dtype=weights_dtype, sharding=None if offload else sharding,
-                               scan_layers=scan_layers and c.scan, config_overrides=overrides.get(c.name))
-            if c.name == "transformer":
-                components[c.name] = _read_transformer(path, view, layout, folder, where, **load_kwargs)
-            elif c.name in held:
-                components[c.name] = _read_held(path, view, folder, c.name, held[c.name], where, **load_kwargs)
-            elif not entry or entry[0] is None:
-                if not c.optional:
-                    raise CheckpointError(f"config={os.fspath(folder)!r} has no {c.name} (model_index.json), which "
-                                          f"{where} does not hold either; pass a diffusers Flux pipeline folder")
-                if c.name in overrides:
-                    raise ConfigError(f"config_overrides sets the {c.name}, which neither {where} nor "
-                                      f"config={os.fspath(folder)!r} holds")
-                components[c.name] = None
-            elif c.kind == "tokenizer":
-                components[c.name] = load_tokenizer(folder / c.name)
-            elif c.kind == "scheduler":
-                raw = _read(folder, "scheduler/scheduler_config.json")
-                if raw is None:
-                    raise CheckpointError(f"config={os.fspath(folder)!r} has no scheduler/scheduler_config.json")
-                components[c.name], _ = build_scheduler(raw, scheduler, scheduler_options)
-            else:
-                target.check_component_class(c, entry, repr(os.fspath(folder)))
-                try:
-                    components[c.name] = target.load_component(folder, c, entry, **load_kwargs)
-                except CheckpointError as e:
-                    raise CheckpointError(
-                        f"{where} does not hold the {c.name}, so it is read from config={os.fspath(folder)!r}, which "
-                        f"cannot give it ({e}); pass config= a diffusers Flux folder with the {c.name}'s weights (or "
-                        "a Hub id: the weights the file lacks are fetched)") from None
-        options = {k: index[k] for k in target.OPTIONS if k in index}
-        return target, components, options
-
 
 class FluxImg2ImgPipeline(FluxPipeline):
     """Flux image-to-image (diffusers' ``FluxImg2ImgPipeline``): the image's VAE latents noised to ``strength``
@@ -744,92 +654,25 @@ class FluxKontextPipeline(FluxPipeline):
                              output_type=output_type, progress=progress)
 
 
-# -- single-file helpers ------------------------------------------------------------------------------------------
+# -- single files: Black Forest Labs' transformer files and ComfyUI's all-in-one files, as layouts ------------------
 
-_CONFIG_FILES = ["*.json", "*.txt", "*.model"]  # configs and tokenizers (T5's sentencepiece model), no weights
-
-
-def _read(folder: Path | None, name: str) -> dict | None:
-    return read_json(folder / name) if folder is not None and (folder / name).is_file() else None
-
-
-def _config_index(config, revision: str | None) -> dict | None:
-    """``model_index.json`` of ``config`` (a folder, or a Hub id: that file alone is fetched), ``None`` without."""
-    if config is None:
-        return None
-    local = Path(os.fspath(config)).expanduser()
-    if local.is_dir():
-        return _read(local, "model_index.json")
-    return _read(_fetch(os.fspath(config), revision, ["model_index.json"]), "model_index.json")
-
-
-def _config_folder(config, revision: str | None, *, skip: Sequence[str]) -> Path:
-    """``config`` as a local folder; a Hub id is fetched without the weights of the components in ``skip`` (the
-    ones the single file holds)."""
-    local = Path(os.fspath(config)).expanduser()
-    if local.is_dir():
-        return local
-    p = os.fspath(config)
-    if p.startswith((".", "/", "~")) or p.count("/") != 1 or local.exists():
-        raise CheckpointError(f"config={p!r} is not a folder; pass a diffusers Flux pipeline folder or a Hub id such "
-                              "as 'black-forest-labs/FLUX.1-schnell'")
-    index = _read(_fetch(p, revision, ["model_index.json"]), "model_index.json") or {}
-    wanted = [f"{name}/*" for name, entry in index.items() if isinstance(entry, list) and name not in skip]
-    return _fetch(p, revision, [*_CONFIG_FILES, *wanted])
-
-
-def _fetch(repo: str, revision: str | None, patterns: list[str]) -> Path:
-    try:
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
-    except Exception as e:  # network, auth and offline errors all end here
-        raise CheckpointError(f"config={repo!r}: could not fetch it from the Hugging Face Hub ({type(e).__name__}: "
-                              f"{e}). Offline, pass config= a local diffusers Flux folder") from e
-
-
-def _read_transformer(path, view, prefix: str, folder: Path, where: str, *, dtype, sharding, scan_layers: bool,
-                      config_overrides=None):
-    """The BFL transformer under ``prefix``, its config from ``folder``'s ``transformer/config.json`` (checked
-    against the tensors) or, without one, read from the tensors."""
-    given = _read(folder, "transformer/config.json")
-    model_cls = flux.FluxTransformer2DModel
-    if given is not None:
-        config = model_cls.config_class.from_dict(given)
-        hint = (f"config={os.fspath(folder)!r} describes another transformer than this file's: pass the folder of "
-                "this model (or one without transformer/config.json, to read the sizes from the file)")
-    else:
-        try:
-            config = model_cls.config_class.from_dict(formats.flux_bfl_config(path, prefix=prefix))
-        except CheckpointError as e:
-            raise CheckpointError(f"{e}; or pass config= a Flux folder holding transformer/config.json") from None
-        hint = "The file is incomplete; download it again"
-    rules = formats.flux_bfl(prefix=prefix)
-    abstract = eqx.filter_eval_shape(lambda: model_cls(config, dtype=dtype, key=jax.random.key(0)))
-    layouts.check_tensors(view, abstract, rules, where=where, what=f"the Flux transformer ({prefix or 'no prefix'})",
-                          hint=hint)
-    return load(path, model_class=model_cls, config=config, conversion=rules, dtype=dtype, sharding=sharding,
-                scan_layers=scan_layers, config_overrides=config_overrides)
-
-
-def _read_held(path, view, folder: Path, name: str, prefix: str, where: str, *, dtype, sharding, scan_layers: bool,
-               config_overrides=None):
-    """Component ``name`` of a ComfyUI all-in-one file (under ``prefix``), its config from ``folder``."""
-    given = _read(folder, f"{name}/config.json")
-    if given is None:
-        raise CheckpointError(f"{where} holds the {name} (under {prefix!r}) but config={os.fspath(folder)!r} has no "
-                              f"{name}/config.json to build it from; pass a diffusers Flux pipeline folder")
-    from_index = _read(folder, "model_index.json") or {}
-    class_name = given.get("_class_name") or (given.get("architectures") or [None])[0] or from_index[name][1]
-    model_cls = resolve_class(class_name)
-    config = model_cls.config_class.from_dict(given)
-    if name == "vae":
-        rules = layouts.ldm_vae(config, prefix=prefix)
-    elif name == "text_encoder":
-        rules = layouts.clip_text(prefix, view)
-    else:
-        rules = formats.select(prefix)
-    abstract = eqx.filter_eval_shape(lambda: model_cls(config, dtype=dtype, key=jax.random.key(0)))
-    layouts.check_tensors(view, abstract, rules, where=where, what=f"the {name} ({prefix}*)",
-                          hint=f"config={os.fspath(folder)!r} describes another {name}; pass this model's folder")
-    return load(path, model_class=model_cls, config=config, conversion=rules, dtype=dtype, sharding=sharding,
-                scan_layers=scan_layers, config_overrides=config_overrides)
-
+_SINGLE_FILE = dict(family="Flux", pipelines=("FluxPipeline", "FluxImg2ImgPipeline", "FluxKontextPipeline"),
+                    tokenizers={"tokenizer": "text_encoder", "tokenizer_2": "text_encoder_2"},
+                    hub_id="black-forest-labs/FLUX.1-schnell")
+# The layouts eqxdiff.load_pipeline(file, config=FLUX_FOLDER) reads (listed in eqxdiff.core.SINGLE_FILE_LAYOUTS): the
+# transformer in BFL's names, its sizes read from the tensors unless config= holds transformer/config.json; ComfyUI's
+# files keep it under model.diffusion_model. and may hold the VAE (LDM layout), CLIP-L and T5 (transformers' names),
+# whose configs come from config=. What a file lacks comes from config= (a Hub id: the weights it lacks are fetched);
+# its model_index.json may name Img2Img or Kontext.
+SINGLE_FILE_LAYOUTS = (
+    Layout(name="flux_bfl", signature=("img_in.weight", "txt_in.weight"),
+           parts=(formats.BflTransformer(prefix=""),), **_SINGLE_FILE),
+    Layout(name="flux_comfyui", signature=(formats.FLUX_DIFFUSION_MODEL + "img_in.weight",
+                                             formats.FLUX_DIFFUSION_MODEL + "txt_in.weight"),
+           parts=(formats.BflTransformer(prefix=formats.FLUX_DIFFUSION_MODEL),
+                  LdmVae(prefix=COMFY_VAE, optional=True, infer_config=False),
+                  ClipText(name="text_encoder", prefix=COMFY_CLIP_L, optional=True, infer_config=False),
+                  Part(name="text_encoder_2", model_class="T5EncoderModel", prefix=formats.COMFY_T5XXL,
+                       optional=True)),
+           **_SINGLE_FILE),
+)
