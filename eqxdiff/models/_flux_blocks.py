@@ -75,9 +75,9 @@ class FluxTransformerBlock(eqx.Module):
         k1, k2, ka, kf, kfc = jax.random.split(key, 5)
         self.norm1 = nn.AdaLayerNormZero(dim, dtype=dtype, key=k1)
         self.norm1_context = nn.AdaLayerNormZero(dim, dtype=dtype, key=k2)
-        attention = nn.FusedJointAttention if fused else nn.JointAttention
-        self.attn = attention(dim, dim, heads=heads, dim_head=head_dim, bias=True, qk_norm=_qk_norm(head_dim, dtype),
-                              dtype=dtype, key=ka)
+        attn = nn.JointAttention(dim, dim, heads=heads, dim_head=head_dim, bias=True, qk_norm=_qk_norm(head_dim, dtype),
+                                 dtype=dtype, key=ka)
+        self.attn = nn.FusedJointAttention(attn) if fused else attn
         self.norm2 = nn.LayerNorm(dim, eps=1e-6, elementwise_affine=False, dtype=dtype)
         self.ff = nn.FeedForward(dim, activation="gelu-approximate", dtype=dtype, key=kf)
         self.norm2_context = nn.LayerNorm(dim, eps=1e-6, elementwise_affine=False, dtype=dtype)

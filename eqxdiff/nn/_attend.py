@@ -86,14 +86,14 @@ class AbstractAttention(eqx.Module):
     names: str = eqx.field(static=True)
     token_axis: str | None = eqx.field(static=True)
     implementation: str | None = eqx.field(static=True)
-    plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
+    plan: Plan | None = eqx.field(static=True)  # None until eqxdiff.parallel.with_plan sets it
 
     def _init_settings(self, *, heads: int, scale: float | None, names: str, token_axis: str | None,
                        implementation: str | None):
         if names not in ATTENTION_NAMES:
             raise ValueError(f"{type(self).__name__}: names={names!r}; choose one of {list(ATTENTION_NAMES)}")
         self.heads, self.scale, self.names = heads, scale, names
-        self.token_axis, self.implementation = token_axis, implementation
+        self.token_axis, self.implementation, self.plan = token_axis, implementation, None
 
     @abc.abstractmethod
     def __call__(self, *args, **kwargs):

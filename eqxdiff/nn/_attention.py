@@ -8,9 +8,10 @@ kernel, the output projection).
 - :class:`AddedKVAttention`: a cross-attention whose queries also attend to image tokens through their own
   ``add_k_proj`` / ``add_v_proj`` (and ``norm_added_k``), the two attentions summed (Wan 2.1 image-to-video).
 - :class:`JointAttention`, :class:`FusedJointAttention`: two streams attended together over ``[context, x]`` (Flux's
-  double blocks), the text through ``add_q_proj``, ``add_k_proj``, ``add_v_proj`` and ``to_add_out``; fused, one
-  ``to_qkv`` and one ``to_added_qkv`` matmul (diffusers' ``fuse_qkv_projections`` names and ``[q; k; v]`` layout; a
-  checkpoint's separate tensors are concatenated at load time by conversion rules). Fused projections mix q, k and v
+  double blocks), the text through ``add_q_proj``, ``add_k_proj``, ``add_v_proj`` and ``to_add_out``; fused
+  (``FusedJointAttention(joint)``), one ``to_qkv`` and one ``to_added_qkv`` matmul (diffusers'
+  ``fuse_qkv_projections`` names and ``[q; k; v]`` layout; a checkpoint's separate tensors are concatenated at load
+  time by conversion rules). Fused projections mix q, k and v
   on their output axis, so they are replicated over a ``tensor`` mesh axis: tensor parallelism wants them separate.
 - :class:`ProjectedAttention`: no q/k/v projections; the caller projects (Flux's single block fused with its MLP,
   ``torch.nn.MultiheadAttention``'s ``in_proj``).
@@ -56,6 +57,19 @@ def _added_key(key: PRNGKeyArray):
 
 def _norm(norm: QKNorm | None, x: Array) -> Array:
     return x if norm is None else norm(x)
+
+
+def _fuse(parts: tuple[Linear, ...]) -> Linear:
+    """One projection whose output is the ``parts``' outputs concatenated (their weights and biases concatenated on
+    the output axis); its output mixes them, so it is not split over the heads."""
+    first = parts[0]
+    shape = eqx.filter_eval_shape(lambda: Linear(first.in_features, sum(p.out_features for p in parts),
+                                                 use_bias=first.bias is not None, axes=_FUSED,
+                                                 dtype=first.weight.dtype, key=jax.random.key(0)))
+    weight = jnp.concatenate([p.weight for p in parts])
+    if first.bias is None:
+        return eqx.tree_at(lambda lin: lin.weight, shape, weight)
+    return eqx.tree_at(lambda lin: (lin.weight, lin.bias), shape, (weight, jnp.concatenate([p.bias for p in parts])))
 
 
 class SelfAttention(AbstractAttention):
@@ -166,14 +180,14 @@ class AbstractJointAttention(AbstractAttention):
     tokens through ``to_q/k/v``, each stream QK-normed by its own norms, attend together over ``[context, x]``;
     ``rope`` covers that joint sequence and ``mask`` (``True`` = attend) its keys. Returns ``(x_out,
     context_out)`` through ``to_out`` and ``to_add_out`` (``context_pre_only``: none). The final classes differ only
-    in how they project (:meth:`project`)."""
+    in how they project (:meth:`project`); the outputs and QK norms they share are declared here."""
 
-    to_out: eqx.AbstractVar[Linear]
-    to_add_out: eqx.AbstractVar[Linear | None]
-    norm_q: eqx.AbstractVar[QKNorm | None]
-    norm_k: eqx.AbstractVar[QKNorm | None]
-    norm_added_q: eqx.AbstractVar[QKNorm | None]
-    norm_added_k: eqx.AbstractVar[QKNorm | None]
+    to_out: Linear
+    to_add_out: Linear | None
+    norm_q: QKNorm | None
+    norm_k: QKNorm | None
+    norm_added_q: QKNorm | None
+    norm_added_k: QKNorm | None
 
     @abc.abstractmethod
     def project(self, x: Array, context: Array) -> tuple[tuple[Array, Array, Array], tuple[Array, Array, Array]]:
@@ -191,17 +205,11 @@ class AbstractJointAttention(AbstractAttention):
         return self._output(self.to_out, out[:, n:]), self._output(self.to_add_out, out[:, :n])
 
 
-def _joint_outputs(dim: int, inner: int, *, out_bias: bool, context_pre_only: bool, dtype, key):
-    """``to_out`` and ``to_add_out`` (``None`` with ``context_pre_only``) of a joint attention."""
-    ko, kao = jax.random.split(key, 4)[3], _added_key(key)[3]
-    return (_linear(inner, dim, out_bias, _OUT, dtype, ko),
-            None if context_pre_only else _linear(inner, dim, out_bias, _OUT, dtype, kao))
-
-
 class JointAttention(AbstractJointAttention):
     """Joint attention (:class:`AbstractJointAttention`) with separate projections: ``to_q``, ``to_k``, ``to_v`` of
     ``x`` ``[batch, seq, dim]``, ``add_q_proj``, ``add_k_proj``, ``add_v_proj`` of ``context`` ``[batch, ctx_seq,
-    context_dim]`` (bias ``added_proj_bias``). Settings as :class:`SelfAttention`."""
+    context_dim]`` (bias ``added_proj_bias``). Settings as :class:`SelfAttention`; :class:`FusedJointAttention`
+    fuses it."""
 
     to_q: Linear
     to_k: Linear
@@ -209,12 +217,6 @@ class JointAttention(AbstractJointAttention):
     add_q_proj: Linear
     add_k_proj: Linear
     add_v_proj: Linear
-    to_out: Linear
-    to_add_out: Linear | None
-    norm_q: QKNorm | None
-    norm_k: QKNorm | None
-    norm_added_q: QKNorm | None
-    norm_added_k: QKNorm | None
 
     def __init__(self, dim: int, context_dim: int, *, heads: int, dim_head: int, bias: bool = False,
                  out_bias: bool = True, added_proj_bias: bool = True, context_pre_only: bool = False,
@@ -224,12 +226,12 @@ class JointAttention(AbstractJointAttention):
         self._init_settings(heads=heads, scale=scale, names=names, token_axis=token_axis,
                             implementation=implementation)
         inner = heads * dim_head
-        self.to_q, self.to_k, self.to_v, _ = _qkv_layers(dim, dim, inner, bias=bias, out_bias=None, dtype=dtype,
-                                                         key=key)
+        self.to_q, self.to_k, self.to_v, self.to_out = _qkv_layers(dim, dim, inner, bias=bias, out_bias=out_bias,
+                                                                   dtype=dtype, key=key)
+        kaq, kak, kav, kao = _added_key(key)
         self.add_q_proj, self.add_k_proj, self.add_v_proj = (
-            _linear(context_dim, inner, added_proj_bias, _IN, dtype, k) for k in _added_key(key)[:3])
-        self.to_out, self.to_add_out = _joint_outputs(dim, inner, out_bias=out_bias,
-                                                      context_pre_only=context_pre_only, dtype=dtype, key=key)
+            _linear(context_dim, inner, added_proj_bias, _IN, dtype, k) for k in (kaq, kak, kav))
+        self.to_add_out = None if context_pre_only else _linear(inner, dim, out_bias, _OUT, dtype, kao)
         norm = check_qk_norm(qk_norm, heads, dim_head, "JointAttention")
         self.norm_q = self.norm_k = self.norm_added_q = self.norm_added_k = norm
 
@@ -240,32 +242,22 @@ class JointAttention(AbstractJointAttention):
 
 class FusedJointAttention(AbstractJointAttention):
     """Joint attention (:class:`AbstractJointAttention`) with fused projections: one ``to_qkv`` of ``x`` and one
-    ``to_added_qkv`` of ``context``, each ``[q; k; v]`` on the output axis (diffusers' ``fuse_qkv_projections``).
-    The same numbers as :class:`JointAttention` holding the three parts; arguments as there."""
+    ``to_added_qkv`` of ``context``, each ``[q; k; v]`` on the output axis, as diffusers' ``fuse_qkv_projections``
+    makes them: ``FusedJointAttention(joint)`` concatenates a :class:`JointAttention`'s projections (abstract ones
+    too: a model built under ``eqx.filter_eval_shape`` loads a checkpoint's separate tensors into the fused ones by
+    conversion rules) and keeps its outputs, QK norms and settings. The same numbers as ``joint``."""
 
     to_qkv: Linear
     to_added_qkv: Linear
-    to_out: Linear
-    to_add_out: Linear | None
-    norm_q: QKNorm | None
-    norm_k: QKNorm | None
-    norm_added_q: QKNorm | None
-    norm_added_k: QKNorm | None
 
-    def __init__(self, dim: int, context_dim: int, *, heads: int, dim_head: int, bias: bool = False,
-                 out_bias: bool = True, added_proj_bias: bool = True, context_pre_only: bool = False,
-                 scale: float | None = None, qk_norm: QKNorm | None = None, names: str = "diffusers",
-                 token_axis: str | None = "seq", implementation: str | None = None, dtype=jnp.float32,
-                 key: PRNGKeyArray):
-        self._init_settings(heads=heads, scale=scale, names=names, token_axis=token_axis,
-                            implementation=implementation)
-        inner = heads * dim_head
-        self.to_qkv = _linear(dim, 3 * inner, bias, _FUSED, dtype, jax.random.split(key, 4)[0])
-        self.to_added_qkv = _linear(context_dim, 3 * inner, added_proj_bias, _FUSED, dtype, _added_key(key)[0])
-        self.to_out, self.to_add_out = _joint_outputs(dim, inner, out_bias=out_bias,
-                                                      context_pre_only=context_pre_only, dtype=dtype, key=key)
-        norm = check_qk_norm(qk_norm, heads, dim_head, "FusedJointAttention")
-        self.norm_q = self.norm_k = self.norm_added_q = self.norm_added_k = norm
+    def __init__(self, joint: JointAttention):
+        self._init_settings(heads=joint.heads, scale=joint.scale, names=joint.names, token_axis=joint.token_axis,
+                            implementation=joint.implementation)
+        self.to_qkv = _fuse((joint.to_q, joint.to_k, joint.to_v))
+        self.to_added_qkv = _fuse((joint.add_q_proj, joint.add_k_proj, joint.add_v_proj))
+        self.to_out, self.to_add_out = joint.to_out, joint.to_add_out
+        self.norm_q, self.norm_k = joint.norm_q, joint.norm_k
+        self.norm_added_q, self.norm_added_k = joint.norm_added_q, joint.norm_added_k
 
     def project(self, x: Array, context: Array):
         return tuple(jnp.split(self.to_added_qkv(context), 3, axis=-1)), tuple(jnp.split(self.to_qkv(x), 3, axis=-1))
