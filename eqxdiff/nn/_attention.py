@@ -11,13 +11,14 @@ kernel, the output projection).
   double blocks), the text through ``add_q_proj``, ``add_k_proj``, ``add_v_proj`` and ``to_add_out``; fused
   (``FusedJointAttention(joint)``), one ``to_qkv`` and one ``to_added_qkv`` matmul (diffusers'
   ``fuse_qkv_projections`` names and ``[q; k; v]`` layout; a checkpoint's separate tensors are concatenated at load
-  time by conversion rules). Fused projections mix q, k and v
-  on their output axis, so they are replicated over a ``tensor`` mesh axis: tensor parallelism wants them separate.
+  time by conversion rules). Fused projections mix q, k and v on their output axis, so they are replicated over a
+  ``tensor`` mesh axis: tensor parallelism wants them separate.
 - :class:`ProjectedAttention`: no q/k/v projections; the caller projects (Flux's single block fused with its MLP,
   ``torch.nn.MultiheadAttention``'s ``in_proj``).
 
-QK norms (``qk_norm=``) are modules given at construction (see :mod:`eqxdiff.nn._attend`); each layer holds its own
-copies as ``norm_q``, ``norm_k`` (and ``norm_added_q``, ``norm_added_k``).
+QK norms (``qk_norm=``) are modules given at construction (see :mod:`eqxdiff.nn._attend`), or ``None``; a layer
+holds the one it is given as ``norm_q``, ``norm_k`` (and ``norm_added_q``, ``norm_added_k``), each a parameter of
+its own once built or loaded.
 """
 
 import abc
