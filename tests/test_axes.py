@@ -19,10 +19,22 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from eqxdiff import nn
-from eqxdiff.core import DEFAULT_RULES, FAMILY_TABLE, ModelConfig, family_names, leaf_specs, resolve_class
+from eqxdiff.core import (
+    DEFAULT_RULES,
+    FAMILY_TABLE,
+    ModelConfig,
+    activation_sharding,
+    family_names,
+    leaf_specs,
+    logical_to_spec,
+    resolve_class,
+)
 
 from ._parity import ModelParity
 
@@ -133,3 +145,26 @@ def test_every_model_has_a_parity_test():
         f"tests/test_<family>.py add `class Test...(ModelParity)` (from tests/_parity.py) with reference_class = "
         f"the diffusers/transformers class {name}, model_class = {FAMILY_TABLE[name].split(':')[1]}, a tiny config, "
         "full_size and the inputs/outputs methods; the docstring of tests/_parity.py shows how" for name in missing)
+
+
+def test_an_unknown_logical_axis_name_is_an_error_that_names_it():
+    """A logical axis name the rules do not list (a typo, or a new family's axis not yet in the rules) raises,
+    naming it, the array, the known names and the fix; it is never silently replicated."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    with pytest.raises(ValueError, match=r"activation \('batch', 'sequence'\): logical axis 'sequence' is not in the "
+                                         r"sharding rules' activations, which know \[.*'seq'.*\]: .*add it to the "
+                                         r"rules, e.g. rules.replace\(activations=\{'sequence': None\}\)"):
+        activation_sharding(mesh, ("batch", "sequence"), (2, 4))
+    with pytest.raises(ValueError, match=r"to_q.weight: logical axis 'haeds' is not in the sharding rules' params, "
+                                         r"which know \[.*'heads'.*\]"):
+        logical_to_spec(("haeds", "embed"), (4, 4), mesh, DEFAULT_RULES, "params", what="to_q.weight")
+    # a name known for parameters is not thereby known for activations (the columns are separate)
+    with pytest.raises(ValueError, match="logical axis 'conv_out' is not in the sharding rules' activations"):
+        DEFAULT_RULES.lookup("activations", "conv_out")
+    with pytest.raises(ValueError, match=r"kind='param'; choose one of \('params', 'activations'\)"):
+        DEFAULT_RULES.lookup("param", "embed")
+    # the fix the message gives works; None (no name) and a name mapped to None both replicate
+    fixed = DEFAULT_RULES.replace(activations={"sequence": None})
+    assert activation_sharding(mesh, ("batch", "sequence"), (2, 4), fixed).spec == P("fsdp")
+    assert fixed.lookup("activations", None) == fixed.lookup("activations", "sequence") == ()
+    assert DEFAULT_RULES.lookup("params", "embed") == ("fsdp",)

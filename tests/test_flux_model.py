@@ -165,7 +165,8 @@ def test_fused_projections_load_run_and_save(deep, tmp_path):
     fused = eqxdiff.load(deep.folder, config_overrides={"fused_projections": True}, scan_layers=True)
     c = fused.config
     double, single = fused.transformer_blocks.layers, fused.single_transformer_blocks.layers
-    assert double.attn.to_q is None and double.attn.add_q_proj is None and single.proj_mlp is None
+    assert isinstance(double.attn, eqxdiff.nn.FusedJointAttention) and single.proj_mlp is None
+    assert isinstance(single.attn, eqxdiff.nn.ProjectedAttention)
     assert double.attn.to_qkv.weight.shape == (2, 3 * c.inner_dim, c.inner_dim)
     assert single.to_qkv_mlp.weight.shape == (3, 3 * c.inner_dim + c.mlp_hidden_dim, c.inner_dim)
     ref = deep.reference.state_dict()

@@ -104,13 +104,15 @@ def test_qk_rms_norms_per_head_and_across_heads(eps, affine):
     across = torch.nn.RMSNorm(heads * dim_head, eps=eps, elementwise_affine=affine)
     per_head = torch.nn.RMSNorm(dim_head, eps=eps, elementwise_affine=affine)
     if affine:
-        ours_across = _load(lambda: nn.RMSNorm(heads * dim_head, eps=eps), across, 1)
+        ours_across = _load(lambda: nn.AcrossHeads(nn.RMSNorm(heads * dim_head, eps=eps)), across, 1)
         ours_head = _load(lambda: nn.RMSNorm(dim_head, eps=eps), per_head, 2)
     else:
-        ours_across = nn.RMSNorm(heads * dim_head, eps=eps, elementwise_affine=False)
+        ours_across = nn.AcrossHeads(nn.RMSNorm(heads * dim_head, eps=eps, elementwise_affine=False))
         ours_head = nn.RMSNorm(dim_head, eps=eps, elementwise_affine=False)
-    _check(ours_across, (to_jax(x),), across, (x,), what="across heads")
+    # both take [..., heads, head_dim] queries or keys, as the attention layers hold them
     x4 = x.unflatten(-1, (heads, dim_head))
+    _check(ours_across, (to_jax(x4),), across, (x,), what="across heads",
+           layout=lambda a: a.reshape(*a.shape[:-1], heads, dim_head))
     _check(ours_head, (to_jax(x4),), per_head, (x4,), what="per head")
     # diffusers' own RMSNorm (LTX's norm1/norm2: no affine, eps 1e-6)
     _check(nn.RMSNorm(24, eps=eps, elementwise_affine=False), (to_jax(x),),
@@ -468,14 +470,14 @@ def test_flux_joint_attention_with_qk_norm_and_rope(heads, dim_head, axes_dim, t
     dim = heads * dim_head
     ref = FluxAttention(dim, heads=heads, dim_head=dim_head, out_dim=dim, added_kv_proj_dim=dim,
                         context_pre_only=False, bias=True, eps=1e-6)
-    ours = _load(lambda: nn.Attention(dim, heads=heads, dim_head=dim_head, bias=True, qk_norm="rms_norm", joint_dim=dim,
-                              key=_key()), ref, 17)
+    ours = _load(lambda: nn.JointAttention(dim, dim, heads=heads, dim_head=dim_head, bias=True,
+                                           qk_norm=nn.RMSNorm(dim_head, eps=1e-6), key=_key()), ref, 17)
     h, w = 2, 3
     x, ctx = _randn(2, h * w, dim, seed=1), _randn(2, text, dim, seed=2)
     ids = _flux_ids(text, h, w)
     make_rope = lambda: FluxPosEmbed(10000, list(axes_dim))  # noqa: E731
     rope64 = _table64(make_rope, torch.from_numpy(ids))
-    _check(ours.joint, (to_jax(x), to_jax(ctx)), ref, (x, ctx), what="image and text streams",
+    _check(ours, (to_jax(x), to_jax(ctx)), ref, (x, ctx), what="image and text streams",
            ours_kwargs={"rope": nn.flux_rope(ids, axes_dim)},
            ref_kwargs={"image_rotary_emb": make_rope()(torch.from_numpy(ids))},
            ours_kwargs64={"rope": nn.Rope(*rope64)}, ref_kwargs64={"image_rotary_emb": _tensors(rope64)})
@@ -485,8 +487,9 @@ def test_flux_single_block_attention_is_pre_only():
     heads, dim_head = 2, 16
     dim = heads * dim_head
     ref = FluxAttention(dim, heads=heads, dim_head=dim_head, out_dim=dim, bias=True, eps=1e-6, pre_only=True)
-    ours = _load(lambda: nn.Attention(dim, heads=heads, dim_head=dim_head, bias=True, pre_only=True, qk_norm="rms_norm",
-                              key=_key()), ref, 18)
+    ours = _load(lambda: nn.SelfAttention(dim, heads=heads, dim_head=dim_head, bias=True, pre_only=True,
+                                          qk_norm=nn.RMSNorm(dim_head, eps=1e-6), key=_key()), ref, 18)
+    assert ours.to_out is None
     ids = _flux_ids(3, 2, 2)
     x = _randn(2, len(ids), dim)
     make_rope = lambda: FluxPosEmbed(10000, [4, 4, 8])  # noqa: E731
@@ -497,9 +500,12 @@ def test_flux_single_block_attention_is_pre_only():
 
 
 def _wan_attention(dim, heads, *, cross=False, added_kv_dim=None, eps=1e-6):
-    return nn.Attention(dim, cross_attention_dim=dim if cross else None, heads=heads, dim_head=dim // heads,
-                        bias=True, qk_norm="rms_norm_across_heads", qk_norm_eps=eps, added_kv_dim=added_kv_dim,
-                        key=_key())
+    """Wan's attention layers: RMSNorm across heads (diffusers' ``qk_norm="rms_norm_across_heads"``)."""
+    common = dict(heads=heads, dim_head=dim // heads, bias=True, qk_norm=nn.AcrossHeads(nn.RMSNorm(dim, eps=eps)),
+                  key=_key())
+    if added_kv_dim is not None:
+        return nn.AddedKVAttention(dim, dim, added_kv_dim, **common)
+    return nn.CrossAttention(dim, dim, **common) if cross else nn.SelfAttention(dim, **common)
 
 
 @pytest.mark.parametrize("heads,dim_head,eps", [(2, 12, 1e-6), (3, 8, 1e-5)])
@@ -529,9 +535,8 @@ def test_wan_i2v_attention_adds_image_keys_and_values():
     ours = _load(lambda: _wan_attention(dim, heads, cross=True, added_kv_dim=dim), ref, 21)
     x, image, text = _randn(2, 6, dim, seed=1), _randn(2, 5, dim, seed=2), _randn(2, 512, dim, seed=3)
     # diffusers splits off the last 512 context tokens as the text
-    _check(ours, (to_jax(x), to_jax(text)), ref, (x, torch.cat([image, text], dim=1)),
-           ours_kwargs={"image_context": to_jax(image)})
-    with pytest.raises(ValueError, match="needs image_context="):
+    _check(ours, (to_jax(x), to_jax(text), to_jax(image)), ref, (x, torch.cat([image, text], dim=1)))
+    with pytest.raises(TypeError, match="image_context"):  # the image tokens are not optional
         _jit(ours, to_jax(x), to_jax(text))
 
 
@@ -539,8 +544,8 @@ def test_wan_i2v_attention_adds_image_keys_and_values():
 def test_ltx_attention_rope_across_heads(heads, dim_head, scale):
     dim, grid = heads * dim_head, (2, 2, 2)
     ref = LTXAttention(dim, heads=heads, kv_heads=heads, dim_head=dim_head, bias=True)
-    ours = _load(lambda: nn.Attention(dim, heads=heads, dim_head=dim_head, bias=True, qk_norm="rms_norm_across_heads",
-                              qk_norm_eps=1e-5, key=_key()), ref, 22)
+    ours = _load(lambda: nn.SelfAttention(dim, heads=heads, dim_head=dim_head, bias=True,
+                                          qk_norm=nn.AcrossHeads(nn.RMSNorm(dim, eps=1e-5)), key=_key()), ref, 22)
     x = _randn(2, math.prod(grid), dim)
     make_rope = lambda: LTXVideoRotaryPosEmbed(dim)  # noqa: E731
     rope64 = _table64(make_rope, x, *grid, rope_interpolation_scale=scale)
@@ -550,18 +555,22 @@ def test_ltx_attention_rope_across_heads(heads, dim_head, scale):
 
 
 def test_attention_options_are_checked():
-    with pytest.raises(ValueError, match="qk_norm='layer_norm'"):
-        nn.Attention(8, heads=2, dim_head=4, qk_norm="layer_norm", key=_key())
-    with pytest.raises(ValueError, match="exclusive"):
-        nn.Attention(8, heads=2, dim_head=4, joint_dim=8, added_kv_dim=8, key=_key())
-    plain = eqx.filter_eval_shape(lambda: nn.Attention(8, heads=2, dim_head=4, key=_key()))  # checks come first
-    x = jnp.ones((1, 3, 8))
-    with pytest.raises(ValueError, match="build the attention with joint_dim"):
-        plain.joint(x, x)
-    with pytest.raises(ValueError, match="needs an attention built with added_kv_dim"):
-        plain(x, x, image_context=x)
-    with pytest.raises(ValueError, match="cross-attention"):
-        plain(x, x, rope=nn.flux_rope(np.zeros((3, 1)), (4,)))
+    """A QK norm is a norm module that fits the heads (the old string modes get the fix); checkpoint names are a
+    known family's."""
+    with pytest.raises(ValueError, match=r"SelfAttention: qk_norm='rms_norm' is not a QK norm module: give "
+                                         r"nn.RMSNorm\(dim_head=4\) .* nn.AcrossHeads\(nn.RMSNorm\(heads \* "
+                                         r"dim_head=8\)\)"):
+        nn.SelfAttention(8, heads=2, dim_head=4, qk_norm="rms_norm", key=_key())
+    with pytest.raises(ValueError, match="JointAttention: qk_norm normalises 8 channels, not 4"):
+        nn.JointAttention(8, 8, heads=2, dim_head=4, qk_norm=nn.RMSNorm(8), key=_key())
+    with pytest.raises(ValueError, match="CrossAttention: qk_norm normalises 4 channels, not 8"):
+        nn.CrossAttention(8, 6, heads=2, dim_head=4, qk_norm=nn.AcrossHeads(nn.RMSNorm(4)), key=_key())
+    with pytest.raises(ValueError, match=r"ProjectedAttention: names='sd'; choose one of \['diffusers', 'clip', "):
+        nn.ProjectedAttention(8, heads=2, dim_head=4, names="sd", key=_key())
+    # modes that excluded each other are now different layers: a cross-attention has no positions to rotate
+    cross = eqx.filter_eval_shape(lambda: nn.CrossAttention(8, 8, heads=2, dim_head=4, key=_key()))
+    with pytest.raises(TypeError, match="rope"):
+        cross(jnp.ones((1, 3, 8)), jnp.ones((1, 3, 8)), rope=nn.flux_rope(np.zeros((3, 1)), (4,)))
 
 
 def test_every_new_parameter_declares_axes():
@@ -569,8 +578,12 @@ def test_every_new_parameter_declares_axes():
     from eqxdiff.core import DEFAULT_RULES
 
     layers = eqx.filter_eval_shape(lambda: {
-        "attention": nn.Attention(8, heads=2, dim_head=4, bias=True, qk_norm="rms_norm", joint_dim=6, key=_key()),
-        "wan_i2v": nn.Attention(8, heads=2, dim_head=4, qk_norm="rms_norm_across_heads", added_kv_dim=5, key=_key()),
+        "attention": nn.JointAttention(8, 6, heads=2, dim_head=4, bias=True, qk_norm=nn.RMSNorm(4), key=_key()),
+        "fused": nn.FusedJointAttention(nn.JointAttention(8, 6, heads=2, dim_head=4, qk_norm=nn.RMSNorm(4),
+                                                          key=_key())),
+        "wan_i2v": nn.AddedKVAttention(8, 7, 5, heads=2, dim_head=4, qk_norm=nn.AcrossHeads(nn.RMSNorm(8)),
+                                       key=_key()),
+        "projected": nn.ProjectedAttention(8, heads=2, dim_head=4, qk_norm=nn.RMSNorm(4), names="clip", key=_key()),
         "conv3d": nn.Conv3d(2, 3, 3, key=_key()),
         "causal": nn.CausalConv3d(2, 3, 3, torch_prefix="conv", key=_key()),
         "ada": nn.AdaLayerNormZero(8, key=_key()),
@@ -588,48 +601,47 @@ def test_every_new_parameter_declares_axes():
         assert all(a is None or a in known for a in spec.axes), spec
     names = {s.name for s in specs}
     assert {"attention.norm_added_q.weight", "attention.add_q_proj.weight", "attention.to_add_out.bias",
-            "wan_i2v.norm_added_k.weight", "wan_i2v.add_v_proj.bias", "table",
+            "fused.to_qkv.weight", "fused.to_added_qkv.bias", "fused.norm_added_k.weight", "fused.to_out.0.weight",
+            "wan_i2v.norm_added_k.weight", "wan_i2v.norm_q.weight", "wan_i2v.add_v_proj.bias",
+            "projected.out_proj.weight", "projected.norm_k.weight", "table",
             "ff.net.0.proj.weight", "ff.net.2.weight", "causal.conv.weight"} <= names
 
 
 def test_fused_and_external_projections_equal_separate():
-    """``qkv="fused"`` (one ``to_qkv`` / ``to_added_qkv``, diffusers' ``fuse_qkv_projections`` layout) and
-    ``qkv="external"`` (the caller projects, ``attend_projected``) give what the separate projections give."""
+    """:class:`~eqxdiff.nn.FusedJointAttention` (one ``to_qkv`` / ``to_added_qkv``, diffusers'
+    ``fuse_qkv_projections`` layout) and :class:`~eqxdiff.nn.ProjectedAttention` (the caller projects) give what the
+    separate projections give."""
     from eqxdiff.loading import state_dict
 
     heads, dim_head = 2, 8
     dim = heads * dim_head
     ref = FluxAttention(dim, heads=heads, dim_head=dim_head, out_dim=dim, added_kv_proj_dim=dim,
                         context_pre_only=False, bias=True, eps=1e-6)
-
-    def build(qkv, joint=True):
-        return lambda: nn.Attention(dim, heads=heads, dim_head=dim_head, bias=True, qk_norm="rms_norm",
-                                    joint_dim=dim if joint else None, pre_only=not joint, qkv=qkv, key=_key())
-
-    separate = _load(build("separate"), ref, 23)
+    common = dict(heads=heads, dim_head=dim_head, qk_norm=nn.RMSNorm(dim_head, eps=1e-6), key=_key())
+    separate = _load(lambda: nn.JointAttention(dim, dim, bias=True, **common), ref, 23)
     sd = state_dict(separate)
     split = ("to_q.", "to_k.", "to_v.", "add_q_proj.", "add_k_proj.", "add_v_proj.")
     fused_sd = {k: v for k, v in sd.items() if not k.startswith(split)}
     for part in ("weight", "bias"):
         fused_sd[f"to_qkv.{part}"] = np.concatenate([sd[f"to_{c}.{part}"] for c in "qkv"])
         fused_sd[f"to_added_qkv.{part}"] = np.concatenate([sd[f"add_{c}_proj.{part}"] for c in "qkv"])
-    fused = fill_module(eqx.filter_eval_shape(build("fused")), _Checkpoint(fused_sd))
+    abstract = eqx.filter_eval_shape(lambda: nn.FusedJointAttention(nn.JointAttention(dim, dim, bias=True, **common)))
+    fused = fill_module(abstract, _Checkpoint(fused_sd))
+    # fusing a loaded layer gives the layer a checkpoint's separate tensors load into: diffusers' layout
+    assert eqx.tree_equal(nn.FusedJointAttention(separate), fused)
     x, ctx = to_jax(_randn(2, 6, dim, seed=1)), to_jax(_randn(2, 3, dim, seed=2))
     rope = nn.flux_rope(_flux_ids(3, 2, 3), (4, 4, 8))
-    separate64 = run_float64(separate.joint, x, ctx, rope=rope)
-    for a, b, b64 in zip(_jit(fused.joint, x, ctx, rope=rope), _jit(separate.joint, x, ctx, rope=rope), separate64):
+    separate64 = run_float64(separate, x, ctx, rope=rope)
+    for a, b, b64 in zip(_jit(fused, x, ctx, rope=rope), _jit(separate, x, ctx, rope=rope), separate64):
         assert_close_to_float64(a, b, b64, what="fused joint")
-    with pytest.raises(ValueError, match="qkv='fused' projects keys and values from x"):
-        fused(x, ctx)
 
     single_rope = nn.flux_rope(_flux_ids(0, 2, 3), (4, 4, 8))
-    plain = _load(build("separate", joint=False), FluxAttention(dim, heads=heads, dim_head=dim_head, out_dim=dim,
-                                                                bias=True, eps=1e-6, pre_only=True), 24)
-    external = fill_module(eqx.filter_eval_shape(build("external", joint=False)),
+    plain = _load(lambda: nn.SelfAttention(dim, bias=True, pre_only=True, **common),
+                  FluxAttention(dim, heads=heads, dim_head=dim_head, out_dim=dim, bias=True, eps=1e-6, pre_only=True),
+                  24)
+    external = fill_module(eqx.filter_eval_shape(lambda: nn.ProjectedAttention(dim, pre_only=True, **common)),
                            _Checkpoint({k: v for k, v in state_dict(plain).items() if k.startswith("norm_")}))
     q, k, v = (proj(x) for proj in (plain.to_q, plain.to_k, plain.to_v))
-    assert_close_to_float64(_jit(external.attend_projected, q, k, v, rope=single_rope),
+    assert_close_to_float64(_jit(external, q, k, v, rope=single_rope),
                             _jit(plain, x, rope=single_rope), run_float64(plain, x, rope=single_rope),
                             what="external projections")
-    with pytest.raises(ValueError, match="qkv='external'"):
-        external(x)

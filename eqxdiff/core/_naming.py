@@ -2,8 +2,9 @@
 
 A leaf's PyTorch name is its attribute path (``down_blocks.0.resnets.1.conv1.weight``). A module class may
 declare ``TORCH_RENAMES = {"field": "torch.name"}`` (``""`` puts the field's contents at the parent's prefix; a
-``torch_renames()`` method instead where the names depend on the instance, as :class:`~eqxdiff.nn.Attention`'s)
-and its layers declare ``TORCH_PERMUTATIONS = {"weight": perm}`` with ``ours = transpose(torch, perm)``.
+``torch_renames()`` method instead where the names depend on the instance, as the attention layers'
+(:class:`~eqxdiff.nn.AbstractAttention`)) and its layers declare ``TORCH_PERMUTATIONS = {"weight": perm}`` with
+``ours = transpose(torch, perm)``.
 
 Every module that holds arrays directly declares their logical axes, for the sharding rules
 (:mod:`eqxdiff.core._rules`): ``PARAM_AXES = {"weight": ("out", "embed"), ...}`` on the class, or a

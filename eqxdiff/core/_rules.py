@@ -2,8 +2,10 @@
 
 Every layer declares the logical axes of its parameters (``param_axes``, read by :func:`eqxdiff.core.leaf_specs`)
 and models name those of their activations where they constrain them; the rules turn logical axes into a
-``PartitionSpec`` (:func:`logical_to_spec`). A dimension that does not divide by its mesh axes falls back to fewer
-axes, down to replication, and the fallback is logged at debug level.
+``PartitionSpec`` (:func:`logical_to_spec`). Every name must be in the rules (``None`` as a name, or as a name's
+value, replicates): an unknown name is an error, not a silent replication, so a typo cannot go unseen. A dimension
+that does not divide by its mesh axes falls back to fewer axes, down to replication, and the fallback is logged at
+debug level.
 """
 
 import dataclasses
@@ -17,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 logger = logging.getLogger("eqxdiff.parallel")
 
 MeshAxes = tuple[str, ...]
+_KINDS = ("params", "activations")
 
 
 def _freeze(table: Mapping[str, str | Sequence[str] | None]) -> tuple[tuple[str, MeshAxes], ...]:
@@ -31,8 +34,9 @@ def _freeze(table: Mapping[str, str | Sequence[str] | None]) -> tuple[tuple[str,
 class AxisRules:
     """Logical axis name -> mesh axes, one table with a column for parameters and one for activations.
 
-    Hashable (tuples inside) so that models can hold it in a static field. Build with :meth:`make` from dicts;
-    names missing from a column are replicated.
+    Hashable (tuples inside) so that models can hold it in a static field. Build with :meth:`make` from dicts
+    (``None`` as a value replicates that name). A name missing from a column is an error when looked up
+    (:meth:`lookup`): add it with :meth:`replace`.
     """
 
     params: tuple[tuple[str, MeshAxes], ...]
@@ -50,9 +54,19 @@ class AxisRules:
         return AxisRules(tuple(p.items()), tuple(a.items()))
 
     def lookup(self, kind: str, name: str | None) -> MeshAxes:
+        """The mesh axes of logical axis ``name`` in the ``kind`` column (``"params"`` or ``"activations"``);
+        ``None`` is replicated. Raises ``ValueError`` for a name the column does not list."""
+        if kind not in _KINDS:
+            raise ValueError(f"AxisRules.lookup: kind={kind!r}; choose one of {_KINDS}")
         if name is None:
             return ()
-        return dict(getattr(self, kind)).get(name, ())
+        table = dict(getattr(self, kind))
+        if name not in table:
+            raise ValueError(f"logical axis {name!r} is not in the sharding rules' {kind}, which know "
+                             f"{sorted(table)}: fix the name, or add it to the rules, e.g. "
+                             f"rules.replace({kind}={{{name!r}: None}}) to replicate it (or a mesh axis name to "
+                             "split it)")
+        return table[name]
 
 
 # The one table. Parameters: FSDP shards the model dimension ("embed") and convolution outputs over "fsdp";
@@ -98,6 +112,7 @@ DEFAULT_RULES = AxisRules.make(
     },
 )
 
+
 def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: AxisRules,
                     kind: str = "params", what: str = "array") -> P:
     """A ``PartitionSpec`` for ``shape`` from its logical axes. Mesh axes of size 1 are dropped; a dimension that
@@ -108,7 +123,11 @@ def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: M
     used: set[str] = set()
     spec = []
     for dim, name in zip(shape, logical):
-        axes = [a for a in rules.lookup(kind, name) if a in mesh.shape and mesh.shape[a] > 1 and a not in used]
+        try:
+            mesh_axes = rules.lookup(kind, name)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+        axes = [a for a in mesh_axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used]
         while axes and dim % math.prod(mesh.shape[a] for a in axes):
             dropped = axes.pop()
             logger.debug("%s: dim of size %d (%s) does not divide over %s; not sharding it on %r", what, dim, name,

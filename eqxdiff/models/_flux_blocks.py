@@ -52,10 +52,9 @@ class FluxTimeTextEmbedding(eqx.Module):
         return emb + self.text_embedder(pooled)
 
 
-def _attention(dim: int, heads: int, head_dim: int, *, joint: bool, qkv: str, dtype, key) -> nn.Attention:
-    return nn.Attention(dim, heads=heads, dim_head=head_dim, bias=True, out_bias=True, pre_only=not joint,
-                        qk_norm="rms_norm", qk_norm_eps=1e-6, joint_dim=dim if joint else None, qkv=qkv,
-                        token_axis="seq", dtype=dtype, key=key)
+def _qk_norm(head_dim: int, dtype) -> nn.RMSNorm:
+    """Flux's QK norm: RMSNorm over each head (diffusers' ``norm_q`` ... ``norm_added_k``), eps 1e-6."""
+    return nn.RMSNorm(head_dim, eps=1e-6, dtype=dtype)
 
 
 class FluxTransformerBlock(eqx.Module):
@@ -65,7 +64,7 @@ class FluxTransformerBlock(eqx.Module):
 
     norm1: nn.AdaLayerNormZero
     norm1_context: nn.AdaLayerNormZero
-    attn: nn.Attention
+    attn: nn.AbstractJointAttention  # JointAttention, or FusedJointAttention (fused=True)
     norm2: nn.LayerNorm
     ff: nn.FeedForward
     norm2_context: nn.LayerNorm
@@ -76,8 +75,9 @@ class FluxTransformerBlock(eqx.Module):
         k1, k2, ka, kf, kfc = jax.random.split(key, 5)
         self.norm1 = nn.AdaLayerNormZero(dim, dtype=dtype, key=k1)
         self.norm1_context = nn.AdaLayerNormZero(dim, dtype=dtype, key=k2)
-        self.attn = _attention(dim, heads, head_dim, joint=True, qkv="fused" if fused else "separate", dtype=dtype,
-                               key=ka)
+        attn = nn.JointAttention(dim, dim, heads=heads, dim_head=head_dim, bias=True, qk_norm=_qk_norm(head_dim, dtype),
+                                 dtype=dtype, key=ka)
+        self.attn = nn.FusedJointAttention(attn) if fused else attn
         self.norm2 = nn.LayerNorm(dim, eps=1e-6, elementwise_affine=False, dtype=dtype)
         self.ff = nn.FeedForward(dim, activation="gelu-approximate", dtype=dtype, key=kf)
         self.norm2_context = nn.LayerNorm(dim, eps=1e-6, elementwise_affine=False, dtype=dtype)
@@ -89,7 +89,7 @@ class FluxTransformerBlock(eqx.Module):
                  ) -> tuple[Float[Array, "batch img_seq dim"], Float[Array, "batch txt_seq dim"]]:
         h, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(x, temb)
         hc, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(context, temb)
-        attn, attn_context = self.attn.joint(h, hc, rope=rope)
+        attn, attn_context = self.attn(h, hc, rope=rope)
         attn, attn_context = checkpoint_name(attn, "flux_attention"), checkpoint_name(attn_context, "flux_attention")
 
         x = nn.gated_residual(x, attn, gate)
@@ -105,12 +105,13 @@ class FluxSingleTransformerBlock(eqx.Module):
     and a tanh-GELU MLP side by side on the same normalised tokens, ``proj_out`` of both concatenated, gated back.
 
     Unfused it holds diffusers' ``attn.to_q/k/v`` and ``proj_mlp``; fused (``fused=True``) one ``to_qkv_mlp``
-    whose output is ``[q; k; v; mlp]`` (Black Forest Labs' ``linear1``) and an attention without projections."""
+    whose output is ``[q; k; v; mlp]`` (Black Forest Labs' ``linear1``) and an attention of those projections
+    (:class:`~eqxdiff.nn.ProjectedAttention`)."""
 
     norm: nn.AdaLayerNormZero
     to_qkv_mlp: nn.Linear | None
     proj_mlp: nn.Linear | None
-    attn: nn.Attention
+    attn: nn.SelfAttention | nn.ProjectedAttention
     proj_out: nn.Linear
 
     def __init__(self, dim: int, heads: int, head_dim: int, *, mlp_ratio: float = 4.0, fused: bool = False,
@@ -122,8 +123,9 @@ class FluxSingleTransformerBlock(eqx.Module):
         self.to_qkv_mlp = (nn.Linear(dim, 3 * inner + mlp, axes=(None, "embed"), dtype=dtype, key=km)
                            if fused else None)
         self.proj_mlp = None if fused else nn.Linear(dim, mlp, axes=("mlp", "embed"), dtype=dtype, key=km)
-        self.attn = _attention(dim, heads, head_dim, joint=False, qkv="external" if fused else "separate",
-                               dtype=dtype, key=ka)
+        common = dict(heads=heads, dim_head=head_dim, pre_only=True, qk_norm=_qk_norm(head_dim, dtype), dtype=dtype,
+                      key=ka)
+        self.attn = nn.ProjectedAttention(dim, **common) if fused else nn.SelfAttention(dim, bias=True, **common)
         self.proj_out = nn.Linear(inner + mlp, dim, axes=("embed", "mlp"), dtype=dtype, key=ko)
 
     @typechecked
@@ -135,7 +137,7 @@ class FluxSingleTransformerBlock(eqx.Module):
             projected = self.to_qkv_mlp(h)
             q, k, v = (projected[..., i * inner:(i + 1) * inner] for i in range(3))
             mlp = projected[..., 3 * inner:]
-            attn = self.attn.attend_projected(q, k, v, rope=rope)
+            attn = self.attn(q, k, v, rope=rope)
         else:
             mlp = self.proj_mlp(h)
             attn = self.attn(h, rope=rope)

@@ -10,7 +10,17 @@ import jax.numpy as jnp
 
 from .._typing import Array, Bool, Float, PRNGKeyArray, typechecked
 from ..core import Plan, constrain
-from ..nn import Attention, Conv2d, FeedForward, GroupNorm, LayerNorm, Linear, Stacked, run_layers
+from ..nn import (
+    Conv2d,
+    CrossAttention,
+    FeedForward,
+    GroupNorm,
+    LayerNorm,
+    Linear,
+    SelfAttention,
+    Stacked,
+    run_layers,
+)
 
 
 class BasicTransformerBlock(eqx.Module):
@@ -21,9 +31,9 @@ class BasicTransformerBlock(eqx.Module):
     """
 
     norm1: LayerNorm
-    attn1: Attention
+    attn1: SelfAttention | CrossAttention
     norm2: LayerNorm
-    attn2: Attention
+    attn2: CrossAttention
     norm3: LayerNorm
     ff: FeedForward
     only_cross_attention: bool = eqx.field(static=True)
@@ -32,11 +42,11 @@ class BasicTransformerBlock(eqx.Module):
                  only_cross_attention: bool = False, dtype=jnp.float32, key: PRNGKeyArray):
         k1, k2, k3 = jax.random.split(key, 3)
         self.norm1 = LayerNorm(dim, dtype=dtype)
-        self.attn1 = Attention(dim, cross_attention_dim=cross_attention_dim if only_cross_attention else None,
-                               heads=heads, dim_head=dim_head, dtype=dtype, key=k1)
+        attn = dict(heads=heads, dim_head=dim_head, dtype=dtype)
+        self.attn1 = (CrossAttention(dim, cross_attention_dim, **attn, key=k1) if only_cross_attention
+                      else SelfAttention(dim, **attn, key=k1))
         self.norm2 = LayerNorm(dim, dtype=dtype)
-        self.attn2 = Attention(dim, cross_attention_dim=cross_attention_dim, heads=heads, dim_head=dim_head,
-                               dtype=dtype, key=k2)
+        self.attn2 = CrossAttention(dim, cross_attention_dim, **attn, key=k2)
         self.norm3 = LayerNorm(dim, dtype=dtype)
         self.ff = FeedForward(dim, dtype=dtype, key=k3)
         self.only_cross_attention = only_cross_attention

@@ -110,15 +110,16 @@ class CLIPMLP(eqx.Module):
 class CLIPEncoderLayer(eqx.Module):
     """Pre-norm transformer layer: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
 
-    self_attn: nn.Attention
+    self_attn: nn.SelfAttention
     layer_norm1: nn.LayerNorm
     mlp: CLIPMLP
     layer_norm2: nn.LayerNorm
 
     def __init__(self, config: CLIPTextConfig, *, dtype, key: PRNGKeyArray):
         ka, km = jax.random.split(key)
-        self.self_attn = nn.Attention(config.hidden_size, heads=config.num_attention_heads, dim_head=config.head_dim,
-                                      bias=True, names="clip", token_axis=None, dtype=dtype, key=ka)
+        self.self_attn = nn.SelfAttention(config.hidden_size, heads=config.num_attention_heads,
+                                          dim_head=config.head_dim, bias=True, names="clip", token_axis=None,
+                                          dtype=dtype, key=ka)
         self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=dtype)
         self.mlp = CLIPMLP(config, dtype=dtype, key=km)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=dtype)

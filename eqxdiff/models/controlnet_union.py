@@ -32,9 +32,9 @@ import jax.numpy as jnp
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
 from ..core import ConfigError, Plan, constrain
 from ..nn import (
-    Attention,
     LayerNorm,
     Linear,
+    ProjectedAttention,
     TimestepEmbedding,
     activation,
     timestep_embedding,
@@ -105,29 +105,29 @@ def control_type_vector(control_mode: Sequence[int], num_control_type: int) -> j
 class SequenceFirstSelfAttention(eqx.Module):
     """``torch.nn.MultiheadAttention`` as self-attention, sequence-first (its ``batch_first=False`` default) and
     under its names: the fused ``in_proj_weight`` / ``in_proj_bias`` (``[q; k; v]`` on the output axis), held as
-    stored, and ``out_proj``. The kernel, the heads split and ``out_proj`` are :class:`~eqxdiff.nn.Attention`'s
-    (``qkv="external"``)."""
+    stored, and ``out_proj``. The heads split, the kernel and ``out_proj`` are a
+    :class:`~eqxdiff.nn.ProjectedAttention`'s."""
 
     PARAM_AXES: ClassVar = {"in_proj_weight": (None, "embed"), "in_proj_bias": (None,)}
     TORCH_RENAMES: ClassVar = {"attention": ""}  # its to_out is torch's out_proj (names="clip")
 
     in_proj_weight: Float[Array, "three_dim dim"]
     in_proj_bias: Float[Array, " three_dim"]
-    attention: Attention
+    attention: ProjectedAttention
 
     def __init__(self, dim: int, heads: int, *, dtype=jnp.float32, key: PRNGKeyArray):
         kw, ka = jax.random.split(key)
         bound = math.sqrt(6.0 / (dim + 3 * dim))  # torch's xavier_uniform_ of the fused weight
         self.in_proj_weight = jax.random.uniform(kw, (3 * dim, dim), dtype, -bound, bound)
         self.in_proj_bias = jnp.zeros((3 * dim,), dtype)
-        self.attention = Attention(dim, heads=heads, dim_head=dim // heads, bias=True, out_bias=True,
-                                   qkv="external", names="clip", token_axis=None, dtype=dtype, key=ka)
+        self.attention = ProjectedAttention(dim, heads=heads, dim_head=dim // heads, out_bias=True, names="clip",
+                                            token_axis=None, dtype=dtype, key=ka)
 
     @typechecked
     def __call__(self, x: Float[Array, "seq batch dim"]) -> Float[Array, "seq batch dim"]:
         qkv = jnp.einsum("sbi,oi->bso", x, self.in_proj_weight.astype(x.dtype)) + self.in_proj_bias.astype(x.dtype)
         q, k, v = jnp.split(qkv, 3, axis=-1)
-        return jnp.swapaxes(self.attention.attend_projected(q, k, v), 0, 1)
+        return jnp.swapaxes(self.attention(q, k, v), 0, 1)
 
 
 class _QuickGeluMlp(eqx.Module):

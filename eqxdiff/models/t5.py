@@ -202,15 +202,16 @@ class T5LayerSelfAttention(eqx.Module):
         "relative_attention_bias": "SelfAttention.relative_attention_bias",
     }
 
-    attention: nn.Attention
+    attention: nn.SelfAttention
     relative_attention_bias: nn.Embedding | None
     layer_norm: nn.RMSNorm
 
     def __init__(self, config: T5Config, *, own_bias: bool, dtype, key: PRNGKeyArray):
         ka, kb = jax.random.split(key)
         # T5 folds the scale into its initialisation: the logits are q k^T, unscaled
-        self.attention = nn.Attention(config.d_model, heads=config.num_heads, dim_head=config.d_kv, bias=False,
-                                      out_bias=False, scale=1.0, names="t5", token_axis=None, dtype=dtype, key=ka)
+        self.attention = nn.SelfAttention(config.d_model, heads=config.num_heads, dim_head=config.d_kv, bias=False,
+                                          out_bias=False, scale=1.0, names="t5", token_axis=None, dtype=dtype,
+                                          key=ka)
         self.relative_attention_bias = _bias_table(config, dtype, kb) if own_bias else None
         self.layer_norm = nn.RMSNorm(config.d_model, eps=config.layer_norm_epsilon, dtype=dtype)
 

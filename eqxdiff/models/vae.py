@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ..core import ConfigError, ModelConfig, Plan, checkpoint_block, constrain
-from ..nn import Attention, Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D
+from ..nn import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SelfAttention, Upsample2D
 from ._base import PretrainedModel
 
 _EPS = 1e-6  # every norm in diffusers' VAE
@@ -96,12 +96,12 @@ class VAEAttentionBlock(eqx.Module):
     TORCH_RENAMES: ClassVar[dict[str, str]] = {"attn": ""}  # to_q, to_k ... sit beside group_norm
 
     group_norm: GroupNorm
-    attn: Attention
+    attn: SelfAttention
     plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
 
     def __init__(self, channels: int, *, groups: int, dtype=jnp.float32, key: PRNGKeyArray):
         self.group_norm = GroupNorm(groups, channels, eps=_EPS, dtype=dtype)
-        self.attn = Attention(channels, heads=1, dim_head=channels, bias=True, dtype=dtype, key=key)
+        self.attn = SelfAttention(channels, heads=1, dim_head=channels, bias=True, dtype=dtype, key=key)
 
     @typechecked
     def __call__(self, x: Float[Array, "batch height width channels"]) -> Float[Array, "batch height width channels"]:

@@ -1,9 +1,18 @@
 """Channels-last layers that load from PyTorch checkpoints."""
 
-from ._attention import ATTENTION_NAMES as ATTENTION_NAMES
-from ._attention import QK_NORMS as QK_NORMS
-from ._attention import Attention as Attention
-from ._attention import with_attention_implementation as with_attention_implementation
+from ._attend import ATTENTION_NAMES as ATTENTION_NAMES
+from ._attend import AbstractAttention as AbstractAttention
+from ._attend import AcrossHeads as AcrossHeads
+from ._attend import QKNorm as QKNorm
+from ._attend import attend as attend
+from ._attend import with_attention_implementation as with_attention_implementation
+from ._attention import AbstractJointAttention as AbstractJointAttention
+from ._attention import AddedKVAttention as AddedKVAttention
+from ._attention import CrossAttention as CrossAttention
+from ._attention import FusedJointAttention as FusedJointAttention
+from ._attention import JointAttention as JointAttention
+from ._attention import ProjectedAttention as ProjectedAttention
+from ._attention import SelfAttention as SelfAttention
 from ._conv3d import CausalConv3d as CausalConv3d
 from ._conv3d import Conv3d as Conv3d
 from ._embeddings import TextProjection as TextProjection
