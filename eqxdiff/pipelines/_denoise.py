@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray
-from ..schedulers import pad_schedule
+from ..schedulers import pad_schedule, to_device
 from ._progress import tick
 
 GUIDANCE_MODES = ("batched", "separate")
@@ -44,8 +44,7 @@ class Guidance(eqx.Module):
     def __init__(self, scale=7.5, rescale=0.0, mode: str = "batched", *, enabled: bool | None = None):
         if mode not in GUIDANCE_MODES:
             raise ValueError(f"Guidance: mode={mode!r}; choose one of {GUIDANCE_MODES}")
-        self.scale = jnp.asarray(scale, jnp.float32)
-        self.rescale = jnp.asarray(rescale, jnp.float32)
+        self.scale, self.rescale = _float32(scale), _float32(rescale)
         if self.scale.ndim > 1 or self.rescale.ndim:
             raise ValueError(f"Guidance: scale must be one value or one per step (got shape {self.scale.shape}), "
                              f"rescale one value (got shape {self.rescale.shape})")
@@ -65,6 +64,14 @@ class Guidance(eqx.Module):
             raise ValueError(f"Guidance: {self.scale.shape[0]} per-step scales for a schedule of {length} steps")
         scale = np.pad(np.asarray(self.scale), (0, length - self.scale.shape[0]), mode="edge")
         return Guidance(scale, self.rescale, self.mode, enabled=self.enabled)
+
+
+def _float32(value):
+    """A float32 array of ``value``; host values go to the device as they are (``jnp.asarray`` of a new shape would
+    compile a copy program: a new per-step length must compile nothing)."""
+    if isinstance(value, jax.Array):
+        return value if value.dtype == jnp.float32 else value.astype(jnp.float32)
+    return to_device(value, np.float32)
 
 
 def rescale_noise_cfg(noise_cfg, noise_text, guidance_rescale):

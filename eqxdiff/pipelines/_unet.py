@@ -275,17 +275,15 @@ class UNetPipeline(LatentPipeline):
 
         with self.timed("prepare"):
             extra = {}
-            if image is None:
-                x = noise * scheduler.init_noise_sigma(state)
-            else:
+            x = noise * scheduler.init_noise_sigma(state)  # text-to-image's start, and inpainting's at strength 1
+            if image is not None:
                 from_noise = mask_image is not None and strength == 1.0 and schedule.adds_noise
                 clean = image.latents
-                if clean is None and not (from_noise and inpainting_unet):
+                if clean is None:  # at strength 1 too: a new strength then runs what this call ran (no compile)
                     clean = encode_image_latents(self.vae, image.pixels, draws.image, tiled=self.vae_tiling)
-                if from_noise:
-                    x = noise * scheduler.init_noise_sigma(state)
-                elif schedule.adds_noise:
-                    x = scheduler.add_noise_at_step(state, clean, noise)
+                if schedule.adds_noise:
+                    noised = scheduler.add_noise_at_step(state, clean, noise)
+                    x = x if from_noise else noised
                 else:
                     x = clean
                 if mask_image is not None:

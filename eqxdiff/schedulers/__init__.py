@@ -32,6 +32,7 @@ from ._base import SchedulerConfig as SchedulerConfig
 from ._base import SigmaState as SigmaState
 from ._base import pad_schedule as pad_schedule
 from ._base import schedule_length as schedule_length
+from ._base import to_device as to_device
 from ._beta import AbstractBetaScheduler as AbstractBetaScheduler
 from ._beta import BetaScheduleConfig as BetaScheduleConfig
 from ._registry import SCHEDULER_CLASSES as SCHEDULER_CLASSES
