@@ -1,6 +1,6 @@
-"""What a run makes of what an earlier run left in its output folder, decided before anything is loaded: the checkpoint
-it resumes from, once the settings saved with that checkpoint agree with its own (:func:`resume_point`), and whether
-the autoencoder stage's VAE is reused (:func:`autoencoder_reuse`). Both read small JSON files only."""
+"""What a run makes of what an earlier run left in its output folder, decided before anything is loaded: the
+checkpoint it resumes from, once the settings saved with that checkpoint agree with its own (:func:`resume_point`),
+and whether the autoencoder stage's VAE is reused (:func:`autoencoder_reuse`). Both read small JSON files only."""
 
 import dataclasses
 import json
