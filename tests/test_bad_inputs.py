@@ -78,8 +78,24 @@ def ws(tmp_path_factory, pipe):
     eqxdiff.save_pipeline(pipe, root / "saved_pipe")
     (root / "saved_pipe" / "safety_checker").mkdir()
     (root / "saved_pipe" / "safety_checker" / "keep.txt").write_text("not eqxdiff's")
+    _interrupted_run(root / "run")
     paths = {p.stem if p.is_file() else p.name: str(p) for p in root.iterdir()}
     return types.SimpleNamespace(root=root, paths=paths)
+
+
+# The run the resume rows continue: `eqxdiff-train digits --steps 200 --optimizer.learning-rate 0.001` stopped at
+# step 55 (its checkpoint holds a stand-in state: only the settings saved with it are read before loading).
+RUN_FLAGS = ["--steps", "200", "--optimizer.learning-rate", "0.001"]
+
+
+def _interrupted_run(folder):
+    from eqxdiff.train import Checkpointer
+    from eqxdiff.train._config import run_settings
+
+    config = train.validate(["digits", "--output-dir", str(folder), *RUN_FLAGS])
+    checkpointer = Checkpointer(folder / "checkpoints", every=0, settings=run_settings(config))
+    checkpointer.save(55, {"x": np.zeros(2, np.float32)})
+    checkpointer.close()
 
 
 def snapshot(*folders) -> dict:
@@ -253,6 +269,30 @@ TRAIN = [
      r"one of digits, sd15, sd21, sdxl, flux-dev, flux-schnell"),
     ("preset-missing", ["--steps", "3"], _command.FlagError, r"^a command line starts with a preset, one of digits, "
      r"sd15"),
+    ("steps-a-word", ["digits", "--steps", "abc"], _command.FlagError, r"^--steps expects an integer, got 'abc'$"),
+    ("steps-nan", ["digits", "--steps", "nan"], _command.FlagError, r"^--steps expects an integer, got 'nan'$"),
+    ("steps-a-fraction", ["digits", "--steps=1.5"], _command.FlagError, r"^--steps expects an integer, got '1.5'$"),
+    ("lr-a-word", ["digits", "--optimizer.learning-rate", "fast"], _command.FlagError, r"^--optimizer.learning-rate "
+     r"expects a number, got 'fast'$"),
+    ("ema-a-word", ["digits", "--ema-decay", "x"], _command.FlagError, r"^--ema-decay expects a number or None, got "
+     r"'x'$"),
+    ("profile-steps-a-word", ["digits", "--profile-steps", "1", "x"], _command.FlagError, r"^--profile-steps expects "
+     r"integers, got 'x'$"),
+    ("mesh-a-word", ["digits", "--mesh.ici-data-parallelism", "two"], _command.FlagError, r"^--mesh.ici-data-"
+     r"parallelism expects an integer, got 'two'$"),
+    ("family-option-a-word", ["flux-dev", "--data", "x", "--family.max-sequence-length", "many"], _command.FlagError,
+     r"^--family.max-sequence-length expects an integer, got 'many'$"),
+    ("resume-changed", ["digits", "--output-dir", "{run}", "--steps", "200", "--optimizer.learning-rate", "0.01"],
+     CheckpointMismatchError, r"^cannot resume from .*/run/checkpoints/55, trained with other settings: "
+     r"--optimizer.learning-rate 0.001 -> 0.01; give its settings to resume, --no-resume to start over \(replacing "
+     r"its checkpoints\), or --output-dir <another folder>$"),
+    ("resume-longer-schedule", ["digits", "--output-dir", "{run}", "--steps", "300", "--optimizer.learning-rate",
+                                "0.001"], CheckpointMismatchError, r"trained with other settings: "
+     r"--optimizer.total-steps 200 -> 300 \(--steps 300 sets it unless it is given: --optimizer.total-steps 200 keeps "
+     r"the schedule\); give its settings"),
+    ("resume-long-value", ["digits", "--output-dir", "{run}", *RUN_FLAGS, "--seed", "3", "--tfrecord",
+                           *(f"shard-{i:05d}.tfrecord" for i in range(20))], CheckpointMismatchError,
+     r"trained with other settings: --seed 0 -> 3, --tfrecord \[\] -> \['shard-00000.tfrecord', \.\.\. 20 items\]; "),
 ]
 
 
@@ -570,6 +610,16 @@ def test_an_output_folder_this_process_cannot_write_in_is_refused(ws, unchanged,
             command.validate(argv)
         one_line(str(info.value))
     generate.validate(["--output-dir", f"{ws.root}/cwd/new/images"])  # beside it, a folder it may create: accepted
+
+
+def test_train_resume_changing_only_what_may_change_passes_the_checks(ws, unchanged):
+    """Resuming the interrupted run with another checkpoint frequency and sample steps (settings that may change on
+    resume) passes the checks; the run notes the changes."""
+    config = train.validate(["digits", "--output-dir", ws.paths["run"], *RUN_FLAGS, "--checkpoint-every", "50",
+                             "--sample-steps", "10"])
+    point = eqxdiff.train.resume_point(config)
+    assert point.step == 55 and point.note == (f"resuming from {ws.paths['run']}/checkpoints/55 with settings that "
+                                               "may change on resume: checkpoint_every=0 -> 50, sample_steps=20 -> 10")
 
 
 def test_train_exports_outside_the_package():

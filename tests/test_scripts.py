@@ -281,7 +281,7 @@ def test_large_presets_train_as_their_family_tests_do(preset, tmp_path, monkeypa
     assert config.remat is Remat.FULL and config.remat_names == ()
     assert config.cache and config.cache_stream and not config.train_text_encoder
     assert config.export_scheduler is None and config.export_dir is None
-    assert config.optimizer.total_steps == config.steps and config.objective.weighting_scheme == "none"
+    assert config.optimizer.total_steps is None and config.objective.weighting_scheme == "none"  # spans --steps
     for key, value in LARGE_PRESETS[preset].items():
         assert getattr(config, key) == value, (preset, key)
     monkeypatch.chdir(tmp_path)  # the checks before loading accept it (a Hub model is not fetched by them)
@@ -378,6 +378,76 @@ def test_every_train_flag_has_help(preset, capsys, monkeypatch):
     assert set(train.FIELD_FLAGS.values()) <= flags and flags <= set(entries), sorted(flags - set(entries))
     undocumented = sorted(flag for flag, entry in entries.items() if not _help_text(entry))
     assert not undocumented, f"eqxdiff-train {preset} --help: no help for {undocumented}"
+
+
+def test_the_schedule_follows_steps_unless_total_steps_is_given(tmp_path, capsys, monkeypatch):
+    """No preset fixes the schedule's length: ``digits --steps 30`` decays its learning rate over 30 steps, with no
+    note (it once said ``optimizer.total_steps=1500 differs from steps=30`` of a value the user never set); an
+    explicit ``--optimizer.total-steps`` that differs from ``--steps`` is kept, with a note."""
+    runs = []
+    monkeypatch.setattr(train, "run", runs.append)
+    for preset, (_, config) in train.PRESETS.items():
+        assert config.optimizer.total_steps is None, preset
+    out = ["--output-dir", str(tmp_path)]
+    train.main(["digits", "--steps", "30", *out])
+    assert capsys.readouterr().err == "" and runs[-1].resolved().optimizer.total_steps == 30
+    assert eqxdiff.train.make_optimizer(runs[-1].resolved().optimizer).config.update_steps == 30
+    train.main(["digits", "--steps", "30", "--optimizer.total-steps", "100", *out])
+    assert capsys.readouterr().err == ("note: --optimizer.total-steps 100 differs from --steps 30: the learning-rate "
+                                       "schedule spans 100 steps\n")
+    assert runs[-1].resolved().optimizer.total_steps == 100
+    with pytest.raises(ValueError, match=r"total_steps=None leaves the schedule's length to the run"):
+        eqxdiff.train.make_optimizer(eqxdiff.train.OptimizerConfig())
+
+
+def test_train_help_says_what_may_change_on_resume_and_when_the_autoencoder_stage_runs(capsys, monkeypatch):
+    """``--help`` lists the settings a resumed run may change (each one :data:`RESUMABLE` holds), and says that the
+    digits preset's autoencoder stage runs before any of ``--steps``, with its own progress bar."""
+    from eqxdiff.train._config import RESUMABLE
+
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        train.parse(["digits", "--help"])
+    text = capsys.readouterr().out
+    resume = " ".join(_help_entries(text)["--resume"].split())
+    listed = set(re.findall(r"\w+", resume.split("may differ from the ones it was saved with", 1)[1]))
+    assert set(RESUMABLE) - {"output_dir", "resume"} <= listed, sorted(set(RESUMABLE) - listed)
+    digits = " ".join(text.split())
+    assert "Its autoencoder stage (--autoencoder-steps 600, about 3 minutes on a 2-core CPU, its own progress bar) " \
+           "trains the VAE before any of --steps, whatever --steps is" in digits, digits[:600]
+
+
+def test_a_numeric_flag_names_itself_in_its_error():
+    """``number_error`` (what both commands call once tyro refused a command line) names the first numeric flag
+    whose value does not convert and what it takes, for dotted (eqxdiff-train's) and flat flags, ``--flag=value``,
+    negative numbers, ``None`` for an optional one and a sequence's values; any other line gives ``None``."""
+    from eqxdiff.cli._numbers import field_types, number_error
+
+    @dataclasses.dataclass(frozen=True)
+    class Inner:
+        rate: float = 0.1
+
+    @dataclasses.dataclass(frozen=True)
+    class Flags:
+        steps: int = 1
+        seed: int | None = None
+        sizes: tuple[int, ...] = ()
+        name: str = ""
+        flag: bool = False
+        inner: Inner = Inner()
+
+    dotted = {"--" + k.replace("_", "-"): v for k, v in field_types(Flags).items()}
+    flat = {"--" + k: v for k, v in field_types(Flags, dotted=False).items()}
+    assert sorted(dotted) == ["--flag", "--inner.rate", "--name", "--seed", "--sizes", "--steps"]
+    assert "--rate" in flat and "--inner.rate" not in flat
+    assert number_error(["--steps", "-3", "--seed", "None", "--sizes", "1", "-2", "--inner.rate=1e-3", "--name",
+                         "x", "--flag"], dotted) is None
+    assert number_error(["--steps", "abc"], dotted) == "--steps expects an integer, got 'abc'"
+    assert number_error(["--steps", "5", "extra"], dotted) is None  # a stray word is not the flag's
+    assert number_error(["--seed=1.5"], dotted) == "--seed expects an integer or None, got '1.5'"
+    assert number_error(["--sizes", "1", "two", "--flag"], dotted) == "--sizes expects integers, got 'two'"
+    assert number_error(["--inner.rate", "fast"], dotted) == "--inner.rate expects a number, got 'fast'"
+    assert number_error(["--rate", "fast"], flat) == "--rate expects a number, got 'fast'"
 
 
 # -- a wheel is a complete install ---------------------------------------------------------------------------------

@@ -1,12 +1,6 @@
 """eqxdiff.train: objectives against hand-computed values, the train step, accumulation, checkpoints that resume
-exactly (without recompiling), FSDP and FSDP + data meshes of the 8 simulated CPU devices equal to one device,
-``train.run`` end to end from each data source, and the errors a user can hit."""
-
-import dataclasses
-import json
-import os
-import shutil
-import signal
+exactly (without recompiling), FSDP and FSDP + data meshes of the 8 simulated CPU devices equal to one device, and
+the errors of its parts (``train.run`` end to end: tests/test_train_run.py)."""
 
 import equinox as eqx
 import jax
@@ -14,20 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqxdiff.data import character_tokenizer
 from eqxdiff.parallel import MeshConfig, Plan, make_mesh, shard_params, with_plan
-from eqxdiff.schedulers import DDPMScheduler
 from eqxdiff.train import (
     ArrayBatches,
     Checkpointer,
     DataError,
-    DigitsArchitecture,
     Objective,
     OptimizerConfig,
     TimestepBias,
-    TrainConfig,
     batch_loss,
-    cache_arrays,
     check_batch,
     data_parallel_mesh,
     diffusion_loss,
@@ -44,45 +33,15 @@ from eqxdiff.train import (
     train_step,
     trainable_filter,
 )
-import eqxdiff
-from eqxdiff.train import CheckpointMismatchError, TrainingInterrupted, run
-from eqxdiff.train import _autoencoder as autoencoder_module
-from eqxdiff.train import _setup as train_setup
-from eqxdiff.train._config import run_settings
-from eqxdiff.train._digits import SD_NOISE_SCHEDULE
 
+from ._tiny_train import FSDP_DATA, KW, OBJECTIVE, OPT, SCHED, tiny_model
 from ._util import assert_close_to_float64, assert_leaves_close_to_float64, run_float64
-
-TINY = DigitsArchitecture(image_size=8, vae_channels=(8, 8), latent_channels=4, unet_channels=(8,),
-                          attention_heads=2, text_hidden_size=8, text_layers=1, text_heads=2, norm_num_groups=4)
-# The scheduler, objective and optimizer train.run uses for RUN (below), so the direct steps on its mesh and its runs
-# share one compiled program. The optimizer accumulates 2 micro-steps per update, and its eps = 1 makes the update a
-# smooth function of the gradient (lr * m / (sqrt(v) + 1)): Adam's usual eps = 1e-8 turns a gradient of 1e-9 into a
-# full-size step of either sign, so rounding noise in ~zero gradients would decide whole updates and no float32
-# comparison of sharded against single-device params could be tight.
-SCHED = DDPMScheduler.from_config({**SD_NOISE_SCHEDULE, "prediction_type": "epsilon"})
-OBJECTIVE = Objective(prediction_type="epsilon", caption_dropout=0.3, snr_gamma=5.0)
-OPT = OptimizerConfig(learning_rate=1.0, eps=1.0, weight_decay=0.0, warmup_steps=0, total_steps=100,
-                      schedule="constant", accumulation_steps=2)
-KW = dict(scheduler=SCHED, objective=OBJECTIVE, ema_decay=0.9)
-FSDP_DATA = MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=-1)
-RUN = TrainConfig(resolution=8, batch_size=8, steps=1, architecture=TINY, objective=OBJECTIVE, optimizer=OPT,
-                  ema_decay=0.9, mesh=FSDP_DATA, log_every=1, progress=False)
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    """RUN's tiny LatentDiffusion (one UNet level with cross-attention, latents 4x4x4), 32 samples of pixels and
-    token ids, and the same samples encoded by ``cache_arrays``."""
-    from eqxdiff.train._setup import build_model
-
-    model, tok, sched = build_model(RUN)
-    assert sched.config == SCHED.config
-    rng = np.random.default_rng(0)
-    ids = tok([f"digit {w}" for w in ("one", "two", "three", "four")] * 8, padding="max_length",
-              max_length=tok.model_max_length, return_tensors="np").input_ids.astype(np.int32)
-    arrays = {"pixel_values": rng.uniform(-1, 1, (32, 8, 8, 3)).astype(np.float32), "input_ids": ids}
-    return model, arrays, cache_arrays(model, arrays, log=lambda *_: None)
+    """:func:`tests._tiny_train.tiny_model`: RUN's model, its samples, and the samples encoded."""
+    return tiny_model()
 
 
 # -- objectives, by hand ---------------------------------------------------------------------------------------
@@ -356,295 +315,6 @@ def test_sharded_step_equals_single_device(tiny, single_device_steps, mesh_confi
     assert all(x.addressable_shards[0].data.size * mesh.shape["fsdp"] == x.size for x in split)
     mu = jax.tree.leaves(p2.opt_state.inner_opt_state[1][0].mu)
     assert sum(not x.sharding.is_fully_replicated for x in mu) == len(split)
-
-
-# -- train.run from every data source ---------------------------------------------------------------------------
-# Every run steps with the program test_sharded_step_equals_single_device[fsdp+data] compiled (same model, mesh,
-# plan, optimizer, objective and batch layout); the autoencoder stage is skipped by handing each run the same saved
-# VAE (a resumed run reuses it the same way).
-
-COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255), "black": (0, 0, 0),
-          "yellow": (255, 255, 0), "cyan": (0, 255, 255), "magenta": (255, 0, 255)}
-
-
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    """The same 8 solid-colour images, captioned ``a {colour} square``, as an image folder (.txt captions), a parquet
-    file read by Hugging Face ``datasets`` (columns ``img``/``caption``) and TFRecord shards (features
-    ``png``/``prompt``); and a saved autoencoder for the runs to reuse."""
-    from PIL import Image
-
-    from eqxdiff.data import write_tfrecord
-    from eqxdiff.loading import save_pretrained
-    from eqxdiff.train._setup import build_model
-
-    root = tmp_path_factory.mktemp("sources")
-    folder = root / "folder"
-    folder.mkdir()
-    pngs = []
-    for i, (name, rgb) in enumerate(COLORS.items()):
-        Image.new("RGB", (10 + i, 12), rgb).save(folder / f"{name}.png")
-        (folder / f"{name}.txt").write_text(f"a {name} square")
-        pngs.append(((folder / f"{name}.png").read_bytes(), f"a {name} square"))
-    write_tfrecord(root / "a.tfrecord", pngs[:5], image_key="png", caption_key="prompt")
-    write_tfrecord(root / "b.tfrecord", pngs[5:], image_key="png", caption_key="prompt")
-    try:  # only the Hugging Face runs need `datasets` (the "data" extra); the other sources run without it
-        import datasets
-    except ImportError:
-        parquet = None
-    else:
-        parquet = root / "data.parquet"
-        ds = datasets.Dataset.from_dict({"img": [str(folder / f"{c}.png") for c in COLORS],
-                                         "caption": [f"a {c} square" for c in COLORS]})
-        ds.cast_column("img", datasets.Image()).to_parquet(str(parquet))
-    model, _, _ = build_model(RUN)
-    save_pretrained(model.vae, root / "autoencoder")
-    return {"folder": folder, "parquet": parquet, "tfrecord": (str(root / "a.tfrecord"),
-            str(root / "b.tfrecord")), "autoencoder": root / "autoencoder"}
-
-
-def _run(sources, out, **changes):
-    import shutil
-
-    from eqxdiff.train import run
-
-    if not (out / "autoencoder").exists():
-        shutil.copytree(sources["autoencoder"], out / "autoencoder")
-    return run(dataclasses.replace(RUN, output_dir=out, **changes))
-
-
-def _check_run(out, result, steps, mesh_size=8):
-    import json
-
-    state, _, losses = result
-    assert int(state.step) == steps and len(losses) >= 1 and all(np.isfinite(losses))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == steps and rows[-1]["loss"] == losses[-1]
-    assert (out / "pipeline" / "model_index.json").is_file()
-    scheduler = json.loads((out / "pipeline" / "scheduler" / "scheduler_config.json").read_text())
-    assert scheduler["clip_sample"] is False and scheduler["set_alpha_to_one"] is False  # what DDIM/DDPM would read
-    params = jax.tree.leaves(state.params)
-    assert all(len(x.sharding.device_set) == mesh_size for x in params)
-    if mesh_size > 1:
-        assert any(not x.sharding.is_fully_replicated for x in params)  # split over fsdp
-
-
-def _captions(tok, ids):
-    return sorted(tok.batch_decode(ids, skip_special_tokens=True))
-
-
-@pytest.mark.parametrize("source", ["folder", "hf", "tfrecord"])
-def test_run_from_each_source(sources, tmp_path, source):
-    """The flags of each source select it (the first batch holds its images under their captions) and ``run``
-    trains on it end to end on the mesh."""
-    from eqxdiff.train import load_data
-
-    if source == "hf" and sources["parquet"] is None:
-        pytest.skip("Hugging Face datasets is not installed (pip install -e '.[data]')")
-    changes = {"folder": dict(data=str(sources["folder"])),
-               "hf": dict(hf_dataset=str(sources["parquet"]), image_column="img", caption_column="caption"),
-               "tfrecord": dict(tfrecord=sources["tfrecord"], image_key="png", caption_key="prompt")}[source]
-    tok = character_tokenizer(max_length=32)
-    kind, ds = load_data(dataclasses.replace(RUN, **changes), tok)
-    batch = next(iter(ds))
-    assert kind == "stream" and batch["pixel_values"].shape == (8, 8, 8, 3)
-    captions = [c.replace(" ", "") for c in tok.batch_decode(batch["input_ids"], skip_special_tokens=True)]
-    assert sorted(captions) == sorted(f"a{c}square" for c in COLORS)
-    for image, caption in zip(batch["pixel_values"], captions):
-        color = np.array(COLORS[caption[1:-6]])  # the pipeline's float32 u / 127.5 - 1, rounded as NumPy's is
-        assert_close_to_float64(image[0, 0], color.astype(np.float32) / np.float32(127.5) - np.float32(1),
-                                color / 127.5 - 1, what=caption)
-    _check_run(tmp_path, _run(sources, tmp_path, **changes), steps=1)
-
-
-def test_run_synthetic_resumes_exactly(sources, tmp_path):
-    """Synthetic data on one device (the program the single-device tests compiled): 2 steps straight == 1 step, a
-    checkpoint, then a resumed run of 1 more (the grain iterator's position and the state come back from it)."""
-    one = dict(data="synthetic", mesh=None)
-    straight = _run(sources, tmp_path / "a", steps=2, **one)
-    _check_run(tmp_path / "a", straight, steps=2, mesh_size=1)
-    first = _run(sources, tmp_path / "b", steps=1, checkpoint_every=1, **one)
-    second = _run(sources, tmp_path / "b", steps=2, checkpoint_every=1, **one)
-    assert first[2] + second[2] == straight[2]
-    for a, b in zip(jax.tree.leaves(second[0].params), jax.tree.leaves(straight[0].params)):
-        np.testing.assert_array_equal(a, b)
-
-
-@pytest.fixture
-def sigterm_raises():
-    """While the test runs, a SIGTERM that reaches the process's handler raises (instead of killing pytest): a loop
-    that failed to catch it fails the test. The test's own handler is put back after it (checked by the tests)."""
-
-    class Unhandled(Exception):
-        pass
-
-    def handler(signum, frame):
-        raise Unhandled("SIGTERM was not caught by the loop")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    yield handler
-    signal.signal(signal.SIGTERM, previous)
-
-
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_saves_a_checkpoint_and_the_run_resumes_exactly(sources, tmp_path, monkeypatch, sigterm_raises,
-                                                                 signum):
-    """A real SIGINT (Ctrl-C) or SIGTERM (what Slurm or Kubernetes send before a kill) during step 1 of 2 (sent
-    from the metrics logger) stops the run at the step boundary with a saved checkpoint (no checkpoint_every
-    needed) and TrainingInterrupted; the same command resumes and ends where an uninterrupted run ends, loss for
-    loss and weight for weight. The runs reuse the module's compiled step."""
-    from eqxdiff.train._metrics import MetricsLogger
-
-    one = dict(data="synthetic", mesh=None, steps=2)
-    straight = _run(sources, tmp_path / "a", **one)
-    log = MetricsLogger.log
-    handler = signal.getsignal(signum)
-
-    def log_then_interrupt(self, step, row):
-        log(self, step, row)
-        if step == 1:
-            os.kill(os.getpid(), signum)
-
-    monkeypatch.setattr(MetricsLogger, "log", log_then_interrupt)
-    with pytest.raises(TrainingInterrupted, match="interrupted at step 1; checkpoint saved in") as stopped:
-        _run(sources, tmp_path / "b", **one)
-    assert stopped.value.step == 1 and (tmp_path / "b" / "checkpoints" / "1").is_dir()
-    assert signal.getsignal(signum) is handler  # the handler was put back
-    monkeypatch.setattr(MetricsLogger, "log", log)
-    resumed = _run(sources, tmp_path / "b", **one)
-    assert resumed[2] == straight[2][1:]
-    for a, b in zip(jax.tree.leaves(resumed[0].params), jax.tree.leaves(straight[0].params)):
-        np.testing.assert_array_equal(a, b)
-
-
-def test_resume_with_another_architecture_refuses_before_restoring(sources, tmp_path):
-    """A checkpoint of one architecture is not restored into another: the error lists the arrays and the settings
-    that differ, and the run's saved config.json stays as it was."""
-    from eqxdiff.train import CheckpointMismatchError
-
-    one = dict(data="synthetic", mesh=None, steps=1, checkpoint_every=1)
-    _run(sources, tmp_path, **one)
-    saved = (tmp_path / "config.json").read_text()
-    wider = dataclasses.replace(TINY, unet_channels=(16,))
-    with pytest.raises(CheckpointMismatchError, match=r"(?s)checkpoint 1 in .* was written by a different model .*"
-                       r"nothing was restored.\nSettings that differ from that run's config.json: "
-                       r"architecture\.unet_channels: \[8\] -> \[16\]\nArrays that differ:.*"
-                       r"conv_in\.bias: \[8\] float32 in the checkpoint, \[16\] float32 in this run"):
-        _run(sources, tmp_path, architecture=wider, **dict(one, steps=2))
-    assert (tmp_path / "config.json").read_text() == saved
-
-
-def test_resume_with_another_autoencoder_refuses_before_reusing_it(sources, tmp_path):
-    """OUTPUT_DIR/autoencoder is reused only by a run whose VAE settings are those of the run that trained it: a
-    changed VAE architecture (or KL weight, autoencoder steps ...) is refused with the list of what differs, before
-    anything is written (the run's config.json and the saved VAE stay as they were). Nothing compiles: the earlier
-    run is its config.json and its autoencoder."""
-    earlier = dataclasses.replace(RUN, output_dir=tmp_path, data="synthetic", mesh=None)
-    shutil.copytree(sources["autoencoder"], tmp_path / "autoencoder")
-    (tmp_path / "config.json").write_text(json.dumps(run_settings(earlier), indent=2))
-    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
-    wider = dataclasses.replace(TINY, vae_channels=(8, 16))
-    with pytest.raises(CheckpointMismatchError, match=r"the autoencoder in .*autoencoder was trained with other "
-                       r"settings than this run's; it was not reused and nothing was changed. Settings that differ "
-                       r"from that run's config.json: architecture.vae_channels: \[8, 8\] -> \[8, 16\]; kl_weight: "
-                       r"0.0001 -> 0.001. Run with that run's settings, use another output_dir, or delete "):
-        run(dataclasses.replace(earlier, architecture=wider, kl_weight=1e-3, steps=2))
-    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
-
-
-def test_a_signal_stops_the_autoencoder_stage_and_keeps_nothing(tiny, tmp_path, monkeypatch, sigterm_raises):
-    """SIGTERM during the autoencoder stage (sent from the stage's log line of step 1 of 3) stops it at the step
-    boundary: TrainingInterrupted says that nothing of the stage was kept and how to start again, no autoencoder
-    folder is written, and the handlers are put back. (The stage's step is a stand-in: the stopping is the loop's,
-    and nothing needs to compile.)"""
-    model, arrays, _ = tiny
-    log = train_setup.log_line
-
-    def log_then_terminate(message):
-        log(message)
-        if message.startswith("autoencoder step 1/"):
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    steps = []
-
-    def stand_in_step(carry, images, key, optimizer, kl_weight):
-        steps.append(images.shape)
-        return carry, jnp.float32(0.5)
-
-    monkeypatch.setattr(train_setup, "log_line", log_then_terminate)
-    monkeypatch.setattr(autoencoder_module, "_vae_step", stand_in_step)
-    config = dataclasses.replace(RUN, output_dir=tmp_path, autoencoder_steps=3, autoencoder_batch_size=8)
-    with pytest.raises(TrainingInterrupted, match=r"^autoencoder stage interrupted at step 1 of 3; nothing of it was "
-                       r"kept \(run the same command to train it again from the start\)$") as stopped:
-        train_setup.autoencoder_stage(config, model, "arrays", arrays)
-    assert stopped.value.step == 1 and stopped.value.checkpoint is None and steps == [(8, 8, 8, 3)]
-    assert not (tmp_path / "autoencoder").exists()
-    assert signal.getsignal(signal.SIGTERM) is sigterm_raises
-
-
-def test_fine_tune_the_shipped_digits_model(tmp_path):
-    """``model="digits"``: the shipped pipeline (its scheduler config has ``variance_type: null``, which once crashed
-    DDPMScheduler.from_config) fine-tuned for one step on synthetic images, exported, and the export loads with the
-    trained weights. One compile of the digits UNet's step (cached latents: no VAE or text encoder in it)."""
-    config = TrainConfig(model="digits", data="synthetic", resolution=16, batch_size=2, steps=1, mesh=None,
-                         cache_stream=True, log_every=1, progress=False, output_dir=tmp_path,
-                         optimizer=OptimizerConfig(total_steps=1))
-    state, _, losses = run(config)
-    assert int(state.step) == 1 and len(losses) == 1 and np.isfinite(losses[0])
-    assert not list((tmp_path / "checkpoints").glob("*"))  # no checkpoint_every: none written
-    exported = eqxdiff.load_pipeline(tmp_path / "pipeline")
-    shipped = eqxdiff.load_pipeline("digits")
-    assert type(exported) is type(shipped) and type(exported.scheduler) is type(shipped.scheduler)
-    assert exported.scheduler.config == shipped.scheduler.config
-    trained, original = exported.unet.conv_in.weight, shipped.unet.conv_in.weight
-    assert trained.shape == original.shape and not np.array_equal(trained, original)
-    np.testing.assert_array_equal(exported.vae.encoder.conv_in.weight, shipped.vae.encoder.conv_in.weight)
-
-
-def test_run_resumes_on_the_mesh(sources, tmp_path):
-    """A checkpoint of a sharded state restores onto the mesh: the resumed run continues at the saved step, from
-    the grain iterator's saved position, with every array on the sharding a fresh run gives it."""
-    tfrecord = dict(tfrecord=sources["tfrecord"], image_key="png", caption_key="prompt", checkpoint_every=1)
-    first = _run(sources, tmp_path, **tfrecord)
-    second = _run(sources, tmp_path, steps=2, **tfrecord)
-    _check_run(tmp_path, second, steps=2)
-    assert len(second[2]) == 1 and second[2][0] != first[2][0]
-    for a, b in zip(jax.tree.leaves(second[0]), jax.tree.leaves(first[0])):
-        assert a.sharding == b.sharding
-
-
-def test_run_config_errors_name_the_flag(sources, tmp_path):
-    from eqxdiff.parallel import Remat
-    from eqxdiff.train import TrainConfig, load_data
-
-    with pytest.raises(ValueError, match=r"give one data source, got data='synthetic' and hf_dataset='x'"):
-        TrainConfig(data="synthetic", hf_dataset="x")
-    with pytest.raises(ValueError, match=r"give one data source, got hf_dataset='x' and tfrecord=\('a',\)"):
-        TrainConfig(hf_dataset="x", tfrecord=("a",))
-    with pytest.raises(ValueError, match="fine-tuning needs training data: set one of data"):
-        TrainConfig(model="some/model").source
-    with pytest.raises(ValueError, match=r"caption_key='prompt' is for the tfrecord source.*'hf'; use caption_column"):
-        TrainConfig(hf_dataset="x", caption_key="prompt")
-    with pytest.raises(ValueError, match=r"image_column='img' is for an hf_dataset or an image folder.*'synthetic'"):
-        TrainConfig(data="synthetic", image_column="img")
-    with pytest.raises(ValueError, match="remat_names"):
-        TrainConfig(remat=Remat.NAMED)
-    tok = character_tokenizer(max_length=32)
-    with pytest.raises(DataError, match=r"caption_column='prompt' is not a column of .*data\.parquet.*\['img', "
-                                        r"'caption'\]"):
-        load_data(dataclasses.replace(RUN, hf_dataset=str(sources["parquet"]), image_column="img",
-                                      caption_column="prompt"), tok)
-    with pytest.raises(DataError, match=r"no bytes feature caption_key='text'; its features are \['png', 'prompt'\]"):
-        load_data(dataclasses.replace(RUN, tfrecord=sources["tfrecord"], image_key="png"), tok)
-    with pytest.raises(DataError, match=r"not 'digits', 'synthetic' or an image folder; for a Hugging Face dataset.*"
-                                        r"hf_dataset \(--hf-dataset\)"):
-        load_data(dataclasses.replace(RUN, data=str(sources["parquet"])), tok)
-    with pytest.raises(DataError, match=r"not 'digits', 'synthetic' or an image folder; for TFRecord files"):
-        load_data(dataclasses.replace(RUN, data=sources["tfrecord"][0]), tok)
-    with pytest.raises(DataError, match="has 8 samples, fewer than batch_size=16"):
-        load_data(dataclasses.replace(RUN, data=str(sources["folder"]), batch_size=16), tok)
-    with pytest.raises(DataError, match=r"batch_size=12 must be a multiple of 8: the mesh .* data x fsdp"):
-        _run(sources, tmp_path, data="synthetic", batch_size=12)
 
 
 # -- errors ----------------------------------------------------------------------------------------------------

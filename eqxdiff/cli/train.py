@@ -18,14 +18,14 @@ Every flag is checked before anything is loaded (:func:`validate`); a bad one st
 ``error: <what> (<how to fix>)`` naming the flags, and status 2 (``--debug`` shows the traceback). Ctrl-C or SIGTERM
 stop at the next step with a checkpoint saved: ``interrupted at step N; checkpoint saved in DIR (run the same command
 to resume)`` and status 130; during the autoencoder stage of a from-scratch run (minutes) nothing of that stage is
-kept, and the same command trains it again.
+kept, and the same command trains it again. The same command resumes from the latest checkpoint once the settings
+saved with it agree (only those the ``--resume`` help lists may change, each with a note; any other change is
+refused before loading, naming each ``--flag old -> new``); a finished run has nothing to do.
 """
 
 import dataclasses
 import os
 import sys
-import types
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,19 +36,24 @@ from ..loading import PACKAGED_MODELS, read_config, resolve_folder
 from ..parallel import MeshConfig, Remat
 from ..pipelines import InputError
 from ..train import (
+    CheckpointMismatchError,
     DigitsArchitecture,
     FluxOptions,
     Objective,
     OptimizerConfig,
     TrainConfig,
+    autoencoder_reuse,
     family_options,
+    resume_point,
     run,
     train_family,
 )
 from ._command import DEBUG_HELP, FlagError, as_flags, check_output_folder, config_errors_raise, run_command
+from ._numbers import field_types, number_error
 
 DESCRIPTION = ("Train or fine-tune a Stable Diffusion, SDXL or Flux model: every field of eqxdiff.train.TrainConfig "
-               f"is a flag, a preset sets the defaults. {DEBUG_HELP}")
+               "is a flag, a preset sets the defaults. A run resumes from the checkpoints in its --output-dir "
+               f"(--resume says which settings may change). {DEBUG_HELP}")
 MEMORY_HINT = ("a smaller --batch-size (with --optimizer.accumulation-steps to keep the effective batch), a smaller "
                "--resolution, --remat FULL, --no-cache with a large dataset, or shard over more devices "
                "(--mesh.ici-fsdp-parallelism -1)")
@@ -61,8 +66,7 @@ def _stable_diffusion(model: str, name: str, resolution: int) -> TrainConfig:
     4 micro-steps per update, Min-SNR, EMA, checkpoints and samples every 500 steps."""
     return TrainConfig(
         model=model, resolution=resolution, batch_size=1, steps=15000, mesh=MeshConfig(),
-        optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=500, total_steps=15000, schedule="constant",
-                                  accumulation_steps=4),
+        optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=500, schedule="constant", accumulation_steps=4),
         objective=Objective(snr_gamma=5.0, caption_dropout=0.05), ema_decay=0.9999, output_dir=Path(f"runs/{name}"),
         checkpoint_every=500, sample_every=500, sample_prompts=_CAT, sample_steps=25, sample_guidance_scale=7.5)
 
@@ -73,8 +77,7 @@ def _large(model: str, name: str, *, resolution: int, steps: int, learning_rate:
     exported, checkpoints and samples every 500 steps; ``changes``: the family's objective, options, samples."""
     return TrainConfig(
         model=model, resolution=resolution, batch_size=8, steps=steps, mesh=_FSDP, remat=Remat.FULL,
-        cache_stream=True, optimizer=OptimizerConfig(learning_rate=learning_rate, total_steps=steps,
-                                                     schedule="constant"),
+        cache_stream=True, optimizer=OptimizerConfig(learning_rate=learning_rate, schedule="constant"),
         export_scheduler=None, output_dir=Path(f"runs/{name}"), checkpoint_every=500, sample_every=500,
         sample_prompts=_CAT, **changes)
 
@@ -83,10 +86,12 @@ def _large(model: str, name: str, *, resolution: int, steps: int, learning_rate:
 PRESETS = {
     "digits": (
         ("The digits model shipped with eqxdiff: SD classes at a small size, trained from scratch on "
-         "scikit-learn's digits."),
+         "scikit-learn's digits. Its autoencoder stage (--autoencoder-steps 600, about 3 minutes on a 2-core CPU, "
+         "its own progress bar) trains the VAE before any of --steps, whatever --steps is; a later run in the same "
+         "--output-dir reuses it."),
         TrainConfig(
             data=None, resolution=16, batch_size=64, steps=1500, architecture=DigitsArchitecture(), mesh=MeshConfig(),
-            optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=100, total_steps=1500, schedule="cosine",
+            optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=100, schedule="cosine",
                                       final_learning_rate_fraction=0.05, weight_decay=1e-2, max_grad_norm=1.0),
             objective=Objective(prediction_type="epsilon", snr_gamma=5.0, caption_dropout=0.1),
             ema_decay=0.995, autoencoder_steps=600, autoencoder_batch_size=32, autoencoder_learning_rate=2e-3,
@@ -124,31 +129,12 @@ PRESETS = {
 }
 
 
-def _nested_config(tp) -> type | None:
-    """The dataclass a field annotation holds (``MeshConfig | None``: ``MeshConfig``), or ``None``."""
-    members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-    return next((m for m in members if dataclasses.is_dataclass(m)), None)
-
-
-def _leaf_fields(config, prefix: str = "") -> list[str]:
-    """The dotted names of the fields of ``config`` (a config class, or an instance: its nested configs' own
-    classes, as a preset's ``family`` options), those of nested configs spelled out (``optimizer.learning_rate``)."""
-    cls = config if isinstance(config, type) else type(config)
-    hints = typing.get_type_hints(cls)
-    names = []
-    for field in dataclasses.fields(cls):
-        value = None if isinstance(config, type) else getattr(config, field.name)
-        nested = value if dataclasses.is_dataclass(value) else _nested_config(hints[field.name])
-        names += [prefix + field.name] if nested is None else _leaf_fields(nested, f"{prefix}{field.name}.")
-    return names
-
-
 def field_flags(config: type | TrainConfig = TrainConfig) -> dict[str, str]:
     """``{name: flag}`` of every field of ``config`` (:class:`~eqxdiff.train.TrainConfig`, or a preset's config:
     with its family's options) and of the configs nested in it, under the names the configs' errors use: the dotted
     path (``optimizer.learning_rate``, ``family.guidance_scale``) and, where no other field has it, the bare name
     (``learning_rate``) -> ``--optimizer.learning-rate``."""
-    dotted = {name: "--" + name.replace("_", "-") for name in _leaf_fields(config)}
+    dotted = {name: "--" + name.replace("_", "-") for name in field_types(config)}
     bare: dict[str, list[str]] = {}
     for name, flag in dotted.items():
         bare.setdefault(name.rsplit(".", 1)[-1], []).append(flag)
@@ -160,9 +146,9 @@ FIELD_FLAGS = field_flags()
 
 def in_flags(error: ValueError, flags: dict[str, str] = FIELD_FLAGS) -> ValueError:
     """``error`` (a :class:`~eqxdiff.train.TrainConfig` field's check: ``learning_rate=nan must be ...``) with the
-    fields named as the flags that set them (``--optimizer.learning-rate nan must be ...``; ``flags``: a preset's
-    :func:`field_flags`, for its family's options), of the same type."""
-    message = as_flags(str(error), (), flags)
+    fields named as the flags that set them (``--optimizer.learning-rate nan must be ...``, ``resume=False``:
+    ``--no-resume``; ``flags``: a preset's :func:`field_flags`, for its family's options), of the same type."""
+    message = as_flags(str(error).replace("resume=False", "--no-resume"), (), flags)
     return error if message == str(error) else type(error)(message)
 
 
@@ -212,14 +198,16 @@ def parse(argv: Sequence[str] | None = None, *, prog: str | None = None) -> Trai
     argv = list(sys.argv[1:] if argv is None else argv)
     _check_preset(argv, prog)
     argv = _family_flags(argv)
-    flags = field_flags(PRESETS[argv[0]][1]) if argv and argv[0] in PRESETS else FIELD_FLAGS
+    preset = PRESETS[argv[0]][1] if argv and argv[0] in PRESETS else TrainConfig()
+    flags = field_flags(preset)
     try:
         with config_errors_raise():
             return tyro.extras.overridable_config_cli(PRESETS, args=argv, prog=prog, description=DESCRIPTION)
     except FlagError:
         raise
-    except ValueError as e:
-        raise in_flags(e, flags) from None
+    except ValueError as e:  # a number that does not parse: in the flag's words (tyro's names neither)
+        message = number_error(argv[1:], {flags[name]: kind for name, kind in field_types(preset).items()})
+        raise (FlagError(message) if message else in_flags(e, flags)) from None
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -246,6 +234,12 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
                              f"another folder (copy the exported pipeline over {os.fspath(PACKAGED_MODELS[shipped])} "
                              "yourself to replace the shipped model)")
     _check_family(config)
+    try:  # an earlier run in --output-dir trained with other settings: refused now, not after minutes of loading
+        resume_point(config)
+        if config.model is None:
+            autoencoder_reuse(config)
+    except CheckpointMismatchError as e:
+        raise in_flags(e, field_flags(config)) from None
     if config.model is None:
         tokenizer = character_tokenizer(max_length=32)
         try:
@@ -297,9 +291,10 @@ def _check_family(config: TrainConfig) -> None:
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> None:
     """Check ``argv`` (:func:`validate`) and train (:func:`eqxdiff.train.run`)."""
     config = validate(argv, prog=prog)
-    if config.optimizer.total_steps != config.steps:  # the schedule spans the run unless set on purpose
-        print(f"note: optimizer.total_steps={config.optimizer.total_steps} differs from steps={config.steps}",
-              file=sys.stderr)
+    total = config.optimizer.total_steps  # None: the schedule spans --steps
+    if total is not None and total != config.steps:
+        print(f"note: --optimizer.total-steps {total} differs from --steps {config.steps}: the learning-rate "
+              f"schedule spans {total} steps", file=sys.stderr)
     run(config)
 
 

@@ -56,6 +56,9 @@ from ._objectives import offset_noise as offset_noise
 from ._objectives import sample_timesteps as sample_timesteps
 from ._objectives import snr as snr
 from ._objectives import target as target
+from ._resume import ResumePoint as ResumePoint
+from ._resume import autoencoder_reuse as autoencoder_reuse
+from ._resume import resume_point as resume_point
 from ._run import run as run
 from ._sd import LatentDiffusion as LatentDiffusion
 from ._sdxl import SDXLLatentDiffusion as SDXLLatentDiffusion

@@ -1,6 +1,7 @@
 """A short autoencoder stage for models trained from scratch (the digits model): reconstruction MSE plus a small
 KL term, then the latent ``scaling_factor`` that gives the diffusion model unit-variance latents."""
 
+import contextlib
 import dataclasses
 
 import equinox as eqx
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm.auto import tqdm
 
 from .._typing import Array, Float, PRNGKeyArray
 from ._interrupt import TrainingInterrupted, stop_on_signals
@@ -31,9 +33,9 @@ def _vae_step(carry, images, key, optimizer, kl_weight):
 
 
 def train_autoencoder(vae, batches, *, steps: int, key: PRNGKeyArray, learning_rate: float = 1e-3,
-                      kl_weight: float = 1e-4, log_every: int = 100, log=print):
+                      kl_weight: float = 1e-4, log_every: int = 100, log=print, progress: bool = False):
     """Train ``vae`` on ``batches`` (dicts with ``pixel_values``) for ``steps`` steps of AdamW with cosine decay;
-    returns ``(vae, losses)``.
+    returns ``(vae, losses)``. ``progress``: show a progress bar named ``autoencoder stage``.
 
     Ctrl-C (SIGINT) or SIGTERM stop it at the next step boundary with :class:`eqxdiff.train.TrainingInterrupted`
     (no checkpoint: the stage keeps nothing, and a run started again trains it from the start); a second Ctrl-C
@@ -45,13 +47,18 @@ def train_autoencoder(vae, batches, *, steps: int, key: PRNGKeyArray, learning_r
                                                                            steps, learning_rate * 0.05)))
     carry = (vae, optimizer.init(eqx.filter(vae, eqx.is_array)))
     losses = []
+    bar = tqdm(total=steps, desc="autoencoder stage", dynamic_ncols=True) if progress else None
     with stop_on_signals(notice="stopping the autoencoder stage after this step; it keeps nothing (Ctrl-C "
-                                 "again aborts at once)") as stop:
+                                 "again aborts at once)") as stop, bar or contextlib.nullcontext():
         for i, k in zip(range(steps), jax.random.split(key, steps)):
             carry, loss = _vae_step(carry, jnp.asarray(next(batches)["pixel_values"]), k, optimizer, kl_weight)
             if (i + 1) % log_every == 0 or i + 1 == steps:
                 losses.append(float(loss))
                 log(f"autoencoder step {i + 1}/{steps}: loss {losses[-1]:.5f}")
+            if bar is not None:
+                bar.update(1)
+                if (i + 1) % log_every == 0:
+                    bar.set_postfix(loss=f"{losses[-1]:.5f}")
             if stop.requested is not None and i + 1 < steps:
                 raise TrainingInterrupted(i + 1, None, f"autoencoder stage interrupted at step {i + 1} of {steps}; "
                                           "nothing of it was kept (run the same command to train it again from "

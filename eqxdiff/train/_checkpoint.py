@@ -1,16 +1,21 @@
 """Train-state checkpoints with orbax: saved asynchronously every N steps, the last K kept, resumed exactly.
 
 A checkpoint holds every array of the :class:`TrainState` (trainable params, optimizer state, EMA, step, PRNG key)
-as a flat list in the state's own leaf order, the state's layout (each array's path, shape and dtype) and the data
-iterator's state as JSON. The frozen half of the model is not saved: it is rebuilt the same way (or, from scratch,
-reloaded from the autoencoder stage's folder). A state whose layout differs from the checkpoint's is refused before
-anything is restored, with the list of what differs.
+as a flat list in the state's own leaf order, the state's layout (each array's path, shape and dtype), the data
+iterator's state and the run's settings as JSON, all written together (orbax writes a step's folder under a temporary
+name and renames it when complete), so a resumed run compares its settings with the ones the state was trained with
+(:func:`saved_settings`), never with a ``config.json`` another run may have rewritten. The frozen half of the model
+is not saved: it is rebuilt the same way (or, from scratch, reloaded from the autoencoder stage's folder). A state
+whose layout differs from the checkpoint's is refused before anything is restored, with the list of what differs.
 """
 
+import json
 from pathlib import Path
 
 import jax
 import numpy as np
+
+SETTINGS = "settings"  # the checkpoint item holding the run's settings (eqxdiff.train.run_settings)
 
 
 class CheckpointMismatchError(ValueError):
@@ -55,18 +60,37 @@ def layout_differences(saved: list, current: list, limit: int = 12) -> list[str]
     return lines[:limit] + ([f"... and {len(lines) - limit} more"] if len(lines) > limit else [])
 
 
+def saved_steps(directory) -> list[int]:
+    """The steps of the complete checkpoints in ``directory`` (orbax's step folders: one still being written has a
+    temporary name), read without opening orbax."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def saved_settings(directory, step: int) -> dict | None:
+    """The run settings checkpoint ``step`` in ``directory`` was saved with (``Checkpointer(settings=...)``);
+    ``None`` for a checkpoint saved without them (by eqxdiff before it stored them)."""
+    file = Path(directory) / str(step) / SETTINGS / "metadata"  # where orbax's JsonSave writes an item
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
 class Checkpointer:
     """``orbax.checkpoint.CheckpointManager`` around a train state and a data iterator with
     ``get_state``/``set_state``. ``every``: save when ``step % every == 0`` (0: only when :meth:`save` is called,
-    e.g. on Ctrl-C); ``keep``: how many to keep."""
+    e.g. on Ctrl-C or at the end of the run); ``keep``: how many to keep; ``settings``: a JSON dict saved with each
+    checkpoint (the run's settings: :func:`saved_settings`)."""
 
-    def __init__(self, directory, *, every: int, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory, *, every: int, keep: int = 3, async_save: bool = True,
+                 settings: dict | None = None):
         import orbax.checkpoint as ocp
 
         if every < 0 or keep < 1:
             raise ValueError(f"checkpoint every={every} must be >= 0 and keep={keep} >= 1")
         self.directory = Path(directory).absolute()
         self.every = every
+        self.settings = settings
         self._ocp = ocp
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
@@ -85,9 +109,21 @@ class Checkpointer:
         """Start saving ``state`` (and the iterator's position) as ``step``; returns before the write finishes."""
         ocp = self._ocp
         data = data_iterator.get_state() if data_iterator is not None else {}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_to_saveable(state)),
-                                                        data=ocp.args.JsonSave(data),
-                                                        layout=ocp.args.JsonSave(layout(state))))
+        items = {"state": ocp.args.StandardSave(_to_saveable(state)), "data": ocp.args.JsonSave(data),
+                 "layout": ocp.args.JsonSave(layout(state))}
+        if self.settings is not None:
+            items[SETTINGS] = ocp.args.JsonSave(self.settings)
+        if not self.manager.save(step, args=ocp.args.Composite(**items)):
+            raise RuntimeError(f"orbax did not save checkpoint {step} in {self.directory} (it holds steps "
+                               f"{self.all_steps()}: it saves only steps past the latest)")
+
+    def clear(self) -> list[int]:
+        """Delete every checkpoint in the folder (a run that starts over); returns their steps."""
+        self.manager.wait_until_finished()
+        steps = self.all_steps()
+        for step in steps:
+            self.manager.delete(step)
+        return steps
 
     def check_layout(self, state, step: int | None = None) -> None:
         """Raise :class:`CheckpointMismatchError` listing the differences if checkpoint ``step`` (default: the

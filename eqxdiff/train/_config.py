@@ -1,5 +1,6 @@
-"""What a training run is told: :class:`TrainConfig` (every field a flag of ``eqxdiff-train``), and the run's
-``config.json`` (:func:`run_settings`) with what changed since a saved one (:func:`changed_settings`)."""
+"""What a training run is told: :class:`TrainConfig` (every field a flag of ``eqxdiff-train``), the run's settings
+as its ``config.json`` and each checkpoint hold them (:func:`run_settings`), and what changed since saved ones
+(:func:`setting_changes`), split by what a resumed run may change (:data:`RESUMABLE`)."""
 
 import dataclasses
 import json
@@ -47,7 +48,8 @@ class TrainConfig:
     batch_size: int = 64
     """Samples per micro-step (over all devices)."""
     steps: int = 1000
-    """Micro-steps to train (optimizer updates = steps / optimizer.accumulation_steps)."""
+    """Micro-steps to train (optimizer updates = steps / optimizer.accumulation_steps); the learning-rate schedule
+    spans them unless ``optimizer.total_steps`` is given. From scratch, the autoencoder stage comes first."""
     seed: int = 0
     """Seed of the initialisation, the data order and the training noise."""
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -78,7 +80,9 @@ class TrainConfig:
     architecture: DigitsArchitecture = DigitsArchitecture()
     """From scratch (no ``model``): the sizes of the text encoder, UNet and VAE built (``--architecture.*``)."""
     autoencoder_steps: int = 600
-    """From scratch: steps of the autoencoder stage that trains the VAE before the UNet."""
+    """From scratch: steps of the autoencoder stage, which trains the VAE before any of ``steps`` (whatever
+    ``steps`` is; 600 take about 3 minutes on a 2-core CPU, with their own progress bar); a later run in the same
+    ``output_dir`` with the same VAE settings reuses ``output_dir/autoencoder``."""
     autoencoder_batch_size: int = 32
     """From scratch: images per step of the autoencoder stage."""
     autoencoder_learning_rate: float = 2e-3
@@ -111,7 +115,12 @@ class TrainConfig:
     keep_checkpoints: int = 3
     """How many of the latest checkpoints to keep on disk (older ones are deleted)."""
     resume: bool = True
-    """Continue from the latest checkpoint in ``output_dir/checkpoints`` if there is one."""
+    """Continue from the latest checkpoint in ``output_dir/checkpoints`` if there is one. Only these settings may
+    differ from the ones it was saved with (each change printed as a note): steps, log_every, progress,
+    profile_steps, checkpoint_every, keep_checkpoints, sample_every, sample_prompts, sample_steps,
+    sample_guidance_scale, export_dir, export_dtype, export_scheduler, mesh and remat / remat_names; any other
+    change is refused before anything is loaded. A finished run (its last checkpoint at ``steps``) is not trained
+    again. False: start over, replacing the earlier run's checkpoints."""
     profile_steps: tuple[int, ...] = ()
     """Steps (0-based) to record a JAX profiler trace of, into ``output_dir/profile``."""
     sample_every: int = 0
@@ -159,6 +168,12 @@ class TrainConfig:
         Plan(remat=self.remat, remat_names=self.remat_names)  # a bad remat/remat_names pair raises here
         self._source(require=False)  # conflicting data flags raise now; a missing source when training starts
 
+    def resolved(self) -> "TrainConfig":
+        """This config with what it leaves to the run filled in: the optimizer's schedule spans ``steps`` unless
+        ``optimizer.total_steps`` is given."""
+        optimizer = self.optimizer.spanning(self.steps)
+        return self if optimizer is self.optimizer else dataclasses.replace(self, optimizer=optimizer)
+
     @property
     def source(self) -> str:
         """Which data source the flags select: ``digits``, ``synthetic``, ``folder``, ``hf`` or ``tfrecord``.
@@ -199,33 +214,89 @@ class TrainConfig:
 _SOURCE_FLAGS = "data= (digits, synthetic or an image folder), hf_dataset= or tfrecord="
 
 
-_PER_RUN = {"steps", "output_dir", "log_every", "checkpoint_every", "keep_checkpoints", "resume", "profile_steps",
-            "sample_every", "sample_prompts", "sample_steps", "sample_guidance_scale", "progress", "export_dir",
-            "export_dtype", "export_scheduler"}
+# What a resumed run may change (dotted names, or a nested config whose every field may), each change printed as a
+# note: how far the run goes (``steps``), what it writes, how often and where (logging, profiles, checkpoints, samples,
+# the export), and how the same computation is laid out on the devices (``mesh``, ``remat``). None of them changes
+# what a step computes from the restored state and the next batch; every other setting (the model, the data and its
+# order, the objective, the optimizer and its schedule, the seed, caching) is refused by eqxdiff.train.resume_point.
+RESUMABLE = ("steps", "output_dir", "resume", "progress", "log_every", "profile_steps", "checkpoint_every",
+             "keep_checkpoints", "sample_every", "sample_prompts", "sample_steps", "sample_guidance_scale",
+             "export_dir", "export_dtype", "export_scheduler", "mesh", "remat", "remat_names")
+_UNREPORTED = ("output_dir", "resume")  # the same folder, spelled another way; resuming itself
 
 
 def run_settings(config: TrainConfig) -> dict:
-    """``config`` as the run's ``config.json`` holds it (nested dicts, JSON values)."""
-    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    """``config`` as the run's ``config.json`` and each checkpoint hold it (nested dicts, JSON values), with what it
+    leaves to the run filled in (:meth:`TrainConfig.resolved`)."""
+    return json.loads(json.dumps(dataclasses.asdict(config.resolved()), default=str))
 
 
-def changed_settings(path: Path, settings: dict, keys: tuple[str, ...] | None = None) -> str:
-    """``key: saved -> now`` for the settings (dotted for nested ones) that differ from a saved config.json,
-    leaving out those that may change between resumed runs (steps, logging, export ...); only ``keys`` if given."""
-    if not path.is_file():
-        return ""
+def flat_settings(settings: dict, prefix: str = "") -> dict:
+    """``{dotted name: value}`` of :func:`run_settings`' nested dicts."""
+    out = {}
+    for k, v in settings.items():
+        if isinstance(v, dict):
+            out.update(flat_settings(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def setting_changes(saved: dict, settings: dict, keys: tuple[str, ...] | None = None) -> dict:
+    """``{dotted name: (saved, now)}`` of the settings (:func:`run_settings`, or :func:`flat_settings`) that differ
+    from ``saved`` (only ``keys``, if given); a nested config set on one side only (``mesh``: ``None`` and sizes) is
+    one change."""
+    changes = {}
+
+    def walk(old: dict, new: dict, prefix: str):
+        for k in sorted(old.keys() | new.keys()):
+            a, b = old.get(k), new.get(k)
+            if isinstance(a, dict) and isinstance(b, dict):
+                walk(a, b, f"{prefix}{k}.")
+            elif a != b and (keys is None or prefix + k in keys):
+                changes[prefix + k] = (a, b)
+
+    walk(saved, settings, "")
+    return changes
+
+
+def resumable(name: str) -> bool:
+    """Whether setting ``name`` (dotted) may change when a run resumes (:data:`RESUMABLE`)."""
+    return name in RESUMABLE or name.split(".", 1)[0] in RESUMABLE
+
+
+def reported(name: str) -> bool:
+    """Whether a resumed run notes a change of setting ``name`` (not of ``output_dir`` or ``resume``)."""
+    return name not in _UNREPORTED
+
+
+def describe_changes(changes: dict) -> str:
+    """``name=saved -> now, ...`` of :func:`setting_changes`, each value at most a few dozen characters (a long list
+    or text is summarised)."""
+    return ", ".join(f"{k}={_short(old)} -> {_short(new)}" for k, (old, new) in changes.items())
+
+
+def _short(value, width: int = 40) -> str:
+    text = repr(value)
+    if len(text) <= width:
+        return text
+    if isinstance(value, list):
+        return f"[{_short(value[0], width)}, ... {len(value)} items]"
+    if isinstance(value, dict):
+        key = next(iter(value))
+        return f"{{{key!r}: {_short(value[key], width)}, ... {len(value)} keys}}"
+    if isinstance(value, str):
+        return repr(value[:width - 8] + "...")
+    return text[:width - 3] + "..."
+
+
+def changed_settings(path: Path, settings: dict) -> str:
+    """:func:`describe_changes` of the settings that may not change on resume and differ from a saved
+    ``config.json`` (what a checkpoint saved without its settings, by eqxdiff before it stored them, is compared
+    with); ``""`` when there is no readable file."""
     try:
-        saved = json.loads(path.read_text())
+        saved = json.loads(path.read_text()) if path.is_file() else {}
     except json.JSONDecodeError:
-        return ""
-
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                yield from flat(v, f"{prefix}{k}.")
-            elif prefix or k not in _PER_RUN:
-                yield f"{prefix}{k}", v
-
-    old, new = dict(flat(saved)), dict(flat(settings))
-    return "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
-                     if old.get(k) != new.get(k) and (keys is None or k in keys))
+        saved = {}
+    changes = setting_changes(saved, settings) if saved else {}
+    return describe_changes({k: v for k, v in changes.items() if not resumable(k)})

@@ -72,9 +72,9 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
     pure data-parallel mesh, split over ``fsdp``/``tensor`` otherwise), each batch is split over the data and fsdp
     axes, and the step keeps the state on those shardings. Give the model its :class:`eqxdiff.parallel.Plan`
     (``with_plan``) before :func:`init_state` for activation constraints and remat. ``checkpointer`` (a
-    :class:`eqxdiff.train.Checkpointer`) saves every ``checkpointer.every`` steps along with ``batches``'s
-    position; ``profile_steps`` writes a JAX profiler trace of those steps to ``profile_dir``; ``sample_fn(state)``
-    returns uint8 images logged every ``sample_every`` steps.
+    :class:`eqxdiff.train.Checkpointer`) saves every ``checkpointer.every`` steps and at ``steps`` along with
+    ``batches``'s position; ``profile_steps`` writes a JAX profiler trace of those steps to ``profile_dir``;
+    ``sample_fn(state)`` returns uint8 images logged every ``sample_every`` steps.
 
     Ctrl-C (SIGINT) or SIGTERM stop the loop at the next step boundary: the state is saved with ``checkpointer``
     (if given) and :class:`eqxdiff.train.TrainingInterrupted` raised; a second Ctrl-C aborts at once.
@@ -135,6 +135,8 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
     if tracing:
         jax.profiler.stop_trace()
     if checkpointer is not None:
+        if checkpointer.latest_step() != steps:  # the finished state (not twice when the last step was due)
+            checkpointer.save(steps, state, batches)
         checkpointer.wait()
     return state, losses
 

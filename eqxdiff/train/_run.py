@@ -24,15 +24,34 @@ from ._data import DataError, cache_arrays, cache_stream
 from ._family import TrainModel
 from ._loop import fit, shard_state
 from ._metrics import MetricsLogger, log_line
+from ._resume import ResumePoint, autoencoder_reuse, resume_point
 from ._setup import Setup, autoencoder_stage, build, export_pipeline, sample_scheduler
 from ._sources import open_source
 from ._step import init_state, make_optimizer, trainable_filter
 
 
 def run(config: TrainConfig):
-    """Train as ``config`` says; returns ``(state, frozen, losses)``."""
+    """Train as ``config`` says; returns ``(state, frozen, losses)`` (``losses``: of the steps this call ran).
+
+    An earlier run in ``output_dir`` is resumed from its latest checkpoint when the settings saved with it agree with
+    ``config`` (:func:`eqxdiff.train.resume_point`; checked, with an earlier autoencoder stage's settings, before
+    anything is loaded or written). A run its last checkpoint shows trained to ``steps`` and exported has nothing to
+    do: ``(None, None, [])``; trained but not exported as asked, it is restored and exported."""
     t_start = time.perf_counter()
+    point = resume_point(config)  # a refused change raises here, before anything is loaded or written
+    if config.model is None:
+        autoencoder_reuse(config)  # so does an earlier autoencoder stage's VAE trained otherwise
+    config = config.resolved()
     out = Path(config.output_dir)
+    if point is not None:
+        if point.note:
+            log_line(f"note: {point.note}")
+        if point.step >= config.steps:
+            done = point.finished(config)
+            log_line(f"already trained to step {point.step} ({point.folder}); "
+                     + ("nothing to do" if done else "exporting it"))
+            if done:
+                return None, None, []
     out.mkdir(parents=True, exist_ok=True)
     mesh = None if config.mesh is None else make_mesh(config.mesh)
     if config.batch_size % batch_shards(mesh):
@@ -44,17 +63,11 @@ def run(config: TrainConfig):
     setup, batches, encoders = _training_data(config, setup, source)
     optimizer = make_optimizer(config.optimizer)
     state, frozen = _initial_state(config, setup.model, optimizer, mesh)
-    # Checkpoints every checkpoint_every steps, and on Ctrl-C / SIGTERM whatever it is.
-    checkpointer = Checkpointer(out / "checkpoints", every=config.checkpoint_every, keep=config.keep_checkpoints)
+    # Checkpoints every checkpoint_every steps, at the end, and on Ctrl-C / SIGTERM whatever it is.
     settings = run_settings(config)
-    if config.resume and checkpointer.latest_step() is not None:
-        try:
-            checkpointer.check_layout(state)
-        except CheckpointMismatchError as e:
-            changed = changed_settings(out / "config.json", settings)
-            raise CheckpointMismatchError(mismatch_message(e.where, e.differences, changed)) from None
-        state = checkpointer.restore(state, batches)
-        log_line(f"resumed from step {int(state.step)}")
+    checkpointer = Checkpointer(out / "checkpoints", every=config.checkpoint_every, keep=config.keep_checkpoints,
+                                settings=settings)
+    state = _restore(config, point, checkpointer, state, batches)
     (out / "config.json").write_text(json.dumps(settings, indent=2))  # only once the run is known to fit
     logger = MetricsLogger(out, total_steps=config.steps, start_step=int(state.step), progress=config.progress)
     scheduler = sample_scheduler(config, setup)
@@ -63,18 +76,20 @@ def run(config: TrainConfig):
     if objective.prediction_type is None:
         default = getattr(setup.noise_scheduler.config, "prediction_type", None)  # flow matching: the velocity
         objective = dataclasses.replace(objective, prediction_type=default)
+    start, t_fit = int(state.step), time.perf_counter()
     try:
         state, losses = fit(state, frozen, batches, steps=config.steps, scheduler=setup.noise_scheduler,
                             objective=objective, optimizer=optimizer, ema_decay=config.ema_decay or 0.0, mesh=mesh,
                             logger=logger, log_every=config.log_every, checkpointer=checkpointer,
                             profile_steps=config.profile_steps, profile_dir=out / "profile",
                             sample_every=config.sample_every, sample_fn=sample_fn)
+        if int(state.step) > start:  # this process's part of the run
+            log_line(f"trained steps {start}-{int(state.step)} in {time.perf_counter() - t_fit:.0f} s")
         if sample_fn is not None:
             logger.images(int(state.step), "samples", sample_fn(state))
     finally:
         logger.close()
         checkpointer.close()
-    log_line(f"trained to step {int(state.step)} in {time.perf_counter() - t_start:.0f} s (wall, from the start)")
     trained = state.model(_to_host(frozen), use_ema=True)
     trained = _to_host(trained).with_text_encoders(encoders)
     folder = config.export_dir or out / "pipeline"
@@ -82,6 +97,28 @@ def run(config: TrainConfig):
                     dtype=config.export_dtype, options=setup.options)
     log_line(f"exported the pipeline to {folder}; total {time.perf_counter() - t_start:.0f} s")
     return state, frozen, losses
+
+
+def _restore(config: TrainConfig, point: ResumePoint | None, checkpointer: Checkpointer, state, batches):
+    """``state`` (and ``batches``' position) restored from the checkpoint at ``point``; with ``resume=False``, the
+    earlier run's checkpoints are removed instead (a run that starts over saves its own from step 0, which orbax
+    would not write beside a later step). A checkpoint whose arrays do not fit ``state`` is refused with the list."""
+    if not config.resume:
+        removed = checkpointer.clear()
+        if removed:
+            log_line(f"note: resume=False: removed the earlier run's checkpoints {removed} in {checkpointer.directory}")
+        return state
+    if point is None:
+        return state
+    try:
+        checkpointer.check_layout(state, point.step)
+    except CheckpointMismatchError as e:
+        changed = "" if point.settings is not None else changed_settings(
+            Path(config.output_dir) / "config.json", run_settings(config))
+        raise CheckpointMismatchError(mismatch_message(e.where, e.differences, changed)) from None
+    state = checkpointer.restore(state, batches, step=point.step)
+    log_line(f"resumed from step {int(state.step)}")
+    return state
 
 
 def _training_data(config: TrainConfig, setup: Setup, source):

@@ -14,12 +14,12 @@ from ..loading import load, save_pretrained
 from ..pipelines import load_pipeline, save_pipeline
 from ..schedulers import DDPMScheduler, scheduler_from_config
 from ._autoencoder import fit_scaling_factor, train_autoencoder
-from ._checkpoint import CheckpointMismatchError
-from ._config import TrainConfig, changed_settings, run_settings
+from ._config import TrainConfig
 from ._digits import SD_NOISE_SCHEDULE, build_digits_model
 from ._families import train_family
 from ._family import FamilyOptions, TrainModel
 from ._metrics import log_line
+from ._resume import autoencoder_reuse, record_autoencoder
 from ._sd import LatentDiffusion
 from ._sources import stream
 
@@ -93,30 +93,19 @@ def build_model(config: TrainConfig):
     return setup.model, next(iter(setup.tokenizers.values())), setup.noise_scheduler
 
 
-# What the autoencoder stage's VAE depends on (config.json's dotted names): its sizes, the stage's training and data.
-AUTOENCODER_SETTINGS = ("architecture.vae_channels", "architecture.latent_channels", "architecture.norm_num_groups",
-                        "architecture.image_size", "autoencoder_steps", "autoencoder_batch_size",
-                        "autoencoder_learning_rate", "kl_weight", "resolution", "data", "hf_dataset", "tfrecord")
-
-
 def autoencoder_stage(config: TrainConfig, model: TrainModel, kind: str, data) -> TrainModel:
-    """``model`` with its VAE trained by the autoencoder stage (:func:`eqxdiff.train.train_autoencoder`, then the
-    latent scaling factor fitted) and saved to ``OUTPUT_DIR/autoencoder``; or the VAE saved there by an earlier run
-    of this output folder, reused if that run's ``config.json`` agrees on :data:`AUTOENCODER_SETTINGS` (else
-    :class:`~eqxdiff.train.CheckpointMismatchError` listing what differs, before anything is written). A signal
-    stops the stage with :class:`~eqxdiff.train.TrainingInterrupted`, nothing of it kept."""
-    out = Path(config.output_dir)
-    folder = out / "autoencoder"
-    if (folder / "config.json").is_file():
-        changed = changed_settings(out / "config.json", run_settings(config), keys=AUTOENCODER_SETTINGS)
-        if changed:
-            raise CheckpointMismatchError(
-                f"the autoencoder in {folder} was trained with other settings than this run's; it was not reused "
-                f"and nothing was changed. Settings that differ from that run's config.json: {changed}. Run with "
-                f"that run's settings, use another output_dir, or delete {folder} (and {out / 'checkpoints'}) to "
-                "train a new autoencoder")
+    """``model`` with its VAE trained by the autoencoder stage (:func:`eqxdiff.train.train_autoencoder`, its own
+    progress bar, then the latent scaling factor fitted) and saved to ``OUTPUT_DIR/autoencoder`` with a record of
+    the settings that trained it; or the VAE an earlier run saved there, when those settings agree with this run's
+    (:func:`~eqxdiff.train._resume.autoencoder_reuse`: else :class:`~eqxdiff.train.CheckpointMismatchError` naming
+    them, before anything is written). A signal stops the stage with :class:`~eqxdiff.train.TrainingInterrupted`,
+    nothing of it kept."""
+    folder = Path(config.output_dir) / "autoencoder"
+    if autoencoder_reuse(config):
         log_line(f"autoencoder stage: reusing {folder}")
         return eqx.tree_at(lambda m: m.vae, model, load(folder))
+    if (folder / "config.json").is_file():
+        log_line(f"note: resume=False: training a new autoencoder in place of {folder}, trained with other settings")
     t0 = time.perf_counter()
     if kind == "arrays":
         batches = ArrayBatches({"pixel_values": data["pixel_values"]}, config.autoencoder_batch_size,
@@ -125,14 +114,17 @@ def autoencoder_stage(config: TrainConfig, model: TrainModel, kind: str, data) -
     else:
         batches = iter(data)
         images = next(iter(data))["pixel_values"]
+    log_line(f"autoencoder stage: {config.autoencoder_steps} steps training the VAE, before the {config.steps} "
+             "training steps")
     vae, _ = train_autoencoder(model.vae, batches, steps=config.autoencoder_steps,
                                key=jax.random.key(config.seed + 1), learning_rate=config.autoencoder_learning_rate,
                                kl_weight=config.kl_weight, log_every=max(config.autoencoder_steps // 10, 1),
-                               log=log_line)
+                               log=log_line, progress=config.progress)
     vae = fit_scaling_factor(vae, images, key=jax.random.key(config.seed + 2))
     save_pretrained(vae, folder)
+    record_autoencoder(config, folder)
     log_line(f"autoencoder stage: {time.perf_counter() - t0:.0f} s, scaling_factor "
-         f"{vae.config.scaling_factor:.4f}, saved to {folder}")
+             f"{vae.config.scaling_factor:.4f}, saved to {folder}")
     return eqx.tree_at(lambda m: m.vae, model, vae)
 
 

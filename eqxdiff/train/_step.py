@@ -54,9 +54,9 @@ class OptimizerConfig:
     """The peak learning rate (reached after ``warmup_steps``)."""
     warmup_steps: int = 0
     """Optimizer updates of linear warmup from 0 to ``learning_rate``."""
-    total_steps: int = 10_000
-    """Micro-steps the schedule spans (normally the run's ``steps``); the schedule has total_steps //
-    accumulation_steps updates."""
+    total_steps: int | None = None
+    """Micro-steps the schedule spans; the schedule has total_steps // accumulation_steps updates. None: the run's
+    ``steps`` (``TrainConfig.resolved``; a bare optimizer needs it given: :meth:`spanning`)."""
     schedule: str = "cosine"
     """After warmup: ``cosine`` or ``linear`` decay to ``final_learning_rate_fraction``, or ``constant``."""
     final_learning_rate_fraction: float = 0.0
@@ -89,13 +89,20 @@ class OptimizerConfig:
             raise ValueError(f"final_learning_rate_fraction={self.final_learning_rate_fraction} must be in [0, 1]")
         if self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={self.accumulation_steps} must be >= 1")
-        if self.warmup_steps < 0 or self.total_steps < 1:
+        if self.warmup_steps < 0 or (self.total_steps is not None and self.total_steps < 1):
             raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {self.warmup_steps}, "
                              f"{self.total_steps}")
+
+    def spanning(self, steps: int) -> "OptimizerConfig":
+        """This config with ``total_steps=steps`` where it leaves it to the run (``None``); as it is otherwise."""
+        return self if self.total_steps is not None else dataclasses.replace(self, total_steps=steps)
 
     @property
     def update_steps(self) -> int:
         """Optimizer updates over the run: ``total_steps // accumulation_steps`` (the schedule's length)."""
+        if self.total_steps is None:
+            raise ValueError("total_steps=None leaves the schedule's length to the run; give it, or use "
+                             "config.spanning(steps) (TrainConfig fills in its steps)")
         return max(self.total_steps // self.accumulation_steps, 1)
 
     def learning_rate_schedule(self) -> optax.Schedule:
