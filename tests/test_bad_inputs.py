@@ -166,6 +166,12 @@ GENERATE = [
      r"--strength 0.1 with 4 steps leaves no denoising step; raise --num-inference-steps or move the fraction"),
     ("timesteps-outside-schedule", ["--timesteps", "5000", "10"], InputError, r"--timesteps \[5000, 10\] fall "
      r"outside \[0, num_train_timesteps=1000\)"),
+    # issue 18: an ascending custom schedule drew a garbled, green-tinted image with exit 0
+    ("timesteps-ascending", ["--timesteps", "999", "500", "600", "1"], InputError, r"--timesteps \[999, 500, 600, "
+     r"1\] must be strictly descending \(the noisiest step first\): 500 at position 1 is followed by 600"),
+    ("timesteps-repeated", ["--timesteps", "900", "900", "1"], InputError, r"must be strictly descending"),
+    ("guidance-extreme", ["--guidance-scale", "1e30"], InputError, r"--guidance-scale must be in \[0, 100\], got "
+     r"1e\+30 \(1-20 is the useful range"),
     ("sigmas-not-taken", ["--sigmas", "1.0", "0.5"], InputError, r"DPMSolverMultistepScheduler.init does not take "
      r"--sigmas .*; it takes --timesteps"),
     ("scheduler-option-no-value", ["--scheduler-option", "clip_sample"], InputError, r"must be KEY=VALUE"),
@@ -396,6 +402,14 @@ API = [
     ("negative-prompts-count", lambda c: c.pipe("a", negative_prompt=["x", "y"], progress=False), InputError,
      r"negative_prompt has 2 entries but prompt has 1"),
     ("timesteps-empty", lambda c: c.pipe("a", timesteps=[]), InputError, r"timesteps must be a non-empty list"),
+    ("timesteps-ascending", lambda c: c.pipe("a", timesteps=[1, 500, 999]), ValueError, r"timesteps=\[1, 500, 999\] "
+     r"must be strictly descending"),
+    ("sigmas-ascending", lambda c: c.pipe.with_scheduler("euler")("a", sigmas=[0.0, 3.0, 14.0]), ValueError,
+     r"sigmas=\[0.0, 3.0, 14.0\] must be strictly descending"),
+    ("guidance-extreme", lambda c: c.pipe("a", guidance_scale=1e30), InputError, r"guidance_scale must be in "
+     r"\[0, 100\], got 1e\+30"),
+    ("guidance-negative", lambda c: c.pipe("a", guidance_scale=-3.0), InputError, r"guidance_scale must be in "
+     r"\[0, 100\], got -3.0"),
     ("sigmas-nan", lambda c: c.pipe("a", sigmas=[1.0, float("nan")]), InputError, r"sigmas=\[1.0, nan\]"),
     ("denoising-start-out-of-range", lambda c: eqxdiff.pipelines.check_arguments({"denoising_start": 1.5}),
      InputError, r"denoising_start=1.5 must be a float in \(0, 1\)"),

@@ -49,7 +49,7 @@ def test_generate_accepts_only_what_it_can_run(values):
         assert kw[name] is None or (kw[name] > 0 and kw[name] % 4 == 0), kw[name]
     assert kw["num_inference_steps"] >= 1 and kw["num_images_per_prompt"] >= 1
     assert kw["num_inference_steps"] <= 1000  # the schedule is checked too: the scheduler's 1000 training timesteps
-    assert math.isfinite(kw["guidance_scale"]) and 0.0 <= kw["guidance_rescale"] <= 1.0 and 0.0 <= kw["eta"] <= 1
+    assert 0.0 <= kw["guidance_scale"] <= 100.0 and 0.0 <= kw["guidance_rescale"] <= 1.0 and 0.0 <= kw["eta"] <= 1
     assert kw["clip_skip"] is None or 0 <= kw["clip_skip"] <= 2  # the digits text encoder has 2 layers
     assert kw["strength"] is None  # no --image: text-to-image takes no strength
     assert kw["seed"] is None or seed_key(kw["seed"]).shape == ()  # any int the flag took is a key

@@ -137,6 +137,13 @@ def _output_type(name: str, value, limits) -> None:
     check_output_type(value)
 
 
+# Guidance scales are bounded where they stay meaningful: at most 100 (1-20 is the useful range). Beyond it the
+# guided output is the scale times a small difference, the latents leave the range the VAE decodes and the images
+# saturate to flat colours (a scale of 1e30 drew a grey image) while every number stays finite, so no NaN check
+# catches it. Below 0 nothing changes: guidance is off at or below 1, as in diffusers.
+MAX_GUIDANCE = 100.0
+GUIDANCE_WHY = " (1-20 is the useful range, 1 or less turns guidance off; far above it images saturate to flat colours)"
+
 # name -> check(name, value, limits); a family's own arguments are checked by its own code.
 CHECKS = {
     "prompt": _prompt, "prompt_2": _prompt, "negative_prompt": _prompt, "negative_prompt_2": _prompt,
@@ -145,7 +152,9 @@ CHECKS = {
     "num_images_per_prompt": lambda n, v, _: _int(n, v, 1),
     "num_frames": lambda n, v, _: _int(n, v, 1),
     "max_sequence_length": lambda n, v, _: _int(n, v, 1),
-    "guidance_scale": lambda n, v, _: _real_in(n, v, -math.inf, math.inf),
+    "guidance_scale": lambda n, v, _: _real_in(n, v, 0.0, MAX_GUIDANCE, why=GUIDANCE_WHY),
+    "guidance_scale_2": lambda n, v, _: _real_in(n, v, 0.0, MAX_GUIDANCE, why=GUIDANCE_WHY),
+    "true_cfg_scale": lambda n, v, _: _real_in(n, v, 0.0, MAX_GUIDANCE, why=GUIDANCE_WHY),
     "guidance_rescale": lambda n, v, _: _real_in(n, v, 0.0, 1.0, why=" (0 turns the rescale off, 0.7 is usual)"),
     "strength": lambda n, v, _: _real_in(n, v, 0.0, 1.0, open_low=True,
                                          why=" (the fraction of the schedule an image-to-image run takes)"),

@@ -90,12 +90,19 @@ def custom_schedule(name: str, key: str, values: Sequence[float] | np.ndarray, d
     out = np.asarray(values, dtype)
     if out.ndim != 1 or out.size == 0:
         raise ValueError(f"{name}.init: {key}= must be a non-empty 1-D sequence, got shape {out.shape}")
+    check_descending(name, key, out)
     return out
 
 
 def check_descending(name: str, key: str, values: np.ndarray) -> None:
-    if np.any(np.diff(values) >= 0):
-        raise ValueError(f"{name}.init: {key}={values.tolist()} must be strictly descending")
+    """A custom schedule runs from the noisiest step down: ascending or repeated entries would step backwards (or
+    by nothing) and draw garbage, so they are refused, naming the first offending pair."""
+    rising = np.flatnonzero(np.diff(values) >= 0)
+    if rising.size:
+        i = int(rising[0])
+        shown = values.tolist() if values.size <= 8 else f"[{values[0]:g}, ..., {values[-1]:g}] ({values.size} values)"
+        raise ValueError(f"{name}.init: {key}={shown} must be strictly descending (the noisiest step first): "
+                         f"{values[i]:g} at position {i} is followed by {values[i + 1]:g}")
 
 
 def resolve_begin_index(num_inference_steps: int, num_timesteps: int, order: int,

@@ -10,7 +10,6 @@ import numpy as np
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ._base import (
-    check_descending,
     check_num_steps,
     counters,
     custom_schedule,
@@ -59,7 +58,6 @@ class DDPMScheduler(AbstractBetaScheduler):
         if timesteps is not None:
             one_of_steps_or("DDPMScheduler", num_inference_steps, timesteps=timesteps)
             timesteps = custom_schedule("DDPMScheduler", "timesteps", timesteps, np.int64)
-            check_descending("DDPMScheduler", "timesteps", timesteps)
             num_inference_steps = len(timesteps)
         else:
             num_inference_steps = cfg.num_train_timesteps if num_inference_steps is None else num_inference_steps

@@ -20,7 +20,6 @@ import numpy as np
 from .._typing import Array, Bool, Float, Int
 from ._base import (
     AbstractSchedulerState,
-    check_descending,
     counters,
     custom_schedule,
     is_zero,
@@ -95,7 +94,6 @@ class _ConsistencyScheduler(AbstractBetaScheduler):
         origin = self._origin_timesteps(original_inference_steps)
         if timesteps is not None:
             timesteps = custom_schedule(name, "timesteps", timesteps, np.int64)
-            check_descending(name, "timesteps", timesteps)
             if timesteps[0] >= cfg.num_train_timesteps or timesteps[-1] < 0:
                 raise ValueError(f"{name}.init: timesteps={timesteps.tolist()} must lie in [0, "
                                  f"num_train_timesteps={cfg.num_train_timesteps})")
