@@ -126,6 +126,22 @@ def test_errors_name_the_problem(tmp_path, monkeypatch):
     torch.save(_torch_weights(), bin_only / "diffusion_pytorch_model.bin")
     with pytest.raises(CheckpointError, match="only PyTorch pickle weights.*safe_serialization=True"):
         eqxdiff.load(bin_only)
+
+
+@pytest.mark.parametrize("name", ["model.ckpt", "diffusion_pytorch_model.pt", "weights.pth"])
+def test_a_folder_of_pickles_gets_the_pickle_conversion_hint(tmp_path, name):
+    """Issue 18: a component folder holding only a .ckpt / .pt / .pth said 'no weights file'; it gets the refusal and
+    conversion a pickle passed directly gets (and the pickle is never opened)."""
+    folder = tmp_path / "unet"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"_class_name": "TinyModel"}))
+    torch.save(_torch_weights(), folder / name)
+    pattern = (rf"holds only PyTorch pickle weights \({re.escape(name)}\); eqxdiff reads only \.safetensors files "
+               r"\(a pickle can run code when loaded\)\..*safe_serialization=True.*safetensors\.torch\.save_file")
+    with pytest.raises(CheckpointError, match=pattern):
+        eqxdiff.load(folder)
+    with pytest.raises(CheckpointError, match=pattern):
+        eqxdiff.load(tmp_path, subfolder="unet")
     w = _torch_weights()
     w["extra.weight"] = torch.zeros(2)
     del w["proj.bias"]

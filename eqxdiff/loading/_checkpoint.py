@@ -25,7 +25,7 @@ from ._convert import (
     convert_tensors,
     inverse,
 )
-from ._errors import PICKLE_SUFFIXES, CheckpointError, pickle_error
+from ._errors import PICKLE_SUFFIXES, CheckpointError, pickle_error, pickle_folder_error
 from ._fill import fill_module, state_dict
 from ._safetensors import SafetensorsFile, write_safetensors
 
@@ -219,12 +219,9 @@ def weight_files(folder: Path, variant: str | None = None) -> list[Path]:
                 if missing:
                     raise CheckpointError(f"{index.name} lists shard(s) missing from {os.fspath(folder)!r}: {missing}")
                 return [folder / s for s in shards]
-    bins = sorted(x.name for x in folder.glob("*.bin"))
-    if bins:
-        raise CheckpointError(
-            f"{os.fspath(folder)!r} holds only PyTorch pickle weights ({', '.join(bins)}); eqxdiff reads safetensors. "
-            "Convert once with diffusers/transformers: `Model.from_pretrained(folder).save_pretrained(folder, "
-            "safe_serialization=True)`.")
+    pickles = sorted(x.name for x in folder.iterdir() if x.is_file() and x.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise pickle_folder_error(folder, pickles)
     want = f"{_WEIGHT_BASENAMES[0]}{suffix}.safetensors or {_WEIGHT_BASENAMES[1]}{suffix}.safetensors"
     others = sorted(x.name for x in folder.glob("*.safetensors"))
     hint = f" (found {others}; is the variant right?)" if others else ""

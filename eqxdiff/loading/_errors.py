@@ -20,9 +20,23 @@ def pickle_error(path: str | os.PathLike) -> CheckpointError:
     ``load_pipeline``, ``eqxdiff-generate``)."""
     name = os.path.basename(os.fspath(path))
     return CheckpointError(
-        f"{os.fspath(path)!r} is a PyTorch pickle; eqxdiff reads only .safetensors files (a pickle can run code "
-        "when loaded). Convert it once where you trust it, with diffusers: "
+        f"{os.fspath(path)!r} is a PyTorch pickle; {_REFUSAL} Convert it once where you trust it, with diffusers: "
         f"`StableDiffusionPipeline.from_single_file({name!r}).save_pretrained('folder')` (eqxdiff loads the "
-        "folder), or with safetensors: `sd = torch.load(path, map_location='cpu', weights_only=True); "
-        "sd = sd.get('state_dict', sd); safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items() "
-        "if torch.is_tensor(v)}, 'model.safetensors')`")
+        f"folder), or {_SAFETENSORS_ONE_LINER}")
+
+
+def pickle_folder_error(folder: str | os.PathLike, names: list[str]) -> CheckpointError:
+    """The error for a model folder whose weights are only PyTorch pickles (``names``): :func:`pickle_error`'s
+    refusal and conversion, for a folder (a ``.ckpt`` in a component folder gets the hint a ``.ckpt`` passed
+    directly gets)."""
+    return CheckpointError(
+        f"{os.fspath(folder)!r} holds only PyTorch pickle weights ({', '.join(names)}); {_REFUSAL} Convert them once "
+        "where you trust them, with diffusers/transformers: `Model.from_pretrained(folder).save_pretrained(folder, "
+        f"safe_serialization=True)`, or {_SAFETENSORS_ONE_LINER}")
+
+
+_REFUSAL = "eqxdiff reads only .safetensors files (a pickle can run code when loaded)."
+_SAFETENSORS_ONE_LINER = (
+    "with safetensors: `sd = torch.load(path, map_location='cpu', weights_only=True); sd = sd.get('state_dict', sd); "
+    "safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items() if torch.is_tensor(v)}, "
+    "'model.safetensors')`")
