@@ -41,6 +41,8 @@ from ._parity import ModelParity
 _T5 = dict(vocab_size=11, d_model=8, d_kv=4, d_ff=12, num_layers=2, num_heads=2, relative_attention_num_buckets=4)
 _FLUX = dict(in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=4, num_attention_heads=2,
              joint_attention_dim=6, pooled_projection_dim=5, axes_dims_rope=(2, 2), guidance_embeds=True)
+_WAN = dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=6,
+            freq_dim=4, ffn_dim=12, num_layers=2)
 
 Tiny = dict | Callable[[], ModelConfig]
 TINY_CONFIGS: dict[str, Tiny | list[Tiny]] = {
@@ -77,6 +79,8 @@ TINY_CONFIGS: dict[str, Tiny | list[Tiny]] = {
     "UMT5EncoderModel": dict(_T5, feed_forward_proj="gated-gelu"),
     # separate and fused projections hold different parameters: both; guidance embedder on
     "FluxTransformer2DModel": [dict(_FLUX), dict(_FLUX, fused_projections=True)],
+    # text-to-video; first-last-frame image-to-video (image embedder with positions, added k/v)
+    "WanTransformer3DModel": [dict(_WAN), dict(_WAN, image_dim=4, added_kv_proj_dim=16, pos_embed_seq_len=6)],
 }
 
 MODELS = family_names("model")

@@ -31,6 +31,8 @@ FAMILY_TABLE: dict[str, str] = {
     "FluxPipeline": "eqxdiff.pipelines.flux:FluxPipeline",
     "FluxImg2ImgPipeline": "eqxdiff.pipelines.flux:FluxImg2ImgPipeline",
     "FluxKontextPipeline": "eqxdiff.pipelines.flux:FluxKontextPipeline",
+    # Wan 2.1 / 2.2
+    "WanTransformer3DModel": "eqxdiff.models.wan:WanTransformer3DModel",
     # ControlNet
     "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
     "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",

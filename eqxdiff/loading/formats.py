@@ -164,3 +164,57 @@ class BflTransformer(Part):
             return bfl_config(view, where=where, prefix=self.prefix)
         except CheckpointError as e:
             raise CheckpointError(f"{e}; or pass config= a Flux folder holding {self.name}/config.json") from None
+
+
+# -- Wan 2.1 / 2.2 ----------------------------------------------------------------------------------------------------
+
+WAN_DIFFUSION_MODEL = "model.diffusion_model."  # ComfyUI's repackagings of Wan: the original names below it
+
+# Original Wan names -> diffusers' (scripts/convert_wan_to_diffusers.py, single_file_utils'
+# convert_wan_transformer_to_diffusers), per block, then for the whole model; "optional": only some models have it.
+_WAN_BLOCK = (
+    *((f"self_attn.{p}", f"attn1.{d}") for p, d in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"))),
+    *((f"cross_attn.{p}", f"attn2.{d}") for p, d in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"))),
+    ("self_attn.norm_q", "attn1.norm_q"), ("self_attn.norm_k", "attn1.norm_k"),
+    ("cross_attn.norm_q", "attn2.norm_q"), ("cross_attn.norm_k", "attn2.norm_k"),
+    ("ffn.0", "ffn.net.0.proj"), ("ffn.2", "ffn.net.2"),
+)
+_WAN_BLOCK_OPTIONAL = (  # image-to-video's added k/v; the cross-attention norm (original norm3, diffusers' norm2)
+    ("cross_attn.k_img", "attn2.add_k_proj"), ("cross_attn.v_img", "attn2.add_v_proj"),
+    ("cross_attn.norm_k_img", "attn2.norm_added_k"), ("norm3", "norm2"),
+)
+_WAN_MODEL = (
+    ("time_embedding.0", "condition_embedder.time_embedder.linear_1"),
+    ("time_embedding.2", "condition_embedder.time_embedder.linear_2"),
+    ("time_projection.1", "condition_embedder.time_proj"),
+    ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
+    ("text_embedding.2", "condition_embedder.text_embedder.linear_2"),
+    ("head.head", "proj_out"),
+)
+_WAN_IMAGE = tuple((f"img_emb.proj.{i}", f"condition_embedder.image_embedder.{d}")
+                   for i, d in ((0, "norm1"), (1, "ff.net.0.proj"), (3, "ff.net.2"), (4, "norm2")))
+
+
+def wan_transformer(*, prefix: str = "") -> tuple[Rule, ...]:
+    """The original Wan 2.1 / 2.2 transformer files (the Wan-AI repositories' ``diffusion_pytorch_model*.safetensors``,
+    ComfyUI's repackagings below ``prefix`` :data:`WAN_DIFFUSION_MODEL`) as diffusers' ``WanTransformer3DModel``:
+    the mapping of diffusers' ``convert_wan_transformer_to_diffusers``, as rules.
+
+    >>> eqxdiff.load("wan2.1_t2v_1.3B_bf16.safetensors", model_class="WanTransformer3DModel",
+    ...              config="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", subfolder="transformer",
+    ...              conversion=formats.wan_transformer(prefix=formats.WAN_DIFFUSION_MODEL))
+
+    ``self_attn`` / ``cross_attn`` ``q, k, v, o, norm_q, norm_k`` are ``attn1`` / ``attn2``; image-to-video's
+    ``k_img, v_img, norm_k_img`` the added k/v ``add_k_proj, add_v_proj, norm_added_k`` and ``img_emb.proj`` (and the
+    first-last-frame ``img_emb.emb_pos``) the image embedder; ``modulation`` the ``scale_shift_table`` s. The
+    original's affine cross-attention norm is ``norm3`` (its order: norm1, norm3, norm2), diffusers' ``norm2``: the
+    other two hold no parameters. The inverse writes the original names back."""
+    b = "blocks.{i}."  # the same block names on both sides
+    rules: list[Rule] = list(select(prefix)) if prefix else []
+    rules += [Rename(f"{b}{theirs}.{{p}}", f"{b}{ours}.{{p}}") for theirs, ours in _WAN_BLOCK]
+    rules += [Rename(f"{b}{theirs}.{{p}}", f"{b}{ours}.{{p}}", optional=True) for theirs, ours in _WAN_BLOCK_OPTIONAL]
+    rules += [Rename(f"{b}modulation", f"{b}scale_shift_table"), Rename("head.modulation", "scale_shift_table")]
+    rules += [Rename(f"{theirs}.{{p}}", f"{ours}.{{p}}") for theirs, ours in _WAN_MODEL]
+    rules += [Rename(f"{theirs}.{{p}}", f"{ours}.{{p}}", optional=True) for theirs, ours in _WAN_IMAGE]
+    rules.append(Rename("img_emb.emb_pos", "condition_embedder.image_embedder.pos_embed", optional=True))
+    return tuple(rules)
