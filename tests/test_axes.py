@@ -81,6 +81,12 @@ TINY_CONFIGS: dict[str, Tiny | list[Tiny]] = {
     "FluxTransformer2DModel": [dict(_FLUX), dict(_FLUX, fused_projections=True)],
     # text-to-video; first-last-frame image-to-video (image embedder with positions, added k/v)
     "WanTransformer3DModel": [dict(_WAN), dict(_WAN, image_dim=4, added_kv_proj_dim=16, pos_embed_seq_len=6)],
+    # Wan 2.1 (resamples, encoder attention at attn_scales) and Wan 2.2 (residual levels, patchified pixels)
+    "AutoencoderKLWan": [dict(base_dim=2, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[0.5],
+                              temperal_downsample=[True, False], latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
+                         dict(base_dim=2, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, is_residual=True,
+                              patch_size=2, in_channels=12, out_channels=12, temperal_downsample=[True, False],
+                              latents_mean=[0.0] * 4, latents_std=[1.0] * 4)],
 }
 
 MODELS = family_names("model")

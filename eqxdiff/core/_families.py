@@ -33,6 +33,7 @@ FAMILY_TABLE: dict[str, str] = {
     "FluxKontextPipeline": "eqxdiff.pipelines.flux:FluxKontextPipeline",
     # Wan 2.1 / 2.2
     "WanTransformer3DModel": "eqxdiff.models.wan:WanTransformer3DModel",
+    "AutoencoderKLWan": "eqxdiff.models.wan_vae:AutoencoderKLWan",
     # ControlNet
     "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
     "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",

@@ -1,0 +1,195 @@
+"""Wan 2.1 / 2.2: AutoencoderKLWan against diffusers (the parity base, :mod:`tests._parity`: encode and decode of 1, 5
+and 9 frames at diffusers' tiny 2.1 and 2.2 configs), the frame-chunked and tiled decodes, latent normalisation and
+the errors.
+
+diffusers runs the VAE chunk by chunk (frame 0, then 4 frames; one latent frame at a time when decoding) with a
+feature cache; eqxdiff's encoder and decoder make one causal pass over the whole sequence, so these parity tests are
+the proof that the two agree. ``frame_chunk`` decodes in chunks again (a ``lax.scan``), tested against diffusers too.
+"""
+
+import diffusers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from eqxdiff.core import ConfigError
+from eqxdiff.models.wan_vae import (
+    AutoencoderKLWan,
+    AutoencoderKLWanConfig,
+    WanLatentDistribution,
+)
+
+from . import _tiny_wan as tiny
+from ._parity import ModelParity, run_jitted
+from ._util import assert_close, nchw_to_nhwc, nhwc_to_nchw, rel_error
+
+FRAMES = (1, 5, 9)  # videos of 1 + 4k frames: 1, 2 and 3 latent frames
+
+
+class WanVAEParity(ModelParity):
+    """Encode (mean, logvar) and decode at 1, 5 and 9 frames, in one program; the 5-frame videos in a batch of 2."""
+
+    model_class = AutoencoderKLWan
+    reference_class = diffusers.AutoencoderKLWan
+    size = 16  # pixels: 2 x 2 latents
+    # These tiny VAEs normalise 3-channel features to unit length (WanRMS_norm: x / ||x||), which turns the rounding
+    # of small vectors into unit-size errors: diffusers' own bfloat16 decode differs from its float32 one by up to
+    # 0.89 of the output range on these weights (rounding only the weights to bfloat16, in float32, already by 0.09).
+    # So the bfloat16 run checks dtypes, finiteness and this bound only.
+    bf16_tolerance = 1.0
+
+    def inputs(self, reference):
+        c = reference.config
+        rng = np.random.default_rng(self.seed())
+        channels, latent = c.in_channels // (c.patch_size or 1) ** 2, self.size // c.scale_factor_spatial
+        out = {}
+        for t in FRAMES:
+            b = 2 if t == 5 else 1
+            out[f"x{t}"] = rng.uniform(-1, 1, (b, t, self.size, self.size, channels)).astype(np.float32)
+            out[f"z{t}"] = rng.standard_normal((b, 1 + (t - 1) // 4, latent, latent, c.z_dim)).astype(np.float32)
+        return out
+
+    def reference_outputs(self, reference, inputs):
+        out = {}
+        for t in FRAMES:
+            post = reference.encode(nhwc_to_nchw(inputs[f"x{t}"])).latent_dist
+            out[f"mean{t}"], out[f"logvar{t}"] = nchw_to_nhwc(post.mean), nchw_to_nhwc(post.logvar)
+            out[f"decode{t}"] = nchw_to_nhwc(reference.decode(nhwc_to_nchw(inputs[f"z{t}"])).sample)
+        return out
+
+    @staticmethod
+    def outputs(model, inputs):
+        out = {}
+        for t in FRAMES:
+            post = model.encode(inputs[f"x{t}"])
+            out[f"mean{t}"], out[f"logvar{t}"] = post.mean, post.logvar
+            out[f"decode{t}"] = model.decode(inputs[f"z{t}"])
+        return out
+
+
+class TestWan21VAE(WanVAEParity):
+    """diffusers' tiny Wan 2.1 VAE: base_dim 3, z 16, four levels (x8), time halved twice (x4)."""
+
+    config = tiny.VAE_21
+    full_size = {"wan2.1": tiny.WAN21_VAE}
+
+
+class TestWan22VAE(WanVAEParity):
+    """diffusers' tiny Wan 2.2 TI2V VAE: z 48, residual levels (AvgDown3D / DupUp3D shortcuts), 2x2 patchified
+    pixels (12 channels), x16 spatially."""
+
+    config = tiny.VAE_22
+    full_size = {"wan2.2": tiny.WAN22_VAE}
+    size = 32
+
+
+@pytest.fixture(scope="module")
+def vae21(tmp_path_factory):
+    return TestWan21VAE.build(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def vae22(tmp_path_factory):
+    return TestWan22VAE.build(tmp_path_factory)
+
+
+# -- frame-chunked and tiled decodes ----------------------------------------------------------------------------------
+
+
+def _chunked(vae, z):
+    return {n: vae.decode(z, frame_chunk=n) for n in (1, 2)}
+
+
+def test_frame_chunked_decode_equals_diffusers(vae22):
+    """One latent frame at a time (diffusers' own order; the scan carries the caches twice), and 1 then 2: each
+    equals diffusers' decode at the parity tolerance, as the whole decode does."""
+    out = run_jitted(_chunked, vae22.model, jnp.asarray(vae22.inputs["z9"]))
+    for n, frames in out.items():
+        assert frames.shape == (1, 9, 32, 32, 3)
+        assert_close(frames, vae22.expected["decode9"], 1e-4, f"frame_chunk={n} vs diffusers")
+
+
+TILE, STRIDE = (4, 3)  # latents per tile and between tiles: two rows of tiles (heights 4 and 3), one column
+
+
+def _tiled(vae, z):
+    f = vae.config.downsample_factor
+    return dict(tiled=vae.decode(z, tiled=True, frame_chunk=1, tile_sample_min=TILE * f, tile_sample_stride=STRIDE * f),
+                whole=vae.decode(z))
+
+
+def test_tiled_decode_equals_diffusers_tiling(vae22):
+    """Latents of 6 x 3 in tiles of 4 every 3 (two tile shapes: one compile each), 2 latent frames, frame-chunked
+    inside each tile: diffusers' ``tiled_decode``, blending in patchified pixels (Wan 2.2). Tiled and untiled decodes
+    differ where tiles are cut and blended (the mid-block attention sees one tile): here by 0.095 on average over the
+    [-1, 1] range (diffusers' tiling by as much: it is the same decode); the bound stated is 0.15."""
+    ref, f = vae22.reference, vae22.model.config.downsample_factor
+    z = torch.randn(1, ref.config.z_dim, 2, 6, 3, generator=torch.Generator().manual_seed(4))
+    ref.enable_tiling(TILE * f, TILE * f, STRIDE * f, STRIDE * f)
+    try:
+        with torch.no_grad():
+            expected = nchw_to_nhwc(ref.decode(z).sample)
+    finally:
+        ref.use_tiling = False
+    out = run_jitted(_tiled, vae22.model, nchw_to_nhwc(z))
+    assert out["tiled"].shape == (1, 5, 6 * f, 3 * f, 3)
+    assert_close(out["tiled"], expected, 1e-4, "tiled vs diffusers")
+    difference = np.abs(np.asarray(out["tiled"]) - np.asarray(out["whole"]))
+    assert difference.max() > 1e-2 and difference.mean() <= 0.15, (difference.max(), difference.mean())
+
+
+def test_decode_fits_in_one_tile_is_the_plain_decode(vae21):
+    vae, z = vae21.model, jnp.asarray(vae21.inputs["z5"])
+    trace = lambda **kw: str(jax.make_jaxpr(lambda z: vae.decode(z, **kw))(z))  # noqa: E731
+    assert trace(tiled=True, tile_sample_min=16, tile_sample_stride=8) == trace()
+
+
+# -- latents ----------------------------------------------------------------------------------------------------------
+
+
+def test_latent_normalisation_and_posterior(vae21):
+    """``scale_latents`` is the pipelines' ``(z - mean) * (1 / std)``, ``unscale_latents`` its inverse; the posterior
+    samples around its mean with the key and has diffusers' KL."""
+    vae, c = vae21.model, vae21.model.config
+    z = jnp.asarray(vae21.inputs["z5"])
+    mean, std = np.asarray(c.latents_mean, np.float32), np.asarray(c.latents_std, np.float32)
+    assert c.latents_mean == tuple(diffusers.AutoencoderKLWan().config.latents_mean)  # Wan 2.1's defaults
+    assert rel_error(vae.scale_latents(z), (np.asarray(z) - mean) / std) < 1e-6
+    assert rel_error(vae.unscale_latents(vae.scale_latents(z)), z) < 1e-6
+    post = WanLatentDistribution(vae21.actual["mean5"], vae21.actual["logvar5"])
+    sample = post.sample(key=jax.random.key(0))
+    assert sample.shape == post.mean.shape and 0 < float(jnp.max(jnp.abs(sample - post.mean)))
+    expected = 0.5 * np.sum(np.square(vae21.expected["mean5"]) + np.exp(vae21.expected["logvar5"]) - 1
+                            - vae21.expected["logvar5"], axis=(1, 2, 3, 4))
+    assert rel_error(post.kl(), expected) < 1e-4
+
+
+# -- errors -----------------------------------------------------------------------------------------------------------
+
+
+def test_input_errors(vae21):
+    vae = vae21.model
+    with pytest.raises(ValueError, match=r"a video of 6 frames; the VAE takes 1 \+ 4k frames \(nearest: 5 or 9\)"):
+        vae.encode(jnp.zeros((1, 6, 16, 16, 3)))
+    with pytest.raises(ValueError, match="It looks channels-first"):
+        vae.encode(jnp.zeros((1, 3, 5, 16, 16)))
+    with pytest.raises(ValueError, match="must be multiples of 8"):
+        vae.encode(jnp.zeros((1, 1, 12, 16, 3)))
+    z = jnp.zeros((1, 2, 2, 2, 16))
+    with pytest.raises(ValueError, match="frame_chunk=0 must be a positive int"):
+        vae.decode(z, frame_chunk=0)
+    with pytest.raises(ValueError, match="strides no larger than the tiles"):
+        vae.decode(z, tiled=True, tile_sample_min=16, tile_sample_stride=24)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(temperal_downsample=[True]), "temperal_downsample=.* one entry per downsampling level"),
+    (dict(latents_mean=[0.0] * 3), "latents_mean=.* must have z_dim=16 entries"),
+    (dict(patch_size=2, in_channels=3), "in_channels=3 must be a multiple of patch_size"),
+    (dict(dim_mult=[]), "dim_mult=.* non-empty"),
+])
+def test_config_errors(change, match):
+    with pytest.raises(ConfigError, match=match):
+        AutoencoderKLWanConfig.from_dict({**tiny.VAE_21, **change})
