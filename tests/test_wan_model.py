@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+from jax.sharding import PartitionSpec as P
 
 import eqxdiff
 from eqxdiff.core import ConfigError
@@ -26,7 +27,15 @@ from eqxdiff.loading import (
     write_safetensors,
 )
 from eqxdiff.models.wan import CrossKV, WanTransformer3DConfig, WanTransformer3DModel
-from eqxdiff.parallel import Plan, Remat, with_plan
+from eqxdiff.parallel import (
+    MeshConfig,
+    Plan,
+    Remat,
+    make_mesh,
+    shard_batch,
+    sharding_fn,
+    with_plan,
+)
 
 from . import _tiny_wan as tiny
 from ._parity import ModelParity
@@ -215,6 +224,23 @@ def test_remat_gives_the_same_gradients(t2v):
         with_plan(model, Plan(remat=Remat.NAMED, remat_names=("attention",)))
 
 
+def test_mesh_equals_single_device(flf2v):
+    """On 8 devices (FSDP 2 x context 2 x tensor 2), loaded straight onto the mesh by the declared axes, scanned and
+    fully rematerialised: the video tokens split over ``context`` (the attention runs a context-parallel kernel in a
+    shard_map), the heads over ``tensor``; the output equals one device's."""
+    mesh = make_mesh(MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=2, ici_context_parallelism=2,
+                                ici_tensor_parallelism=2))
+    model = eqxdiff.load(flf2v.folder, sharding=sharding_fn(mesh), scan_layers=True)
+    model = with_plan(model, Plan(mesh, remat=Remat.FULL))
+    q = model.blocks.layers.attn1.to_q.weight  # [layers, heads * head_dim, embed]
+    assert q.sharding.spec == P(None, "tensor", "fsdp")
+    inputs = shard_batch(flf2v.inputs, mesh)
+    assert "shard_map" in str(jax.make_jaxpr(TestWanFLF2VAddedKV.outputs)(model, inputs))
+    out = _jit_O0(TestWanFLF2VAddedKV.outputs, model, inputs)["sample"]
+    assert_close_to_float64(out, flf2v.actual["sample"], TestWanFLF2VAddedKV.actual64(flf2v)["sample"],
+                            what="mesh vs one device")
+
+
 # -- the original Wan checkpoints -----------------------------------------------------------------------------------
 
 
@@ -293,7 +319,7 @@ def test_call_errors(t2v, prepended):
     with pytest.raises(ValueError, match="not both and not neither"):
         model(x, t)
     with pytest.raises(ValueError, match="not both"):
-        model(x, t, text, cross_kv=model.cross_attention_kv(text))
+        model(x, t, text, cross_kv=eqx.filter_eval_shape(model.cross_attention_kv, text))
     with pytest.raises(ValueError, match="has no image embedder"):
         model(x, t, text, jnp.zeros((2, 3, 4)))
     with pytest.raises(ValueError, match=r"per-token timesteps of shape \(2, 5\) for 18 video tokens"):
@@ -305,7 +331,7 @@ def test_call_errors(t2v, prepended):
     i2v, p = prepended.model, {k: jnp.asarray(v) for k, v in prepended.inputs.items()}
     with pytest.raises(ValueError, match="is required by this image-to-video model"):
         i2v(p["hidden_states"], p["timestep"], p["encoder_hidden_states"])
-    kv = i2v.cross_attention_kv(p["encoder_hidden_states"], p["encoder_hidden_states_image"])
+    kv = eqx.filter_eval_shape(i2v.cross_attention_kv, p["encoder_hidden_states"], p["encoder_hidden_states_image"])
     with pytest.raises(ValueError, match="the image tokens are in it already"):
         i2v(p["hidden_states"], p["timestep"], cross_kv=kv,
             encoder_hidden_states_image=p["encoder_hidden_states_image"])

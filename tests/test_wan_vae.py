@@ -7,14 +7,25 @@ feature cache; eqxdiff's encoder and decoder make one causal pass over the whole
 the proof that the two agree. ``frame_chunk`` decodes in chunks again (a ``lax.scan``), tested against diffusers too.
 """
 
+import inspect
+
 import diffusers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
+import eqxdiff
 from eqxdiff.core import ConfigError
+from eqxdiff.loading import (
+    convert_tensors,
+    formats,
+    inverse,
+    state_dict,
+    write_safetensors,
+)
 from eqxdiff.models.wan_vae import (
     AutoencoderKLWan,
     AutoencoderKLWanConfig,
@@ -23,7 +34,7 @@ from eqxdiff.models.wan_vae import (
 
 from . import _tiny_wan as tiny
 from ._parity import ModelParity, run_jitted
-from ._util import assert_close, nchw_to_nhwc, nhwc_to_nchw, rel_error
+from ._util import assert_close, nchw_to_nhwc, nhwc_to_nchw, randomize_torch, rel_error
 
 FRAMES = (1, 5, 9)  # videos of 1 + 4k frames: 1, 2 and 3 latent frames
 
@@ -98,17 +109,20 @@ def vae22(tmp_path_factory):
 # -- frame-chunked and tiled decodes ----------------------------------------------------------------------------------
 
 
-def _chunked(vae, z):
-    return {n: vae.decode(z, frame_chunk=n) for n in (1, 2)}
+def _chunked(vae, inputs):
+    z, chunks = inputs
+    return {n: vae.decode(z, frame_chunk=n) for n in chunks}
 
 
-def test_frame_chunked_decode_equals_diffusers(vae22):
+@pytest.mark.parametrize("which,chunks", [("vae21", (2,)), ("vae22", (1, 2))])
+def test_frame_chunked_decode_equals_diffusers(which, chunks, request):
     """One latent frame at a time (diffusers' own order; the scan carries the caches twice), and 1 then 2: each
     equals diffusers' decode at the parity tolerance, as the whole decode does."""
-    out = run_jitted(_chunked, vae22.model, jnp.asarray(vae22.inputs["z9"]))
+    case = request.getfixturevalue(which)
+    out = run_jitted(_chunked, case.model, (jnp.asarray(case.inputs["z9"]), chunks))
     for n, frames in out.items():
-        assert frames.shape == (1, 9, 32, 32, 3)
-        assert_close(frames, vae22.expected["decode9"], 1e-4, f"frame_chunk={n} vs diffusers")
+        assert frames.shape == case.expected["decode9"].shape
+        assert_close(frames, case.expected["decode9"], 1e-4, f"frame_chunk={n} vs diffusers")
 
 
 TILE, STRIDE = (4, 3)  # latents per tile and between tiles: two rows of tiles (heights 4 and 3), one column
@@ -155,15 +169,53 @@ def test_latent_normalisation_and_posterior(vae21):
     vae, c = vae21.model, vae21.model.config
     z = jnp.asarray(vae21.inputs["z5"])
     mean, std = np.asarray(c.latents_mean, np.float32), np.asarray(c.latents_std, np.float32)
-    assert c.latents_mean == tuple(diffusers.AutoencoderKLWan().config.latents_mean)  # Wan 2.1's defaults
-    assert rel_error(vae.scale_latents(z), (np.asarray(z) - mean) / std) < 1e-6
-    assert rel_error(vae.unscale_latents(vae.scale_latents(z)), z) < 1e-6
+    defaults = inspect.signature(diffusers.AutoencoderKLWan).parameters  # Wan 2.1's statistics
+    assert c.latents_mean == tuple(defaults["latents_mean"].default) and c.latents_std == tuple(
+        defaults["latents_std"].default)
     post = WanLatentDistribution(vae21.actual["mean5"], vae21.actual["logvar5"])
-    sample = post.sample(key=jax.random.key(0))
+
+    def latents(vae, inputs):
+        z, post, key = inputs
+        scaled = vae.scale_latents(z)
+        return scaled, vae.unscale_latents(scaled), post.sample(key=key), post.kl()
+
+    key = jax.random.key(0, impl="rbg")  # compiles far faster on CPU than the default threefry
+    scaled, back, sample, kl = run_jitted(latents, vae, (z, post, key))
+    assert rel_error(scaled, (np.asarray(z) - mean) / std) < 1e-6 and rel_error(back, z) < 1e-6
     assert sample.shape == post.mean.shape and 0 < float(jnp.max(jnp.abs(sample - post.mean)))
     expected = 0.5 * np.sum(np.square(vae21.expected["mean5"]) + np.exp(vae21.expected["logvar5"]) - 1
                             - vae21.expected["logvar5"], axis=(1, 2, 3, 4))
-    assert rel_error(post.kl(), expected) < 1e-4
+    assert rel_error(kl, expected) < 1e-4
+
+
+# -- the original Wan 2.1 VAE -----------------------------------------------------------------------------------------
+
+
+def test_original_vae_names_equal_diffusers_converter(tmp_path):
+    """The released layout (4 levels, 2 residual blocks; narrow): the weights in the original names (the rules'
+    inverse) read back by diffusers' ``convert_wan_vae_to_diffusers`` to the same tensors (it hard-codes that layout's
+    decoder indices); a file of them loads through ``formats.wan_vae`` into exactly those weights and writes back."""
+    reference = diffusers.AutoencoderKLWan(base_dim=2, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                           latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    randomize_torch(reference, seed=5)
+    ref = {k: v.numpy() for k, v in reference.state_dict().items()}
+    rules = formats.wan_vae()
+    original = convert_tensors(ref, inverse(rules))
+    assert {"encoder.downsamples.0.residual.0.gamma", "decoder.upsamples.4.shortcut.weight",
+            "decoder.upsamples.11.resample.1.weight", "decoder.middle.1.to_qkv.weight", "conv2.bias"} <= set(original)
+    converted = convert_wan_vae_to_diffusers({k: torch.from_numpy(v) for k, v in original.items()})
+    assert set(converted) == set(ref)
+    for name, t in converted.items():  # renamed, not computed: exactly equal
+        np.testing.assert_array_equal(t.numpy(), ref[name], err_msg=name)
+    path = tmp_path / "wan_2.1_vae.safetensors"
+    write_safetensors(original, path)
+    reference.save_pretrained(tmp_path / "folder")
+    ours = state_dict(eqxdiff.load(path, config=tmp_path / "folder", conversion=rules))
+    assert set(ours) == set(ref)
+    for name, t in ref.items():
+        np.testing.assert_array_equal(ours[name], t, err_msg=name)
+    back = convert_tensors(ours, inverse(rules))
+    assert set(back) == set(original) and all(np.array_equal(back[k], original[k]) for k in original)
 
 
 # -- errors -----------------------------------------------------------------------------------------------------------

@@ -218,3 +218,51 @@ def wan_transformer(*, prefix: str = "") -> tuple[Rule, ...]:
     rules += [Rename(f"{theirs}.{{p}}", f"{ours}.{{p}}", optional=True) for theirs, ours in _WAN_IMAGE]
     rules.append(Rename("img_emb.emb_pos", "condition_embedder.image_embedder.pos_embed", optional=True))
     return tuple(rules)
+
+
+_WAN_RESIDUAL = (("residual.0.gamma", "norm1.gamma"), ("residual.2.{p}", "conv1.{p}"), ("residual.3.gamma", "norm2.gamma"),
+                 ("residual.6.{p}", "conv2.{p}"))
+_WAN_ATTENTION = (("norm.gamma", "norm.gamma"), ("to_qkv.{p}", "to_qkv.{p}"), ("proj.{p}", "proj.{p}"))
+
+
+def _wan_vae_renames(theirs: str, ours: str, pairs, *, optional: bool = False) -> list[Rule]:
+    return [Rename(f"{theirs}.{a}", f"{ours}.{b}", optional=optional) for a, b in pairs]
+
+
+def wan_vae(*, num_res_blocks: int = 2, levels: int = 4, prefix: str = "") -> tuple[Rule, ...]:
+    """The original Wan 2.1 VAE (``Wan2.1_VAE`` of the Wan-AI repositories as safetensors, ComfyUI's
+    ``wan_2.1_vae.safetensors``; ``prefix`` where an all-in-one file keeps it) as diffusers' ``AutoencoderKLWan``:
+    the mapping of diffusers' ``convert_wan_vae_to_diffusers``, for a VAE of ``levels`` levels (``len(dim_mult)``)
+    with ``num_res_blocks`` (the released VAE: 4 and 2).
+
+    The original's residual blocks are ``residual.{0,2,3,6}`` (norm, conv, norm, conv) and ``shortcut``; the
+    middle ``middle.{0,1,2}``, the heads ``head.{0,2}``, the quant convs ``conv1`` / ``conv2``. The encoder's
+    ``downsamples`` list is diffusers' ``down_blocks`` index for index; the decoder's ``upsamples`` is one flat list
+    per level (``num_res_blocks + 1`` residual blocks, then the upsampler), diffusers' ``up_blocks.{level}.resnets``
+    and ``upsamplers.0``. The inverse writes the original names back."""
+    rules: list[Rule] = list(select(prefix)) if prefix else []
+    rules += [Rename("conv1.{p}", "quant_conv.{p}"), Rename("conv2.{p}", "post_quant_conv.{p}")]
+    for side in ("encoder", "decoder"):
+        rules += [Rename(f"{side}.conv1.{{p}}", f"{side}.conv_in.{{p}}"),
+                  Rename(f"{side}.head.0.gamma", f"{side}.norm_out.gamma"),
+                  Rename(f"{side}.head.2.{{p}}", f"{side}.conv_out.{{p}}")]
+        for theirs, ours in ((0, "resnets.0"), (2, "resnets.1")):
+            rules += _wan_vae_renames(f"{side}.middle.{theirs}", f"{side}.mid_block.{ours}", _WAN_RESIDUAL)
+        rules += _wan_vae_renames(f"{side}.middle.1", f"{side}.mid_block.attentions.0", _WAN_ATTENTION)
+    down = ("encoder.downsamples.{i}", "encoder.down_blocks.{i}")
+    rules += _wan_vae_renames(*down, _WAN_RESIDUAL, optional=True)
+    rules += _wan_vae_renames(*down, (("shortcut.{p}", "conv_shortcut.{p}"), ("resample.1.{p}", "resample.1.{p}"),
+                                      ("time_conv.{p}", "time_conv.{p}"), *_WAN_ATTENTION), optional=True)
+    index = 0
+    for level in range(levels):
+        for r in range(num_res_blocks + 1):
+            theirs, ours = f"decoder.upsamples.{index}", f"decoder.up_blocks.{level}.resnets.{r}"
+            rules += _wan_vae_renames(theirs, ours, _WAN_RESIDUAL)
+            rules += _wan_vae_renames(theirs, ours, (("shortcut.{p}", "conv_shortcut.{p}"),), optional=True)
+            index += 1
+        if level != levels - 1:
+            theirs, ours = f"decoder.upsamples.{index}", f"decoder.up_blocks.{level}.upsamplers.0"
+            rules.append(Rename(f"{theirs}.resample.1.{{p}}", f"{ours}.resample.1.{{p}}"))
+            rules.append(Rename(f"{theirs}.time_conv.{{p}}", f"{ours}.time_conv.{{p}}", optional=True))
+            index += 1
+    return tuple(rules)

@@ -124,12 +124,10 @@ class WanAttentionBlock(eqx.Module):
     """Single-head self-attention over each frame's pixels: ``norm``, ``to_qkv`` (1x1), attention, ``proj`` (1x1),
     residual. No cache (nothing crosses frames)."""
 
-    TORCH_RENAMES: ClassVar[dict[str, str]] = {"attention": ""}  # the kernel settings hold no parameters
-
     norm: WanRMSNorm
     to_qkv: nn.Conv2d
     proj: nn.Conv2d
-    attention: nn.ProjectedAttention
+    attention: nn.ProjectedAttention  # the kernel and its settings: no parameters
 
     def __init__(self, dim: int, *, dtype, key: PRNGKeyArray):
         kq, kp, ka = jax.random.split(key, 3)
