@@ -1,11 +1,12 @@
 """Wan 2.1 / 2.2: WanTransformer3DModel against diffusers (the parity base, :mod:`tests._parity`, at four tiny configs:
 text-to-video, image-to-video with the image tokens prepended to the text, first-last-frame image-to-video through
 the added k/v projections, TI2V with per-token timesteps), the cached cross-attention keys and values, the scanned
-and rematerialised forms, the original Wan checkpoints' names against diffusers' converter, and the errors.
+and rematerialised forms, 8 simulated devices, the original Wan checkpoints' names against diffusers' converter, and
+the errors.
 
-Every extra program is compiled at XLA -O0, once, from module-scoped fixtures. A program that runs the same model
-another way (cached keys and values, scanned, rematerialised) must be as accurate as the plain run is against its
-float64 run (``ModelParity.actual64``)."""
+Every extra program is compiled at XLA -O0 (``run_jitted``), once, from module-scoped fixtures. A program that runs
+the same model another way (cached keys and values, scanned, rematerialised, on a mesh) must be as accurate as the
+plain run is against its float64 run (``ModelParity.actual64``)."""
 
 import equinox as eqx
 import jax
@@ -38,7 +39,7 @@ from eqxdiff.parallel import (
 )
 
 from . import _tiny_wan as tiny
-from ._parity import ModelParity
+from ._parity import ModelParity, run_jitted
 from ._util import (
     assert_close,
     assert_close_to_float64,
@@ -46,15 +47,6 @@ from ._util import (
     nchw_to_nhwc,
     run_float64,
 )
-
-_O0 = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def _jit_O0(fn, *args):
-    """``fn(*args)`` compiled at -O0 (static leaves closed over)."""
-    dynamic, static = eqx.partition(args, eqx.is_array)
-    return jax.jit(lambda d: fn(*eqx.combine(d, static)), compiler_options=_O0)(dynamic)
-
 
 # -- parity with diffusers ------------------------------------------------------------------------------------------
 
@@ -173,7 +165,7 @@ def test_cached_cross_attention_and_scan_equal_the_plain_call(flf2v):
         "encoder_hidden_states", "encoder_hidden_states_image")))
     assert isinstance(kv, CrossKV)
     assert kv.k.shape == (2, 2, 512, 2, 12) and kv.k_img.shape == (2, 2, 10, 2, 12)
-    out = _jit_O0(_other_ways, model, inputs)
+    out = run_jitted(_other_ways, model, inputs)
     for name, value in out.items():
         assert_close_to_float64(value, flf2v.actual["sample"], TestWanFLF2VAddedKV.actual64(flf2v)["sample"],
                                 what=f"{name} vs plain")
@@ -187,7 +179,7 @@ def test_cached_kv_without_added_projections(prepended):
         kv = m.cross_attention_kv(i["encoder_hidden_states"], i["encoder_hidden_states_image"])
         return kv, m(i["hidden_states"], i["timestep"], cross_kv=kv)
 
-    kv, out = _jit_O0(cached, model, inputs)
+    kv, out = run_jitted(cached, model, inputs)
     assert kv.k.shape == (3, 2, 5 + 7, 2, 12) and kv.k_img is None and kv.v_img is None
     assert_close(out, prepended.expected["sample"], 1e-4, "cached vs diffusers")
 
@@ -198,7 +190,8 @@ def test_per_token_timesteps_of_one_value_equal_one_per_sample(t2v):
     model, inputs = t2v.model, t2v.inputs
     seq = 3 * 2 * 3
     t = jnp.repeat(jnp.asarray(inputs["timestep"])[:, None], seq, axis=1)
-    out = _jit_O0(lambda m, i: m(i["hidden_states"], t, i["encoder_hidden_states"]), model, inputs)
+    out = run_jitted(lambda m, i: m(i["hidden_states"], i["t"], i["encoder_hidden_states"]), model,
+                     {**inputs, "t": t})
     assert_close(out, t2v.expected["sample"], 1e-4, "per-token timesteps vs per sample")
 
 
@@ -214,11 +207,11 @@ def test_remat_gives_the_same_gradients(t2v):
     for remat in (named, with_plan(model, Plan(remat=Remat.FULL))):
         assert str(jax.make_jaxpr(_loss)(remat, inputs)).count("remat") == 2  # one per block
 
-    def grads(inputs, *models):
+    def grads(models, inputs):
         return [eqx.filter_grad(_loss)(m, inputs) for m in models]
 
-    plain, got = _jit_O0(grads, inputs, model, named)
-    (plain64,) = run_float64(grads, inputs, model)
+    plain, got = run_jitted(grads, (model, named), inputs)
+    (plain64,) = run_float64(grads, (model,), inputs)
     assert_leaves_close_to_float64(got, plain, plain64, what="remat gradient")
     with pytest.raises(ValueError, match="wan_self_attention"):
         with_plan(model, Plan(remat=Remat.NAMED, remat_names=("attention",)))
@@ -236,7 +229,7 @@ def test_mesh_equals_single_device(flf2v):
     assert q.sharding.spec == P(None, "tensor", "fsdp")
     inputs = shard_batch(flf2v.inputs, mesh)
     assert "shard_map" in str(jax.make_jaxpr(TestWanFLF2VAddedKV.outputs)(model, inputs))
-    out = _jit_O0(TestWanFLF2VAddedKV.outputs, model, inputs)["sample"]
+    out = TestWanFLF2VAddedKV.run(model, inputs)["sample"]
     assert_close_to_float64(out, flf2v.actual["sample"], TestWanFLF2VAddedKV.actual64(flf2v)["sample"],
                             what="mesh vs one device")
 

@@ -28,6 +28,7 @@ from .. import nn
 from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ..core import ModelConfig, Plan
 from ._base import PretrainedModel
+from ._tiling import blend_tiles
 from ._wan_vae_blocks import (
     WanAttentionBlock,
     WanMidBlock,
@@ -40,7 +41,6 @@ from ._wan_vae_blocks import (
     causal,
     run,
 )
-from ._wan_video import blend_tiles, patchify, unpatchify
 
 # diffusers' defaults: Wan 2.1's per-channel latent statistics
 WAN21_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517,
@@ -106,6 +106,25 @@ class AutoencoderKLWanConfig(ModelConfig):
         """Frames per latent frame after the first: ``2 ** temporal levels`` (a video of ``1 + 4k`` frames has
         ``1 + k`` latent frames at 4)."""
         return 2 ** sum(self.temperal_downsample)
+
+
+def patchify(x: Array, patch: int | None) -> Array:
+    """``p x p`` pixel patches folded into channels, channel ``c * p * p + dx * p + dy`` (diffusers' ``patchify``:
+    ``(c, pw, ph)`` order); ``patch`` ``None`` or 1: unchanged."""
+    if not patch or patch == 1:
+        return x
+    b, f, h, w, c = x.shape
+    x = x.reshape(b, f, h // patch, patch, w // patch, patch, c).transpose(0, 1, 2, 4, 6, 5, 3)
+    return x.reshape(b, f, h // patch, w // patch, c * patch * patch)
+
+
+def unpatchify(x: Array, patch: int | None) -> Array:
+    """The inverse of :func:`patchify`."""
+    if not patch or patch == 1:
+        return x
+    b, f, h, w, cp = x.shape
+    x = x.reshape(b, f, h, w, cp // (patch * patch), patch, patch).transpose(0, 1, 2, 6, 3, 5, 4)
+    return x.reshape(b, f, h * patch, w * patch, cp // (patch * patch))
 
 
 def _check_frames(frames: int, factor: int, what: str) -> None:
@@ -305,10 +324,11 @@ class AutoencoderKLWan(PretrainedModel):
         size, stride = self._tiles(tile_sample_min, tile_sample_stride)
         f = c.downsample_factor
         if tiled and (z.shape[2] > size[0] // f or z.shape[3] > size[1] // f):
-            p = c.patch_size or 1
-            x = blend_tiles(fn, z, tile=tuple(s // f for s in size), stride=tuple(s // f for s in stride),
-                            out_stride=tuple(s // p for s in stride),
-                            blend=tuple(m // p - s // p for m, s in zip(size, stride)), scale=f // p)
+            p = c.patch_size or 1  # decoded tiles are blended in patchified pixels, as diffusers' tiled_decode
+            x = blend_tiles(fn, z, axes=(2, 3), tile=tuple(s // f for s in size), stride=tuple(s // f for s in stride),
+                            blend_extent=tuple(m // p - s // p for m, s in zip(size, stride)),
+                            keep=tuple(s // p for s in stride))
+            x = x[:, :, :z.shape[2] * f // p, :z.shape[3] * f // p]
         else:
             x = fn(z)
         return jnp.clip(unpatchify(x, c.patch_size), -1.0, 1.0)
