@@ -220,8 +220,8 @@ def wan_transformer(*, prefix: str = "") -> tuple[Rule, ...]:
     return tuple(rules)
 
 
-_WAN_RESIDUAL = (("residual.0.gamma", "norm1.gamma"), ("residual.2.{p}", "conv1.{p}"), ("residual.3.gamma", "norm2.gamma"),
-                 ("residual.6.{p}", "conv2.{p}"))
+_WAN_RESIDUAL = (("residual.0.gamma", "norm1.gamma"), ("residual.2.{p}", "conv1.{p}"),
+                 ("residual.3.gamma", "norm2.gamma"), ("residual.6.{p}", "conv2.{p}"))
 _WAN_ATTENTION = (("norm.gamma", "norm.gamma"), ("to_qkv.{p}", "to_qkv.{p}"), ("proj.{p}", "proj.{p}"))
 
 
