@@ -35,7 +35,7 @@ from ._inpaint import (
     prepare_mask,
     with_mask_channels,
 )
-from ._latents import LatentPipeline, encode_image_latents
+from ._latents import LatentPipeline, encode_image_latents, noise_draws
 
 LATENTS_LAYOUT = "[n, height/f, width/f, channels] (channels-last; f = the VAE's downsampling)"
 
@@ -94,24 +94,6 @@ class ImageInput:
     latents: Any
     height: int
     width: int
-
-
-@dataclasses.dataclass(frozen=True)
-class NoiseDraws:
-    """The Gaussian draws of one call, all from its key: the initial ``noise``, the VAE posterior samples of the
-    ``image`` and of the ``masked_image`` (inpainting), and the key of the loop's own draws."""
-
-    noise: Any
-    image: Any
-    masked_image: Any
-    loop_key: Any
-
-
-def noise_draws(key: PRNGKeyArray, shape: tuple[int, ...]) -> NoiseDraws:
-    """What :meth:`UNetPipeline.generate` draws from ``key`` for latents of ``shape`` (to reproduce a call)."""
-    noise_key, image_key, loop_key = jax.random.split(key, 3)
-    masked_key = jax.random.fold_in(image_key, 1)
-    return NoiseDraws(*(jax.random.normal(k, shape) for k in (noise_key, image_key, masked_key)), loop_key)
 
 
 class UNetPipeline(LatentPipeline):

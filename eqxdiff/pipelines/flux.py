@@ -58,9 +58,8 @@ from ._base import (
 from ._checks import CallLimits, InputError, InputWarning, check_output_type, image_size
 from ._denoise import Denoiser, Guidance, plan_schedule
 from ._images import resize_nearest, to_model_range
-from ._latents import LatentPipeline, encode_image_latents
-from ._unet import noise_draws
-from .stable_diffusion import tokenize
+from ._latents import LatentPipeline, encode_image_latents, noise_draws
+from ._text import tokenize
 
 __all__ = ["FluxDenoiser", "FluxImg2ImgPipeline", "FluxKontextPipeline", "FluxPipeline", "KONTEXT_RESOLUTIONS",
            "clip_pooled", "kontext_size", "t5_embeddings"]
@@ -90,24 +89,6 @@ def clip_pooled(text_encoder, input_ids: Int[Array, "batch seq"]) -> Float[Array
 def t5_embeddings(text_encoder, input_ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq embed"]:
     """T5's ``last_hidden_state`` without an attention mask (the padding is encoded too, as diffusers does)."""
     return text_encoder(input_ids).last_hidden_state
-
-
-def t5_ids(tokenizer, prompts: Sequence[str], max_length: int, *, vocab_size: int) -> np.ndarray:
-    """Token ids ``[n, max_length]`` for T5, padded and cut to ``max_length`` as diffusers' Flux pipelines do; warns
-    (:class:`~eqxdiff.pipelines.InputWarning`) when a prompt is cut."""
-    ids = np.asarray(tokenizer(list(prompts), padding="max_length", max_length=max_length, truncation=True,
-                               return_tensors="np").input_ids, np.int32)
-    for prompt in dict.fromkeys(prompts):
-        full = tokenizer(prompt, truncation=False).input_ids
-        if len(full) > max_length:
-            warnings.warn(f"the prompt {prompt[:40]!r}{'...' if len(prompt) > 40 else ''} has {len(full)} T5 tokens "
-                          f"but max_sequence_length={max_length}; this part was cut off: "
-                          f"{tokenizer.decode(full[max_length - 1:-1])!r}. Shorten the prompt or raise "
-                          f"max_sequence_length (at most {MAX_SEQUENCE_LENGTH})", InputWarning, stacklevel=4)
-    if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
-        raise CheckpointError(f"tokenizer_2 gave token id {int(ids.max())}, outside text_encoder_2's vocabulary of "
-                              f"{vocab_size}: the tokenizer does not belong to this T5; use the one saved with it")
-    return ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,8 +284,10 @@ class FluxPipeline(LatentPipeline):
         prompts_2 = prompts if not prompt_2 else as_list(prompt_2, len(prompts), "prompt_2")  # diffusers: `or`
         ids = tokenize(self.tokenizer, prompts, vocab_size=self.text_encoder.config.vocab_size)
         pooled = clip_pooled(self.encoder("text_encoder"), self.shard(jnp.asarray(ids)))
-        ids_2 = t5_ids(self.tokenizer_2, prompts_2, max_sequence_length,
-                       vocab_size=self.text_encoder_2.config.vocab_size)
+        ids_2 = tokenize(self.tokenizer_2, prompts_2, max_length=max_sequence_length,
+                         vocab_size=self.text_encoder_2.config.vocab_size, tokenizer_name="tokenizer_2",
+                         encoder_name="text_encoder_2", fix=f"Shorten the prompt or raise max_sequence_length (at "
+                         f"most {MAX_SEQUENCE_LENGTH})")
         embeds = t5_embeddings(self.encoder("text_encoder_2"), self.shard(jnp.asarray(ids_2)))
         return TextConditioning(embeds, pooled)
 

@@ -25,8 +25,8 @@ import numpy as np
 from .._typing import Array, Float, Int, PRNGKeyArray
 from ._base import Component, as_list, given_array, prompt_list, resolve_key
 from ._denoise import Guidance
+from ._text import tokenize
 from ._unet import UNetPipeline
-from .stable_diffusion import tokenize
 
 __all__ = ["StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline", "StableDiffusionXLPipeline",
            "encode_prompt", "time_ids"]
