@@ -29,15 +29,8 @@ from eqxdiff.loading import single_file as layouts
 from eqxdiff.parallel import MeshConfig, make_mesh
 from eqxdiff.pipelines import CallLimits, InputError, InputWarning, save_pipeline, save_single_file
 from eqxdiff.pipelines._latents import noise_draws
-from eqxdiff.pipelines.flux import (
-    COMFY_CLIP_L,
-    COMFY_VAE,
-    SINGLE_FILE_LAYOUTS,
-    FluxImg2ImgPipeline,
-    FluxKontextPipeline,
-    FluxPipeline,
-    kontext_size,
-)
+from eqxdiff.pipelines.flux import COMFY_CLIP_L, COMFY_VAE, SINGLE_FILE_LAYOUTS, FluxPipeline
+from eqxdiff.pipelines.flux_image import FluxImg2ImgPipeline, FluxKontextPipeline, kontext_size
 
 from . import _tiny_flux
 from . import _tiny_flux_pipeline as tiny

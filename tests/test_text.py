@@ -40,8 +40,8 @@ def test_a_cut_prompt_warns_once_naming_the_part_cut_off():
         ids = tokenize(tokenizer, [long, long, "a cat"], encoder_name="text_encoder_2",
                        fix="Shorten the prompt or raise max_sequence_length")
     messages = [str(w.message) for w in record]
-    assert messages == ["the prompt 'a dog and a cat' has 13 tokens but text_encoder_2 reads 8; this part was cut "
-                        "off: 'd a cat'. Shorten the prompt or raise max_sequence_length"]
+    assert messages == [("the prompt 'a dog and a cat' has 13 tokens but text_encoder_2 reads 8; this part was cut "
+                         "off: 'd a cat'. Shorten the prompt or raise max_sequence_length")]
     # what is kept ends with the end token, as the tokenizer truncates
     assert ids[0, -1] == tokenizer.eos_token_id and tokenizer.decode(ids[0, 1:-1]) == "a dog an"
 

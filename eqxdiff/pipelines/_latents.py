@@ -4,7 +4,7 @@ and progress bar, and the output: the final latents, or uint8 images, checked fo
 call."""
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -60,6 +60,7 @@ class LatentPipeline(DiffusionPipeline):
 
     # Encode and decode with the VAE in overlapping tiles (enable_vae_tiling): bounded memory at large sizes.
     vae_tiling: bool = False
+    SETTINGS: ClassVar[tuple[str, ...]] = ("vae_tiling",)
 
     def enable_vae_tiling(self, enabled: bool = True) -> None:
         """Encode and decode images with the VAE in overlapping tiles of its ``sample_size`` (diffusers'

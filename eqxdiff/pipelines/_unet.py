@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, PRNGKeyArray
-from ._base import check_size, given_array
+from ._arguments import check_size, given_array
 from ._checks import (
     CallLimits,
     check_image_size,
@@ -128,7 +128,7 @@ class UNetPipeline(LatentPipeline):
         passes its arguments on to another ``__call__`` (a ControlNet pipeline's) leaves this to that one."""
         if "num_inference_steps" not in arguments:
             return
-        image = arguments.get(self.init_image_argument(arguments) or "")
+        image = arguments.get(self.INIT_IMAGE) if self.INIT_IMAGE else None
         strength = arguments.get("strength")
         if image is not None and strength is None:
             strength = self.DEFAULT_STRENGTH[arguments.get("mask_image") is not None]

@@ -1,9 +1,9 @@
 """Stable Diffusion 1.x/2.x: text-to-image, image-to-image and inpainting.
 
 The steps are plain functions a notebook can call (``encode_prompt`` here; ``tokenize``, shared by every family's
-prompts; ``prepare_latents``, ``encode_image_latents``, ``denoise``, ``decode_latents`` shared with SDXL); :class:`StableDiffusionPipeline`
-strings them together behind diffusers' argument names on the shared UNet pipeline base. The whole denoising loop
-is one jitted ``lax.fori_loop`` (:func:`eqxdiff.pipelines.denoise_loop`).
+prompts; ``prepare_latents``, ``encode_image_latents``, ``denoise``, ``decode_latents`` shared with SDXL);
+:class:`StableDiffusionPipeline` strings them together behind diffusers' argument names on the shared UNet pipeline
+base. The whole denoising loop is one jitted ``lax.fori_loop`` (:func:`eqxdiff.pipelines.denoise_loop`).
 """
 
 from collections.abc import Sequence
@@ -13,7 +13,9 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
-from ._base import Component, as_list, given_array, prompt_list, resolve_key
+from ._arguments import as_list, given_array, prompt_list, resolve_key
+from ._call import checked_call
+from ._components import Component
 from ._denoise import Guidance, rescale_noise_cfg
 from ._images import to_model_range, to_uint8
 from ._latents import decode_latents, encode_image_latents
@@ -93,6 +95,7 @@ class StableDiffusionPipeline(UNetPipeline):
                                       "prompt_embeds' shape [n, seq, embed]")
         return jnp.concatenate([negative_embeds, positive])
 
+    @checked_call
     def __call__(self, prompt: str | Sequence[str] | None = None, negative_prompt: str | Sequence[str] | None = None,
                  *, num_inference_steps: int = 50, guidance_scale: float = 7.5, guidance_rescale: float = 0.0,
                  height: int | None = None, width: int | None = None, num_images_per_prompt: int = 1,
