@@ -49,7 +49,8 @@ from ._single_file import read_single_file
 
 class DiffusionPipeline:
     """Base of eqxdiff's pipelines. Subclasses set :attr:`CLASS_NAME` (their ``model_index.json``
-    ``_class_name``), :attr:`COMPONENTS` and write ``__call__``; components become attributes of the same name.
+    ``_class_name``), :attr:`COMPONENTS` and write ``__call__``, decorated with
+    :func:`~eqxdiff.pipelines.checked_call`; components become attributes of the same name.
 
     ``attention`` picks the attention kernel of every model; ``activations_dtype`` is the dtype of latents and
     activations (default: float32). ``mesh`` (:func:`eqxdiff.parallel.make_mesh`) runs every model on it:
