@@ -341,7 +341,7 @@ def test_sd_controlnet_img2img_matches_diffusers(sd, monkeypatch):
     schedule starts part-way (strength), and the start/end window counts the steps actually run."""
     from diffusers.pipelines.controlnet import pipeline_controlnet_img2img as module
 
-    from eqxdiff.pipelines._unet import noise_draws
+    from eqxdiff.pipelines._latents import noise_draws
 
     ref, folder, _ = sd
     ref_img2img = module.StableDiffusionControlNetImg2ImgPipeline(**ref.components)

@@ -367,7 +367,7 @@ def test_generate_runs_a_union_net_on_an_sdxl_base(union, cli_folders, tmp_path)
 
     from eqxdiff.cli import generate
     from eqxdiff.pipelines import read_parameters, seed_key
-    from eqxdiff.pipelines._unet import noise_draws
+    from eqxdiff.pipelines._latents import noise_draws
 
     ref, _, _ = union
     root, files = cli_folders

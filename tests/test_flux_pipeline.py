@@ -9,6 +9,8 @@ runs a BFL file, and the errors a user can make.
 One tiny folder per variant, built once for the module; calls of one variant share their compiled programs.
 """
 
+import copy
+import dataclasses
 import json
 import shutil
 
@@ -26,16 +28,9 @@ from eqxdiff.loading import CheckpointError, SafetensorsFile, formats, state_dic
 from eqxdiff.loading import single_file as layouts
 from eqxdiff.parallel import MeshConfig, make_mesh
 from eqxdiff.pipelines import CallLimits, InputError, InputWarning, save_pipeline, save_single_file
-from eqxdiff.pipelines._unet import noise_draws
-from eqxdiff.pipelines.flux import (
-    COMFY_CLIP_L,
-    COMFY_VAE,
-    SINGLE_FILE_LAYOUTS,
-    FluxImg2ImgPipeline,
-    FluxKontextPipeline,
-    FluxPipeline,
-    kontext_size,
-)
+from eqxdiff.pipelines._latents import noise_draws
+from eqxdiff.pipelines.flux import COMFY_CLIP_L, COMFY_VAE, SINGLE_FILE_LAYOUTS, FluxPipeline
+from eqxdiff.pipelines.flux_image import FluxImg2ImgPipeline, FluxKontextPipeline, kontext_size
 
 from . import _tiny_flux
 from . import _tiny_flux_pipeline as tiny
@@ -422,6 +417,34 @@ def test_generate_lists_the_flux_options(dev, kontext_folder, capsys):
         for flag in flags:
             assert flag in text, flag
         assert "--prompt-embeds" not in text and "--latents" not in text
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _stop(*args, **kwargs):
+    raise _Stopped
+
+
+def test_t5_prompts_get_the_shared_tokenizer_checks(dev, monkeypatch):
+    """T5's prompts go through the shared tokenization (``pipelines._text``): a prompt cut to max_sequence_length
+    warns with the part cut off, and a tokenizer_2 whose ids overrun text_encoder_2's vocabulary is refused, each
+    naming the T5 side. Stopped before the encoders run: nothing compiles."""
+    from eqxdiff.pipelines import flux
+
+    monkeypatch.setattr(flux, "clip_pooled", lambda encoder, ids: None)
+    monkeypatch.setattr(flux, "t5_embeddings", _stop)
+    with pytest.warns(InputWarning, match=r"^the prompt 'two dogs and a red cat' has 19 tokens but text_encoder_2 "
+                                          r"reads 12; this part was cut off: 'a red cat'. Shorten the prompt or raise "
+                                          r"max_sequence_length \(at most 512\)$"), pytest.raises(_Stopped):
+        dev.pipe.encode_prompt("a cat", "two dogs and a red cat", max_sequence_length=12)
+    encoder = copy.copy(dev.pipe.text_encoder_2)  # the same weights, a config that says the vocabulary is smaller
+    object.__setattr__(encoder, "config", dataclasses.replace(encoder.config, vocab_size=5))
+    smaller = FluxPipeline.from_pipe(dev.pipe, text_encoder_2=encoder)
+    with pytest.raises(CheckpointError, match=r"tokenizer_2 gave token id \d+, outside text_encoder_2's vocabulary of "
+                                              r"5 \(vocab_size in its config.json\)"):
+        smaller.encode_prompt("a cat", max_sequence_length=12)
 
 
 def test_errors_name_the_problem_and_the_fix(dev):

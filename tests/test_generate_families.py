@@ -23,7 +23,7 @@ import eqxdiff
 from eqxdiff.cli import generate
 from eqxdiff.loading import CheckpointError
 from eqxdiff.pipelines import InputError, read_parameters, save_single_file, seed_key
-from eqxdiff.pipelines._unet import noise_draws
+from eqxdiff.pipelines._latents import noise_draws
 
 from . import _tiny_controlnet as tiny_cn
 from . import _tiny_sdxl as tiny_xl

@@ -15,7 +15,7 @@ import eqxdiff
 from eqxdiff.pipelines import StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
 from eqxdiff.pipelines._images import to_model_range
 from eqxdiff.pipelines._inpaint import latent_mask, prepare_mask
-from eqxdiff.pipelines._unet import encode_image_latents, noise_draws
+from eqxdiff.pipelines._latents import encode_image_latents, noise_draws
 
 from . import _tiny_sdxl as tiny
 from ._tiny_sd import build_pipeline, randomize_

@@ -1,5 +1,6 @@
 """End to end: eqxdiff's Stable Diffusion pipeline against diffusers', pixel for pixel (<= 2/255)."""
 
+import inspect
 import json
 import re
 import shutil
@@ -14,12 +15,15 @@ import eqxdiff
 from eqxdiff.cli import generate
 from eqxdiff.core import ConfigError, family_names, resolve_class
 from eqxdiff.pipelines import (
+    DiffusionPipeline,
     StableDiffusionPipeline,
+    checked_call,
     read_parameters,
     save_images,
     save_pipeline,
     save_single_file,
 )
+from eqxdiff.pipelines._call import is_checked
 from eqxdiff.pipelines.flux import FluxPipeline
 from eqxdiff.pipelines import stable_diffusion as sd
 
@@ -224,6 +228,58 @@ def test_every_pipeline_names_the_classes_of_its_models():
             assert accepted, f"{name}.{c.name} names no class"
             wrappers = {getattr(cls, "MULTI_CLASS", type).__name__}
             assert set(accepted) <= models | wrappers, (name, c.name, accepted)
+
+
+def test_every_served_pipeline_checks_and_times_its_call():
+    """Every served pipeline's ``__call__`` carries ``@checked_call`` (arguments checked before anything compiles,
+    the call's timings), inherited or its own; a family whose ``__call__`` lacks it is refused at its definition."""
+    for name in family_names("pipeline"):
+        assert is_checked(resolve_class(name).__call__), name
+    with pytest.raises(TypeError, match=r"Forgetful.__call__ must be decorated with @checked_call \(from "
+                                        r"eqxdiff.pipelines\)"):
+        class Forgetful(StableDiffusionPipeline):
+            def __call__(self, prompt=None):
+                return prompt
+
+    class Remembers(StableDiffusionPipeline):
+        @checked_call
+        def __call__(self, prompt=None):
+            return prompt
+
+    assert is_checked(Remembers.__call__)
+
+
+def test_every_pipeline_declares_its_image_to_image_argument():
+    """``INIT_IMAGE`` names a real argument of the call, or is None; a ControlNet pipeline without a
+    ``control_image`` argument takes its control image as ``image`` (diffusers' names), which is then no
+    image-to-image start."""
+    for name in family_names("pipeline"):
+        cls = resolve_class(name)
+        arguments = inspect.signature(cls.__call__).parameters
+        assert cls.INIT_IMAGE is None or cls.INIT_IMAGE in arguments, name
+        if any(c.name == "controlnet" for c in cls.COMPONENTS) and "control_image" not in arguments:
+            assert cls.INIT_IMAGE is None, name
+    assert resolve_class("StableDiffusionControlNetImg2ImgPipeline").INIT_IMAGE == "image"
+    assert resolve_class("FluxImg2ImgPipeline").INIT_IMAGE == "image"
+
+
+def test_with_scheduler_and_from_pipe_build_through_init_and_keep_settings(tmp_path, monkeypatch):
+    """``with_scheduler`` builds its pipeline through ``__init__`` (``from_pipe``): the components are shared, the
+    timings its own, and what the user set (VAE tiling) is kept, as by ``from_pipe``."""
+    build_pipeline(tmp_path)
+    pipe = eqxdiff.load_pipeline(tmp_path)
+    pipe.enable_vae_tiling()
+    built = []
+    init = DiffusionPipeline.__init__
+    monkeypatch.setattr(DiffusionPipeline, "__init__",
+                        lambda self, **kw: (built.append(type(self)), init(self, **kw))[1])
+    euler = pipe.with_scheduler("euler", timestep_spacing="trailing")
+    assert built == [StableDiffusionPipeline]
+    assert type(euler.scheduler).__name__ == "EulerDiscreteScheduler"
+    assert euler.scheduler.config.timestep_spacing == "trailing"
+    assert euler.unet is pipe.unet and euler.text_encoder is pipe.text_encoder and euler.timings is not pipe.timings
+    assert euler.vae_tiling and type(pipe).from_pipe(pipe).vae_tiling
+    assert not type(pipe).from_pipe(eqxdiff.load_pipeline(tmp_path)).vae_tiling
 
 
 def test_save_pipeline_round_trips_through_diffusers(tmp_path):

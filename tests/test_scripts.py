@@ -25,7 +25,7 @@ from eqxdiff.cli import generate, train
 from eqxdiff.cli._options import family_options
 from eqxdiff.core import FAMILY_TABLE
 from eqxdiff.parallel import MeshConfig, Remat
-from eqxdiff.pipelines import Component, DiffusionPipeline, InputError, read_parameters, write_video
+from eqxdiff.pipelines import Component, DiffusionPipeline, InputError, checked_call, read_parameters, write_video
 from eqxdiff.train import FamilyOptions, FluxOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,6 +132,7 @@ class ToyVideoPipeline(DiffusionPipeline):
     COMPONENTS = (Component("scheduler", "diffusers", "scheduler"),)
     meshes: typing.ClassVar[list] = []  # the mesh of every call, for the tests
 
+    @checked_call
     def __call__(self, prompt: str | Sequence[str] | None = None, *, num_frames: int = 5, height: int = 32,
                  width: int = 32, frame_rate: int = 8, brightness: float = 0.5, seed: int = 0, latents=None,
                  video=None, progress: bool = True) -> np.ndarray:
@@ -205,6 +206,7 @@ class _InlineDocumented(DiffusionPipeline):
     CLASS_NAME = "InlineDocumented"
     COMPONENTS = ()
 
+    @checked_call
     def __call__(self, prompt: str = "x", *, eta: float = 0.0, timesteps: Sequence[int] | None = None,
                  mask_image=None, key=None, output_type: str = "uint8"):
         """Images.

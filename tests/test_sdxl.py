@@ -26,7 +26,7 @@ from eqxdiff.pipelines import (
     save_pipeline,
 )
 from eqxdiff.pipelines import stable_diffusion_xl as sdxl
-from eqxdiff.pipelines._unet import noise_draws
+from eqxdiff.pipelines._latents import noise_draws
 
 from . import _tiny_sdxl as tiny
 from ._util import assert_close, nchw_to_nhwc, nhwc_to_nchw

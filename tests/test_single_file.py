@@ -45,7 +45,7 @@ from eqxdiff.pipelines import (
     save_pipeline,
     save_single_file,
 )
-from eqxdiff.pipelines._unet import noise_draws
+from eqxdiff.pipelines._latents import noise_draws
 
 from . import _tiny_sdxl as tiny
 from ._single_file_util import (

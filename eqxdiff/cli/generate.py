@@ -450,7 +450,7 @@ def _parameters(checked: Invocation, pipe, outputs, refiner=None) -> dict:
     values["height"], values["width"] = int(outputs.shape[-3]), int(outputs.shape[-2])
     if outputs.ndim == 5 and "num_frames" in values:
         values["num_frames"] = int(outputs.shape[1])
-    init_image = type(pipe).init_image_argument(checked.kwargs)
+    init_image = type(pipe).INIT_IMAGE
     if "strength" in values and (init_image is None or values.get(init_image) is None):
         del values["strength"]  # image-to-image only
     run, control = args.run, args.control

@@ -29,8 +29,8 @@ FAMILY_TABLE: dict[str, str] = {
     # Flux.1
     "FluxTransformer2DModel": "eqxdiff.models.flux:FluxTransformer2DModel",
     "FluxPipeline": "eqxdiff.pipelines.flux:FluxPipeline",
-    "FluxImg2ImgPipeline": "eqxdiff.pipelines.flux:FluxImg2ImgPipeline",
-    "FluxKontextPipeline": "eqxdiff.pipelines.flux:FluxKontextPipeline",
+    "FluxImg2ImgPipeline": "eqxdiff.pipelines.flux_image:FluxImg2ImgPipeline",
+    "FluxKontextPipeline": "eqxdiff.pipelines.flux_image:FluxKontextPipeline",
     # Wan 2.1 / 2.2
     "WanTransformer3DModel": "eqxdiff.models.wan:WanTransformer3DModel",
     "AutoencoderKLWan": "eqxdiff.models.wan_vae:AutoencoderKLWan",

@@ -1,23 +1,25 @@
 """Pipelines: model families strung together behind diffusers' argument names, on one base.
 
-:class:`DiffusionPipeline` (components, loading, saving, mesh placement, timings) and :func:`denoise_loop` (the
-jitted sampling loop with classifier-free guidance, driven by a family's :class:`Denoiser`) are what every family
-shares; ``load_pipeline`` finds a folder's pipeline class through the family table.
+:class:`DiffusionPipeline` (components, loading, saving, mesh placement, timings), :func:`checked_call` (the
+decorator on every family's ``__call__``) and :func:`denoise_loop` (the jitted sampling loop with classifier-free
+guidance, driven by a family's :class:`Denoiser`) are what every family shares; ``load_pipeline`` finds a folder's
+pipeline class through the family table.
 """
 
-from ._base import Component as Component
+from ._arguments import seed_key as seed_key
 from ._base import DiffusionPipeline as DiffusionPipeline
-from ._base import build_scheduler as build_scheduler
 from ._base import load_pipeline as load_pipeline
-from ._base import load_tokenizer as load_tokenizer
 from ._base import save_pipeline as save_pipeline
-from ._base import seed_key as seed_key
+from ._call import checked_call as checked_call
 from ._checks import CallLimits as CallLimits
 from ._checks import InputError as InputError
 from ._checks import InputTypeError as InputTypeError
 from ._checks import InputWarning as InputWarning
 from ._checks import NonFiniteError as NonFiniteError
 from ._checks import check_arguments as check_arguments
+from ._components import Component as Component
+from ._components import build_scheduler as build_scheduler
+from ._components import load_tokenizer as load_tokenizer
 from ._denoise import Denoiser as Denoiser
 from ._denoise import Guidance as Guidance
 from ._denoise import Schedule as Schedule

@@ -1,17 +1,15 @@
-"""What every pipeline shares: its table of components, loading them from a diffusers folder straight into dtype and
-sharding, saving them back, placement on a mesh with encoder offload, timings and the helpers a ``__call__`` uses.
+"""The pipeline base and its folder form: :class:`DiffusionPipeline` (its table of components, placement on a mesh
+with encoder offload, timings, the helpers a ``__call__`` uses), and :func:`load_pipeline` / :func:`save_pipeline`,
+which read its components from a diffusers folder straight into dtype and sharding and write them back.
 
-A family's pipeline subclasses :class:`DiffusionPipeline`, lists its :class:`Component` s and its
-``model_index.json`` class name, and writes ``__call__`` from its own pre/post steps plus
-:func:`eqxdiff.pipelines.denoise_loop` with its :class:`~eqxdiff.pipelines.Denoiser`. ``eqxdiff.load_pipeline``
-finds the class through the family table (:data:`eqxdiff.core.FAMILY_TABLE`).
+A family's pipeline subclasses :class:`DiffusionPipeline`, lists its :class:`~eqxdiff.pipelines.Component` s and its
+``model_index.json`` class name, and writes ``__call__`` (decorated with
+:func:`~eqxdiff.pipelines.checked_call`) from its own pre/post steps plus :func:`eqxdiff.pipelines.denoise_loop` with
+its :class:`~eqxdiff.pipelines.Denoiser`. ``eqxdiff.load_pipeline`` finds the class through the family table
+(:data:`eqxdiff.core.FAMILY_TABLE`).
 """
 
 import contextlib
-import contextvars
-import dataclasses
-import functools
-import inspect
 import json
 import os
 import time
@@ -22,7 +20,14 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from ..core import DEFAULT_RULES, ConfigError, ModelConfig, Plan, family_names, resolve_class
+from ..core import (
+    DEFAULT_RULES,
+    ConfigError,
+    ModelConfig,
+    Plan,
+    family_names,
+    resolve_class,
+)
 from ..loading import (
     CheckpointError,
     check_dtype,
@@ -36,79 +41,16 @@ from ..loading import (
 )
 from ..nn import with_attention_implementation
 from ..parallel import shard_batch, shard_params, sharding_fn, with_plan
-from ._checks import CallLimits, InputError, InputTypeError, check_arguments
-from ._components import build_scheduler as build_scheduler
-from ._components import load_tokenizer as load_tokenizer
-from ._components import pipeline_class_for
+from ._call import COMPILE_SUFFIX, compile_seconds, is_checked
+from ._checks import CallLimits, check_arguments
+from ._components import Component, build_scheduler, load_tokenizer, pipeline_class_for
 from ._single_file import read_single_file
-
-COMPONENT_KINDS = ("model", "tokenizer", "scheduler")
-LIBRARIES = ("diffusers", "transformers")
-COMPILE_SUFFIX = "_compile"  # timings[stage + COMPILE_SUFFIX]: the compile seconds within timings[stage]
-
-
-class _CompileClock:
-    """Seconds JAX has spent compiling in this process: its ``/jax/core/compile/`` duration events (tracing to a
-    jaxpr, lowering to MLIR, XLA's compile), summed by one listener, registered on first use."""
-
-    seconds = 0.0
-    _registered = False
-
-    @classmethod
-    def now(cls) -> float:
-        if not cls._registered:
-            jax.monitoring.register_event_duration_secs_listener(cls._on_event)
-            cls._registered = True
-        return cls.seconds
-
-    @classmethod
-    def _on_event(cls, name: str, duration: float, **_) -> None:
-        if name.startswith("/jax/core/compile/"):
-            cls.seconds += duration
-
-
-def compile_seconds() -> float:
-    """Seconds this process has spent compiling JAX programs (tracing, lowering and XLA's compile) since the first
-    reading; the difference of two readings is the compile time between them (what :meth:`DiffusionPipeline.timed`
-    records)."""
-    return _CompileClock.now()
-
-
-_IN_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("eqxdiff_pipeline_call", default=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class Component:
-    """One entry of a pipeline's ``model_index.json``: a subfolder of the pipeline folder.
-
-    ``kind``: ``"model"`` (read with :func:`eqxdiff.load`), ``"tokenizer"`` (transformers' own) or ``"scheduler"``.
-    ``library``: what ``model_index.json`` says reads it (``diffusers`` or ``transformers``). ``classes``: the
-    checkpoint classes (``model_index.json``'s ``[library, class]``, family-table names) the pipeline runs there;
-    :func:`load_pipeline` refuses any other before loading it (empty: any model eqxdiff serves). ``optional``: a
-    folder may lack it (``[null, null]`` in the index). ``encoder``: a text/image encoder, kept in host memory with
-    ``offload_encoders``. ``scan``: stacked under ``scan_layers`` (models with repeated layers)."""
-
-    name: str
-    library: str
-    kind: str = "model"
-    classes: tuple[str, ...] = ()
-    optional: bool = False
-    encoder: bool = False
-    scan: bool = True
-
-    def __post_init__(self):
-        if self.kind not in COMPONENT_KINDS or self.library not in LIBRARIES:
-            raise ValueError(f"Component {self.name!r}: kind={self.kind!r} (one of {COMPONENT_KINDS}), "
-                             f"library={self.library!r} (one of {LIBRARIES})")
-        if isinstance(self.classes, str) or not all(isinstance(c, str) for c in self.classes):
-            raise ValueError(f"Component {self.name!r}: classes={self.classes!r} must be a tuple of class names")
-        if self.classes and self.kind != "model":
-            raise ValueError(f"Component {self.name!r}: classes are checked for models, not a {self.kind}")
 
 
 class DiffusionPipeline:
     """Base of eqxdiff's pipelines. Subclasses set :attr:`CLASS_NAME` (their ``model_index.json``
-    ``_class_name``), :attr:`COMPONENTS` and write ``__call__``; components become attributes of the same name.
+    ``_class_name``), :attr:`COMPONENTS` and write ``__call__``, decorated with
+    :func:`~eqxdiff.pipelines.checked_call`; components become attributes of the same name.
 
     ``attention`` picks the attention kernel of every model; ``activations_dtype`` is the dtype of latents and
     activations (default: float32). ``mesh`` (:func:`eqxdiff.parallel.make_mesh`) runs every model on it:
@@ -128,12 +70,20 @@ class DiffusionPipeline:
     # The pipeline's own settings in model_index.json (diffusers' register_to_config), with their defaults: read on
     # load, written on save, attributes of the pipeline (SDXL's force_zeros_for_empty_prompt ...).
     OPTIONS: ClassVar[Mapping[str, Any]] = {}
+    # The call argument holding the picture an image-to-image call starts from (diffusers' names), or None where the
+    # class's image argument is no such start (a ControlNet text-to-image pipeline's image is its control image).
+    INIT_IMAGE: ClassVar[str | None] = "image"
+    # What a user sets on a pipeline after building it (enable_vae_tiling's vae_tiling ...), carried by from_pipe and
+    # with_scheduler to the pipeline they build.
+    SETTINGS: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         call = cls.__dict__.get("__call__")
-        if call is not None and not hasattr(call, "__checks_arguments__"):
-            cls.__call__ = _checking_arguments(call)
+        if call is not None and not is_checked(call):
+            raise TypeError(f"{cls.__name__}.__call__ must be decorated with @checked_call (from "
+                            "eqxdiff.pipelines): it checks the call's arguments before anything compiles and records "
+                            "the pipeline's timings")
 
     def __init__(self, *, attention: str | None = None, activations_dtype=jnp.float32, mesh=None, rules=None,
                  offload_encoders: bool = False, scheduler_extras: Mapping[str, Any] | None = None,
@@ -237,12 +187,16 @@ class DiffusionPipeline:
     def from_pipe(cls, pipe: "DiffusionPipeline", **overrides):
         """This pipeline class sharing ``pipe``'s components (no copy, no reload): e.g. an SDXL refiner built from
         the base's ``text_encoder_2`` and ``vae``. ``overrides`` replace components or options; components
-        ``pipe`` lacks are ``None`` (they must be optional here or given)."""
+        ``pipe`` lacks are ``None`` (they must be optional here or given). The :attr:`SETTINGS` both classes have
+        (VAE tiling ...) are carried over, as diffusers' VAE keeps its tiling when it is shared."""
         shared = {c.name: getattr(pipe, c.name, None) for c in cls.COMPONENTS}
         options = {k: getattr(pipe, k) for k in cls.OPTIONS if hasattr(pipe, k)}
         new = cls(activations_dtype=pipe.activations_dtype, mesh=pipe.mesh, rules=pipe.rules,
                   offload_encoders=pipe.offload_encoders,
                   **{"scheduler_extras": pipe.scheduler_extras, **shared, **options, **overrides})
+        for key in cls.SETTINGS:
+            if key in pipe.SETTINGS:
+                setattr(new, key, getattr(pipe, key))
         return new
 
     # -- what a call may ask for -----------------------------------------------------------------------------
@@ -254,14 +208,7 @@ class DiffusionPipeline:
         loads the pipeline. Raises :class:`~eqxdiff.pipelines.InputError` naming the argument and the fix. The
         shared diffusers names are checked by :func:`eqxdiff.pipelines.check_arguments`; a family with arguments
         of its own overrides this and calls ``super()``."""
-        check_arguments(arguments, limits or CallLimits(), init_image=cls.init_image_argument(arguments))
-
-    @classmethod
-    def init_image_argument(cls, arguments: Mapping[str, Any]) -> str | None:
-        """The argument holding the picture an image-to-image call starts from: ``image``, except in a ControlNet
-        pipeline without a ``control_image`` argument, where ``image`` is the control image (diffusers' names)."""
-        controlnet = any(c.name == "controlnet" for c in cls.COMPONENTS)
-        return None if controlnet and "control_image" not in arguments else "image"
+        check_arguments(arguments, limits or CallLimits(), init_image=cls.INIT_IMAGE)
 
     def call_limits(self) -> CallLimits:
         """What this pipeline's models allow its call arguments (the VAE's factor, the text encoder's layers)."""
@@ -312,13 +259,11 @@ class DiffusionPipeline:
     def with_scheduler(self, name: str | None = None, **overrides):
         """The same pipeline with another scheduler (``"euler"``, ``"dpm++2m_karras"`` ...; ``None``: the same
         class), keeping the checkpoint's noise schedule and prediction type (and the config keys it does not read,
-        such as ``clip_sample``); ``overrides`` set config keys (:func:`build_scheduler`)."""
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
+        such as ``clip_sample``); ``overrides`` set config keys (:func:`build_scheduler`). The rest is shared
+        (:meth:`from_pipe`)."""
         raw = {**self.scheduler_extras, **self.scheduler.config.to_dict(), "_class_name": type(self.scheduler).__name__}
-        new.scheduler, new.scheduler_extras = build_scheduler(raw, name, overrides)
-        new.timings = {}
-        return new
+        scheduler, extras = build_scheduler(raw, name, overrides)
+        return self.from_pipe(self, scheduler=scheduler, scheduler_extras=extras)
 
     # -- helpers for __call__ ------------------------------------------------------------------------------------
 
@@ -352,100 +297,6 @@ class DiffusionPipeline:
         finally:
             self.timings[stage] = time.perf_counter() - t0
             self.timings[stage + COMPILE_SUFFIX] = compile_seconds() - compiled
-
-
-def _checking_arguments(call):
-    """``call`` (a family's ``__call__``) checking its arguments first (:meth:`DiffusionPipeline.check_arguments`
-    with the pipeline's :meth:`~DiffusionPipeline.call_limits`) and timed: the outermost call starts
-    :attr:`~DiffusionPipeline.timings` afresh and records itself as ``"call"``; a call made inside it (a ControlNet
-    pipeline's passing its arguments on) adds its stages. Its signature and docstring stay ``call``'s."""
-    signature = inspect.signature(call)
-    params = list(signature.parameters.values())
-    var_keyword = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
-
-    def checked_call(self, args, kwargs):
-        try:
-            bound = signature.bind(self, *args, **kwargs)
-        except TypeError as e:
-            raise InputTypeError(f"{type(self).__name__}(...): {e}") from None
-        bound.apply_defaults()
-        arguments = {k: v for k, v in bound.arguments.items() if k != params[0].name and k != var_keyword}
-        arguments.update(bound.arguments.get(var_keyword, {}) if var_keyword else {})
-        self.check_arguments(arguments, self.call_limits())
-        self.check_call(arguments)
-        return call(self, *args, **kwargs)
-
-    @functools.wraps(call)
-    def checked(self, *args, **kwargs):
-        if _IN_CALL.get():
-            return checked_call(self, args, kwargs)
-        token = _IN_CALL.set(True)
-        self.timings.clear()  # in place: a call's shallow copies of the pipeline share the dict
-        try:
-            with self.timed("call"):
-                return checked_call(self, args, kwargs)
-        finally:
-            _IN_CALL.reset(token)
-
-    checked.__checks_arguments__ = True
-    return checked
-
-
-# -- argument handling every family's __call__ shares ----------------------------------------------------------
-
-
-def prompt_list(prompt, name: str = "prompt") -> list[str]:
-    """``prompt`` (one string or a sequence of them) as a list."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, (list, tuple)) and all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    raise InputTypeError(f"{name} must be a string or a list of strings, got {type(prompt).__name__}")
-
-
-def as_list(value, n: int, name: str) -> list:
-    """``value`` (one string, or one per prompt) as ``n`` entries."""
-    values = [value] * n if isinstance(value, str) else list(value)
-    if len(values) != n:
-        raise InputError(f"{name} has {len(values)} entries but prompt has {n}; pass one, or one per prompt")
-    return values
-
-
-def seed_key(seed: int) -> jax.Array:
-    """The PRNG key of any int ``seed``: ``jax.random.key(seed)`` for ``0 <= seed < 2**32``; any other int (negative,
-    or too large for a 32-bit key) is folded in 32 bits at a time, so distinct seeds give distinct keys."""
-    if 0 <= seed < 2**32:
-        return jax.random.key(seed)
-    rest = 2 * seed if seed >= 0 else -2 * seed - 1  # one non-negative int per seed
-    key = jax.random.key(rest & 0xFFFFFFFF)
-    while True:  # at least one fold: never the key of a seed in [0, 2**32)
-        rest >>= 32
-        key = jax.random.fold_in(key, rest & 0xFFFFFFFF)
-        if rest < 2**32:
-            return key
-
-
-def resolve_key(seed: int | None, key) -> jax.Array:
-    """The PRNG key of a call: ``key`` if given, else one from ``seed`` (default 0; any int, :func:`seed_key`)."""
-    if key is not None and seed is not None:
-        raise InputError("pass seed= or key=, not both")
-    return seed_key(0 if seed is None else int(seed)) if key is None else key
-
-
-def check_size(height: int, width: int, factor: int, why: str) -> None:
-    """Both sizes positive multiples of ``factor`` (``why``: what downsamples by it)."""
-    for name, v in (("height", height), ("width", width)):
-        if v <= 0 or v % factor:
-            raise InputError(f"{name}={v} must be a {'positive ' if v <= 0 else ''}multiple of {factor} ({why}); "
-                             f"try {name}={max(factor, int(v) // factor * factor)}")
-
-
-def given_array(value, shape: tuple[int, ...], name: str, layout: str):
-    """A user's array as float32 of exactly ``shape`` (``layout`` names its axes in the error)."""
-    arr = jnp.asarray(value, dtype=jnp.float32)
-    if arr.shape != tuple(shape):
-        raise InputError(f"{name} must have shape {tuple(shape)} = {layout}, got {arr.shape}")
-    return arr
 
 
 def _option(pipeline: str, key: str, value, default):
@@ -503,23 +354,7 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
         raise CheckpointError("config= is for single .safetensors files; a pipeline folder holds its own configs")
     folder = resolve_folder(path_or_hub_id, revision=revision)
     index = read_config(folder, "model_index.json")
-    name = index.get("_class_name")
-    cls = resolve_class(name) if isinstance(name, str) else None
-    if cls is None or not (isinstance(cls, type) and issubclass(cls, DiffusionPipeline)):
-        raise CheckpointError(f"unknown pipeline class {name!r} in model_index.json; eqxdiff serves "
-                              f"{family_names('pipeline')}")
-    cls = pipeline_class_for(cls, pipeline_class, where=repr(os.fspath(folder)), holds=name)
-    missing = [c.name for c in cls.COMPONENTS if not c.optional and _index_entry(index, c.name) is None]
-    if missing:
-        raise CheckpointError(f"model_index.json in {os.fspath(folder)!r} lacks component(s) {missing} that a "
-                              f"{name} needs")
-    for c in cls.COMPONENTS:
-        if _index_entry(index, c.name) is not None:
-            cls.check_component_class(c, index[c.name], repr(os.fspath(folder)))
-    overrides = cls.check_config_overrides(config_overrides)
-    absent = sorted(k for k in overrides if _index_entry(index, k) is None)
-    if absent:
-        raise ConfigError(f"config_overrides sets {absent}, which {os.fspath(folder)!r} does not hold")
+    cls, overrides = _folder_class(folder, index, pipeline_class, config_overrides)
     if mesh is not None and sharding is None:
         sharding = sharding_fn(mesh, rules or DEFAULT_RULES)
     components, extras = {}, {}
@@ -540,6 +375,30 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     options = {k: index[k] for k in cls.OPTIONS if k in index}
     return cls(attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
                offload_encoders=offload_encoders, scheduler_extras=extras, **components, **options)
+
+
+def _folder_class(folder: Path, index: Mapping, pipeline_class: type | None, config_overrides) -> tuple[type, dict]:
+    """The class that loads ``folder`` (``index``: its ``model_index.json``): the one the index names, or
+    ``pipeline_class`` (a subclass, or another task of the same family); with the index's components checked against
+    it and the ``config_overrides`` against both."""
+    name = index.get("_class_name")
+    cls = resolve_class(name) if isinstance(name, str) else None
+    if cls is None or not (isinstance(cls, type) and issubclass(cls, DiffusionPipeline)):
+        raise CheckpointError(f"unknown pipeline class {name!r} in model_index.json; eqxdiff serves "
+                              f"{family_names('pipeline')}")
+    cls = pipeline_class_for(cls, pipeline_class, where=repr(os.fspath(folder)), holds=name)
+    missing = [c.name for c in cls.COMPONENTS if not c.optional and _index_entry(index, c.name) is None]
+    if missing:
+        raise CheckpointError(f"model_index.json in {os.fspath(folder)!r} lacks component(s) {missing} that a "
+                              f"{name} needs")
+    for c in cls.COMPONENTS:
+        if _index_entry(index, c.name) is not None:
+            cls.check_component_class(c, index[c.name], repr(os.fspath(folder)))
+    overrides = cls.check_config_overrides(config_overrides)
+    absent = sorted(k for k in overrides if _index_entry(index, k) is None)
+    if absent:
+        raise ConfigError(f"config_overrides sets {absent}, which {os.fspath(folder)!r} does not hold")
+    return cls, overrides
 
 
 def save_pipeline(pipe: DiffusionPipeline, folder, *, dtype=None) -> Path:

@@ -1,6 +1,6 @@
-"""How a pipeline's components are read, whatever holds them (a pipeline folder or a single file with its
-``config=``): the tokenizers, the scheduler with its options, and which class a checkpoint loads as when a caller
-asks for another."""
+"""A pipeline's components and how they are read, whatever holds them (a pipeline folder or a single file with its
+``config=``): what a :class:`Component` (one ``model_index.json`` entry) is, the tokenizers, the scheduler with its
+options, and which class a checkpoint loads as when a caller asks for another."""
 
 import dataclasses
 import os
@@ -10,6 +10,40 @@ from typing import Any
 from ..core import ConfigError
 from ..loading import CheckpointError
 from ..schedulers import scheduler_from_config
+
+__all__ = ["COMPONENT_KINDS", "LIBRARIES", "Component", "build_scheduler", "load_tokenizer", "pipeline_class_for"]
+
+COMPONENT_KINDS = ("model", "tokenizer", "scheduler")
+LIBRARIES = ("diffusers", "transformers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """One entry of a pipeline's ``model_index.json``: a subfolder of the pipeline folder.
+
+    ``kind``: ``"model"`` (read with :func:`eqxdiff.load`), ``"tokenizer"`` (transformers' own) or ``"scheduler"``.
+    ``library``: what ``model_index.json`` says reads it (``diffusers`` or ``transformers``). ``classes``: the
+    checkpoint classes (``model_index.json``'s ``[library, class]``, family-table names) the pipeline runs there;
+    :func:`~eqxdiff.pipelines.load_pipeline` refuses any other before loading it (empty: any model eqxdiff serves).
+    ``optional``: a folder may lack it (``[null, null]`` in the index). ``encoder``: a text/image encoder, kept in
+    host memory with ``offload_encoders``. ``scan``: stacked under ``scan_layers`` (models with repeated layers)."""
+
+    name: str
+    library: str
+    kind: str = "model"
+    classes: tuple[str, ...] = ()
+    optional: bool = False
+    encoder: bool = False
+    scan: bool = True
+
+    def __post_init__(self):
+        if self.kind not in COMPONENT_KINDS or self.library not in LIBRARIES:
+            raise ValueError(f"Component {self.name!r}: kind={self.kind!r} (one of {COMPONENT_KINDS}), "
+                             f"library={self.library!r} (one of {LIBRARIES})")
+        if isinstance(self.classes, str) or not all(isinstance(c, str) for c in self.classes):
+            raise ValueError(f"Component {self.name!r}: classes={self.classes!r} must be a tuple of class names")
+        if self.classes and self.kind != "model":
+            raise ValueError(f"Component {self.name!r}: classes are checked for models, not a {self.kind}")
 
 
 def load_tokenizer(folder):

@@ -1,17 +1,40 @@
 """What every pipeline that diffuses in an ``AutoencoderKL``'s latent space shares (the UNet families and Flux): the
-VAE's way in and out (optionally in tiles), the denoising loop's run with its timing and progress bar, and the
-output: the final latents, or uint8 images, checked for NaN with a hint that fits the call."""
+Gaussian draws of a call, the VAE's way in and out (optionally in tiles), the denoising loop's run with its timing
+and progress bar, and the output: the final latents, or uint8 images, checked for NaN with a hint that fits the
+call."""
+
+import dataclasses
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._typing import Array, Float
+from .._typing import Array, Float, PRNGKeyArray
 from ._base import DiffusionPipeline
 from ._checks import check_finite_output
 from ._denoise import Guidance, denoise_loop
 from ._images import to_uint8
 from ._progress import progress_bar
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseDraws:
+    """The Gaussian draws of one call, all from its key: the initial ``noise``, the VAE posterior samples of the
+    ``image`` and of the ``masked_image`` (inpainting), and the key of the loop's own draws."""
+
+    noise: Any
+    image: Any
+    masked_image: Any
+    loop_key: Any
+
+
+def noise_draws(key: PRNGKeyArray, shape: tuple[int, ...]) -> NoiseDraws:
+    """What a latent pipeline's call draws from ``key`` for latents of ``shape`` (every family the same way: to
+    reproduce a call, or to give diffusers the same noise)."""
+    noise_key, image_key, loop_key = jax.random.split(key, 3)
+    masked_key = jax.random.fold_in(image_key, 1)
+    return NoiseDraws(*(jax.random.normal(k, shape) for k in (noise_key, image_key, masked_key)), loop_key)
 
 
 @eqx.filter_jit
@@ -37,6 +60,7 @@ class LatentPipeline(DiffusionPipeline):
 
     # Encode and decode with the VAE in overlapping tiles (enable_vae_tiling): bounded memory at large sizes.
     vae_tiling: bool = False
+    SETTINGS: ClassVar[tuple[str, ...]] = ("vae_tiling",)
 
     def enable_vae_tiling(self, enabled: bool = True) -> None:
         """Encode and decode images with the VAE in overlapping tiles of its ``sample_size`` (diffusers'

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, PRNGKeyArray
-from ._base import check_size, given_array
+from ._arguments import check_size, given_array
 from ._checks import (
     CallLimits,
     check_image_size,
@@ -35,7 +35,7 @@ from ._inpaint import (
     prepare_mask,
     with_mask_channels,
 )
-from ._latents import LatentPipeline, encode_image_latents
+from ._latents import LatentPipeline, encode_image_latents, noise_draws
 
 LATENTS_LAYOUT = "[n, height/f, width/f, channels] (channels-last; f = the VAE's downsampling)"
 
@@ -96,24 +96,6 @@ class ImageInput:
     width: int
 
 
-@dataclasses.dataclass(frozen=True)
-class NoiseDraws:
-    """The Gaussian draws of one call, all from its key: the initial ``noise``, the VAE posterior samples of the
-    ``image`` and of the ``masked_image`` (inpainting), and the key of the loop's own draws."""
-
-    noise: Any
-    image: Any
-    masked_image: Any
-    loop_key: Any
-
-
-def noise_draws(key: PRNGKeyArray, shape: tuple[int, ...]) -> NoiseDraws:
-    """What :meth:`UNetPipeline.generate` draws from ``key`` for latents of ``shape`` (to reproduce a call)."""
-    noise_key, image_key, loop_key = jax.random.split(key, 3)
-    masked_key = jax.random.fold_in(image_key, 1)
-    return NoiseDraws(*(jax.random.normal(k, shape) for k in (noise_key, image_key, masked_key)), loop_key)
-
-
 class UNetPipeline(LatentPipeline):
     """Base of the UNet pipelines: ``unet``, ``vae`` and ``scheduler`` components, and :meth:`generate`.
 
@@ -146,7 +128,7 @@ class UNetPipeline(LatentPipeline):
         passes its arguments on to another ``__call__`` (a ControlNet pipeline's) leaves this to that one."""
         if "num_inference_steps" not in arguments:
             return
-        image = arguments.get(self.init_image_argument(arguments) or "")
+        image = arguments.get(self.INIT_IMAGE) if self.INIT_IMAGE else None
         strength = arguments.get("strength")
         if image is not None and strength is None:
             strength = self.DEFAULT_STRENGTH[arguments.get("mask_image") is not None]

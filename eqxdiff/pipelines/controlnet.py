@@ -10,26 +10,29 @@ image (resized to the output size, values in ``[0, 1]``), ``controlnet_condition
 first net with ``global_pool_conditions``) runs the nets on the conditional half of a guided batch only, zeros for
 the unconditional half.
 
+Each class is its family's pipeline with nets: :class:`~eqxdiff.pipelines.StableDiffusionPipeline` or
+:class:`~eqxdiff.pipelines.StableDiffusionXLPipeline` behind the shared
+:class:`~eqxdiff.pipelines._controlnet.ControlNetPipelineMixin`. These subclass edges are the only imports between
+family modules (declared in ``pyproject.toml``'s import contract).
+
 >>> pipe = eqxdiff.load_pipeline("path/to/sd15-controlnet-canny")     # StableDiffusionControlNetPipeline
 >>> images = pipe("a bird", image=edges, num_inference_steps=20)       # edges: uint8 [1, 512, 512, 3]
 """
 
-import dataclasses
-from collections.abc import Sequence
-from pathlib import Path
 from typing import ClassVar
 
-import equinox as eqx
-import jax.numpy as jnp
-import numpy as np
-from PIL import Image
-
-from .._typing import Array, Float
-from ..loading import CheckpointError, load, save_pretrained
-from ..models.controlnet import ControlNetModel, MultiControlNetModel
-from ._base import Component
-from ._images import resize_nearest
-from ._unet import UNetDenoiser
+from ._call import checked_call
+from ._components import Component
+from ._controlnet import (
+    CONTROLNET,
+    ControlInput,
+    ControlNetDenoiser,
+    ControlNetPipelineMixin,
+    control_input,
+    control_scales,
+    images_per_prompt,
+    prepare_control_image,
+)
 from .stable_diffusion import StableDiffusionPipeline
 from .stable_diffusion_xl import StableDiffusionXLPipeline
 
@@ -37,287 +40,24 @@ __all__ = ["ControlInput", "ControlNetDenoiser", "StableDiffusionControlNetImg2I
            "StableDiffusionControlNetPipeline", "StableDiffusionXLControlNetPipeline", "control_input",
            "control_scales", "prepare_control_image"]
 
-CONTROL_IMAGE = "controlnet_cond"  # cond keys controlnet_cond_0, controlnet_cond_1, ...: each net's control images
 
-
-def prepare_control_image(image, *, height: int | None = None, width: int | None = None, multiple: int = 8
-                          ) -> np.ndarray:
-    """A control image as the ControlNet takes it: float32 ``[n, height, width, channels]`` in ``[0, 1]``, as
-    diffusers' ``VaeImageProcessor(do_normalize=False)`` makes it.
-
-    ``image``: PIL image(s) (converted to RGB, resized with Lanczos), or arrays ``[n, h, w, c]`` / ``[h, w, c]``
-    (uint8, or floats in ``[0, 1]``; resized nearest-neighbour). ``height`` / ``width`` default to the image's size
-    rounded down to a ``multiple`` (the VAE's factor)."""
-    if isinstance(image, Image.Image):
-        image = [image]
-    pil = isinstance(image, Sequence) and len(image) > 0 and all(isinstance(im, Image.Image) for im in image)
-    if pil:
-        w0, h0 = image[0].size
-    else:
-        arr = np.stack([np.asarray(im) for im in image]) if isinstance(image, (list, tuple)) else np.asarray(image)
-        if arr.ndim == 3:
-            arr = arr[None]
-        if arr.ndim != 4:
-            raise ValueError(f"a control image must be PIL image(s) or an array [n, height, width, channels] "
-                             f"(channels-last), got shape {arr.shape}")
-        h0, w0 = arr.shape[1:3]
-    height = height or h0 - h0 % multiple
-    width = width or w0 - w0 % multiple
-    if pil:
-        arr = np.stack([np.asarray((im if im.size == (width, height) else
-                                    im.resize((width, height), resample=Image.Resampling.LANCZOS)).convert("RGB"))
-                        for im in image])
-    if arr.dtype == np.uint8:
-        arr = arr.astype(np.float32) / 255.0
-    else:
-        arr = np.asarray(arr, np.float32)
-        if arr.min() < 0 or arr.max() > 1:
-            raise ValueError("a float control image must lie in [0, 1] (pass uint8 for 0-255 images)")
-    if arr.shape[1:3] != (height, width):
-        arr = resize_nearest(arr, height, width)
-    return arr
-
-
-def control_scales(scales: Sequence[float], starts: Sequence[float], ends: Sequence[float],
-                   num_steps: int) -> np.ndarray:
-    """``[num_steps, nets]``: each net's ``controlnet_conditioning_scale`` at each step of the loop, zero where
-    ``i / N < start`` or ``(i + 1) / N > end`` (diffusers' ``controlnet_keep``)."""
-    keep = [[1.0 - float(i / num_steps < s or (i + 1) / num_steps > e) for s, e in zip(starts, ends)]
-            for i in range(num_steps)]
-    return (np.asarray(keep, np.float64).reshape(num_steps, len(scales)) * np.asarray(scales, np.float64)
-            ).astype(np.float32)
-
-
-def _per_net(value, n: int, name: str) -> tuple:
-    values = tuple(value) if isinstance(value, (list, tuple)) else (value,) * n
-    if len(values) != n:
-        raise ValueError(f"{name} has {len(values)} entries for {n} ControlNets; give one value or one per net")
-    return values
-
-
-@dataclasses.dataclass(frozen=True)
-class ControlInput:
-    """A call's ControlNet inputs, one entry per net: control images (as given), scales, start and end fractions,
-    and whether guess mode is on."""
-
-    images: tuple
-    scales: tuple[float, ...]
-    starts: tuple[float, ...]
-    ends: tuple[float, ...]
-    guess_mode: bool
-    num_images_per_prompt: int = 1
-
-    def size(self, height: int | None, width: int | None, multiple: int) -> tuple[int, int]:
-        """The output size: ``height`` / ``width`` if given, else the first control image's (rounded down to a
-        ``multiple``), as diffusers' ControlNet pipelines take it."""
-        if height is not None and width is not None:
-            return height, width
-        first = prepare_control_image(self.images[0], multiple=multiple)
-        return height or first.shape[1], width or first.shape[2]
-
-    def prepared(self, *, batch: int, height: int, width: int, multiple: int) -> list[np.ndarray]:
-        """Each net's control images ``[batch, height, width, c]``: one image for every output, or one per prompt
-        repeated ``num_images_per_prompt`` times (diffusers' ``prepare_image``)."""
-        out, num_images_per_prompt = [], self.num_images_per_prompt
-        for i, image in enumerate(self.images):
-            arr = prepare_control_image(image, height=height, width=width, multiple=multiple)
-            if arr.shape[0] == 1:
-                arr = np.repeat(arr, batch, axis=0)
-            elif arr.shape[0] * num_images_per_prompt == batch:
-                arr = np.repeat(arr, num_images_per_prompt, axis=0)
-            else:
-                raise ValueError(f"control image {i}: {arr.shape[0]} images for {batch // num_images_per_prompt} "
-                                 "prompts; pass one image or one per prompt")
-            out.append(arr)
-        return out
-
-
-def control_input(controlnet, image, *, scale, start, end, guess_mode: bool) -> ControlInput:
-    """Check a call's ControlNet arguments against ``controlnet`` (one net, or a :class:`MultiControlNetModel`)
-    and return them per net, as diffusers' ``check_inputs`` does."""
-    nets = controlnet.nets if isinstance(controlnet, MultiControlNetModel) else (controlnet,)
-    n = len(nets)
-    if image is None:
-        raise ValueError("a ControlNet pipeline needs its control image (image= for text-to-image, control_image= "
-                         "for image-to-image)")
-    if n > 1:
-        if not isinstance(image, (list, tuple)) or len(image) != n:
-            raise ValueError(f"{n} ControlNets need a list of {n} control images (one per net), got "
-                             f"{type(image).__name__}{f' of {len(image)}' if isinstance(image, (list, tuple)) else ''}")
-        images = tuple(image)
-    else:
-        images = (image,)
-    scales = tuple(float(s) for s in _per_net(scale, n, "controlnet_conditioning_scale"))
-    starts = _per_net(start, n, "control_guidance_start")
-    ends = _per_net(end, n, "control_guidance_end")
-    for s, e in zip(starts, ends):
-        if not 0.0 <= s < e <= 1.0:
-            raise ValueError(f"control_guidance_start={s} and control_guidance_end={e} must satisfy 0 <= start < end "
-                             "<= 1")
-    # diffusers: the first net's global_pool_conditions turns guess mode on
-    guess = bool(guess_mode) or nets[0].config.global_pool_conditions
-    return ControlInput(images, scales, tuple(map(float, starts)), tuple(map(float, ends)), guess)
-
-
-def _controlnets(value, net: type = ControlNetModel, multi: type = MultiControlNetModel):
-    """A pipeline's ``controlnet`` component from one ``net``, a list of them or a ``multi`` of them."""
-    if isinstance(value, (list, tuple)):
-        return value[0] if len(value) == 1 else multi(value)
-    if not isinstance(value, (net, multi)):
-        raise TypeError(f"controlnet must be a {net.__name__}, a list of them or a {multi.__name__}, got "
-                        f"{type(value).__name__}")
-    return value
-
-
-# -- in the loop --------------------------------------------------------------------------------------------------
-
-class ControlNetDenoiser(UNetDenoiser):
-    """The ControlNet(s), then the UNet with their residuals. ``cond`` holds each net's control images
-    (``controlnet_cond_{i}``, ``[n, H, W, c]``, for the unguided batch) besides the UNet's arrays; ``scales`` is the
-    ``[steps, nets]`` table of each net's scale at each step index of the schedule. With guidance (a ``[2n]`` batch
-    of ``[negative; positive]``) the nets see the control images twice, or in ``guess_mode`` only the positive half,
-    the negative half's residuals being zeros."""
-
-    controlnet: ControlNetModel | MultiControlNetModel
-    scales: Float[Array, "steps nets"]
-    guess_mode: bool = eqx.field(static=True)
-
-    def __call__(self, x, t, cond, *, step):
-        nets = self.scales.shape[1]
-        images = [cond[f"{CONTROL_IMAGE}_{i}"] for i in range(nets)]
-        rest = {k: v for k, v in cond.items() if not k.startswith(CONTROL_IMAGE)}
-        n = images[0].shape[0]
-        guided = x.shape[0] == 2 * n
-        half = guided and self.guess_mode  # the nets run on the positive half only
-        pick = (lambda a: a[n:]) if half else (lambda a: a)
-        if guided and not half:
-            images = [jnp.concatenate([im, im]) for im in images]
-        xc = pick(x)
-        kwargs = {k: pick(rest[k]) for k in ("text_embeds", "time_ids") if k in rest}
-        args = (xc, jnp.broadcast_to(t, (xc.shape[0],)), pick(rest["encoder_hidden_states"]))
-        down, mid = self.run_nets(args, images, self.scales[step], kwargs)
-        if half:
-            down = tuple(jnp.concatenate([jnp.zeros_like(d), d]) for d in down)
-            mid = jnp.concatenate([jnp.zeros_like(mid), mid])
-        return super().__call__(x, t, {**rest, "down_block_additional_residuals": down,
-                                       "mid_block_additional_residual": mid}, step=step)
-
-    def run_nets(self, args, images, scale, kwargs):
-        """The net(s) on ``args`` (latents, timesteps, text), their control ``images`` and this step's ``scale``
-        (one per entry of the table's row); a ControlNet variant calls its nets its own way here."""
-        if isinstance(self.controlnet, MultiControlNetModel):
-            return self.controlnet(*args, images, conditioning_scale=scale, guess_mode=self.guess_mode, **kwargs)
-        return self.controlnet(*args, images[0], conditioning_scale=scale[0], guess_mode=self.guess_mode, **kwargs)
-
-
-# -- the pipelines ------------------------------------------------------------------------------------------------
-
-CONTROLNET = Component("controlnet", "diffusers")
-
-
-def _net_folder(i: int) -> str:
-    return "controlnet" if i == 0 else f"controlnet_{i}"
-
-
-class _ControlNetPipeline:
-    """What the ControlNet pipelines add to an SD/SDXL pipeline (a mixin before it in the bases): the
-    ``controlnet`` component (one net, or a list / :class:`MultiControlNetModel`, stored as diffusers stores it) and
-    the denoiser running it. A call binds its :class:`ControlInput` to a shallow copy of the pipeline and runs the
-    SD/SDXL call on it."""
-
-    NET_CLASS: ClassVar[type] = ControlNetModel  # the nets this pipeline runs
-    MULTI_CLASS: ClassVar[type] = MultiControlNetModel  # several of them (its name is model_index.json's)
-    _control: ControlInput | None = None
-
-    def __init__(self, *, controlnet, **kwargs):
-        super().__init__(controlnet=_controlnets(controlnet, self.NET_CLASS, self.MULTI_CLASS), **kwargs)
-
-    @property
-    def nets(self) -> tuple:
-        c = self.controlnet
-        return c.nets if isinstance(c, self.MULTI_CLASS) else (c,)
-
-    @classmethod
-    def component_classes(cls, component: Component) -> tuple[str, ...]:
-        if component.name == CONTROLNET.name:
-            return cls.NET_CLASS.__name__, cls.MULTI_CLASS.__name__
-        return super().component_classes(component)
-
-    @classmethod
-    def load_component(cls, folder: Path, component: Component, entry, **load_kwargs):
-        if component.name != CONTROLNET.name or entry[1] != cls.MULTI_CLASS.__name__:
-            return super().load_component(folder, component, entry, **load_kwargs)
-        nets, i = [], 0
-        while (Path(folder) / _net_folder(i)).is_dir():
-            nets.append(load(folder, _net_folder(i), **load_kwargs))
-            i += 1
-        if not nets:
-            raise CheckpointError(f"model_index.json in {str(folder)!r} names a {entry[1]} but there is no "
-                                  "controlnet folder")
-        return cls.MULTI_CLASS(nets)
-
-    def save_component(self, folder: Path, component: Component, value, *, dtype=None) -> list:
-        if not isinstance(value, self.MULTI_CLASS):
-            return super().save_component(folder, component, value, dtype=dtype)
-        for i, net in enumerate(value.nets):
-            save_pretrained(net, Path(folder) / _net_folder(i), dtype=dtype)
-        return ["diffusers", self.MULTI_CLASS.__name__]
-
-    def _with_control(self, image, *, scale, start, end, guess_mode, num_images_per_prompt: int):
-        control = control_input(self.controlnet, image, scale=scale, start=start, end=end, guess_mode=guess_mode)
-        bound = object.__new__(type(self))
-        bound.__dict__.update(self.__dict__)
-        bound._control = dataclasses.replace(control, num_images_per_prompt=num_images_per_prompt)
-        return bound
-
-    def denoiser(self, cond: dict, *, guidance, schedule, batch: int, height: int, width: int):
-        control = self._control
-        if control is None:
-            raise TypeError(f"{type(self).__name__}.generate runs inside a call of the pipeline (it needs the call's "
-                            "control images)")
-        images = control.prepared(batch=batch, height=height, width=width, multiple=self.vae_scale_factor)
-        for i, (net, image) in enumerate(zip(self.image_nets(), images)):
-            if image.shape[-1] != net.config.conditioning_channels:
-                raise ValueError(f"control image {i} has {image.shape[-1]} channels; its ControlNet takes "
-                                 f"{net.config.conditioning_channels} (conditioning_channels)")
-        # One row per step of the (padded) schedule, indexed by the scheduler's step index: a traced table, so new
-        # scales, start / end fractions or step counts compile nothing.
-        state = schedule.state
-        length, total, begin = int(state.timesteps.shape[0]), int(state.num_timesteps), int(state.begin_index)
-        table = np.zeros((length, len(images)), np.float32)
-        table[begin:total] = control_scales(control.scales, control.starts, control.ends, total - begin)
-        cond = {**cond, **{f"{CONTROL_IMAGE}_{i}": jnp.asarray(im) for i, im in enumerate(images)}}
-        return self.make_denoiser(jnp.asarray(table)), cond
-
-    def image_nets(self) -> tuple:
-        """The net reading each of the call's control images (one image per net here)."""
-        return self.nets
-
-    def make_denoiser(self, scales) -> ControlNetDenoiser:
-        """The loop's denoiser for this call, with its ``[steps, images]`` table of ``scales``."""
-        return ControlNetDenoiser(self.unet, self.controlnet, scales, self._control.guess_mode)
-
-
-def _control_kwargs(kwargs: dict) -> int:
-    n = kwargs.get("num_images_per_prompt", 1)
-    return n if isinstance(n, int) else 1
-
-
-class StableDiffusionControlNetPipeline(_ControlNetPipeline, StableDiffusionPipeline):
+class StableDiffusionControlNetPipeline(ControlNetPipelineMixin, StableDiffusionPipeline):
     """Stable Diffusion 1.x/2.x with ControlNet(s) (diffusers' ``StableDiffusionControlNetPipeline``): ``image`` is
     the control image (one per net with several); the output size defaults to its size. The other arguments are
     :class:`~eqxdiff.pipelines.StableDiffusionPipeline`'s."""
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionControlNetPipeline"
     COMPONENTS: ClassVar[tuple[Component, ...]] = (*StableDiffusionPipeline.COMPONENTS, CONTROLNET)
+    INIT_IMAGE: ClassVar[str | None] = None  # image is the control image (diffusers' name)
     DEFAULT_CONTROL_SCALE: ClassVar[float] = 1.0
 
+    @checked_call
     def __call__(self, prompt=None, negative_prompt=None, image=None, *, controlnet_conditioning_scale=None,
                  control_guidance_start=0.0, control_guidance_end=1.0, guess_mode: bool = False, height=None,
                  width=None, **kwargs):
         bound = self._with_control(image, scale=self._scale(controlnet_conditioning_scale),
                                    start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=_control_kwargs(kwargs))
+                                   num_images_per_prompt=images_per_prompt(kwargs))
         height, width = bound._control.size(height, width, self.vae_scale_factor)
         return StableDiffusionPipeline.__call__(bound, prompt, negative_prompt, height=height, width=width, **kwargs)
 
@@ -331,32 +71,36 @@ class StableDiffusionControlNetImg2ImgPipeline(StableDiffusionControlNetPipeline
     ``controlnet_conditioning_scale`` defaults to 0.8 and ``strength`` to 0.8, as there."""
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionControlNetImg2ImgPipeline"
+    INIT_IMAGE: ClassVar[str | None] = "image"  # the picture to start from; control_image the control image
     REQUIRED_INPUTS: ClassVar = ("image",)
     DEFAULT_CONTROL_SCALE: ClassVar[float] = 0.8
 
+    @checked_call
     def __call__(self, prompt=None, negative_prompt=None, image=None, control_image=None, *,
                  controlnet_conditioning_scale=None, control_guidance_start=0.0, control_guidance_end=1.0,
                  guess_mode: bool = False, **kwargs):
         self.check_inputs(image=image)
         bound = self._with_control(control_image, scale=self._scale(controlnet_conditioning_scale),
                                    start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=_control_kwargs(kwargs))
+                                   num_images_per_prompt=images_per_prompt(kwargs))
         return StableDiffusionPipeline.__call__(bound, prompt, negative_prompt, image=image, **kwargs)
 
 
-class StableDiffusionXLControlNetPipeline(_ControlNetPipeline, StableDiffusionXLPipeline):
+class StableDiffusionXLControlNetPipeline(ControlNetPipelineMixin, StableDiffusionXLPipeline):
     """SDXL with ControlNet(s) (diffusers' ``StableDiffusionXLControlNetPipeline``): ``image`` is the control image
     (one per net with several); the output size defaults to its size. The other arguments are
     :class:`~eqxdiff.pipelines.StableDiffusionXLPipeline`'s."""
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionXLControlNetPipeline"
     COMPONENTS: ClassVar[tuple[Component, ...]] = (*StableDiffusionXLPipeline.COMPONENTS, CONTROLNET)
+    INIT_IMAGE: ClassVar[str | None] = None  # image is the control image (diffusers' name)
 
+    @checked_call
     def __call__(self, prompt=None, prompt_2=None, image=None, *, controlnet_conditioning_scale=1.0,
                  control_guidance_start=0.0, control_guidance_end=1.0, guess_mode: bool = False, height=None,
                  width=None, **kwargs):
         bound = self._with_control(image, scale=controlnet_conditioning_scale, start=control_guidance_start,
                                    end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=_control_kwargs(kwargs))
+                                   num_images_per_prompt=images_per_prompt(kwargs))
         height, width = bound._control.size(height, width, self.vae_scale_factor)
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, height=height, width=width, **kwargs)

@@ -3,11 +3,12 @@ several control images, each of its own control mode (canny, depth, pose ... as 
 union nets (diffusers' ``MultiControlNetUnionModel``: ``controlnet``, ``controlnet_1`` ... in the folder) with one
 image and mode each.
 
-It is the SDXL ControlNet pipeline (:mod:`eqxdiff.pipelines.controlnet`) with a union net: per control image (one
-net) or per net (several), a ``controlnet_conditioning_scale`` and a ``control_guidance_start`` / ``_end`` window,
-as diffusers. With one net and several images each image's scale weighs its part of the fusion and the residuals
-are not scaled again (diffusers' rule), so outside an image's window the net still runs on the others (and on none:
-the latents alone). The ``control_type`` one-hot of the modes is the same for every sample of the batch.
+It is the SDXL pipeline with the ControlNet pipelines' machinery (:mod:`eqxdiff.pipelines._controlnet`) and a union
+net: per control image (one net) or per net (several), a ``controlnet_conditioning_scale`` and a
+``control_guidance_start`` / ``_end`` window, as diffusers. With one net and several images each image's scale weighs
+its part of the fusion and the residuals are not scaled again (diffusers' rule), so outside an image's window the net
+still runs on the others (and on none: the latents alone). The ``control_type`` one-hot of the modes is the same for
+every sample of the batch.
 
 ``guess_mode`` with classifier-free guidance runs the nets on the prompted half of the batch only, as the other
 ControlNet pipelines do (diffusers 0.42's union pipeline fails there: it repeats ``control_type`` for both halves).
@@ -29,14 +30,15 @@ from ..models.controlnet_union import (
     MultiControlNetUnionModel,
     control_type_vector,
 )
-from ._base import Component
+from ._call import checked_call
 from ._checks import InputError
-from .controlnet import (
+from ._components import Component
+from ._controlnet import (
     CONTROLNET,
     ControlInput,
     ControlNetDenoiser,
-    _control_kwargs,
-    _ControlNetPipeline,
+    ControlNetPipelineMixin,
+    images_per_prompt,
 )
 from .stable_diffusion_xl import StableDiffusionXLPipeline
 
@@ -75,7 +77,7 @@ def _per_entry(value, n: int, name: str, what: str) -> tuple:
     return values
 
 
-class StableDiffusionXLControlNetUnionPipeline(_ControlNetPipeline, StableDiffusionXLPipeline):
+class StableDiffusionXLControlNetUnionPipeline(ControlNetPipelineMixin, StableDiffusionXLPipeline):
     """SDXL with ControlNet-Union net(s) (see the module docstring). ``control_image``: the control image(s), a
     list for several; ``control_mode``: each image's control mode (an int, or a list in the images' order). The
     output size defaults to the first control image's. The other arguments are
@@ -85,8 +87,10 @@ class StableDiffusionXLControlNetUnionPipeline(_ControlNetPipeline, StableDiffus
     COMPONENTS: ClassVar[tuple[Component, ...]] = (*StableDiffusionXLPipeline.COMPONENTS, CONTROLNET)
     NET_CLASS: ClassVar[type] = ControlNetUnionModel
     MULTI_CLASS: ClassVar[type] = MultiControlNetUnionModel
+    INIT_IMAGE: ClassVar[str | None] = None  # text-to-image only: the control images go to control_image
     _modes: tuple[int, ...] = ()
 
+    @checked_call
     def __call__(self, prompt=None, prompt_2=None, control_image=None, *,
                  control_mode: int | Sequence[int] | None = None,
                  controlnet_conditioning_scale: float | Sequence[float] = 1.0,
@@ -104,7 +108,7 @@ class StableDiffusionXLControlNetUnionPipeline(_ControlNetPipeline, StableDiffus
                                  "images go to control_image=")
         bound = self._with_union_control(control_image, control_mode, scale=controlnet_conditioning_scale,
                                          start=control_guidance_start, end=control_guidance_end,
-                                         guess_mode=guess_mode, num_images_per_prompt=_control_kwargs(kwargs))
+                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs))
         height, width = bound._control.size(height, width, self.vae_scale_factor)
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, height=height, width=width, **kwargs)
 
@@ -136,12 +140,8 @@ class StableDiffusionXLControlNetUnionPipeline(_ControlNetPipeline, StableDiffus
                 raise InputError(f"control_guidance_start={s} and control_guidance_end={e} must satisfy 0 <= start < "
                                  "end <= 1")
         guess = bool(guess_mode) or nets[0].config.global_pool_conditions  # diffusers: the first net's
-        bound = object.__new__(type(self))
-        bound.__dict__.update(self.__dict__)
-        bound._control = ControlInput(tuple(images), scales, tuple(map(float, starts)), tuple(map(float, ends)),
-                                      guess, num_images_per_prompt)
-        bound._modes = tuple(modes)
-        return bound
+        return self.bound(ControlInput(tuple(images), scales, tuple(map(float, starts)), tuple(map(float, ends)),
+                                       guess, num_images_per_prompt), _modes=tuple(modes))
 
     def image_nets(self) -> tuple:
         nets = self.nets

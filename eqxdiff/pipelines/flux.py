@@ -1,9 +1,8 @@
-"""Flux.1: text-to-image, image-to-image and Kontext image editing, with distilled guidance or true CFG.
+"""Flux.1 text-to-image, with distilled guidance or true CFG; the pipelines taking an image (image-to-image,
+Kontext editing) build on it in :mod:`eqxdiff.pipelines.flux_image`.
 
 >>> pipe = eqxdiff.load_pipeline("black-forest-labs/FLUX.1-dev", dtype="bfloat16")
 >>> images = pipe("a fox in the snow", num_inference_steps=28, guidance_scale=3.5)   # uint8 [1, 1024, 1024, 3]
->>> edit = eqxdiff.load_pipeline("black-forest-labs/FLUX.1-Kontext-dev", dtype="bfloat16")
->>> images = edit("make the fox red", image=images)
 
 **Prompts.** CLIP's pooled output (``prompt``, at most the tokenizer's 77 tokens) conditions the modulation; T5's
 sequence (``prompt_2``, default ``prompt``; padded to ``max_sequence_length``, no attention mask, as diffusers) is
@@ -19,11 +18,6 @@ negative prompt (or negative embeddings) is given: two passes per step, ``neg + 
 initial noise) and ``output_type="latent"`` are unpacked and channels-last, ``[n, height/f, width/f, C]`` (``f``
 the VAE's factor, ``C = transformer.in_channels / 4``). Sizes are multiples of ``2 * f`` (16 for FLUX.1).
 Sigmas are ``linspace(1, 1/N, N)``, shifted by ``mu`` for the image's token count (dev) or statically (schnell).
-
-**Image-to-image** (:class:`FluxImg2ImgPipeline`) noises the image's VAE latents to ``strength``. **Kontext**
-(:class:`FluxKontextPipeline`) appends the reference image's latent tokens (positions ``(1, row, col)``) to the
-noisy ones; the output size follows diffusers (``height``/``width`` scaled to ``max_area``) and the reference is
-resized to the nearest of Kontext's trained resolutions unless ``auto_resize=False``.
 
 **Single files.** ``eqxdiff.load_pipeline("flux1-dev.safetensors", config=FOLDER)`` reads Black Forest Labs'
 transformer file (or a ComfyUI one under ``model.diffusion_model.``, with its VAE and text encoders if it holds
@@ -42,36 +36,25 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from PIL import Image
 
 from .._typing import Array, Float, Int, PRNGKeyArray
 from ..loading import CheckpointError, formats
 from ..loading.single_file import ClipText, Layout, LdmVae, Part
 from ..models import flux
-from ._base import (
-    Component,
-    as_list,
-    given_array,
-    prompt_list,
-    resolve_key,
-)
+from ._arguments import as_list, given_array, prompt_list, resolve_key
+from ._call import checked_call
 from ._checks import CallLimits, InputError, InputWarning, check_output_type, image_size
+from ._components import Component
 from ._denoise import Denoiser, Guidance, plan_schedule
-from ._images import resize_nearest, to_model_range
-from ._latents import LatentPipeline, encode_image_latents
-from ._unet import noise_draws
-from .stable_diffusion import tokenize
+from ._latents import LatentPipeline, noise_draws
+from ._text import tokenize
 
-__all__ = ["FluxDenoiser", "FluxImg2ImgPipeline", "FluxKontextPipeline", "FluxPipeline", "KONTEXT_RESOLUTIONS",
-           "clip_pooled", "kontext_size", "t5_embeddings"]
+__all__ = ["MAX_SEQUENCE_LENGTH", "FluxDenoiser", "FluxPipeline", "TextConditioning", "clip_pooled", "image_size_error",
+           "t5_embeddings"]
 
 LATENTS_LAYOUT = "[n, height/f, width/f, C] (unpacked, channels-last; f = the VAE's factor, C = in_channels / 4)"
 MAX_SEQUENCE_LENGTH = 512  # diffusers' limit on T5's prompt length
 DEFAULT_SAMPLE_SIZE = 128  # diffusers' default_sample_size: 128 * f = 1024 pixels for FLUX.1
-# (width, height) of the resolutions Kontext was trained at (diffusers' PREFERRED_KONTEXT_RESOLUTIONS)
-KONTEXT_RESOLUTIONS = ((672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184),
-                       (944, 1104), (1024, 1024), (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752),
-                       (1456, 720), (1504, 688), (1568, 672))
 # ComfyUI's all-in-one Flux files: where they keep the models other than the transformer, and their layouts.
 COMFY_CLIP_L = "text_encoders.clip_l.transformer."
 COMFY_VAE = "vae."
@@ -90,24 +73,6 @@ def clip_pooled(text_encoder, input_ids: Int[Array, "batch seq"]) -> Float[Array
 def t5_embeddings(text_encoder, input_ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq embed"]:
     """T5's ``last_hidden_state`` without an attention mask (the padding is encoded too, as diffusers does)."""
     return text_encoder(input_ids).last_hidden_state
-
-
-def t5_ids(tokenizer, prompts: Sequence[str], max_length: int, *, vocab_size: int) -> np.ndarray:
-    """Token ids ``[n, max_length]`` for T5, padded and cut to ``max_length`` as diffusers' Flux pipelines do; warns
-    (:class:`~eqxdiff.pipelines.InputWarning`) when a prompt is cut."""
-    ids = np.asarray(tokenizer(list(prompts), padding="max_length", max_length=max_length, truncation=True,
-                               return_tensors="np").input_ids, np.int32)
-    for prompt in dict.fromkeys(prompts):
-        full = tokenizer(prompt, truncation=False).input_ids
-        if len(full) > max_length:
-            warnings.warn(f"the prompt {prompt[:40]!r}{'...' if len(prompt) > 40 else ''} has {len(full)} T5 tokens "
-                          f"but max_sequence_length={max_length}; this part was cut off: "
-                          f"{tokenizer.decode(full[max_length - 1:-1])!r}. Shorten the prompt or raise "
-                          f"max_sequence_length (at most {MAX_SEQUENCE_LENGTH})", InputWarning, stacklevel=4)
-    if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
-        raise CheckpointError(f"tokenizer_2 gave token id {int(ids.max())}, outside text_encoder_2's vocabulary of "
-                              f"{vocab_size}: the tokenizer does not belong to this T5; use the one saved with it")
-    return ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,49 +120,11 @@ def _size_error(name: str, value: int, factor: int) -> InputError:
                       f"2x2 latent patches); the nearest valid {name} is {_nearest_multiple(value, factor)}")
 
 
-def _image_size_error(height: int, width: int, factor: int) -> InputError:
+def image_size_error(height: int, width: int, factor: int) -> InputError:
     return InputError(f"image is {height}x{width} pixels, not a multiple of {factor} (the VAE downsamples by "
                       f"{factor // 2} and Flux packs 2x2 latent patches); resize or crop it to "
                       f"{_nearest_multiple(height, factor)}x{_nearest_multiple(width, factor)} (eqxdiff does not "
                       "resize input images)")
-
-
-def kontext_size(height: int, width: int, *, max_area: int, multiple_of: int) -> tuple[int, int]:
-    """Kontext's output size, as diffusers': ``height`` x ``width``'s aspect ratio at ``max_area`` pixels, each side
-    rounded down to ``multiple_of``."""
-    aspect = width / height
-    w, h = round((max_area * aspect) ** 0.5), round((max_area / aspect) ** 0.5)
-    return h // multiple_of * multiple_of, w // multiple_of * multiple_of
-
-
-def _image_size(image) -> tuple[int, int]:
-    size = image_size(image)
-    if size is None:
-        raise InputError(f"image must be PIL image(s) or an array [n, height, width, 3] / [height, width, 3] (uint8, "
-                         f"or floats in [0, 1]; channels-last RGB), got {type(image).__name__} of shape "
-                         f"{np.shape(image)}")
-    return size
-
-
-def _resized(image, height: int, width: int):
-    """``image`` resized to ``height`` x ``width`` as diffusers' ``VaeImageProcessor.resize`` does: PIL images with
-    Lanczos, arrays (uint8, or floats in [0, 1]; channels-last) nearest-neighbour."""
-    def one(im):
-        return im.resize((width, height), resample=Image.Resampling.LANCZOS, reducing_gap=None)
-
-    if isinstance(image, Image.Image):
-        return one(image.convert("RGB"))
-    if isinstance(image, Sequence) and image and isinstance(image[0], Image.Image):
-        return [one(im.convert("RGB")) for im in image]
-    arr = np.asarray(image)
-    out = resize_nearest(arr if arr.ndim == 4 else arr[None], height, width)
-    return out if arr.ndim == 4 else out[0]
-
-
-def _require_image(cls, arguments: Mapping[str, Any]) -> None:
-    if "image" in arguments and arguments["image"] is None:
-        what = "the picture to edit" if cls.RESCALES_SIZE else "the picture to start from"
-        raise InputError(f"{cls.__name__} needs image= ({what}); for text-to-image use FluxPipeline")
 
 
 # -- the pipelines ------------------------------------------------------------------------------------------------
@@ -225,6 +152,7 @@ class FluxPipeline(LatentPipeline):
     INDEX_EXTRAS: ClassVar = {"image_encoder": [None, None], "feature_extractor": [None, None]}
     # Kontext scales the requested size to max_area itself: any height/width is accepted there.
     RESCALES_SIZE: ClassVar[bool] = False
+    INIT_IMAGE: ClassVar[str | None] = None  # text-to-image: no image argument
     # -- sizes and limits ----------------------------------------------------------------------------------------
 
     @property
@@ -258,10 +186,10 @@ class FluxPipeline(LatentPipeline):
             value = arguments.get(name)
             if factor and isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % factor:
                 raise _size_error(name, value, factor)
-        start = cls.init_image_argument(arguments)
+        start = cls.INIT_IMAGE
         size = image_size(arguments[start]) if start and arguments.get(start) is not None else None
         if factor and size is not None and (size[0] % factor or size[1] % factor):
-            raise _image_size_error(*size, factor)
+            raise image_size_error(*size, factor)
         scale = arguments.get("true_cfg_scale")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                                   or not math.isfinite(scale)):
@@ -303,8 +231,10 @@ class FluxPipeline(LatentPipeline):
         prompts_2 = prompts if not prompt_2 else as_list(prompt_2, len(prompts), "prompt_2")  # diffusers: `or`
         ids = tokenize(self.tokenizer, prompts, vocab_size=self.text_encoder.config.vocab_size)
         pooled = clip_pooled(self.encoder("text_encoder"), self.shard(jnp.asarray(ids)))
-        ids_2 = t5_ids(self.tokenizer_2, prompts_2, max_sequence_length,
-                       vocab_size=self.text_encoder_2.config.vocab_size)
+        ids_2 = tokenize(self.tokenizer_2, prompts_2, max_length=max_sequence_length,
+                         vocab_size=self.text_encoder_2.config.vocab_size, tokenizer_name="tokenizer_2",
+                         encoder_name="text_encoder_2", fix=f"Shorten the prompt or raise max_sequence_length (at "
+                         f"most {MAX_SEQUENCE_LENGTH})")
         embeds = t5_embeddings(self.encoder("text_encoder_2"), self.shard(jnp.asarray(ids_2)))
         return TextConditioning(embeds, pooled)
 
@@ -363,38 +293,6 @@ class FluxPipeline(LatentPipeline):
         if negative.embeds.shape[0] != n:
             raise InputError(f"{negative.embeds.shape[0]} negative embeddings for {n} prompts; pass one per prompt")
         return positive, negative
-
-    # -- images ----------------------------------------------------------------------------------------------------
-
-    def _given_latents(self, image) -> bool:
-        """Whether ``image`` is latents handed over (floats ``[n, h, w, C]``, ``C`` the latent channels) rather than
-        pixels."""
-        c = self.latent_channels
-        return (isinstance(image, (jax.Array, np.ndarray)) and np.issubdtype(image.dtype, np.floating)
-                and image.ndim == 4 and image.shape[-1] == c and c != 3)
-
-    def _image_latents(self, image, batch: int, key, *, sample: bool):
-        """``image`` as VAE latents ``[batch, h, w, C]`` (channels-last, scaled): pixels (uint8 ``[n, H, W, 3]``,
-        PIL, floats in [0, 1]) encoded, sampled with the posterior noise drawn from ``key`` (``sample``) or its
-        mean; or latents handed over as they are (floats ``[n, h, w, C]``)."""
-        if self._given_latents(image):
-            latents = jnp.asarray(image, jnp.float32)
-            if latents.shape[0] not in (1, batch):
-                raise InputError(f"got {latents.shape[0]} image latents for {batch} outputs; pass one or one per "
-                                 "output")
-            return jnp.broadcast_to(latents, (batch, *latents.shape[1:]))
-        f = 2 * self.vae_scale_factor
-        height, width = _image_size(image)
-        if height % f or width % f:
-            raise _image_size_error(height, width, f)
-        pixels = to_model_range(image)
-        if pixels.shape[0] not in (1, batch):
-            raise InputError(f"got {pixels.shape[0]} images for {batch} outputs; pass one image or one per output")
-        pixels = jnp.broadcast_to(pixels, (batch, *pixels.shape[1:]))
-        shape = (batch, height // self.vae_scale_factor, width // self.vae_scale_factor,
-                 self.vae.config.latent_channels)
-        noise = jax.random.normal(key, shape) if sample else jnp.zeros(shape, jnp.float32)
-        return encode_image_latents(self.vae, pixels, noise, tiled=self.vae_tiling)
 
     # -- generation ------------------------------------------------------------------------------------------------
 
@@ -472,6 +370,7 @@ class FluxPipeline(LatentPipeline):
             negative = None if negative is None else negative.repeat(num_images_per_prompt)
         return positive, negative, positive.embeds.shape[0]
 
+    @checked_call
     def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,
                  negative_prompt: str | Sequence[str] | None = None,
                  negative_prompt_2: str | Sequence[str] | None = None, true_cfg_scale: float = 1.0,
@@ -519,139 +418,6 @@ class FluxPipeline(LatentPipeline):
                              num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
                              true_cfg_scale=true_cfg_scale, key=key, latents=latents, output_type=output_type,
                              progress=progress)
-
-
-class FluxImg2ImgPipeline(FluxPipeline):
-    """Flux image-to-image (diffusers' ``FluxImg2ImgPipeline``): the image's VAE latents noised to ``strength``
-    and denoised from there. The output has the image's size (eqxdiff does not resize input images)."""
-
-    CLASS_NAME: ClassVar[str] = "FluxImg2ImgPipeline"
-
-    @classmethod
-    def check_arguments(cls, arguments: Mapping[str, Any], limits: CallLimits = CallLimits()) -> None:
-        _require_image(cls, arguments)
-        super().check_arguments(arguments, limits)
-
-    def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,
-                 image=None, strength: float = 0.6, negative_prompt: str | Sequence[str] | None = None,
-                 negative_prompt_2: str | Sequence[str] | None = None, true_cfg_scale: float = 1.0,
-                 height: int | None = None, width: int | None = None, num_inference_steps: int = 28,
-                 sigmas: Sequence[float] | None = None, guidance_scale: float = 7.0, num_images_per_prompt: int = 1,
-                 seed: int | None = None, key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None,
-                 pooled_prompt_embeds=None, negative_prompt_embeds=None, negative_pooled_prompt_embeds=None,
-                 max_sequence_length: int = MAX_SEQUENCE_LENGTH, output_type: str = "uint8", progress: bool = True):
-        """Images for ``prompt`` starting from ``image``, with diffusers' ``FluxImg2ImgPipeline`` arguments (see
-        :meth:`FluxPipeline.__call__` for the shared ones).
-
-        Args:
-            image: The picture to start from: uint8 ``[n, H, W, 3]``, PIL, floats in [0, 1] (sides multiples of
-                16), or latents ``[n, h, w, C]`` channels-last.
-            strength: How much of the schedule to run (1.0 ignores the image's content).
-            height: Must equal the image's height if given (eqxdiff does not resize).
-            width: Must equal the image's width if given (eqxdiff does not resize).
-            guidance_scale: The distilled guidance (models with guidance_embeds).
-            latents: The noise added to the image's latents ``[n, height/f, width/f, C]`` (channels-last).
-        """
-        key = resolve_key(seed, key)
-        f = self.vae_scale_factor
-        size = (image.shape[1] * f, image.shape[2] * f) if self._given_latents(image) else _image_size(image)
-        for name, want, have in (("height", height, size[0]), ("width", width, size[1])):
-            if want is not None and want != have:
-                raise InputError(f"{name}={want} but the image's {name} is {have}; resize the image (eqxdiff does not "
-                                 f"resize) or leave {name} unset")
-        positive, negative, n = self._prepare(
-            prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
-            num_images_per_prompt=num_images_per_prompt, max_sequence_length=max_sequence_length,
-            prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
-        with self.timed("encode_image"):  # the posterior sample draws from noise_draws(key, shape).image's key
-            clean = self._image_latents(image, n, jax.random.split(key, 3)[1], sample=True)
-        return self.generate(positive, negative, batch=n, height=size[0], width=size[1],
-                             num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
-                             true_cfg_scale=true_cfg_scale, key=key, latents=latents, image=clean, strength=strength,
-                             output_type=output_type, progress=progress)
-
-
-class FluxKontextPipeline(FluxPipeline):
-    """Flux Kontext image editing (diffusers' ``FluxKontextPipeline``): the reference ``image``'s latent tokens are
-    appended to the noisy ones at positions ``(1, row, col)``; the transformer edits toward the prompt."""
-
-    CLASS_NAME: ClassVar[str] = "FluxKontextPipeline"
-    RESCALES_SIZE: ClassVar[bool] = True
-
-    @classmethod
-    def init_image_argument(cls, arguments):
-        return None  # the reference image is not an image-to-image start: any size, resized or not
-
-    @classmethod
-    def check_arguments(cls, arguments: Mapping[str, Any], limits: CallLimits = CallLimits()) -> None:
-        _require_image(cls, arguments)
-        super().check_arguments(arguments, limits)
-
-    def reference_image(self, image, *, auto_resize: bool = True):
-        """``image`` as Kontext takes it: rounded down to multiples of ``2 * f``, and with ``auto_resize`` resized to
-        the trained resolution of the nearest aspect ratio (:data:`KONTEXT_RESOLUTIONS`), as diffusers does."""
-        m = 2 * self.vae_scale_factor
-        height, width = _image_size(image)
-        height, width = height // m * m, width // m * m
-        if auto_resize:
-            aspect = width / height
-            _, width, height = min((abs(aspect - w / h), w, h) for w, h in KONTEXT_RESOLUTIONS)
-            height, width = height // m * m, width // m * m
-        if min(height, width) < m:
-            raise InputError(f"image is {_image_size(image)} pixels; Kontext needs at least {m}x{m}")
-        return image if (height, width) == _image_size(image) else _resized(image, height, width)
-
-    def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,
-                 image=None, negative_prompt: str | Sequence[str] | None = None,
-                 negative_prompt_2: str | Sequence[str] | None = None, true_cfg_scale: float = 1.0,
-                 height: int | None = None, width: int | None = None, num_inference_steps: int = 28,
-                 sigmas: Sequence[float] | None = None, guidance_scale: float = 3.5, num_images_per_prompt: int = 1,
-                 seed: int | None = None, key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None,
-                 pooled_prompt_embeds=None, negative_prompt_embeds=None, negative_pooled_prompt_embeds=None,
-                 max_sequence_length: int = MAX_SEQUENCE_LENGTH, max_area: int = 1024**2, auto_resize: bool = True,
-                 output_type: str = "uint8", progress: bool = True):
-        """Edit ``image`` toward ``prompt`` with diffusers' ``FluxKontextPipeline`` arguments (see
-        :meth:`FluxPipeline.__call__` for the shared ones).
-
-        Args:
-            image: The reference picture: uint8 ``[n, H, W, 3]``, PIL, floats in [0, 1], or latents ``[n, h, w, C]``
-                channels-last.
-            height: With width, the output's aspect ratio (default 1024x1024), scaled to max_area.
-            width: With height, the output's aspect ratio (default 1024x1024), scaled to max_area.
-            max_area: The output's area in pixels (diffusers' default 1024**2); height and width are rounded down
-                to multiples of 16.
-            auto_resize: Resize the reference to Kontext's trained resolution of the nearest aspect ratio.
-            latents: The initial noise ``[n, height/f, width/f, C]`` at the final size (channels-last).
-        """
-        if isinstance(max_area, bool) or not isinstance(max_area, int) or max_area < 1:
-            raise InputError(f"max_area={max_area!r} must be a positive int number of pixels")
-        key = resolve_key(seed, key)
-        default = self.default_size()
-        asked = (default[0] if height is None else height, default[1] if width is None else width)
-        for name, value in zip(("height", "width"), asked):
-            if not isinstance(value, int) or value <= 0:
-                raise InputError(f"{name}={value!r} must be a positive int number of pixels")
-        size = kontext_size(*asked, max_area=max_area, multiple_of=2 * self.vae_scale_factor)
-        if min(size) < 2 * self.vae_scale_factor:
-            raise InputError(f"max_area={max_area} at {asked[0]}x{asked[1]}'s aspect ratio leaves {size[0]}x{size[1]} "
-                             "pixels; raise max_area")
-        if size != asked and (height is not None or width is not None):
-            warnings.warn(f"Kontext generates {size[0]}x{size[1]} pixels: {asked[0]}x{asked[1]}'s aspect ratio at "
-                          f"max_area={max_area} (pass max_area=height*width to keep the size)", InputWarning,
-                          stacklevel=2)
-        positive, negative, n = self._prepare(
-            prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
-            num_images_per_prompt=num_images_per_prompt, max_sequence_length=max_sequence_length,
-            prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
-        with self.timed("encode_image"):
-            image = image if self._given_latents(image) else self.reference_image(image, auto_resize=auto_resize)
-            reference = self._image_latents(image, n, None, sample=False)
-        return self.generate(positive, negative, batch=n, height=size[0], width=size[1],
-                             num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
-                             true_cfg_scale=true_cfg_scale, key=key, latents=latents, reference=reference,
-                             output_type=output_type, progress=progress)
 
 
 # -- single files: Black Forest Labs' transformer files and ComfyUI's all-in-one files, as layouts ------------------

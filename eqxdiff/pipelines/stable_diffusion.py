@@ -1,68 +1,30 @@
 """Stable Diffusion 1.x/2.x: text-to-image, image-to-image and inpainting.
 
-The steps are plain functions a notebook can call (``tokenize``, ``encode_prompt`` here; ``prepare_latents``,
-``encode_image_latents``, ``denoise``, ``decode_latents`` shared with SDXL); :class:`StableDiffusionPipeline`
-strings them together behind diffusers' argument names on the shared UNet pipeline base. The whole denoising loop
-is one jitted ``lax.fori_loop`` (:func:`eqxdiff.pipelines.denoise_loop`).
+The steps are plain functions a notebook can call (``encode_prompt`` here; ``tokenize``, shared by every family's
+prompts; ``prepare_latents``, ``encode_image_latents``, ``denoise``, ``decode_latents`` shared with SDXL);
+:class:`StableDiffusionPipeline` strings them together behind diffusers' argument names on the shared UNet pipeline
+base. The whole denoising loop is one jitted ``lax.fori_loop`` (:func:`eqxdiff.pipelines.denoise_loop`).
 """
 
-import warnings
 from collections.abc import Sequence
 from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
-import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
-from ..loading import CheckpointError
-from ._base import Component, as_list, given_array, prompt_list, resolve_key
-from ._checks import InputWarning
+from ._arguments import as_list, given_array, prompt_list, resolve_key
+from ._call import checked_call
+from ._components import Component
 from ._denoise import Guidance, rescale_noise_cfg
 from ._images import to_model_range, to_uint8
 from ._latents import decode_latents, encode_image_latents
+from ._text import tokenize
 from ._unet import UNetDenoiser, UNetPipeline, denoise, prepare_latents
 
 __all__ = ["Guidance", "StableDiffusionInpaintPipeline", "StableDiffusionPipeline", "UNetDenoiser", "decode_latents",
            "denoise", "encode_image_latents", "encode_prompt", "prepare_latents", "rescale_noise_cfg",
            "to_model_range", "to_uint8", "tokenize"]
-
-
-def tokenize(tokenizer, prompts: Sequence[str], *, vocab_size: int | None = None) -> np.ndarray:
-    """Token ids ``[n, model_max_length]``, padded and truncated as diffusers' pipelines do.
-
-    Warns (:class:`~eqxdiff.pipelines.InputWarning`) when a prompt is cut to the text encoder's length (as diffusers
-    does, with the count and the part cut off) or holds words the tokenizer does not know (read as its unknown
-    token); with ``vocab_size`` (the text encoder's), an id outside the vocabulary raises ``CheckpointError``."""
-    limit = tokenizer.model_max_length
-    ids = np.asarray(tokenizer(list(prompts), padding="max_length", max_length=limit, truncation=True,
-                               return_tensors="np").input_ids, dtype=np.int32)
-    for prompt in dict.fromkeys(prompts):
-        warn_prompt_tokens(tokenizer, prompt)
-    if vocab_size is not None and ids.size and (ids.max() >= vocab_size or ids.min() < 0):
-        bad = int(ids.max() if ids.max() >= vocab_size else ids.min())
-        raise CheckpointError(f"the tokenizer gave token id {bad}, outside the text encoder's vocabulary of "
-                              f"{vocab_size} (vocab_size in its config.json): the tokenizer folder does not belong "
-                              "to this text encoder; use the tokenizer saved with it")
-    return ids
-
-
-def warn_prompt_tokens(tokenizer, prompt: str) -> None:
-    """Warn if ``prompt`` is longer than the tokenizer's ``model_max_length`` (what is cut off, as diffusers'
-    pipelines say) or has words it reads as its unknown token."""
-    limit = tokenizer.model_max_length
-    full = tokenizer(prompt, truncation=False, verbose=False).input_ids
-    if len(full) > limit:
-        removed = tokenizer.decode(full[limit - 1:-1])
-        warnings.warn(f"the prompt {prompt[:40]!r}{'...' if len(prompt) > 40 else ''} has {len(full)} tokens but the "
-                      f"text encoder reads {limit}; this part was cut off: {removed!r}. Shorten the prompt",
-                      InputWarning, stacklevel=3)
-    unk = tokenizer.unk_token_id
-    if unk is not None and unk in tokenizer(prompt, add_special_tokens=False).input_ids:
-        unknown = [w for w in prompt.split() if unk in tokenizer(w, add_special_tokens=False).input_ids]
-        warnings.warn(f"the tokenizer does not know {', '.join(map(repr, unknown)) or 'part of the prompt'} in "
-                      f"{prompt[:40]!r} and reads {'it' if len(unknown) < 2 else 'them'} as {tokenizer.unk_token!r}; "
-                      "reword the prompt with words the model was trained on", InputWarning, stacklevel=3)
 
 
 @eqx.filter_jit
@@ -75,8 +37,6 @@ def encode_prompt(text_encoder, input_ids: Int[Array, "batch seq"], *,
         return text_encoder(input_ids).last_hidden_state
     out = text_encoder(input_ids, output_hidden_states=True)
     return text_encoder.text_model.final_layer_norm(out.hidden_states[-(clip_skip + 1)])
-
-
 
 
 class StableDiffusionPipeline(UNetPipeline):
@@ -135,6 +95,7 @@ class StableDiffusionPipeline(UNetPipeline):
                                       "prompt_embeds' shape [n, seq, embed]")
         return jnp.concatenate([negative_embeds, positive])
 
+    @checked_call
     def __call__(self, prompt: str | Sequence[str] | None = None, negative_prompt: str | Sequence[str] | None = None,
                  *, num_inference_steps: int = 50, guidance_scale: float = 7.5, guidance_rescale: float = 0.0,
                  height: int | None = None, width: int | None = None, num_images_per_prompt: int = 1,

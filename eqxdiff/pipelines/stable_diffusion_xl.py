@@ -23,10 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray
-from ._base import Component, as_list, given_array, prompt_list, resolve_key
+from ._arguments import as_list, given_array, prompt_list, resolve_key
+from ._call import checked_call
+from ._components import Component
 from ._denoise import Guidance
+from ._text import tokenize
 from ._unet import UNetPipeline
-from .stable_diffusion import tokenize
 
 __all__ = ["StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline", "StableDiffusionXLPipeline",
            "encode_prompt", "time_ids"]
@@ -200,6 +202,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
 
     # -- the call ------------------------------------------------------------------------------------------------
 
+    @checked_call
     def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,
                  negative_prompt: str | Sequence[str] | None = None,
                  negative_prompt_2: str | Sequence[str] | None = None, num_inference_steps: int = 50,

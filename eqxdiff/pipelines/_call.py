@@ -1,0 +1,93 @@
+"""A pipeline call's wrapper: :func:`checked_call` decorates every family's ``__call__`` (its arguments checked before
+anything is encoded or compiled, the call and its stages timed with the seconds JAX spent compiling), and
+:func:`compile_seconds`, the compile clock behind :meth:`DiffusionPipeline.timed
+<eqxdiff.pipelines.DiffusionPipeline.timed>`."""
+
+import contextvars
+import functools
+import inspect
+
+import jax
+
+from ._checks import InputTypeError
+
+__all__ = ["COMPILE_SUFFIX", "checked_call", "compile_seconds", "is_checked"]
+
+COMPILE_SUFFIX = "_compile"  # timings[stage + COMPILE_SUFFIX]: the compile seconds within timings[stage]
+CHECKED = "__checks_arguments__"  # the attribute checked_call sets on the functions it returns
+
+
+class _CompileClock:
+    """Seconds JAX has spent compiling in this process: its ``/jax/core/compile/`` duration events (tracing to a
+    jaxpr, lowering to MLIR, XLA's compile), summed by one listener, registered on first use."""
+
+    seconds = 0.0
+    _registered = False
+
+    @classmethod
+    def now(cls) -> float:
+        if not cls._registered:
+            jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+            cls._registered = True
+        return cls.seconds
+
+    @classmethod
+    def _on_event(cls, name: str, duration: float, **_) -> None:
+        if name.startswith("/jax/core/compile/"):
+            cls.seconds += duration
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling JAX programs (tracing, lowering and XLA's compile) since the first
+    reading; the difference of two readings is the compile time between them (what
+    :meth:`~eqxdiff.pipelines.DiffusionPipeline.timed` records)."""
+    return _CompileClock.now()
+
+
+_IN_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("eqxdiff_pipeline_call", default=False)
+
+
+def checked_call(call):
+    """The decorator on every family's ``__call__`` (``@checked_call``). The call's arguments are bound to ``call``'s
+    signature and checked before anything is encoded or compiled (the pipeline's
+    :meth:`~eqxdiff.pipelines.DiffusionPipeline.check_arguments` with its
+    :meth:`~eqxdiff.pipelines.DiffusionPipeline.call_limits`, then its ``check_call``), and the call is timed: the
+    outermost call starts :attr:`~eqxdiff.pipelines.DiffusionPipeline.timings` afresh and records itself as
+    ``"call"``; a call made inside it (a ControlNet pipeline passing its arguments on to its family's call) adds its
+    stages. The signature and docstring stay ``call``'s (``eqxdiff-generate`` reads them). A pipeline class whose own
+    ``__call__`` lacks it is refused when the class is defined."""
+    signature = inspect.signature(call)
+    params = list(signature.parameters.values())
+    var_keyword = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+
+    def run(self, args, kwargs):
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError as e:
+            raise InputTypeError(f"{type(self).__name__}(...): {e}") from None
+        bound.apply_defaults()
+        arguments = {k: v for k, v in bound.arguments.items() if k != params[0].name and k != var_keyword}
+        arguments.update(bound.arguments.get(var_keyword, {}) if var_keyword else {})
+        self.check_arguments(arguments, self.call_limits())
+        self.check_call(arguments)
+        return call(self, *args, **kwargs)
+
+    @functools.wraps(call)
+    def checked(self, *args, **kwargs):
+        if _IN_CALL.get():
+            return run(self, args, kwargs)
+        token = _IN_CALL.set(True)
+        self.timings.clear()  # in place: a call's shallow copies of the pipeline share the dict
+        try:
+            with self.timed("call"):
+                return run(self, args, kwargs)
+        finally:
+            _IN_CALL.reset(token)
+
+    setattr(checked, CHECKED, True)
+    return checked
+
+
+def is_checked(call) -> bool:
+    """Whether ``call`` (a pipeline class's ``__call__``) is wrapped by :func:`checked_call`."""
+    return getattr(call, CHECKED, False)

@@ -1,0 +1,116 @@
+"""Prompts into token ids, one way for every text encoder (CLIP, T5, UMT5 ...).
+
+:func:`tokens` pads and cuts each prompt to a length (the tokenizer's ``model_max_length``, or a family's
+``max_sequence_length``) and gives the attention mask beside the ids; it warns as diffusers' pipelines do when a
+prompt is cut (naming the part cut off), and also when the tokenizer reads words as its unknown token, and checks
+the ids against the text encoder's vocabulary (a tokenizer saved with another model fails here, not as garbage
+embeddings). :func:`tokenize` is its ids alone. :func:`zero_padding` sets the embeddings past each prompt to zero, as
+diffusers does for T5-family prompts it trims to their length and pads back to ``max_sequence_length`` (Wan's UMT5).
+The encoders themselves are each family's (CLIP skip, pooled outputs, which hidden state).
+"""
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._typing import Array, Bool, Float, Int, typechecked
+from ..loading import CheckpointError
+from ._checks import InputWarning
+
+__all__ = ["Tokens", "tokenize", "tokens", "zero_padding"]
+
+SHOWN_PROMPT = 40  # characters of a prompt quoted in a warning
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """Token ids ``[n, length]`` (int32) and their attention ``mask`` (int32: 1 for a prompt's tokens, its special
+    tokens included; 0 for padding)."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each prompt's token count ``[n]`` (padding excluded; at most the length cut to)."""
+        return self.mask.sum(axis=1)
+
+
+def tokens(tokenizer, prompts: Sequence[str], *, max_length: int | None = None, vocab_size: int | None = None,
+           tokenizer_name: str = "the tokenizer", encoder_name: str = "the text encoder",
+           fix: str = "Shorten the prompt") -> Tokens:
+    """``prompts`` as :class:`Tokens` of ``max_length`` (default: the tokenizer's ``model_max_length``), padded and
+    cut as diffusers' pipelines do (``padding="max_length"``, ``truncation=True``).
+
+    Warns (:class:`~eqxdiff.pipelines.InputWarning`) once per distinct prompt when it is cut (the count and the part
+    cut off, then ``fix``) or holds words the tokenizer reads as its unknown token. With ``vocab_size`` (the text
+    encoder's), an id outside the vocabulary raises :class:`~eqxdiff.loading.CheckpointError`. ``tokenizer_name`` /
+    ``encoder_name`` name the two in those messages (``"tokenizer_2"``, ``"text_encoder_2"``)."""
+    prompts = list(prompts)
+    length = tokenizer.model_max_length if max_length is None else int(max_length)
+    out = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_attention_mask=True,
+                    return_tensors="np")
+    ids, mask = np.asarray(out.input_ids, np.int32), np.asarray(out.attention_mask, np.int32)
+    for prompt in dict.fromkeys(prompts):
+        warn_cut(tokenizer, prompt, length, encoder_name=encoder_name, fix=fix)
+        warn_unknown_words(tokenizer, prompt, tokenizer_name=tokenizer_name)
+    if vocab_size is not None:
+        check_vocabulary(ids, vocab_size, tokenizer_name=tokenizer_name, encoder_name=encoder_name)
+    return Tokens(ids, mask)
+
+
+def tokenize(tokenizer, prompts: Sequence[str], **kwargs) -> np.ndarray:
+    """Token ids ``[n, length]`` (int32) of ``prompts``: :func:`tokens`' ids (same keywords, warnings and checks)."""
+    return tokens(tokenizer, prompts, **kwargs).ids
+
+
+def warn_cut(tokenizer, prompt: str, length: int, *, encoder_name: str = "the text encoder",
+             fix: str = "Shorten the prompt") -> None:
+    """Warn if ``prompt`` has more than ``length`` tokens, naming what is cut off (the tokens before the end token
+    that truncation keeps), as diffusers' pipelines do."""
+    full = tokenizer(prompt, truncation=False, verbose=False).input_ids
+    if len(full) > length:
+        removed = tokenizer.decode(full[length - 1:-1])
+        warnings.warn(f"the prompt {_shown(prompt)} has {len(full)} tokens but {encoder_name} reads {length}; this "
+                      f"part was cut off: {removed!r}. {fix}", InputWarning, stacklevel=3)
+
+
+def warn_unknown_words(tokenizer, prompt: str, *, tokenizer_name: str = "the tokenizer") -> None:
+    """Warn if ``prompt`` holds words the tokenizer reads as its unknown token (they reach the model as that one
+    token: the model never sees them)."""
+    unk = tokenizer.unk_token_id
+    if unk is None or unk not in tokenizer(prompt, add_special_tokens=False, verbose=False).input_ids:
+        return
+    unknown = [w for w in prompt.split() if unk in tokenizer(w, add_special_tokens=False, verbose=False).input_ids]
+    warnings.warn(f"{tokenizer_name} does not know {', '.join(map(repr, unknown)) or 'part of the prompt'} in "
+                  f"{prompt[:SHOWN_PROMPT]!r} and reads {'it' if len(unknown) < 2 else 'them'} as "
+                  f"{tokenizer.unk_token!r}; reword the prompt with words the model was trained on", InputWarning,
+                  stacklevel=3)
+
+
+def check_vocabulary(ids: np.ndarray, vocab_size: int, *, tokenizer_name: str = "the tokenizer",
+                     encoder_name: str = "the text encoder") -> None:
+    """Raise :class:`~eqxdiff.loading.CheckpointError` if a token id is outside ``[0, vocab_size)``: the tokenizer
+    is not the one saved with the text encoder."""
+    if not ids.size or (ids.max() < vocab_size and ids.min() >= 0):
+        return
+    bad = int(ids.max() if ids.max() >= vocab_size else ids.min())
+    raise CheckpointError(f"{tokenizer_name} gave token id {bad}, outside {encoder_name}'s vocabulary of {vocab_size} "
+                          f"(vocab_size in its config.json): {tokenizer_name} does not belong to {encoder_name}; use "
+                          "the tokenizer saved with it")
+
+
+@typechecked
+def zero_padding(embeds: Float[Array, "batch seq embed"],
+                 mask: Int[Array | np.ndarray, "batch seq"] | Bool[Array | np.ndarray, "batch seq"]
+                 ) -> Float[Array, "batch seq embed"]:
+    """``embeds`` with every padding position (``mask`` 0) set to zero: diffusers' trim of each prompt's embeddings to
+    its length and zero padding back to ``max_sequence_length`` (Wan's UMT5), for right-padded prompts."""
+    return jnp.where(jnp.asarray(mask)[..., None] > 0, embeds, jnp.zeros((), embeds.dtype))
+
+
+def _shown(prompt: str) -> str:
+    return f"{prompt[:SHOWN_PROMPT]!r}{'...' if len(prompt) > SHOWN_PROMPT else ''}"

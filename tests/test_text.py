@@ -1,0 +1,75 @@
+"""The shared prompt tokenization (``eqxdiff.pipelines._text``): the ids and mask transformers' own padded call gives,
+the warnings (a prompt cut, with the part cut off; unknown words), the vocabulary check, and Wan's trim / zero pad of
+UMT5 embeddings against diffusers' code for it. Nothing here compiles a model."""
+
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from eqxdiff.data import character_tokenizer
+from eqxdiff.loading import CheckpointError
+from eqxdiff.pipelines import InputWarning
+from eqxdiff.pipelines._text import check_vocabulary, tokenize, tokens, zero_padding
+
+PROMPTS = ["a red cat", "two dogs"]
+
+
+@pytest.mark.parametrize("max_length", [None, 12])
+def test_ids_and_mask_are_the_tokenizers_padded_call(max_length):
+    tokenizer = character_tokenizer(16)
+    length = max_length or 16
+    expected = tokenizer(PROMPTS, padding="max_length", max_length=length, truncation=True, return_tensors="np")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # short, known prompts: nothing to warn about
+        out = tokens(tokenizer, PROMPTS, max_length=max_length, vocab_size=54)
+    assert out.ids.dtype == np.int32 and out.ids.shape == (2, length)
+    np.testing.assert_array_equal(out.ids, expected.input_ids)
+    np.testing.assert_array_equal(out.mask, expected.attention_mask)
+    # a BOS, one token per character, an EOS: "a red cat" is 7 characters without spaces
+    np.testing.assert_array_equal(out.lengths, [9, 9])
+    np.testing.assert_array_equal(tokenize(tokenizer, PROMPTS, max_length=max_length), out.ids)
+
+
+def test_a_cut_prompt_warns_once_naming_the_part_cut_off():
+    tokenizer = character_tokenizer(8)
+    long = "a dog and a cat"
+    with pytest.warns(InputWarning) as record:
+        ids = tokenize(tokenizer, [long, long, "a cat"], encoder_name="text_encoder_2",
+                       fix="Shorten the prompt or raise max_sequence_length")
+    messages = [str(w.message) for w in record]
+    assert messages == [("the prompt 'a dog and a cat' has 13 tokens but text_encoder_2 reads 8; this part was cut "
+                         "off: 'd a cat'. Shorten the prompt or raise max_sequence_length")]
+    # what is kept ends with the end token, as the tokenizer truncates
+    assert ids[0, -1] == tokenizer.eos_token_id and tokenizer.decode(ids[0, 1:-1]) == "a dog an"
+
+
+def test_unknown_words_are_named():
+    with pytest.warns(InputWarning, match=r"^tokenizer_2 does not know '7', 'b4' in 'a 7 b4 c' and reads them as "
+                                          r"'<\|endoftext\|>'; reword the prompt"):
+        tokenize(character_tokenizer(16), ["a 7 b4 c"], tokenizer_name="tokenizer_2")
+
+
+def test_ids_outside_the_encoders_vocabulary_name_both_and_the_fix():
+    tokenizer = character_tokenizer(16)
+    with pytest.raises(CheckpointError, match=r"^the tokenizer gave token id 47, outside the text encoder's vocabulary "
+                                              r"of 20 \(vocab_size in its config.json\).*use the tokenizer saved"):
+        tokenize(tokenizer, ["a cat"], vocab_size=20)
+    with pytest.raises(CheckpointError, match="tokenizer_2 gave token id -1, outside text_encoder_2's vocabulary"):
+        check_vocabulary(np.array([[0, -1]]), 20, tokenizer_name="tokenizer_2", encoder_name="text_encoder_2")
+    check_vocabulary(np.array([[0, 19]]), 20)
+
+
+def test_zero_padding_is_diffusers_trim_and_pad_of_umt5_prompts():
+    """diffusers' WanPipeline._get_t5_prompt_embeds: each prompt's embeddings cut to its length, then zeros up to
+    max_sequence_length."""
+    out = tokens(character_tokenizer(16), ["a red cat", "a dog"], max_length=12)
+    embeds = np.random.default_rng(0).standard_normal((2, 12, 5)).astype(np.float32)
+    seq_lens = torch.from_numpy(out.mask).gt(0).sum(dim=1).long()
+    trimmed = [u[:v] for u, v in zip(torch.from_numpy(embeds), seq_lens)]
+    expected = torch.stack([torch.cat([u, u.new_zeros(12 - u.size(0), u.size(1))]) for u in trimmed], dim=0)
+    ours = zero_padding(jnp.asarray(embeds), out.mask)
+    np.testing.assert_array_equal(np.asarray(ours), expected.numpy())
+    assert int(seq_lens[1]) < 12 and np.all(np.asarray(ours)[1, int(seq_lens[1]):] == 0)
