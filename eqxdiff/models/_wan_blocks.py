@@ -99,14 +99,6 @@ class WanTimeTextImageEmbedding(eqx.Module):
         return temb, self.time_proj(jax.nn.silu(temb))
 
 
-class BlockScaleShiftTable(nn.ScaleShiftTable):
-    """A block's ``scale_shift_table`` ``[1, 6, dim]``. Its axes are declared for that shape: the base class reads
-    them off the table's rank, which a stacked block (``scan_layers``) raises by its layers axis."""
-
-    def param_axes(self):
-        return {"table": (None, "modulation", "embed")}
-
-
 def _heads(attn: nn.AbstractAttention, y: Array) -> Array:
     return y.reshape(*y.shape[:2], attn.heads, -1)
 
@@ -132,7 +124,7 @@ class WanTransformerBlock(eqx.Module):
     attn2: nn.CrossAttention | nn.AddedKVAttention
     ffn: nn.FeedForward
     norm3: nn.LayerNorm
-    scale_shift_table: BlockScaleShiftTable
+    scale_shift_table: nn.ScaleShiftTable
     plan: Plan | None = eqx.field(static=True, default=None)  # eqxdiff.parallel.with_plan sets it
 
     def __init__(self, dim: int, ffn_dim: int, heads: int, *, cross_attn_norm: bool, eps: float,
@@ -146,7 +138,7 @@ class WanTransformerBlock(eqx.Module):
                       nn.AddedKVAttention(dim, dim, added_kv_proj_dim, **common, key=k2))
         self.ffn = nn.FeedForward(dim, inner_dim=ffn_dim, activation="gelu-approximate", dtype=dtype, key=kf)
         self.norm3 = nn.LayerNorm(dim, eps=eps, elementwise_affine=False, dtype=dtype)
-        self.scale_shift_table = BlockScaleShiftTable(6, dim, shape=(1, 6, dim), dtype=dtype, key=kt)
+        self.scale_shift_table = nn.ScaleShiftTable(6, dim, shape=(1, 6, dim), dtype=dtype, key=kt)
 
     @property
     def added_kv(self) -> bool:

@@ -111,6 +111,9 @@ class ScaleShiftTable(eqx.Module):
     TORCH_RENAMES: ClassVar[dict[str, str]] = {"table": ""}  # the parameter is the field itself
 
     table: Float[Array, "*one num dim"]
+    # The table's leading axes of size one ((1, num, dim): 1): declared at construction, since a stacked table
+    # (scan_layers) has one more axis than the one whose axes are declared.
+    leading_ones: int = eqx.field(static=True)
 
     def __init__(self, num: int, dim: int, *, shape: Sequence[int] | None = None, dtype=jnp.float32,
                  key: PRNGKeyArray):
@@ -118,9 +121,10 @@ class ScaleShiftTable(eqx.Module):
         if shape[-2:] != (num, dim) or any(s != 1 for s in shape[:-2]):
             raise ValueError(f"ScaleShiftTable: shape={shape} must be (..., 1, {num}, {dim})")
         self.table = jax.random.normal(key, shape, dtype) / dim**0.5
+        self.leading_ones = len(shape) - 2
 
     def param_axes(self):
-        return {"table": (None,) * (self.table.ndim - 2) + ("modulation", "embed")}
+        return {"table": (None,) * self.leading_ones + ("modulation", "embed")}
 
     @property
     def num(self) -> int:
