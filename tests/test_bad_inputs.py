@@ -479,8 +479,8 @@ def test_the_table_is_long_enough():
 # -- warnings: accepted, but not what was asked -------------------------------------------------------------------
 
 WARNINGS = [
-    ("prompt-too-long", {"prompt": "a handwritten digit seven " * 3}, r"has 68 tokens but the text encoder reads 32; "
-     r"this part was cut off: 'tten digit seven a handwritten digit seven'. Shorten the prompt"),
+    ("prompt-too-long", {"prompt": "a handwritten digit seven " * 3}, r"has 68 tokens but the text encoder reads 32: "
+     r"36 token\(s\) were cut off, starting 'tten digit seven a handwritt'.... Shorten the prompt"),
     ("numerals", {"prompt": "a handwritten digit 7"}, r"the tokenizer does not know '7' .* reads it as "
      r"'<\|endoftext\|>'; reword the prompt"),
     ("far-above-native-size", {"prompt": "a", "image": np.zeros((512, 512, 3), np.uint8)},

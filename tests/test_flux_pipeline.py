@@ -436,7 +436,7 @@ def test_t5_prompts_get_the_shared_tokenizer_checks(dev, monkeypatch):
     monkeypatch.setattr(flux, "clip_pooled", lambda encoder, ids: None)
     monkeypatch.setattr(flux, "t5_embeddings", _stop)
     with pytest.warns(InputWarning, match=r"^the prompt 'two dogs and a red cat' has 19 tokens but text_encoder_2 "
-                                          r"reads 12; this part was cut off: 'a red cat'. Shorten the prompt or raise "
+                                          r"reads 12: 7 token\(s\) were cut off, starting 'a red cat'. Shorten the prompt or raise "
                                           r"max_sequence_length \(at most 512\)$"), pytest.raises(_Stopped):
         dev.pipe.encode_prompt("a cat", "two dogs and a red cat", max_sequence_length=12)
     encoder = copy.copy(dev.pipe.text_encoder_2)  # the same weights, a config that says the vocabulary is smaller

@@ -40,8 +40,8 @@ def test_a_cut_prompt_warns_once_naming_the_part_cut_off():
         ids = tokenize(tokenizer, [long, long, "a cat"], encoder_name="text_encoder_2",
                        fix="Shorten the prompt or raise max_sequence_length")
     messages = [str(w.message) for w in record]
-    assert messages == [("the prompt 'a dog and a cat' has 13 tokens but text_encoder_2 reads 8; this part was cut "
-                         "off: 'd a cat'. Shorten the prompt or raise max_sequence_length")]
+    assert messages == [("the prompt 'a dog and a cat' has 13 tokens but text_encoder_2 reads 8: 5 token(s) were cut "
+                         "off, starting 'd a cat'. Shorten the prompt or raise max_sequence_length")]
     # what is kept ends with the end token, as the tokenizer truncates
     assert ids[0, -1] == tokenizer.eos_token_id and tokenizer.decode(ids[0, 1:-1]) == "a dog an"
 
@@ -73,3 +73,19 @@ def test_zero_padding_is_diffusers_trim_and_pad_of_umt5_prompts():
     ours = zero_padding(jnp.asarray(embeds), out.mask)
     np.testing.assert_array_equal(np.asarray(ours), expected.numpy())
     assert int(seq_lens[1]) < 12 and np.all(np.asarray(ours)[1, int(seq_lens[1]):] == 0)
+
+
+def test_a_very_long_prompt_warns_once_in_one_short_line(caplog, capfd):
+    """Issue 18: a 2000-character prompt's warning echoed ~1900 characters of the dropped text, and transformers'
+    'Token indices sequence length ... will result in indexing errors' line (wrong: the prompt is cut) came too. The
+    warning says how many tokens were cut and the first words; an emoji / CJK prompt over the limit gets it too,
+    once, and its unknown-word warning names at most three words, shortened."""
+    tokenizer = character_tokenizer(32)
+    for prompt in ("a handwritten digit seven " * 80, "\U0001F600" * 100 + " \u6570\u5b57" * 60):
+        with pytest.warns(InputWarning) as record:
+            tokenize(tokenizer, [prompt, prompt])
+        cut = [str(w.message) for w in record if "were cut off" in str(w.message)]
+        assert len(cut) == 1 and len(cut[0]) < 200, cut
+        assert all(len(str(w.message)) < 300 for w in record)
+        assert cut[0].startswith("the prompt ") and "token(s) were cut off, starting" in cut[0]
+    assert "indexing errors" not in caplog.text + "".join(capfd.readouterr())

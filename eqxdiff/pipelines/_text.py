@@ -23,6 +23,7 @@ from ._checks import InputWarning
 __all__ = ["Tokens", "tokenize", "tokens", "zero_padding"]
 
 SHOWN_PROMPT = 40  # characters of a prompt quoted in a warning
+SHOWN_TOKENS = 24  # tokens of the cut-off part decoded for a warning (then cut to SHOWN_PROMPT characters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +74,14 @@ def warn_cut(tokenizer, prompt: str, length: int, *, encoder_name: str = "the te
     that truncation keeps), as diffusers' pipelines do."""
     full = tokenizer(prompt, truncation=False, verbose=False).input_ids
     if len(full) > length:
-        removed = tokenizer.decode(full[length - 1:-1])
-        warnings.warn(f"the prompt {_shown(prompt)} has {len(full)} tokens but {encoder_name} reads {length}; this "
-                      f"part was cut off: {removed!r}. {fix}", InputWarning, stacklevel=3)
+        cut = full[length - 1:-1]  # what truncation drops before the end token it keeps
+        start = tokenizer.decode(cut[:SHOWN_TOKENS], skip_special_tokens=True).strip()
+        more = len(cut) > SHOWN_TOKENS or len(start) > SHOWN_PROMPT
+        if len(start) > SHOWN_PROMPT:  # whole words where there are any
+            start = start[:SHOWN_PROMPT].rsplit(" ", 1)[0] if " " in start[:SHOWN_PROMPT] else start[:SHOWN_PROMPT]
+        start = f"{start!r}{'...' if more else ''}" if start else "special or unknown tokens"
+        warnings.warn(f"the prompt {_shown(prompt)} has {len(full)} tokens but {encoder_name} reads {length}: "
+                      f"{len(cut)} token(s) were cut off, starting {start}. {fix}", InputWarning, stacklevel=3)
 
 
 def warn_unknown_words(tokenizer, prompt: str, *, tokenizer_name: str = "the tokenizer") -> None:
@@ -84,9 +90,12 @@ def warn_unknown_words(tokenizer, prompt: str, *, tokenizer_name: str = "the tok
     unk = tokenizer.unk_token_id
     if unk is None or unk not in tokenizer(prompt, add_special_tokens=False, verbose=False).input_ids:
         return
-    unknown = [w for w in prompt.split() if unk in tokenizer(w, add_special_tokens=False, verbose=False).input_ids]
-    warnings.warn(f"{tokenizer_name} does not know {', '.join(map(repr, unknown)) or 'part of the prompt'} in "
-                  f"{prompt[:SHOWN_PROMPT]!r} and reads {'it' if len(unknown) < 2 else 'them'} as "
+    unknown = list(dict.fromkeys(
+        w for w in prompt.split() if unk in tokenizer(w, add_special_tokens=False, verbose=False).input_ids))
+    shown = ", ".join(repr(w if len(w) <= 20 else w[:20] + "...") for w in unknown[:3])
+    shown += f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+    warnings.warn(f"{tokenizer_name} does not know {shown or 'part of the prompt'} in "
+                  f"{_shown(prompt)} and reads {'it' if len(unknown) < 2 else 'them'} as "
                   f"{tokenizer.unk_token!r}; reword the prompt with words the model was trained on", InputWarning,
                   stacklevel=3)
 
