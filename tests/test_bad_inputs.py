@@ -79,6 +79,8 @@ def ws(tmp_path_factory, pipe):
     (root / "saved_pipe" / "safety_checker").mkdir()
     (root / "saved_pipe" / "safety_checker" / "keep.txt").write_text("not eqxdiff's")
     _interrupted_run(root / "run")
+    (root / "trained").mkdir()  # a training run's output folder: its pipeline is in pipeline/
+    shutil.copytree(root / "saved_pipe", root / "trained" / "pipeline")
     paths = {p.stem if p.is_file() else p.name: str(p) for p in root.iterdir()}
     return types.SimpleNamespace(root=root, paths=paths)
 
@@ -189,6 +191,9 @@ GENERATE = [
     ("model-is-a-file", ["--model", "{taken}"], CheckpointError, r"is a file; pass the model's folder"),
     ("model-unknown-family", ["--model", "{unknown}"], CheckpointError, r"'HunyuanVideoPipeline' pipeline.*eqxdiff "
      r"serves .*StableDiffusionPipeline"),
+    # issue 18: a training run's output folder, not its pipeline/
+    ("model-is-a-run-folder", ["--model", "{trained}"], CheckpointError, r"model_index.json not found in .*trained'; "
+     r"did you mean '.*trained/pipeline'\?"),
     ("model-index-broken", ["--model", "{broken}"], CheckpointError, r"model_index.json' is not valid JSON: .* line 1"),
     ("unet-missing", ["--unet", "{root}/missing_unet.safetensors"], FileNotFoundError, r"--unet "
      r"'.*missing_unet.safetensors': no such file or folder; pass a UNet .safetensors file in diffusers' names"),
@@ -423,6 +428,10 @@ API = [
      InputError, r"denoising_start=0.8 must be smaller than denoising_end=0.5"),
     ("tokenizer-outside-vocabulary", lambda c: _smaller_vocabulary(c.pipe), CheckpointError, r"token id \d+, "
      r"outside the text encoder's vocabulary of 20"),
+    ("load-a-run-folder", lambda c: eqxdiff.load_pipeline(c.ws.paths["trained"]), CheckpointError,
+     r"model_index.json not found in .*trained'; did you mean '.*trained/pipeline'\?"),
+    ("load-a-pipeline-folder-as-a-model", lambda c: eqxdiff.load(c.ws.paths["saved_pipe"]), CheckpointError,
+     r"config.json not found in .*saved_pipe'; its subfolders .*unet.*vae each hold one: pass the one you mean"),
     ("save-not-a-model", lambda c: eqxdiff.save_pretrained([1, 2], c.ws.paths["saved_vae"]), CheckpointError,
      r"save_pretrained needs an eqxdiff model .* got list"),
     ("save-bad-dtype", lambda c: eqxdiff.save_pretrained(c.pipe.vae, c.ws.paths["saved_vae"], dtype="fp33"),

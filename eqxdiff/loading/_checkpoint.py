@@ -127,9 +127,20 @@ def read_config(folder: Path, name: str = "config.json") -> dict:
     """``folder/name`` (``config.json``, ``model_index.json``, ``scheduler_config.json``) as a dict."""
     path = Path(folder) / name
     if not path.is_file():
-        raise CheckpointError(f"{name} not found in {os.fspath(folder)!r}; is this a diffusers/transformers "
-                              "model folder?")
+        raise CheckpointError(f"{name} not found in {os.fspath(folder)!r}; {_where_it_is(Path(folder), name)}")
     return read_json(path)
+
+
+def _where_it_is(folder: Path, name: str) -> str:
+    """The hint for a missing ``name``: the subfolder(s) holding one (a training run's ``pipeline/``, a pipeline's
+    ``unet/``), else the question whether this is a model folder at all."""
+    holders = sorted(p.parent for p in folder.glob(f"*/{name}")) if folder.is_dir() else []
+    if len(holders) == 1:
+        return f"did you mean {os.fspath(holders[0])!r}?"
+    if holders:
+        shown = ", ".join(p.name for p in holders[:6]) + (", ..." if len(holders) > 6 else "")
+        return f"its subfolders {shown} each hold one: pass the one you mean (or subfolder=)"
+    return "is this a diffusers/transformers model folder?"
 
 
 def key_map_rules(key_map) -> tuple[Rule, ...]:
