@@ -22,8 +22,16 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ..core import ConfigError, ModelConfig, Plan, checkpoint_block, constrain
-from ..nn import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SelfAttention, Upsample2D
+from ..nn import (
+    Conv2d,
+    Downsample2D,
+    GroupNorm,
+    ResnetBlock2D,
+    SelfAttention,
+    Upsample2D,
+)
 from ._base import PretrainedModel
+from ._tiling import blend_tiles
 
 _EPS = 1e-6  # every norm in diffusers' VAE
 _ACTIVATIONS = ("silu", "swish", "mish", "gelu", "relu")  # diffusers' get_activation table
@@ -286,51 +294,18 @@ def _batch_sliced(fn: Callable, x, size: int | None):
     return out if n * size == x.shape[0] else jnp.concatenate([out, fn(x[n * size:])])
 
 
-def _blend(a, b, extent: int, axis: int):
-    """diffusers' ``blend_v``/``blend_h``: fade the first ``extent`` rows of ``b`` in from the last rows of ``a``."""
-    extent = min(a.shape[axis], b.shape[axis], extent)
-    if extent <= 0:
-        return b
-    shape = [1] * b.ndim
-    shape[axis] = extent
-    w = (jnp.arange(extent, dtype=jnp.float32) / extent).astype(b.dtype).reshape(shape)
-    tail_a = jax.lax.slice_in_dim(a, a.shape[axis] - extent, a.shape[axis], axis=axis)
-    head = tail_a * (1 - w) + jax.lax.slice_in_dim(b, 0, extent, axis=axis) * w
-    return jnp.concatenate([head, jax.lax.slice_in_dim(b, extent, b.shape[axis], axis=axis)], axis=axis)
-
-
 def _tiled(fn: Callable, x, tile_in: int, tile_out: int, overlap_factor: float):
-    """diffusers' tiled encode/decode: ``fn`` on overlapping ``tile_in`` tiles of ``x``, blended, cropped, joined.
-
-    Tiles of equal shape go through one ``lax.map``, so ``fn`` is compiled once per tile shape and only one
-    tile's activations are live at a time.
-    """
+    """diffusers' tiled encode/decode: ``fn`` on overlapping ``tile_in`` tiles of ``x``, blended, cropped, joined
+    (:func:`eqxdiff.models._tiling.blend_tiles`, which the video VAEs share). Tiles of equal shape go through one
+    ``lax.map``, so ``fn`` is compiled once per tile shape and only one tile's activations are live at a time."""
     stride = int(tile_in * (1 - overlap_factor))
     extent = int(tile_out * overlap_factor)
     limit = tile_out - extent
     if stride < 1 or limit < 1:
         raise ValueError(f"tile size {tile_in} with tile_overlap_factor={overlap_factor} leaves no stride; use a "
                          "larger tile or a smaller overlap")
-    starts = [(i, j) for i in range(0, x.shape[1], stride) for j in range(0, x.shape[2], stride)]
-    tiles = {s: x[:, s[0]:s[0] + tile_in, s[1]:s[1] + tile_in] for s in starts}
-    out = {}
-    for shape in dict.fromkeys(t.shape for t in tiles.values()):
-        group = [s for s in starts if tiles[s].shape == shape]
-        results = jax.lax.map(fn, jnp.stack([tiles[s] for s in group]))
-        out.update({s: results[n] for n, s in enumerate(group)})
-    rows = []
-    for i in range(0, x.shape[1], stride):
-        row = []
-        for j in range(0, x.shape[2], stride):
-            t = out[i, j]  # blended tiles replace raw ones, as diffusers' in-place blends do
-            if i > 0:
-                t = _blend(out[i - stride, j], t, extent, axis=1)
-            if j > 0:
-                t = _blend(out[i, j - stride], t, extent, axis=2)
-            out[i, j] = t
-            row.append(t[:, :limit, :limit])
-        rows.append(jnp.concatenate(row, axis=2))
-    return jnp.concatenate(rows, axis=1)
+    return blend_tiles(fn, x, axes=(1, 2), tile=(tile_in, tile_in), stride=(stride, stride),
+                       blend_extent=(extent, extent), keep=(limit, limit))
 
 
 class AutoencoderKL(PretrainedModel):
