@@ -329,3 +329,34 @@ def test_load_pipeline_with_scan_layers_gives_the_same_images(tmp_path):
     latents = np.random.default_rng(0).standard_normal((2, 16, 16, 4)).astype(np.float32)
     kwargs = dict(latents=latents, height=32, width=32, num_inference_steps=2, progress=False)
     assert _max_pixel_diff(scanned(PROMPTS, **kwargs), plain(PROMPTS, **kwargs) / 255.0) <= 1  # rounding only
+
+
+def test_a_folder_carries_its_recommended_call(tmp_path):
+    """Issue 18: a folder's model_index.json may hold eqxdiff's call defaults ("_eqxdiff": {"call_defaults": ...};
+    diffusers keeps none and ignores keys starting with "_"). A call that leaves an argument out takes the folder's
+    value before the signature's default; one that gives it wins; save_pipeline writes them back; from_pipe keeps
+    the ones the new class takes; a name the call does not take is a ConfigError naming the file. The shipped digits
+    model carries the README's recipe (20 steps, guidance 4, seed 0)."""
+    build_pipeline(tmp_path / "sd")
+    index = json.loads((tmp_path / "sd" / "model_index.json").read_text())
+    index["_eqxdiff"] = {"call_defaults": {"num_inference_steps": 2, "guidance_scale": 3.0, "height": 32,
+                                           "width": 32, "seed": 5}}
+    (tmp_path / "sd" / "model_index.json").write_text(json.dumps(index))
+    pipe = eqxdiff.load_pipeline(tmp_path / "sd")
+    assert pipe.call_defaults["num_inference_steps"] == 2
+    implicit = pipe("a red cat", progress=False)
+    explicit = pipe("a red cat", num_inference_steps=2, guidance_scale=3.0, height=32, width=32, seed=5,
+                    progress=False)
+    np.testing.assert_array_equal(implicit, explicit)
+    assert not np.array_equal(implicit, pipe("a red cat", seed=6, progress=False))  # a given argument wins
+    saved = save_pipeline(pipe, tmp_path / "saved")
+    assert json.loads((saved / "model_index.json").read_text())["_eqxdiff"] == index["_eqxdiff"]
+    assert eqxdiff.load_pipeline(saved).call_defaults == pipe.call_defaults
+    assert sd.StableDiffusionInpaintPipeline.from_pipe(pipe).call_defaults == pipe.call_defaults
+    index["_eqxdiff"] = {"call_defaults": {"num_steps": 3}}
+    (tmp_path / "sd" / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"model_index.json in .*sd' \(_eqxdiff.call_defaults\) names \['num_steps'\], "
+                                          r"which StableDiffusionPipeline.__call__ does not take"):
+        eqxdiff.load_pipeline(tmp_path / "sd")
+    assert eqxdiff.load_pipeline("digits").call_defaults == {"num_inference_steps": 20, "guidance_scale": 4.0,
+                                                             "seed": 0}

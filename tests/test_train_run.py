@@ -347,6 +347,9 @@ def test_fine_tune_the_shipped_digits_model(tmp_path):
     shipped = eqxdiff.load_pipeline("digits")
     assert type(exported) is type(shipped) and type(exported.scheduler) is type(shipped.scheduler)
     assert exported.scheduler.config == shipped.scheduler.config
+    # the export's recommended call is the run's sampling recipe (issue 18: folders carry their call defaults)
+    assert exported.call_defaults == {"num_inference_steps": config.sample_steps,
+                                      "guidance_scale": config.sample_guidance_scale}
     trained, original = exported.unet.conv_in.weight, shipped.unet.conv_in.weight
     assert trained.shape == original.shape and not np.array_equal(trained, original)
     np.testing.assert_array_equal(exported.vae.encoder.conv_in.weight, shipped.vae.encoder.conv_in.weight)

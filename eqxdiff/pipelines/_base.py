@@ -41,10 +41,12 @@ from ..loading import (
 )
 from ..nn import with_attention_implementation
 from ..parallel import shard_batch, shard_params, sharding_fn, with_plan
-from ._call import COMPILE_SUFFIX, compile_seconds, is_checked
+from ._call import COMPILE_SUFFIX, call_argument_names, compile_seconds, is_checked
 from ._checks import CallLimits, check_arguments
 from ._components import Component, build_scheduler, load_tokenizer, pipeline_class_for
 from ._single_file import read_single_file
+
+EQXDIFF_KEY = "_eqxdiff"  # model_index.json's entry for eqxdiff's own settings (the recommended call)
 
 
 class DiffusionPipeline:
@@ -87,7 +89,7 @@ class DiffusionPipeline:
 
     def __init__(self, *, attention: str | None = None, activations_dtype=jnp.float32, mesh=None, rules=None,
                  offload_encoders: bool = False, scheduler_extras: Mapping[str, Any] | None = None,
-                 **components_and_options):
+                 call_defaults: Mapping[str, Any] | None = None, **components_and_options):
         name = type(self).__name__
         known = {c.name: c for c in self.COMPONENTS}
         options = {k: components_and_options.pop(k) for k in list(components_and_options) if k in self.OPTIONS}
@@ -105,6 +107,9 @@ class DiffusionPipeline:
         # scheduler_config.json keys the scheduler's class does not read (a DPM-Solver config's clip_sample):
         # carried to a swapped scheduler and written back on save, as diffusers keeps them.
         self.scheduler_extras = dict(scheduler_extras or {})
+        # The folder's recommended call (model_index.json's "_eqxdiff": {"call_defaults": ...}): arguments a call
+        # does not give take these values before the signature's defaults (checked_call applies them).
+        self.call_defaults = self.check_call_defaults(call_defaults)
         self.timings: dict[str, float] = {}
         self.mesh, self.offload_encoders = mesh, offload_encoders
         self.rules = (rules or DEFAULT_RULES) if mesh is not None else rules
@@ -124,6 +129,18 @@ class DiffusionPipeline:
                 model = shard_params(model, self.mesh, self.rules)
             model = with_plan(model, plan)
         return jax.device_get(model) if offload else model
+
+    @classmethod
+    def check_call_defaults(cls, defaults: Mapping[str, Any] | None, where: str = "call_defaults") -> dict[str, Any]:
+        """``defaults`` as a dict of this class's call arguments; a name its ``__call__`` does not take is a
+        :class:`~eqxdiff.core.ConfigError` naming it (``where``: the setting's source) and the arguments there are."""
+        defaults = dict(defaults or {})
+        taken = call_argument_names(cls)
+        unknown = sorted(set(defaults) - taken)
+        if unknown:
+            raise ConfigError(f"{where} names {unknown}, which {cls.__name__}.__call__ does not take; its arguments "
+                              f"are {sorted(taken)}")
+        return defaults
 
     # -- loading and saving ------------------------------------------------------------------------------------
 
@@ -191,9 +208,12 @@ class DiffusionPipeline:
         (VAE tiling ...) are carried over, as diffusers' VAE keeps its tiling when it is shared."""
         shared = {c.name: getattr(pipe, c.name, None) for c in cls.COMPONENTS}
         options = {k: getattr(pipe, k) for k in cls.OPTIONS if hasattr(pipe, k)}
+        taken = call_argument_names(cls)
+        defaults = {k: v for k, v in getattr(pipe, "call_defaults", {}).items() if k in taken}
         new = cls(activations_dtype=pipe.activations_dtype, mesh=pipe.mesh, rules=pipe.rules,
                   offload_encoders=pipe.offload_encoders,
-                  **{"scheduler_extras": pipe.scheduler_extras, **shared, **options, **overrides})
+                  **{"scheduler_extras": pipe.scheduler_extras, "call_defaults": defaults, **shared, **options,
+                     **overrides})
         for key in cls.SETTINGS:
             if key in pipe.SETTINGS:
                 setattr(new, key, getattr(pipe, key))
@@ -373,8 +393,21 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
             raw = read_config(folder / c.name, "scheduler_config.json")
             components[c.name], extras = build_scheduler(raw, scheduler, scheduler_options)
     options = {k: index[k] for k in cls.OPTIONS if k in index}
+    defaults = cls.check_call_defaults(_eqxdiff_entry(index, folder).get("call_defaults"),
+                                       f"model_index.json in {os.fspath(folder)!r} (_eqxdiff.call_defaults)")
     return cls(attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
-               offload_encoders=offload_encoders, scheduler_extras=extras, **components, **options)
+               offload_encoders=offload_encoders, scheduler_extras=extras, call_defaults=defaults, **components,
+               **options)
+
+
+def _eqxdiff_entry(index: Mapping, folder) -> Mapping:
+    """model_index.json's ``"_eqxdiff"`` entry: eqxdiff's own settings for the folder (diffusers, which keeps no call
+    defaults, ignores keys starting with an underscore)."""
+    entry = index.get(EQXDIFF_KEY, {})
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("call_defaults", {}), Mapping):
+        raise ConfigError(f"model_index.json in {os.fspath(folder)!r}: \"{EQXDIFF_KEY}\" must be an object such as "
+                          '{"call_defaults": {"num_inference_steps": 20}}')
+    return entry
 
 
 def _folder_class(folder: Path, index: Mapping, pipeline_class: type | None, config_overrides) -> tuple[type, dict]:
@@ -430,5 +463,7 @@ def save_pipeline(pipe: DiffusionPipeline, folder, *, dtype=None) -> Path:
                 config = {**pipe.scheduler_extras, **config, "_class_name": type(value).__name__}
                 (tmp / c.name / "scheduler_config.json").write_text(json.dumps(config, indent=2))
                 index[c.name] = ["diffusers", config["_class_name"]]
+        if pipe.call_defaults:
+            index[EQXDIFF_KEY] = {"call_defaults": pipe.call_defaults}
         (tmp / "model_index.json").write_text(json.dumps(index, indent=2))
     return Path(folder)

@@ -11,7 +11,7 @@ import jax
 
 from ._checks import InputTypeError
 
-__all__ = ["COMPILE_SUFFIX", "checked_call", "compile_seconds", "is_checked"]
+__all__ = ["COMPILE_SUFFIX", "call_argument_names", "checked_call", "compile_seconds", "is_checked"]
 
 COMPILE_SUFFIX = "_compile"  # timings[stage + COMPILE_SUFFIX]: the compile seconds within timings[stage]
 CHECKED = "__checks_arguments__"  # the attribute checked_call sets on the functions it returns
@@ -63,6 +63,11 @@ def checked_call(call):
     def run(self, args, kwargs):
         try:
             bound = signature.bind(self, *args, **kwargs)
+            given = set(bound.arguments) | set(bound.arguments.get(var_keyword, {}) if var_keyword else ())
+            defaults = {k: v for k, v in getattr(self, "call_defaults", {}).items() if k not in given}
+            if defaults:  # the folder's recommended values for what the call leaves out
+                kwargs = {**kwargs, **defaults}
+                bound = signature.bind(self, *args, **kwargs)
         except TypeError as e:
             raise InputTypeError(f"{type(self).__name__}(...): {e}") from None
         bound.apply_defaults()
@@ -86,6 +91,18 @@ def checked_call(call):
 
     setattr(checked, CHECKED, True)
     return checked
+
+
+def call_argument_names(cls: type) -> set[str]:
+    """The argument names a pipeline class's calls take: its ``__call__``'s and, through ``**kwargs``, those of the
+    ``__call__`` s it inherits (a ControlNet pipeline passes the rest on to its family's call)."""
+    names = set()
+    for klass in cls.__mro__:
+        call = klass.__dict__.get("__call__")
+        if call is not None:
+            params = list(inspect.signature(call).parameters.values())[1:]
+            names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return names
 
 
 def is_checked(call) -> bool:

@@ -94,7 +94,9 @@ def run(config: TrainConfig):
     trained = _to_host(trained).with_text_encoders(encoders)
     folder = config.export_dir or out / "pipeline"
     export_pipeline(trained, setup.tokenizers, setup.noise_scheduler, folder, scheduler=scheduler,
-                    dtype=config.export_dtype, options=setup.options)
+                    dtype=config.export_dtype, options=setup.options,
+                    call_defaults={"num_inference_steps": config.sample_steps,  # the recipe the run sampled with
+                                   "guidance_scale": config.sample_guidance_scale})
     log_line(f"exported the pipeline to {folder}; total {time.perf_counter() - t_start:.0f} s")
     return state, frozen, losses
 

@@ -129,18 +129,18 @@ def autoencoder_stage(config: TrainConfig, model: TrainModel, kind: str, data) -
 
 
 def export_pipeline(model: TrainModel, tokenizer, noise_scheduler, folder, *, scheduler: str | None = "dpm++2m",
-                    dtype=None, options: dict | None = None):
+                    dtype=None, options: dict | None = None, call_defaults: dict | None = None):
     """Save ``model`` (a family's bundle, its text encoders in place) as a diffusers pipeline folder of its family
     (``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``, ``FluxPipeline``) sampling with ``scheduler`` (a
     name, on ``noise_scheduler``'s noise schedule; or a scheduler; ``None``: ``noise_scheduler`` itself).
     ``tokenizer``: one, or ``{component name: tokenizer}``; ``options``: the pipeline's ``model_index.json``
-    settings."""
+    settings; ``call_defaults``: the folder's recommended call (the run's sampling steps and guidance)."""
     tokenizers = tokenizer if isinstance(tokenizer, dict) else {"tokenizer": tokenizer}
     if scheduler is None:
         scheduler = noise_scheduler
     elif isinstance(scheduler, str):
         scheduler = scheduler_from_config(noise_scheduler.config.to_dict(), name=scheduler)
-    pipe = model.pipeline(tokenizers, scheduler, options=options)
+    pipe = model.pipeline(tokenizers, scheduler, options=options, call_defaults=call_defaults)
     save_pipeline(pipe, folder, dtype=dtype)
     return pipe
 
