@@ -3,6 +3,7 @@
 >>> import eqxdiff
 >>> unet = eqxdiff.load("path/to/sd15", subfolder="unet")
 >>> pipe = eqxdiff.load_pipeline("path/to/sd15")
+>>> eqxdiff.enable_compilation_cache()  # compiled programs kept in ~/.cache/eqxdiff/jax: a warm start next time
 
 The names below are imported on first use, so ``import eqxdiff.kernels`` (or any lower layer) stays light.
 """
@@ -16,6 +17,7 @@ _LAZY = {
     "save_pretrained": "eqxdiff.loading",
     "CheckpointError": "eqxdiff.loading",
     "ConfigError": "eqxdiff.core",
+    "enable_compilation_cache": "eqxdiff.core",
     "load_pipeline": "eqxdiff.pipelines",
     "save_pipeline": "eqxdiff.pipelines",
 }

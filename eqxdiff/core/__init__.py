@@ -6,9 +6,14 @@
 - parameter naming (:func:`leaf_specs`: PyTorch names, layouts and logical axes), used by loading and parallel;
 - the tree walk behind ``with_plan``, ``scan_layers`` and ``with_attention_implementation``;
 - the family table (:data:`FAMILY_TABLE`): checkpoint class names to the eqxdiff classes serving them, and the
-  families' single-file layouts (:data:`SINGLE_FILE_LAYOUTS`).
+  families' single-file layouts (:data:`SINGLE_FILE_LAYOUTS`);
+- the persistent compilation cache (:func:`enable_compilation_cache`), which the commands turn on.
 """
 
+from ._cache import CacheWarning as CacheWarning
+from ._cache import compilation_cache as compilation_cache
+from ._cache import default_cache_dir as default_cache_dir
+from ._cache import enable_compilation_cache as enable_compilation_cache
 from ._config import ConfigError as ConfigError
 from ._config import ModelConfig as ModelConfig
 from ._families import FAMILY_TABLE as FAMILY_TABLE
