@@ -132,7 +132,10 @@ def denoise_loop(denoiser: Denoiser, scheduler, state, latents: Float[Array, "ba
     Values are traced and shapes compile: the schedule is padded to its fixed length (``pad_schedule``), the trip
     count is an array, the scheduler is its :meth:`~eqxdiff.schedulers.AbstractScheduler.stepper` and guidance
     holds arrays, so calls that differ in the number of steps, the start (``strength``), the guidance values, the
-    noise or a schedule-only scheduler option share one compiled program.
+    noise or a schedule-only scheduler option share one compiled program. ``progress`` advances the progress bar
+    that :func:`~eqxdiff.pipelines._progress.progress_bar` opened after each step: that same program then runs one
+    step per call (the same numbers), the bar moved between calls. (A host callback inside the loop would keep JAX
+    from saving the program in its persistent compilation cache.)
     """
     state = pad_schedule(state)
     guidance = (Guidance(1.0) if guidance is None else guidance).padded(state.timesteps.shape[0])
@@ -141,8 +144,20 @@ def denoise_loop(denoiser: Denoiser, scheduler, state, latents: Float[Array, "ba
     given, left = _concrete_int(steps), _concrete_int(remaining)
     if given is not None and left is not None and not 0 <= given <= left:
         raise ValueError(f"num_steps={num_steps} must be in [0, {left}] (the steps left in the schedule)")
-    return _denoise_loop(denoiser, scheduler.stepper(), state, latents, cond, key, guidance,
-                         jnp.asarray(steps, jnp.int32), progress=progress)
+    stepper, index = scheduler.stepper(), _concrete_int(state.step_index)
+    if given is None or index is None:  # inside a trace: one call, no bar to move between steps
+        return _denoise_loop(denoiser, stepper, state, latents, cond, key, guidance, jnp.asarray(steps, jnp.int32),
+                             state.step_index + steps)[0]
+    end = np.asarray(index + given, np.int32)  # the step after the loop's last, for after_step's last=
+    if not progress:
+        return _denoise_loop(denoiser, stepper, state, latents, cond, key, guidance, np.asarray(given, np.int32),
+                             end)[0]
+    one = np.asarray(1, np.int32)
+    for _ in range(given):
+        latents, state, key = _denoise_loop(denoiser, stepper, state, latents, cond, key, guidance, one, end)
+        jax.block_until_ready(latents)
+        tick()
+    return latents
 
 
 def _concrete_int(value) -> int | None:
@@ -151,9 +166,9 @@ def _concrete_int(value) -> int | None:
 
 
 @eqx.filter_jit
-def _denoise_loop(denoiser: Denoiser, scheduler, state, latents, cond, key, guidance: Guidance, steps, *,
-                  progress: bool):
-    end = state.step_index + steps
+def _denoise_loop(denoiser: Denoiser, scheduler, state, latents, cond, key, guidance: Guidance, steps, end):
+    """:func:`denoise_loop`'s program: ``steps`` steps of a loop that ends before step index ``end``; the latents,
+    the scheduler state and the key after them."""
 
     def body(_, carry):
         x, st, k = carry
@@ -163,12 +178,9 @@ def _denoise_loop(denoiser: Denoiser, scheduler, state, latents, cond, key, guid
         k, sub = jax.random.split(k)
         x, st = scheduler.step(st, out.astype(x.dtype), x, key=sub)
         x = denoiser.after_step(x, t, cond, step=step, scheduler=scheduler, state=st, last=st.step_index >= end)
-        if progress:
-            jax.debug.callback(tick, st.step_index)
         return x, st, k
 
-    latents, state, _ = jax.lax.fori_loop(0, steps, body, (latents, state, key))
-    return latents
+    return jax.lax.fori_loop(0, steps, body, (latents, state, key))
 
 
 @dataclasses.dataclass(frozen=True)

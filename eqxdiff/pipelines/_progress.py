@@ -1,7 +1,8 @@
-"""A progress bar that a jitted sampling loop can advance.
+"""A progress bar that a sampling loop advances.
 
-The loop calls ``jax.debug.callback(tick, i)`` each step; ``tick`` advances whatever bar the enclosing
-:func:`progress_bar` context opened on the host. Outside such a context the ticks do nothing.
+:func:`~eqxdiff.pipelines.denoise_loop` calls ``tick()`` after each step (run one compiled call at a time, not by a
+host callback inside the loop, which would keep JAX from caching the program on disk); ``tick`` advances whatever bar
+the enclosing :func:`progress_bar` context opened. Outside such a context the ticks do nothing.
 """
 
 import contextlib
@@ -11,7 +12,7 @@ from tqdm.auto import tqdm
 _bars: list = []
 
 
-def tick(step) -> None:
+def tick() -> None:
     if _bars:
         _bars[-1].update(1)
 
