@@ -40,3 +40,4 @@ from ._fill import fill_module as fill_module
 from ._fill import state_dict as state_dict
 from ._safetensors import SafetensorsFile as SafetensorsFile
 from ._safetensors import write_safetensors as write_safetensors
+from ._tokenizer import tokenizer_class as tokenizer_class

@@ -84,8 +84,8 @@ def _load_leaf(checkpoint, spec: LeafSpec, shape, dtype, sharding):
         return np.stack([_read(checkpoint, n, spec.perm, index[1:], dtype) for n in names])
 
     target = sharding(spec, tuple(shape)) if sharding is not None else None
-    if target is None:
-        return jnp.asarray(read())
+    if target is None:  # a copy (never a view of the file's memmap); jnp.asarray compiles a program per shape
+        return jax.device_put(read(), may_alias=False)
     return jax.make_array_from_callback(tuple(shape), target, read)
 
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core import ConfigError
-from ..loading import CheckpointError
+from ..loading import CheckpointError, tokenizer_class
 from ..schedulers import scheduler_from_config
 
 __all__ = ["COMPONENT_KINDS", "LIBRARIES", "Component", "build_scheduler", "load_tokenizer", "pipeline_class_for"]
@@ -48,11 +48,9 @@ class Component:
 
 def load_tokenizer(folder):
     """The checkpoint's own tokenizer through transformers (no download)."""
-    from transformers import AutoTokenizer
-
     if not os.path.isdir(folder):
         raise CheckpointError(f"tokenizer folder {os.fspath(folder)!r} not found")
-    return AutoTokenizer.from_pretrained(os.fspath(folder))
+    return tokenizer_class(folder).from_pretrained(os.fspath(folder))  # AutoTokenizer's choice, without torch
 
 
 def build_scheduler(raw: Mapping[str, Any], name: str | None = None, options: Mapping[str, Any] | None = None):
