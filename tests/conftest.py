@@ -1,6 +1,10 @@
-"""Test setup: 8 simulated CPU devices, float32 matmuls at full precision, jaxtyping + beartype checks on."""
+"""Test setup: 8 simulated CPU devices, float32 matmuls at full precision, jaxtyping + beartype checks on, a cache
+folder (XDG_CACHE_HOME) of the session's."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Append to XLA_FLAGS set outside (a setdefault would drop the 8 devices); a count set there is kept.
 _xla_flags = os.environ.get("XLA_FLAGS", "")
@@ -8,6 +12,13 @@ if "--xla_force_host_platform_device_count" not in _xla_flags:
     os.environ["XLA_FLAGS"] = f"{_xla_flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# eqxdiff's commands keep compiled programs in the user's cache folder by default ($XDG_CACHE_HOME/eqxdiff/jax, else
+# ~/.cache/eqxdiff/jax): the suite and its subprocesses use a folder of the session's (removed at exit), never the
+# user's. Hugging Face's caches stay where they were.
+_user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+os.environ.setdefault("HF_HOME", os.path.join(_user_cache, "huggingface"))
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="eqxdiff-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 import gc  # noqa: E402
 import random  # noqa: E402

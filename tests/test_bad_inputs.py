@@ -158,10 +158,10 @@ GENERATE = [
     ("output-dir-is-a-file", ["--output-dir", "{taken}"], InputError, r"--output-dir '.*taken' is a file"),
     ("output-dir-under-a-file", ["--output-dir", "{taken}/sub/dir"], InputError, r"--output-dir '.*taken/sub/dir' "
      r"lies under '.*taken', which is a file; pass a folder \(created if missing\)"),
-    ("cache-dir-is-a-file", ["--compilation-cache-dir", "{taken}"], InputError, r"--compilation-cache-dir .* is a "
-     r"file"),
-    ("cache-dir-under-a-file", ["--compilation-cache-dir", "{taken}/cache"], InputError, r"--compilation-cache-dir "
-     r"'.*taken/cache' lies under '.*taken', which is a file"),
+    ("cache-dir-and-no-cache", ["--compilation-cache-dir", "{root}/cache", "--no-compilation-cache"], InputError,
+     r"^--compilation-cache-dir and --no-compilation-cache contradict each other; leave one out$"),
+    ("cache-dir-without-folder", ["--compilation-cache-dir"], _command.FlagError, r"^--compilation-cache-dir: "
+     r"expected one argument; --help shows its form$"),
     ("steps-beyond-schedule", ["--steps", "5000"], InputError, r"--num-inference-steps 5000 must be in \[1, "
      r"num_train_timesteps=1000\]"),
     ("strength-leaves-no-step", ["--image", "{square}", "--strength", "0.1", "--steps", "4"], InputError,
@@ -218,6 +218,10 @@ GENERATE = [
 ]
 
 TRAIN = [
+    ("cache-dir-and-no-cache", ["digits", "--no-compilation-cache", "--compilation-cache-dir", "{root}/cache"],
+     InputError, r"^--compilation-cache-dir and --no-compilation-cache contradict each other; leave one out$"),
+    ("cache-dir-without-folder", ["digits", "--compilation-cache-dir"], _command.FlagError,
+     r"^--compilation-cache-dir: expected one argument; --help shows its form$"),
     ("resolution-zero", ["digits", "--resolution", "0"], ValueError, r"--resolution 0 must be >= 1"),
     ("resolution-not-multiple", ["digits", "--resolution", "18"], InputError, r"--resolution 18 must be a multiple "
      r"of 4 .*try --resolution 16"),
@@ -555,7 +559,7 @@ def test_run_command_reports_each_kind_of_failure_in_one_line(capsys, monkeypatc
     ]
     for error, code, match in cases:
         with pytest.raises(SystemExit) as info:
-            _command.run_command(_raising(error), [], memory_hint=train.MEMORY_HINT)
+            _command.run_command(_raising(error), [], memory_hint=train.MEMORY_HINT, interrupted=TrainingInterrupted)
         lines = capsys.readouterr().err.splitlines()
         assert info.value.code == code and len(lines) == 1, (error, lines)
         assert re.fullmatch(match + ".*", lines[0]), lines[0]
@@ -725,6 +729,44 @@ def test_image_to_image_records_its_strength(generated, ws, tmp_path, monkeypatc
     params = read_parameters(paths[0])
     assert params["strength"] == 0.5 and params["image"] == ws.paths["square"]
     assert (params["height"], params["width"]) == (16, 16)  # the input image's size
+
+
+def test_an_unusable_cache_folder_is_one_warning_and_the_command_runs_uncached(generated, ws, unchanged, tmp_path,
+                                                                              monkeypatch, capsys):
+    """A --compilation-cache-dir that is a file, lies under a file or cannot be written in (the probe write made to
+    fail: the tests run as root, whom a chmod does not stop) is one warning line; the command generates without the
+    persistent cache (JAX's settings untouched) and exits normally."""
+    from eqxdiff.core import _cache
+
+    taken, locked = ws.paths["taken"], tmp_path / "locked"
+    real_probe = _cache._probe
+
+    def probe(folder):
+        if folder == locked:
+            raise PermissionError(13, "Permission denied")
+        real_probe(folder)
+
+    monkeypatch.setattr(_cache, "_probe", probe)
+    seen, real_load = [], generate.load_pipeline
+    monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: seen.append(jax.config.jax_compilation_cache_dir)
+                        or real_load(*a, **k))
+    cases = [(taken, "is a file"), (f"{taken}/cache", f"lies under '{taken}', which is a file"),
+             (str(locked), r"cannot be written in \(PermissionError: Permission denied\)")]
+    for i, (folder, problem) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        monkeypatch.setattr(sys, "argv", ["eqxdiff-generate", *GENERATED, "--output-dir", str(out),
+                                          "--compilation-cache-dir", folder])
+        generate.cli()  # no SystemExit: it ran
+        captured = capsys.readouterr()
+        lines = captured.err.splitlines()
+        assert re.fullmatch(rf"warning: the compilation cache folder '{re.escape(folder)}' {problem}; running without "
+                            r"the persistent compilation cache, so every program compiles \(pass "
+                            r"--compilation-cache-dir with a folder you can write in, or --no-compilation-cache\)",
+                            lines[0]), lines
+        assert sum(line.startswith("warning:") for line in lines) == 1 and lines[-1].startswith("load:"), lines
+        assert captured.out.split() == [str(out / "image_0.png")]
+    assert seen == [None] * len(cases)  # loaded and generated without a cache folder
+    assert jax.config.jax_compilation_cache_dir is None
 
 
 def test_nan_from_the_model_is_an_error_and_writes_nothing(generated, pipe, monkeypatch, capsys):

@@ -4,14 +4,18 @@
   ``ConfigError``, ``MeshError``, ``DataError``, ``InputError``...; or ``OSError``) prints one line
   ``error: <what> (<how to fix>)`` on stderr and exits with status 2.
 - Out of memory prints which settings lower memory and exits with status 1; so does a model that produced NaN.
-- Ctrl-C exits with status 130; a training run stopped by a signal (``TrainingInterrupted``) says where its checkpoint
-  is, in one line.
+- Ctrl-C exits with status 130; a run stopped by a signal (``eqxdiff-train``'s ``TrainingInterrupted``, given as
+  ``interrupted``) says where its checkpoint is, in one line.
 - Warnings print as one ``warning: ...`` line each, each text once (a check run before loading and again by the
   pipeline warns once).
 - ``--debug`` (anywhere on the command line) shows the full traceback and Python's own warning format instead.
+
+Both run with the persistent compilation cache on (:class:`CacheOptions`, :func:`eqxdiff.core.compilation_cache`).
 """
 
+import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import sys
@@ -21,8 +25,8 @@ from pathlib import Path
 
 import tyro._errors
 
+from ..core import compilation_cache
 from ..pipelines import InputError, NonFiniteError
-from ..train import TrainingInterrupted
 
 DEBUG_FLAG = "--debug"
 DEBUG_HELP = f"{DEBUG_FLAG} shows the full traceback of an error."
@@ -32,6 +36,50 @@ _OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM w
 
 class FlagError(ValueError):
     """A flag value that the config it builds refused (the message is that config's)."""
+
+
+CACHE_FIX = "pass --compilation-cache-dir with a folder you can write in, or --no-compilation-cache"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptions:
+    """The persistent compilation cache: compiled programs kept on disk, so that a later run loads them."""
+
+    compilation_cache_dir: Path | None = None
+    """Folder of the persistent compilation cache, where compiled programs are kept so that later runs load them
+    instead of compiling; default: $XDG_CACHE_HOME/eqxdiff/jax, else ~/.cache/eqxdiff/jax. One that cannot be
+    written in is a warning, and the run goes on uncached."""
+    compilation_cache: bool = True
+    """Keep compiled programs in the cache folder and load them from there; --no-compilation-cache compiles
+    everything and writes nothing."""
+
+    def __post_init__(self):
+        if self.compilation_cache_dir is not None and not self.compilation_cache:
+            raise InputError("--compilation-cache-dir and --no-compilation-cache contradict each other; leave one "
+                             "out")
+
+    def scope(self):
+        """The context a command's work runs in: the cache on (or off) within it, JAX's settings as they were
+        after it (:func:`eqxdiff.core.compilation_cache`); a folder that cannot hold it is one warning."""
+        return compilation_cache(self.compilation_cache_dir, enabled=self.compilation_cache, fix=CACHE_FIX)
+
+
+CACHE_HELP = ("--compilation-cache-dir DIR keeps compiled programs in DIR (default: $XDG_CACHE_HOME/eqxdiff/jax, "
+              "else ~/.cache/eqxdiff/jax) so that later runs skip compiling; --no-compilation-cache turns it off.")
+
+
+def split_cache_flags(argv: Sequence[str]) -> tuple[CacheOptions, list[str]]:
+    """``(options, rest)``: the cache flags (:class:`CacheOptions`, anywhere on the command line) and the other
+    arguments. Both commands read them first, to have the cache on from the checks' first program on;
+    ``eqxdiff-train`` parses the rest (its parser, built from its config, does not hold them)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("--compilation-cache-dir", type=lambda v: None if v == "None" else Path(v))  # as tyro
+    parser.add_argument("--compilation-cache", action=argparse.BooleanOptionalAction, default=True)
+    try:
+        known, rest = parser.parse_known_args(list(argv))
+    except argparse.ArgumentError as e:
+        raise FlagError(f"{e.argument_name or 'a flag'}: {e.message}; --help shows its form") from None
+    return CacheOptions(known.compilation_cache_dir, known.compilation_cache), rest
 
 
 def _flag(argument) -> str:
@@ -142,9 +190,12 @@ def _one_line_warnings():
         warnings.showwarning = previous
 
 
-def run_command(main: Callable[..., object], argv: Sequence[str] | None = None, *, memory_hint: str = "") -> None:
+def run_command(main: Callable[..., object], argv: Sequence[str] | None = None, *, memory_hint: str = "",
+                interrupted: type[BaseException] | tuple[type[BaseException], ...] = ()) -> None:
     """Run ``main(argv, prog=...)`` (``argv``: default ``sys.argv[1:]``, without ``--debug``) and report as the
-    module docstring says; ``memory_hint`` lists the command's settings that lower memory."""
+    module docstring says; ``memory_hint`` lists the command's settings that lower memory, ``interrupted`` the
+    errors that mean its work was stopped by a signal and say what was kept (``eqxdiff-train`` passes
+    ``TrainingInterrupted``; naming it here would import the training stack into ``eqxdiff-generate``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in argv
     argv = [a for a in argv if a != DEBUG_FLAG]
@@ -158,7 +209,7 @@ def run_command(main: Callable[..., object], argv: Sequence[str] | None = None, 
     except BrokenPipeError:  # stdout piped into a command that stopped reading (`--help | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(1) from None
-    except TrainingInterrupted as e:
+    except interrupted as e:
         print(one_line(str(e)), file=sys.stderr)
         raise SystemExit(130) from None
     except KeyboardInterrupt:

@@ -18,7 +18,8 @@ ControlNet pipeline with its ``--control-image`` and ``--controlnet-scale`` per 
 base's latents with a second pipeline, ``--unet`` replaces the base's UNet (:mod:`eqxdiff.cli._compose`). Images
 are saved as ``image_{i}.png`` and videos as ``video_{i}.mp4``, numbered on after the files already in
 ``--output-dir``, with the generation parameters in each file (:func:`eqxdiff.pipelines.read_parameters` reads them
-back). Load, compile and generation times go to stderr, the files' paths to stdout.
+back). Load, compile and generation times go to stderr, the files' paths to stdout. Compiled programs are kept in
+``~/.cache/eqxdiff/jax`` (``--compilation-cache-dir``, ``--no-compilation-cache``): a second run loads them.
 
 Every flag is checked before anything is loaded (:func:`validate`: the family's arguments against the folder's
 configs, the scheduler options, the input and output paths); a bad one stops the command with one line
@@ -56,7 +57,15 @@ from ..pipelines import (
     single_file_class,
 )
 from ..schedulers import SCHEDULERS
-from ._command import DEBUG_HELP, as_flags, check_output_folder, config_errors_raise, run_command
+from ._command import (
+    DEBUG_HELP,
+    CacheOptions,
+    as_flags,
+    check_output_folder,
+    config_errors_raise,
+    run_command,
+    split_cache_flags,
+)
 from ._compose import (
     HANDED_LATENTS,
     SCALE,
@@ -133,8 +142,6 @@ class RunOptions:
     """Number outputs from 0, replacing earlier files of the same names."""
     fps: float | None = None
     """Frames per second of saved videos; default: the family's frame_rate option if it has one, else 16."""
-    compilation_cache_dir: Path | None = None
-    """Persistent XLA compilation cache folder (later runs skip compiling)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +231,7 @@ def build_parser(family: FamilyOptions) -> type:
     return dataclasses.make_dataclass("GenerateArgs", [
         ("pipeline", Annotated[family.options, flat], dataclasses.field(default_factory=family.options)),
         ("run", Annotated[RunOptions, flat], dataclasses.field(default_factory=RunOptions)),
+        ("cache", Annotated[CacheOptions, flat], dataclasses.field(default_factory=CacheOptions)),
         ("control", Annotated[ControlNetOptions, flat], dataclasses.field(default_factory=ControlNetOptions)),
         ("parallel", Annotated[ParallelOptions, flat], dataclasses.field(default_factory=ParallelOptions)),
         ("mesh", MeshConfig, dataclasses.field(default_factory=MeshConfig)),
@@ -283,17 +291,17 @@ class Invocation:
 
 
 def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> Invocation:
-    """Parse ``argv`` and check every flag without loading the pipeline: the paths (--output-dir, the compilation
-    cache), the --unet (:func:`eqxdiff.cli._compose.check_unet`), the scheduler and its options against the folder's
-    scheduler config, the input files (read here), and the family's arguments against the folder's model configs
-    (:meth:`~eqxdiff.pipelines.DiffusionPipeline.check_arguments` with its ``folder_limits``: the VAE's factor, the
-    text encoders' layers). Raises a ``ValueError`` (``InputError``, ``ConfigError``, ``CheckpointError``) or
-    ``OSError`` naming the flag."""
+    """Parse ``argv`` and check every flag without loading the pipeline: --output-dir (an unusable compilation cache
+    is a warning when the run starts), the --unet (:func:`eqxdiff.cli._compose.check_unet`), the scheduler and its
+    options against the folder's scheduler config, the input files (read here), and the family's arguments against
+    the folder's model configs (:meth:`~eqxdiff.pipelines.DiffusionPipeline.check_arguments` with its
+    ``folder_limits``: the VAE's factor, the text encoders' layers). Raises a ``ValueError`` (``InputError``,
+    ``ConfigError``, ``CheckpointError``) or ``OSError`` naming the flag."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split_cache_flags(argv)  # their errors first: main reads them before the other checks
     family, args, folder_class = _parse(argv, prog=prog)
     run, control = args.run, args.control
-    for flag, path in (("--output-dir", run.output_dir), ("--compilation-cache-dir", run.compilation_cache_dir)):
-        if path is not None:  # before minutes of loading and compiling
-            check_output_folder(flag, path)
+    check_output_folder("--output-dir", run.output_dir)  # before minutes of loading and compiling
     if run.config is not None and not Path(run.model).expanduser().is_file():
         raise InputError(f"--config is for a single .safetensors --model (it gives what the file lacks); --model "
                          f"{run.model!r} holds its own configs: leave out --config")
@@ -381,17 +389,22 @@ def check_schedule(cls: type, scheduler, kwargs: Mapping[str, Any], read) -> Non
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[Path]:
-    """Check ``argv`` (default ``sys.argv[1:]``; :func:`validate`), generate, save; returns the saved files'
-    paths."""
-    checked = validate(argv, prog=prog)
+    """Check ``argv`` (default ``sys.argv[1:]``; :func:`validate`), generate, save; returns the saved files' paths.
+    All of it runs with the compilation cache the flags ask for (:meth:`~eqxdiff.cli._command.CacheOptions.scope`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with split_cache_flags(argv)[0].scope():
+        checked = validate(argv, prog=prog)
+        hosts = checked.args.parallel
+        initialize_distributed(hosts.coordinator_address, hosts.num_processes, hosts.process_id)
+        return _generate(checked)
+
+
+def _generate(checked: Invocation) -> list[Path]:
+    """Load, generate, save and report (:func:`main` after its checks)."""
     args, kwargs = checked.args, dict(checked.kwargs)
-    run, hosts = args.run, args.parallel
-    initialize_distributed(hosts.coordinator_address, hosts.num_processes, hosts.process_id)
-    if run.compilation_cache_dir is not None:
-        jax.config.update("jax_compilation_cache_dir", os.fspath(run.compilation_cache_dir))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    run = args.run
     mesh = None
-    if hosts.parallel or args.mesh != MeshConfig() or jax.process_count() > 1:
+    if args.parallel.parallel or args.mesh != MeshConfig() or jax.process_count() > 1:
         mesh = make_mesh(args.mesh)
     main_process = jax.process_index() == 0
 

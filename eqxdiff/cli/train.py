@@ -20,7 +20,9 @@ stop at the next step with a checkpoint saved: ``interrupted at step N; checkpoi
 to resume)`` and status 130; during the autoencoder stage of a from-scratch run (minutes) nothing of that stage is
 kept, and the same command trains it again. The same command resumes from the latest checkpoint once the settings
 saved with it agree (only those the ``--resume`` help lists may change, each with a note; any other change is
-refused before loading, naming each ``--flag old -> new``); a finished run has nothing to do.
+refused before loading, naming each ``--flag old -> new``); a finished run has nothing to do. Compiled programs are
+kept in the persistent compilation cache (``~/.cache/eqxdiff/jax``; ``--compilation-cache-dir``,
+``--no-compilation-cache``), so a resumed or repeated run starts without compiling its step again.
 """
 
 import dataclasses
@@ -42,18 +44,28 @@ from ..train import (
     Objective,
     OptimizerConfig,
     TrainConfig,
+    TrainingInterrupted,
     autoencoder_reuse,
     family_options,
     resume_point,
     run,
     train_family,
 )
-from ._command import DEBUG_HELP, FlagError, as_flags, check_output_folder, config_errors_raise, run_command
+from ._command import (
+    CACHE_HELP,
+    DEBUG_HELP,
+    FlagError,
+    as_flags,
+    check_output_folder,
+    config_errors_raise,
+    run_command,
+    split_cache_flags,
+)
 from ._numbers import field_types, number_error
 
 DESCRIPTION = ("Train or fine-tune a Stable Diffusion, SDXL or Flux model: every field of eqxdiff.train.TrainConfig "
                "is a flag, a preset sets the defaults. A run resumes from the checkpoints in its --output-dir "
-               f"(--resume says which settings may change). {DEBUG_HELP}")
+               f"(--resume says which settings may change). {CACHE_HELP} {DEBUG_HELP}")
 MEMORY_HINT = ("a smaller --batch-size (with --optimizer.accumulation-steps to keep the effective batch), a smaller "
                "--resolution, --remat FULL, --no-cache with a large dataset, or shard over more devices "
                "(--mesh.ici-fsdp-parallelism -1)")
@@ -193,16 +205,21 @@ def _family_flags(argv: list[str]) -> list[str]:
 
 def parse(argv: Sequence[str] | None = None, *, prog: str | None = None) -> TrainConfig:
     """The :class:`~eqxdiff.train.TrainConfig` a command line (default ``sys.argv[1:]``) selects: a preset's, with
-    the flags given (a family option also by its bare name, as it was before ``--family.*``: :func:`_family_flags`).
-    A value a config refuses raises its ``ValueError`` with the flags named (:func:`in_flags`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    the flags given (a family option also by its bare name, as it was before ``--family.*``: :func:`_family_flags`;
+    the cache flags, read by :func:`main`, left out). A value a config refuses raises its ``ValueError`` with the
+    flags named (:func:`in_flags`)."""
+    _, argv = split_cache_flags(sys.argv[1:] if argv is None else argv)
     _check_preset(argv, prog)
     argv = _family_flags(argv)
     preset = PRESETS[argv[0]][1] if argv and argv[0] in PRESETS else TrainConfig()
     flags = field_flags(preset)
+    # the chosen preset's --help names the cache flags, which its config does not hold (the list of presets has
+    # them in the command's description)
+    presets = {name: (f"{text} {CACHE_HELP}" if argv and name == argv[0] else text, config)
+               for name, (text, config) in PRESETS.items()}
     try:
         with config_errors_raise():
-            return tyro.extras.overridable_config_cli(PRESETS, args=argv, prog=prog, description=DESCRIPTION)
+            return tyro.extras.overridable_config_cli(presets, args=argv, prog=prog, description=DESCRIPTION)
     except FlagError:
         raise
     except ValueError as e:  # a number that does not parse: in the flag's words (tyro's names neither)
@@ -289,18 +306,21 @@ def _check_family(config: TrainConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> None:
-    """Check ``argv`` (:func:`validate`) and train (:func:`eqxdiff.train.run`)."""
-    config = validate(argv, prog=prog)
-    total = config.optimizer.total_steps  # None: the schedule spans --steps
-    if total is not None and total != config.steps:
-        print(f"note: --optimizer.total-steps {total} differs from --steps {config.steps}: the learning-rate "
-              f"schedule spans {total} steps", file=sys.stderr)
-    run(config)
+    """Check ``argv`` (:func:`validate`) and train (:func:`eqxdiff.train.run`) with the persistent compilation cache
+    of the cache flags (:class:`~eqxdiff.cli._command.CacheOptions`), leaving JAX's cache settings as they were."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with split_cache_flags(argv)[0].scope():
+        config = validate(argv, prog=prog)
+        total = config.optimizer.total_steps  # None: the schedule spans --steps
+        if total is not None and total != config.steps:
+            print(f"note: --optimizer.total-steps {total} differs from --steps {config.steps}: the learning-rate "
+                  f"schedule spans {total} steps", file=sys.stderr)
+        run(config)
 
 
 def cli() -> None:
     """The ``eqxdiff-train`` console command (see :func:`eqxdiff.cli._command.run_command`)."""
-    run_command(main, memory_hint=MEMORY_HINT)
+    run_command(main, memory_hint=MEMORY_HINT, interrupted=TrainingInterrupted)
 
 
 if __name__ == "__main__":
