@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..loading import token_ids
 from ._common import DataError, decode_image
 
 _INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos")
@@ -137,9 +138,7 @@ class ImageCaptionTransform:
 
     def tokenize(self, caption: str, tokenizer=None, max_length: int | None = None) -> np.ndarray:
         tokenizer = self.tokenizer if tokenizer is None else tokenizer
-        ids = tokenizer(caption, max_length=max_length or tokenizer.model_max_length, padding="max_length",
-                        truncation=True, return_tensors="np")["input_ids"]
-        return np.asarray(ids[0], dtype=np.int32)
+        return token_ids(tokenizer, [caption], max_length)[0]
 
     def __call__(self, record: dict, rng: np.random.Generator) -> dict:
         height, width = _size(self.resolution)

@@ -12,6 +12,7 @@ import dataclasses
 
 import numpy as np
 
+from ..loading import token_ids
 from ._arrays import ArrayBatches
 from ._tokenizer import character_tokenizer
 
@@ -78,9 +79,7 @@ class DigitsSource:
         self.input_ids = self.prompt_ids[self.labels]
 
     def tokenize(self, prompts) -> np.ndarray:
-        ids = self.tokenizer(list(prompts), padding="max_length", max_length=self.tokenizer.model_max_length,
-                             truncation=True, return_tensors="np").input_ids
-        return np.asarray(ids, np.int32)
+        return token_ids(self.tokenizer, prompts)
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -32,12 +32,13 @@ from ._convert import Transpose as Transpose
 from ._convert import convert as convert
 from ._convert import convert_tensors as convert_tensors
 from ._convert import inverse as inverse
+from ._errors import PICKLE_SUFFIXES as PICKLE_SUFFIXES
 from ._errors import CheckpointError as CheckpointError
 from ._errors import ConversionError as ConversionError
-from ._errors import PICKLE_SUFFIXES as PICKLE_SUFFIXES
 from ._errors import pickle_error as pickle_error
 from ._fill import fill_module as fill_module
 from ._fill import state_dict as state_dict
 from ._safetensors import SafetensorsFile as SafetensorsFile
 from ._safetensors import write_safetensors as write_safetensors
+from ._token_ids import token_ids as token_ids
 from ._tokenizer import tokenizer_class as tokenizer_class

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Bool, Float, Int, typechecked
-from ..loading import CheckpointError
+from ..loading import CheckpointError, token_ids
 from ._checks import InputWarning
 
 __all__ = ["Tokens", "tokenize", "tokens", "zero_padding"]
@@ -52,9 +52,7 @@ def tokens(tokenizer, prompts: Sequence[str], *, max_length: int | None = None, 
     ``encoder_name`` name the two in those messages (``"tokenizer_2"``, ``"text_encoder_2"``)."""
     prompts = list(prompts)
     length = tokenizer.model_max_length if max_length is None else int(max_length)
-    out = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_attention_mask=True,
-                    return_tensors="np")
-    ids, mask = np.asarray(out.input_ids, np.int32), np.asarray(out.attention_mask, np.int32)
+    ids, mask = token_ids(tokenizer, prompts, length, mask=True)
     for prompt in dict.fromkeys(prompts):
         warn_cut(tokenizer, prompt, length, encoder_name=encoder_name, fix=fix)
         warn_unknown_words(tokenizer, prompt, tokenizer_name=tokenizer_name)

@@ -29,10 +29,10 @@ from typing import Any, ClassVar, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .._typing import Array, Float, PRNGKeyArray
 from ..core import resolve_class
+from ..loading import token_ids
 from ..pipelines import DiffusionPipeline
 
 CACHED_LATENTS = ("latent_mean", "latent_std")  # the VAE posterior, cached in place of pixel_values
@@ -251,12 +251,6 @@ class TrainModel(eqx.Module):
             else:
                 components[c.name] = getattr(self, c.name, None)
         return cls(**components, **dict(options or {}), **kwargs)
-
-
-def token_ids(tokenizer, texts, length: int) -> np.ndarray:
-    """int32 token ids ``[len(texts), length]``, padded and cut as the pipelines do."""
-    ids = tokenizer(list(texts), padding="max_length", max_length=length, truncation=True, return_tensors="np")
-    return np.asarray(ids.input_ids, np.int32)
 
 
 @eqx.filter_jit
