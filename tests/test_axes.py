@@ -43,6 +43,9 @@ _FLUX = dict(in_channels=4, num_layers=2, num_single_layers=2, attention_head_di
              joint_attention_dim=6, pooled_projection_dim=5, axes_dims_rope=(2, 2), guidance_embeds=True)
 _WAN = dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=6,
             freq_dim=4, ffn_dim=12, num_layers=2)
+# LTX-Video: 3 heads of 4 (12: rotary padding), two layers to stack
+_LTX = dict(in_channels=4, out_channels=4, num_attention_heads=3, attention_head_dim=4, cross_attention_dim=12,
+            num_layers=2, caption_channels=6, norm_elementwise_affine=True)
 
 Tiny = dict | Callable[[], ModelConfig]
 TINY_CONFIGS: dict[str, Tiny | list[Tiny]] = {
@@ -87,6 +90,7 @@ TINY_CONFIGS: dict[str, Tiny | list[Tiny]] = {
                          dict(base_dim=2, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, is_residual=True,
                               patch_size=2, in_channels=12, out_channels=12, temperal_downsample=[True, False],
                               latents_mean=[0.0] * 4, latents_std=[1.0] * 4)],
+    "LTXVideoTransformer3DModel": [dict(_LTX), dict(_LTX, patch_size=2, patch_size_t=2, in_channels=8, out_channels=8)],
 }
 
 MODELS = family_names("model")

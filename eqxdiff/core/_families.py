@@ -34,6 +34,8 @@ FAMILY_TABLE: dict[str, str] = {
     # Wan 2.1 / 2.2
     "WanTransformer3DModel": "eqxdiff.models.wan:WanTransformer3DModel",
     "AutoencoderKLWan": "eqxdiff.models.wan_vae:AutoencoderKLWan",
+    # LTX-Video
+    "LTXVideoTransformer3DModel": "eqxdiff.models.ltx:LTXVideoTransformer3DModel",
     # ControlNet
     "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
     "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",
