@@ -385,13 +385,16 @@ def nhwc_to_nchw(a):
 
 def randomize_torch(model, seed: int) -> None:
     """Weights ~ 1/sqrt(fan_in); norm scales ~ 1 +- 0.3 and biases ~ 0 +- 0.3, so a wrong mapping shows and every
-    layer differs from the others."""
+    layer differs from the others; a scalar parameter (LTX-Video's ``timestep_scale_multiplier``) ~ its value
+    times 1 +- 0.3."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 1:
+            if p.ndim == 0:
+                p.mul_(1.0 + 0.3 * torch.randn((), generator=g))
+            elif p.ndim == 1:
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)

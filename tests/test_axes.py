@@ -43,9 +43,19 @@ _FLUX = dict(in_channels=4, num_layers=2, num_single_layers=2, attention_head_di
              joint_attention_dim=6, pooled_projection_dim=5, axes_dims_rope=(2, 2), guidance_embeds=True)
 _WAN = dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=6,
             freq_dim=4, ffn_dim=12, num_layers=2)
-# LTX-Video: 3 heads of 4 (12: rotary padding), two layers to stack
+# LTX-Video: 3 heads of 4 (12: rotary padding), two layers to stack; a VAE of each generation (0.9.0's width-changing
+# ResNet blocks, 0.9.1's timestep conditioning, noise and residual upsampling, 0.9.5's space-to-depth encoder)
 _LTX = dict(in_channels=4, out_channels=4, num_attention_heads=3, attention_head_dim=4, cross_attention_dim=12,
             num_layers=2, caption_channels=6, norm_elementwise_affine=True)
+_LTX_VAE = dict(latent_channels=4, block_out_channels=(4, 8), layers_per_block=(1, 1, 1),
+                spatio_temporal_scaling=(True, False), decoder_block_out_channels=(4, 8, 8),
+                decoder_layers_per_block=(1, 1, 1, 1), decoder_spatio_temporal_scaling=(True, True, False),
+                patch_size=2)
+_LTX_VAE_091 = dict(_LTX_VAE, decoder_block_out_channels=(4, 8), decoder_layers_per_block=(1, 1, 1),
+                    decoder_spatio_temporal_scaling=(True, True), decoder_inject_noise=(True, True, True),
+                    upsample_residual=(True, True), upsample_factor=(2, 2), timestep_conditioning=True)
+_LTX_VAE_095 = dict(_LTX_VAE_091, block_out_channels=(4, 8, 8), down_block_types=("LTXVideo095DownBlock3D",) * 2,
+                    spatio_temporal_scaling=(True, True), downsample_type=("spatial", "spatiotemporal"))
 
 Tiny = dict | Callable[[], ModelConfig]
 TINY_CONFIGS: dict[str, Tiny | list[Tiny]] = {
@@ -91,6 +101,7 @@ TINY_CONFIGS: dict[str, Tiny | list[Tiny]] = {
                               patch_size=2, in_channels=12, out_channels=12, temperal_downsample=[True, False],
                               latents_mean=[0.0] * 4, latents_std=[1.0] * 4)],
     "LTXVideoTransformer3DModel": [dict(_LTX), dict(_LTX, patch_size=2, patch_size_t=2, in_channels=8, out_channels=8)],
+    "AutoencoderKLLTXVideo": [_LTX_VAE, _LTX_VAE_091, _LTX_VAE_095],
 }
 
 MODELS = family_names("model")

@@ -36,6 +36,7 @@ FAMILY_TABLE: dict[str, str] = {
     "AutoencoderKLWan": "eqxdiff.models.wan_vae:AutoencoderKLWan",
     # LTX-Video
     "LTXVideoTransformer3DModel": "eqxdiff.models.ltx:LTXVideoTransformer3DModel",
+    "AutoencoderKLLTXVideo": "eqxdiff.models.ltx_vae:AutoencoderKLLTXVideo",
     # ControlNet
     "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
     "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",

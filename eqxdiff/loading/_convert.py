@@ -87,4 +87,4 @@ def convert_tensors(tensors: Mapping[str, Any], rules: Rule | Sequence[Rule], *,
                     where: str = "state dict") -> dict[str, np.ndarray]:
     """``{name: array}`` through ``rules``, read into NumPy arrays (``write_safetensors`` writes them)."""
     view = convert(TensorDict(tensors), rules, where=where)
-    return {n: np.ascontiguousarray(np.asarray(view.get(n))) for n in view.names()}
+    return {n: np.require(np.asarray(view.get(n)), requirements="C") for n in view.names()}  # 0-d stays 0-d

@@ -98,5 +98,5 @@ def state_dict(module) -> dict[str, np.ndarray]:
         for name, layer in zip(spec.names, arr if spec.layers is not None else [arr]):
             if spec.perm is not None:
                 layer = np.transpose(layer, np.argsort(spec.perm))
-            out[name] = np.ascontiguousarray(layer)
+            out[name] = np.require(layer, requirements="C")  # C-contiguous; a 0-d array stays 0-d
     return out

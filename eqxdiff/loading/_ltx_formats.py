@@ -1,13 +1,23 @@
 """LTX-Video's original (Lightricks) checkpoint names as conversion rules: the transformer of
-``ltx-video-2b-v0.9.x.safetensors`` / ``ltxv-13b-0.9.x-*.safetensors`` (below ``model.diffusion_model.``), as
-diffusers' ``convert_ltx_transformer_checkpoint_to_diffusers`` renames it. Re-exported by
-:mod:`eqxdiff.loading.formats`.
+``ltx-video-2b-v0.9.x.safetensors`` / ``ltxv-13b-0.9.x-*.safetensors`` (below ``model.diffusion_model.``) and their
+VAE (below ``vae.``), as diffusers' ``convert_ltx_transformer_checkpoint_to_diffusers`` and
+``convert_ltx_vae_checkpoint_to_diffusers`` rename them. Re-exported by :mod:`eqxdiff.loading.formats`.
+
+The original VAE numbers its blocks in one list per encoder and decoder, in the order they run: each of diffusers'
+sub-blocks (a block's ResNet blocks, its down- or upsampler, its width-changing ResNet block) is one original block.
+diffusers' converter holds that numbering as fixed tables per release (0.9.0, 0.9.1, 0.9.5+); here it is derived from
+the config's block layout (:meth:`~eqxdiff.models.ltx_vae.AutoencoderKLLTXVideoConfig.encoder_blocks`), which gives
+those tables for the released configs (tested against the converter) and any other layout too.
 """
 
-from ._convert import Rename, Rule
+from collections.abc import Mapping
+
+from ..core import ModelConfig, resolve_class
+from ._convert import Drop, Rename, Rule
 from ._rules import select
 
 LTX_DIFFUSION_MODEL = "model.diffusion_model."  # Lightricks' single files: the transformer below it
+LTX_VAE = "vae."  # ... and the VAE below this
 
 
 def ltx_transformer(*, prefix: str = "") -> tuple[Rule, ...]:
@@ -26,4 +36,84 @@ def ltx_transformer(*, prefix: str = "") -> tuple[Rule, ...]:
     return tuple(rules)
 
 
-__all__ = ["LTX_DIFFUSION_MODEL", "ltx_transformer"]
+def _vae_config(config):
+    if isinstance(config, ModelConfig):
+        return config
+    if not isinstance(config, Mapping):
+        raise TypeError(f"ltx_vae: config={config!r}; pass the VAE's config (an AutoencoderKLLTXVideoConfig or its "
+                        "config.json as a dict)")
+    return resolve_class("AutoencoderKLLTXVideo").config_class.from_dict(config)
+
+
+def _resnet_block(theirs: str, ours: str) -> list[Rule]:
+    """A width-changing ResNet block stored as its own original block: moved, then its shortcut conv and norm renamed
+    (in this order, so that the inverse renames them back before moving the block)."""
+    return [Rename(f"{theirs}.{{rest}}", f"{ours}.{{rest}}"),
+            Rename(f"{ours}.conv_shortcut.{{p}}", f"{ours}.conv_shortcut.conv.{{p}}"),
+            Rename(f"{ours}.norm3.norm.{{p}}", f"{ours}.norm3.{{p}}")]
+
+
+def _resnets(theirs: str, ours: str, timestep: bool) -> list[Rule]:
+    """An original ``res_x`` block: its ``res_blocks`` are diffusers' ``resnets`` (and its time embedder)."""
+    rules: list[Rule] = [Rename(f"{theirs}.res_blocks.{{rest}}", f"{ours}.resnets.{{rest}}")]
+    if timestep:
+        rules.append(Rename(f"{theirs}.time_embedder.{{rest}}", f"{ours}.time_embedder.{{rest}}"))
+    return rules
+
+
+def _encoder(c) -> list[Rule]:
+    theirs, ours, n, rules = "encoder.down_blocks", "encoder.down_blocks", 0, []
+    for k, block in enumerate(c.encoder_blocks()):
+        if block.layers:
+            rules += _resnets(f"{theirs}.{n}", f"{ours}.{k}", False)
+            n += 1
+        if block.downsample:
+            rules.append(Rename(f"{theirs}.{n}.{{rest}}", f"{ours}.{k}.downsamplers.0.{{rest}}"))
+            n += 1
+        if block.conv_out:
+            rules += _resnet_block(f"{theirs}.{n}", f"{ours}.{k}.conv_out")
+            n += 1
+    return rules + _resnets(f"{theirs}.{n}", "encoder.mid_block", False)
+
+
+def _decoder(c) -> list[Rule]:
+    theirs, ours, tc = "decoder.up_blocks", "decoder.up_blocks", c.timestep_conditioning
+    rules, n = _resnets(f"{theirs}.0", "decoder.mid_block", tc), 1
+    for k, block in enumerate(c.decoder_blocks()):
+        if block.conv_in:
+            rules += _resnet_block(f"{theirs}.{n}", f"{ours}.{k}.conv_in")
+            n += 1
+        if block.upsample:
+            rules.append(Rename(f"{theirs}.{n}.{{rest}}", f"{ours}.{k}.upsamplers.0.{{rest}}"))
+            n += 1
+        if block.layers:
+            rules += _resnets(f"{theirs}.{n}", f"{ours}.{k}", tc)
+            n += 1
+    if tc:
+        rules += [Rename("decoder.last_time_embedder.{rest}", "decoder.time_embedder.{rest}"),
+                  Rename("decoder.last_scale_shift_table", "decoder.scale_shift_table")]
+    return rules
+
+
+def ltx_vae(config, *, prefix: str = "") -> tuple[Rule, ...]:
+    """The original LTX-Video VAE (``prefix``: where a single file keeps it, :data:`LTX_VAE`) of a model with
+    ``config`` (an ``AutoencoderKLLTXVideoConfig`` or its config.json as a dict) as diffusers'
+    ``AutoencoderKLLTXVideo``: the encoder's and decoder's blocks renumbered (see the module docstring), the
+    width-changing ResNet blocks' ``conv_shortcut`` / ``norm3.norm`` renamed, ``last_time_embedder`` /
+    ``last_scale_shift_table`` the decoder's ``time_embedder`` / ``scale_shift_table``, and the latent statistics
+    ``per_channel_statistics.mean-of-means`` / ``std-of-means`` the ``latents_mean`` / ``latents_std`` tensors (its
+    ``channel`` and ``mean-of-stds`` entries dropped). The inverse writes the original names back.
+
+    >>> config = eqxdiff.loading.read_config("Lightricks/LTX-Video-0.9.5", "vae")
+    >>> eqxdiff.load("ltx-video-2b-v0.9.5.safetensors", model_class="AutoencoderKLLTXVideo", config=config,
+    ...              conversion=formats.ltx_vae(config, prefix=formats.LTX_VAE))
+    """
+    c = _vae_config(config)
+    stats = "per_channel_statistics."
+    rules: list[Rule] = list(select(prefix)) if prefix else []
+    rules += [Drop((stats + "channel", stats + "mean-of-stds"), optional=True),
+              Rename(stats + "mean-of-means", "latents_mean"), Rename(stats + "std-of-means", "latents_std")]
+    return tuple(rules + _encoder(c) + _decoder(c))
+
+
+__all__ = ["LTX_DIFFUSION_MODEL", "LTX_VAE", "ltx_transformer", "ltx_vae"]

@@ -103,7 +103,7 @@ def write_safetensors(tensors: Mapping[str, np.ndarray], path: str | os.PathLike
     """Write ``tensors`` (NumPy arrays, bfloat16 allowed) to ``path`` in the safetensors format."""
     header, offset, arrays = {}, 0, []
     for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
+        a = np.require(np.asarray(tensors[name]), requirements="C")  # C-contiguous; a 0-d array stays 0-d
         if a.dtype not in _NAMES:
             raise ValueError(f"cannot write tensor {name!r} of dtype {a.dtype} to safetensors")
         header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape),

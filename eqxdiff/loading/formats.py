@@ -18,7 +18,9 @@ from ._convert import Dim, Drop, Rename, Rule, Split, SwapHalves, Transpose
 from ._errors import CheckpointError
 from ._layout import Part, Stored
 from ._ltx_formats import LTX_DIFFUSION_MODEL as LTX_DIFFUSION_MODEL
+from ._ltx_formats import LTX_VAE as LTX_VAE
 from ._ltx_formats import ltx_transformer as ltx_transformer
+from ._ltx_formats import ltx_vae as ltx_vae
 from ._rules import select as select
 from ._safetensors import SafetensorsFile
 
