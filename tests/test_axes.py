@@ -102,6 +102,9 @@ TINY_CONFIGS: dict[str, Tiny | list[Tiny]] = {
                               latents_mean=[0.0] * 4, latents_std=[1.0] * 4)],
     "LTXVideoTransformer3DModel": [dict(_LTX), dict(_LTX, patch_size=2, patch_size_t=2, in_channels=8, out_channels=8)],
     "AutoencoderKLLTXVideo": [_LTX_VAE, _LTX_VAE_091, _LTX_VAE_095],
+    # 3-D with temporal and spatial upsampling; 2-D
+    "LTXLatentUpsamplerModel": [dict(in_channels=4, mid_channels=32, num_blocks_per_stage=2, temporal_upsample=True),
+                                dict(in_channels=4, mid_channels=32, num_blocks_per_stage=2, dims=2)],
 }
 
 MODELS = family_names("model")

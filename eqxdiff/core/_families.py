@@ -37,6 +37,7 @@ FAMILY_TABLE: dict[str, str] = {
     # LTX-Video
     "LTXVideoTransformer3DModel": "eqxdiff.models.ltx:LTXVideoTransformer3DModel",
     "AutoencoderKLLTXVideo": "eqxdiff.models.ltx_vae:AutoencoderKLLTXVideo",
+    "LTXLatentUpsamplerModel": "eqxdiff.models.ltx_upsampler:LTXLatentUpsamplerModel",
     # ControlNet
     "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
     "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",
