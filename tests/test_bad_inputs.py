@@ -62,6 +62,7 @@ def ws(tmp_path_factory, pipe):
     (root / "out").mkdir()
     Image.fromarray(np.full((16, 16, 3), 7, np.uint8)).save(root / "out" / "image_0.png")
     Image.fromarray(np.zeros((18, 18, 3), np.uint8)).save(root / "odd.png")
+    Image.fromarray(np.zeros((23, 17, 3), np.uint8)).save(root / "tall.png")  # width 17, height 23
     Image.fromarray(np.full((16, 16, 3), 200, np.uint8)).save(root / "square.png")
     (root / "taken").write_text("a file where a folder should be")
     (root / "notes.png").write_text("not an image")
@@ -153,8 +154,10 @@ GENERATE = [
     ("eta-negative", ["--eta", "-0.1"], InputError, r"--eta must be in \[0, 1\], got -0.1"),
     ("image-missing", ["--image", "{root}/missing.png"], FileNotFoundError, r"--image '.*missing.png': no such file"),
     ("image-not-an-image", ["--image", "{notes}"], InputError, r"--image: '.*notes.png' is not an image file"),
-    ("image-not-a-multiple", ["--image", "{odd}"], InputError, r"image is 18x18 pixels, not a multiple of 4 .*; "
-     r"resize or crop it to 16x16"),
+    # issue 18: '23x17' for a 17-wide image was misread
+    ("image-not-a-multiple", ["--image", "{tall}"], InputError, r"^--image has width 17, height 23 pixels, not "
+     r"multiples of 4 \(the VAE downsamples by 4\); resize or crop it to width 16, height 20 \(eqxdiff does not "
+     r"resize input images\)$"),
     ("output-dir-is-a-file", ["--output-dir", "{taken}"], InputError, r"--output-dir '.*taken' is a file"),
     ("output-dir-under-a-file", ["--output-dir", "{taken}/sub/dir"], InputError, r"--output-dir '.*taken/sub/dir' "
      r"lies under '.*taken', which is a file; pass a folder \(created if missing\)"),
@@ -395,7 +398,7 @@ API = [
     ("image-nan", lambda c: c.pipe("a", image=np.full((16, 16, 3), np.nan, np.float32)), InputError,
      r"image holds 768 NaN"),
     ("image-not-a-multiple", lambda c: c.pipe("a", image=np.zeros((1, 18, 20, 3), np.uint8)), InputError,
-     r"image is 18x20 pixels, not a multiple of 4 .* resize or crop it to 16x20"),
+     r"image has width 20, height 18 pixels, not multiples of 4 .* resize or crop it to width 20, height 16"),
     ("strength-zero", lambda c: c.pipe("a", image=np.zeros((16, 16, 3), np.uint8), strength=0.0), InputError,
      r"strength must be in \(0, 1\], got 0.0"),
     ("strength-without-image", lambda c: c.pipe("a", strength=0.5), InputError, r"strength=0.5 applies to "
@@ -497,8 +500,8 @@ WARNINGS = [
     ("numerals", {"prompt": "a handwritten digit 7"}, r"the tokenizer does not know '7' .* reads it as "
      r"'<\|endoftext\|>'; reword the prompt"),
     ("far-above-native-size", {"prompt": "a", "image": np.zeros((512, 512, 3), np.uint8)},
-     r"512x512 pixels is 1024x the model's native 16x16: its attention runs over 16384 latent tokens \(a dense "
-     r"score matrix alone takes 1.0 GiB per head and image\)"),
+     r"an output of width 512, height 512 pixels is 1024x the model's native size \(width 16, height 16\): its "
+     r"attention runs over 16384 latent tokens \(a dense score matrix alone takes 1.0 GiB per head and image\)"),
 ]
 
 
@@ -525,7 +528,7 @@ def test_large_input_warns_before_loading(ws, monkeypatch, capsys):
     big = ws.root / "cwd" / "big.png"
     try:
         Image.fromarray(np.zeros((512, 512, 3), np.uint8)).save(big)
-        with pytest.warns(InputWarning, match="512x512 pixels is 1024x"):
+        with pytest.warns(InputWarning, match="width 512, height 512 pixels is 1024x"):
             generate.validate(["--image", str(big), "--strength", "0.5"])
     finally:
         big.unlink()
@@ -602,7 +605,8 @@ def test_a_warning_prints_once_though_checked_before_loading_and_in_the_call(ws,
     lines = capsys.readouterr().err.splitlines()
     assert info.value.code == 2 and lines[-1] == "error: stopped after the call's checks", lines
     warned = [line for line in lines if line.startswith("warning:")]
-    assert len(warned) == 1 and warned[0].startswith("warning: 512x512 pixels is 1024x the model's native 16x16"), lines
+    assert len(warned) == 1 and warned[0].startswith("warning: an output of width 512, height 512 pixels is 1024x the "
+                                                     "model's native size (width 16, height 16)"), lines
 
 
 # -- nothing is lost ----------------------------------------------------------------------------------------------
