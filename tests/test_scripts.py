@@ -95,6 +95,24 @@ def test_generate_help_lists_the_family_options(capsys):
     assert "--latents" not in text and "--prompt-embeds" not in text  # arrays are not flags
 
 
+def test_loading_without_pytorch_prints_no_transformers_notice():
+    """Without PyTorch (eqxdiff's users need none), importing transformers for the tokenizers printed "PyTorch was
+    not found. Models won't be available ..." on every run (issue 18). Loading the digits pipeline and building the
+    training's character tokenizer print nothing of it; the user's environment and transformers' warnings stay as
+    they were."""
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    for first in ("eqxdiff.load_pipeline('digits')", "eqxdiff.data.character_tokenizer()"):  # each imports it first
+        code = ("import sys; sys.modules['torch'] = None\n"
+                f"import os, eqxdiff, eqxdiff.data\n{first}\n"
+                "import transformers  # imported by eqxdiff already\n"
+                "print(os.environ.get('TRANSFORMERS_NO_ADVISORY_WARNINGS'), transformers.logging.get_verbosity())\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                             env={**env, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "PyTorch was not found" not in out.stderr + out.stdout, (first, out.stderr[-2000:])
+        assert out.stdout.split()[-2:] == ["None", "30"]  # the variable unset again; transformers warns as before
+
+
 def test_generate_cli_rejects_bad_flags():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--weights-dtype", "int8"],
                          capture_output=True, text=True, timeout=300, check=False)
