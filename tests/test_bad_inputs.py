@@ -10,11 +10,13 @@ compiled program (what a PNG records, NaN out of a model) share one program at t
 
 import copy
 import dataclasses
+import errno
 import json
 import os
 import re
 import shutil
 import sys
+import tempfile
 import types
 import warnings
 from pathlib import Path
@@ -161,6 +163,10 @@ GENERATE = [
     ("output-dir-is-a-file", ["--output-dir", "{taken}"], InputError, r"--output-dir '.*taken' is a file"),
     ("output-dir-under-a-file", ["--output-dir", "{taken}/sub/dir"], InputError, r"--output-dir '.*taken/sub/dir' "
      r"lies under '.*taken', which is a file; pass a folder \(created if missing\)"),
+    # issue 18: a folder that cannot be made was found only after loading, compiling and generating
+    ("output-dir-cannot-be-made", ["--output-dir", "/proc/eqxdiff/images"], InputError, r"^--output-dir "
+     r"'/proc/eqxdiff/images' cannot be created \(FileNotFoundError: No such file or directory\); pass a folder you "
+     r"can write to$"),
     ("cache-dir-and-no-cache", ["--compilation-cache-dir", "{root}/cache", "--no-compilation-cache"], InputError,
      r"^--compilation-cache-dir and --no-compilation-cache contradict each other; leave one out$"),
     ("cache-dir-without-folder", ["--compilation-cache-dir"], _command.FlagError, r"^--compilation-cache-dir: "
@@ -270,6 +276,11 @@ TRAIN = [
     ("output-dir-is-a-file", ["digits", "--output-dir", "{taken}"], InputError, r"--output-dir '.*taken' is a file"),
     ("output-dir-under-a-file", ["digits", "--output-dir", "{taken}/runs/a"], InputError, r"--output-dir "
      r"'.*taken/runs/a' lies under '.*taken', which is a file"),
+    ("output-dir-cannot-be-made", ["digits", "--output-dir", "/proc/eqxdiff-run"], InputError, r"^--output-dir "
+     r"'/proc/eqxdiff-run' cannot be created \(FileNotFoundError: No such file or directory\); pass a folder you can "
+     r"write to$"),
+    ("export-dir-cannot-be-made", ["digits", "--export-dir", "/sys/eqxdiff/pipeline"], InputError, r"^--export-dir "
+     r"'/sys/eqxdiff/pipeline' cannot be created \(PermissionError: .*\); pass a folder you can write to$"),
     ("export-scheduler-unknown", ["digits", "--export-scheduler", "nope"], ValueError, r"--export-scheduler 'nope'; "
      r"choose one of"),
     ("export-dtype-unknown", ["digits", "--export-dtype", "fp33"], CheckpointError, r"--export-dtype 'fp33': unknown "
@@ -641,6 +652,30 @@ def test_an_output_folder_this_process_cannot_write_in_is_refused(ws, unchanged,
             command.validate(argv)
         one_line(str(info.value))
     generate.validate(["--output-dir", f"{ws.root}/cwd/new/images"])  # beside it, a folder it may create: accepted
+
+
+def test_an_output_folder_that_takes_no_file_is_refused(ws, unchanged, monkeypatch):
+    """``os.access`` answers yes to root, even on a read-only mount: the check makes the folder (if missing) and a
+    file in it, and removes what it made (``unchanged``: nothing is left). Here the file cannot be made (issue 18:
+    the images were lost after loading, compiling and generating)."""
+    locked, mkstemp = ws.root / "out", tempfile.mkstemp
+
+    def refuse_in_locked(*args, dir=None, **kwargs):
+        if dir is not None and (Path(dir) == locked or locked in Path(dir).parents):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse_in_locked)
+    monkeypatch.setattr(generate, "load_pipeline", _must_not_load)
+    monkeypatch.setattr(train, "run", _must_not_load)
+    cases = [(generate, ["--output-dir", str(locked)], "--output-dir"),
+             (generate, ["--output-dir", f"{locked}/new/images"], "--output-dir"),
+             (train, ["digits", "--export-dir", f"{locked}/pipeline"], "--export-dir")]
+    for command, argv, flag in cases:
+        with pytest.raises(InputError, match=rf"^{flag} '{re.escape(argv[-1])}' cannot be written in \(OSError: "
+                                             r"Read-only file system\); pass a folder you can write to$") as info:
+            command.validate(argv)
+        one_line(str(info.value))
 
 
 def test_train_resume_changing_only_what_may_change_passes_the_checks(ws, unchanged):
