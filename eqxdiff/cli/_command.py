@@ -90,6 +90,17 @@ def _flag(argument) -> str:
         return "a flag"
 
 
+def _choices(event) -> list[str]:
+    """A flag's choices in the order ``--help`` lists them (its metavar, ``{ddim,pndm,...}``), without ``None``: an
+    optional flag's default, which leaving the flag out gives."""
+    choices = [c for c in event.choices if c != "None"]
+    try:
+        listed = str(event.argument.lowered.metavar or "").strip("{}").split(",")
+    except AttributeError:
+        listed = []
+    return [c for c in listed if c in choices] + [c for c in choices if c not in listed]
+
+
 @contextlib.contextmanager
 def config_errors_raise():
     """Within the block, ``tyro.cli``'s usage errors raise instead of drawing tyro's error box, so the command
@@ -106,7 +117,7 @@ def config_errors_raise():
             raise cause if isinstance(cause, ValueError) else FlagError(event.message)
         if isinstance(event, errors.InvalidChoice):
             raise FlagError(f"{_flag(event.argument)} {event.value!r} is not one of its choices; choose one of "
-                            f"{', '.join(event.choices)}")
+                            f"{', '.join(_choices(event))}")
         if isinstance(event, errors.UnrecognizedArgs):
             raise FlagError(f"unrecognized argument(s) {' '.join(event.tokens)}; --help lists the flags")
         if isinstance(event, errors.BadValue):
