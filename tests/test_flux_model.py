@@ -357,7 +357,7 @@ def test_pack_unpack_and_ids_match_the_pipeline():
     assert flux.text_ids(5).shape == (5, 3) and not flux.text_ids(5).any()
     with pytest.raises(ValueError, match="must be even"):
         flux.pack_latents(jnp.zeros((1, 3, 4, 2)))
-    with pytest.raises(ValueError, match="not the 2x2 patches of a 6x6 latent"):
+    with pytest.raises(ValueError, match="not the 2x2 patches of a latent of width 6, height 6"):
         flux.unpack_latents(ours, 6, 6)
 
 

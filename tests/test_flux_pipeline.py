@@ -468,7 +468,8 @@ def test_errors_name_the_problem_and_the_fix(dev):
         FluxKontextPipeline.from_pipe(pipe)("a cat")
     with pytest.raises(InputError, match="FluxImg2ImgPipeline needs image="):
         FluxImg2ImgPipeline.from_pipe(pipe)("a cat")
-    with pytest.raises(InputError, match="image is 9x8 pixels, not a multiple of 2 .* resize or crop it to 10x8"):
+    with pytest.raises(InputError, match="image has width 8, height 9 pixels, not multiples of 2 .* resize or crop it "
+                       "to width 8, height 10"):
         FluxImg2ImgPipeline.from_pipe(pipe)("a cat", image=np.zeros((1, 9, 8, 3), np.uint8))
     with pytest.raises(InputError, match="height=16 but the image's height is 8"):
         FluxImg2ImgPipeline.from_pipe(pipe)("a cat", image=np.zeros((1, 8, 8, 3), np.uint8), height=16)

@@ -156,7 +156,8 @@ def test_mask_inputs_and_errors():
     for same in (box, box[None, :, :, None] > 0, Image.fromarray(box), [Image.fromarray(box)] * 2):
         np.testing.assert_array_equal(prepare_mask(same, batch=2, height=32, width=32), as_float)
     np.testing.assert_array_equal(latent_mask(as_float, 8)[0, :, :, 0], [[0, 0, 0, 0], [0, 1, 1, 0]] + [[0] * 4] * 2)
-    with pytest.raises(ValueError, match="mask_image is 16x32 but the image is 32x32; resize the mask"):
+    with pytest.raises(ValueError, match="mask_image has width 32, height 16 but the image has width 32, height 32; "
+                       "resize the mask"):
         prepare_mask(box[:16], batch=1, height=32, width=32)
     with pytest.raises(ValueError, match="got 3 masks for 2 outputs"):
         prepare_mask(np.stack([box] * 3), batch=2, height=32, width=32)
@@ -179,7 +180,7 @@ def test_inpainting_errors(sd):
         type(plain).from_pipe(pipe)("a cat")
     with pytest.raises(ValueError, match="mask_image needs image="):
         plain("a cat", mask_image=mask[:1])
-    with pytest.raises(ValueError, match="mask_image is 32x16 but the image is 32x32"):
+    with pytest.raises(ValueError, match="mask_image has width 16, height 32 but the image has width 32, height 32"):
         pipe("a cat", image=image[:1], mask_image=mask[:1, :, :16])
     with pytest.raises(ValueError, match="needs image= as pixels"):
         pipe("a cat", image=np.zeros((1, 16, 16, 4), np.float32), mask_image=mask[:1])

@@ -95,6 +95,92 @@ def test_generate_help_lists_the_family_options(capsys):
     assert "--latents" not in text and "--prompt-embeds" not in text  # arrays are not flags
 
 
+def _generate_help(capsys, argv=()) -> str:
+    """``eqxdiff-generate --help``'s text on one line (the box's borders and the wrapping gone)."""
+    with pytest.raises(SystemExit) as e:
+        generate.main([*argv, "--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.replace("│", " ").split())
+
+
+def test_generate_help_lists_debug_and_only_scheduler_names(capsys):
+    """--debug, which the description mentions, is a flag of its own with its help (issue 18); --scheduler's choices
+    are the scheduler names, without ``None`` (its default: the checkpoint's own scheduler)."""
+    from eqxdiff.schedulers import SCHEDULERS
+
+    text = _generate_help(capsys)
+    assert re.search(r"--debug Show the full traceback of an error", text), text  # (the description: "--debug shows")
+    choices = re.search(r"--scheduler \{([^}]*)\}", text).group(1).replace(" ", "").split(",")
+    assert choices == list(SCHEDULERS)
+    assert re.search(r"--scheduler \{[^}]*\} Swap .*\(default: the checkpoint's own\)", text)
+
+
+def test_the_scheduler_option_examples_work_on_the_default_model(capsys):
+    """The KEY=VALUE examples of --scheduler-option in --help and in the README are taken by the digits model's
+    scheduler (DPM-Solver++): clip_sample=false, the example before, has no meaning there and was refused."""
+    text = _generate_help(capsys)
+    described = re.search(r"--scheduler-option STR (.*?) \(repeatable\)", text).group(1)
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `--scheduler-op"))
+    examples = re.findall(r"\b([a-z_]+=[\w.]+)", described) + re.findall(r"`([a-z_]+=[^`]+)`", row)
+    assert len(examples) >= 4, examples
+    for example in examples:
+        checked = generate.validate(["--scheduler-option", example])
+        assert example.split("=")[0] in checked.scheduler_options
+
+
+def test_a_short_form_and_its_long_form_may_repeat_a_value():
+    checked = generate.validate(["--steps", "3", "--num-inference-steps=3", "--num-images", "2",
+                                 "--num-images-per-prompt", "2"])
+    assert checked.kwargs["num_inference_steps"] == 3 and checked.kwargs["num_images_per_prompt"] == 2
+
+
+def test_the_folders_recommended_call_is_what_the_command_runs(tmp_path, monkeypatch):
+    """Without --steps, --guidance-scale and --seed, eqxdiff-generate makes the digits folder's recommended call
+    (model_index.json's ``_eqxdiff.call_defaults``: 20 steps, guidance 4, seed 0) and its PNG records those values;
+    a flag given wins, even one that repeats the signature's default (issue 18). The denoising loop is a stand-in
+    that notes what it was asked to run (its noise is decoded as it is): nothing of it compiles."""
+    from eqxdiff.pipelines import _latents
+
+    asked = []
+
+    def loop(self, denoiser, scheduler, state, latents, cond, key, *, guidance, num_steps, progress):
+        asked.append((num_steps, float(guidance.scale), np.asarray(latents)))
+        return latents
+
+    monkeypatch.setattr(_latents.LatentPipeline, "run_loop", loop)
+    runs = {"folder's": [], "explicit": ["--steps", "20", "--guidance-scale", "4", "--seed", "0"],
+            "given": ["--num-inference-steps", "50", "--guidance-scale", "7.5", "--seed", "5"]}
+    recorded = {}
+    for name, flags in runs.items():
+        paths = generate.main(["--prompt", "a handwritten digit two", *flags, "--output-dir", str(tmp_path / name),
+                               "--no-progress"])
+        params = read_parameters(paths[0])
+        recorded[name] = (params["num_inference_steps"], params["guidance_scale"], params["seed"])
+    assert recorded == {"folder's": (20, 4.0, 0), "explicit": (20, 4.0, 0), "given": (50, 7.5, 5)}
+    folder, explicit, given = asked
+    assert folder[:2] == explicit[:2] == (20, 4.0) and given[:2] == (50, 7.5)
+    np.testing.assert_array_equal(folder[2], explicit[2])  # seed 0's noise
+    assert not np.array_equal(folder[2], given[2])
+
+
+def test_loading_without_pytorch_prints_no_transformers_notice():
+    """Without PyTorch (eqxdiff's users need none), importing transformers for the tokenizers printed "PyTorch was
+    not found. Models won't be available ..." on every run (issue 18). Loading the digits pipeline and building the
+    training's character tokenizer print nothing of it; the user's environment and transformers' warnings stay as
+    they were."""
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    for first in ("eqxdiff.load_pipeline('digits')", "eqxdiff.data.character_tokenizer()"):  # each imports it first
+        code = ("import sys; sys.modules['torch'] = None\n"
+                f"import os, eqxdiff, eqxdiff.data\n{first}\n"
+                "import transformers  # imported by eqxdiff already\n"
+                "print(os.environ.get('TRANSFORMERS_NO_ADVISORY_WARNINGS'), transformers.logging.get_verbosity())\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                             env={**env, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "PyTorch was not found" not in out.stderr + out.stdout, (first, out.stderr[-2000:])
+        assert out.stdout.split()[-2:] == ["None", "30"]  # the variable unset again; transformers warns as before
+
+
 def test_generate_cli_rejects_bad_flags():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--weights-dtype", "int8"],
                          capture_output=True, text=True, timeout=300, check=False)

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import re
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -89,6 +90,17 @@ def _flag(argument) -> str:
         return "a flag"
 
 
+def _choices(event) -> list[str]:
+    """A flag's choices in the order ``--help`` lists them (its metavar, ``{ddim,pndm,...}``), without ``None``: an
+    optional flag's default, which leaving the flag out gives."""
+    choices = [c for c in event.choices if c != "None"]
+    try:
+        listed = str(event.argument.lowered.metavar or "").strip("{}").split(",")
+    except AttributeError:
+        listed = []
+    return [c for c in listed if c in choices] + [c for c in choices if c not in listed]
+
+
 @contextlib.contextmanager
 def config_errors_raise():
     """Within the block, ``tyro.cli``'s usage errors raise instead of drawing tyro's error box, so the command
@@ -105,7 +117,7 @@ def config_errors_raise():
             raise cause if isinstance(cause, ValueError) else FlagError(event.message)
         if isinstance(event, errors.InvalidChoice):
             raise FlagError(f"{_flag(event.argument)} {event.value!r} is not one of its choices; choose one of "
-                            f"{', '.join(event.choices)}")
+                            f"{', '.join(_choices(event))}")
         if isinstance(event, errors.UnrecognizedArgs):
             raise FlagError(f"unrecognized argument(s) {' '.join(event.tokens)}; --help lists the flags")
         if isinstance(event, errors.BadValue):
@@ -155,8 +167,9 @@ def as_flags(message: str, names, flags: Mapping[str, str] | None = None) -> str
 
 def check_output_folder(flag: str, path) -> None:
     """``path`` (given as ``flag``) can be the folder a command writes into: it is a folder, or it is missing and
-    its nearest existing ancestor is a folder this process may create folders in. Checked before minutes of
-    loading, compiling or training, whose results would be lost when the folder cannot be made; raises
+    its nearest existing ancestor is a folder; this process makes it (when missing) and a file in it, then removes
+    what it made (``os.access`` answers yes to root, even on a read-only mount or under /proc). Checked before
+    minutes of loading, compiling or training, whose results would be lost when the folder cannot be made; raises
     :class:`~eqxdiff.pipelines.InputError` naming the flag and the fix."""
     given = os.fspath(path)
     absolute = Path(os.path.abspath(Path(path).expanduser()))
@@ -170,6 +183,34 @@ def check_output_folder(flag: str, path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {given!r}: no permission to write in {os.fspath(existing)!r}; pass a folder you "
                          "can write to")
+    problem = _write_probe(absolute, existing)
+    if problem:
+        raise InputError(f"{flag} {given!r} {problem}; pass a folder you can write to")
+
+
+def _write_probe(folder: Path, existing: Path) -> str | None:
+    """Make ``folder`` (its missing parents below ``existing`` too) and a file in it, then remove all that was made
+    and give ``existing`` its modification time back; why that failed (``"cannot be created (FileNotFoundError:
+    ...)"``), or ``None``."""
+    missing = [folder, *folder.parents][:len(folder.parts) - len(existing.parts)]
+    made, doing, before = [], "created", existing.stat()
+    try:
+        for part in reversed(missing):
+            part.mkdir()
+            made.append(part)
+        doing = "written in"
+        handle, name = tempfile.mkstemp(prefix=".eqxdiff-probe-", dir=folder)
+        os.close(handle)
+        os.unlink(name)
+    except OSError as e:
+        return f"cannot be {doing} ({type(e).__name__}: {e.strerror or e})"
+    finally:
+        for part in reversed(made):
+            with contextlib.suppress(OSError):  # another process may have written there meanwhile: keep it
+                part.rmdir()
+        with contextlib.suppress(OSError):
+            os.utime(existing, ns=(before.st_atime_ns, before.st_mtime_ns))
+    return None
 
 
 @contextlib.contextmanager

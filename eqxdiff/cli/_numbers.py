@@ -70,7 +70,7 @@ def _converts(text: str, kind: type, optional: bool) -> bool:
     return True
 
 
-def _is_flag(token: str) -> bool:
+def is_flag(token: str) -> bool:
     """Whether argparse reads ``token`` as a flag rather than a value (``-1`` and ``-.5`` are values)."""
     return token.startswith("-") and len(token) > 1 and not (token[1].isdigit() or token[1] == ".")
 
@@ -91,7 +91,7 @@ def number_error(argv: Sequence[str], types_by_flag: Mapping[str, Any]) -> str |
         values = [given] if eq else []
         if not eq:
             for value in argv[i + 1:]:
-                if _is_flag(value):
+                if is_flag(value):
                     break
                 values.append(value)
                 if not several:

@@ -12,6 +12,10 @@ class's (a ControlNet pipeline's to Stable Diffusion's), so the flags of the ``_
 MRO join its own; an argument without annotation takes the annotation the same name has further up, else its
 default's type (``control_guidance_start=0.0``: a float). A new family therefore needs nothing here: annotate
 ``__call__`` and name its arguments as diffusers does.
+
+:func:`given_options` says which of them a command line gives (the command passes only those on, so that a folder's
+recommended call applies to the rest), and :func:`check_short_forms` refuses a short form (:data:`ALIASES`) and its
+long form given with different values.
 """
 
 import dataclasses
@@ -31,6 +35,8 @@ import tyro
 from PIL import Image
 
 from ..pipelines import InputError, read_image, read_video
+from ._command import FlagError
+from ._numbers import is_flag
 
 # Short flags kept from eqxdiff's first generate script, so its commands still work.
 ALIASES: Mapping[str, tuple[str, ...]] = {
@@ -255,3 +261,66 @@ def _annotation(name: str, param: inspect.Parameter, hints: Sequence[Mapping[str
             return found[name]
     default = param.default
     return type(default) if type(default) in (bool, int, float, str) else None
+
+
+# -- what a command line gives ------------------------------------------------------------------------------------
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _flag_of(token: str) -> str | None:
+    """The flag a command-line token names (``--num_inference_steps=4``: ``--num-inference-steps``), else ``None``."""
+    return token.partition("=")[0].replace("_", "-") if token.startswith("--") and token != "--" else None
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return a == b or float(a) == float(b)
+    except ValueError:
+        return False
+
+
+def check_short_forms(argv: Sequence[str]) -> None:
+    """A short form (:data:`ALIASES`: ``--steps``, ``--num-images``, ``--mask``) and its long form given with
+    different values: :class:`~eqxdiff.cli._command.FlagError` naming both (the last one would win unsaid). The same
+    value twice (``--steps 4 --num-inference-steps 4.0`` too) is fine."""
+    names = {form: name for name, shorts in ALIASES.items() for form in (_flag(name), *shorts)}
+    seen: dict[str, list[tuple[str, str, str]]] = {}  # name -> (form, as typed, value)
+    for i, token in enumerate(argv):
+        if token == "--":
+            break
+        form = _flag_of(token)
+        name = names.get(form) if form else None
+        if name is None:
+            continue
+        _, eq, value = token.partition("=")
+        if not eq:
+            if i + 1 == len(argv) or is_flag(argv[i + 1]):
+                continue  # no value: tyro says so
+            value = argv[i + 1]
+        typed = token.partition("=")[0]
+        for other_form, other, before in seen.get(name, ()):
+            if other_form != form and not _same(before, value):
+                short = form if form != _flag(name) else other_form
+                raise FlagError(f"{other} {before} and {typed} {value} disagree ({short} is short for {_flag(name)}); "
+                                "give one of them")
+        seen.setdefault(name, []).append((form, typed, value))
+
+
+def given_options(argv: Sequence[str], options: type) -> set[str]:
+    """The fields of ``options`` (a family's :attr:`FamilyOptions.options`) that ``argv`` gives: by their flag
+    (``--num-inference-steps``, ``--num_inference_steps``, with ``=value`` or not), a short form (:data:`ALIASES`)
+    or a bool's ``--no-`` form. The command passes only these to the pipeline, so that the folder's recommended call
+    (its ``call_defaults``) applies to every argument the user left out."""
+    flags = {}
+    for field in dataclasses.fields(options):
+        for form in (_flag(field.name), "--no-" + field.name.replace("_", "-"), *ALIASES.get(field.name, ())):
+            flags[form] = field.name
+    given = set()
+    for token in argv:
+        if token == "--":
+            break
+        if _flag_of(token) in flags:
+            given.add(flags[_flag_of(token)])
+    return given

@@ -13,7 +13,10 @@
 
 The ``--model`` folder's ``model_index.json`` names its pipeline class; the family table
 (:data:`eqxdiff.core.FAMILY_TABLE`) gives eqxdiff's, and that class's ``__call__`` gives the family's options
-(:mod:`eqxdiff.cli._options`), so a new family needs nothing here. ``--controlnet`` (repeatable) runs the base's
+(:mod:`eqxdiff.cli._options`), so a new family needs nothing here; its command line is parsed by
+:mod:`eqxdiff.cli._generate_flags`. An option left out takes the folder's recommended call (``model_index.json``'s
+``"_eqxdiff": {"call_defaults": ...}``: the digits model's 20 steps, guidance 4, seed 0), else the signature's
+default: the command passes the pipeline only the options given. ``--controlnet`` (repeatable) runs the base's
 ControlNet pipeline with its ``--control-image`` and ``--controlnet-scale`` per net, ``--refiner`` finishes the
 base's latents with a second pipeline, ``--unet`` replaces the base's UNet (:mod:`eqxdiff.cli._compose`). Images
 are saved as ``image_{i}.png`` and videos as ``video_{i}.mp4``, numbered on after the files already in
@@ -31,45 +34,24 @@ the batch is split over the mesh; several hosts run the same command with ``--co
 ``EQXDIFF_PROCESS_ID``), and process 0 writes the files.
 """
 
-import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import jax
-import tyro
-from huggingface_hub import hf_hub_download
 
-from ..core import ConfigError, family_names, resolve_class
-from ..loading import CheckpointError, is_hub_id, read_config, read_json, resolve_folder
+from ..core import ConfigError
 from ..parallel import MeshConfig, initialize_distributed, make_mesh
-from ..pipelines import (
-    DiffusionPipeline,
-    InputError,
-    build_scheduler,
-    load_pipeline,
-    save_outputs,
-    single_file_class,
-)
+from ..pipelines import InputError, build_scheduler, load_pipeline, save_outputs
 from ..schedulers import SCHEDULERS
-from ._command import (
-    DEBUG_HELP,
-    CacheOptions,
-    as_flags,
-    check_output_folder,
-    config_errors_raise,
-    run_command,
-    split_cache_flags,
-)
+from ._command import as_flags, check_output_folder, run_command, split_cache_flags
 from ._compose import (
     HANDED_LATENTS,
     SCALE,
-    ControlNetOptions,
     check_controlnets,
     check_refiner,
     check_unet,
@@ -77,190 +59,21 @@ from ._compose import (
     control_argument,
     control_kwargs,
     effective_scales,
-    excluded_arguments,
     folder_nets,
     is_controlnet,
     load_controlnets,
     load_unet,
-    net_class,
     refiner_kwargs,
-    run_class,
 )
+from ._generate_flags import config_reader, parse_command, pipeline_class, scheduler_options
 from ._options import FamilyOptions, family_options
-
-DEFAULT_MODEL = "digits"
-# What the shipped digits model draws when no prompt is given (other models' prompt default is their pipeline's).
-DIGITS_PROMPT = "a handwritten digit seven"
-Dtype = Literal["float32", "bfloat16", "float16"]
-SchedulerName = Literal[tuple(SCHEDULERS)]  # every short name eqxdiff.schedulers.SCHEDULERS knows
-
-
-@dataclasses.dataclass(frozen=True)
-class RunOptions:
-    """Which pipeline, how it is loaded and run, and where its outputs go."""
-
-    model: str = DEFAULT_MODEL
-    """A diffusers pipeline folder, a Hugging Face Hub id, a single .safetensors file (see --config), or ``digits``
-    (the small model shipped with eqxdiff). Its pipeline class decides the family options above (``--model X
-    --help`` lists X's)."""
-    revision: str | None = None
-    """Hub revision (branch, tag or commit) of --model."""
-    config: str | None = None
-    """With a single .safetensors --model (a Black Forest Labs Flux file, an A1111/ComfyUI checkpoint): a diffusers
-    folder or Hub id giving what the file lacks (tokenizers, scheduler, configs, a Flux file's other models)."""
-    refiner: str | None = None
-    """A refiner pipeline (folder or Hub id, e.g. SDXL's refiner) that finishes the --model base's latents: with
-    --denoising-end F the base runs the first F of the schedule and the refiner the rest (ensemble of experts),
-    without it the refiner refines the finished latents (its default strength). It gets the base's prompts, steps,
-    guidance, seed and scheduler flags."""
-    unet: str | None = None
-    """A UNet in place of the --model pipeline's: a .safetensors file in diffusers' names without a config (a
-    distilled UNet: SDXL-Lightning's sdxl_lightning_4step_unet.safetensors, Hyper-SDXL's
-    Hyper-SDXL-1step-Unet.safetensors), read into the --model UNet's config, or a UNet folder or Hub id. Give its
-    recipe's scheduler flags (Lightning: --scheduler euler --scheduler-option timestep_spacing=trailing)."""
-    scheduler: SchedulerName | None = None
-    """Swap the checkpoint's scheduler by name, keeping its noise schedule and prediction type."""
-    scheduler_option: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
-    """Set a scheduler config key, KEY=VALUE with VALUE read as JSON (clip_sample=false, timestep_spacing=trailing,
-    steps_offset=1); repeat the flag for several."""
-    weights_dtype: Dtype = "float32"
-    """Dtype the weights are loaded in."""
-    activations_dtype: Dtype = "float32"
-    """Dtype of the latents and activations in the denoising loop."""
-    attention: str | None = None
-    """Attention implementation (xla, chunked, cudnn, flash, ...); default: chosen for the platform."""
-    scan_layers: bool = False
-    """Run repeated layers with lax.scan (faster compiles, the same numbers)."""
-    offload_encoders: bool = False
-    """Keep the text encoders' weights in host memory outside encoding."""
-    vae_tiling: bool = False
-    """Encode and decode with the VAE in overlapping tiles (bounded memory at large sizes), as diffusers'
-    enable_vae_tiling()."""
-    output_dir: Path = Path("outputs")
-    """Where image_{i}.png / video_{i}.mp4 go (numbered on after the files already there)."""
-    overwrite: bool = False
-    """Number outputs from 0, replacing earlier files of the same names."""
-    fps: float | None = None
-    """Frames per second of saved videos; default: the family's frame_rate option if it has one, else 16."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelOptions:
-    """Devices and hosts: the mesh the pipeline runs on and the multi-host settings."""
-
-    parallel: bool = False
-    """Run on a device mesh built from the --mesh.* sizes (data parallel over every device by default); implied by
-    any --mesh.* flag and by a multi-process run."""
-    coordinator_address: str | None = None
-    """host:port of process 0 (multi-host; default: EQXDIFF_COORDINATOR)."""
-    num_processes: int | None = None
-    """Number of processes (hosts) in the run (default: EQXDIFF_NUM_PROCESSES)."""
-    process_id: int | None = None
-    """This process's index, 0 .. num_processes-1 (default: EQXDIFF_PROCESS_ID)."""
-
-
-def _early_flags(argv: Sequence[str]) -> argparse.Namespace:
-    """The flags that decide the pipeline class (and so the other flags): --model, --revision, --config, and
-    whether --controlnet, --image and --mask are given."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--model", default=DEFAULT_MODEL)
-    pre.add_argument("--revision", default=None)
-    pre.add_argument("--config", default=None)
-    pre.add_argument("--controlnet", action="append", default=[])
-    pre.add_argument("--image", default=None)
-    pre.add_argument("--mask", "--mask-image", dest="mask", default=None)
-    known, _ = pre.parse_known_args(argv)
-    return known
-
-
-def pipeline_class(model: str, revision: str | None = None, config: str | None = None) -> type[DiffusionPipeline]:
-    """The eqxdiff pipeline class serving ``model`` (a folder, a Hub id or a shipped name), from its
-    ``model_index.json`` alone (a Hub id fetches only that file); a single ``.safetensors`` file's from its tensor
-    names (and ``config``'s ``model_index.json``, :func:`eqxdiff.pipelines.single_file_class`)."""
-    if Path(model).expanduser().is_file():
-        return single_file_class(model, config=config, revision=revision)
-    if is_hub_id(model):
-        try:
-            folder = Path(hf_hub_download(model, "model_index.json", revision=revision)).parent
-        except Exception as e:  # network, auth, offline and missing-file errors all end here
-            raise CheckpointError(f"could not fetch model_index.json of {model!r} from the Hugging Face Hub "
-                                  f"({type(e).__name__}: {e}); pass a local pipeline folder instead") from e
-    else:
-        folder = resolve_folder(model)
-    name = read_config(folder, "model_index.json").get("_class_name")
-    cls = resolve_class(name) if isinstance(name, str) else None
-    if cls is None or not (isinstance(cls, type) and issubclass(cls, DiffusionPipeline)):
-        raise CheckpointError(f"{model!r} holds a {name!r} pipeline (model_index.json _class_name), which eqxdiff "
-                              f"does not serve; eqxdiff serves {', '.join(family_names('pipeline'))}")
-    return cls
-
-
-def config_reader(model: str, revision: str | None = None, config: str | None = None):
-    """``read(path)``: the JSON file ``path`` of pipeline ``model`` (a folder, a Hub id: that file alone is fetched,
-    or a shipped name; for a single file, of its ``config``) as a dict, ``None`` if it has none."""
-    if Path(model).expanduser().is_file():
-        return (lambda path: None) if config is None else config_reader(config, revision)
-    if is_hub_id(model):
-        def read(path: str):
-            try:
-                return read_json(hf_hub_download(model, path, revision=revision))
-            except Exception:  # noqa: BLE001 - a missing file, the network: loading says which
-                return None
-        return read
-    folder = resolve_folder(model)
-    return lambda path: read_json(folder / path) if (folder / path).is_file() else None
-
-
-def scheduler_options(items: Sequence[str]) -> dict[str, Any]:
-    """``--scheduler-option KEY=VALUE`` flags as a dict, each value read as JSON (a bare word stays a string)."""
-    options = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise InputError(f"--scheduler-option {item!r} must be KEY=VALUE, e.g. clip_sample=false")
-        try:
-            options[key.strip()] = json.loads(text)
-        except json.JSONDecodeError:
-            options[key.strip()] = text
-    return options
-
-
-def build_parser(family: FamilyOptions) -> type:
-    """The dataclass tyro parses: the family's options, the run options, the mesh sizes and the hosts."""
-    flat = tyro.conf.OmitArgPrefixes
-    return dataclasses.make_dataclass("GenerateArgs", [
-        ("pipeline", Annotated[family.options, flat], dataclasses.field(default_factory=family.options)),
-        ("run", Annotated[RunOptions, flat], dataclasses.field(default_factory=RunOptions)),
-        ("cache", Annotated[CacheOptions, flat], dataclasses.field(default_factory=CacheOptions)),
-        ("control", Annotated[ControlNetOptions, flat], dataclasses.field(default_factory=ControlNetOptions)),
-        ("parallel", Annotated[ParallelOptions, flat], dataclasses.field(default_factory=ParallelOptions)),
-        ("mesh", MeshConfig, dataclasses.field(default_factory=MeshConfig)),
-    ], frozen=True)
 
 
 def parse(argv: Sequence[str] | None = None, *, prog: str | None = None):
     """``(family, args)``: the options of the pipeline the command runs (the ``--model`` folder's, or its
     ControlNet pipeline: :func:`eqxdiff.cli._compose.run_class`) and the parsed command line."""
-    family, args, _ = _parse(argv, prog=prog)
-    return family, args
-
-
-def _parse(argv: Sequence[str] | None, *, prog: str | None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    early = _early_flags(argv)
-    folder_class = pipeline_class(early.model, early.revision, early.config)
-    cls = run_class(folder_class, controlnet=bool(early.controlnet), image=early.image is not None,
-                    mask=early.mask is not None, net=net_class(early.controlnet, config_reader))
-    family = family_options(cls, {"prompt": DIGITS_PROMPT} if early.model == DEFAULT_MODEL else None,
-                            exclude=excluded_arguments(cls))
-    what = ("the --model folder's class" if cls is folder_class else
-            f"the --model folder's {folder_class.__name__} with ControlNet" if early.controlnet else
-            f"the --model folder's {folder_class.__name__} for --image")
-    description = (f"Images or videos from a diffusion pipeline. The pipeline options are {cls.__name__}'s ({what}); "
-                   f"eqxdiff serves {', '.join(family_names('pipeline'))}. {DEBUG_HELP}")
-    with config_errors_raise():
-        args = tyro.cli(build_parser(family), args=argv, prog=prog, description=description)
-    return family, args, folder_class
+    parsed = parse_command(sys.argv[1:] if argv is None else argv, prog=prog)
+    return parsed.family, parsed.args
 
 
 def scheduler_name(scheduler) -> str | None:
@@ -277,8 +90,9 @@ def scheduler_name(scheduler) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Invocation:
-    """A checked command line: the family's options, the parsed flags, the pipeline call's keyword arguments (input
-    files read) and the scheduler options."""
+    """A checked command line: the family's options, the parsed flags, the pipeline call's keyword arguments as the
+    call will see them (input files read; an option left out has the folder's recommended value, else the
+    signature's default) and the scheduler options."""
 
     family: FamilyOptions
     args: Any
@@ -288,6 +102,9 @@ class Invocation:
     load_class: type | None = None
     nets: int = 0  # ControlNets in the run
     refiner: FamilyOptions | None = None  # the --refiner's options
+    # The arguments the pipeline call is given (the options on the command line, the command's own digits prompt,
+    # the ControlNet arguments); the pipeline's recommended call and its signature give it the others.
+    passed: frozenset[str] = frozenset()
 
 
 def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> Invocation:
@@ -295,11 +112,13 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> I
     is a warning when the run starts), the --unet (:func:`eqxdiff.cli._compose.check_unet`), the scheduler and its
     options against the folder's scheduler config, the input files (read here), and the family's arguments against
     the folder's model configs (:meth:`~eqxdiff.pipelines.DiffusionPipeline.check_arguments` with its
-    ``folder_limits``: the VAE's factor, the text encoders' layers). Raises a ``ValueError`` (``InputError``,
-    ``ConfigError``, ``CheckpointError``) or ``OSError`` naming the flag."""
+    ``folder_limits``: the VAE's factor, the text encoders' layers), an option left out taking the folder's
+    recommended value (:meth:`~eqxdiff.pipelines.DiffusionPipeline.folder_call_defaults`) as the call will. Raises a
+    ``ValueError`` (``InputError``, ``ConfigError``, ``CheckpointError``) or ``OSError`` naming the flag."""
     argv = list(sys.argv[1:] if argv is None else argv)
     split_cache_flags(argv)  # their errors first: main reads them before the other checks
-    family, args, folder_class = _parse(argv, prog=prog)
+    parsed = parse_command(argv, prog=prog)
+    family, args, folder_class = parsed.family, parsed.args, parsed.folder_class
     run, control = args.run, args.control
     check_output_folder("--output-dir", run.output_dir)  # before minutes of loading and compiling
     if run.config is not None and not Path(run.model).expanduser().is_file():
@@ -309,13 +128,17 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> I
     if run.unet is not None:
         check_unet(family.pipeline_class, run.unet, config_reader, read)
     options = scheduler_options(run.scheduler_option)
-    scheduler = _scheduler(read, run.scheduler, options)
+    scheduler = _scheduler(read, run.scheduler, options, run.scheduler_option)
     kwargs = family.call_kwargs(args.pipeline)  # input files are read (or found missing) before loading too
     cls = family.pipeline_class
     nets = len(control.controlnet) or (folder_nets(read) if is_controlnet(cls) else 0)
     if control.controlnet:
         check_controlnets(control.controlnet, config_reader, read, getattr(cls, "NET_CLASS", None))
-    kwargs.update(control_kwargs(cls, control, nets))
+    control_arguments = control_kwargs(cls, control, nets)
+    kwargs.update(control_arguments)
+    if not Path(run.model).expanduser().is_file():  # a single file carries no recommended call
+        kwargs.update({k: v for k, v in folder_class.folder_call_defaults(read).items()
+                       if k in kwargs and k not in parsed.given})
     check_window(kwargs)
     refiner = None
     if run.refiner is not None:
@@ -334,28 +157,54 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> I
         arguments = refiner_kwargs(_flags(refiner), kwargs, HANDED_LATENTS)
         try:
             rcls.check_arguments(arguments, rcls.folder_limits(rread))
-            check_schedule(rcls, _scheduler(rread, run.scheduler, options), arguments, rread)
+            check_schedule(rcls, _scheduler(rread, run.scheduler, options, run.scheduler_option), arguments, rread)
         except InputError as e:
             raise type(e)(f"--refiner: {as_flags(str(e), arguments, {'denoising_start': '--denoising-end'})}"
                           ) from None
     load_class = None if control.controlnet or cls is folder_class else cls
-    return Invocation(family, args, kwargs, options, load_class, nets, refiner)
+    return Invocation(family, args, kwargs, options, load_class, nets, refiner, parsed.given | set(control_arguments))
 
 
 def _flags(family: FamilyOptions) -> list[str]:
     return [f.name for f in dataclasses.fields(family.options)]
 
 
-def _scheduler(read, name: str | None, options: Mapping[str, Any]):
+def _scheduler(read, name: str | None, options: Mapping[str, Any], items: Sequence[str] = ()):
     """The scheduler the pipeline will sample with (the folder's ``scheduler_config.json``, swapped to ``name`` and
-    with ``options`` set, as :func:`~eqxdiff.pipelines.load_pipeline` builds it), or ``None`` without one."""
+    with ``options`` set, as :func:`~eqxdiff.pipelines.load_pipeline` builds it), or ``None`` without one. An option
+    its class does not have is refused naming the class, the options it has and the ``--scheduler`` names that have
+    it (``items``: the ``--scheduler-option`` flags as typed)."""
     raw = read("scheduler/scheduler_config.json")
     if raw is None:
         return None
     try:
+        chosen = build_scheduler(raw, name)[0]
+    except ConfigError as e:
+        raise ConfigError(f"--scheduler {name}: {e}" if name else str(e)) from None
+    if not options:
+        return chosen
+    _check_options(chosen, name, options, items)
+    try:
         return build_scheduler(raw, name, options)[0]
     except ConfigError as e:
-        raise ConfigError(f"--scheduler-option: {e}" if name or options else str(e)) from None
+        raise ConfigError(f"--scheduler-option: {e}") from None
+
+
+def _check_options(scheduler, name: str | None, options: Mapping[str, Any], items: Sequence[str]) -> None:
+    def fields(config) -> set[str]:
+        return {f.name for f in dataclasses.fields(config)}
+
+    taken = fields(scheduler.config)
+    for key in options:
+        if key in taken:
+            continue
+        item = next((i for i in items if i.partition("=")[0].strip() == key), key)
+        whose = f"--scheduler {name}'s" if name else "the --model folder's"
+        having = [n for n, choice in SCHEDULERS.items() if key in fields(choice.cls.CONFIG)]
+        fix = (f"--scheduler {', '.join(having)} {'has' if len(having) == 1 else 'have'} it: pass one of those or "
+               "leave the option out" if having else "no --scheduler has it: leave it out")
+        raise ConfigError(f"--scheduler-option {item}: {whose} {type(scheduler).__name__} has no option {key!r} "
+                          f"(its options: {', '.join(sorted(taken))}); {fix}")
 
 
 class _BeforeLoading:
@@ -431,11 +280,14 @@ def _generate(checked: Invocation) -> list[Path]:
             p.enable_vae_tiling()
     if "progress" in kwargs:
         kwargs["progress"] = kwargs["progress"] and main_process
+    # The options given (and the command's own): the pipeline's recommended call and signature give the others.
+    passed = checked.passed | ({"progress"} if not main_process else set())
+    call = {k: v for k, v in kwargs.items() if k in passed}
     t0 = time.perf_counter()
     if refiner is None:
-        outputs = pipe(**kwargs)
-    else:  # the base hands its latents over to the refiner
-        latents = pipe(**{**kwargs, "output_type": "latent"})
+        outputs = pipe(**call)
+    else:  # the base hands its latents over to the refiner, which gets the base's arguments as the base ran them
+        latents = pipe(**{**call, "output_type": "latent"})
         outputs = refiner(**refiner_kwargs(_flags(checked.refiner), kwargs, latents))
     total_s = time.perf_counter() - t0
     compile_s = sum(p.timings["call_compile"] for p in (pipe, refiner) if p is not None)
@@ -457,6 +309,8 @@ def _parameters(checked: Invocation, pipe, outputs, refiner=None) -> dict:
     refiner)."""
     args = checked.args
     values = {f.name: getattr(args.pipeline, f.name) for f in dataclasses.fields(args.pipeline)}
+    # The pipeline's recommended call gave what the command line left out (the digits model's 20 steps ...).
+    values.update({k: v for k, v in pipe.call_defaults.items() if k in values and k not in checked.passed})
     values.pop("progress", None)
     values = {k: os.fspath(v) if isinstance(v, Path) else v for k, v in values.items()}
     # The sizes actually used (None in the flags means the model's native size).

@@ -7,7 +7,8 @@
 - the tree walk behind ``with_plan``, ``scan_layers`` and ``with_attention_implementation``;
 - the family table (:data:`FAMILY_TABLE`): checkpoint class names to the eqxdiff classes serving them, and the
   families' single-file layouts (:data:`SINGLE_FILE_LAYOUTS`);
-- the persistent compilation cache (:func:`enable_compilation_cache`), which the commands turn on.
+- the persistent compilation cache (:func:`enable_compilation_cache`), which the commands turn on;
+- transformers imported for its tokenizers without its framework notice (:func:`import_transformers`).
 """
 
 from ._cache import CacheWarning as CacheWarning
@@ -37,6 +38,7 @@ from ._rules import DEFAULT_RULES as DEFAULT_RULES
 from ._rules import AxisRules as AxisRules
 from ._rules import activation_sharding as activation_sharding
 from ._rules import logical_to_spec as logical_to_spec
+from ._transformers import import_transformers as import_transformers
 from ._tree import has_field as has_field
 from ._tree import map_modules as map_modules
 from ._tree import module_classes as module_classes

@@ -5,6 +5,8 @@ reading a tokenizer never needs."""
 import json
 from pathlib import Path
 
+from ..core import import_transformers
+
 # Classes AutoTokenizer does not simply take by name: a Llama tokenizer may be read as another (ByteLevel) backend.
 _AUTO_ONLY = ("LlamaTokenizer",)
 
@@ -14,8 +16,7 @@ def tokenizer_class(folder) -> type:
     it in ``tokenizer_config.json`` (``tokenizer_class``; its fast class first, as AutoTokenizer prefers) and has
     neither a model ``config.json`` nor an ``auto_map`` (remote code) for AutoTokenizer to weigh: a diffusers
     pipeline's ``tokenizer`` folder. Otherwise ``transformers.AutoTokenizer`` itself."""
-    import transformers
-
+    transformers = import_transformers()  # without its 'PyTorch was not found' notice
     folder = Path(folder)
     try:
         config = json.loads((folder / "tokenizer_config.json").read_text())

@@ -130,8 +130,9 @@ def unpack_latents(tokens: Float[Array, "batch seq packed"], height: int,
     """The inverse of :func:`pack_latents`: tokens ``[b, H/2 * W/2, 4C]`` as latents ``[b, H, W, C]``."""
     b, seq, packed = tokens.shape
     if height % 2 or width % 2 or seq != (height // 2) * (width // 2) or packed % 4:
-        raise ValueError(f"unpack_latents: tokens of shape {tokens.shape} are not the 2x2 patches of a "
-                         f"{height}x{width} latent (expected {(height // 2) * (width // 2)} tokens of 4*C channels)")
+        raise ValueError(f"unpack_latents: tokens of shape {tokens.shape} are not the 2x2 patches of a latent of "
+                         f"width {width}, height {height} (expected {(height // 2) * (width // 2)} tokens of 4*C "
+                         "channels)")
     x = tokens.reshape(b, height // 2, width // 2, packed // 4, 2, 2).transpose(0, 1, 4, 2, 5, 3)
     return x.reshape(b, height, width, packed // 4)
 

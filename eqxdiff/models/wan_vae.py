@@ -272,7 +272,7 @@ class AutoencoderKLWan(PretrainedModel):
         self._check(x, c.video_channels[0], "videos", "encode")
         _check_frames(x.shape[1], c.temporal_factor, "a video")
         if x.shape[2] % c.downsample_factor or x.shape[3] % c.downsample_factor:
-            raise ValueError(f"AutoencoderKLWan.encode: frames of {x.shape[2]}x{x.shape[3]}; height and width must "
+            raise ValueError(f"AutoencoderKLWan.encode: frames of width {x.shape[3]}, height {x.shape[2]}; both must "
                              f"be multiples of {c.downsample_factor}")
         moments = self.quant_conv(self.encoder(patchify(x, c.patch_size)))
         mean, logvar = jnp.split(moments, 2, axis=-1)

@@ -246,6 +246,14 @@ class DiffusionPipeline:
         return CallLimits()
 
     @classmethod
+    def folder_call_defaults(cls, read_json: Callable[[str], Mapping | None]) -> dict[str, Any]:
+        """:attr:`call_defaults` of a pipeline folder before loading it (``read_json`` as for :meth:`folder_limits`):
+        its ``model_index.json``'s recommended call, checked as :func:`load_pipeline` checks it."""
+        where = "model_index.json"
+        return cls.check_call_defaults(_eqxdiff_entry(read_json(where) or {}, where).get("call_defaults"),
+                                       f"{where} (_eqxdiff.call_defaults)")
+
+    @classmethod
     def folder_config(cls, read_json: Callable[[str], Mapping | None], name: str) -> ModelConfig | None:
         """Component ``name``'s ``config.json`` (``read_json`` as for :meth:`folder_limits`) read into its config
         class, as :func:`eqxdiff.load` reads it: every value type-checked, a bad one raising
@@ -393,19 +401,20 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
             raw = read_config(folder / c.name, "scheduler_config.json")
             components[c.name], extras = build_scheduler(raw, scheduler, scheduler_options)
     options = {k: index[k] for k in cls.OPTIONS if k in index}
-    defaults = cls.check_call_defaults(_eqxdiff_entry(index, folder).get("call_defaults"),
-                                       f"model_index.json in {os.fspath(folder)!r} (_eqxdiff.call_defaults)")
+    where = f"model_index.json in {os.fspath(folder)!r}"
+    defaults = cls.check_call_defaults(_eqxdiff_entry(index, where).get("call_defaults"),
+                                       f"{where} (_eqxdiff.call_defaults)")
     return cls(attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
                offload_encoders=offload_encoders, scheduler_extras=extras, call_defaults=defaults, **components,
                **options)
 
 
-def _eqxdiff_entry(index: Mapping, folder) -> Mapping:
-    """model_index.json's ``"_eqxdiff"`` entry: eqxdiff's own settings for the folder (diffusers, which keeps no call
-    defaults, ignores keys starting with an underscore)."""
+def _eqxdiff_entry(index: Mapping, where: str) -> Mapping:
+    """model_index.json's ``"_eqxdiff"`` entry (``where``: the file, for the error): eqxdiff's own settings for the
+    folder (diffusers, which keeps no call defaults, ignores keys starting with an underscore)."""
     entry = index.get(EQXDIFF_KEY, {})
     if not isinstance(entry, Mapping) or not isinstance(entry.get("call_defaults", {}), Mapping):
-        raise ConfigError(f"model_index.json in {os.fspath(folder)!r}: \"{EQXDIFF_KEY}\" must be an object such as "
+        raise ConfigError(f"{where}: \"{EQXDIFF_KEY}\" must be an object such as "
                           '{"call_defaults": {"num_inference_steps": 20}}')
     return entry
 

@@ -213,13 +213,20 @@ def image_size(image) -> tuple[int, int] | None:
     return None
 
 
+def pixel_size(height: int, width: int) -> str:
+    """A size as errors and warnings print it, ``width 17, height 23``: ``23x17`` (height first, as arrays are) was
+    read as 23 pixels wide."""
+    return f"width {width}, height {height}"
+
+
 def check_image_size(name: str, image, factor: int) -> None:
     """Pixel input ``image`` (argument ``name``) has a height and width that are multiples of ``factor``."""
     size = image_size(image)
     if size is not None and (size[0] % factor or size[1] % factor):
         h, w = (max(factor, s // factor * factor) for s in size)
-        raise InputError(f"{name} is {size[0]}x{size[1]} pixels, not a multiple of {factor} (the VAE downsamples by "
-                         f"{factor}); resize or crop it to {h}x{w} (eqxdiff does not resize input images)")
+        raise InputError(f"{name} has {pixel_size(*size)} pixels, not multiples of {factor} (the VAE downsamples "
+                         f"by {factor}); resize or crop it to {pixel_size(h, w)} (eqxdiff does not resize input "
+                         "images)")
 
 
 def check_arguments(arguments: Mapping[str, Any], limits: CallLimits = CallLimits(), *,
@@ -271,10 +278,10 @@ def _warn_if_large(arguments: Mapping[str, Any], limits: CallLimits, from_image)
     scores = tokens ** 2 * 4  # bytes of one float32 score matrix
     size = f"{scores / 2**30:.1f} GiB" if scores >= 2**30 else f"{scores / 2**20:.1f} MiB"
     warnings.warn(
-        f"{height}x{width} pixels is {ratio:g}x the model's native {native_h}x{native_w}: its attention runs over "
-        f"{tokens} latent tokens (a dense score matrix alone takes {size} per head and image), so expect a "
-        "slow run and a large memory footprint. Generate at the native size (or a small multiple), or resize the "
-        "input image", InputWarning, stacklevel=4)
+        f"an output of {pixel_size(height, width)} pixels is {ratio:g}x the model's native size "
+        f"({pixel_size(native_h, native_w)}): its attention runs over {tokens} latent tokens (a dense score matrix "
+        f"alone takes {size} per head and image), so expect a slow run and a large memory footprint. Generate at the "
+        "native size (or a small multiple), or resize the input image", InputWarning, stacklevel=4)
 
 
 def check_finite_output(x, *, what: str, hint: str) -> None:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float
+from ._checks import pixel_size
 from ._images import pil_to_array
 
 # cond keys: the 9-channel model's inputs, and the 4-channel blend's.
@@ -48,8 +49,8 @@ def prepare_mask(mask_image, *, batch: int, height: int, width: int) -> Float[Ar
         raise ValueError(f"mask_image must be uint8 (0-255), bool, or floats in [0, 1]; got {arr.dtype} values in "
                          f"[{arr.min()}, {arr.max()}]")
     if arr.shape[1:3] != (height, width):
-        raise ValueError(f"mask_image is {arr.shape[1]}x{arr.shape[2]} but the image is {height}x{width}; resize "
-                         "the mask to the image's size")
+        raise ValueError(f"mask_image has {pixel_size(arr.shape[1], arr.shape[2])} but the image has "
+                         f"{pixel_size(height, width)}; resize the mask to the image's size")
     if arr.shape[0] not in (1, batch):
         raise ValueError(f"got {arr.shape[0]} masks for {batch} outputs; pass one mask or one per output")
     mask = np.where(arr >= 0.5, 1.0, 0.0).astype(np.float32)

@@ -43,7 +43,7 @@ from ..loading.single_file import ClipText, Layout, LdmVae, Part
 from ..models import flux
 from ._arguments import as_list, given_array, prompt_list, resolve_key
 from ._call import checked_call
-from ._checks import CallLimits, InputError, InputWarning, check_output_type, image_size
+from ._checks import CallLimits, InputError, InputWarning, check_output_type, image_size, pixel_size
 from ._components import Component
 from ._denoise import Denoiser, Guidance, plan_schedule
 from ._latents import LatentPipeline, noise_draws
@@ -121,10 +121,10 @@ def _size_error(name: str, value: int, factor: int) -> InputError:
 
 
 def image_size_error(height: int, width: int, factor: int) -> InputError:
-    return InputError(f"image is {height}x{width} pixels, not a multiple of {factor} (the VAE downsamples by "
-                      f"{factor // 2} and Flux packs 2x2 latent patches); resize or crop it to "
-                      f"{_nearest_multiple(height, factor)}x{_nearest_multiple(width, factor)} (eqxdiff does not "
-                      "resize input images)")
+    nearest = pixel_size(_nearest_multiple(height, factor), _nearest_multiple(width, factor))
+    return InputError(f"image has {pixel_size(height, width)} pixels, not multiples of {factor} (the VAE downsamples "
+                      f"by {factor // 2} and Flux packs 2x2 latent patches); resize or crop it to {nearest} (eqxdiff "
+                      "does not resize input images)")
 
 
 # -- the pipelines ------------------------------------------------------------------------------------------------

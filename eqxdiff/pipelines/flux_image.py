@@ -22,7 +22,7 @@ from PIL import Image
 from .._typing import PRNGKeyArray
 from ._arguments import resolve_key
 from ._call import checked_call
-from ._checks import CallLimits, InputError, InputWarning, image_size
+from ._checks import CallLimits, InputError, InputWarning, image_size, pixel_size
 from ._images import resize_nearest, to_model_range
 from ._latents import encode_image_latents
 from .flux import MAX_SEQUENCE_LENGTH, FluxPipeline, image_size_error
@@ -175,7 +175,8 @@ class FluxKontextPipeline(_FluxFromImage):
             _, width, height = min((abs(aspect - w / h), w, h) for w, h in KONTEXT_RESOLUTIONS)
             height, width = height // m * m, width // m * m
         if min(height, width) < m:
-            raise InputError(f"image is {_image_size(image)} pixels; Kontext needs at least {m}x{m}")
+            raise InputError(f"image has {pixel_size(*_image_size(image))} pixels; Kontext needs at least "
+                             f"{pixel_size(m, m)}")
         return image if (height, width) == _image_size(image) else _resized(image, height, width)
 
     @checked_call
@@ -211,11 +212,11 @@ class FluxKontextPipeline(_FluxFromImage):
                 raise InputError(f"{name}={value!r} must be a positive int number of pixels")
         size = kontext_size(*asked, max_area=max_area, multiple_of=2 * self.vae_scale_factor)
         if min(size) < 2 * self.vae_scale_factor:
-            raise InputError(f"max_area={max_area} at {asked[0]}x{asked[1]}'s aspect ratio leaves {size[0]}x{size[1]} "
-                             "pixels; raise max_area")
+            raise InputError(f"max_area={max_area} at the aspect ratio of {pixel_size(*asked)} leaves "
+                             f"{pixel_size(*size)} pixels; raise max_area")
         if size != asked and (height is not None or width is not None):
-            warnings.warn(f"Kontext generates {size[0]}x{size[1]} pixels: {asked[0]}x{asked[1]}'s aspect ratio at "
-                          f"max_area={max_area} (pass max_area=height*width to keep the size)", InputWarning,
+            warnings.warn(f"Kontext generates {pixel_size(*size)} pixels: the aspect ratio of {pixel_size(*asked)} "
+                          f"at max_area={max_area} (pass max_area=height*width to keep the size)", InputWarning,
                           stacklevel=2)
         positive, negative, n = self._prepare(
             prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
