@@ -1,5 +1,27 @@
 """Channels-last layers that load from PyTorch checkpoints."""
 
+from ._adapted import Site as Site
+from ._adapted import adapter_sites as adapter_sites
+from ._adapted import adapters_at as adapters_at
+from ._adapted import entries_kept as entries_kept
+from ._adapted import fuse as fuse_adapters
+from ._adapted import harmonise as harmonise_adapters
+from ._adapted import map_adapters as map_adapters
+from ._adapted import place_like as place_like
+from ._adapted import resolve_site as resolve_site
+from ._adapted import stack_layers as stack_adapter_layers
+from ._adapted import with_adapters as with_adapters
+from ._adapters import DORA_MODES as DORA_MODES
+from ._adapters import Adapter as Adapter
+from ._adapters import Adapters as Adapters
+from ._adapters import Diff as Diff
+from ._adapters import DoRA as DoRA
+from ._adapters import LoHa as LoHa
+from ._adapters import LoKr as LoKr
+from ._adapters import LoRA as LoRA
+from ._adapters import describe as describe_adapter
+from ._adapters import zeros_like as zeros_adapter
+
 from ._attend import ATTENTION_NAMES as ATTENTION_NAMES
 from ._attend import AbstractAttention as AbstractAttention
 from ._attend import AcrossHeads as AcrossHeads

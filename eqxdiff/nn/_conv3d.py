@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
+from ._adapters import Adapters, conv_weight
 
 
 def _triple(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
@@ -22,13 +23,15 @@ def _triple(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
 class Conv3d(eqx.Module):
     """3-D convolution with symmetric zero ``padding``; ``weight`` is ``[kd, kh, kw, in, out]`` (DHWIO), read from
     PyTorch's ``[out, in, kd, kh, kw]``. ``kernel_size``, ``stride`` and ``padding`` are an int or a
-    ``(frames, height, width)`` triple, as ``torch.nn.Conv3d`` takes them."""
+    ``(frames, height, width)`` triple, as ``torch.nn.Conv3d`` takes them. ``adapters``: as
+    :class:`~eqxdiff.nn.Conv2d`'s."""
 
     TORCH_PERMUTATIONS: ClassVar[dict[str, tuple[int, ...]]] = {"weight": (2, 3, 4, 1, 0)}
     PARAM_AXES: ClassVar = {"weight": ("kernel", "kernel", "kernel", "conv_in", "conv_out"), "bias": ("conv_out",)}
 
     weight: Float[Array, "kd kh kw cin cout"]
     bias: Float[Array, " cout"] | None
+    adapters: Adapters | None
     stride: tuple[int, int, int] = eqx.field(static=True)
     padding: tuple[int, int, int] = eqx.field(static=True)
 
@@ -44,17 +47,21 @@ class Conv3d(eqx.Module):
         bound = 1.0 / math.sqrt(in_channels * math.prod(kernel))
         self.weight = jax.random.uniform(wkey, (*kernel, in_channels, out_channels), dtype, -bound, bound)
         self.bias = jax.random.uniform(bkey, (out_channels,), dtype, -bound, bound) if use_bias else None
+        self.adapters = None
 
     @typechecked
     def __call__(self, x: Float[Array, "batch frames height width cin"]) -> Float[Array, "batch f2 h2 w2 cout"]:
         if x.shape[-1] != self.weight.shape[3]:
             raise ValueError(f"Conv3d expects channels-last input [batch, frames, height, width, "
                              f"cin={self.weight.shape[3]}], got shape {x.shape}")
+        weight, bias_change = conv_weight(self.adapters, self.weight, self.TORCH_PERMUTATIONS["weight"], x.dtype)
         y = jax.lax.conv_general_dilated(
-            x, self.weight.astype(x.dtype), window_strides=self.stride, padding=[(p, p) for p in self.padding],
+            x, weight, window_strides=self.stride, padding=[(p, p) for p in self.padding],
             dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))
         if self.bias is not None:
             y = y + self.bias.astype(x.dtype)
+        if bias_change is not None:
+            y = y + bias_change.astype(x.dtype)
         return y
 
 

@@ -6,6 +6,10 @@ the logical axes of its parameters (``PARAM_AXES``, or ``param_axes()`` where th
 :class:`Linear` is told whether its output runs over attention ``heads``, ``mlp`` units or the model dimension),
 which the sharding rules map to mesh axes. The loader in :mod:`eqxdiff.loading` and :mod:`eqxdiff.parallel` read
 these declarations; layers never load or place anything themselves.
+
+The projections (:class:`Linear`, :class:`Conv2d`, and :class:`~eqxdiff.nn.Conv3d`) hold an ``adapters`` slot:
+``None`` (their computation unchanged) or an :class:`~eqxdiff.nn.Adapters` stack (LoRA and its relatives, see
+:mod:`eqxdiff.nn._adapters`) whose changes are added at call time.
 """
 
 import math
@@ -16,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
+from ._adapters import Adapters, conv_weight
 
 
 def _uniform(key, shape, bound, dtype):
@@ -27,22 +32,34 @@ class Linear(eqx.Module):
 
     ``axes`` are the logical axes of ``weight``: ``(out, in)``. The default ``("out", "embed")`` shards the input
     features over FSDP; attention projections say ``("heads", "embed")`` / ``("embed", "heads")``, MLPs
-    ``("mlp", "embed")`` / ``("embed", "mlp")``."""
+    ``("mlp", "embed")`` / ``("embed", "mlp")``.
+
+    ``names``: the checkpoint names of ``(weight, bias)`` where they are not ``weight`` / ``bias``, e.g.
+    ``("in_proj_weight", "in_proj_bias")`` for ``torch.nn.MultiheadAttention``'s fused input projection (its parent
+    then renames the field to ``""``). ``adapters``: see the module docstring."""
 
     weight: Float[Array, "out in"]
     bias: Float[Array, " out"] | None
+    adapters: Adapters | None
     axes: tuple[str | None, str | None] = eqx.field(static=True, default=("out", "embed"))
+    names: tuple[str, str] | None = eqx.field(static=True, default=None)
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
-                 axes: tuple[str | None, str | None] = ("out", "embed"), dtype=jnp.float32, key: PRNGKeyArray):
+                 axes: tuple[str | None, str | None] = ("out", "embed"), names: tuple[str, str] | None = None,
+                 dtype=jnp.float32, key: PRNGKeyArray):
         wkey, bkey = jax.random.split(key)
         bound = 1.0 / math.sqrt(in_features)
         self.weight = _uniform(wkey, (out_features, in_features), bound, dtype)
         self.bias = _uniform(bkey, (out_features,), bound, dtype) if use_bias else None
+        self.adapters = None
         self.axes = tuple(axes)
+        self.names = None if names is None else tuple(names)
 
     def param_axes(self):
         return {"weight": self.axes, "bias": self.axes[:1]}
+
+    def torch_renames(self):
+        return {} if self.names is None else {"weight": self.names[0], "bias": self.names[1]}
 
     @property
     def in_features(self) -> int:
@@ -60,6 +77,8 @@ class Linear(eqx.Module):
         y = jnp.einsum("...i,oi->...o", x, self.weight.astype(x.dtype))
         if self.bias is not None:
             y = y + self.bias.astype(x.dtype)
+        if self.adapters is not None:
+            y = self.adapters.linear(x, self.weight, y)
         return y
 
 
@@ -71,6 +90,7 @@ class Conv2d(eqx.Module):
 
     weight: Float[Array, "kh kw cin cout"]
     bias: Float[Array, " cout"] | None
+    adapters: Adapters | None
     stride: int = eqx.field(static=True)
     padding: int = eqx.field(static=True)
 
@@ -80,6 +100,7 @@ class Conv2d(eqx.Module):
         bound = 1.0 / math.sqrt(in_channels * kernel_size * kernel_size)
         self.weight = _uniform(wkey, (kernel_size, kernel_size, in_channels, out_channels), bound, dtype)
         self.bias = _uniform(bkey, (out_channels,), bound, dtype) if use_bias else None
+        self.adapters = None
         self.stride = stride
         self.padding = padding
 
@@ -89,11 +110,14 @@ class Conv2d(eqx.Module):
             raise ValueError(f"Conv2d expects channels-last input [batch, height, width, cin={self.weight.shape[2]}], "
                              f"got shape {x.shape}")
         p = self.padding
+        weight, bias_change = conv_weight(self.adapters, self.weight, self.TORCH_PERMUTATIONS["weight"], x.dtype)
         y = jax.lax.conv_general_dilated(
-            x, self.weight.astype(x.dtype), window_strides=(self.stride, self.stride),
+            x, weight, window_strides=(self.stride, self.stride),
             padding=((p, p), (p, p)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
         if self.bias is not None:
             y = y + self.bias.astype(x.dtype)
+        if bias_change is not None:
+            y = y + bias_change.astype(x.dtype)
         return y
 
 
