@@ -9,6 +9,7 @@ file tensor, joined into a fused layer, stacked over a scanned stack).
 """
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping, Sequence
 
 import equinox as eqx
@@ -81,8 +82,16 @@ class Matcher:
                 self._indexes[key] = try_layer_index(self.models[component], rules)
         return self._indexes[key]
 
-    def _aliased(self, layout: str, name: str) -> list[str]:
+    def _aliased(self, component: str, layout: str, name: str) -> list[str]:
+        """``name`` and what it may stand for: through the layout's aliases, or (the model's own layout) through
+        the model's ``CHECKPOINT_KEY_MAP`` (names another library version writes: transformers 5's CLIP drops
+        ``text_model.``)."""
         out = [name]
+        if not layout:
+            mapped = name
+            for pattern, replacement in getattr(type(self.models[component]), "CHECKPOINT_KEY_MAP", ()):
+                mapped = re.sub(pattern, replacement, mapped)
+            out.append(mapped)
         for source, target in self.layouts[layout].aliases if layout else ():
             m = template_pattern(source).fullmatch(name)
             if m:
@@ -95,7 +104,7 @@ class Matcher:
                 continue
             name = key[len(naming.prefix):]
             index = self.index(naming.component, naming.layout, naming.underscored)
-            for candidate in self._aliased(naming.layout, name):
+            for candidate in self._aliased(naming.component, naming.layout, name):
                 if candidate in index:
                     return naming, name, index[candidate]
         return None
@@ -172,7 +181,7 @@ def same_structure(a: nn.Adapter, b: nn.Adapter) -> bool:
     la, lb = eqx.filter(a, eqx.is_array_like), eqx.filter(b, eqx.is_array_like)
     if jax.tree.structure(la) != jax.tree.structure(lb):
         return False
-    return all(np.shape(x) == np.shape(y) and np.result_type(x) == np.result_type(y)
+    return all(np.shape(x) == np.shape(y) and np.dtype(x.dtype) == np.dtype(y.dtype)
                for x, y in zip(jax.tree.leaves(la), jax.tree.leaves(lb)))
 
 

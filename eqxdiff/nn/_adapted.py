@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..core import STACKED, has_field, leaf_specs, torch_shape
@@ -183,31 +182,61 @@ def _fused_layer(layer):
     adapters = layer.adapters
     perm = getattr(type(layer), "TORCH_PERMUTATIONS", {}).get("weight")
     dw, db = adapters.weight_update(layer.weight, perm)
-    weight = layer.weight if dw is None else (layer.weight.astype(jnp.float32) + dw).astype(layer.weight.dtype)
+    weight = layer.weight if dw is None else (layer.weight.astype(np.float32) + dw).astype(layer.weight.dtype)
     bias = layer.bias
     if db is not None:
         dtype = layer.weight.dtype if bias is None else bias.dtype
-        bias = (db if bias is None else bias.astype(jnp.float32) + db).astype(dtype)
+        bias = (db if bias is None else bias.astype(np.float32) + db).astype(dtype)
     out = eqx.tree_at(lambda m: (m.weight, m.adapters), layer, (weight, None), is_leaf=lambda x: x is None)
     if bias is not layer.bias:
         out = eqx.tree_at(lambda m: m.bias, out, bias, is_leaf=lambda x: x is None)
     return out
 
 
-def fuse(model, sites: Sequence[Site] | None = None):
+_fused_jit = eqx.filter_jit(_fused_layer)
+_fused_stack_jit = eqx.filter_jit(eqx.filter_vmap(_fused_layer))
+FUSE_MODES = ("jit", "host", "trace")
+
+
+def _host(x):
+    return np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) else x
+
+
+def _fused_on_host(layer, layers: int | None):
+    """``_fused_layer`` in NumPy on the host (nothing compiles), the results placed where the weights were."""
+    host = jax.tree.map(_host, layer)
+    if layers is None:
+        new = _fused_layer(host)
+    else:
+        new = jax.tree.map(lambda *xs: np.stack(xs),
+                           *(_fused_layer(jax.tree.map(lambda x: x[i], host)) for i in range(layers)))
+    bias = new.bias if layer.bias is None else place_like(new.bias, layer.bias)
+    if bias is not None and not isinstance(bias, jax.Array) and isinstance(layer.weight, jax.Array):
+        bias = place_like(bias, layer.weight)
+    return eqx.tree_at(lambda m: (m.weight, m.bias), new, (place_like(new.weight, layer.weight), bias),
+                       is_leaf=lambda x: x is None)
+
+
+def fuse(model, sites: Sequence[Site] | None = None, *, how: str = "jit"):
     """``model`` with every adapter merged into its layer's weight (``W + change`` summed in float32 and cast back
-    to the weight's dtype) and the slots emptied: the model's structure without adapters. Jit it for sharded
-    models (the sums keep each weight's sharding)."""
+    to the weight's dtype) and the slots emptied: the model's structure without adapters. ``how``: ``"jit"``, each
+    layer merged by a compiled program (one per layer structure, shared by the layers of it; the sums keep each
+    weight's sharding: for models on a mesh); ``"host"``, in NumPy on the host, the results put where the weights
+    were (nothing compiles: for models on one device); ``"trace"``, as it is (inside a caller's trace)."""
+    if how not in FUSE_MODES:
+        raise ValueError(f"fuse: how={how!r}; choose one of {FUSE_MODES}")
     sites = adapter_sites(model) if sites is None else sites
     updates = {}
     for site in sites:
         layer = resolve(model, site.path)
         if layer.adapters is None:
             continue
-        if site.layers is None:
-            updates[site.path] = _fused_layer(layer)
+        if how == "host":
+            updates[site.path] = _fused_on_host(layer, site.layers)
+        elif site.layers is None:
+            updates[site.path] = (_fused_jit if how == "jit" else _fused_layer)(layer)
         else:
-            updates[site.path] = eqx.filter_vmap(_fused_layer)(layer)
+            updates[site.path] = (_fused_stack_jit if how == "jit" else eqx.filter_vmap(_fused_layer))(layer)
     if not updates:
         return model
     paths = list(updates)
