@@ -19,6 +19,7 @@ _LAZY = {
     "ConfigError": "eqxdiff.core",
     "enable_compilation_cache": "eqxdiff.core",
     "load_pipeline": "eqxdiff.pipelines",
+    "lora": "eqxdiff.pipelines",
     "save_pipeline": "eqxdiff.pipelines",
 }
 

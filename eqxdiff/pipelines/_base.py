@@ -44,12 +44,13 @@ from ..parallel import shard_batch, shard_params, sharding_fn, with_plan
 from ._call import COMPILE_SUFFIX, call_argument_names, compile_seconds, is_checked
 from ._checks import CallLimits, check_arguments
 from ._components import Component, build_scheduler, load_tokenizer, pipeline_class_for
+from ._lora import LoraMixin
 from ._single_file import read_single_file
 
 EQXDIFF_KEY = "_eqxdiff"  # model_index.json's entry for eqxdiff's own settings (the recommended call)
 
 
-class DiffusionPipeline:
+class DiffusionPipeline(LoraMixin):
     """Base of eqxdiff's pipelines. Subclasses set :attr:`CLASS_NAME` (their ``model_index.json``
     ``_class_name``), :attr:`COMPONENTS` and write ``__call__``, decorated with
     :func:`~eqxdiff.pipelines.checked_call`; components become attributes of the same name.

@@ -140,6 +140,7 @@ class FluxPipeline(LatentPipeline):
     """
 
     CLASS_NAME: ClassVar[str] = "FluxPipeline"
+    LORA_FORMAT: ClassVar[str] = "eqxdiff.pipelines._lora_flux:FLUX"
     COMPONENTS: ClassVar[tuple[Component, ...]] = (
         Component("scheduler", "diffusers", "scheduler"),
         Component("vae", "diffusers", classes=("AutoencoderKL",), scan=False),

@@ -48,6 +48,7 @@ class StableDiffusionPipeline(UNetPipeline):
     """
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionPipeline"
+    LORA_FORMAT: ClassVar[str] = "eqxdiff.pipelines._lora_unet:SD"
     COMPONENTS: ClassVar[tuple[Component, ...]] = (
         Component("tokenizer", "transformers", "tokenizer"),
         Component("text_encoder", "transformers", classes=("CLIPTextModel",), encoder=True),

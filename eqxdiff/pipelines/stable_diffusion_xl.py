@@ -62,6 +62,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
     """
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionXLPipeline"
+    LORA_FORMAT: ClassVar[str] = "eqxdiff.pipelines._lora_unet:SDXL"
     COMPONENTS: ClassVar[tuple[Component, ...]] = (
         Component("tokenizer", "transformers", "tokenizer", optional=True),
         Component("tokenizer_2", "transformers", "tokenizer"),

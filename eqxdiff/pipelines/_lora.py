@@ -1,0 +1,447 @@
+"""LoRA and LyCORIS adapters on a pipeline, by diffusers' names: ``load_lora_weights``, ``set_adapters``,
+``disable_lora`` / ``enable_lora``, ``delete_adapters``, ``fuse_lora`` / ``unfuse_lora``, ``unload_lora_weights``,
+``get_active_adapters``, ``get_list_adapters``.
+
+>>> pipe.load_lora_weights("pixel-art-xl.safetensors", adapter_name="pixel")
+>>> pipe.load_lora_weights("owner/toy-face", weight_name="toy_face_sdxl.safetensors", adapter_name="toy")
+>>> pipe.set_adapters(["pixel", "toy"], adapter_weights=[0.5, 1.0])   # compiles nothing
+>>> images = pipe("a toy face, pixel art")
+
+Every family's models hold the adapters in their layers' ``adapters`` slots (:mod:`eqxdiff.nn._adapters`), added
+at call time with traced strengths: a new strength, switching adapters on or off, or another file of the same ranks
+and targets (``hotswap=True``; ranks padded to ``max_rank=``) reuses the compiled denoising loop. ``fuse_lora``
+merges them into the weights (float32 sums cast back) and ``unfuse_lora`` gives back the models as they were, byte
+for byte. Which models a family's files adapt and how their keys name them is the family's ``LORA_FORMAT``
+(:class:`~eqxdiff.pipelines._lora_format.LoraFormat`); this mixin names no family.
+"""
+
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from .. import nn
+from ..loading import CheckpointError
+from ..loading.lora import Matcher, parse, read_lora, same_structure, site_adapters
+from ..parallel import shard_params
+from ._lora_format import LoraFormat, detect_family, load_format
+
+MAX_LISTED = 10  # keys listed in an error before "and N more"
+
+
+class LoraWarning(UserWarning):
+    """A LoRA file loaded with ``strict=False`` holds keys that adapt nothing in this pipeline."""
+
+
+@dataclasses.dataclass
+class LoadedAdapter:
+    """One loaded file: its ``name``, ``path``, the layers it adapts per component (``sites``: key paths), its
+    ``weight`` (``set_adapters``'), ``max_rank`` it was padded to, and ``modules``: how many file modules matched."""
+
+    name: str
+    path: str
+    sites: dict[str, list[tuple]]
+    weight: Any = 1.0
+    max_rank: int | None = None
+    modules: int = 0
+
+
+@dataclasses.dataclass
+class LoraState:
+    """A pipeline's adapters. ``slots[component][path]``: the adapter names of that layer's entries, in order;
+    ``original``: the models before any adapter (restored by ``unload_lora_weights``); ``unfused``: the models
+    ``fuse_lora`` replaced (restored by ``unfuse_lora``); ``fused``: the adapters merged into the weights."""
+
+    adapters: dict[str, LoadedAdapter] = dataclasses.field(default_factory=dict)
+    slots: dict[str, dict[tuple, list[str]]] = dataclasses.field(default_factory=dict)
+    active: list[str] = dataclasses.field(default_factory=list)
+    enabled: bool = True
+    original: dict[str, Any] = dataclasses.field(default_factory=dict)
+    unfused: dict[str, Any] = dataclasses.field(default_factory=dict)
+    fused: list[str] = dataclasses.field(default_factory=list)
+
+
+def _listed(keys: Sequence[str]) -> str:
+    keys = list(keys)
+    more = f" ... and {len(keys) - MAX_LISTED} more" if len(keys) > MAX_LISTED else ""
+    return ", ".join(repr(k) for k in keys[:MAX_LISTED]) + more
+
+
+class LoraMixin:
+    """LoRA methods of :class:`~eqxdiff.pipelines.DiffusionPipeline` (see the module docstring)."""
+
+    # "module:NAME" of the family's LoraFormat (None: the family reads no LoRA files)
+    LORA_FORMAT: ClassVar[str | None] = None
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    def _lora_format(self) -> LoraFormat:
+        fmt = load_format(type(self).LORA_FORMAT)
+        if fmt is None:
+            raise ValueError(f"{type(self).__name__} declares no LoRA format (LORA_FORMAT): its family does not read "
+                             "LoRA files yet")
+        return fmt
+
+    def _lora(self) -> LoraState:
+        state = self.__dict__.get("_lora_state")
+        if state is None:
+            state = self.__dict__["_lora_state"] = LoraState()
+        return state
+
+    def _lora_models(self) -> dict[str, Any]:
+        return {c.name: getattr(self, c.name) for c in self.COMPONENTS
+                if c.kind == "model" and getattr(self, c.name, None) is not None}
+
+    def _check_names(self, names, what: str) -> list[str]:
+        names = [names] if isinstance(names, str) else list(names)
+        known = self._lora().adapters
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"{what}: no adapter named {unknown}; loaded: {list(known)}")
+        return names
+
+    def _place_lora(self, component: str, model):
+        """``model`` with its host (NumPy) adapter leaves placed as the component's weights are."""
+        spec = next(c for c in self.COMPONENTS if c.name == component)
+        if self.offload_encoders and spec.encoder:
+            return model  # kept on the host with the encoder's weights (self.encoder() places both)
+        if self.mesh is not None:
+            return shard_params(model, self.mesh, self.rules)
+        return jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, model)
+
+    # -- loading -----------------------------------------------------------------------------------------------
+
+    def load_lora_weights(self, path_or_hub_id, *, weight_name: str | None = None, adapter_name: str | None = None,
+                          strict: bool = True, max_rank: int | None = None, hotswap: bool = False,
+                          revision: str | None = None) -> str:
+        """Load a LoRA / LyCORIS file (a ``.safetensors`` file, a folder holding one, or a Hub id with
+        ``weight_name``) as adapter ``adapter_name`` (default ``default_N``) and make it the active one; returns the
+        name. Any trainer's layout of the family's models is read (see the family's ``LORA_FORMAT``).
+
+        ``strict``: keys that adapt nothing here are an error listing them (``False``: one warning); a file for
+        another family is an error naming it either way, and so is a file of which nothing applies. ``max_rank``:
+        pad every rank to it, so that a later ``hotswap=True`` load of another file (of ranks up to it) into this
+        adapter compiles nothing. ``hotswap``: replace the values of the existing adapter ``adapter_name`` (same
+        layers, ranks up to the padded ones) instead of adding one."""
+        fmt, state = self._lora_format(), self._lora()
+        if state.fused:
+            raise ValueError(f"adapters {state.fused} are fused into the weights; unfuse_lora() before loading "
+                             "another file")
+        name = self._adapter_name(adapter_name, hotswap)
+        file = read_lora(path_or_hub_id, weight_name=weight_name, revision=revision)
+        records, unknown = parse(file.tensors)
+        models = self._lora_models()
+        matched, unmatched = Matcher(models, fmt.namings, fmt.layouts).match(records)
+        self._check_coverage(fmt, file.path, file.tensors, matched, unmatched, unknown, strict)
+        if hotswap:
+            max_rank = state.adapters[name].max_rank
+        dtypes = {site: np.dtype(nn.resolve_site(model, site).weight.dtype) for model in models.values()
+                  for site in nn.adapter_sites(model)}
+        try:
+            built = site_adapters(matched, file.peft_config(), dtypes.__getitem__, max_rank=max_rank)
+        except ValueError as e:
+            raise CheckpointError(f"{file.path!r}: {e}") from None
+        if hotswap:
+            self._hotswap(name, built)
+        else:
+            self._attach(name, built)
+            state.adapters[name] = LoadedAdapter(name, file.path, {c: [s.path for s in sites]
+                                                                   for c, sites in built.items()},
+                                                 max_rank=max_rank, modules=len(matched))
+            state.active = [name]
+        self._refresh_lora()
+        return name
+
+    def _adapter_name(self, adapter_name: str | None, hotswap: bool) -> str:
+        adapters = self._lora().adapters
+        if hotswap:
+            if adapter_name not in adapters:
+                raise ValueError(f"hotswap=True replaces a loaded adapter: give adapter_name= one of {list(adapters)}")
+            return adapter_name
+        if adapter_name is None:
+            i = len(adapters)
+            while f"default_{i}" in adapters:
+                i += 1
+            return f"default_{i}"
+        if not isinstance(adapter_name, str) or not adapter_name:
+            raise ValueError(f"adapter_name={adapter_name!r} must be a non-empty string")
+        if adapter_name in adapters:
+            raise ValueError(f"an adapter named {adapter_name!r} is already loaded; choose another adapter_name, "
+                             "delete_adapters() it first, or hotswap=True to replace its values")
+        return adapter_name
+
+    def _check_coverage(self, fmt: LoraFormat, path: str, tensors, matched, unmatched, unknown, strict: bool):
+        """Refuse a file for another family, a file of which nothing applies and (``strict``) any key that adapts
+        nothing here; warn once otherwise."""
+        left = [k for rec in unmatched for k in rec.keys] + list(unknown)
+        if not left:
+            return
+        family, evidence = detect_family(tensors)
+        if family is not None and family != fmt.family and len(evidence) >= len(tensors) // 2:
+            raise CheckpointError(f"{path!r} is a LoRA for {family} (keys such as {evidence[0]!r}), not for "
+                                  f"{fmt.family}; load it into a {family} pipeline")
+        what = (f"{len(left)} of the {len(tensors)} tensors of {path!r} adapt nothing in this "
+                f"{type(self).__name__} ({', '.join(self._lora_models())}): {_listed(sorted(left))}")
+        if not matched:
+            raise CheckpointError(f"{what}. Nothing in the file applies: it is not a LoRA for {fmt.family} (or a "
+                                  "layout eqxdiff does not read); eqxdiff.lora.inspect(file) reports what it holds")
+        if strict:
+            raise CheckpointError(f"{what}. Check the file is for this model; strict=False loads the rest with a "
+                                  "warning")
+        warnings.warn(f"{what}; loading the rest (strict=False)", LoraWarning, stacklevel=3)
+
+    def _attach(self, name: str, built: Mapping[str, Mapping[nn.Site, nn.Adapter]]) -> None:
+        state = self._lora()
+        for component, sites in built.items():
+            model = getattr(self, component)
+            state.original.setdefault(component, model)
+            slots = state.slots.setdefault(component, {})
+            changes = {}
+            for site, adapter in sites.items():
+                old = nn.resolve_site(model, site).adapters
+                entries = (() if old is None else old.entries) + (adapter,)
+                shape = (len(entries),) if site.layers is None else (site.layers, len(entries))
+                changes[site.path] = nn.Adapters(entries, np.ones(shape, np.float32), np.ones(shape, np.float32))
+                slots.setdefault(site.path, []).append(name)
+            setattr(self, component, self._place_lora(component, nn.with_adapters(model, changes)))
+
+    def _hotswap(self, name: str, built: Mapping[str, Mapping[nn.Site, nn.Adapter]]) -> None:
+        state = self._lora()
+        loaded = state.adapters[name]
+        extra = sorted(set(built) - set(loaded.sites))
+        if extra:
+            raise CheckpointError(f"hotswap into {name!r}: the file adapts {extra}, which {name!r} does not; "
+                                  "hotswapping replaces values only, in the layers the first file adapted")
+        for component, paths in loaded.sites.items():
+            model = getattr(self, component)
+            new = {site.path: (site, a) for site, a in built.get(component, {}).items()}
+            outside = [s.name for p, (s, _) in new.items() if p not in paths]
+            if outside:
+                raise CheckpointError(f"hotswap into {name!r}: the file adapts {_listed(outside)} of {component}, "
+                                      f"which {name!r} does not; load it as another adapter instead")
+            changes = {}
+            for path in paths:
+                adapters = nn.resolve_site(model, path).adapters
+                i = state.slots[component][path].index(name)
+                old = adapters.entries[i]
+                site, fresh = new.get(path, (None, None))
+                fresh = nn.zeros_adapter(old) if fresh is None else fresh
+                if not same_structure(fresh, old):
+                    where = site.name if site is not None else str(path)
+                    raise CheckpointError(
+                        f"hotswap into {name!r}: {component} layer {where!r} gets a {nn.describe_adapter(fresh)} "
+                        f"where {name!r} holds a {nn.describe_adapter(old)}; hotswapping keeps the compiled program, "
+                        f"so kinds and ranks must fit: load the first file with max_rank= the largest rank")
+                fresh = jax.tree.map(nn.place_like, fresh, old)
+                entries = adapters.entries[:i] + (fresh,) + adapters.entries[i + 1:]
+                changes[path] = nn.Adapters(entries, adapters.scales, adapters.enabled)
+            setattr(self, component, nn.with_adapters(model, changes))
+
+    # -- strengths ---------------------------------------------------------------------------------------------
+
+    def _weight_fn(self, name: str, component: str, model):
+        """``module name -> strength`` of adapter ``name`` in ``component``."""
+        weight = self._lora().adapters[name].weight
+        components = set(self._lora_models())
+        if isinstance(weight, Mapping) and set(weight) <= components:
+            weight = weight.get(component, 1.0)
+        elif isinstance(weight, Mapping):
+            blocks = self._lora_format().block_scales
+            if not blocks:
+                raise ValueError(f"adapter weights {weight!r}: name components {sorted(components)} as keys; "
+                                 f"{self._lora_format().family} has no per-block scales")
+            weight = weight if component in blocks else 1.0
+        if isinstance(weight, Mapping):
+            blocks = self._lora_format().block_scales
+            if component not in blocks:
+                raise ValueError(f"per-block weights {weight!r} for {component}, which has no per-block scales; "
+                                 f"give it one number")
+            return blocks[component](model, weight)
+        value = float(weight)
+        return lambda module: value
+
+    def _refresh_lora(self) -> None:
+        """Every layer's traced strengths and switches from the adapters' weights, the active set and
+        ``enable_lora`` / ``disable_lora``: values only, placed where the old ones were (nothing compiles). While
+        fused, the fused models keep their unfused adapters' entries and the kept unfused models all of them."""
+        state = self._lora()
+        for component, slots in state.slots.items():
+            fused_here = component in state.unfused
+            current = {p: [n for n in names if not (fused_here and n in state.fused)] for p, names in slots.items()}
+            setattr(self, component, self._with_strengths(component, getattr(self, component), current))
+            if fused_here:
+                state.unfused[component] = self._with_strengths(component, state.unfused[component], slots)
+
+    def _with_strengths(self, component: str, model, names_of: Mapping[tuple, list[str]]):
+        state = self._lora()
+        fns = {n: self._weight_fn(n, component, model) for names in names_of.values() for n in names}
+        changes = {}
+        for site in nn.adapter_sites(model):
+            names = names_of.get(site.path)
+            adapters = nn.resolve_site(model, site).adapters
+            if not names or adapters is None:
+                continue
+            modules = site.names
+            scales = np.asarray([[fns[n](m) for n in names] for m in modules], np.float32)
+            on = np.asarray([[1.0 if state.enabled and n in state.active else 0.0 for n in names]] * len(modules),
+                            np.float32)
+            if site.layers is None:
+                scales, on = scales[0], on[0]
+            changes[site.path] = nn.Adapters(adapters.entries, nn.place_like(scales, adapters.scales),
+                                             nn.place_like(on, adapters.enabled))
+        return nn.with_adapters(model, changes)
+
+    def set_adapters(self, adapter_names: str | Sequence[str], adapter_weights=None) -> None:
+        """Make ``adapter_names`` the active adapters, at ``adapter_weights`` (one per name, or one for all; default
+        1.0). A weight is a number, a dict by component (``{"unet": 0.8, "text_encoder": 0.5}``) or, for a family
+        with per-block scales (the UNets), diffusers' block dict ``{"down": {"block_1": [0, 1]}, "mid": 0.5, "up":
+        ...}`` (under its component's key, or alone). Values only: nothing compiles."""
+        names = self._check_names(adapter_names, "set_adapters")
+        if adapter_weights is None:
+            weights = [1.0] * len(names)
+        elif isinstance(adapter_weights, (int, float, Mapping)):
+            weights = [adapter_weights] * len(names)
+        else:
+            weights = list(adapter_weights)
+        if len(weights) != len(names):
+            raise ValueError(f"set_adapters: {len(weights)} adapter_weights for {len(names)} adapter_names")
+        state = self._lora()
+        previous = {n: state.adapters[n].weight for n in names}
+        for n, w in zip(names, weights):
+            state.adapters[n].weight = 1.0 if w is None else w
+        try:
+            for component in state.slots:  # check every weight before changing anything
+                for n in names:
+                    self._weight_fn(n, component, getattr(self, component))
+        except (ValueError, TypeError):
+            for n, w in previous.items():
+                state.adapters[n].weight = w
+            raise
+        state.active = names
+        self._refresh_lora()
+
+    def disable_lora(self) -> None:
+        """Switch every adapter off (the models compute as without them; nothing compiles)."""
+        self._lora().enabled = False
+        self._refresh_lora()
+
+    def enable_lora(self) -> None:
+        """Switch the active adapters back on."""
+        self._lora().enabled = True
+        self._refresh_lora()
+
+    def get_active_adapters(self) -> list[str]:
+        return list(self._lora().active)
+
+    def get_list_adapters(self) -> dict[str, list[str]]:
+        """Component -> the adapters loaded into it."""
+        out: dict[str, list[str]] = {}
+        for loaded in self._lora().adapters.values():
+            for component in loaded.sites:
+                out.setdefault(component, []).append(loaded.name)
+        return out
+
+    def lora_adapters(self) -> list[dict]:
+        """The loaded adapters as records (name, file, weight, active): what an output's metadata notes."""
+        state = self._lora()
+        return [{"name": a.name, "path": a.path, "weight": a.weight, "active": state.enabled and a.name in state.active,
+                 "fused": a.name in state.fused} for a in state.adapters.values()]
+
+    # -- removing ----------------------------------------------------------------------------------------------
+
+    def delete_adapters(self, adapter_names: str | Sequence[str]) -> None:
+        """Remove adapters (their entries leave every layer: the models' structure changes)."""
+        names = self._check_names(adapter_names, "delete_adapters")
+        state = self._lora()
+        if state.fused:
+            raise ValueError("unfuse_lora() before deleting adapters")
+        for component, slots in state.slots.items():
+            model = getattr(self, component)
+            changes = {}
+            for path, held in list(slots.items()):
+                keep = [i for i, n in enumerate(held) if n not in names]
+                if len(keep) == len(held):
+                    continue
+                changes[path] = nn.entries_kept(nn.resolve_site(model, path).adapters, keep)
+                slots[path] = [held[i] for i in keep]
+                if not slots[path]:
+                    del slots[path]
+            setattr(self, component, nn.with_adapters(model, changes))
+        for n in names:
+            del state.adapters[n]
+        state.active = [n for n in state.active if n not in names]
+        if not state.adapters:
+            self.unload_lora_weights()
+
+    def unload_lora_weights(self) -> None:
+        """Remove every adapter: each model is again the very object it was before the first load (fused weights
+        included: their originals come back)."""
+        state = self._lora()
+        for component, model in state.original.items():
+            setattr(self, component, model)
+        self.__dict__["_lora_state"] = LoraState()
+
+    # -- fusing ------------------------------------------------------------------------------------------------
+
+    def fuse_lora(self, lora_scale: float = 1.0, components: Sequence[str] | None = None,
+                  adapter_names: Sequence[str] | None = None, safe_fusing: bool = False) -> None:
+        """Merge adapters into the weights: ``W + lora_scale * change`` at their current strengths, summed in float32
+        and cast back to each weight's dtype; the layers then compute as plain layers (the models' structure without
+        adapters, if all are fused). ``adapter_names``: which (default: the active ones, if enabled);
+        ``components``: where (default: all); ``safe_fusing``: refuse weights that come out non-finite.
+        :meth:`unfuse_lora` restores the models exactly."""
+        state = self._lora()
+        if state.fused:
+            raise ValueError(f"adapters {state.fused} are fused already; unfuse_lora() first")
+        names = self._check_names(list(state.active if state.enabled else []) if adapter_names is None
+                                  else adapter_names, "fuse_lora")
+        if not names:
+            raise ValueError("fuse_lora: no adapter to fuse (none is active); set_adapters() or name adapter_names")
+        comps = list(state.slots) if components is None else list(components)
+        unknown = sorted(set(comps) - set(state.slots))
+        if unknown:
+            raise ValueError(f"fuse_lora: components {unknown} hold no adapters; those that do: {list(state.slots)}")
+        fused_models = {}
+        for component in comps:
+            model = getattr(self, component)
+            fused_models[component] = self._fuse_one(component, model, names, lora_scale)
+            if safe_fusing and not all(bool(np.all(np.isfinite(np.asarray(x))))
+                                       for x in jax.tree.leaves(eqx.filter(fused_models[component], eqx.is_array))):
+                raise ValueError(f"fuse_lora(safe_fusing=True): {component} has non-finite weights once fused; "
+                                 "nothing was fused")
+        for component, fused in fused_models.items():
+            state.unfused[component] = getattr(self, component)
+            setattr(self, component, fused)
+        state.fused = names
+
+    def _fuse_one(self, component: str, model, names: Sequence[str], lora_scale: float):
+        slots = self._lora().slots[component]
+        to_fuse, to_keep = {}, {}
+        for path, held in slots.items():
+            adapters = nn.resolve_site(model, path).adapters
+            fuse = [i for i, n in enumerate(held) if n in names]
+            keep = [i for i, n in enumerate(held) if n not in names]
+            sub = nn.entries_kept(adapters, fuse)
+            if sub is not None:
+                scales = nn.place_like(np.asarray(sub.scales) * np.float32(lora_scale), sub.scales)
+                sub = nn.Adapters(sub.entries, scales, sub.enabled)
+            to_fuse[path], to_keep[path] = sub, nn.entries_kept(adapters, keep)
+        fused = nn.fuse_adapters(nn.with_adapters(model, to_fuse), how="host" if self.mesh is None else "jit")
+        return nn.with_adapters(fused, {p: a for p, a in to_keep.items() if a is not None})
+
+    def unfuse_lora(self, components: Sequence[str] | None = None) -> None:
+        """Give back the models :meth:`fuse_lora` replaced, exactly (their original arrays)."""
+        state = self._lora()
+        comps = list(state.unfused) if components is None else list(components)
+        for component in comps:
+            if component in state.unfused:
+                setattr(self, component, state.unfused.pop(component))
+        if not state.unfused:
+            state.fused = []
+
+
+__all__ = ["LoadedAdapter", "LoraMixin", "LoraState", "LoraWarning"]
