@@ -104,29 +104,29 @@ def control_type_vector(control_mode: Sequence[int], num_control_type: int) -> j
 
 class SequenceFirstSelfAttention(eqx.Module):
     """``torch.nn.MultiheadAttention`` as self-attention, sequence-first (its ``batch_first=False`` default) and
-    under its names: the fused ``in_proj_weight`` / ``in_proj_bias`` (``[q; k; v]`` on the output axis), held as
-    stored, and ``out_proj``. The heads split, the kernel and ``out_proj`` are a
-    :class:`~eqxdiff.nn.ProjectedAttention`'s."""
+    under its names: the fused ``in_proj_weight`` / ``in_proj_bias`` (``[q; k; v]`` on the output axis: a
+    :class:`~eqxdiff.nn.Linear` named as torch names them, with its adapter slot), and ``out_proj``. The heads split,
+    the kernel and ``out_proj`` are a :class:`~eqxdiff.nn.ProjectedAttention`'s."""
 
-    PARAM_AXES: ClassVar = {"in_proj_weight": (None, "embed"), "in_proj_bias": (None,)}
-    TORCH_RENAMES: ClassVar = {"attention": ""}  # its to_out is torch's out_proj (names="clip")
+    TORCH_RENAMES: ClassVar = {"attention": "", "in_proj": ""}  # its to_out is torch's out_proj (names="clip")
 
-    in_proj_weight: Float[Array, "three_dim dim"]
-    in_proj_bias: Float[Array, " three_dim"]
+    in_proj: Linear
     attention: ProjectedAttention
 
     def __init__(self, dim: int, heads: int, *, dtype=jnp.float32, key: PRNGKeyArray):
         kw, ka = jax.random.split(key)
         bound = math.sqrt(6.0 / (dim + 3 * dim))  # torch's xavier_uniform_ of the fused weight
-        self.in_proj_weight = jax.random.uniform(kw, (3 * dim, dim), dtype, -bound, bound)
-        self.in_proj_bias = jnp.zeros((3 * dim,), dtype)
+        in_proj = Linear(dim, 3 * dim, axes=(None, "embed"), names=("in_proj_weight", "in_proj_bias"), dtype=dtype,
+                         key=kw)
+        self.in_proj = eqx.tree_at(lambda lin: (lin.weight, lin.bias), in_proj,
+                                   (jax.random.uniform(kw, (3 * dim, dim), dtype, -bound, bound),
+                                    jnp.zeros((3 * dim,), dtype)))
         self.attention = ProjectedAttention(dim, heads=heads, dim_head=dim // heads, out_bias=True, names="clip",
                                             token_axis=None, dtype=dtype, key=ka)
 
     @typechecked
     def __call__(self, x: Float[Array, "seq batch dim"]) -> Float[Array, "seq batch dim"]:
-        qkv = jnp.einsum("sbi,oi->bso", x, self.in_proj_weight.astype(x.dtype)) + self.in_proj_bias.astype(x.dtype)
-        q, k, v = jnp.split(qkv, 3, axis=-1)
+        q, k, v = jnp.split(jnp.swapaxes(self.in_proj(x), 0, 1), 3, axis=-1)
         return jnp.swapaxes(self.attention(q, k, v), 0, 1)
 
 
