@@ -1,0 +1,302 @@
+"""LoRA files on Stable Diffusion, end to end against diffusers (<= 2/255 per pixel, the same latents).
+
+Each format is a random file built here at the tiny pipeline's sizes (every tensor random and non-zero): diffusers /
+PEFT (``lora_A``/``lora_B``, ``lora_B.bias``, rank and alpha patterns from the metadata header, text encoder too),
+diffusers' legacy ``to_q_lora.down`` names, kohya (diffusers-like names, ``alpha``, LoCon convolutions), PEFT's DoRA,
+and a LyCORIS file mixing LoHa (with Tucker cores), LoKr, LoCon with ``lora_mid``, ``dora_scale``, a full
+``diff``/``diff_b`` and kohya's ``lora_te_`` (reference: LyCORIS' own reader and modules in diffusers' forward, which
+diffusers cannot load; a Tucker LoKr, which LyCORIS' reader mis-ranks, is proven layer by layer in
+tests/test_lora_nn.py). Fused formats share the pipeline's compiled program (a fused model has the structure of the
+plain one); unfused ones compile once per adapter structure, after which strengths, switches, another file of the
+same shapes and a hotswap under ``max_rank`` compile nothing (counted as tests/test_recompile.py counts)."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import eqxdiff
+from eqxdiff.loading import CheckpointError
+from eqxdiff.pipelines.lora import LoraWarning
+
+from . import _lora_files as files
+from . import _tiny_sd
+from ._util import nhwc_to_nchw
+from .test_recompile import no_compile
+
+CALL = dict(prompt="a red cat", negative_prompt="blurry", height=32, width=32, num_inference_steps=3,
+            guidance_scale=5.0)
+LATENTS = np.random.default_rng(0).standard_normal((1, 16, 16, 4)).astype(np.float32)
+UNET = r"(attn[12]\.to_(q|k|v|out\.0)|ff\.net\.(0\.proj|2)|proj_(in|out)|resnets\.\d\.(conv[12]|time_emb_proj))$"
+TEXT = r"self_attn\.(q|k|v|out)_proj$|mlp\.fc[12]$"
+
+
+@pytest.fixture(scope="module")
+def sd(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sd")
+    ref = _tiny_sd.build_pipeline(folder, scheduler="ddim")
+    pipe = eqxdiff.load_pipeline(folder)
+    base = _ours(pipe)  # compiles the plain pipeline once
+    return ref, pipe, base, tmp_path_factory.mktemp("loras")
+
+
+def _ours(pipe) -> np.ndarray:
+    return np.asarray(pipe(**CALL, latents=LATENTS, progress=False))
+
+
+def _theirs(ref) -> np.ndarray:
+    with torch.no_grad():
+        return ref(**CALL, latents=nhwc_to_nchw(LATENTS), output_type="np").images
+
+
+def text_modules(ref, pattern: str) -> dict:
+    """The text encoder's layers by their checkpoint names, the names LoRA files use."""
+    return files.modules(files.checkpoint_named(ref.text_encoder), pattern)
+
+
+def _close(ours: np.ndarray, theirs: np.ndarray, what: str) -> None:
+    worst = int(np.max(np.abs(ours.astype(int) - (theirs * 255).round().astype(int))))
+    assert worst <= 2, f"{what}: {worst}/255 from diffusers"
+
+
+def _moved(ours: np.ndarray, base: np.ndarray, what: str) -> None:
+    assert np.max(np.abs(ours.astype(int) - base.astype(int))) > 8, f"{what}: the adapter did not move the output"
+
+
+# -- files -----------------------------------------------------------------------------------------------------------
+
+
+def peft_file(ref, path, seed=0, ranks=None, bias=True):
+    """diffusers/PEFT: UNet and text encoder, ``lora_B.bias`` (PEFT cannot fuse it into the UNet's bias-less
+    projections, so the fused test goes without), a rank pattern and an alpha pattern in the metadata."""
+    rand = files.Rand(seed)
+    ranks = ranks or {"to_k": 2}
+    tensors = {**files.peft(files.modules(ref.unet, UNET), "unet.", rand, rank=4, bias=bias, ranks=ranks),
+               **files.peft(text_modules(ref, TEXT), "text_encoder.", rand, rank=4, bias=bias)}
+    metadata = {"unet.r": 4, "unet.lora_alpha": 8, "unet.rank_pattern": ranks, "unet.alpha_pattern": {"to_v": 3},
+                "unet.target_modules": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in",
+                                        "proj_out", "conv1", "conv2", "time_emb_proj"], "unet.lora_bias": bias,
+                "text_encoder.r": 4, "text_encoder.lora_alpha": 2, "text_encoder.lora_bias": bias,
+                "text_encoder.target_modules": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]}
+    return files.save(tensors, path, metadata)
+
+
+def legacy_file(ref, path):
+    """diffusers' attention-processor names: ``unet.<...>.processor.to_q_lora.down.weight``, text encoder
+    ``lora_linear_layer``."""
+    rand, tensors = files.Rand(1), {}
+    for name, m in files.modules(ref.unet, r"attn[12]\.to_(q|k|v|out\.0)$").items():
+        block, proj = name.rsplit(".", 1) if not name.endswith("out.0") else (name[:-len(".to_out.0")], "to_out")
+        tensors[f"unet.{block}.processor.{proj}_lora.down.weight"] = rand.down(4, m)
+        tensors[f"unet.{block}.processor.{proj}_lora.up.weight"] = rand.up(4, m)
+    for name, m in text_modules(ref, r"self_attn\.(q|v)_proj$").items():
+        tensors[f"text_encoder.{name}.lora_linear_layer.down.weight"] = rand.down(4, m)
+        tensors[f"text_encoder.{name}.lora_linear_layer.up.weight"] = rand.up(4, m)
+    return files.save(tensors, path)
+
+
+def kohya_file(ref, path, seed=2):
+    """kohya: diffusers-like names with underscores, ``alpha``, LoCon on the ResNets' 3x3 convolutions (the text
+    encoder's ``lora_te_`` is in the LyCORIS file: diffusers 0.42 cannot read it under transformers 5)."""
+    return files.save(files.kohya(files.modules(ref.unet, UNET), "lora_unet_", files.Rand(seed), rank=4, alpha=2.0),
+                      path)
+
+
+def dora_file(ref, path):
+    rand = files.Rand(3)
+    return files.save(files.peft(files.modules(ref.unet, r"attn[12]\.to_(q|v)$|ff\.net\.2$"), "unet.", rand,
+                                 rank=4, dora=True), path)
+
+
+def lycoris_file(ref, path):
+    """A LyCORIS file mixing kinds per layer, kohya-named."""
+    rand, t = files.Rand(4), {}
+    unet = dict(ref.unet.named_modules())
+    key = lambda name: files.underscored("lora_unet_", name)  # noqa: E731
+    a = "down_blocks.0.attentions.0.transformer_blocks.0."
+    t.update(files.loha(key(a + "attn1.to_q"), unet[a + "attn1.to_q"], rand))
+    t.update(files.loha(key("down_blocks.0.resnets.0.conv1"), unet["down_blocks.0.resnets.0.conv1"], rand,
+                        tucker=True))
+    t.update(files.lokr(key(a + "attn2.to_k"), unet[a + "attn2.to_k"], rand))
+    t.update(files.lokr(key("up_blocks.1.resnets.0.conv2"), unet["up_blocks.1.resnets.0.conv2"], rand))
+    t.update(files.kohya({"up_blocks.1.resnets.1.conv1": unet["up_blocks.1.resnets.1.conv1"]}, "lora_unet_", rand,
+                         mid=True))
+    t.update(files.kohya({a + "attn1.to_v": unet[a + "attn1.to_v"]}, "lora_unet_", rand, dora=True))
+    t.update(files.full(key(a + "ff.net.2"), unet[a + "ff.net.2"], rand))
+    t.update(files.full(key("mid_block.attentions.0.proj_out"), unet["mid_block.attentions.0.proj_out"], rand))
+    te = text_modules(ref, TEXT)
+    t.update(files.loha(files.underscored("lora_te_", "text_model.encoder.layers.0.self_attn.q_proj"),
+                        te["text_model.encoder.layers.0.self_attn.q_proj"], rand))
+    t.update(files.kohya({n: m for n, m in te.items() if "layers.1" in n}, "lora_te_", rand, rank=3, alpha=1.0))
+    return files.save(t, path)
+
+
+def lycoris_reference(ref, path):
+    """The diffusers pipeline running LyCORIS' own reading of the file in its modules' forward."""
+    with files.lycoris_applied(path, {"lora_unet": ref.unet, "lora_te": files.checkpoint_named(ref.text_encoder)}):
+        return _theirs(ref)
+
+
+def _diffusers(ref, path, fuse: bool, weights=None):
+    ref.load_lora_weights(str(path), adapter_name="x")
+    try:
+        if weights is not None:
+            ref.set_adapters("x", weights)
+        if fuse:
+            ref.fuse_lora()
+        return _theirs(ref)
+    finally:
+        if fuse:
+            ref.unfuse_lora()
+        ref.unload_lora_weights()
+
+
+# -- formats, fused (the plain pipeline's program) -------------------------------------------------------------------
+
+FORMATS = {"peft": lambda ref, path: peft_file(ref, path, bias=False), "legacy": legacy_file, "kohya": kohya_file,
+           "dora": dora_file}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_format_fused_matches_diffusers(sd, fmt):
+    ref, pipe, base, folder = sd
+    path = FORMATS[fmt](ref, folder / f"{fmt}.safetensors")
+    expected = _diffusers(ref, path, fuse=True)
+    pipe.load_lora_weights(path, adapter_name=fmt)
+    originals = {c: [np.asarray(x).copy() for x in _leaves(getattr(pipe, c))] for c in ("unet", "text_encoder")}
+    try:
+        pipe.fuse_lora()
+        with no_compile(f"{fmt} fused"):
+            got = _ours(pipe)
+        _close(got, expected, f"{fmt} fused")
+        _moved(got, base, fmt)
+        pipe.unfuse_lora()
+        for c, leaves in originals.items():  # unfusing gives back the very bytes
+            assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(leaves, _leaves(getattr(pipe, c))))
+    finally:
+        pipe.unload_lora_weights()
+
+
+def _leaves(model):
+    return jax.tree.leaves(model)
+
+
+def test_lycoris_kinds_match_lycoris_fused(sd):
+    """LoHa, LoKr, LoCon with ``lora_mid``, ``dora_scale`` and full differences, fused (each kind's unfused path
+    is checked against LyCORIS layer by layer in tests/test_lora_nn.py)."""
+    ref, pipe, base, folder = sd
+    path = lycoris_file(ref, folder / "lycoris.safetensors")
+    expected = lycoris_reference(ref, path)
+    pipe.load_lora_weights(path)
+    try:
+        pipe.fuse_lora()
+        with no_compile("LyCORIS fused"):
+            got = _ours(pipe)
+        _close(got, expected, "LyCORIS kinds, fused")
+        _moved(got, base, "LyCORIS kinds")
+    finally:
+        pipe.unload_lora_weights()
+
+
+# -- unfused: strengths, switches, another file, hotswap -------------------------------------------------------------
+
+
+def test_unfused_values_compile_nothing(sd):
+    """One compile for the adapters' structure (ranks padded to ``max_rank``); then a strength, per-block strengths,
+    switching off and on, a file of the same ranks and targets, and a hotswap of other ranks are values, each
+    checked against diffusers (or the plain output)."""
+    ref, pipe, base, folder = sd
+    a = peft_file(ref, folder / "a.safetensors", seed=10)
+    b = peft_file(ref, folder / "b.safetensors", seed=11)
+    c = peft_file(ref, folder / "c.safetensors", seed=12, ranks={"to_k": 6, "to_q": 5})
+    with pytest.raises(CheckpointError, match="max_rank=4"):
+        pipe.load_lora_weights(c, adapter_name="a", max_rank=4)
+    pipe.load_lora_weights(a, adapter_name="a", max_rank=8)
+    try:
+        first = _ours(pipe)
+        _close(first, _diffusers(ref, a, fuse=False), "PEFT unfused")
+        _moved(first, base, "PEFT unfused")
+        blocks = {"unet": {"down": {"block_0": 0.0}, "mid": 0.5, "up": {"block_1": [1.0, 0.3]}}, "text_encoder": 0.7}
+        checks = [("strength 0.5", lambda: pipe.set_adapters("a", 0.5), _diffusers(ref, a, False, 0.5)),
+                  ("per-block", lambda: pipe.set_adapters(["a"], [blocks]), _diffusers(ref, a, False, blocks)),
+                  ("disabled", pipe.disable_lora, None),
+                  ("enabled", pipe.enable_lora, None)]
+        for what, change, expected in checks:
+            change()
+            with no_compile(what):
+                got = _ours(pipe)
+            if what == "disabled":
+                assert np.max(np.abs(got.astype(int) - base.astype(int))) <= 1, "disabled adapters still act"
+            elif expected is not None:
+                _close(got, expected, what)
+        assert pipe.get_active_adapters() == ["a"]
+        pipe.delete_adapters("a")
+        pipe.load_lora_weights(b, adapter_name="b", max_rank=8)
+        with no_compile("another file of the same shapes"):
+            other = _ours(pipe)
+        _close(other, _diffusers(ref, b, fuse=False), "second file")
+        assert not np.array_equal(other, first)
+        pipe.load_lora_weights(c, adapter_name="b", hotswap=True)
+        with no_compile("hotswap"):
+            swapped = _ours(pipe)
+        assert pipe.get_list_adapters() == {"unet": ["b"], "text_encoder": ["b"]}
+        _close(swapped, _diffusers(ref, c, fuse=False), "hotswapped")
+    finally:
+        pipe.unload_lora_weights()
+    with no_compile("unloaded"):
+        np.testing.assert_array_equal(_ours(pipe), base)
+
+
+# -- refusals ----------------------------------------------------------------------------------------------------------
+
+
+def test_strict_errors_and_warnings(sd):
+    ref, pipe, base, folder = sd
+    good = files.kohya(files.modules(ref.unet, r"attn1\.to_q$"), "lora_unet_", files.Rand(30), rank=2)
+    bad = {f"lora_unet_no_such_layer_{i}.lora_{p}.weight": torch.ones(2, 2) for i in range(12) for p in ("down", "up")}
+    path = files.save({**good, **bad}, folder / "partly.safetensors")
+    with pytest.raises(CheckpointError, match=r"24 of the .* adapt nothing .*no_such_layer.*and 14 more"):
+        pipe.load_lora_weights(path)
+    with pytest.warns(LoraWarning, match="adapt nothing"):
+        name = pipe.load_lora_weights(path, strict=False)
+    try:
+        assert name == "default_0" and pipe.get_active_adapters() == ["default_0"]
+        with pytest.raises(ValueError, match="already loaded"):
+            pipe.load_lora_weights(path, adapter_name="default_0", strict=False)
+        with pytest.raises(ValueError, match="no adapter named"):
+            pipe.set_adapters("nope")
+        with pytest.raises(ValueError, match="per-block weights: down \\['block_1'\\] name blocks without"):
+            pipe.set_adapters("default_0", {"unet": {"down": {"block_1": 1.0}}})
+        with pytest.raises(ValueError, match="hotswap=True replaces a loaded adapter"):
+            pipe.load_lora_weights(path, adapter_name="other", hotswap=True)
+    finally:
+        pipe.unload_lora_weights()
+    nothing = files.save({"some.random.tensor": torch.ones(3)}, folder / "nothing.safetensors")
+    with pytest.raises(CheckpointError, match="Nothing in the file applies"):
+        pipe.load_lora_weights(nothing)
+    flux = {f"lora_unet_double_blocks_{i}_img_attn_qkv.lora_down.weight": torch.ones(2, 8) for i in range(3)}
+    flux.update({k.replace("down", "up"): torch.ones(24, 2) for k in list(flux)})
+    with pytest.raises(CheckpointError, match=r"is a LoRA for Flux.1 \(keys such as .*\), not for Stable Diffusion"):
+        pipe.load_lora_weights(files.save(flux, folder / "flux.safetensors"))
+    te2 = files.kohya(text_modules(ref, TEXT), "lora_te2_", files.Rand(31), rank=2)
+    with pytest.raises(CheckpointError, match="is a LoRA for Stable Diffusion XL"):
+        pipe.load_lora_weights(files.save(te2, folder / "sdxl.safetensors"))
+    with pytest.raises(CheckpointError, match="pickle"):
+        pipe.load_lora_weights(folder / "lora.ckpt")
+    with pytest.raises(CheckpointError, match="not found"):
+        pipe.load_lora_weights(folder / "missing.safetensors")
+
+
+def test_inspect_reports_a_file_and_what_fits(sd):
+    ref, pipe, base, folder = sd
+    path = lycoris_file(ref, folder / "inspected.safetensors")
+    report = eqxdiff.lora.inspect(path)
+    assert report.family == "Stable Diffusion 1.x/2.x"
+    layers1 = len([n for n in text_modules(ref, TEXT) if "layers.1" in n])
+    assert report.adapter_types == {"LoHa": 3, "LoKr": 2, "LoCon (Tucker)": 1, "LoRA + DoRA": 1, "full diff": 2,
+                                    "LoRA": layers1}
+    assert report.components == {"unet": 8, "text_encoder": 1 + layers1} and report.modules == 9 + layers1
+    assert report.ranks == {2: 2, 3: 3 + layers1, 4: 2, "full": 2}
+    fits = eqxdiff.lora.inspect(path, pipe)
+    assert fits.supported and len(fits.matched) == 9 + layers1 and not fits.unmatched
+    assert "StableDiffusionPipeline: yes" in str(fits)
