@@ -17,7 +17,7 @@ import torch
 
 import eqxdiff
 from eqxdiff.loading import CheckpointError
-from eqxdiff.pipelines.lora import LoraWarning
+from eqxdiff.pipelines._lora import LoraWarning
 
 from . import _lora_files as files
 from . import _tiny_sd

@@ -36,7 +36,7 @@ from ._media import save_videos as save_videos
 from ._media import write_video as write_video
 from ._single_file import save_single_file as save_single_file
 from ._single_file import single_file_class as single_file_class
-from . import lora as lora
+from . import _lora_inspect as lora  # eqxdiff.lora: inspect(file), LoraReport, LoraWarning
 from ._unet import UNetDenoiser as UNetDenoiser
 from ._unet import UNetPipeline as UNetPipeline
 from .stable_diffusion import StableDiffusionInpaintPipeline as StableDiffusionInpaintPipeline

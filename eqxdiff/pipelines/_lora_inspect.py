@@ -1,4 +1,4 @@
-"""``eqxdiff.lora``: what a LoRA file is, and whether a pipeline can use it.
+"""``eqxdiff.lora`` (``eqxdiff.pipelines.lora``): what a LoRA file is, and whether a pipeline can use it.
 
 >>> import eqxdiff
 >>> print(eqxdiff.lora.inspect("pixel-art-xl.safetensors"))
