@@ -35,6 +35,7 @@ from ._plan import constrain as constrain
 from ._plan import remat_policy as remat_policy
 from ._plan import with_plan as with_plan
 from ._rules import DEFAULT_RULES as DEFAULT_RULES
+from ._rules import VIDEO_AXES as VIDEO_AXES
 from ._rules import AxisRules as AxisRules
 from ._rules import activation_sharding as activation_sharding
 from ._rules import logical_to_spec as logical_to_spec

@@ -72,7 +72,7 @@ class AxisRules:
 # The one table. Parameters: FSDP shards the model dimension ("embed") and convolution outputs over "fsdp";
 # tensor parallelism puts attention heads and the MLP's hidden units on "tensor" (Megatron: column-parallel in,
 # row-parallel out). Activations: the batch over data+fsdp, the token sequence over "context",
-# heads and MLP units over "tensor".
+# heads and MLP units over "tensor"; video latents are [batch, frames, height, width, channels].
 DEFAULT_RULES = AxisRules.make(
     params={
         "embed": "fsdp",
@@ -103,6 +103,9 @@ DEFAULT_RULES = AxisRules.make(
         # still split over "context" (their image-shaped tensors are constrained back to whole rows).
         "height": None,
         "width": None,
+        # Video frames stay whole: the video VAEs' convolutions are causal in time (each frame reads the frames
+        # before it), and a transformer's video tokens are split over "context" as "seq" instead.
+        "frames": None,
         "kv_seq": None,  # all-gathered keys/values unless a ring/ulysses kernel keeps them sharded
         "heads": "tensor",
         "mlp": "tensor",
@@ -111,6 +114,10 @@ DEFAULT_RULES = AxisRules.make(
         "head_dim": None,
     },
 )
+
+
+# The logical axes of channels-last video activations (a video VAE's, a video transformer's latents in and out).
+VIDEO_AXES = ("batch", "frames", "height", "width", "channels")
 
 
 def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: AxisRules,

@@ -91,6 +91,12 @@ class AutoencoderKLConfig(ModelConfig):
         return 2 ** (len(self.block_out_channels) - 1)
 
     @property
+    def temporal_factor(self) -> int:
+        """Frames per latent frame: 1, an image VAE (the latent pipelines' VAE protocol: a video VAE says how it
+        compresses time)."""
+        return 1
+
+    @property
     def tile_sample_min_size(self) -> int:
         """diffusers' default tile size for tiled encode/decode: ``sample_size`` (its first entry if a list)."""
         size = self.sample_size

@@ -107,6 +107,11 @@ class AutoencoderKLWanConfig(ModelConfig):
         ``1 + k`` latent frames at 4)."""
         return 2 ** sum(self.temperal_downsample)
 
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the latents (``z_dim``), under the name every VAE config gives them."""
+        return self.z_dim
+
 
 def patchify(x: Array, patch: int | None) -> Array:
     """``p x p`` pixel patches folded into channels, channel ``c * p * p + dx * p + dy`` (diffusers' ``patchify``:

@@ -45,13 +45,22 @@ class InputWarning(UserWarning):
 @dataclasses.dataclass(frozen=True)
 class CallLimits:
     """What a pipeline's models allow its call arguments. ``size_factor``: heights, widths and input images are
-    multiples of it (the VAE's downsampling); ``native_size``: the ``(height, width)`` the model was trained at;
-    ``max_clip_skip``: the largest ``clip_skip`` its text encoders have layers for. ``None``: not known (not
-    checked)."""
+    multiples of it (the VAE's downsampling; ``size_why`` says why when more than the VAE's factor makes it, e.g.
+    ``"the VAE downsamples by 8 and the transformer takes 2x2 patches"``); ``native_size``: the ``(height, width)``
+    the model was trained at; ``max_clip_skip``: the largest ``clip_skip`` its text encoders have layers for;
+    ``frame_factor``: videos have ``1 + k * frame_factor`` frames (``num_frames``: the VAE keeps the first frame and
+    compresses each ``frame_factor`` after it into one latent frame; 4 for Wan, 8 for LTX-Video). ``None``: not
+    known (not checked)."""
 
     size_factor: int | None = None
     native_size: tuple[int, int] | None = None
     max_clip_skip: int | None = None
+    frame_factor: int | None = None
+    size_why: str | None = None
+
+    def why_size(self) -> str:
+        """Why sizes are multiples of :attr:`size_factor`."""
+        return self.size_why or f"the VAE downsamples by {self.size_factor}"
 
 
 def _is_int(value) -> bool:
@@ -95,8 +104,17 @@ def _size(name: str, value, limits: CallLimits) -> None:
         raise InputError(f"{name}={value} must be a positive multiple of {f}; leave {name} unset for the model's "
                          f"native size{native}")
     if value % f:
-        raise InputError(f"{name}={value} must be a multiple of {f} (the VAE downsamples by {f}); try "
+        raise InputError(f"{name}={value} must be a multiple of {f} ({limits.why_size()}); try "
                          f"{name}={max(f, value // f * f)}")
+
+
+def _frames(name: str, value, limits: CallLimits) -> None:
+    _int(name, value, 1, " (frames per video)")
+    f = limits.frame_factor
+    if f and (value - 1) % f:
+        low = 1 + (value - 1) // f * f
+        raise InputError(f"{name}={value} must be {f}k+1 (the VAE keeps the first frame and compresses time by {f} "
+                         f"after it); try {low} or {low + f}")
 
 
 def _clip_skip(name: str, value, limits: CallLimits) -> None:
@@ -150,7 +168,7 @@ CHECKS = {
     "height": _size, "width": _size,
     "num_inference_steps": lambda n, v, _: _int(n, v, 1, " (the number of denoising steps)"),
     "num_images_per_prompt": lambda n, v, _: _int(n, v, 1),
-    "num_frames": lambda n, v, _: _int(n, v, 1),
+    "num_frames": _frames,
     "max_sequence_length": lambda n, v, _: _int(n, v, 1),
     "guidance_scale": lambda n, v, _: _real_in(n, v, 0.0, MAX_GUIDANCE, why=GUIDANCE_WHY),
     "guidance_scale_2": lambda n, v, _: _real_in(n, v, 0.0, MAX_GUIDANCE, why=GUIDANCE_WHY),
@@ -219,14 +237,15 @@ def pixel_size(height: int, width: int) -> str:
     return f"width {width}, height {height}"
 
 
-def check_image_size(name: str, image, factor: int) -> None:
-    """Pixel input ``image`` (argument ``name``) has a height and width that are multiples of ``factor``."""
+def check_image_size(name: str, image, factor: int, why: str | None = None) -> None:
+    """Pixel input ``image`` (argument ``name``) has a height and width that are multiples of ``factor`` (``why``:
+    what makes it, default the VAE's downsampling)."""
     size = image_size(image)
     if size is not None and (size[0] % factor or size[1] % factor):
         h, w = (max(factor, s // factor * factor) for s in size)
-        raise InputError(f"{name} has {pixel_size(*size)} pixels, not multiples of {factor} (the VAE downsamples "
-                         f"by {factor}); resize or crop it to {pixel_size(h, w)} (eqxdiff does not resize input "
-                         "images)")
+        raise InputError(f"{name} has {pixel_size(*size)} pixels, not multiples of {factor} ("
+                         f"{why or f'the VAE downsamples by {factor}'}); resize or crop it to {pixel_size(h, w)} "
+                         "(eqxdiff does not resize input images)")
 
 
 def check_arguments(arguments: Mapping[str, Any], limits: CallLimits = CallLimits(), *,
@@ -260,7 +279,7 @@ def check_arguments(arguments: Mapping[str, Any], limits: CallLimits = CallLimit
         raise InputError(f"denoising_start={start} must be smaller than denoising_end={end}")
     image = arguments.get(init_image) if init_image else None
     if limits.size_factor and image is not None:
-        check_image_size(init_image, image, limits.size_factor)
+        check_image_size(init_image, image, limits.size_factor, limits.why_size())
     _warn_if_large(arguments, limits, image_size(image) if image is not None else None)
 
 

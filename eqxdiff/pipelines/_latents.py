@@ -1,7 +1,18 @@
-"""What every pipeline that diffuses in an ``AutoencoderKL``'s latent space shares (the UNet families and Flux): the
-Gaussian draws of a call, the VAE's way in and out (optionally in tiles), the denoising loop's run with its timing
-and progress bar, and the output: the final latents, or uint8 images, checked for NaN with a hint that fits the
-call."""
+"""What every pipeline that diffuses in a VAE's latent space shares (the UNet families, Flux, the video families):
+the Gaussian draws of a call, the VAE's way in and out (optionally in tiles and, for videos, frame chunks), the
+denoising loop's run with its timing and progress bar, and the output: the final latents, or uint8 images
+``[n, H, W, 3]`` / videos ``[n, F, H, W, 3]``, checked for NaN with a hint that fits the call.
+
+**The VAE protocol.** A pipeline reads its ``vae`` through these names only, so an image VAE (``AutoencoderKL``) and
+a video VAE (``AutoencoderKLWan``, ``AutoencoderKLLTXVideo``) serve alike. The config: ``downsample_factor`` (pixels
+per latent pixel along height and width), ``temporal_factor`` (frames per latent frame after the first: 1 for an
+image VAE; a video of ``1 + k * t`` frames has ``1 + k`` latent frames) and ``latent_channels``. The model:
+``scale_latents`` / ``unscale_latents`` (to and from the denoiser's latents), ``encode`` (a posterior with ``mean``
+or ``mode()``) and ``decode``; an image VAE also ``encode_tiled`` / ``decode_tiled``, a video VAE's
+``decode(z, *, tiled=, frame_chunk=)`` takes both bounded-memory settings (a decoder with more inputs, LTX-Video's
+timestep and noise key, is called by its family's :meth:`LatentPipeline.decode`). Latents are channels-last and
+unpacked: images ``[n, h, w, C]``, videos ``[n, F, h, w, C]``.
+"""
 
 import dataclasses
 from typing import Any, ClassVar
@@ -47,29 +58,60 @@ def encode_image_latents(vae, image: Float[Array, "batch height width 3"],
 
 
 @eqx.filter_jit
-def decode_latents(vae, latents: Float[Array, "batch h w latent"], *,
-                   tiled: bool = False) -> Float[Array, "batch height width 3"]:
-    """Scaled latents back to ``[-1, 1]`` images; ``tiled`` decodes in overlapping tiles
-    (``AutoencoderKL.decode_tiled``, as diffusers' ``enable_vae_tiling()``)."""
+def decode_latents(vae, latents: Float[Array, "batch *spatial latent"], *, tiled: bool = False,
+                   frame_chunk: int | None = None) -> Float[Array, "batch *pixels 3"]:
+    """Scaled latents back to ``[-1, 1]`` images ``[b, H, W, 3]`` or videos ``[b, F, H, W, 3]`` (from video latents
+    ``[b, T, h, w, C]``). ``tiled`` decodes in overlapping spatial tiles (as diffusers' ``enable_vae_tiling()``);
+    video latents are decoded ``frame_chunk`` latent frames at a time (``None``: all at once)."""
     z = vae.unscale_latents(latents).astype(jnp.float32)
+    if z.ndim == 5:  # a video VAE (the module docstring's protocol)
+        return vae.decode(z, tiled=tiled, frame_chunk=frame_chunk)
     return vae.decode_tiled(z) if tiled else vae.decode(z)
 
 
 class LatentPipeline(DiffusionPipeline):
-    """Base of the pipelines with a ``vae`` (``AutoencoderKL``) component."""
+    """Base of the pipelines with a ``vae`` component, image or video (the module docstring's VAE protocol)."""
 
-    # Encode and decode with the VAE in overlapping tiles (enable_vae_tiling): bounded memory at large sizes.
+    # Bounded VAE memory (enable_vae_tiling): overlapping spatial tiles and, for videos, this many latent frames
+    # decoded at a time.
     vae_tiling: bool = False
-    SETTINGS: ClassVar[tuple[str, ...]] = ("vae_tiling",)
+    vae_frame_chunk: int | None = None
+    SETTINGS: ClassVar[tuple[str, ...]] = ("vae_tiling", "vae_frame_chunk")
+    DEFAULT_FRAME_CHUNK: ClassVar[int] = 1  # diffusers' video VAEs decode one latent frame at a time
 
-    def enable_vae_tiling(self, enabled: bool = True) -> None:
-        """Encode and decode images with the VAE in overlapping tiles of its ``sample_size`` (diffusers'
-        ``enable_vae_tiling()``): the VAE's memory stays bounded at large sizes, seams are blended."""
+    def enable_vae_tiling(self, enabled: bool = True, *, frame_chunk: int | None = None) -> None:
+        """Bound the VAE's memory at large sizes (diffusers' ``enable_vae_tiling()``): encode and decode in
+        overlapping tiles of the VAE's tile size (seams blended) and decode videos ``frame_chunk`` latent frames at a
+        time (default 1, diffusers' chunk: each ``temporal factor`` output frames; the same numbers as one pass, the
+        activations of one chunk). ``enable_vae_tiling(False)`` turns both off."""
+        if frame_chunk is not None and (isinstance(frame_chunk, bool) or not isinstance(frame_chunk, int)
+                                        or frame_chunk < 1):
+            raise ValueError(f"enable_vae_tiling: frame_chunk={frame_chunk!r} must be a positive int (latent frames "
+                             "decoded at a time) or None (the default, 1)")
         self.vae_tiling = bool(enabled)
+        self.vae_frame_chunk = (frame_chunk or self.DEFAULT_FRAME_CHUNK) if enabled else None
 
     @property
     def vae_scale_factor(self) -> int:
+        """Pixels per latent pixel along height and width."""
         return self.vae.config.downsample_factor
+
+    @property
+    def vae_temporal_factor(self) -> int:
+        """Frames per latent frame after the first (1: an image VAE)."""
+        return self.vae.config.temporal_factor
+
+    def latent_frames(self, num_frames: int) -> int:
+        """Latent frames of a video of ``num_frames`` frames (``1 + k * t`` frames give ``1 + k``)."""
+        return (num_frames - 1) // self.vae_temporal_factor + 1
+
+    def video_latents_shape(self, batch: int, num_frames: int, height: int, width: int,
+                            channels: int | None = None) -> tuple[int, int, int, int, int]:
+        """``[batch, T, h, w, C]``: the (unpacked, channels-last) latents of ``batch`` videos of ``num_frames``
+        frames at ``height x width`` pixels; ``C`` defaults to the VAE's latent channels."""
+        f = self.vae_scale_factor
+        c = self.vae.config.latent_channels if channels is None else channels
+        return (batch, self.latent_frames(num_frames), height // f, width // f, c)
 
     def run_loop(self, denoiser, scheduler, state, latents, cond, key, *, guidance: Guidance, num_steps: int,
                  progress: bool):
@@ -82,9 +124,9 @@ class LatentPipeline(DiffusionPipeline):
 
     def finish(self, latents, output_type: str, *, guided_by: str | None = None):
         """The call's result from the final (unpacked, channels-last) latents: the latents themselves for
-        ``output_type="latent"``, else the decoded uint8 images. Either is checked for NaN/inf, with a hint naming
-        the float32 settings and, if the call guided, the guidance setting (``guided_by``, e.g. ``"guidance_scale
-        (now 7.5)"``) that usually cure it."""
+        ``output_type="latent"``, else the decoded uint8 images ``[n, H, W, 3]`` or videos ``[n, F, H, W, 3]``
+        (:meth:`decode`). Either is checked for NaN/inf, with a hint naming the float32 settings and, if the call
+        guided, the guidance setting (``guided_by``, e.g. ``"guidance_scale (now 7.5)"``) that usually cure it."""
         dtype = jnp.dtype(self.activations_dtype)
         hint = (f"the {dtype.name} activations may have overflowed: run in float32 (activations_dtype, "
                 "--activations-dtype/--weights-dtype float32)" if dtype.itemsize < 4 else
@@ -96,6 +138,12 @@ class LatentPipeline(DiffusionPipeline):
             check_finite_output(latents, what="latents", hint=hint)
             return latents
         with self.timed("decode"):
-            images = self.gather(decode_latents(self.vae, latents, tiled=self.vae_tiling))
-            check_finite_output(images, what="images", hint=hint)
+            images = self.gather(self.decode(latents))
+            check_finite_output(images, what="videos" if images.ndim == 5 else "images", hint=hint)
             return to_uint8(images)
+
+    def decode(self, latents) -> Array:
+        """The final latents as ``[-1, 1]`` pixels through the VAE, with the pipeline's tiling settings
+        (:meth:`enable_vae_tiling`). A family whose VAE decodes with more inputs overrides this."""
+        return decode_latents(self.vae, latents, tiled=self.vae_tiling,
+                              frame_chunk=self.vae_frame_chunk if latents.ndim == 5 else None)
