@@ -24,9 +24,9 @@ import jax.numpy as jnp
 
 from .. import nn
 from .._typing import Array, PRNGKeyArray
-from ..core import Plan, checkpoint_block, constrain
+from ..core import VIDEO_AXES, Plan, checkpoint_block, constrain
 
-VIDEO = ("batch", None, "height", "width", "channels")  # frames stay whole: the convolutions are causal in time
+VIDEO = VIDEO_AXES  # frames stay whole under the default rules: the convolutions are causal in time
 
 
 def _frames(fn, x: Array) -> Array:

@@ -20,8 +20,10 @@ column) order; their rotary tables come from the patch grid (:func:`eqxdiff.nn.w
 diffusers'). ``condition_embedder`` embeds the timestep, the text and the image; ``blocks`` (stacked under
 ``scan_layers``, ``SCAN_FIELDS``) are checkpointed at their boundaries under a plan's remat policy (names in
 ``CHECKPOINT_NAMES``); ``norm_out``, modulated by ``scale_shift_table + temb`` (shift, scale), and ``proj_out`` end
-it, unpatchified to the latents' layout. Video tokens are constrained to ``("batch", "seq", "embed")``: on a mesh
-with a ``context`` axis they are split over it and the attention runs the ring/Ulysses kernels.
+it, unpatchified to the latents' layout. The latents in and out are constrained to
+:data:`~eqxdiff.core.VIDEO_AXES` (``("batch", "frames", "height", "width", "channels")``), the video tokens to
+``("batch", "seq", "embed")``: on a mesh with a ``context`` axis the tokens are split over it and the attention runs
+the ring/Ulysses kernels.
 
 Image tokens reach the cross-attention in one of two ways. Wan 2.1 I2V (``added_kv_proj_dim``) attends to them
 through each block's ``add_k_proj`` / ``add_v_proj`` beside the text attention (diffusers cuts them off the front of
@@ -48,7 +50,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .. import nn
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
-from ..core import ModelConfig, Plan, checkpoint_block, constrain
+from ..core import VIDEO_AXES, ModelConfig, Plan, checkpoint_block, constrain
 from ._base import PretrainedModel
 from ._wan_blocks import TOKENS, CrossKV, WanTimeTextImageEmbedding, WanTransformerBlock
 
@@ -236,7 +238,7 @@ class WanTransformer3DModel(PretrainedModel):
         x = constrain(self.proj_out(x), self.plan, ("batch", "seq", None))
         (f, h, w), (pt, ph, pw) = grid, self.config.patch_size
         x = x.reshape(x.shape[0], f, h, w, pt, ph, pw, -1).transpose(0, 1, 4, 2, 5, 3, 6, 7)
-        return x.reshape(x.shape[0], f * pt, h * ph, w * pw, -1)
+        return constrain(x.reshape(x.shape[0], f * pt, h * ph, w * pw, -1), self.plan, VIDEO_AXES)
 
     @typechecked
     def __call__(self, hidden_states: Float[Array, "batch frames height width in_channels"], timestep: TimestepLike,
@@ -257,7 +259,7 @@ class WanTransformer3DModel(PretrainedModel):
         dtype = hidden_states.dtype
         grid = self.grid(frames, height, width)
         rope = self.rotary_embedding(grid)
-        x = self.patch_embedding(hidden_states).reshape(b, math.prod(grid), -1)
+        x = self.patch_embedding(constrain(hidden_states, self.plan, VIDEO_AXES)).reshape(b, math.prod(grid), -1)
         x = constrain(x, self.plan, TOKENS)
         t = self._check_timestep(timestep, b, x.shape[1])
         temb, proj = self.condition_embedder.time(t, dtype)
