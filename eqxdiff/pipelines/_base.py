@@ -43,7 +43,7 @@ from ..nn import with_attention_implementation
 from ..parallel import shard_batch, shard_params, sharding_fn, with_plan
 from ._call import COMPILE_SUFFIX, call_argument_names, compile_seconds, is_checked
 from ._checks import CallLimits, check_arguments
-from ._components import Component, build_scheduler, load_tokenizer, pipeline_class_for
+from ._components import Component, build_scheduler, load_processor, load_tokenizer, pipeline_class_for
 from ._lora import LoraMixin
 from ._single_file import read_single_file
 
@@ -329,7 +329,12 @@ class DiffusionPipeline(LoraMixin):
 
 
 def _option(pipeline: str, key: str, value, default):
-    """``value`` checked against the type of the option's default (an int is accepted for a float)."""
+    """``value`` checked against the type of the option's default (an int is accepted for a float); an option whose
+    default is ``None`` (unset, as diffusers' ``boundary_ratio``) takes ``None`` or a number."""
+    if default is None:
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            return value
+        raise TypeError(f"{pipeline}: option {key}={value!r} must be a number or None")
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if type(value) is not type(default):
@@ -398,6 +403,8 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
                                                     config_overrides=overrides.get(c.name))
         elif c.kind == "tokenizer":
             components[c.name] = load_tokenizer(folder / c.name)
+        elif c.kind == "processor":
+            components[c.name] = load_processor(folder / c.name, index[c.name])
         else:
             raw = read_config(folder / c.name, "scheduler_config.json")
             components[c.name], extras = build_scheduler(raw, scheduler, scheduler_options)
@@ -464,7 +471,7 @@ def save_pipeline(pipe: DiffusionPipeline, folder, *, dtype=None) -> Path:
                 index[c.name] = [None, None]
             elif c.kind == "model":
                 index[c.name] = pipe.save_component(tmp, c, value, dtype=dtype)
-            elif c.kind == "tokenizer":
+            elif c.kind in ("tokenizer", "processor"):
                 value.save_pretrained(tmp / c.name)
                 index[c.name] = ["transformers", type(value).__name__]
             else:

@@ -11,9 +11,10 @@ from ..core import ConfigError
 from ..loading import CheckpointError, tokenizer_class
 from ..schedulers import scheduler_from_config
 
-__all__ = ["COMPONENT_KINDS", "LIBRARIES", "Component", "build_scheduler", "load_tokenizer", "pipeline_class_for"]
+__all__ = ["COMPONENT_KINDS", "LIBRARIES", "Component", "build_scheduler", "load_processor", "load_tokenizer",
+           "pipeline_class_for"]
 
-COMPONENT_KINDS = ("model", "tokenizer", "scheduler")
+COMPONENT_KINDS = ("model", "tokenizer", "processor", "scheduler")
 LIBRARIES = ("diffusers", "transformers")
 
 
@@ -21,7 +22,9 @@ LIBRARIES = ("diffusers", "transformers")
 class Component:
     """One entry of a pipeline's ``model_index.json``: a subfolder of the pipeline folder.
 
-    ``kind``: ``"model"`` (read with :func:`eqxdiff.load`), ``"tokenizer"`` (transformers' own) or ``"scheduler"``.
+    ``kind``: ``"model"`` (read with :func:`eqxdiff.load`), ``"tokenizer"`` (transformers' own), ``"processor"``
+    (a transformers image processor: CLIP's resize, crop and normalisation, :func:`load_processor`) or
+    ``"scheduler"``.
     ``library``: what ``model_index.json`` says reads it (``diffusers`` or ``transformers``). ``classes``: the
     checkpoint classes (``model_index.json``'s ``[library, class]``, family-table names) the pipeline runs there;
     :func:`~eqxdiff.pipelines.load_pipeline` refuses any other before loading it (empty: any model eqxdiff serves).
@@ -53,6 +56,23 @@ def load_tokenizer(folder):
     return tokenizer_class(folder).from_pretrained(os.fspath(folder))  # AutoTokenizer's choice, without torch
 
 
+def load_processor(folder, entry):
+    """The checkpoint's own image processor through transformers (no download): the class its ``model_index.json``
+    ``entry`` (``["transformers", "CLIPImageProcessor"]``) names, read from ``folder``'s
+    ``preprocessor_config.json``."""
+    import transformers
+
+    name = entry[1] if isinstance(entry, (list, tuple)) and len(entry) == 2 else entry
+    cls = getattr(transformers, str(name), None)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"image processor folder {os.fspath(folder)!r} not found")
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise CheckpointError(f"model_index.json names the image processor class {name!r}, which transformers does "
+                              f"not have; the folder {os.fspath(folder)!r} needs a transformers image processor "
+                              "(CLIPImageProcessor)")
+    return cls.from_pretrained(os.fspath(folder))
+
+
 def build_scheduler(raw: Mapping[str, Any], name: str | None = None, options: Mapping[str, Any] | None = None):
     """``(scheduler, extras)``: the scheduler ``raw`` (a ``scheduler_config.json`` dict) describes, or the one
     ``name`` swaps in (:func:`eqxdiff.schedulers.scheduler_from_config`), with config keys ``options`` set last; and
@@ -72,12 +92,13 @@ def build_scheduler(raw: Mapping[str, Any], name: str | None = None, options: Ma
 def pipeline_class_for(cls: type, pipeline_class: type | None, *, where: str, holds: str) -> type:
     """The class a checkpoint (``where``, holding a ``holds``: its pipeline ``cls``) loads as when the caller asks
     for ``pipeline_class`` (``Cls.from_pretrained``, ``load_pipeline(pipeline_class=...)``): ``cls`` if it is one,
-    else ``pipeline_class`` if its components are the same (another task of the family: an SDXL base loaded for
-    image-to-image); else a :class:`~eqxdiff.loading.CheckpointError`."""
+    else ``pipeline_class`` if its components are the same, give or take optional ones it has (another task of the
+    family: an SDXL base loaded for image-to-image, a Wan TI2V-5B text-to-video folder for image-to-video); else a
+    :class:`~eqxdiff.loading.CheckpointError`."""
     if pipeline_class is None or issubclass(cls, pipeline_class):
         return cls
     names = {c.name for c in cls.COMPONENTS}
-    if names != {c.name for c in pipeline_class.COMPONENTS}:
+    if names != {c.name for c in pipeline_class.COMPONENTS if not c.optional or c.name in names}:
         raise CheckpointError(f"{where} holds a {holds}, whose components {sorted(names)} a "
                               f"{pipeline_class.__name__} cannot use")
     return pipeline_class

@@ -122,9 +122,11 @@ def guided_output(denoiser: Denoiser, x, t, cond, guidance: Guidance, *, step):
 
 def denoise_loop(denoiser: Denoiser, scheduler, state, latents: Float[Array, "batch *spatial channels"], cond,
                  key: PRNGKeyArray, *, guidance: Guidance | None = None,
-                 num_steps: int | Int[Array, ""] | None = None, progress: bool = False):
+                 num_steps: int | Int[Array, ""] | None = None, progress: bool = False, return_state: bool = False):
     """Run the scheduler's remaining steps from ``state`` (or the first ``num_steps`` of them, to stop early as
-    ``denoising_end`` does): the whole loop is one jitted ``lax.fori_loop``.
+    ``denoising_end`` does): the whole loop is one jitted ``lax.fori_loop``. ``return_state``: return
+    ``(latents, state, key)``, from which a later call goes on where this one stopped (the same steps as one run:
+    a loop run in segments, e.g. with another model's weights on the devices).
 
     Each step scales the latents for the model (``scheduler.scale_model_input``), takes the guided model output
     and the scheduler's step (stochastic schedulers draw from ``key``), then :meth:`Denoiser.after_step`.
@@ -146,18 +148,20 @@ def denoise_loop(denoiser: Denoiser, scheduler, state, latents: Float[Array, "ba
         raise ValueError(f"num_steps={num_steps} must be in [0, {left}] (the steps left in the schedule)")
     stepper, index = scheduler.stepper(), _concrete_int(state.step_index)
     if given is None or index is None:  # inside a trace: one call, no bar to move between steps
-        return _denoise_loop(denoiser, stepper, state, latents, cond, key, guidance, jnp.asarray(steps, jnp.int32),
-                             state.step_index + steps)[0]
+        carry = _denoise_loop(denoiser, stepper, state, latents, cond, key, guidance, jnp.asarray(steps, jnp.int32),
+                              state.step_index + steps)
+        return carry if return_state else carry[0]
     end = np.asarray(index + given, np.int32)  # the step after the loop's last, for after_step's last=
     if not progress:
-        return _denoise_loop(denoiser, stepper, state, latents, cond, key, guidance, np.asarray(given, np.int32),
-                             end)[0]
+        carry = _denoise_loop(denoiser, stepper, state, latents, cond, key, guidance, np.asarray(given, np.int32),
+                              end)
+        return carry if return_state else carry[0]
     one = np.asarray(1, np.int32)
     for _ in range(given):
         latents, state, key = _denoise_loop(denoiser, stepper, state, latents, cond, key, guidance, one, end)
         jax.block_until_ready(latents)
         tick()
-    return latents
+    return (latents, state, key) if return_state else latents
 
 
 def _concrete_int(value) -> int | None:
