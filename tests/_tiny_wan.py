@@ -55,3 +55,81 @@ def build_transformer(config: dict, seed: int = 0) -> WanTransformer3DModel:
     model = WanTransformer3DModel(**config).eval()
     randomize_torch(model, seed=seed)
     return model
+
+
+# -- tiny pipelines (tests/test_wan_pipeline.py, tests/test_recompile.py) ------------------------------------------
+
+TEXT_DIM = 32  # T2V_PIPELINE's text_dim: the tiny UMT5's width
+# Wan 2.1 image-to-video: latents (16) + mask (4) + image latents (16) in, CLIP's tiny image tokens through added k/v
+I2V_PIPELINE = dict(T2V_PIPELINE, in_channels=36, image_dim=4, added_kv_proj_dim=24)
+FLF2V_PIPELINE = dict(I2V_PIPELINE, pos_embed_seq_len=2 * 1025)  # two images of 32x32 CLIP patches + class token
+TI2V_PIPELINE = dict(T2V_PIPELINE, in_channels=48, out_channels=48)  # Wan 2.2 TI2V: the 2.2 VAE's 48 channels
+CLIP_VISION = dict(hidden_size=4, projection_dim=4, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                   intermediate_size=16, patch_size=1)  # diffusers' Wan I2V tests
+# Wan's scheduler_config.json (2.1 and 2.2 A14B: flow_shift 3)
+SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0)
+
+
+def text_components(seed: int = 0) -> dict:
+    """A character tokenizer (offline, the same ids on both sides) and a tiny random UMT5 of width 32."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from eqxdiff.data import character_tokenizer
+
+    tokenizer = character_tokenizer(16)
+    torch.manual_seed(seed)
+    encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer) + 3, d_model=TEXT_DIM, d_kv=8, d_ff=37,
+                                          num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                                          feed_forward_proj="gated-gelu", pad_token_id=1, eos_token_id=1))
+    randomize_torch(encoder, seed=seed + 1)
+    return dict(tokenizer=tokenizer, text_encoder=encoder.eval())
+
+
+def vae(config: dict, seed: int) -> diffusers.AutoencoderKLWan:
+    model = diffusers.AutoencoderKLWan(**config).eval()
+    randomize_torch(model, seed=seed)
+    return model
+
+
+def image_components(seed: int = 0) -> dict:
+    """diffusers' tiny Wan I2V image encoder (random) and its 32-pixel CLIP image processor."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    torch.manual_seed(seed)
+    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(**CLIP_VISION)).eval()
+    randomize_torch(encoder, seed=seed)
+    return dict(image_encoder=encoder, image_processor=CLIPImageProcessor(crop_size=32, size=32))
+
+
+def scheduler() -> diffusers.UniPCMultistepScheduler:
+    return diffusers.UniPCMultistepScheduler(**SCHEDULER)
+
+
+def save(pipe, folder):
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return pipe
+
+
+def build_a14b(folder, seed: int = 0) -> diffusers.WanPipeline:
+    """A tiny Wan 2.2 A14B-style text-to-video folder: two experts with different random weights, boundary 0.875
+    (at 3 steps of Wan's UniPC the timesteps are 999, 857, 600: one high-noise step, two low-noise ones)."""
+    return save(diffusers.WanPipeline(**text_components(seed), vae=vae(VAE_21, seed + 5), scheduler=scheduler(),
+                                      transformer=build_transformer(T2V_PIPELINE, seed=seed + 7),
+                                      transformer_2=build_transformer(T2V_PIPELINE, seed=seed + 8),
+                                      boundary_ratio=0.875), folder)
+
+
+def build_i2v(folder, seed: int = 0) -> diffusers.WanImageToVideoPipeline:
+    """A tiny Wan 2.1 image-to-video folder: CLIP image tokens through added k/v, 36 input channels."""
+    return save(diffusers.WanImageToVideoPipeline(
+        **text_components(seed), vae=vae(VAE_21, seed + 5), scheduler=scheduler(), **image_components(seed + 6),
+        transformer=build_transformer(I2V_PIPELINE, seed=seed + 9)), folder)
+
+
+def build_ti2v(folder, seed: int = 0) -> diffusers.WanPipeline:
+    """A tiny Wan 2.2 TI2V-5B-style folder: a ``WanPipeline`` with ``expand_timesteps``, the 2.2 VAE (z 48, 16x), no
+    CLIP; image-to-video loads it as ``WanImageToVideoPipeline`` (as Wan2.2-TI2V-5B-Diffusers)."""
+    return save(diffusers.WanPipeline(
+        **text_components(seed), vae=vae(VAE_22, seed + 5), scheduler=scheduler(),
+        transformer=build_transformer(TI2V_PIPELINE, seed=seed + 10), expand_timesteps=True), folder)

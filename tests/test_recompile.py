@@ -1,6 +1,7 @@
 """Core v2: values are traced, shapes compile. After a pipeline's first call, a call that changes only values (guidance,
 steps, strength, eta, hand-off fractions, ControlNet scales and intervals, custom schedules of any length, seeds,
-prompts of the same token length, numeric scheduler options) compiles nothing.
+prompts of the same token length, numeric scheduler options, Wan 2.2's expert boundary and low-noise guidance)
+compiles nothing.
 
 Compiles are counted with JAX's own monitoring events (every backend compile, the small eager programs included), not
 only ``pipe.timings``. Each sweep also checks that the value took effect (the output moved), so a value that was
@@ -21,7 +22,7 @@ from eqxdiff.core import FAMILY_TABLE, resolve_class
 from eqxdiff.pipelines import DiffusionPipeline, denoise_loop
 from eqxdiff.pipelines._denoise import Denoiser, Guidance
 
-from . import _tiny_controlnet, _tiny_controlnet_union, _tiny_sd, _tiny_sdxl
+from . import _tiny_controlnet, _tiny_controlnet_union, _tiny_sd, _tiny_sdxl, _tiny_wan
 from . import _tiny_flux_pipeline as tiny_flux
 
 _COMPILES = [0]
@@ -278,6 +279,35 @@ def _flux_kontext(flux):
           [dict(guidance_scale=6.0), *STEPS, dict(seed=4)])
 
 
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("wan")
+    _tiny_wan.build_a14b(folder)  # two experts, boundary 0.875
+    return eqxdiff.load_pipeline(folder)
+
+
+@pytest.fixture(scope="module")
+def wan_ti2v(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("wan_ti2v")
+    _tiny_wan.build_ti2v(folder)
+    return resolve_class("WanImageToVideoPipeline").from_pretrained(folder)  # a text-to-video folder, as TI2V-5B's
+
+
+WAN_BASE = dict(prompt="a red cat", negative_prompt="blurry", height=32, width=32, num_frames=9, num_inference_steps=3,
+                guidance_scale=4.0, seed=0, max_sequence_length=16)
+
+
+def _wan(wan):
+    """Wan 2.2 A14B: the experts' boundary, the low-noise guidance and the steps are values of one loop."""
+    sweep(wan, WAN_BASE, [dict(guidance_scale=6.0), dict(guidance_scale_2=2.0), dict(boundary_ratio=0.5),
+                          dict(boundary_ratio=0.95, guidance_scale_2=1.5), *STEPS, dict(seed=2)])
+
+
+def _wan_i2v(wan_ti2v):
+    image = IMAGE[0]
+    sweep(wan_ti2v, dict(WAN_BASE, image=image), [dict(guidance_scale=2.0), *STEPS, dict(image=255 - image)])
+
+
 SWEEPS = {
     "StableDiffusionPipeline": (_sd, "sd"),
     "StableDiffusionInpaintPipeline": (_sd_inpaint, "sd"),
@@ -291,6 +321,8 @@ SWEEPS = {
     "FluxPipeline": (_flux, "flux"),
     "FluxImg2ImgPipeline": (_flux_img2img, "flux"),
     "FluxKontextPipeline": (_flux_kontext, "flux"),
+    "WanPipeline": (_wan, "wan"),
+    "WanImageToVideoPipeline": (_wan_i2v, "wan_ti2v"),
 }
 
 

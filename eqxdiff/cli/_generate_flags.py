@@ -81,7 +81,8 @@ class RunOptions:
     overwrite: bool = False
     """Number outputs from 0, replacing earlier files of the same names."""
     fps: float | None = None
-    """Frames per second of saved videos; default: the family's frame_rate option if it has one, else 16."""
+    """Frames per second of saved videos; default: the family's frame_rate option if it has one, else the
+    pipeline's default_fps (the rate its checkpoint's videos play at), else 16."""
     debug: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False
     """Show the full traceback of an error instead of its one line (the console command reads it first, anywhere
     on the command line)."""

@@ -293,7 +293,7 @@ def _generate(checked: Invocation) -> list[Path]:
     compile_s = sum(p.timings["call_compile"] for p in (pipe, refiner) if p is not None)
 
     params = _parameters(checked, pipe, outputs, refiner)
-    fps = run.fps or kwargs.get("frame_rate")
+    fps = run.fps or kwargs.get("frame_rate") or getattr(pipe, "default_fps", None)
     paths = save_outputs(outputs, run.output_dir, params, fps=fps, overwrite=run.overwrite) if main_process else []
     print(f"load: {load_s:.2f} s | compile: {compile_s:.2f} s | generation (excluding compile): "
           f"{max(total_s - compile_s, 0.0):.2f} s | total call: {total_s:.2f} s"

@@ -31,9 +31,11 @@ FAMILY_TABLE: dict[str, str] = {
     "FluxPipeline": "eqxdiff.pipelines.flux:FluxPipeline",
     "FluxImg2ImgPipeline": "eqxdiff.pipelines.flux_image:FluxImg2ImgPipeline",
     "FluxKontextPipeline": "eqxdiff.pipelines.flux_image:FluxKontextPipeline",
-    # Wan 2.1 / 2.2
+    # Wan 2.1 / 2.2 (text encoder: UMT5 above; 2.1 image-to-video's image encoder: CLIP vision above)
     "WanTransformer3DModel": "eqxdiff.models.wan:WanTransformer3DModel",
     "AutoencoderKLWan": "eqxdiff.models.wan_vae:AutoencoderKLWan",
+    "WanPipeline": "eqxdiff.pipelines.wan:WanPipeline",
+    "WanImageToVideoPipeline": "eqxdiff.pipelines.wan_i2v:WanImageToVideoPipeline",
     # LTX-Video
     "LTXVideoTransformer3DModel": "eqxdiff.models.ltx:LTXVideoTransformer3DModel",
     "AutoencoderKLLTXVideo": "eqxdiff.models.ltx_vae:AutoencoderKLLTXVideo",
