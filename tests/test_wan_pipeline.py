@@ -23,7 +23,7 @@ from PIL import Image
 import eqxdiff
 from eqxdiff.cli import generate
 from eqxdiff.parallel import MeshConfig, make_mesh
-from eqxdiff.pipelines import InputError, read_parameters, read_video, save_pipeline
+from eqxdiff.pipelines import CallLimits, InputError, check_arguments, read_parameters, read_video, save_pipeline
 from eqxdiff.pipelines.wan import WanPipeline, clean_prompt
 from eqxdiff.pipelines.wan_i2v import WanImageToVideoPipeline
 
@@ -261,7 +261,15 @@ def test_generate_writes_an_mp4_and_lists_the_video_flags(t2v, i2v, tmp_path, ca
 
 
 def test_num_frames_and_sizes_name_the_nearest_valid_values(t2v, tmp_path):
+    """The shared check (CallLimits.frame_factor: 4 for Wan's VAE, 8 for LTX-Video's), through the pipeline and
+    through eqxdiff-generate before loading."""
+    with pytest.raises(InputError, match=r"num_frames=80 must be 8k\+1 .*compresses time by 8.*; try 73 or 81"):
+        check_arguments({"num_frames": 80}, CallLimits(frame_factor=8))
+    check_arguments({"num_frames": 161}, CallLimits(frame_factor=8))
     _, pipe = t2v
+    assert pipe.call_limits().frame_factor == 4
+    with pytest.raises(ValueError, match="frame_chunk=0 must be a positive int"):
+        pipe.enable_vae_tiling(frame_chunk=0)
     with pytest.raises(InputError, match=r"num_frames=80 must be 4k\+1 .*compresses time by 4.*; try 77 or 81"):
         pipe("a cat", num_frames=80, progress=False)
     with pytest.raises(InputError, match=r"height=40 must be a multiple of 16 \(the VAE downsamples by 8 and the "

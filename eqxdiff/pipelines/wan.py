@@ -19,8 +19,9 @@ the one compiled loop (a ``lax.cond`` on a per-step flag) and the guidance scale
 default; with ``offload_experts`` (:meth:`WanPipeline.enable_expert_offload`) they live in host memory and only the
 active one is on the devices: the loop then runs in two segments (the same compiled program, the scheduler's state
 carried over), and each call copies each expert's weights to the devices once (A14B in bfloat16: 28 GB per
-expert, about one to two seconds over PCIe 4/5, against minutes of denoising) while the devices hold half the
-weights.
+expert, one to a few seconds at PCIe's 10-50 GB/s, against minutes of denoising; not measured here) and computes its
+cross-attention keys and values then, while the devices hold half the weights. Offloading gathers the experts to
+one host's memory: single-host meshes only.
 
 **Latents** are unpacked and channels-last, ``[n, T, h, w, C]`` with ``T = (num_frames - 1) / 4 + 1`` and
 ``h, w`` the size over the VAE's factor (8; 16 for the 2.2 VAE); ``num_frames`` is ``4k + 1``, heights and widths
@@ -159,7 +160,8 @@ class WanPipeline(LatentPipeline):
     def __init__(self, *, offload_experts: bool = False, **components_and_options):
         super().__init__(**components_and_options)
         self._offload_experts = False
-        self.enable_expert_offload(offload_experts)
+        if offload_experts:
+            self.enable_expert_offload()
 
     # -- experts on the devices or in host memory ------------------------------------------------------------
 
