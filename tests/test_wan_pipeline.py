@@ -291,10 +291,11 @@ def test_expert_and_image_errors(t2v, a14b, i2v, ti2v):
     with pytest.raises(InputError, match=r"boundary_ratio=1.5 must be a number in \[0, 1\]"):
         a14b[1]("a cat", boundary_ratio=1.5, progress=False)
     image = _picture(0)
-    with pytest.raises(InputError, match="image is 32x32 pixels but the video is 32x64"):
+    with pytest.raises(InputError, match="image has width 32, height 32 pixels but the video has width 64, height 32"):
         i2v[1](image, "a cat", width=64, progress=False)
-    with pytest.raises(InputError, match=r"image is 24x32 pixels, not a multiple of 16 \(the VAE downsamples by 8 "
-                                         "and the transformer takes 2x2 patches\\)"):
+    with pytest.raises(InputError, match=r"image has width 32, height 24 pixels, not multiples of 16 \(the VAE "
+                                         r"downsamples by 8 and the transformer takes 2x2 patches\); resize or crop it "
+                                         "to width 32, height 16"):
         i2v[1](image[:24], "a cat", progress=False)
     with pytest.raises(InputError, match="pass image="):
         i2v[1](prompt="a cat", progress=False)

@@ -29,7 +29,7 @@ import numpy as np
 from .._typing import Array, Float, PRNGKeyArray
 from ._arguments import resolve_key
 from ._call import checked_call
-from ._checks import InputError, image_size
+from ._checks import InputError, image_size, pixel_size
 from ._components import Component
 from ._images import to_model_range
 from .wan import DEFAULT_FRAMES, MAX_SEQUENCE_LENGTH, WanPipeline
@@ -97,9 +97,9 @@ class WanImageToVideoPipeline(WanPipeline):
         if pixels.shape[0] != 1:
             raise InputError(f"{name} holds {pixels.shape[0]} images; pass one picture (it starts every video)")
         if size is not None and tuple(pixels.shape[1:3]) != tuple(size):
-            raise InputError(f"{name} is {pixels.shape[1]}x{pixels.shape[2]} pixels but the video is {size[0]}x"
-                             f"{size[1]}; resize or crop it to the video's size (eqxdiff does not resize input "
-                             "images), or leave height/width unset")
+            raise InputError(f"{name} has {pixel_size(*pixels.shape[1:3])} pixels but the video has "
+                             f"{pixel_size(*size)}; resize or crop it to the video's size (eqxdiff does not resize "
+                             "input images), or leave height/width unset")
         return pixels
 
     def encode_image(self, image, last_image=None) -> Array:
