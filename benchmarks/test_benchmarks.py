@@ -85,3 +85,12 @@ def test_flux_pipeline_smoke(capsys, preset):
     flux_pipeline.main(flux_pipeline.Args(preset=preset, repeats=1, encoder_repeats=1, max_levels=2))
     out = capsys.readouterr().out
     assert "ratio eqxdiff/diffusers, end to end" in out and "per denoising step" in out
+
+
+def test_wan_smoke(capsys):
+    import wan
+
+    wan.main(wan.Args(preset="tiny", repeats=1, tolerance=1e-4))
+    out = capsys.readouterr().out
+    assert "ratio eqxdiff (cached k/v)/diffusers (transformer step)" in out
+    assert "ratio eqxdiff/diffusers (VAE decode)" in out
