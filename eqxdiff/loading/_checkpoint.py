@@ -27,6 +27,7 @@ from ._convert import (
 )
 from ._errors import PICKLE_SUFFIXES, CheckpointError, pickle_error, pickle_folder_error
 from ._fill import fill_module, state_dict
+from ._lone import part_rules
 from ._safetensors import SafetensorsFile, write_safetensors
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -268,7 +269,9 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
     ``conversion``: rules (``Rename``, ``Split``, ... from :mod:`eqxdiff.loading`; known formats in
     :mod:`eqxdiff.loading.formats`) that turn the file's names and layouts into the model's, e.g.
     ``eqxdiff.load("open_clip.safetensors", model_class="CLIPTextModelWithProjection", config=cfg,
-    conversion=formats.OPENCLIP_TEXT)``. ``model_class`` and ``config`` also override a folder's.
+    conversion=formats.OPENCLIP_TEXT)``. ``model_class`` and ``config`` also override a folder's. Without
+    ``conversion``, a lone file (or a folder given ``config``) in the original names a family's single-file layouts
+    declare is read through that part's rules (``eqxdiff.load("wan_2.1_vae.safetensors", config=VAE_FOLDER)``).
     """
     dt = check_dtype(dtype) or jnp.dtype(jnp.float32)
     lone = Path(os.fspath(path_or_hub_id)).expanduser()
@@ -291,6 +294,7 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
         else:
             source, described = _config_source(config, None, revision), "the config passed to load"
         files, where = weight_files(folder, variant), f"checkpoint in {os.fspath(folder)!r}"
+    named = config is not None  # the call says what the checkpoint holds: it may be in a family's original names
     cls, config = _class_and_config(source, described, model_class, config_overrides or {})
 
     def build():
@@ -303,6 +307,8 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
             raise CheckpointError(f"scan_layers=True: {e}") from None
 
     abstract = eqx.filter_eval_shape(build)
+    if not conversion and (named or lone.is_file()):
+        conversion = part_rules(CheckpointFiles(files), abstract, config, cls)
     rules = (*conversion, *key_map_rules(getattr(cls, "CHECKPOINT_KEY_MAP", ())))
     checkpoint = convert(CheckpointFiles(files), rules, where=where)
     checkpoint = convert(checkpoint, alias_rules(getattr(cls, "CHECKPOINT_ALIASES", {}), checkpoint.names()),

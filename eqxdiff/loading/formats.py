@@ -21,6 +21,15 @@ from ._ltx_formats import LTX_DIFFUSION_MODEL as LTX_DIFFUSION_MODEL
 from ._ltx_formats import LTX_VAE as LTX_VAE
 from ._ltx_formats import ltx_transformer as ltx_transformer
 from ._ltx_formats import ltx_vae as ltx_vae
+from ._wan_formats import WAN22_LATENTS_MEAN as WAN22_LATENTS_MEAN
+from ._wan_formats import WAN22_LATENTS_STD as WAN22_LATENTS_STD
+from ._wan_formats import WAN_DIFFUSION_MODEL as WAN_DIFFUSION_MODEL
+from ._wan_formats import WanTransformer as WanTransformer
+from ._wan_formats import WanVae as WanVae
+from ._wan_formats import wan_transformer as wan_transformer
+from ._wan_formats import wan_transformer_config as wan_transformer_config
+from ._wan_formats import wan_vae as wan_vae
+from ._wan_formats import wan_vae_config as wan_vae_config
 from ._rules import select as select
 from ._safetensors import SafetensorsFile
 
@@ -168,105 +177,3 @@ class BflTransformer(Part):
             return bfl_config(view, where=where, prefix=self.prefix)
         except CheckpointError as e:
             raise CheckpointError(f"{e}; or pass config= a Flux folder holding {self.name}/config.json") from None
-
-
-# -- Wan 2.1 / 2.2 ----------------------------------------------------------------------------------------------------
-
-WAN_DIFFUSION_MODEL = "model.diffusion_model."  # ComfyUI's repackagings of Wan: the original names below it
-
-# Original Wan names -> diffusers' (scripts/convert_wan_to_diffusers.py, single_file_utils'
-# convert_wan_transformer_to_diffusers), per block, then for the whole model; "optional": only some models have it.
-_WAN_BLOCK = (
-    *((f"self_attn.{p}", f"attn1.{d}") for p, d in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"))),
-    *((f"cross_attn.{p}", f"attn2.{d}") for p, d in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"))),
-    ("self_attn.norm_q", "attn1.norm_q"), ("self_attn.norm_k", "attn1.norm_k"),
-    ("cross_attn.norm_q", "attn2.norm_q"), ("cross_attn.norm_k", "attn2.norm_k"),
-    ("ffn.0", "ffn.net.0.proj"), ("ffn.2", "ffn.net.2"),
-)
-_WAN_BLOCK_OPTIONAL = (  # image-to-video's added k/v; the cross-attention norm (original norm3, diffusers' norm2)
-    ("cross_attn.k_img", "attn2.add_k_proj"), ("cross_attn.v_img", "attn2.add_v_proj"),
-    ("cross_attn.norm_k_img", "attn2.norm_added_k"), ("norm3", "norm2"),
-)
-_WAN_MODEL = (
-    ("time_embedding.0", "condition_embedder.time_embedder.linear_1"),
-    ("time_embedding.2", "condition_embedder.time_embedder.linear_2"),
-    ("time_projection.1", "condition_embedder.time_proj"),
-    ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
-    ("text_embedding.2", "condition_embedder.text_embedder.linear_2"),
-    ("head.head", "proj_out"),
-)
-_WAN_IMAGE = tuple((f"img_emb.proj.{i}", f"condition_embedder.image_embedder.{d}")
-                   for i, d in ((0, "norm1"), (1, "ff.net.0.proj"), (3, "ff.net.2"), (4, "norm2")))
-
-
-def wan_transformer(*, prefix: str = "") -> tuple[Rule, ...]:
-    """The original Wan 2.1 / 2.2 transformer files (the Wan-AI repositories' ``diffusion_pytorch_model*.safetensors``,
-    ComfyUI's repackagings below ``prefix`` :data:`WAN_DIFFUSION_MODEL`) as diffusers' ``WanTransformer3DModel``:
-    the mapping of diffusers' ``convert_wan_transformer_to_diffusers``, as rules.
-
-    >>> eqxdiff.load("wan2.1_t2v_1.3B_bf16.safetensors", model_class="WanTransformer3DModel",
-    ...              config="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", subfolder="transformer",
-    ...              conversion=formats.wan_transformer(prefix=formats.WAN_DIFFUSION_MODEL))
-
-    ``self_attn`` / ``cross_attn`` ``q, k, v, o, norm_q, norm_k`` are ``attn1`` / ``attn2``; image-to-video's
-    ``k_img, v_img, norm_k_img`` the added k/v ``add_k_proj, add_v_proj, norm_added_k`` and ``img_emb.proj`` (and the
-    first-last-frame ``img_emb.emb_pos``) the image embedder; ``modulation`` the ``scale_shift_table`` s. The
-    original's affine cross-attention norm is ``norm3`` (its order: norm1, norm3, norm2), diffusers' ``norm2``: the
-    other two hold no parameters. The inverse writes the original names back."""
-    b = "blocks.{i}."  # the same block names on both sides
-    rules: list[Rule] = list(select(prefix)) if prefix else []
-    rules += [Rename(f"{b}{theirs}.{{p}}", f"{b}{ours}.{{p}}") for theirs, ours in _WAN_BLOCK]
-    rules += [Rename(f"{b}{theirs}.{{p}}", f"{b}{ours}.{{p}}", optional=True) for theirs, ours in _WAN_BLOCK_OPTIONAL]
-    rules += [Rename(f"{b}modulation", f"{b}scale_shift_table"), Rename("head.modulation", "scale_shift_table")]
-    rules += [Rename(f"{theirs}.{{p}}", f"{ours}.{{p}}") for theirs, ours in _WAN_MODEL]
-    rules += [Rename(f"{theirs}.{{p}}", f"{ours}.{{p}}", optional=True) for theirs, ours in _WAN_IMAGE]
-    rules.append(Rename("img_emb.emb_pos", "condition_embedder.image_embedder.pos_embed", optional=True))
-    return tuple(rules)
-
-
-_WAN_RESIDUAL = (("residual.0.gamma", "norm1.gamma"), ("residual.2.{p}", "conv1.{p}"),
-                 ("residual.3.gamma", "norm2.gamma"), ("residual.6.{p}", "conv2.{p}"))
-_WAN_ATTENTION = (("norm.gamma", "norm.gamma"), ("to_qkv.{p}", "to_qkv.{p}"), ("proj.{p}", "proj.{p}"))
-
-
-def _wan_vae_renames(theirs: str, ours: str, pairs, *, optional: bool = False) -> list[Rule]:
-    return [Rename(f"{theirs}.{a}", f"{ours}.{b}", optional=optional) for a, b in pairs]
-
-
-def wan_vae(*, num_res_blocks: int = 2, levels: int = 4, prefix: str = "") -> tuple[Rule, ...]:
-    """The original Wan 2.1 VAE (``Wan2.1_VAE`` of the Wan-AI repositories as safetensors, ComfyUI's
-    ``wan_2.1_vae.safetensors``; ``prefix`` where an all-in-one file keeps it) as diffusers' ``AutoencoderKLWan``:
-    the mapping of diffusers' ``convert_wan_vae_to_diffusers``, for a VAE of ``levels`` levels (``len(dim_mult)``)
-    with ``num_res_blocks`` (the released VAE: 4 and 2).
-
-    The original's residual blocks are ``residual.{0,2,3,6}`` (norm, conv, norm, conv) and ``shortcut``; the
-    middle ``middle.{0,1,2}``, the heads ``head.{0,2}``, the quant convs ``conv1`` / ``conv2``. The encoder's
-    ``downsamples`` list is diffusers' ``down_blocks`` index for index; the decoder's ``upsamples`` is one flat list
-    per level (``num_res_blocks + 1`` residual blocks, then the upsampler), diffusers' ``up_blocks.{level}.resnets``
-    and ``upsamplers.0``. The inverse writes the original names back."""
-    rules: list[Rule] = list(select(prefix)) if prefix else []
-    rules += [Rename("conv1.{p}", "quant_conv.{p}"), Rename("conv2.{p}", "post_quant_conv.{p}")]
-    for side in ("encoder", "decoder"):
-        rules += [Rename(f"{side}.conv1.{{p}}", f"{side}.conv_in.{{p}}"),
-                  Rename(f"{side}.head.0.gamma", f"{side}.norm_out.gamma"),
-                  Rename(f"{side}.head.2.{{p}}", f"{side}.conv_out.{{p}}")]
-        for theirs, ours in ((0, "resnets.0"), (2, "resnets.1")):
-            rules += _wan_vae_renames(f"{side}.middle.{theirs}", f"{side}.mid_block.{ours}", _WAN_RESIDUAL)
-        rules += _wan_vae_renames(f"{side}.middle.1", f"{side}.mid_block.attentions.0", _WAN_ATTENTION)
-    down = ("encoder.downsamples.{i}", "encoder.down_blocks.{i}")
-    rules += _wan_vae_renames(*down, _WAN_RESIDUAL, optional=True)
-    rules += _wan_vae_renames(*down, (("shortcut.{p}", "conv_shortcut.{p}"), ("resample.1.{p}", "resample.1.{p}"),
-                                      ("time_conv.{p}", "time_conv.{p}"), *_WAN_ATTENTION), optional=True)
-    index = 0
-    for level in range(levels):
-        for r in range(num_res_blocks + 1):
-            theirs, ours = f"decoder.upsamples.{index}", f"decoder.up_blocks.{level}.resnets.{r}"
-            rules += _wan_vae_renames(theirs, ours, _WAN_RESIDUAL)
-            rules += _wan_vae_renames(theirs, ours, (("shortcut.{p}", "conv_shortcut.{p}"),), optional=True)
-            index += 1
-        if level != levels - 1:
-            theirs, ours = f"decoder.upsamples.{index}", f"decoder.up_blocks.{level}.upsamplers.0"
-            rules.append(Rename(f"{theirs}.resample.1.{{p}}", f"{ours}.resample.1.{{p}}"))
-            rules.append(Rename(f"{theirs}.time_conv.{{p}}", f"{ours}.time_conv.{{p}}", optional=True))
-            index += 1
-    return tuple(rules)

@@ -33,7 +33,7 @@ from ..loading import (
     write_safetensors,
 )
 from ..loading.single_file import Layout, Part, Shapes, check_tensors, detect_in, layout_shapes, layout_tensors
-from ._components import build_scheduler, load_tokenizer, pipeline_class_for
+from ._components import build_scheduler, load_processor, load_tokenizer, pipeline_class_for
 
 __all__ = ["SingleFile", "read_single_file", "save_single_file", "single_file_class"]
 
@@ -106,6 +106,7 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
     components = _read_held(path, file, layout, held, source, where, load_kwargs)
     components.update(_read_lacking(cls, layout, components, source, where, load_kwargs))
     components.update(_read_tokenizers(cls, layout, components, source, where))
+    components.update(_read_processors(cls, source))
     raw = source.read("scheduler/scheduler_config.json") or layout.scheduler
     if raw is None:
         raise CheckpointError(f"config={os.fspath(source.given)!r} has no scheduler/scheduler_config.json; pass a "
@@ -254,6 +255,18 @@ def _read_tokenizers(cls, layout: Layout, components: Mapping, source: _Config, 
                                   f"holds {name}/")
         else:
             out[name] = load_tokenizer(folder / name)
+    return out
+
+
+def _read_processors(cls, source: _Config) -> dict:
+    """Each image processor of ``cls`` from ``config=``'s folder if it lists one (Wan 2.1 image-to-video's CLIP
+    processor), else ``None``: a single file holds none."""
+    out = {}
+    for c in cls.COMPONENTS:
+        if c.kind == "processor":
+            entry = source.index.get(c.name)
+            listed = source.folder is not None and entry and entry[0] is not None
+            out[c.name] = load_processor(source.folder / c.name, entry) if listed else None
     return out
 
 

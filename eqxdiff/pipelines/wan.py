@@ -29,6 +29,12 @@ multiples of the VAE's factor times the transformer's patch (16; 32 for TI2V-5B)
 (TI2V-5B) give every video token its own timestep; in text-to-video all are the step's, which is the same as one per
 sample (computed so). The output is uint8 frames ``[n, num_frames, height, width, 3]`` (``eqxdiff-generate`` saves
 them as MP4); ``enable_vae_tiling()`` decodes in spatial tiles and one latent frame at a time.
+
+**Original checkpoints.** ``eqxdiff.load_pipeline("wan2.1_t2v_1.3B_bf16.safetensors", config=FOLDER)`` reads a Wan-AI
+transformer file in the original names (or ComfyUI's under ``model.diffusion_model.``; an original VAE file the same
+way), its config from the tensors unless ``config`` holds ``transformer/config.json``, and the rest of the pipeline
+from ``config`` (a diffusers Wan folder or Hub id): the layouts are data (:data:`SINGLE_FILE_LAYOUTS`). One model
+alone: ``eqxdiff.load(file, config=...)`` (sharded original files: their folder).
 """
 
 import html
@@ -42,6 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray
+from ..loading import formats
+from ..loading.single_file import Layout
 from ..models.wan import WanTransformer3DModel
 from ..parallel import shard_params
 from ._arguments import as_list, given_array, prompt_list, resolve_key
@@ -419,3 +427,22 @@ class WanPipeline(LatentPipeline):
 
 # The conditioning arrays with one row per video (doubled for batched guidance); the others are shared.
 BATCHED = ("condition", "first_frame")
+
+
+# -- single files: the Wan-AI repositories' original names, as layouts ---------------------------------------------
+
+_SINGLE_FILE = dict(family="Wan", pipelines=("WanPipeline", "WanImageToVideoPipeline"),
+                    tokenizers={"tokenizer": "text_encoder"}, hub_id="Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+# The layouts eqxdiff.load_pipeline(file, config=WAN_FOLDER) reads (listed in eqxdiff.core.SINGLE_FILE_LAYOUTS): a
+# transformer in the original names, bare (the Wan-AI repositories; Kijai's repackagings) or below ComfyUI's
+# model.diffusion_model., or an original VAE; each config read from the tensors unless config= holds its
+# config.json. The rest of the pipeline comes from config= (its model_index.json says T2V or I2V).
+SINGLE_FILE_LAYOUTS = (
+    Layout(name="wan", signature=("patch_embedding.weight", "head.modulation"),
+           parts=(formats.WanTransformer(prefix=""),), **_SINGLE_FILE),
+    Layout(name="wan_comfyui", signature=(formats.WAN_DIFFUSION_MODEL + "patch_embedding.weight",
+                                            formats.WAN_DIFFUSION_MODEL + "head.modulation"),
+           parts=(formats.WanTransformer(prefix=formats.WAN_DIFFUSION_MODEL),), **_SINGLE_FILE),
+    Layout(name="wan_vae", signature=("encoder.conv1.weight", "decoder.middle.0.residual.0.gamma"),
+           parts=(formats.WanVae(prefix=""),), **_SINGLE_FILE),
+)

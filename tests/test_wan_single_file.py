@@ -1,0 +1,228 @@
+"""Wan's original checkpoints through the single-file layouts (``eqxdiff.pipelines.wan.SINGLE_FILE_LAYOUTS``): a
+transformer file in the Wan-AI repositories' names (bare, ComfyUI's ``model.diffusion_model.``, or sharded) and the
+Wan 2.1 / 2.2 VAE files, each read by ``eqxdiff.load(file, config=...)`` (no ``conversion=``: the layouts' parts are
+found by the tensors) and, for a transformer or VAE file with the rest of the pipeline from a folder, by
+``eqxdiff.load_pipeline(file, config=folder)``.
+
+Proven against diffusers: its ``from_single_file`` (``WanTransformer3DModel``, ``AutoencoderKLWan`` for the 2.1
+VAE) reads the same files into the very weights eqxdiff reads; Wan 2.2's VAE, which diffusers' single-file reader
+does not know, against the mapping of its ``scripts/convert_wan_to_diffusers.py`` (``convert_vae_22``, written out
+below). The configs inferred from the tensors are the reference models' configs (the values the tensors do not show
+are Wan's published ones). Only weights are compared here (no program compiles): the models' numbers are
+``tests/test_wan_model.py``'s and ``tests/test_wan_vae.py``'s.
+"""
+
+import json
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+import eqxdiff
+from eqxdiff.loading import (
+    CheckpointError,
+    SafetensorsFile,
+    convert_tensors,
+    formats,
+    inverse,
+    state_dict,
+    write_safetensors,
+)
+from eqxdiff.pipelines import single_file_class
+from eqxdiff.pipelines.wan_i2v import WanImageToVideoPipeline
+
+from . import _tiny_wan as tiny
+from ._util import randomize_torch
+
+
+@pytest.fixture(scope="module")
+def i2v(tmp_path_factory):
+    """A tiny Wan 2.1 image-to-video folder (added k/v, CLIP processor) and its transformer's state dict."""
+    folder = tmp_path_factory.mktemp("wan_i2v")
+    ref = tiny.build_i2v(folder, seed=2)
+    return folder, {k: v.numpy() for k, v in ref.transformer.state_dict().items()}
+
+
+def _original(state: dict, prefix: str = "") -> dict:
+    return {prefix + k: v for k, v in convert_tensors(state, inverse(formats.wan_transformer())).items()}
+
+
+def _assert_weights(model, expected: dict, what: str):
+    got = state_dict(model)
+    assert set(got) == set(expected), what
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=f"{what}: {name}")
+
+
+def _write(tensors: dict, path):
+    write_safetensors(tensors, path)
+    return path
+
+
+def _torch_state(model) -> dict:
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+# -- the transformer --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix", ["", formats.WAN_DIFFUSION_MODEL])
+def test_transformer_file_equals_diffusers_from_single_file(i2v, prefix, tmp_path):
+    """An image-to-video transformer in the original names (k_img / v_img, norm3, img_emb), bare or below ComfyUI's
+    prefix: eqxdiff.load(file, config=) reads exactly what diffusers' from_single_file reads, which is the folder's
+    model."""
+    folder, state = i2v
+    path = _write(_original(state, prefix), tmp_path / "wan2.1_i2v_tiny.safetensors")
+    theirs = tiny.WanTransformer3DModel.from_single_file(str(path), config=str(folder / "transformer"),
+                                                         torch_dtype=torch.float32)
+    expected = _torch_state(theirs)
+    assert set(expected) == set(state) and all(np.array_equal(expected[k], state[k]) for k in state)
+    _assert_weights(eqxdiff.load(path, config=folder / "transformer"), expected, "original-named file")
+
+
+def test_sharded_original_transformer_folder(i2v, tmp_path):
+    """The Wan-AI repositories' layout: diffusion_pytorch_model-0000N-of-00002.safetensors with their index, in the
+    original names; eqxdiff.load(folder, config=) reads them through the same part."""
+    folder, state = i2v
+    original = _original(state)
+    names = sorted(original)
+    shards = {"diffusion_pytorch_model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "diffusion_pytorch_model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, keys in shards.items():
+        write_safetensors({k: original[k] for k in keys}, tmp_path / file)
+    index = {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+    _assert_weights(eqxdiff.load(tmp_path, config=folder / "transformer"), state, "sharded original files")
+
+
+@pytest.mark.parametrize("extra", [
+    dict(),  # text-to-video
+    dict(image_dim=8, added_kv_proj_dim=256, cross_attn_norm=False),  # 2.1 image-to-video
+    dict(image_dim=8, added_kv_proj_dim=256, pos_embed_seq_len=10, in_channels=36, out_channels=16),  # FLF2V
+    dict(patch_size=(1, 2, 1), in_channels=12, out_channels=12, freq_dim=32),  # other patch and sizes
+])
+def test_transformer_config_from_the_tensors(extra, tmp_path):
+    """Every config value the tensors show is read from them (patch, widths, layers, channels, cross-attention
+    norm, image width, added k/v, first-last-frame positions); the others are Wan's published ones (heads of 128)."""
+    config = {**dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=128, in_channels=4,
+                     out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024), **extra}
+    ref = diffusers.WanTransformer3DModel(**config)
+    path = _write(_original(_torch_state(ref), formats.WAN_DIFFUSION_MODEL), tmp_path / "t.safetensors")
+    inferred = formats.wan_transformer_config(SafetensorsFile(path), where="file", prefix=formats.WAN_DIFFUSION_MODEL)
+    expected = {k: v for k, v in ref.config.items() if not k.startswith("_")}
+    expected["patch_size"] = list(expected["patch_size"])
+    assert inferred == {"_class_name": "WanTransformer3DModel", **expected}
+
+
+def test_load_pipeline_from_a_transformer_file(i2v, tmp_path):
+    """load_pipeline(file, config=folder): the transformer from the file, the rest (UMT5, VAE, CLIP and its
+    processor, tokenizer, scheduler) from the folder, as the folder's model_index.json names it; a folder without
+    transformer/config.json makes eqxdiff read the config from the tensors, which cannot give the head count of
+    this tiny model (24 channels): the error says so and what to pass."""
+    folder, state = i2v
+    path = _write(_original(state, formats.WAN_DIFFUSION_MODEL), tmp_path / "comfy_i2v.safetensors")
+    assert single_file_class(path, config=folder) is WanImageToVideoPipeline
+    pipe = eqxdiff.load_pipeline(path, config=folder)
+    assert isinstance(pipe, WanImageToVideoPipeline) and pipe.image_processor is not None
+    _assert_weights(pipe.transformer, state, "the file's transformer")
+    from_folder = eqxdiff.load(folder, "vae")
+    _assert_weights(pipe.vae, state_dict(from_folder), "the folder's VAE")
+    assert pipe.tokenizer is not None and pipe.image_encoder is not None
+
+    bare = tmp_path / "no_transformer_config"
+    bare.mkdir()
+    (bare / "model_index.json").write_text((folder / "model_index.json").read_text())
+    with pytest.raises(CheckpointError, match=r"width 24 is not a multiple of Wan's 128-channel heads.*Pass config="):
+        eqxdiff.load_pipeline(path, config=bare)
+
+
+# -- the VAE ----------------------------------------------------------------------------------------------------------
+
+
+def _vae(seed: int, **config) -> diffusers.AutoencoderKLWan:
+    vae = diffusers.AutoencoderKLWan(**config).eval()
+    randomize_torch(vae, seed=seed)
+    return vae
+
+
+def test_wan21_vae_file_equals_diffusers_from_single_file(tmp_path):
+    """The released 2.1 layout (4 levels, 2 residual blocks; narrow): eqxdiff.load(file, config=) reads what
+    diffusers' from_single_file reads (its converter hard-codes that layout); its config comes from the tensors."""
+    reference = _vae(6, base_dim=2, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2)
+    reference.save_pretrained(tmp_path / "vae")
+    state = _torch_state(reference)
+    path = _write(convert_tensors(state, inverse(formats.wan_vae())), tmp_path / "wan_2.1_vae.safetensors")
+    theirs = diffusers.AutoencoderKLWan.from_single_file(str(path), config=str(tmp_path / "vae"),
+                                                         torch_dtype=torch.float32)
+    expected = _torch_state(theirs)
+    assert all(np.array_equal(expected[k], state[k]) for k in state)
+    _assert_weights(eqxdiff.load(path, config=tmp_path / "vae"), expected, "Wan 2.1 VAE file")
+    inferred = formats.wan_vae_config(SafetensorsFile(path), where="file")
+    stored = {k: v for k, v in reference.config.items() if not k.startswith("_") and k != "dropout"}
+    assert inferred == {"_class_name": "AutoencoderKLWan", **stored}
+
+
+def _vae22_names(name: str) -> str:
+    """diffusers' scripts/convert_wan_to_diffusers.py, convert_vae_22: the middle, heads and quant convs as the 2.1
+    converter maps them; ``encoder.downsamples.X.downsamples.Y`` is ``encoder.down_blocks.X.resnets.Y`` (residual
+    blocks and shortcuts, renamed as 2.1's) or ``encoder.down_blocks.X.downsampler`` (``resample`` / ``time_conv``:
+    the index dropped); the decoder's ``upsamples.X.upsamples.Y`` the same with ``up_blocks`` / ``upsampler``."""
+    for side, theirs, ours, sampler in (("encoder", "downsamples", "down_blocks", "downsampler"),
+                                        ("decoder", "upsamples", "up_blocks", "upsampler")):
+        head = f"{side}.{theirs}."
+        if not name.startswith(head):
+            continue
+        level, _, index, rest = name[len(head):].split(".", 3)
+        if rest.startswith(("resample", "time_conv")):
+            return f"{side}.{ours}.{level}.{sampler}.{rest}"
+        for a, b in (("residual.0.gamma", "norm1.gamma"), ("residual.2.", "conv1."), ("residual.3.gamma",
+                     "norm2.gamma"), ("residual.6.", "conv2."), ("shortcut.", "conv_shortcut.")):
+            rest = rest.replace(a, b)
+        return f"{side}.{ours}.{level}.resnets.{index}.{rest}"
+    return next(iter(convert_wan_vae_to_diffusers({name: torch.zeros(())})))
+
+
+def test_wan22_vae_file_equals_the_convert_script(tmp_path):
+    """Wan 2.2's VAE (nested levels, 2x2 patchified pixels, a wider decoder): its original names (the rules'
+    inverse) are what convert_vae_22 maps back to the reference's names; eqxdiff.load(file, config=) reads the
+    reference's weights, and the config comes from the tensors (the latent statistics: Wan2.2_VAE's published ones)."""
+    reference = _vae(7, **dict(tiny.VAE_22, base_dim=2, dim_mult=[1, 2, 4, 4], num_res_blocks=2, decoder_base_dim=4))
+    reference.save_pretrained(tmp_path / "vae")
+    state = _torch_state(reference)
+    original = convert_tensors(state, inverse(formats.wan_vae(residual=True)))
+    assert {"encoder.downsamples.1.downsamples.2.time_conv.weight", "decoder.upsamples.0.upsamples.3.resample.1.bias",
+            "decoder.upsamples.2.upsamples.0.shortcut.weight", "decoder.middle.1.to_qkv.weight"} <= set(original)
+    assert {_vae22_names(k): k for k in original}.keys() == state.keys()
+    path = _write(original, tmp_path / "Wan2.2_VAE.safetensors")
+    _assert_weights(eqxdiff.load(path, config=tmp_path / "vae"), state, "Wan 2.2 VAE file")
+    inferred = formats.wan_vae_config(SafetensorsFile(path), where="file")
+    stored = {k: v for k, v in reference.config.items() if not k.startswith("_") and k != "dropout"}
+    stored.update(latents_mean=list(formats.WAN22_LATENTS_MEAN), latents_std=list(formats.WAN22_LATENTS_STD))
+    assert inferred == {"_class_name": "AutoencoderKLWan", **stored}
+
+
+def test_load_pipeline_from_a_vae_file(i2v, tmp_path):
+    """An original VAE file is a Wan layout too: the pipeline's VAE from it (its config from the folder), the rest
+    from the folder."""
+    folder, _ = i2v
+    vae = state_dict(eqxdiff.load(folder, "vae"))
+    path = _write(convert_tensors(vae, inverse(formats.wan_vae(num_res_blocks=1))),
+                             tmp_path / "wan_vae.safetensors")
+    pipe = eqxdiff.load_pipeline(path, config=folder)
+    _assert_weights(pipe.vae, vae, "the file's VAE")
+
+
+def test_a_cut_file_names_what_it_lacks(i2v, tmp_path):
+    """A file missing a tensor is read through the Wan part it fits best, so the error names the one missing
+    tensor (not every name of another layout)."""
+    folder, state = i2v
+    original = _original(state)
+    del original["blocks.1.ffn.2.weight"]
+    path = _write(original, tmp_path / "cut.safetensors")
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) missing from the file .*: blocks\.1\.ffn\.net\.2\.weight\."):
+        eqxdiff.load(path, config=folder / "transformer")
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) missing: 'blocks\.1\.ffn\.2\.weight'"):
+        eqxdiff.load_pipeline(path, config=folder)
