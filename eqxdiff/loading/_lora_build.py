@@ -103,12 +103,31 @@ def _diff(rec: Record, shape, axes, scale, dtype) -> nn.Diff:
 _BUILDERS = {"lora": _lora, "loha": _loha, "lokr": _lokr, "diff": _diff}
 
 
+def _with_difference(adapter: nn.Adapter, rec: Record, shape, axes, dtype) -> nn.Adapter:
+    """``adapter`` plus the whole differences its module also holds (``diff``, ``diff_b``: lightx2v's LoRA pairs with
+    bias differences), which the file's scale does not touch (ComfyUI and lightx2v add them as they are; diffusers
+    loads ``diff_b`` as PEFT's ``lora_B.bias`` of a LoRA its converter rescales to scale 1): a LoRA takes a bias
+    difference as its bias; otherwise the sum is one :class:`~eqxdiff.nn.Diff`."""
+    t = rec.tensors
+    diff_b = None if "diff_b" not in t else np.asarray(t["diff_b"], np.float32).reshape(-1)
+    old_bias = adapter.delta_bias()
+    bias = diff_b if old_bias is None else (np.asarray(old_bias, np.float32) + (0 if diff_b is None else diff_b))
+    if isinstance(adapter, nn.LoRA) and "diff" not in t:
+        return nn.LoRA(axes, shape, adapter.down, adapter.up, adapter.mid, bias.astype(dtype))
+    delta = np.asarray(adapter.delta(), np.float32)
+    if "diff" in t:
+        delta = delta + np.asarray(t["diff"], np.float32).reshape(shape)
+    return nn.Diff(axes, shape, delta.astype(dtype), None if bias is None else bias.astype(dtype))
+
+
 def build_adapter(rec: Record, layer_shape: tuple[int, ...], axes, *, scale: float, dtype, where: str) -> nn.Adapter:
     """``rec`` as an adapter of a weight ``[rows, *layer_shape[1:]]`` (its rows from its own tensors; input and
     kernel the layer's), ``scale`` folded in, in ``dtype``, NumPy leaves. ``where`` names the module in errors."""
     shape = (_out_rows(rec), *layer_shape[1:])
     try:
         adapter = _BUILDERS[rec.kind](rec, shape, axes, scale, dtype)
+        if rec.kind != "diff" and ("diff" in rec.tensors or "diff_b" in rec.tensors):
+            adapter = _with_difference(adapter, rec, shape, axes, dtype)
         delta = adapter.delta()  # checks the tensors make the layer's shape
         if delta.size != math.prod(shape):
             raise ValueError(f"a change of {delta.size} values")
@@ -119,6 +138,9 @@ def build_adapter(rec: Record, layer_shape: tuple[int, ...], axes, *, scale: flo
                               ) from None
     if rec.magnitude is None:
         return adapter
+    if isinstance(adapter, nn.Diff) and rec.kind != "diff":
+        raise CheckpointError(f"{where}: a DoRA magnitude beside whole differences (diff / diff_b) of the same layer; "
+                              "eqxdiff does not know how a file means them to combine")
     m = np.asarray(rec.magnitude, np.float32)
     if rec.dora == "peft":
         if m.size != shape[0]:

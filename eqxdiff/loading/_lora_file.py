@@ -3,7 +3,8 @@ adapted module, whatever trainer wrote it.
 
 A key is a module key and a *role*: ``<module>.lora_A.weight`` (PEFT/diffusers), ``<module>.lora_down.weight`` /
 ``.lora_up.weight`` / ``.lora_mid.weight`` / ``.alpha`` / ``.dora_scale`` (kohya, LyCORIS' LoCon),
-``.hada_w1_a`` ... (LoHa), ``.lokr_w1`` ... (LoKr), ``.diff`` / ``.diff_b`` (full differences),
+``.hada_w1_a`` ... (LoHa), ``.lokr_w1`` ... (LoKr), ``.diff`` / ``.diff_b`` (full differences; lightx2v's
+``<block>.diff_m``: the block's modulation table, whose name a family's layout aliases),
 ``.lora.down.weight`` / ``.lora_linear_layer.down.weight`` / ``_lora.down.weight`` (older diffusers processors),
 ``.down.weight`` (XLabs). :func:`parse` groups them into :class:`Record` s; which model and layer a module key names
 is the families' business (their prefixes and name tables), not this module's.
@@ -42,6 +43,7 @@ ROLES: Mapping[str, tuple[str | None, str]] = {
     ".lokr_w2": ("lokr", "w2"), ".lokr_w2_a": ("lokr", "w2a"), ".lokr_w2_b": ("lokr", "w2b"),
     ".lokr_t2": ("lokr", "t2"),
     ".diff": ("diff", "diff"), ".diff_b": ("diff", "diff_b"),
+    ".diff_m": ("diff", "diff"),  # lightx2v: a block's modulation table (its module: the block; families alias it)
 }
 _BY_LENGTH = sorted(ROLES, key=len, reverse=True)
 REQUIRED = {"lora": (("down",), ("up",)), "loha": (("w1a",), ("w1b",), ("w2a",), ("w2b",)),
@@ -50,7 +52,7 @@ STYLES = {".lora_A.weight": "PEFT", ".lora_down.weight": "kohya", ".lora.down.we
           ".lora_linear_layer.down.weight": "diffusers (legacy)", "_lora.down.weight": "diffusers (legacy)",
           ".down.weight": "XLabs", ".hada_w1_a": "LyCORIS LoHa", ".lokr_w1": "LyCORIS LoKr",
           ".lokr_w1_a": "LyCORIS LoKr", ".lokr_w2_a": "LyCORIS LoKr", ".lokr_w2": "LyCORIS LoKr",
-          ".diff": "full diff", ".diff_b": "full diff"}
+          ".diff": "full diff", ".diff_b": "full diff", ".diff_m": "full diff"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +133,9 @@ def read_lora(path_or_hub_id, *, weight_name: str | None = None, revision: str |
 class Record:
     """The tensors a file holds for one module. ``key``: the module key as written (prefix included; diffusers'
     legacy processor names normalised, ``...attn1.processor.to_out_lora`` -> ``...attn1.to_out.0``); ``kind``:
-    ``"lora"``, ``"loha"``, ``"lokr"`` or ``"diff"``; ``tensors``: role -> array; ``alpha``: the file's ``.alpha``;
+    ``"lora"``, ``"loha"``, ``"lokr"`` or ``"diff"``; ``tensors``: role -> array (an adapter's ``diff`` / ``diff_b``
+    roles beside its own: whole differences that add to its change, lightx2v's LoRA pairs with ``diff_b``);
+    ``alpha``: the file's ``.alpha``;
     ``magnitude`` / ``dora``: a DoRA magnitude and its convention (``"peft"``: ``lora_magnitude_vector``,
     ``"lycoris"``: ``dora_scale``); ``style``: the key style (``"PEFT"``, ``"kohya"`` ...); ``keys``: the file's keys
     it was read from."""
@@ -191,8 +195,10 @@ def parse(tensors: Mapping[str, np.ndarray]) -> tuple[list[Record], list[str]]:
             rec.magnitude, rec.dora = tensors[key], "peft" if role == "magnitude" else "lycoris"
         else:
             if rec.kind is not None and rec.kind != kind:
-                raise CheckpointError(f"module {module!r} holds tensors of two adapter kinds ({rec.kind} and {kind}, "
-                                      f"e.g. {key!r}); one module takes one adapter per file")
+                if "diff" not in (rec.kind, kind):
+                    raise CheckpointError(f"module {module!r} holds tensors of two adapter kinds ({rec.kind} and "
+                                          f"{kind}, e.g. {key!r}); one module takes one adapter per file")
+                kind = rec.kind if kind == "diff" else kind  # a whole difference beside an adapter adds to it
             rec.kind = kind
             rec.tensors[role] = tensors[key]
             rec.style = rec.style or STYLES.get(suffix)

@@ -54,7 +54,7 @@ def _tag_view(model, targets) -> TensorDict:
         for name in spec.names:
             tensors[name] = np.broadcast_to(np.int64(-1), shape)
     for t, (site, _, name) in enumerate(targets):
-        weight = next(n for n in (f"{name}.weight", f"{name}_weight", "weight") if n in tensors)
+        weight = next(n for n in (f"{name}.weight", f"{name}_weight", "weight", name) if n in tensors)
         rows = ((t + 1) << _SHIFT) + np.arange(site.shape[0], dtype=np.int64)
         tensors[weight] = np.broadcast_to(rows.reshape(-1, *(1,) * (len(site.shape) - 1)), site.shape)
     return TensorDict(tensors)
@@ -84,11 +84,12 @@ def _runs(tags: np.ndarray, targets) -> list[Run]:
     return runs
 
 
-def _module(name: str) -> str | None:
+def _module(name: str) -> str:
+    """The module a weight's name names; a parameter named as its module (a modulation table) is its own."""
     for suffix in (".weight", "_weight"):
         if name.endswith(suffix):
             return name[:-len(suffix)]
-    return None
+    return name
 
 
 def layer_index(model, rules: Sequence[Rule] = ()) -> dict[str, list[Run]]:
@@ -99,12 +100,9 @@ def layer_index(model, rules: Sequence[Rule] = ()) -> dict[str, list[Run]]:
     view = convert(_tag_view(model, targets), (*inverse(fusion_rules(model)), *rules), where="model's layout")
     index = {}
     for name in view.names():
-        module = _module(name)
-        if module is None:
-            continue
         runs = _runs(_first_column(view.get(name)), targets)
         if runs:
-            index[module] = runs
+            index[_module(name)] = runs
     return index
 
 

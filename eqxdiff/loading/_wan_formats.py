@@ -5,9 +5,9 @@ repositories (``diffusion_pytorch_model*.safetensors``, one file or shards; Comf
 Re-exported by :mod:`eqxdiff.loading.formats`.
 
 :class:`WanTransformer` and :class:`WanVae` are the single-file parts the Wan pipelines declare
-(``eqxdiff.pipelines.wan.SINGLE_FILE_LAYOUTS``): their configs are read from the tensors (:func:`wan_transformer_config`,
-:func:`wan_vae_config`) where the tensors show them, the rest from Wan's published values (heads of 128 channels, eps
-1e-6, the VAEs' latent statistics), or else from ``config=``.
+(``eqxdiff.pipelines.wan.SINGLE_FILE_LAYOUTS``): their configs are read from the tensors
+(:func:`wan_transformer_config`, :func:`wan_vae_config`) where the tensors show them, the rest from Wan's published
+values (heads of 128 channels, eps 1e-6, the VAEs' latent statistics), or else from ``config=``.
 """
 
 import dataclasses

@@ -2,7 +2,8 @@
 (:func:`with_adapters`), stacking one per layer of a scanned stack (:func:`stack_layers`), giving several adapters
 of one layer a shape they share (:func:`harmonise`) and merging them into the weights (:func:`fuse`).
 
-A *site* is a layer with an ``adapters`` slot (``Linear``, ``Conv2d``, ``Conv3d``), named by its checkpoint name
+A *site* is a layer with an ``adapters`` slot (``Linear``, ``Conv2d``, ``Conv3d``; the affine norms and modulation
+tables for whole differences), named by its checkpoint name
 (``down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q``); inside a :class:`~eqxdiff.nn.Stacked` one site
 stands for its ``layers`` layers (``...layers.*.self_attn.q_proj``) and its adapters hold a leading layers axis,
 every layer the same structure: a layer a file skips holds zeros of the others' rank.
@@ -178,17 +179,21 @@ def stack_layers(per_layer: Sequence[Adapter | None], rank: int | None = None) -
 
 def _fused_layer(layer):
     """``layer`` with its adapters' changes added to its weight and bias (float32 sums, cast back) and no
-    adapters. A layer without a bias gets one if an adapter changes it."""
+    adapters. A layer without a bias gets one if an adapter changes it; a layer with no bias field (an RMSNorm, a
+    modulation table) refuses such a change."""
     adapters = layer.adapters
     perm = getattr(type(layer), "TORCH_PERMUTATIONS", {}).get("weight")
     dw, db = adapters.weight_update(layer.weight, perm)
     weight = layer.weight if dw is None else (layer.weight.astype(np.float32) + dw).astype(layer.weight.dtype)
-    bias = layer.bias
+    bias = getattr(layer, "bias", None)
     if db is not None:
+        if not has_field(layer, "bias"):
+            raise ValueError(f"{type(layer).__name__} has no bias, but an adapter changes one: the file is not for "
+                             "this layer")
         dtype = layer.weight.dtype if bias is None else bias.dtype
         bias = (db if bias is None else bias.astype(np.float32) + db).astype(dtype)
     out = eqx.tree_at(lambda m: (m.weight, m.adapters), layer, (weight, None), is_leaf=lambda x: x is None)
-    if bias is not layer.bias:
+    if bias is not getattr(layer, "bias", None):
         out = eqx.tree_at(lambda m: m.bias, out, bias, is_leaf=lambda x: x is None)
     return out
 
@@ -210,11 +215,13 @@ def _fused_on_host(layer, layers: int | None):
     else:
         new = jax.tree.map(lambda *xs: np.stack(xs),
                            *(_fused_layer(jax.tree.map(lambda x: x[i], host)) for i in range(layers)))
+    new = eqx.tree_at(lambda m: m.weight, new, place_like(new.weight, layer.weight))
+    if not has_field(layer, "bias"):
+        return new
     bias = new.bias if layer.bias is None else place_like(new.bias, layer.bias)
     if bias is not None and not isinstance(bias, jax.Array) and isinstance(layer.weight, jax.Array):
         bias = place_like(bias, layer.weight)
-    return eqx.tree_at(lambda m: (m.weight, m.bias), new, (place_like(new.weight, layer.weight), bias),
-                       is_leaf=lambda x: x is None)
+    return eqx.tree_at(lambda m: m.bias, new, bias, is_leaf=lambda x: x is None)
 
 
 def fuse(model, sites: Sequence[Site] | None = None, *, how: str = "jit"):

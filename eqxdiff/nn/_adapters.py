@@ -1,9 +1,12 @@
 """Adapters on projection layers: small modules of arrays whose ``delta()`` is a change of the weight they sit on.
 
 Every projection layer (:class:`~eqxdiff.nn.Linear`, :class:`~eqxdiff.nn.Conv2d`, :class:`~eqxdiff.nn.Conv3d`) holds
-an ``adapters`` slot: ``None`` (the layer computes exactly what it did without one) or an :class:`Adapters` stack,
-one entry per loaded adapter, each with a traced strength (``scales``) and a traced switch (``enabled``), so
-changing a strength or switching an adapter off changes values only and compiles nothing.
+an ``adapters`` slot, and so do the layers whose parameters whole differences change (the affine
+:class:`~eqxdiff.nn.LayerNorm` / :class:`~eqxdiff.nn.RMSNorm` and :class:`~eqxdiff.nn.ScaleShiftTable`, for
+lightx2v's ``diff`` / ``diff_b`` / ``diff_m`` files; :func:`adapted_parameters`): ``None`` (the layer computes
+exactly what it did without one) or an :class:`Adapters` stack, one entry per loaded adapter, each with a traced
+strength (``scales``) and a traced switch (``enabled``), so changing a strength or switching an adapter off changes
+values only and compiles nothing.
 
 An adapter's tensors are kept in PyTorch's layout of the weight it changes, ``[out, in, *kernel]``, as files store
 them; its ``delta()`` is that change (float32), its ``delta_bias()`` the bias change if any:
@@ -394,6 +397,25 @@ def conv_weight(adapters: Adapters | None, weight: Array, perm, dtype):
     return (_f32(weight) + dw).astype(dtype), db
 
 
+def adapted_parameters(adapters: Adapters | None, weight: Array, bias: Array | None = None, *,
+                       has_bias: bool = True, owner: str = "layer") -> tuple[Array, Array | None]:
+    """``(weight, bias)`` a layer that uses its parameters directly (a norm's scale and shift, a modulation table)
+    runs with: as they are without adapters, else ``weight + change`` and ``bias + change`` in float32 (a bias
+    change on a layer without a bias becomes its bias). ``has_bias=False``: the layer has no bias to change (an
+    RMSNorm); an adapter changing one is an error naming ``owner``."""
+    if adapters is None:
+        return weight, bias
+    dw, db = adapters.weight_update(weight, None)
+    if dw is not None:
+        weight = _f32(weight) + dw
+    if db is not None:
+        if not has_bias:
+            raise ValueError(f"{owner} has no bias, but an adapter changes one (a diff_b for it): the LoRA file is "
+                             "not for this model's layer; load it with strict=False to skip the key, or remove it")
+        bias = db if bias is None else _f32(bias) + db
+    return weight, bias
+
+
 def zeros_like(adapter: Adapter) -> Adapter:
     """An adapter of ``adapter``'s structure and shapes whose change is zero (a stacked layer a file skips)."""
     if isinstance(adapter, DoRA):
@@ -420,5 +442,5 @@ def adapter_size(adapter: Adapter) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(adapter))
 
 
-__all__ = ["Adapter", "Adapters", "DORA_MODES", "Diff", "DoRA", "LoHa", "LoKr", "LoRA", "adapter_size",
-           "conv_weight", "describe", "zeros_like"]
+__all__ = ["Adapter", "Adapters", "DORA_MODES", "Diff", "DoRA", "LoHa", "LoKr", "LoRA", "adapted_parameters",
+           "adapter_size", "conv_weight", "describe", "zeros_like"]

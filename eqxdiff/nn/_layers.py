@@ -9,7 +9,8 @@ these declarations; layers never load or place anything themselves.
 
 The projections (:class:`Linear`, :class:`Conv2d`, and :class:`~eqxdiff.nn.Conv3d`) hold an ``adapters`` slot:
 ``None`` (their computation unchanged) or an :class:`~eqxdiff.nn.Adapters` stack (LoRA and its relatives, see
-:mod:`eqxdiff.nn._adapters`) whose changes are added at call time.
+:mod:`eqxdiff.nn._adapters`) whose changes are added at call time. The affine norms (:class:`LayerNorm`,
+:class:`RMSNorm`) hold one too, for whole differences of their scale (and shift).
 """
 
 import math
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
-from ._adapters import Adapters, conv_weight
+from ._adapters import Adapters, adapted_parameters, conv_weight
 
 
 def _uniform(key, shape, bound, dtype):
@@ -161,12 +162,14 @@ class LayerNorm(eqx.Module):
 
     weight: Float[Array, " dim"] | None
     bias: Float[Array, " dim"] | None
+    adapters: Adapters | None
     eps: float = eqx.field(static=True)
 
     def __init__(self, dim: int, *, eps: float = 1e-5, elementwise_affine: bool = True, use_bias: bool = True,
                  dtype=jnp.float32):
         self.weight = jnp.ones((dim,), dtype) if elementwise_affine else None
         self.bias = jnp.zeros((dim,), dtype) if elementwise_affine and use_bias else None
+        self.adapters = None
         self.eps = eps
 
     @typechecked
@@ -175,10 +178,12 @@ class LayerNorm(eqx.Module):
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
-        if self.weight is not None:
-            y = y * self.weight.astype(jnp.float32)
-        if self.bias is not None:
-            y = y + self.bias.astype(jnp.float32)
+        weight, bias = (self.weight, self.bias) if self.weight is None else \
+            adapted_parameters(self.adapters, self.weight, self.bias)
+        if weight is not None:
+            y = y * weight.astype(jnp.float32)
+        if bias is not None:
+            y = y + bias.astype(jnp.float32)
         return y.astype(x.dtype)
 
 
@@ -189,10 +194,12 @@ class RMSNorm(eqx.Module):
     PARAM_AXES: ClassVar = {"weight": ("norm",)}
 
     weight: Float[Array, " dim"] | None
+    adapters: Adapters | None
     eps: float = eqx.field(static=True)
 
     def __init__(self, dim: int, *, eps: float = 1e-6, elementwise_affine: bool = True, dtype=jnp.float32):
         self.weight = jnp.ones((dim,), dtype) if elementwise_affine else None
+        self.adapters = None
         self.eps = eps
 
     @typechecked
@@ -200,7 +207,8 @@ class RMSNorm(eqx.Module):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
         if self.weight is not None:
-            y = y * self.weight.astype(jnp.float32)
+            weight, _ = adapted_parameters(self.adapters, self.weight, has_bias=False, owner="RMSNorm")
+            y = y * weight.astype(jnp.float32)
         return y.astype(x.dtype)
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
+from ._adapters import Adapters, adapted_parameters
 from ._layers import LayerNorm, Linear, RMSNorm
 
 
@@ -108,9 +109,12 @@ class ScaleShiftTable(eqx.Module):
     ``[batch, (seq,) num, dim]`` (one embedding per vector, Wan's blocks), ``[batch, (seq,) num * dim]`` (the same,
     flat: LTX's blocks) or ``[batch, (seq,) dim]`` (one embedding for all: the output heads)."""
 
-    TORCH_RENAMES: ClassVar[dict[str, str]] = {"table": ""}  # the parameter is the field itself
+    TORCH_RENAMES: ClassVar[dict[str, str]] = {"weight": ""}  # the parameter is the field itself
 
-    table: Float[Array, "*one num dim"]
+    # The table, named as every adaptable parameter is: an ``adapters`` slot holds whole differences of it
+    # (lightx2v's ``diff_m`` files), added at call time.
+    weight: Float[Array, "*one num dim"]
+    adapters: Adapters | None
     # The table's leading axes of size one ((1, num, dim): 1): declared at construction, since a stacked table
     # (scan_layers) has one more axis than the one whose axes are declared.
     leading_ones: int = eqx.field(static=True)
@@ -120,11 +124,17 @@ class ScaleShiftTable(eqx.Module):
         shape = tuple(shape) if shape is not None else (num, dim)
         if shape[-2:] != (num, dim) or any(s != 1 for s in shape[:-2]):
             raise ValueError(f"ScaleShiftTable: shape={shape} must be (..., 1, {num}, {dim})")
-        self.table = jax.random.normal(key, shape, dtype) / dim**0.5
+        self.weight = jax.random.normal(key, shape, dtype) / dim**0.5
+        self.adapters = None
         self.leading_ones = len(shape) - 2
 
     def param_axes(self):
-        return {"table": (None,) * self.leading_ones + ("modulation", "embed")}
+        return {"weight": (None,) * self.leading_ones + ("modulation", "embed")}
+
+    @property
+    def table(self) -> Array:
+        """The table (the checkpoint's ``scale_shift_table``)."""
+        return self.weight
 
     @property
     def num(self) -> int:
@@ -142,7 +152,8 @@ class ScaleShiftTable(eqx.Module):
         else:
             raise ValueError(f"ScaleShiftTable: temb of shape {temb.shape} for a table of {num} x {dim}; expected "
                              f"[batch, (seq,) {num}, {dim}], [batch, (seq,) {num * dim}] or [batch, (seq,) {dim}]")
-        values = self.table.reshape(num, dim).astype(jnp.float32) + temb.astype(jnp.float32)
+        table, _ = adapted_parameters(self.adapters, self.weight, has_bias=False, owner="ScaleShiftTable")
+        values = table.reshape(num, dim).astype(jnp.float32) + temb.astype(jnp.float32)
         return tuple(values[..., i, :] for i in range(num))
 
 

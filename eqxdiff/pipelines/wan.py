@@ -34,7 +34,8 @@ them as MP4); ``enable_vae_tiling()`` decodes in spatial tiles and one latent fr
 transformer file in the original names (or ComfyUI's under ``model.diffusion_model.``; an original VAE file the same
 way), its config from the tensors unless ``config`` holds ``transformer/config.json``, and the rest of the pipeline
 from ``config`` (a diffusers Wan folder or Hub id): the layouts are data (:data:`SINGLE_FILE_LAYOUTS`). One model
-alone: ``eqxdiff.load(file, config=...)`` (sharded original files: their folder).
+alone: ``eqxdiff.load(file, config=...)`` (sharded original files: their folder). **LoRA files** of every Wan trainer
+(``pipe.load_lora_weights``): :mod:`eqxdiff.pipelines._lora_wan`.
 """
 
 import html
@@ -164,6 +165,7 @@ class WanPipeline(LatentPipeline):
     OPTIONS: ClassVar = {"boundary_ratio": None, "expand_timesteps": False}
     SETTINGS: ClassVar[tuple[str, ...]] = (*LatentPipeline.SETTINGS, "offload_experts")
     INIT_IMAGE: ClassVar[str | None] = None  # text-to-video: no image argument
+    LORA_FORMAT: ClassVar[str | None] = "eqxdiff.pipelines._lora_wan:WAN"
 
     def __init__(self, *, offload_experts: bool = False, **components_and_options):
         super().__init__(**components_and_options)
