@@ -14,6 +14,7 @@ from ._adapted import with_adapters as with_adapters
 from ._adapters import DORA_MODES as DORA_MODES
 from ._adapters import Adapter as Adapter
 from ._adapters import Adapters as Adapters
+from ._adapters import adapted_parameters as adapted_parameters
 from ._adapters import Diff as Diff
 from ._adapters import DoRA as DoRA
 from ._adapters import LoHa as LoHa
