@@ -323,3 +323,27 @@ def test_inspect_and_other_families(t2v):
                              "diffusion_model.blocks.7.self_attn.q.lora_up.weight": torch.ones(24, 2)})
     with pytest.raises(CheckpointError, match=r"2 of the .* adapt nothing .*blocks\.7\.self_attn\.q"):
         case.pipe.load_lora_weights(files.save(extra, folder / "extra.safetensors"))
+
+
+def test_load_into_transformer_2(t2v, tmp_path):
+    """Wan 2.2 A14B: ``load_lora_weights(file, load_into_transformer_2=True)`` adapts the low-noise expert as
+    diffusers' keyword does (<= 1e-4 against diffusers' ``transformer_2`` with the same file), and leaves
+    ``transformer`` as it was; a pipeline without the second expert refuses the keyword."""
+    ref = tiny.build_a14b(tmp_path / "a14b", seed=3)
+    pipe = eqxdiff.load_pipeline(tmp_path / "a14b")
+    case = t2v[0]
+    i = case.inputs
+    args = [jnp.asarray(v) for v in (i["x"], i["t"], i["text"])] + [None]
+    high, low = _forward(pipe.transformer, *args)[0], _forward(pipe.transformer_2, *args)[0]
+    mods = files.modules(ref.transformer_2, BLOCKS)
+    path = files.save(files.peft(mods, "transformer.", files.Rand(30), rank=4), tmp_path / "low_noise.safetensors")
+    ref.load_lora_weights(str(path), adapter_name="low", load_into_transformer_2=True)
+    assert pipe.load_lora_weights(path, adapter_name="low", load_into_transformer_2=True) == "low"
+    theirs = case.theirs(ref.transformer_2)
+    ours = _forward(pipe.transformer_2, *args)[0]
+    assert_close(ours, theirs, what="transformer_2 with load_into_transformer_2")
+    assert rel_error(ours, low) > 1e-2, "the adapter did not move transformer_2's output"
+    np.testing.assert_array_equal(_forward(pipe.transformer, *args)[0], high)
+    assert pipe.get_active_adapters() == ["low"]
+    with pytest.raises(ValueError, match="no transformer_2"):
+        case.pipe.load_lora_weights(path, load_into_transformer_2=True)

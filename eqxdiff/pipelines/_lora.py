@@ -117,7 +117,7 @@ class LoraMixin:
 
     def load_lora_weights(self, path_or_hub_id, *, weight_name: str | None = None, adapter_name: str | None = None,
                           strict: bool = True, max_rank: int | None = None, hotswap: bool = False,
-                          revision: str | None = None) -> str:
+                          revision: str | None = None, into: Mapping[str, str] | None = None) -> str:
         """Load a LoRA / LyCORIS file (a ``.safetensors`` file, a folder holding one, or a Hub id with
         ``weight_name``) as adapter ``adapter_name`` (default ``default_N``) and make it the active one; returns the
         name. Any trainer's layout of the family's models is read (see the family's ``LORA_FORMAT``).
@@ -126,15 +126,23 @@ class LoraMixin:
         another family is an error naming it either way, and so is a file of which nothing applies. ``max_rank``:
         pad every rank to it, so that a later ``hotswap=True`` load of another file (of ranks up to it) into this
         adapter compiles nothing. ``hotswap``: replace the values of the existing adapter ``adapter_name`` (same
-        layers, ranks up to the padded ones) instead of adding one."""
+        layers, ranks up to the padded ones) instead of adding one. ``into``: load what the file holds for a
+        component into another model of this pipeline instead (``{"transformer": "transformer_2"}``: a family's
+        keyword passes it, e.g. Wan's ``load_into_transformer_2``)."""
         fmt, state = self._lora_format(), self._lora()
+        into = dict(into or {})
+        models = self._lora_models()
+        missing = sorted(target for target in into.values() if target not in models)
+        if missing:
+            raise ValueError(f"{type(self).__name__} has no model {missing} to load a LoRA into; it has "
+                             f"{', '.join(models)}")
         if state.fused:
             raise ValueError(f"adapters {state.fused} are fused into the weights; unfuse_lora() before loading "
                              "another file")
         name = self._adapter_name(adapter_name, hotswap)
         file = read_lora(path_or_hub_id, weight_name=weight_name, revision=revision)
         records, unknown = parse(file.tensors)
-        models = self._lora_models()
+        models = {name: models[into.get(name, name)] for name in models}  # the file's names, the targets' models
         matched, unmatched = Matcher(models, fmt.namings, fmt.layouts).match(records)
         self._check_coverage(fmt, file.path, file.tensors, matched, unmatched, unknown, strict)
         if hotswap:
@@ -145,6 +153,7 @@ class LoraMixin:
             built = site_adapters(matched, file.peft_config(), dtypes.__getitem__, max_rank=max_rank)
         except ValueError as e:
             raise CheckpointError(f"{file.path!r}: {e}") from None
+        built = {into.get(component, component): sites for component, sites in built.items()}
         if hotswap:
             self._hotswap(name, built)
         else:

@@ -17,9 +17,9 @@ How their keys name the transformer:
 The original names are the single-file layout's (:func:`eqxdiff.loading.formats.wan_transformer`, inverted): no
 second table. A LoRA for text-to-video loads into an image-to-video model as it is, its added k/v projections
 unchanged (diffusers' ``_maybe_expand_t2v_lora_for_i2v`` pads them with zero LoRAs to the same effect). Files name
-one transformer: a Wan 2.2 A14B pipeline's ``transformer`` (the high-noise expert) takes them;
-``transformer_2``'s (the low-noise expert's) file loads with ``eqxdiff.load`` + ``from_pipe`` of a pipeline whose
-``transformer`` it is, or into a pipeline built around that expert.
+one transformer: a Wan 2.2 A14B pipeline's ``transformer`` (the high-noise expert) takes them, and
+``load_lora_weights(file, load_into_transformer_2=True)`` (diffusers' keyword) loads one into ``transformer_2``, the
+low-noise expert.
 """
 
 from ..loading import formats, inverse

@@ -173,6 +173,17 @@ class WanPipeline(LatentPipeline):
         if offload_experts:
             self.enable_expert_offload()
 
+    def load_lora_weights(self, path_or_hub_id, *, load_into_transformer_2: bool = False, **kwargs) -> str:
+        """:meth:`LoraMixin.load_lora_weights <eqxdiff.pipelines.LoraMixin.load_lora_weights>`, with diffusers' Wan
+        keyword: ``load_into_transformer_2=True`` loads the file into ``transformer_2`` (Wan 2.2 A14B's low-noise
+        expert) instead of ``transformer``, as the two-expert LoRAs (Wan2.2-Lightning's high / low noise files) are
+        loaded: one file per expert, each its own adapter name."""
+        if load_into_transformer_2 and getattr(self, "transformer_2", None) is None:
+            raise ValueError(f"load_into_transformer_2=True: this {type(self).__name__} has no transformer_2 (only a "
+                             "Wan 2.2 A14B folder has the second expert); load the file into transformer")
+        return super().load_lora_weights(path_or_hub_id, into={"transformer": "transformer_2"}
+                                          if load_into_transformer_2 else None, **kwargs)
+
     # -- experts on the devices or in host memory ------------------------------------------------------------
 
     @property
