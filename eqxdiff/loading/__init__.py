@@ -36,8 +36,10 @@ from ._errors import PICKLE_SUFFIXES as PICKLE_SUFFIXES
 from ._errors import CheckpointError as CheckpointError
 from ._errors import ConversionError as ConversionError
 from ._errors import pickle_error as pickle_error
+from ._fill import AdaptersNotSavedWarning as AdaptersNotSavedWarning
 from ._fill import fill_module as fill_module
 from ._fill import state_dict as state_dict
+from ._fill import without_adapters as without_adapters
 from ._safetensors import SafetensorsFile as SafetensorsFile
 from ._safetensors import write_safetensors as write_safetensors
 from ._token_ids import token_ids as token_ids

@@ -4,14 +4,20 @@ Names, layouts and stacked layers are :func:`eqxdiff.core.leaf_specs`'s.
 """
 
 import re
+import warnings
 from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import nn
 from ..core import LeafSpec, leaf_specs
 from ._errors import CheckpointError
+
+
+class AdaptersNotSavedWarning(UserWarning):
+    """A model written out held adapters that were not fused into its weights: the checkpoint leaves them out."""
 
 
 def _short(names: Iterable[str], limit: int = 12) -> str:
@@ -89,8 +95,23 @@ def _load_leaf(checkpoint, spec: LeafSpec, shape, dtype, sharding):
     return jax.make_array_from_callback(tuple(shape), target, read)
 
 
+def without_adapters(module):
+    """``(module, layers)``: ``module`` with its layers' adapter slots emptied (:mod:`eqxdiff.nn`'s LoRA / LyCORIS
+    adapters, unfused), and how many layers held some."""
+    held = nn.adapters_at(module)
+    return nn.with_adapters(module, dict.fromkeys(held)), len(held)
+
+
 def state_dict(module) -> dict[str, np.ndarray]:
-    """The module's parameters as a PyTorch-layout ``{name: numpy array}`` mapping."""
+    """The module's parameters as a PyTorch-layout ``{name: numpy array}`` mapping: its weights only. Adapters
+    held unfused in its layers are left out, with an :class:`AdaptersNotSavedWarning` (a checkpoint in the model's
+    names has no place for them: fusing merges them into the weights)."""
+    module, adapted = without_adapters(module)
+    if adapted:
+        warnings.warn(f"{type(module).__name__} holds unfused LoRA/LyCORIS adapters in {adapted} layers: they are "
+                      "left out, only the weights are written. To bake them in, fuse them first (pipe.fuse_lora(), "
+                      "or eqxdiff.nn.fuse_adapters(model) for a model) and write it again", AdaptersNotSavedWarning,
+                      stacklevel=3)
     leaves, specs, _ = leaf_specs(module)
     out = {}
     for leaf, spec in zip(leaves, specs):

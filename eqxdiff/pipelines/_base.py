@@ -206,7 +206,8 @@ class DiffusionPipeline(LoraMixin):
         """This pipeline class sharing ``pipe``'s components (no copy, no reload): e.g. an SDXL refiner built from
         the base's ``text_encoder_2`` and ``vae``. ``overrides`` replace components or options; components
         ``pipe`` lacks are ``None`` (they must be optional here or given). The :attr:`SETTINGS` both classes have
-        (VAE tiling ...) are carried over, as diffusers' VAE keeps its tiling when it is shared."""
+        (VAE tiling ...) are carried over, as diffusers' VAE keeps its tiling when it is shared, and so are the LoRA
+        adapters of the models it shares (a copy of their bookkeeping: ``set_adapters`` on one leaves the other)."""
         shared = {c.name: getattr(pipe, c.name, None) for c in cls.COMPONENTS}
         options = {k: getattr(pipe, k) for k in cls.OPTIONS if hasattr(pipe, k)}
         taken = call_argument_names(cls)
@@ -218,6 +219,7 @@ class DiffusionPipeline(LoraMixin):
         for key in cls.SETTINGS:
             if key in pipe.SETTINGS:
                 setattr(new, key, getattr(pipe, key))
+        new._carry_lora(pipe, overrides)  # the shared models' adapters, set_adapters / fuse_lora on them
         return new
 
     # -- what a call may ask for -----------------------------------------------------------------------------
@@ -457,16 +459,18 @@ def save_pipeline(pipe: DiffusionPipeline, folder, *, dtype=None) -> Path:
 
     Everything is written into a temporary folder beside ``folder`` and swapped in at the end
     (:func:`eqxdiff.loading.replacing_folder`): a save that fails leaves an existing ``folder`` as it was, and
-    entries of it that the pipeline does not write (a ``safety_checker``, a README) are kept."""
+    entries of it that the pipeline does not write (a ``safety_checker``, a README) are kept. LoRA adapters not
+    fused into the weights are left out, with a warning (:meth:`~DiffusionPipeline.models_to_save`)."""
     if not isinstance(pipe, DiffusionPipeline):
         raise CheckpointError(f"save_pipeline needs an eqxdiff pipeline, got {type(pipe).__name__}; save a single "
                               "model with eqxdiff.save_pretrained")
     check_dtype(dtype)
     index: dict[str, Any] = {"_class_name": pipe.CLASS_NAME, "_diffusers_version": "0.30.0", **pipe.INDEX_EXTRAS,
                              **pipe.options}
+    models = pipe.models_to_save()  # unfused adapters left out, with one warning
     with replacing_folder(folder) as tmp:
         for c in pipe.COMPONENTS:
-            value = getattr(pipe, c.name)
+            value = models.get(c.name, getattr(pipe, c.name))
             if value is None:
                 index[c.name] = [None, None]
             elif c.kind == "model":

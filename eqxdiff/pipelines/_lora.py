@@ -15,6 +15,7 @@ for byte. Which models a family's files adapt and how their keys name them is th
 (:class:`~eqxdiff.pipelines._lora_format.LoraFormat`); this mixin names no family.
 """
 
+import copy
 import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
@@ -25,16 +26,12 @@ import jax
 import numpy as np
 
 from .. import nn
-from ..loading import CheckpointError
+from ..loading import AdaptersNotSavedWarning, CheckpointError, without_adapters
 from ..loading.lora import Matcher, parse, read_lora, same_structure, site_adapters
 from ..parallel import shard_params
-from ._lora_format import LoraFormat, detect_family, load_format
-
-MAX_LISTED = 10  # keys listed in an error before "and N more"
-
-
-class LoraWarning(UserWarning):
-    """A LoRA file loaded with ``strict=False`` holds keys that adapt nothing in this pipeline."""
+from ._lora_check import LoraWarning, check_coverage, check_lora_file, lora_format
+from ._lora_check import listed as _listed
+from ._lora_format import LoraFormat, load_format
 
 
 @dataclasses.dataclass
@@ -65,12 +62,6 @@ class LoraState:
     fused: list[str] = dataclasses.field(default_factory=list)
 
 
-def _listed(keys: Sequence[str]) -> str:
-    keys = list(keys)
-    more = f" ... and {len(keys) - MAX_LISTED} more" if len(keys) > MAX_LISTED else ""
-    return ", ".join(repr(k) for k in keys[:MAX_LISTED]) + more
-
-
 class LoraMixin:
     """LoRA methods of :class:`~eqxdiff.pipelines.DiffusionPipeline` (see the module docstring)."""
 
@@ -80,11 +71,7 @@ class LoraMixin:
     # -- state -------------------------------------------------------------------------------------------------
 
     def _lora_format(self) -> LoraFormat:
-        fmt = load_format(type(self).LORA_FORMAT)
-        if fmt is None:
-            raise ValueError(f"{type(self).__name__} declares no LoRA format (LORA_FORMAT): its family does not read "
-                             "LoRA files yet")
-        return fmt
+        return lora_format(type(self))
 
     def _lora(self) -> LoraState:
         state = self.__dict__.get("_lora_state")
@@ -144,7 +131,8 @@ class LoraMixin:
         records, unknown = parse(file.tensors)
         models = {name: models[into.get(name, name)] for name in models}  # the file's names, the targets' models
         matched, unmatched = Matcher(models, fmt.namings, fmt.layouts).match(records)
-        self._check_coverage(fmt, file.path, file.tensors, matched, unmatched, unknown, strict)
+        check_coverage(fmt, type(self).__name__, list(models), file.path, file.tensors, matched, unmatched, unknown,
+                       strict, stacklevel=3)
         if hotswap:
             max_rank = state.adapters[name].max_rank
         dtypes = {site: np.dtype(nn.resolve_site(model, site).weight.dtype) for model in models.values()
@@ -182,26 +170,6 @@ class LoraMixin:
             raise ValueError(f"an adapter named {adapter_name!r} is already loaded; choose another adapter_name, "
                              "delete_adapters() it first, or hotswap=True to replace its values")
         return adapter_name
-
-    def _check_coverage(self, fmt: LoraFormat, path: str, tensors, matched, unmatched, unknown, strict: bool):
-        """Refuse a file for another family, a file of which nothing applies and (``strict``) any key that adapts
-        nothing here; warn once otherwise."""
-        left = [k for rec in unmatched for k in rec.keys] + list(unknown)
-        if not left:
-            return
-        family, evidence = detect_family(tensors)
-        if family is not None and family != fmt.family and len(evidence) >= len(tensors) // 2:
-            raise CheckpointError(f"{path!r} is a LoRA for {family} (keys such as {evidence[0]!r}), not for "
-                                  f"{fmt.family}; load it into a {family} pipeline")
-        what = (f"{len(left)} of the {len(tensors)} tensors of {path!r} adapt nothing in this "
-                f"{type(self).__name__} ({', '.join(self._lora_models())}): {_listed(sorted(left))}")
-        if not matched:
-            raise CheckpointError(f"{what}. Nothing in the file applies: it is not a LoRA for {fmt.family} (or a "
-                                  "layout eqxdiff does not read); eqxdiff.lora.inspect(file) reports what it holds")
-        if strict:
-            raise CheckpointError(f"{what}. Check the file is for this model; strict=False loads the rest with a "
-                                  "warning")
-        warnings.warn(f"{what}; loading the rest (strict=False)", LoraWarning, stacklevel=3)
 
     def _attach(self, name: str, built: Mapping[str, Mapping[nn.Site, nn.Adapter]]) -> None:
         state = self._lora()
@@ -359,6 +327,66 @@ class LoraMixin:
         state = self._lora()
         return [{"name": a.name, "path": a.path, "weight": a.weight, "active": state.enabled and a.name in state.active,
                  "fused": a.name in state.fused} for a in state.adapters.values()]
+
+    # -- sharing and saving ------------------------------------------------------------------------------------
+
+    @classmethod
+    def lora_components(cls) -> tuple[str, ...]:
+        """The components this family's LoRA files adapt (its ``LORA_FORMAT``'s namings; ``()``: it reads none)."""
+        fmt = load_format(cls.LORA_FORMAT)
+        return () if fmt is None else tuple(dict.fromkeys(n.component for n in fmt.namings))
+
+    @classmethod
+    def check_lora_file(cls, path_or_hub_id, models: Mapping[str, Any] | None = None, **kwargs):
+        """What :meth:`load_lora_weights` would refuse in a file, before a pipeline of this class is loaded:
+        ``models`` (component -> model, abstract ones too) as :func:`~eqxdiff.pipelines._lora_check.check_lora_file`
+        takes them (``weight_name``, ``revision``, ``strict``, ``max_rank``); returns the file read."""
+        return check_lora_file(cls, path_or_hub_id, models, **kwargs)
+
+    def _carry_lora(self, source, replaced: Mapping[str, Any]) -> None:
+        """Take over ``source``'s adapters (:meth:`from_pipe`, :meth:`with_scheduler`) in the models this pipeline
+        shares with it: those it has and that ``replaced`` (the components given anew) does not replace by other
+        objects. A copy: switching adapters on one pipeline leaves the other's models and bookkeeping as they
+        were."""
+        theirs = source.__dict__.get("_lora_state") if isinstance(source, LoraMixin) else None
+        if theirs is None or not theirs.adapters:
+            return
+        own = {c.name for c in self.COMPONENTS if c.kind == "model"}
+        kept = {c for c in theirs.slots if c in own and replaced.get(c, getattr(source, c)) is getattr(source, c)}
+        their_models = set(source._lora_models())
+        state = LoraState(enabled=theirs.enabled)
+        state.slots = {c: {p: list(names) for p, names in theirs.slots[c].items()} for c in kept}
+        state.original = {c: m for c, m in theirs.original.items() if c in kept}
+        state.unfused = {c: m for c, m in theirs.unfused.items() if c in kept}
+        for name, loaded in theirs.adapters.items():
+            sites = {c: list(paths) for c, paths in loaded.sites.items() if c in kept}
+            weight = copy.deepcopy(loaded.weight)
+            if isinstance(weight, Mapping) and set(weight) <= their_models:  # per component: the kept ones
+                weight = {c: w for c, w in weight.items() if c in kept}
+            if sites:
+                state.adapters[name] = dataclasses.replace(loaded, sites=sites, weight=weight)
+        state.active = [n for n in theirs.active if n in state.adapters]
+        state.fused = [n for n in theirs.fused if n in state.adapters] if state.unfused else []
+        if state.adapters:
+            self.__dict__["_lora_state"] = state
+
+    def models_to_save(self) -> dict[str, Any]:
+        """The models as :func:`~eqxdiff.pipelines.save_pipeline` writes them: adapters not fused into the weights
+        are left out (a diffusers folder holds weights only), with one
+        :class:`~eqxdiff.loading.AdaptersNotSavedWarning` naming them; fused ones are in the weights."""
+        out, left = {}, []
+        for component, model in self._lora_models().items():
+            out[component], layers = without_adapters(model)
+            if layers:
+                left.append(component)
+        if left:
+            state = self._lora()
+            names = [n for n in state.adapters if n not in state.fused]
+            warnings.warn(f"the adapters {names} are not fused into the weights of {', '.join(left)}: the saved "
+                          "pipeline leaves them out (its folders hold weights only). To bake them in, "
+                          "pipe.fuse_lora() before saving (unfuse_lora() after gives the models back)",
+                          AdaptersNotSavedWarning, stacklevel=3)
+        return out
 
     # -- removing ----------------------------------------------------------------------------------------------
 

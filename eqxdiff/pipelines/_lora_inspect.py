@@ -105,10 +105,13 @@ def _naming_of(fmt: LoraFormat | None, key: str):
     return next((n for n in sorted(fmt.namings, key=lambda n: -len(n.prefix)) if key.startswith(n.prefix)), None)
 
 
-def inspect(path_or_hub_id, pipeline=None, *, weight_name: str | None = None) -> LoraReport:
+def inspect(path_or_hub_id, pipeline=None, *, weight_name: str | None = None, revision: str | None = None,
+            models: Mapping[str, object] | None = None) -> LoraReport:
     """Report what a LoRA file is (see the module docstring); with ``pipeline`` (an eqxdiff pipeline), also which
-    of its modules adapt that pipeline's models and which do not (``report.supported``)."""
-    file = read_lora(path_or_hub_id, weight_name=weight_name)
+    of its modules adapt that pipeline's models and which do not (``report.supported``). ``pipeline`` may be a
+    pipeline class with ``models`` (component -> model; abstract ones, ``eqx.filter_eval_shape``'s, do: no weight is
+    read), as ``eqxdiff-generate --lora-info FILE --model FOLDER`` asks before loading anything."""
+    file = read_lora(path_or_hub_id, weight_name=weight_name, revision=revision)
     records, unknown = parse(file.tensors)
     family, _ = detect_family(file.tensors)
     formats = {f.family: f for f in all_formats()}
@@ -116,10 +119,14 @@ def inspect(path_or_hub_id, pipeline=None, *, weight_name: str | None = None) ->
     matched = unmatched = None
     name, namings = None, {}
     if pipeline is not None:
-        own = load_format(getattr(type(pipeline), "LORA_FORMAT", None))
-        name = type(pipeline).__name__
+        cls = pipeline if isinstance(pipeline, type) else type(pipeline)
+        own = load_format(getattr(cls, "LORA_FORMAT", None))
+        name = cls.__name__
+        if models is None and isinstance(pipeline, type):
+            raise TypeError(f"inspect(file, {name}): a pipeline class needs models= (component -> model)")
         if own is not None:
-            found, missed = Matcher(pipeline._lora_models(), own.namings, own.layouts).match(records)
+            models = pipeline._lora_models() if models is None else models
+            found, missed = Matcher(models, own.namings, own.layouts).match(records)
             matched, unmatched = [m.record.key for m in found], [r.key for r in missed]
             if found and not missed:
                 family, fmt = own.family, own
