@@ -47,6 +47,8 @@ from eqxdiff.pipelines import (
 from eqxdiff.pipelines._checks import check_finite_output
 from eqxdiff.train import CheckpointMismatchError, DataError, TrainingInterrupted
 
+from .test_lora_cli import digits_lora, flux_lora
+
 DIGITS = PACKAGED_MODELS["digits"]
 
 
@@ -76,6 +78,12 @@ def ws(tmp_path_factory, pipe):
     (root / "cut.safetensors").write_bytes(b"\x10\x00")
     (root / "broken").mkdir()
     (root / "broken" / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline",')
+    digits_lora(root / "lora.safetensors", pipe)  # LoRA files: one for the digits model, rank 2
+    digits_lora(root / "partly_lora.safetensors", pipe, extra={"lora_unet_nowhere.lora_down.weight":
+                                                               np.ones((2, 4), np.float32),
+                                                               "lora_unet_nowhere.lora_up.weight":
+                                                               np.ones((4, 2), np.float32)})
+    flux_lora(root / "flux_lora.safetensors")
     eqxdiff.save_pretrained(pipe.vae, root / "saved_vae")
     (root / "saved_vae" / "README.md").write_text("my notes")
     eqxdiff.save_pipeline(pipe, root / "saved_pipe")
@@ -251,6 +259,40 @@ GENERATE = [
     ("unet-for-a-pipeline-without-one", ["--model", "{flux}", "--unet", "{cut}"], InputError, r"--unet replaces a "
      r"pipeline's UNet, but the --model folder's FluxPipeline has none \(its models: vae, text_encoder, "
      r"text_encoder_2, transformer\); leave out --unet"),
+    # issue 19: --lora FILE_OR_HUB_ID[:SCALE], checked against the model's configs before loading
+    ("lora-missing", ["--lora", "{root}/missing_lora.safetensors:0.8"], FileNotFoundError, r"^--lora "
+     r"'.*missing_lora.safetensors:0.8': no such file or folder; pass a LoRA .safetensors file, a folder holding one, "
+     r"or a Hugging Face Hub id \(owner/name, or owner/name/FILE.safetensors\)$"),
+    ("lora-pickle", ["--lora", "{unet}"], CheckpointError, r"^--lora '.*unet.ckpt' is a PyTorch pickle; eqxdiff reads "
+     r"only .safetensors files .* Convert it once where you trust it: `sd = torch.load\(.*'unet.safetensors'\)`$"),
+    ("lora-not-safetensors", ["--lora", "{notes}"], CheckpointError, r"^--lora '.*notes.png': '.*notes.png' is not a "
+     r".safetensors file; eqxdiff reads LoRAs in safetensors$"),
+    ("lora-another-family", ["--lora", "{flux_lora}"], CheckpointError, r"^--lora '.*flux_lora.safetensors': "
+     r"'.*flux_lora.safetensors' is a LoRA for Flux.1 \(keys such as 'lora_unet_double_blocks_0_img_attn_qkv"
+     r".lora_down.weight'\), not for Stable Diffusion 1.x/2.x; use it with a Flux.1 --model$"),
+    ("lora-adapts-nothing-here", ["--lora", "{partly_lora}"], CheckpointError, r"^--lora '.*partly_lora.safetensors': "
+     r"2 of the \d+ tensors of .* adapt nothing in this StableDiffusionPipeline \(text_encoder, unet\): "
+     r"'lora_unet_nowhere.lora_down.weight', 'lora_unet_nowhere.lora_up.weight'. Check the file is for this model; "
+     r"--no-lora-strict loads the rest with a warning$"),
+    ("lora-scale-a-word", ["--lora", "{lora}:abc"], InputError, r"^--lora '.*lora.safetensors:abc': the scale 'abc' "
+     r"after the last ':' is not a number; write FILE_OR_HUB_ID:SCALE, e.g. '.*lora.safetensors:0.8'$"),
+    ("lora-scale-nan", ["--lora", "{lora}:nan"], InputError, r"^--lora '.*:nan': the scale nan is not finite; give a "
+     r"finite number, e.g. '.*lora.safetensors:0.8'$"),
+    ("lora-scale-inf", ["--lora", "{lora}:-inf"], InputError, r"^--lora '.*:-inf': the scale -inf is not finite"),
+    ("lora-scale-without-file", ["--lora", ":0.5"], InputError, r"^--lora ':0.5' names no file; write "
+     r"FILE_OR_HUB_ID:SCALE"),
+    ("lora-rank-above-max", ["--lora", "{lora}", "--lora-max-rank", "1"], CheckpointError, r"^--lora "
+     r"'.*lora.safetensors': an adapter of rank 2 does not fit --lora-max-rank 1; raise --lora-max-rank to at least "
+     r"2$"),
+    ("lora-max-rank-zero", ["--lora", "{lora}", "--lora-max-rank", "0"], InputError, r"^--lora-max-rank 0 must be "
+     r">= 1"),
+    ("lora-given-twice", ["--lora", "{lora}", "--lora", "{root}/./lora.safetensors:0.5"], InputError, r"^--lora "
+     r"'.*lora.safetensors' and --lora '.*lora.safetensors:0.5' name the same file; give it once, with the scale you "
+     r"want$"),
+    ("fuse-lora-without-lora", ["--fuse-lora"], InputError, r"^--fuse-lora applies to --lora adapters; pass --lora "
+     r"FILE_OR_HUB_ID or leave --fuse-lora out$"),
+    ("lora-max-rank-a-word", ["--lora-max-rank", "high"], _command.FlagError, r"^--lora-max-rank expects an integer "
+     r"or None, got 'high'$"),
     ("mesh-zero", ["--mesh.ici-fsdp-parallelism", "0"], MeshError, r"ici_fsdp_parallelism=0 must be a positive int"),
     ("mesh-two-fills", ["--mesh.ici-fsdp-parallelism", "-1"], MeshError, r"only one ici_\* parallelism may be -1"),
 ]

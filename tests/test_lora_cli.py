@@ -1,25 +1,40 @@
-"""The pipelines' LoRA follow-ups, on the shipped digits model (a tiny Stable Diffusion folder; its LoRA files
-are built here, every tensor random and non-zero).
+"""LoRA on the command line and the pipelines' follow-ups, on the shipped digits model (a tiny Stable Diffusion
+folder; its LoRA files are built here, every tensor random and non-zero).
 
+- ``eqxdiff-generate --lora FILE[:SCALE]`` (twice, two files of one name) draws what the Python API draws with the
+  same adapters and strengths, pixel for pixel, and records name, scale, sha256 and path in the PNG; ``--fuse-lora``
+  draws what ``fuse_lora()`` does; a Hub id is fetched and recorded with its revision.
+- ``--lora-info FILE`` prints ``eqxdiff.lora.inspect``'s report (with ``--model``, what adapts that pipeline, from
+  its configs alone) and exits 0 without loading.
 - ``from_pipe`` / ``with_scheduler`` carry the adapters' bookkeeping (a copy) for the models they share.
 - ``save_pipeline`` / ``save_pretrained`` of a model holding unfused adapters write the weights only, with one
   warning that says to fuse first; fused adapters are saved in the weights.
+
+The refusals of bad ``--lora`` flags are rows of tests/test_bad_inputs.py's table.
 """
 
+import dataclasses
+import hashlib
 import re
+import sys
 import warnings
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from PIL import Image
 from safetensors.numpy import save_file
 
 import eqxdiff
 from eqxdiff import nn
+from eqxdiff.cli import _lora, generate
+from eqxdiff.cli._generate_flags import DIGITS_PROMPT
 from eqxdiff.loading import AdaptersNotSavedWarning, SafetensorsFile
-from eqxdiff.pipelines import StableDiffusionPipeline
+from eqxdiff.pipelines import InputError, StableDiffusionPipeline, read_parameters
 
+LoraWarning = eqxdiff.lora.LoraWarning
+ARGV = ["--steps", "2", "--seed", "3", "--no-progress", "--no-compilation-cache"]
 ATTENTION = r"attn[12]\.to_(q|k|v|out\.0)$"
 
 
@@ -63,6 +78,122 @@ def files(pipe, tmp_path_factory):
                                   extra={"unet.no.such.layer.lora_A.weight": np.ones((2, 4), np.float32),
                                          "unet.no.such.layer.lora_B.weight": np.ones((4, 2), np.float32)}),
             "root": root}
+
+
+def _pixels(path) -> np.ndarray:
+    return np.asarray(Image.open(path))
+
+
+def _api(pipe, adapters, *, fuse=False) -> np.ndarray:
+    """The Python API's image with ``adapters`` (name -> (file, scale)), unloaded afterwards."""
+    try:
+        for name, (path, _) in adapters.items():
+            pipe.load_lora_weights(path, adapter_name=name)
+        pipe.set_adapters(list(adapters), [scale for _, scale in adapters.values()])
+        if fuse:
+            pipe.fuse_lora()
+        return np.asarray(pipe(DIGITS_PROMPT, num_inference_steps=2, seed=3, progress=False))[0]
+    finally:
+        pipe.unload_lora_weights()
+
+
+def test_command_draws_what_the_python_api_draws_and_records_the_adapters(pipe, files, tmp_path):
+    style, other = files["style"], files["style_2"]
+    paths = generate.main([*ARGV, "--lora", f"{style}:0.7", "--lora", f"{other}:-0.5", "--output-dir", str(tmp_path)])
+    got = _pixels(paths[0])
+    expected = _api(pipe, {"style": (style, 0.7), "style_2": (other, -0.5)})
+    np.testing.assert_array_equal(got, expected)
+    plain = np.asarray(pipe(DIGITS_PROMPT, num_inference_steps=2, seed=3, progress=False))[0]
+    assert np.max(np.abs(got.astype(int) - plain.astype(int))) > 8, "the adapters did not move the image"
+    params = read_parameters(paths[0])
+    assert params["lora"] == [
+        {"name": "style", "scale": 0.7, "path": str(style), "sha256": hashlib.sha256(style.read_bytes()).hexdigest()},
+        {"name": "style_2", "scale": -0.5, "path": str(other),
+         "sha256": hashlib.sha256(other.read_bytes()).hexdigest()}]
+    assert "fuse_lora" not in params
+
+
+def test_fuse_lora_draws_what_fuse_lora_draws(pipe, files, tmp_path):
+    style = files["style"]
+    paths = generate.main([*ARGV, "--lora", str(style), "--fuse-lora", "--output-dir", str(tmp_path)])
+    np.testing.assert_array_equal(_pixels(paths[0]), _api(pipe, {"style": (style, 1.0)}, fuse=True))
+    params = read_parameters(paths[0])
+    assert params["fuse_lora"] is True and [a["name"] for a in params["lora"]] == ["style"]
+    assert params["lora"][0]["scale"] == 1.0
+
+
+def test_a_hub_id_is_fetched_and_recorded_with_its_revision(files, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    snapshot = tmp_path / "models--owner--styles" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "pixel.safetensors").write_bytes(files["style"].read_bytes())
+    asked = []
+
+    def download(repo_id, filename, revision=None, **kwargs):
+        asked.append((repo_id, filename, revision))
+        return str(snapshot / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(generate, "load_pipeline", _must_not_load)
+    checked = generate.validate(["--lora", "owner/styles/pixel.safetensors:0.25"])
+    assert asked == [("owner/styles", "pixel.safetensors", None)]
+    (spec,) = checked.loras
+    assert (spec.name, spec.scale, spec.file) == ("pixel", 0.25, str(snapshot / "pixel.safetensors"))
+    assert spec.record() == {"name": "pixel", "scale": 0.25, "hub_id": "owner/styles", "weight_name":
+                             "pixel.safetensors", "revision": "0123abcd",
+                             "sha256": hashlib.sha256(files["style"].read_bytes()).hexdigest()}
+
+
+def _must_not_load(*args, **kwargs):
+    raise AssertionError("--lora-info and the checks load nothing")
+
+
+def test_lora_info_prints_the_report_and_what_fits_without_loading(files, capsys, monkeypatch):
+    monkeypatch.setattr(generate, "load_pipeline", _must_not_load)
+    monkeypatch.setattr(sys, "argv", ["eqxdiff-generate", "--lora-info", str(files["style"])])
+    generate.cli()  # no SystemExit: status 0
+    report = capsys.readouterr().out
+    assert f"LoRA file {files['style']}" in report and "family:         Stable Diffusion 1.x/2.x" in report
+    assert "adapter types:  LoRA x" in report and "StableDiffusionPipeline" not in report
+    for name, verdict in (("style", "yes, every module"), ("partly", "partly")):
+        assert generate.main(["--lora-info", str(files[name]), "--model", "digits"]) == []
+        report = capsys.readouterr().out
+        assert f"StableDiffusionPipeline: {verdict}" in report, report
+    assert "not matched: unet.no.such.layer" in report
+    monkeypatch.setattr(sys, "argv", ["eqxdiff-generate", "--lora-info", str(files["root"] / "missing.safetensors")])
+    with pytest.raises(SystemExit) as info:
+        generate.cli()
+    assert info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --lora-info '")
+
+
+def test_two_files_of_one_name_are_named_apart_and_one_file_twice_is_refused(files, monkeypatch):
+    monkeypatch.setattr(generate, "load_pipeline", _must_not_load)
+    checked = generate.validate(["--lora", str(files["style"]), "--lora", f"{files['style_2']}:0.5"])
+    assert [(s.name, s.scale) for s in checked.loras] == [("style", 1.0), ("style_2", 0.5)]
+    same = Path(files["root"] / "other" / ".." / "style.safetensors")
+    with pytest.raises(InputError, match=r"name the same file; give it once, with the scale you want"):
+        generate.validate(["--lora", str(files["style"]), "--lora", f"{same}:0.5"])
+
+
+def test_no_lora_strict_loads_the_rest_with_a_warning(pipe, files, monkeypatch):
+    monkeypatch.setattr(generate, "load_pipeline", _must_not_load)
+    argv = ["--lora", str(files["partly"]), "--no-lora-strict"]
+    checked = generate.validate(argv)  # strict, this is refused (a row of tests/test_bad_inputs.py)
+    try:
+        with pytest.warns(LoraWarning, match=r"2 of the \d+ tensors .* adapt nothing .*; loading the rest"):
+            records = _lora.apply_loras(pipe, checked.loras, checked.args.lora)
+        assert [r["name"] for r in records] == ["partly"] and pipe.get_active_adapters() == ["partly"]
+    finally:
+        pipe.unload_lora_weights()
+
+
+def test_a_pipeline_that_reads_no_lora_files_refuses_the_flag():
+    quiet = type("QuietPipeline", (StableDiffusionPipeline,), {"LORA_FORMAT": None})
+    spec = _lora.LoraSpec("x.safetensors", "x.safetensors", None, False)
+    with pytest.raises(InputError, match=r"^--lora: the --model folder's QuietPipeline reads no LoRA files yet"):
+        _lora.check_loras(quiet, [spec], _lora.LoraOptions(lora=("x.safetensors",)), {})
 
 
 # -- from_pipe / with_scheduler carry the adapters -------------------------------------------------------------------
@@ -132,3 +263,11 @@ def test_saving_leaves_unfused_adapters_out_with_one_warning(pipe, files, tmp_pa
         assert not all(np.array_equal(a, b) for a, b in zip(saved, plain, strict=True))
     finally:
         pipe.unload_lora_weights()
+
+
+def test_lora_spec_record_of_a_folder_names_the_folder(pipe, tmp_path):
+    folder = tmp_path / "pixel-art"
+    digits_lora(folder / "pytorch_lora_weights.safetensors", pipe)
+    spec = _lora.locate("--lora", _lora.LoraSpec(str(folder), str(folder), None, False))
+    assert [s.name for s in _lora.named([spec])] == ["pixel-art"]
+    assert dataclasses.replace(spec, name="x").record()["path"] == str(folder)

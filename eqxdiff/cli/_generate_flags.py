@@ -21,6 +21,7 @@ from ..pipelines import DiffusionPipeline, InputError, single_file_class
 from ..schedulers import SCHEDULERS
 from ._command import DEBUG_HELP, CacheOptions, FlagError, config_errors_raise
 from ._compose import ControlNetOptions, excluded_arguments, net_class, run_class
+from ._lora import LoraOptions
 from ._numbers import field_types, number_error
 from ._options import ALIASES, FamilyOptions, check_short_forms, family_options, given_options
 
@@ -177,6 +178,7 @@ def build_parser(family: FamilyOptions) -> type:
         ("run", Annotated[RunOptions, flat], dataclasses.field(default_factory=RunOptions)),
         ("cache", Annotated[CacheOptions, flat], dataclasses.field(default_factory=CacheOptions)),
         ("control", Annotated[ControlNetOptions, flat], dataclasses.field(default_factory=ControlNetOptions)),
+        ("lora", Annotated[LoraOptions, flat], dataclasses.field(default_factory=LoraOptions)),
         ("parallel", Annotated[ParallelOptions, flat], dataclasses.field(default_factory=ParallelOptions)),
         ("mesh", MeshConfig, dataclasses.field(default_factory=MeshConfig)),
     ], frozen=True)

@@ -10,6 +10,9 @@
     eqxdiff-generate --model path/to/sdxl-base --unet sdxl_lightning_4step_unet.safetensors --scheduler euler \
         --scheduler-option timestep_spacing=trailing --steps 4 --guidance-scale 0 --prompt "a fox"
     eqxdiff-generate --model model.safetensors --config path/to/diffusers-folder --prompt "a fox"
+    eqxdiff-generate --model path/to/sdxl-base --lora pixel-art-xl.safetensors:0.8 --lora owner/name/toy.safetensors \
+        --prompt "a toy fox, pixel art"
+    eqxdiff-generate --lora-info pixel-art-xl.safetensors --model path/to/sdxl-base   # what the file is, what fits
 
 The ``--model`` folder's ``model_index.json`` names its pipeline class; the family table
 (:data:`eqxdiff.core.FAMILY_TABLE`) gives eqxdiff's, and that class's ``__call__`` gives the family's options
@@ -18,14 +21,16 @@ The ``--model`` folder's ``model_index.json`` names its pipeline class; the fami
 ``"_eqxdiff": {"call_defaults": ...}``: the digits model's 20 steps, guidance 4, seed 0), else the signature's
 default: the command passes the pipeline only the options given. ``--controlnet`` (repeatable) runs the base's
 ControlNet pipeline with its ``--control-image`` and ``--controlnet-scale`` per net, ``--refiner`` finishes the
-base's latents with a second pipeline, ``--unet`` replaces the base's UNet (:mod:`eqxdiff.cli._compose`). Images
+base's latents with a second pipeline, ``--unet`` replaces the base's UNet (:mod:`eqxdiff.cli._compose`),
+``--lora FILE_OR_HUB_ID[:SCALE]`` (repeatable) adds LoRA / LyCORIS adapters to it (:mod:`eqxdiff.cli._lora`). Images
 are saved as ``image_{i}.png`` and videos as ``video_{i}.mp4``, numbered on after the files already in
 ``--output-dir``, with the generation parameters in each file (:func:`eqxdiff.pipelines.read_parameters` reads them
 back). Load, compile and generation times go to stderr, the files' paths to stdout. Compiled programs are kept in
 ``~/.cache/eqxdiff/jax`` (``--compilation-cache-dir``, ``--no-compilation-cache``): a second run loads them.
 
 Every flag is checked before anything is loaded (:func:`validate`: the family's arguments against the folder's
-configs, the scheduler options, the input and output paths); a bad one stops the command with one line
+configs, the scheduler options, the input and output paths, the --lora files against the models the configs
+describe); a bad one stops the command with one line
 ``error: <what> (<how to fix>)`` and status 2 (``--debug`` shows the traceback).
 
 On a device mesh (``--parallel``, or any ``--mesh.*`` flag) every weight is loaded straight onto its sharding and
@@ -65,7 +70,8 @@ from ._compose import (
     load_unet,
     refiner_kwargs,
 )
-from ._generate_flags import config_reader, parse_command, pipeline_class, scheduler_options
+from ._generate_flags import Parsed, config_reader, parse_command, pipeline_class, scheduler_options
+from ._lora import abstract_models, apply_loras, check_loras, lora_info, parse_specs
 from ._options import FamilyOptions, family_options
 
 
@@ -105,19 +111,23 @@ class Invocation:
     # The arguments the pipeline call is given (the options on the command line, the command's own digits prompt,
     # the ControlNet arguments); the pipeline's recommended call and its signature give it the others.
     passed: frozenset[str] = frozenset()
+    loras: tuple = ()  # the --lora files, checked, located and named (cli._lora.LoraSpec)
 
 
-def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> Invocation:
+def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, parsed: Parsed | None = None
+             ) -> Invocation:
     """Parse ``argv`` and check every flag without loading the pipeline: --output-dir (an unusable compilation cache
     is a warning when the run starts), the --unet (:func:`eqxdiff.cli._compose.check_unet`), the scheduler and its
     options against the folder's scheduler config, the input files (read here), and the family's arguments against
     the folder's model configs (:meth:`~eqxdiff.pipelines.DiffusionPipeline.check_arguments` with its
     ``folder_limits``: the VAE's factor, the text encoders' layers), an option left out taking the folder's
-    recommended value (:meth:`~eqxdiff.pipelines.DiffusionPipeline.folder_call_defaults`) as the call will. Raises a
-    ``ValueError`` (``InputError``, ``ConfigError``, ``CheckpointError``) or ``OSError`` naming the flag."""
+    recommended value (:meth:`~eqxdiff.pipelines.DiffusionPipeline.folder_call_defaults`) as the call will, and the
+    --lora files against the pipeline's models built from their configs (:func:`eqxdiff.cli._lora.check_loras`).
+    Raises a ``ValueError`` (``InputError``, ``ConfigError``, ``CheckpointError``) or ``OSError`` naming the flag.
+    ``parsed``: ``argv`` parsed already (:func:`main` reads ``--lora-info`` first)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     split_cache_flags(argv)  # their errors first: main reads them before the other checks
-    parsed = parse_command(argv, prog=prog)
+    parsed = parsed or parse_command(argv, prog=prog)
     family, args, folder_class = parsed.family, parsed.args, parsed.folder_class
     run, control = args.run, args.control
     check_output_folder("--output-dir", run.output_dir)  # before minutes of loading and compiling
@@ -125,6 +135,7 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> I
         raise InputError(f"--config is for a single .safetensors --model (it gives what the file lacks); --model "
                          f"{run.model!r} holds its own configs: leave out --config")
     read = config_reader(run.model, run.revision, run.config)
+    loras = parse_specs(args.lora)  # the scales first: the files are checked once the other flags are
     if run.unet is not None:
         check_unet(family.pipeline_class, run.unet, config_reader, read)
     options = scheduler_options(run.scheduler_option)
@@ -161,8 +172,19 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> I
         except InputError as e:
             raise type(e)(f"--refiner: {as_flags(str(e), arguments, {'denoising_start': '--denoising-end'})}"
                           ) from None
+    if loras:
+        loras = check_loras(cls, loras, args.lora, _lora_models(cls, run, read))
     load_class = None if control.controlnet or cls is folder_class else cls
-    return Invocation(family, args, kwargs, options, load_class, nets, refiner, parsed.given | set(control_arguments))
+    return Invocation(family, args, kwargs, options, load_class, nets, refiner, parsed.given | set(control_arguments),
+                      tuple(loras))
+
+
+def _lora_models(cls: type, run, read) -> dict[str, Any]:
+    """The models the --lora files adapt, built abstractly from the folder's configs (a --unet folder's own)."""
+    if run.unet is not None and not Path(run.unet).expanduser().is_file():
+        unet_read, base_read = config_reader(run.unet), read
+        read = lambda path: unet_read("config.json") if path == "unet/config.json" else base_read(path)  # noqa: E731
+    return abstract_models(cls, read, dtype=run.weights_dtype, scan=run.scan_layers)
 
 
 def _flags(family: FamilyOptions) -> list[str]:
@@ -242,10 +264,24 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> list[
     All of it runs with the compilation cache the flags ask for (:meth:`~eqxdiff.cli._command.CacheOptions.scope`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     with split_cache_flags(argv)[0].scope():
-        checked = validate(argv, prog=prog)
+        parsed = parse_command(argv, prog=prog)
+        if parsed.args.lora.lora_info is not None:
+            print(_lora_info(parsed, argv))
+            return []
+        checked = validate(argv, prog=prog, parsed=parsed)
         hosts = checked.args.parallel
         initialize_distributed(hosts.coordinator_address, hosts.num_processes, hosts.process_id)
         return _generate(checked)
+
+
+def _lora_info(parsed: Parsed, argv: Sequence[str]) -> str:
+    """``--lora-info FILE``'s report; with ``--model`` given, what of the file adapts that pipeline's models (built
+    abstractly from its configs: nothing is loaded)."""
+    run, cls = parsed.args.run, parsed.family.pipeline_class
+    if not any(a == "--model" or a.startswith("--model=") for a in argv):
+        return lora_info(parsed.args.lora.lora_info)
+    return lora_info(parsed.args.lora.lora_info, cls, _lora_models(cls, run, config_reader(run.model, run.revision,
+                                                                                            run.config)))
 
 
 def _generate(checked: Invocation) -> list[Path]:
@@ -273,6 +309,7 @@ def _generate(checked: Invocation) -> list[Path]:
                                   scan_layers=run.scan_layers)
     if added:  # the base's other components shared (its ControlNet pipeline with nets), as diffusers' from_pipe
         pipe = checked.family.pipeline_class.from_pipe(pipe, **added)
+    loras = apply_loras(pipe, checked.loras, args.lora)
     refiner = None if run.refiner is None else load_pipeline(run.refiner, **common)
     load_s = time.perf_counter() - t0
     for p in (pipe, refiner):
@@ -292,7 +329,7 @@ def _generate(checked: Invocation) -> list[Path]:
     total_s = time.perf_counter() - t0
     compile_s = sum(p.timings["call_compile"] for p in (pipe, refiner) if p is not None)
 
-    params = _parameters(checked, pipe, outputs, refiner)
+    params = _parameters(checked, pipe, outputs, refiner, loras)
     fps = run.fps or kwargs.get("frame_rate") or getattr(pipe, "default_fps", None)
     paths = save_outputs(outputs, run.output_dir, params, fps=fps, overwrite=run.overwrite) if main_process else []
     print(f"load: {load_s:.2f} s | compile: {compile_s:.2f} s | generation (excluding compile): "
@@ -303,10 +340,10 @@ def _generate(checked: Invocation) -> list[Path]:
     return paths
 
 
-def _parameters(checked: Invocation, pipe, outputs, refiner=None) -> dict:
+def _parameters(checked: Invocation, pipe, outputs, refiner=None, loras=()) -> dict:
     """What went into the outputs, under the pipeline arguments' names: enough to make them again (with the
     ControlNets' folders, control image files and scales, the single file's config folder, the --unet, the
-    refiner)."""
+    refiner, the --lora files: name, scale, sha256 and where from)."""
     args = checked.args
     values = {f.name: getattr(args.pipeline, f.name) for f in dataclasses.fields(args.pipeline)}
     # The pipeline's recommended call gave what the command line left out (the digits model's 20 steps ...).
@@ -331,6 +368,8 @@ def _parameters(checked: Invocation, pipe, outputs, refiner=None) -> dict:
         extra[SCALE] = effective_scales(type(pipe), checked.kwargs, len(control.control_image) or checked.nets)
         if control.control_mode:
             extra["control_mode"] = list(control.control_mode)
+    if loras:
+        extra.update(lora=list(loras), **({"fuse_lora": True} if args.lora.fuse_lora else {}))
     if refiner is not None:
         extra.update(refiner=run.refiner, refiner_pipeline=type(refiner).__name__,
                      refiner_scheduler=scheduler_name(getattr(refiner, "scheduler", None)))
