@@ -145,6 +145,21 @@ def test_a_hub_id_is_fetched_and_recorded_with_its_revision(files, tmp_path, mon
                              "sha256": hashlib.sha256(files["style"].read_bytes()).hexdigest()}
 
 
+def test_a_hub_file_that_cannot_be_fetched_names_the_flag_and_the_fix(monkeypatch):
+    import huggingface_hub
+
+    def offline(repo_id, filename, revision=None, **kwargs):
+        raise OSError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    monkeypatch.setattr(generate, "load_pipeline", _must_not_load)
+    with pytest.raises(eqxdiff.loading.CheckpointError) as info:
+        generate.validate(["--lora", "owner/styles"])
+    message = str(info.value)
+    assert message.startswith("--lora 'owner/styles': could not fetch 'pytorch_lora_weights.safetensors'")
+    assert message.endswith(", or name the file in it: owner/name/FILE.safetensors") and "weight_name" not in message
+
+
 def _must_not_load(*args, **kwargs):
     raise AssertionError("--lora-info and the checks load nothing")
 

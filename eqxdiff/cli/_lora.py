@@ -152,6 +152,7 @@ def parse_specs(options: LoraOptions) -> list[LoraSpec]:
 
 # The Python API's words in loading's messages, as the command's flags.
 _FLAG_WORDS = ((r"say which with weight_name=", "pass the file itself"),
+               (r", or give weight_name=$", ", or name the file in it: owner/name/FILE.safetensors"),
                (r"strict=False", "--no-lora-strict"),
                (r"raise max_rank to", "raise --lora-max-rank to"),
                (r"does not fit max_rank=(\d+)", r"does not fit --lora-max-rank \1"),
