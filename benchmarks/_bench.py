@@ -23,6 +23,7 @@ How the figures are taken (the device method of this project: warm-up, medians, 
 """
 
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -196,6 +197,20 @@ def compiled_bytes(compiled) -> int | None:
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def host_cpu() -> str:
+    """The host CPU's model name, architecture and the ISA extensions XLA's and PyTorch's CPU kernels use (AVX2, FMA,
+    AVX-512 and its VNNI / bf16 parts, AMX), as ``/proc/cpuinfo`` lists them (Linux; elsewhere the processor name)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown model")
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return f"{model}, {platform.machine()} ({' '.join(isa) or 'no AVX2'})"
 
 
 def load_average() -> str:

@@ -16,7 +16,7 @@ from typing import Literal
 
 import tyro
 
-from _bench import load_average
+from _bench import host_cpu, load_average
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,16 +111,10 @@ def flux(args: Args, compiles: Compiles) -> None:
 
 
 def main(args: Args) -> None:
-    import platform
-
     import jax
 
     compiles = Compiles()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if platform.system() == "Linux" else platform.processor()
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    isa = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; host CPU {cpu} ({isa}); {load_average()}")
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; host CPU {host_cpu()}; {load_average()}")
     digits(compiles)
     if args.flux_preset != "none":
         flux(args, compiles)

@@ -69,6 +69,17 @@ def test_controlnet_step_smoke(capsys):
     assert "diffusers: ControlNet overhead per step" in out and "eqxdiff: ControlNet overhead per step" in out
 
 
+def test_lora_inference_smoke(capsys):
+    import lora_inference
+
+    lora_inference.main(lora_inference.Args(preset=("sdxl-tiny",), repeats=1, tolerance=1e-4))
+    out = capsys.readouterr().out
+    assert out.count("ratio eqxdiff/diffusers") == 3 and "diffusers: unfused / fused" in out
+    # the switches of values compile nothing; the new structures (LoRA, plain, two adapters, unpadded) one each
+    assert "sdxl-tiny: 0 programs compiled by the 8 switches of values" in out and "4 by the 4 new structures" in out
+    assert "the timed eqxdiff steps compiled 0 programs" in out
+
+
 @pytest.mark.parametrize("preset, fused, scan", [("tiny", False, True), ("tiny-schnell", True, False)])
 def test_flux_step_smoke(capsys, preset, fused, scan):
     import flux_step
