@@ -55,7 +55,7 @@ class LoraOptions:
     they are added at run time."""
     lora_max_rank: int | None = None
     """Pad every --lora adapter to this rank (a file of a higher rank is refused), so that runs with other files
-    of ranks up to it reuse the compiled program from the compilation cache."""
+    of the same target layers and ranks up to it reuse the compiled program from the compilation cache."""
     lora_strict: bool = True
     """Refuse a --lora file holding keys that adapt nothing in the --model pipeline; --no-lora-strict loads the
     rest with a warning."""
