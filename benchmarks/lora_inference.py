@@ -3,7 +3,7 @@ weights and against no LoRA, in eqxdiff and in diffusers with PEFT (unfused and 
 the reference ratio), all six timed in one run with the same random weights; and the compile count when switching
 adapters and strengths and hot-swapping files (0 after the first). Each preset in ``--preset`` in turn.
 
-    python benchmarks/lora_inference.py     # SD 1.5 and SDXL reduced for the CPU (about 5 minutes on 2 cores)
+    python benchmarks/lora_inference.py     # SD 1.5 and SDXL reduced for the CPU (see RESULTS.md for how long)
     python benchmarks/lora_inference.py --preset sd15-reduced --targets all --rank 32   # + feed-forwards, convs
     python benchmarks/lora_inference.py --preset tiny sdxl-tiny --repeats 1 --tolerance 1e-4   # a smoke run
     python benchmarks/lora_inference.py --preset sd15 sdxl --dtype bfloat16 --repeats 20        # on a GPU
@@ -358,7 +358,8 @@ def report(wall, cpu, outputs, args: Args, device) -> dict:
     for fw in frameworks:
         plain, unfused, fused = (med[f"{fw} {v}"] for v in ("plain", "unfused", "fused"))
         cpu_ratio = statistics.median(cpu[f"{fw} unfused"]) / statistics.median(cpu[f"{fw} fused"])
-        print(f"{fw}: unfused / fused {unfused / fused:.3f} (+{fmt_seconds(unfused - fused)}; CPU time "
+        delta = f"{'+-'[unfused < fused]}{fmt_seconds(abs(unfused - fused))}"
+        print(f"{fw}: unfused / fused {unfused / fused:.3f} ({delta}; CPU time "
               f"{cpu_ratio:.3f}), unfused / plain {unfused / plain:.3f}, fused / plain {fused / plain:.3f}")
     moved = rel_error(outputs["eqxdiff unfused"], outputs["eqxdiff plain"])
     print(f"the LoRA changes eqxdiff's output by {moved:.2f} relative (unfused against plain); fused against unfused: "
