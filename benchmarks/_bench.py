@@ -62,26 +62,6 @@ def mfu(flops: float, seconds: float, device_name: str) -> float | None:
     return None if peak is None else flops / seconds / (peak * 1e12)
 
 
-def host_cpu() -> str:
-    """The host's CPU model, core count and the ISA flags XLA's CPU code depends on (AVX2-only and AVX-512 hosts
-    differ about 2x): ``"Intel(R) Xeon(R) ... , 2 cores (avx2 avx512f)"``. Every benchmark prints it."""
-    import platform
-
-    model, flags = platform.processor() or "unknown CPU", []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == (platform.processor() or "unknown CPU"):
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = value.split()
-    except OSError:  # not Linux
-        pass
-    isa = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "ISA flags unknown"
-    return f"{model}, {os.cpu_count()} cores ({isa})"
-
-
 def setup_frameworks(torch_device: TorchDevice, tf32: bool):
     """Set JAX and PyTorch up for one benchmark process; returns ``(torch.device, header line)``.
 

@@ -45,7 +45,7 @@ from typing import Literal
 import numpy as np
 import tyro
 
-from _bench import (check_agreement, fmt_seconds, host_cpu, load_average, on_gpu, rel_error, report_cpu_times,
+from _bench import (check_agreement, fmt_seconds, load_average, on_gpu, rel_error, report_cpu_times,
                     report_times, setup_frameworks, torch_sync)
 from _unet_configs import PRESETS, UNetBenchmarkArgs, build_models, jax_inputs, jax_step, make_inputs, to_numpy_nhwc
 from _unet_configs import torch_inputs as torch_step_inputs
@@ -338,7 +338,7 @@ def run_preset(name: str, args: Args, device, compiles: Compiles) -> dict:
 
 def main(args: Args) -> None:
     device, header = setup_frameworks(args.torch_device, args.tf32)
-    print(f"{header}; host CPU {host_cpu()}; {load_average()}")
+    print(f"{header}; {load_average()}")
     t0, compiles = time.perf_counter(), Compiles()
     summaries = {}
     for name in args.preset:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import tyro
 
+from _bench import host_cpu
+
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = ["scripts/generate.py", "--prompt", "a handwritten digit seven", "--num-images", "4"]
 # The command as the README gives it, with JAX's event counts printed at exit (a listener costs nothing measurable).
@@ -110,15 +112,8 @@ def import_times(top: int) -> list[tuple[float, str]]:
     return sorted(rows, reverse=True)[:top]
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def main(args: Args) -> None:
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load average before: {os.getloadavg()[0]:.1f}")
+    print(f"CPU: {host_cpu()}, {os.cpu_count()} cores; load average before: {os.getloadavg()[0]:.1f}")
     print(f"command: python {' '.join(COMMAND[:2])} {COMMAND[2]!r} {' '.join(COMMAND[3:])}")
     print("| run | wall (s) | CPU (s) | compile (s) | XLA compiles | written to cache | read from cache |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
