@@ -9,10 +9,18 @@ real checkpoints (for names and shapes on the meta device; ``scripts/convert_ltx
   space-to-depth encoder), so that diffusers' fixed original-name maps fit them too; ``patch_size`` 2 (16x spatial,
   8x temporal compression).
 - :data:`UPSAMPLER`: the spatial latent upsampler at 32 channels (GroupNorm's 32 groups).
+- :func:`build_pipeline` / :func:`build_upsampler`: the pipelines' tiny folders (tests/test_ltx_pipeline.py,
+  tests/test_recompile.py): a character tokenizer and a tiny random T5 (width 16, the transformer's caption channels),
+  :data:`TRANSFORMER`, the 0.9.5 VAE (timestep-conditioned decoder, random latent statistics) and diffusers' default
+  flow-matching Euler; the upsampler folder holds :data:`UPSAMPLER` beside the same VAE, as
+  ``Lightricks/ltxv-spatial-upscaler-0.9.7`` does.
 """
 
 import diffusers
+import torch
 from diffusers.pipelines.ltx.modeling_latent_upsampler import LTXLatentUpsamplerModel
+
+from ._util import randomize_torch
 
 TRANSFORMER = dict(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=4,
                    attention_head_dim=8, cross_attention_dim=32, num_layers=2, caption_channels=16)
@@ -62,4 +70,66 @@ REAL_UPSAMPLER = dict(in_channels=128, mid_channels=512, num_blocks_per_stage=4,
 LTXVideoTransformer3DModel = diffusers.LTXVideoTransformer3DModel
 AutoencoderKLLTXVideo = diffusers.AutoencoderKLLTXVideo
 
-__all__ = ["AutoencoderKLLTXVideo", "LTXLatentUpsamplerModel", "LTXVideoTransformer3DModel"]
+# -- tiny pipelines ---------------------------------------------------------------------------------------------------
+
+PIPELINE_VAE = VAE_095  # timestep-conditioned decoder (decode_timestep, decode_noise_scale), no injected noise
+
+
+def _random(model, seed: int):
+    randomize_torch(model, seed=seed)
+    return model.eval()
+
+
+def text_components(seed: int = 0) -> dict:
+    """A character tokenizer (offline; the same ids on both sides) and a tiny random T5 as wide as the transformer's
+    captions (16), gated-GELU as T5 v1.1-XXL."""
+    from transformers import T5Config, T5EncoderModel
+
+    from eqxdiff.data import character_tokenizer
+
+    tokenizer = character_tokenizer(16)
+    torch.manual_seed(seed)
+    encoder = T5EncoderModel(T5Config(vocab_size=len(tokenizer) + 3, d_model=TRANSFORMER["caption_channels"],
+                                      d_kv=8, d_ff=37, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                                      feed_forward_proj="gated-gelu", pad_token_id=1, eos_token_id=1))
+    return dict(tokenizer=tokenizer, text_encoder=_random(encoder, seed + 1))
+
+
+def vae(config: dict = PIPELINE_VAE, seed: int = 5) -> diffusers.AutoencoderKLLTXVideo:
+    """diffusers' VAE with every weight random and random latent statistics (state-dict buffers)."""
+    model = _random(diffusers.AutoencoderKLLTXVideo(**config), seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.latents_mean.copy_(0.3 * torch.randn(model.latents_mean.shape, generator=g))
+        model.latents_std.copy_(0.7 + 0.5 * torch.rand(model.latents_std.shape, generator=g))
+    return model
+
+
+def transformer(config: dict = TRANSFORMER, seed: int = 7) -> diffusers.LTXVideoTransformer3DModel:
+    torch.manual_seed(seed)
+    return _random(diffusers.LTXVideoTransformer3DModel(**config), seed)
+
+
+def build_pipeline(folder, seed: int = 0) -> diffusers.LTXPipeline:
+    """A tiny LTX-Video text-to-video folder (``model_index.json`` names ``LTXPipeline``; the image-to-video and
+    condition pipelines load it too, as they load Lightricks' folders)."""
+    pipe = diffusers.LTXPipeline(**text_components(seed), vae=vae(seed=seed + 5),
+                                 scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+                                 transformer=transformer(seed=seed + 7))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return pipe
+
+
+def build_upsampler(folder, vae_model, seed: int = 9) -> diffusers.LTXLatentUpsamplePipeline:
+    """A tiny latent-upsampler folder (``LTXLatentUpsamplePipeline``: the VAE and the upsampler)."""
+    torch.manual_seed(seed)
+    upsampler = _random(LTXLatentUpsamplerModel(**UPSAMPLER), seed)
+    pipe = diffusers.LTXLatentUpsamplePipeline(vae=vae_model, latent_upsampler=upsampler)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return pipe
+
+
+__all__ = ["AutoencoderKLLTXVideo", "LTXLatentUpsamplerModel", "LTXVideoTransformer3DModel", "build_pipeline",
+           "build_upsampler", "text_components", "transformer", "vae"]

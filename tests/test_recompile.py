@@ -1,7 +1,7 @@
 """Core v2: values are traced, shapes compile. After a pipeline's first call, a call that changes only values (guidance,
 steps, strength, eta, hand-off fractions, ControlNet scales and intervals, custom schedules of any length, seeds,
-prompts of the same token length, numeric scheduler options, Wan 2.2's expert boundary and low-noise guidance)
-compiles nothing.
+prompts of the same token length, numeric scheduler options, Wan 2.2's expert boundary and low-noise guidance,
+LTX-Video's decode timestep and noise scale, frame rate) compiles nothing.
 
 Compiles are counted with JAX's own monitoring events (every backend compile, the small eager programs included), not
 only ``pipe.timings``. Each sweep also checks that the value took effect (the output moved), so a value that was
@@ -22,7 +22,7 @@ from eqxdiff.core import FAMILY_TABLE, resolve_class
 from eqxdiff.pipelines import DiffusionPipeline, denoise_loop
 from eqxdiff.pipelines._denoise import Denoiser, Guidance
 
-from . import _tiny_controlnet, _tiny_controlnet_union, _tiny_sd, _tiny_sdxl, _tiny_wan
+from . import _tiny_controlnet, _tiny_controlnet_union, _tiny_ltx, _tiny_sd, _tiny_sdxl, _tiny_wan
 from . import _tiny_flux_pipeline as tiny_flux
 
 _COMPILES = [0]
@@ -308,6 +308,31 @@ def _wan_i2v(wan_ti2v):
     sweep(wan_ti2v, dict(WAN_BASE, image=image), [dict(guidance_scale=2.0), *STEPS, dict(image=255 - image)])
 
 
+@pytest.fixture(scope="module")
+def ltx(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ltx")
+    _tiny_ltx.build_pipeline(folder)  # the 0.9.5 VAE: decode_timestep and decode_noise_scale are decoder inputs
+    return eqxdiff.load_pipeline(folder)
+
+
+LTX_BASE = dict(prompt="a red cat", negative_prompt="blurry", height=32, width=32, num_frames=9, num_inference_steps=3,
+                guidance_scale=3.0, seed=0, max_sequence_length=16, decode_timestep=0.05)
+LTX_VALUES = [dict(guidance_scale=5.0), dict(guidance_rescale=0.5), dict(decode_timestep=0.2),
+              dict(decode_noise_scale=0.3), dict(frame_rate=12), *STEPS, dict(seed=2)]
+
+
+def _ltx(ltx):
+    """LTX-Video: the guidance, the decoder's timestep and noise scale, the frame rate (the rotary positions) and the
+    steps are values."""
+    sweep(ltx, LTX_BASE, [*LTX_VALUES, dict(timesteps=[1000.0, 600.0, 100.0])])
+
+
+def _ltx_i2v(ltx):
+    image = IMAGE[0]
+    pipe = resolve_class("LTXImageToVideoPipeline").from_pipe(ltx)
+    sweep(pipe, dict(LTX_BASE, image=image), [*LTX_VALUES, dict(image=255 - image)])
+
+
 SWEEPS = {
     "StableDiffusionPipeline": (_sd, "sd"),
     "StableDiffusionInpaintPipeline": (_sd_inpaint, "sd"),
@@ -323,6 +348,8 @@ SWEEPS = {
     "FluxKontextPipeline": (_flux_kontext, "flux"),
     "WanPipeline": (_wan, "wan"),
     "WanImageToVideoPipeline": (_wan_i2v, "wan_ti2v"),
+    "LTXPipeline": (_ltx, "ltx"),
+    "LTXImageToVideoPipeline": (_ltx_i2v, "ltx"),
 }
 
 

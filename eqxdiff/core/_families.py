@@ -40,6 +40,8 @@ FAMILY_TABLE: dict[str, str] = {
     "LTXVideoTransformer3DModel": "eqxdiff.models.ltx:LTXVideoTransformer3DModel",
     "AutoencoderKLLTXVideo": "eqxdiff.models.ltx_vae:AutoencoderKLLTXVideo",
     "LTXLatentUpsamplerModel": "eqxdiff.models.ltx_upsampler:LTXLatentUpsamplerModel",
+    "LTXPipeline": "eqxdiff.pipelines.ltx:LTXPipeline",
+    "LTXImageToVideoPipeline": "eqxdiff.pipelines.ltx_i2v:LTXImageToVideoPipeline",
     # ControlNet
     "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
     "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",

@@ -122,11 +122,12 @@ class LatentPipeline(DiffusionPipeline):
                 denoiser, scheduler, state, latents, cond, key, guidance=guidance,
                 num_steps=jnp.asarray(num_steps, jnp.int32), progress=progress))
 
-    def finish(self, latents, output_type: str, *, guided_by: str | None = None):
+    def finish(self, latents, output_type: str, *, guided_by: str | None = None, **decode_options):
         """The call's result from the final (unpacked, channels-last) latents: the latents themselves for
         ``output_type="latent"``, else the decoded uint8 images ``[n, H, W, 3]`` or videos ``[n, F, H, W, 3]``
-        (:meth:`decode`). Either is checked for NaN/inf, with a hint naming the float32 settings and, if the call
-        guided, the guidance setting (``guided_by``, e.g. ``"guidance_scale (now 7.5)"``) that usually cure it."""
+        (:meth:`decode`, given ``decode_options``: the call's own decoder inputs, for a family whose :meth:`decode`
+        takes them). Either is checked for NaN/inf, with a hint naming the float32 settings and, if the call guided,
+        the guidance setting (``guided_by``, e.g. ``"guidance_scale (now 7.5)"``) that usually cure it."""
         dtype = jnp.dtype(self.activations_dtype)
         hint = (f"the {dtype.name} activations may have overflowed: run in float32 (activations_dtype, "
                 "--activations-dtype/--weights-dtype float32)" if dtype.itemsize < 4 else
@@ -138,12 +139,13 @@ class LatentPipeline(DiffusionPipeline):
             check_finite_output(latents, what="latents", hint=hint)
             return latents
         with self.timed("decode"):
-            images = self.gather(self.decode(latents))
+            images = self.gather(self.decode(latents, **decode_options))
             check_finite_output(images, what="videos" if images.ndim == 5 else "images", hint=hint)
             return to_uint8(images)
 
     def decode(self, latents) -> Array:
         """The final latents as ``[-1, 1]`` pixels through the VAE, with the pipeline's tiling settings
-        (:meth:`enable_vae_tiling`). A family whose VAE decodes with more inputs overrides this."""
+        (:meth:`enable_vae_tiling`). A family whose VAE decodes with more inputs overrides this and takes them as
+        keywords, which its calls hand to :meth:`finish` (LTX-Video: the decode timestep, noise scale and key)."""
         return decode_latents(self.vae, latents, tiled=self.vae_tiling,
                               frame_chunk=self.vae_frame_chunk if latents.ndim == 5 else None)

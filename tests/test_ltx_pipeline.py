@@ -1,0 +1,181 @@
+"""The LTX-Video pipelines end to end against diffusers 0.42 in float32 (every pixel within 2/255 from the same initial
+latents): text-to-video with guidance_rescale and the timestep-conditioned decoder (decode_timestep, and
+decode_noise_scale with diffusers' noise replaced by eqxdiff's draw), image-to-video (the image's latents sampled with
+the same posterior noise on both sides), then eqxdiff-generate's MP4 and the num_frames / size errors. Prompts go
+through a character tokenizer saved in the folder (both sides tokenize alike) and a tiny T5.
+
+One tiny folder (tests/_tiny_ltx.py: the 0.9.5 VAE, 16x spatial and 8x temporal, random latent statistics) is built
+for the module; every video has 9 frames of 32x32 pixels (2 latent frames of 2x2) and every call 3 steps, so the
+calls of a pipeline share their compiled programs.
+"""
+
+import diffusers
+import jax
+import numpy as np
+import pytest
+import torch
+from diffusers.pipelines.ltx import pipeline_ltx
+from PIL import Image
+
+import eqxdiff
+from eqxdiff.cli import generate
+from eqxdiff.pipelines import InputError, read_parameters, read_video, write_video
+from eqxdiff.pipelines._latents import noise_draws
+from eqxdiff.pipelines.ltx import LTXPipeline, decode_keys
+from eqxdiff.pipelines.ltx_i2v import LTXImageToVideoPipeline
+
+from . import _tiny_ltx as tiny
+from ._util import assert_close
+
+PROMPTS = ["a red cat", "two dogs"]
+NEGATIVES = ["blurry", ""]
+VIDEO = dict(height=32, width=32, num_frames=9, num_inference_steps=3, max_sequence_length=16)
+SHAPE = (2, 2, 2, 2, 8)  # latents of two 9-frame 32x32 videos: [n, T, h, w, C]
+
+
+def pixels_off(ours_uint8, ref_float) -> int:
+    return int(np.max(np.abs(ours_uint8.astype(int) - (np.asarray(ref_float) * 255).round().astype(int))))
+
+
+def noise(shape=SHAPE, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def ncthw(latents) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(np.moveaxis(np.asarray(latents), -1, 1)))
+
+
+def packed(latents) -> torch.Tensor:
+    """Channels-last latents as diffusers' packed tokens (patch 1: a reshape)."""
+    latents = np.asarray(latents)
+    return torch.from_numpy(np.ascontiguousarray(latents.reshape(latents.shape[0], -1, latents.shape[-1])))
+
+
+def picture(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def ltx(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ltx")
+    return tiny.build_pipeline(folder), eqxdiff.load_pipeline(folder), folder
+
+
+@pytest.fixture(scope="module")
+def i2v(ltx):
+    ref, pipe, _ = ltx
+    return diffusers.LTXImageToVideoPipeline(**ref.components), LTXImageToVideoPipeline.from_pipe(pipe)
+
+
+# -- parity with diffusers ------------------------------------------------------------------------------------------
+
+
+def test_text_to_video_matches_diffusers(ltx, monkeypatch):
+    """Two prompts with negatives, guidance_rescale, the decoder at decode_timestep 0.05 with no noise mixed in; then
+    with decode_noise_scale 0.025, diffusers' decode noise being eqxdiff's draw from the call's key; then diffusers'
+    embeddings as prompt_embeds with their masks."""
+    ref, pipe, _ = ltx
+    assert type(pipe) is LTXPipeline and pipe.vae.config.timestep_conditioning and pipe.default_fps == 25
+    x = noise()
+    kwargs = dict(guidance_scale=3.0, guidance_rescale=0.5, decode_timestep=0.05, **VIDEO)
+    with torch.no_grad():
+        expected = ref(PROMPTS, negative_prompt=NEGATIVES, latents=packed(x), decode_noise_scale=0.0,
+                       output_type="np", **kwargs).frames
+    ours = pipe(PROMPTS, negative_prompt=NEGATIVES, latents=x, decode_noise_scale=0.0, seed=3, progress=False,
+                **kwargs)
+    assert ours.shape == (2, 9, 32, 32, 3) and ours.dtype == np.uint8
+    assert pixels_off(ours, expected) <= 2 and np.std(ours) > 1
+
+    decode_noise = ncthw(jax.random.normal(decode_keys(jax.random.key(3))[0], SHAPE))
+    monkeypatch.setattr(pipeline_ltx, "randn_tensor", lambda shape, **_: decode_noise)
+    with torch.no_grad():
+        noised = ref(PROMPTS, negative_prompt=NEGATIVES, latents=packed(x), decode_noise_scale=0.025,
+                     output_type="np", **kwargs).frames
+    ours_noised = pipe(PROMPTS, negative_prompt=NEGATIVES, latents=x, decode_noise_scale=0.025, seed=3,
+                       progress=False, **kwargs)
+    assert pixels_off(ours_noised, noised) <= 2 and pixels_off(ours_noised, ours / 255) > 2
+
+    with torch.no_grad():
+        embeds, mask, negative, negative_mask = ref.encode_prompt(PROMPTS, NEGATIVES, max_sequence_length=16)
+    given = pipe(prompt_embeds=embeds.numpy(), prompt_attention_mask=mask.numpy(),
+                 negative_prompt_embeds=negative.numpy(), negative_prompt_attention_mask=negative_mask.numpy(),
+                 latents=x, decode_noise_scale=0.0, progress=False, **kwargs)
+    assert pixels_off(given, expected) <= 2
+    assert_close(pipe.encode_prompt(PROMPTS, max_sequence_length=16).embeds, embeds.numpy(), 1e-4, "T5 embeddings (unmasked)")
+
+
+def test_image_to_video_matches_diffusers(i2v):
+    """The image's latents (the VAE's posterior sampled with eqxdiff's draw, normalised) on the first latent frame,
+    timestep 0 on its tokens, the frames after it stepped. diffusers takes those start latents as given; the image's
+    encoding is compared through them."""
+    ref, pipe = i2v
+    image, x, key = picture(1), noise(seed=2), jax.random.key(4)
+    eps = ncthw(noise_draws(key, SHAPE).image[:, :1])
+    with torch.no_grad():
+        pixels = torch.from_numpy(image).permute(2, 0, 1)[None, :, None].float() / 127.5 - 1
+        posterior = ref.vae.encode(pixels).latent_dist
+        first = ref._normalize_latents(posterior.mean + posterior.std * eps, ref.vae.latents_mean,
+                                       ref.vae.latents_std)
+    start = x.copy()
+    start[:, :1] = np.moveaxis(first.numpy(), 1, -1)
+    kwargs = dict(guidance_scale=3.0, decode_timestep=0.05, decode_noise_scale=0.0, **VIDEO)
+    with torch.no_grad():
+        expected = ref(image=Image.fromarray(image), prompt=PROMPTS, negative_prompt=NEGATIVES, latents=packed(start),
+                       output_type="np", **kwargs).frames
+    ours = pipe(image, PROMPTS, negative_prompt=NEGATIVES, latents=x, key=key, progress=False, **kwargs)
+    assert ours.shape == (2, 9, 32, 32, 3) and pixels_off(ours, expected) <= 2
+
+
+# -- files, flags, errors -------------------------------------------------------------------------------------------
+
+
+def test_generate_writes_an_mp4_with_its_parameters(ltx, tmp_path, capsys):
+    """eqxdiff-generate on the folder: an MP4 of the pipeline's frames at the call's frame_rate, with its parameters; the video flags come from the signature."""
+    _, pipe, folder = ltx
+    argv = ["--model", str(folder), "--prompt", "a red cat", "--num-frames", "9", "--height", "32", "--width", "32",
+            "--steps", "3", "--frame-rate", "24", "--decode-timestep", "0.05", "--seed", "3", "--no-progress",
+            "--max-sequence-length", "16", "--num-videos-per-prompt", "2", "--output-dir", str(tmp_path / "out")]
+    path, _ = generate.main(argv)  # two videos: the parity tests' compiled programs
+    assert path.name == "video_0.mp4"
+    frames = read_video(path)
+    assert frames.shape == (9, 32, 32, 3)
+    ours = pipe("a red cat", seed=3, frame_rate=24, decode_timestep=0.05, num_videos_per_prompt=2, progress=False,
+                **VIDEO)[0]
+    # the tiny random VAE's frames are pixel noise, which H.264 does not keep: the same frames through the same
+    # encoder instead (deterministic), against the file's
+    same = read_video(write_video(ours, tmp_path / "ours.mp4", fps=24))
+    assert np.max(np.abs(frames.astype(int) - same)) <= 2
+    params = read_parameters(path)
+    assert params["num_frames"] == 9 and params["fps"] == 24 and params["pipeline"] == "LTXPipeline"
+    assert params["decode_timestep"] == 0.05
+    with pytest.raises(SystemExit):
+        generate.main(["--model", str(folder), "--help"])
+    flags = " ".join(capsys.readouterr().out.split())
+    for flag in ("--num-frames", "--frame-rate", "--decode-timestep", "--decode-noise-scale", "--guidance-rescale"):
+        assert flag in flags, flag
+
+
+def test_num_frames_sizes_and_inputs_are_refused_in_one_line(ltx, i2v, tmp_path):
+    """num_frames 8k+1 and sizes in multiples of the VAE's factor times the patch (32 for the real models, 16 for the
+    tiny VAE), through the pipeline and through eqxdiff-generate before loading; the frame rate, the decode values,
+    prompt embeddings without masks, an image of another size."""
+    _, pipe, folder = ltx
+    limits = LTXPipeline.folder_limits(lambda name: {"vae": tiny.REAL_VAE_095, "transformer": tiny.LTX_2B}[name.split("/")[0]])
+    assert limits.size_factor == 32 and limits.frame_factor == 8
+    with pytest.raises(InputError, match=r"num_frames=80 must be 8k\+1 .*compresses time by 8.*; try 73 or 81"):
+        pipe("a cat", num_frames=80, progress=False)
+    with pytest.raises(InputError, match=r"height=40 must be a multiple of 16 \(the VAE downsamples by 16 and the "
+                                         r"transformer takes 1x1 patches\); try height=32"):
+        pipe("a cat", height=40, progress=False)
+    with pytest.raises(InputError, match=r"--num-frames 10 must be 8k\+1 .*; try 9 or 17"):
+        generate.validate(["--model", str(folder), "--prompt", "x", "--num-frames", "10"])
+    with pytest.raises(InputError, match=r"frame_rate=0 must be a positive number"):
+        pipe("a cat", frame_rate=0, progress=False, **VIDEO)
+    with pytest.raises(InputError, match="decode_timestep has 3 values for 2 videos"):
+        pipe(PROMPTS, decode_timestep=[0.1, 0.2, 0.3], progress=False, **VIDEO)
+    with pytest.raises(InputError, match="prompt_embeds needs prompt_attention_mask"):
+        pipe(prompt_embeds=np.zeros((1, 4, 16), np.float32), progress=False, **VIDEO)
+    with pytest.raises(InputError, match="image has width 32, height 32 pixels but the video has width 64"):
+        i2v[1](picture(0), "a cat", progress=False, **dict(VIDEO, width=64))
+    with pytest.raises(InputError, match="pass image="):
+        i2v[1](prompt="a cat", progress=False)
