@@ -14,7 +14,11 @@ import jax
 import numpy as np
 import pytest
 import torch
-from diffusers.pipelines.ltx import pipeline_ltx
+from diffusers.models.autoencoders import vae as autoencoder_vae
+from diffusers.pipelines.ltx import pipeline_ltx, pipeline_ltx_condition
+from diffusers.pipelines.ltx.pipeline_ltx_condition import (
+    LTXVideoCondition as RefCondition,
+)
 from PIL import Image
 
 import eqxdiff
@@ -22,6 +26,7 @@ from eqxdiff.cli import generate
 from eqxdiff.pipelines import InputError, read_parameters, read_video, write_video
 from eqxdiff.pipelines._latents import noise_draws
 from eqxdiff.pipelines.ltx import LTXPipeline, decode_keys
+from eqxdiff.pipelines.ltx_condition import LTXConditionPipeline, condition_keys
 from eqxdiff.pipelines.ltx_i2v import LTXImageToVideoPipeline
 
 from . import _tiny_ltx as tiny
@@ -126,6 +131,47 @@ def test_image_to_video_matches_diffusers(i2v):
     assert ours.shape == (2, 9, 32, 32, 3) and pixels_off(ours, expected) <= 2
 
 
+def test_conditions_at_frame_indices_match_diffusers(ltx, monkeypatch):
+    """LTXConditionPipeline with one image at frame 0 (strength 1: blended into the first latent frame, re-noised
+    before every step by image_cond_noise_scale) and one at frame 8 (strength 0.8: extra tokens before the video's,
+    positioned there, blended with noise); the linear-quadratic schedule, guidance_rescale, T5 with the mask, the
+    decoder's noise. diffusers' draws (its randn_tensor: the start noise, each condition's posterior sample, the later
+    image's blend noise, the re-noising per step, the decode noise) are replaced by eqxdiff's from the call's key,
+    each in diffusers' order and checked for shape."""
+    ref, pipe, _ = ltx
+    ref = diffusers.LTXConditionPipeline(**ref.components)
+    pipe = LTXConditionPipeline.from_pipe(pipe)
+    key, steps, shape = jax.random.key(5), 3, (1, *SHAPE[1:])  # diffusers' extra tokens are one video's
+    posterior, blend, renoise = condition_keys(key)
+    latent = (1, 1, 2, 2, 8)  # one image's latents
+    draws = [ncthw(noise_draws(key, shape).noise), ncthw(jax.random.normal(jax.random.fold_in(posterior, 0), latent)),
+             ncthw(jax.random.normal(jax.random.fold_in(posterior, 1), latent)),
+             ncthw(jax.random.normal(jax.random.fold_in(blend, 1), latent))]
+    draws += [torch.from_numpy(np.asarray(jax.random.normal(jax.random.fold_in(renoise, j), (1, 4 + 8, 8))))
+              for j in range(steps)]
+    draws.append(ncthw(jax.random.normal(decode_keys(key)[0], shape)))
+
+    def randn_tensor(shape, **_):
+        draw = draws.pop(0)
+        assert tuple(draw.shape) == tuple(shape), (draw.shape, shape)
+        return draw
+
+    monkeypatch.setattr(pipeline_ltx_condition, "randn_tensor", randn_tensor)
+    monkeypatch.setattr(autoencoder_vae, "randn_tensor", randn_tensor)
+    first, later = picture(6), picture(7)
+    kwargs = dict(guidance_scale=3.0, guidance_rescale=0.3, decode_timestep=0.05, decode_noise_scale=0.025,
+                  image_cond_noise_scale=0.15, **dict(VIDEO, num_inference_steps=steps))
+    conditions = [RefCondition(image=Image.fromarray(first), frame_index=0),
+                  RefCondition(image=Image.fromarray(later), frame_index=8, strength=0.8)]
+    with torch.no_grad():
+        expected = ref(conditions=conditions, prompt=PROMPTS[0], negative_prompt=NEGATIVES[0], output_type="np",
+                       **kwargs).frames
+    assert not draws, f"{len(draws)} draws left"
+    ours = pipe(image=[first, later], frame_index=[0, 8], strength=[1.0, 0.8], prompt=PROMPTS[0],
+                negative_prompt=NEGATIVES[0], key=key, progress=False, **kwargs)
+    assert ours.shape == (1, 9, 32, 32, 3) and pixels_off(ours, expected) <= 2 and np.std(ours) > 1
+
+
 # -- files, flags, errors -------------------------------------------------------------------------------------------
 
 
@@ -158,7 +204,8 @@ def test_generate_writes_an_mp4_with_its_parameters(ltx, tmp_path, capsys):
 def test_num_frames_sizes_and_inputs_are_refused_in_one_line(ltx, i2v, tmp_path):
     """num_frames 8k+1 and sizes in multiples of the VAE's factor times the patch (32 for the real models, 16 for the
     tiny VAE), through the pipeline and through eqxdiff-generate before loading; the frame rate, the decode values,
-    prompt embeddings without masks, an image of another size."""
+    prompt embeddings without masks, an image of another size, the conditions' strengths, frame indices and
+    denoise_strength."""
     _, pipe, folder = ltx
     limits = LTXPipeline.folder_limits(lambda name: {"vae": tiny.REAL_VAE_095, "transformer": tiny.LTX_2B}[name.split("/")[0]])
     assert limits.size_factor == 32 and limits.frame_factor == 8
@@ -179,3 +226,13 @@ def test_num_frames_sizes_and_inputs_are_refused_in_one_line(ltx, i2v, tmp_path)
         i2v[1](picture(0), "a cat", progress=False, **dict(VIDEO, width=64))
     with pytest.raises(InputError, match="pass image="):
         i2v[1](prompt="a cat", progress=False)
+    condition = LTXConditionPipeline.from_pipe(pipe)
+    with pytest.raises(InputError, match=r"strength=\[1.0, 1.5\]: give numbers in \[0, 1\]"):
+        condition(image=[picture(0)] * 2, strength=[1.0, 1.5], prompt="a cat", progress=False, **VIDEO)
+    with pytest.raises(InputError, match="frame_index has 3 values for 2 conditions"):
+        condition(image=[picture(0)] * 2, frame_index=[0, 4, 8], prompt="a cat", progress=False, **VIDEO)
+    with pytest.raises(InputError, match="frame_index=9 lies outside the video's 9 frames"):
+        condition(image=picture(0), frame_index=9, prompt="a cat", progress=False, **VIDEO)
+    with pytest.raises(InputError, match=r"denoise_strength=0.1 of 3 steps leaves no step to run"):
+        condition(prompt="a cat", latents=np.zeros(SHAPE[1:], np.float32)[None], denoise_strength=0.1,
+                  progress=False, **VIDEO)

@@ -1,7 +1,7 @@
 """Core v2: values are traced, shapes compile. After a pipeline's first call, a call that changes only values (guidance,
 steps, strength, eta, hand-off fractions, ControlNet scales and intervals, custom schedules of any length, seeds,
 prompts of the same token length, numeric scheduler options, Wan 2.2's expert boundary and low-noise guidance,
-LTX-Video's decode timestep and noise scale, frame rate) compiles nothing.
+LTX-Video's decode timestep and noise scale, frame rate and condition strengths) compiles nothing.
 
 Compiles are counted with JAX's own monitoring events (every backend compile, the small eager programs included), not
 only ``pipe.timings``. Each sweep also checks that the value took effect (the output moved), so a value that was
@@ -333,6 +333,15 @@ def _ltx_i2v(ltx):
     sweep(pipe, dict(LTX_BASE, image=image), [*LTX_VALUES, dict(image=255 - image)])
 
 
+def _ltx_condition(ltx):
+    """Conditions' pictures and strengths, the re-noising scale and the schedule's length are values."""
+    image = IMAGE[0]
+    pipe = resolve_class("LTXConditionPipeline").from_pipe(ltx)
+    sweep(pipe, dict(LTX_BASE, image=[image, 255 - image], frame_index=[0, 8], strength=[1.0, 0.8]),
+          [dict(guidance_scale=5.0), dict(decode_timestep=0.2), dict(strength=[0.7, 0.5]),
+           dict(image_cond_noise_scale=0.5), dict(image=[255 - image, image]), *STEPS])
+
+
 SWEEPS = {
     "StableDiffusionPipeline": (_sd, "sd"),
     "StableDiffusionInpaintPipeline": (_sd_inpaint, "sd"),
@@ -350,6 +359,7 @@ SWEEPS = {
     "WanImageToVideoPipeline": (_wan_i2v, "wan_ti2v"),
     "LTXPipeline": (_ltx, "ltx"),
     "LTXImageToVideoPipeline": (_ltx_i2v, "ltx"),
+    "LTXConditionPipeline": (_ltx_condition, "ltx"),
 }
 
 

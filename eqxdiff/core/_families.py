@@ -42,6 +42,7 @@ FAMILY_TABLE: dict[str, str] = {
     "LTXLatentUpsamplerModel": "eqxdiff.models.ltx_upsampler:LTXLatentUpsamplerModel",
     "LTXPipeline": "eqxdiff.pipelines.ltx:LTXPipeline",
     "LTXImageToVideoPipeline": "eqxdiff.pipelines.ltx_i2v:LTXImageToVideoPipeline",
+    "LTXConditionPipeline": "eqxdiff.pipelines.ltx_condition:LTXConditionPipeline",
     # ControlNet
     "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
     "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",
