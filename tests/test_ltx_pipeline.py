@@ -1,7 +1,8 @@
 """The LTX-Video pipelines end to end against diffusers 0.42 in float32 (every pixel within 2/255 from the same initial
 latents): text-to-video with guidance_rescale and the timestep-conditioned decoder (decode_timestep, and
 decode_noise_scale with diffusers' noise replaced by eqxdiff's draw), image-to-video (the image's latents sampled with
-the same posterior noise on both sides), then eqxdiff-generate's MP4 and the num_frames / size errors. Prompts go
+the same posterior noise on both sides), conditions at frame 0 and at a later index, the two-stage recipe's upsampling
+and refinement, then eqxdiff-generate's MP4 and the errors. Prompts go
 through a character tokenizer saved in the folder (both sides tokenize alike) and a tiny T5.
 
 One tiny folder (tests/_tiny_ltx.py: the 0.9.5 VAE, 16x spatial and 8x temporal, random latent statistics) is built
@@ -28,6 +29,7 @@ from eqxdiff.pipelines._latents import noise_draws
 from eqxdiff.pipelines.ltx import LTXPipeline, decode_keys
 from eqxdiff.pipelines.ltx_condition import LTXConditionPipeline, condition_keys
 from eqxdiff.pipelines.ltx_i2v import LTXImageToVideoPipeline
+from eqxdiff.pipelines.ltx_upsample import LTXLatentUpsamplePipeline
 
 from . import _tiny_ltx as tiny
 from ._util import assert_close
@@ -170,6 +172,45 @@ def test_conditions_at_frame_indices_match_diffusers(ltx, monkeypatch):
     ours = pipe(image=[first, later], frame_index=[0, 8], strength=[1.0, 0.8], prompt=PROMPTS[0],
                 negative_prompt=NEGATIVES[0], key=key, progress=False, **kwargs)
     assert ours.shape == (1, 9, 32, 32, 3) and pixels_off(ours, expected) <= 2 and np.std(ours) > 1
+
+
+def test_two_stages_upsample_and_refine_match_diffusers(ltx, tmp_path, monkeypatch):
+    """The two-stage recipe after its first stage (given latents): LTXLatentUpsamplePipeline (a folder of the VAE and
+    the upsampler) doubles them with AdaIN to the input's statistics (latents within 1e-4, and decoded), then
+    LTXConditionPipeline refines them (denoise_strength 0.5 of 4 steps: the last 2, from the latents noised to the
+    schedule's sigma there; diffusers' start and decode noise replaced by eqxdiff's draws)."""
+    ref, pipe, _ = ltx
+    up_ref = tiny.build_upsampler(tmp_path, ref.vae)
+    upsampler = eqxdiff.load_pipeline(tmp_path)
+    assert type(upsampler) is LTXLatentUpsamplePipeline
+    low, key = noise((1, 2, 2, 2, 8), seed=8), jax.random.key(6)
+    with torch.no_grad():
+        expected = up_ref(latents=ncthw(low), adain_factor=1.0, output_type="latent").frames
+        expected_frames = up_ref(latents=ncthw(low), adain_factor=1.0, decode_timestep=0.05, decode_noise_scale=0.0,
+                                 output_type="np").frames
+    high = upsampler(latents=low, adain_factor=1.0, output_type="latent")
+    assert high.shape == (1, 2, 4, 4, 8)
+    assert_close(np.moveaxis(np.asarray(high), -1, 1), expected.numpy(), 1e-4, "upsampled latents")
+    frames = upsampler(latents=low, adain_factor=1.0, decode_timestep=0.05, decode_noise_scale=0.0)
+    assert frames.shape == (1, 9, 64, 64, 3) and pixels_off(frames, expected_frames) <= 2
+    with pytest.raises(InputError, match=r"adain_factor=-1 must be a number in \[0, 10\]"):
+        upsampler(latents=low, adain_factor=-1)
+    with pytest.raises(InputError, match="pass video= .* or latents="):
+        upsampler(video=np.zeros((9, 32, 32, 3), np.uint8), latents=low)
+    with pytest.raises(InputError, match=r"latents must be \[n, T, h, w, 8\]"):
+        upsampler(latents=low[..., :4])
+
+    shape = (1, 2, 4, 4, 8)
+    draws = [ncthw(noise_draws(key, shape).noise), ncthw(jax.random.normal(decode_keys(key)[0], shape))]
+    monkeypatch.setattr(pipeline_ltx_condition, "randn_tensor", lambda size, **_: draws.pop(0))
+    kwargs = dict(height=64, width=64, num_frames=9, num_inference_steps=4, denoise_strength=0.5, guidance_scale=1.0,
+                  decode_timestep=0.05, decode_noise_scale=0.025, max_sequence_length=16)
+    with torch.no_grad():
+        refined_ref = diffusers.LTXConditionPipeline(**ref.components)(
+            prompt=PROMPTS[0], latents=expected, output_type="np", **kwargs).frames
+    assert not draws
+    refined = LTXConditionPipeline.from_pipe(pipe)(prompt=PROMPTS[0], latents=high, key=key, progress=False, **kwargs)
+    assert pixels_off(refined, refined_ref) <= 2 and pixels_off(refined, frames / 255) > 2
 
 
 # -- files, flags, errors -------------------------------------------------------------------------------------------

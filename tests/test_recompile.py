@@ -342,6 +342,21 @@ def _ltx_condition(ltx):
            dict(image_cond_noise_scale=0.5), dict(image=[255 - image, image]), *STEPS])
 
 
+@pytest.fixture(scope="module")
+def ltx_upsample(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ltx_upsample")
+    _tiny_ltx.build_upsampler(folder, _tiny_ltx.vae())
+    return eqxdiff.load_pipeline(folder)
+
+
+def _ltx_upsample(ltx_upsample):
+    """The upsampler's AdaIN and tone-mapping factors and the decode values are values."""
+    latents = np.random.default_rng(0).standard_normal((1, 2, 2, 2, 8)).astype(np.float32)
+    sweep(ltx_upsample, dict(latents=latents, decode_timestep=0.05, seed=0),
+          [dict(adain_factor=1.0), dict(tone_map_compression_ratio=0.5), dict(decode_timestep=0.2),
+           dict(decode_noise_scale=0.3), dict(seed=2), dict(latents=-latents)])
+
+
 SWEEPS = {
     "StableDiffusionPipeline": (_sd, "sd"),
     "StableDiffusionInpaintPipeline": (_sd_inpaint, "sd"),
@@ -360,6 +375,7 @@ SWEEPS = {
     "LTXPipeline": (_ltx, "ltx"),
     "LTXImageToVideoPipeline": (_ltx_i2v, "ltx"),
     "LTXConditionPipeline": (_ltx_condition, "ltx"),
+    "LTXLatentUpsamplePipeline": (_ltx_upsample, "ltx_upsample"),
 }
 
 

@@ -43,6 +43,7 @@ FAMILY_TABLE: dict[str, str] = {
     "LTXPipeline": "eqxdiff.pipelines.ltx:LTXPipeline",
     "LTXImageToVideoPipeline": "eqxdiff.pipelines.ltx_i2v:LTXImageToVideoPipeline",
     "LTXConditionPipeline": "eqxdiff.pipelines.ltx_condition:LTXConditionPipeline",
+    "LTXLatentUpsamplePipeline": "eqxdiff.pipelines.ltx_upsample:LTXLatentUpsamplePipeline",
     # ControlNet
     "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
     "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",

@@ -1,8 +1,7 @@
 """LTX-Video text-to-video (diffusers' ``LTXPipeline`` folders: ``Lightricks/LTX-Video`` 0.9.0 / 0.9.1,
 ``Lightricks/LTX-Video-0.9.5``, the 0.9.7 / 0.9.8 2B and 13B dev and distilled folders) and what the family's other
 pipelines build on: image-to-video (:mod:`eqxdiff.pipelines.ltx_i2v`), conditions at frame indices
-(:mod:`eqxdiff.pipelines.ltx_condition`), the latent upsampler (:mod:`eqxdiff.pipelines.ltx_upsample`) and
-Lightricks' single files (:mod:`eqxdiff.pipelines.ltx_files`).
+(:mod:`eqxdiff.pipelines.ltx_condition`) and the latent upsampler (:mod:`eqxdiff.pipelines.ltx_upsample`).
 
 >>> pipe = eqxdiff.load_pipeline("Lightricks/LTX-Video-0.9.5", dtype="bfloat16")
 >>> video = pipe("a cat surfing a wave", height=512, width=768, num_frames=121, decode_timestep=0.05)
@@ -57,23 +56,9 @@ from ._images import to_model_range
 from ._latents import LatentPipeline, noise_draws
 from ._text import tokens
 
-__all__ = [
-    "DEFAULT_FRAME_RATE",
-    "MAX_SEQUENCE_LENGTH",
-    "LTXDenoiser",
-    "LTXPipeline",
-    "PromptEmbeds",
-    "check_frame_rate",
-    "coords_rope",
-    "decode_keys",
-    "decode_video",
-    "grid_rope",
-    "one_picture",
-    "sampled_latents",
-    "schedule_for",
-    "shift_mu",
-    "t5_embeddings",
-]
+__all__ = ["DEFAULT_FRAME_RATE", "MAX_SEQUENCE_LENGTH", "LTXDenoiser", "LTXPipeline", "PromptEmbeds",
+           "check_frame_rate", "coords_rope", "decode_keys", "decode_options", "decode_video", "grid_rope",
+           "one_picture", "sampled_latents", "schedule_for", "shift_mu", "t5_embeddings"]
 
 MAX_SEQUENCE_LENGTH = 128  # diffusers' LTXPipeline / LTXImageToVideoPipeline default prompt length
 DEFAULT_SIZE = (512, 704)  # diffusers' default height, width
@@ -349,15 +334,8 @@ class LTXPipeline(LatentPipeline):
                             frame_chunk=self.vae_frame_chunk)
 
     def decode_options(self, decode_timestep, decode_noise_scale, videos: int, key) -> dict:
-        """:meth:`decode`'s keywords for a call of ``videos`` videos: per-video ``timestep`` and ``noise_scale`` arrays
-        (one value, or one per prompt or per video; the noise scale defaults to the timestep) for a
-        timestep-conditioned decoder, and the call's ``key``."""
-        if not self.vae.config.timestep_conditioning:
-            return {"key": key}  # diffusers decodes without a timestep and mixes in no noise
-        timestep = _per_video(decode_timestep, videos, "decode_timestep")
-        scale = timestep if decode_noise_scale is None else _per_video(decode_noise_scale, videos,
-                                                                         "decode_noise_scale")
-        return {"timestep": to_device(timestep), "noise_scale": to_device(scale), "key": key}
+        """:meth:`decode`'s keywords for a call of ``videos`` videos (:func:`decode_options`)."""
+        return decode_options(self.vae, decode_timestep, decode_noise_scale, videos, key)
 
     # -- generation ------------------------------------------------------------------------------------------------
 
@@ -470,6 +448,17 @@ def schedule_for(scheduler, num_inference_steps: int | None, shape, timesteps=No
     sigmas = (np.linspace(1.0, 1.0 / num_inference_steps, num_inference_steps)
               if "sigmas" in takes and num_inference_steps else None)
     return plan_schedule(scheduler, num_inference_steps, sample_shape=shape, sigmas=sigmas, mu=mu)
+
+
+def decode_options(vae, decode_timestep, decode_noise_scale, videos: int, key) -> dict:
+    """The decoder keywords (:func:`decode_video`'s) of a call of ``videos`` videos: per-video ``timestep`` and
+    ``noise_scale`` arrays (one value, or one per prompt or per video; the noise scale defaults to the timestep) for a
+    timestep-conditioned decoder, and the call's ``key``."""
+    if not vae.config.timestep_conditioning:
+        return {"key": key}  # diffusers decodes without a timestep and mixes in no noise
+    timestep = _per_video(decode_timestep, videos, "decode_timestep")
+    scale = timestep if decode_noise_scale is None else _per_video(decode_noise_scale, videos, "decode_noise_scale")
+    return {"timestep": to_device(timestep), "noise_scale": to_device(scale), "key": key}
 
 
 def check_frame_rate(frame_rate) -> None:

@@ -18,19 +18,8 @@ import numpy as np
 from ..models.ltx import pack_latents, unpack_latents
 from ._checks import InputError
 
-__all__ = [
-    "PREFIX_LATENT_FRAMES",
-    "ConditionTokens",
-    "Placement",
-    "assemble",
-    "conditioned_tokens",
-    "default_timesteps",
-    "lerp",
-    "linear_quadratic_schedule",
-    "placements",
-    "scaled_ids",
-    "video_ids",
-]
+__all__ = ["PREFIX_LATENT_FRAMES", "ConditionTokens", "Placement", "assemble", "conditioned_tokens",
+           "default_timesteps", "lerp", "linear_quadratic_schedule", "placements", "scaled_ids", "video_ids"]
 
 PREFIX_LATENT_FRAMES = 2  # diffusers' num_prefix_latent_frames: a clip at a later index keeps its first two as tokens
 
