@@ -24,7 +24,8 @@ from PIL import Image
 
 import eqxdiff
 from eqxdiff.cli import generate
-from eqxdiff.pipelines import InputError, read_parameters, read_video, write_video
+from eqxdiff.loading import SafetensorsFile, convert_tensors, formats, inverse, state_dict, write_safetensors
+from eqxdiff.pipelines import InputError, read_parameters, read_video, save_single_file, write_video
 from eqxdiff.pipelines._latents import noise_draws
 from eqxdiff.pipelines.ltx import LTXPipeline, decode_keys
 from eqxdiff.pipelines.ltx_condition import LTXConditionPipeline, condition_keys
@@ -214,6 +215,45 @@ def test_two_stages_upsample_and_refine_match_diffusers(ltx, tmp_path, monkeypat
 
 
 # -- files, flags, errors -------------------------------------------------------------------------------------------
+
+
+def test_lightricks_single_file_loads_as_diffusers_from_single_file(ltx, tmp_path):
+    """A Lightricks file (the transformer below ``model.diffusion_model.``, the VAE below ``vae.`` in the original
+    names, the statistics' extra entries beside) with config= a diffusers folder: eqxdiff.load_pipeline detects the
+    layout and loads exactly the weights diffusers' LTXPipeline.from_single_file loads (the 0.9.1 VAE layout: the one
+    diffusers' fixed single-file tables give for the tiny sizes); save_single_file writes the same tensors back."""
+    ref, _, _ = ltx
+    folder = tmp_path / "ltx091"
+    ref = diffusers.LTXPipeline(**{**ref.components, "vae": tiny.vae(tiny.VAE_091)})
+    ref.save_pretrained(folder, safe_serialization=True)
+    tensors = {}
+    for name, prefix, rules in (("transformer", formats.LTX_DIFFUSION_MODEL, formats.ltx_transformer()),
+                                ("vae", formats.LTX_VAE, formats.ltx_vae(ref.vae.config))):
+        state = {k: v.detach().numpy() for k, v in getattr(ref, name).state_dict().items()}
+        tensors.update({prefix + k: v for k, v in convert_tensors(state, inverse(rules)).items()})
+    stats = formats.LTX_VAE + "per_channel_statistics."
+    tensors.update({stats + "channel": np.arange(8, dtype=np.float32), stats + "mean-of-stds": np.ones(8, np.float32)})
+    path = tmp_path / "ltx-video-tiny.safetensors"
+    write_safetensors(tensors, path)
+
+    expected = diffusers.LTXPipeline.from_single_file(path, config=str(folder), text_encoder=ref.text_encoder,
+                                                      tokenizer=ref.tokenizer)
+    ours = eqxdiff.load_pipeline(path, config=folder, pipeline_class=LTXConditionPipeline)
+    assert type(ours) is LTXConditionPipeline
+    for name in ("transformer", "vae"):
+        theirs = {k: v.numpy() for k, v in getattr(expected, name).state_dict().items()}
+        got = state_dict(getattr(ours, name))
+        assert set(got) == set(theirs), name
+        for key, value in theirs.items():
+            np.testing.assert_array_equal(got[key], value, err_msg=f"{name}.{key}")
+    with pytest.raises(ValueError, match=r"no single-file layout holds exactly a LTXConditionPipeline's models "
+                                         r"\['text_encoder', 'transformer', 'vae'\]; pass layout="):
+        save_single_file(ours, tmp_path / "written.safetensors")  # Lightricks' files hold no T5
+    written = SafetensorsFile(save_single_file(ours, tmp_path / "written.safetensors", layout="ltx_lightricks"))
+    kept = {n: v for n, v in tensors.items() if n not in (stats + "channel", stats + "mean-of-stds")}
+    assert set(written.names()) == set(kept)
+    for name, value in kept.items():
+        np.testing.assert_array_equal(written.get(name), value, err_msg=name)
 
 
 def test_generate_writes_an_mp4_with_its_parameters(ltx, tmp_path, capsys):

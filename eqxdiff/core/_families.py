@@ -61,6 +61,7 @@ FAMILY_TABLE: dict[str, str] = {
 # matched in this order. One shared assembly (eqxdiff.pipelines._single_file) reads and writes every layout.
 SINGLE_FILE_LAYOUTS: tuple[str, ...] = (
     "eqxdiff.pipelines.flux:SINGLE_FILE_LAYOUTS",  # Black Forest Labs and ComfyUI Flux.1 files
+    "eqxdiff.pipelines.ltx_files:SINGLE_FILE_LAYOUTS",  # Lightricks' LTX-Video files (transformer + VAE)
     "eqxdiff.loading.single_file:LAYOUTS",  # A1111 / ComfyUI / SGM Stable Diffusion 1.x, 2.x, SDXL files
     "eqxdiff.pipelines.wan:SINGLE_FILE_LAYOUTS",  # Wan 2.1 / 2.2 original transformer and VAE files
 )

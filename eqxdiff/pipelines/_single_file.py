@@ -23,6 +23,7 @@ from ..core import ConfigError, ModelConfig, resolve_class, single_file_layouts
 from ..loading import (
     PICKLE_SUFFIXES,
     CheckpointError,
+    ConversionError,
     SafetensorsFile,
     check_dtype,
     is_hub_id,
@@ -361,8 +362,11 @@ def _layout_to_write(pipe, name: str | None) -> Layout:
         if parts.keys() != models.keys() or not all(p.fits(models[n].config) for n, p in parts.items()):
             continue
         shapes = {}
-        for n, part in parts.items():
-            shapes.update(layout_shapes(models[n], part.rules(models[n].config)))
+        try:
+            for n, part in parts.items():
+                shapes.update(layout_shapes(models[n], part.rules(models[n].config)))
+        except ConversionError:  # another family's model under the same component name: not this layout
+            continue
         if layout.matches(Shapes(shapes)):
             return layout
     raise ValueError(f"no single-file layout holds exactly a {type(pipe).__name__}'s models {sorted(models)}; pass "

@@ -1,0 +1,53 @@
+"""Lightricks' LTX-Video single files as a layout (listed in :data:`eqxdiff.core.SINGLE_FILE_LAYOUTS`):
+``ltx-video-2b-v0.9.x.safetensors`` and ``ltxv-13b-0.9.x-*.safetensors`` hold the transformer below
+``model.diffusion_model.`` and the VAE below ``vae.`` in the original names (:func:`eqxdiff.loading.formats.ltx_transformer`,
+:func:`~eqxdiff.loading.formats.ltx_vae`). Their configs, the T5 encoder, the tokenizer and the scheduler come from
+``config=``, the matching diffusers folder (the files carry no config a loader could trust):
+
+>>> pipe = eqxdiff.load_pipeline("ltx-video-2b-v0.9.5.safetensors", config="Lightricks/LTX-Video-0.9.5")
+>>> pipe = eqxdiff.load_pipeline("ltxv-13b-0.9.7-dev.safetensors", config="Lightricks/LTX-Video-0.9.7-dev",
+...                              pipeline_class=LTXConditionPipeline)
+"""
+
+import dataclasses
+
+from ..loading import formats
+from ..loading.single_file import Layout, Part
+
+__all__ = ["SINGLE_FILE_LAYOUTS", "LightricksTransformer", "LightricksVae"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LightricksTransformer(Part):
+    """The transformer of a Lightricks file (:func:`~eqxdiff.loading.formats.ltx_transformer`), its config from
+    ``config=``."""
+
+    name: str = "transformer"
+    model_class: str = "LTXVideoTransformer3DModel"
+    prefix: str = formats.LTX_DIFFUSION_MODEL
+
+    def rules(self, config, view=None):
+        return formats.ltx_transformer(prefix=self.prefix)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LightricksVae(Part):
+    """The VAE of a Lightricks file (:func:`~eqxdiff.loading.formats.ltx_vae`: its blocks numbered from the config's
+    layout), its config from ``config=``."""
+
+    name: str = "vae"
+    model_class: str = "AutoencoderKLLTXVideo"
+    prefix: str = formats.LTX_VAE
+
+    def rules(self, config, view=None):
+        return formats.ltx_vae(config, prefix=self.prefix)
+
+
+SINGLE_FILE_LAYOUTS = (
+    Layout(name="ltx_lightricks", family="LTX-Video",
+           pipelines=("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline"),
+           signature=(formats.LTX_DIFFUSION_MODEL + "patchify_proj.weight",
+                      formats.LTX_DIFFUSION_MODEL + "adaln_single."),
+           parts=(LightricksTransformer(), LightricksVae(optional=True)),
+           tokenizers={"tokenizer": "text_encoder"}, hub_id="Lightricks/LTX-Video"),
+)
