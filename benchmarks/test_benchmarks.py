@@ -105,3 +105,11 @@ def test_wan_smoke(capsys):
     out = capsys.readouterr().out
     assert "ratio eqxdiff (cached k/v)/diffusers (transformer step)" in out
     assert "ratio eqxdiff/diffusers (VAE decode)" in out
+
+
+def test_ltx_smoke(capsys):
+    import ltx
+
+    ltx.main(ltx.Args(preset="tiny", repeats=1, tolerance=1e-4))
+    out = capsys.readouterr().out
+    assert "host: " in out and "ratio step eqxdiff/diffusers" in out and "ratio decode eqxdiff/diffusers" in out
