@@ -6,10 +6,12 @@
 >>> matcher = lora.Matcher({"unet": unet}, [lora.Naming("lora_unet_", "unet", underscored=True)])
 >>> matched, unmatched = matcher.match(records)
 >>> adapters = lora.site_adapters(matched, f.peft_config(), lambda site: np.float32)
+>>> lora.write_lora("out.safetensors", {"unet": unet}, [lora.Naming("unet.", "unet")])   # the inverse: PEFT names
 
 Pipelines do this for their families (``pipe.load_lora_weights``); a family declares its files' namings and
 layouts as data (see :mod:`eqxdiff.pipelines._lora_unet`, :mod:`eqxdiff.pipelines._lora_flux`). The scale rule is
-:func:`file_scale`'s.
+:func:`file_scale`'s. :func:`write_lora` writes a model's adapters back under a naming (PEFT or kohya keys), through
+the same layouts the reader resolves.
 """
 
 from ._lora_build import assemble as assemble
@@ -33,3 +35,7 @@ from ._lora_match import same_structure as same_structure
 from ._lora_match import site_adapters as site_adapters
 from ._lora_names import Run as Run
 from ._lora_names import layer_index as layer_index
+from ._lora_write import STYLES as STYLES
+from ._lora_write import layer_adapters as layer_adapters
+from ._lora_write import lora_tensors as lora_tensors
+from ._lora_write import write_lora as write_lora
