@@ -393,10 +393,11 @@ def test_family_options_are_flags_of_their_presets(capsys):
     with pytest.raises(ValueError, match=r"^--family.guidance-scale nan must be finite$"):
         train.parse(["flux-dev", "--max-sequence-length", "8", "--guidance-scale", "nan"])
     with pytest.raises(train.FlagError, match=r"^--guidance-scale \(--family.guidance-scale now\) is a family "
-                       r"option of the flux-dev and flux-schnell presets; the sd15 preset's family takes none$"):
+                       r"option of the flux-dev, flux-schnell, lora-flux and dreambooth-flux presets; the sd15 "
+                       r"preset's family takes none$"):
         train.parse(["sd15", "--guidance-scale", "3"])
-    with pytest.raises(train.FlagError, match=r"^--family.max-sequence-length is a family option of the flux-dev "
-                       r"and flux-schnell presets; the sdxl preset's family takes none$"):
+    with pytest.raises(train.FlagError, match=r"^--family.max-sequence-length is a family option of the flux-dev, "
+                       r"flux-schnell, lora-flux and dreambooth-flux presets; the sdxl preset's family takes none$"):
         train.parse(["sdxl", "--family.max-sequence-length", "77"])
     assert train.field_flags(train.PRESETS["flux-dev"][1])["max_sequence_length"] == "--family.max-sequence-length"
     assert "max_sequence_length" not in train.FIELD_FLAGS and "guidance_scale" not in train.FIELD_FLAGS
@@ -414,7 +415,8 @@ def test_a_model_of_another_family_than_the_preset_is_refused_before_loading(tmp
     data = ["--data", str(tmp_path), "--output-dir", str(tmp_path / "run"), "--resolution", "16"]
     with pytest.raises(InputError, match=r"--model '.*sdxl' is a StableDiffusionXLPipeline, which trains as "
                        r"SDXLLatentDiffusion, but the preset's --family.\* options are FluxOptions, another family's; "
-                       r"start from a preset of the model's family \(digits, sd15, sd21, sdxl\) with --model"):
+                       r"start from a preset of the model's family \(digits, sd15, sd21, sdxl, lora-digits, lora-sd15, "
+                       r"lora-sdxl, dreambooth-sd15, dreambooth-sdxl\) with --model"):
         train.main(["flux-dev", "--model", str(tmp_path / "sdxl"), *data])
     with pytest.raises(ValueError, match=r"eqxdiff does not fine-tune a FluxKontextPipeline"):
         train.main(["flux-dev", "--model", str(tmp_path / "kontext"), *data])
@@ -498,7 +500,7 @@ def test_train_help_says_what_may_change_on_resume_and_when_the_autoencoder_stag
         train.parse(["digits", "--help"])
     text = capsys.readouterr().out
     resume = " ".join(_help_entries(text)["--resume"].split())
-    listed = set(re.findall(r"\w+", resume.split("may differ from the ones it was saved with", 1)[1]))
+    listed = set(re.findall(r"[\w.]*\w", resume.split("may differ from the ones it was saved with", 1)[1]))
     assert set(RESUMABLE) - {"output_dir", "resume"} <= listed, sorted(set(RESUMABLE) - listed)
     digits = " ".join(text.split())
     assert "Its autoencoder stage (--autoencoder-steps 600, about 3 minutes on a 2-core CPU, its own progress bar) " \

@@ -8,11 +8,15 @@
     eqxdiff-train digits --optimizer.learning-rate 5e-4 --objective.snr-gamma 5 --help
     eqxdiff-train sdxl --data path/to/folder              # SDXL base, encoders cached, FSDP + remat
     eqxdiff-train flux-dev --data path/to/folder --objective.weighting-scheme logit_normal
+    eqxdiff-train lora-sdxl --data path/to/folder --lora.rank 16 --lora.targets attention mlp --lora.dora
+    eqxdiff-train lora-digits --data thick-digits/   # a style LoRA on the shipped digits model, minutes on a CPU
+    eqxdiff-train dreambooth-sd15 --data dog/ --instance-prompt "a photo of sks dog" --class-prompt "a photo of dog"
 
-Every field of :class:`eqxdiff.train.TrainConfig` is a flag; a preset only changes the defaults. The SD presets run
-data parallel over every device, ``sdxl`` and ``flux-*`` FSDP with remat (``--mesh.*`` changes the mesh). The trained
-pipeline is exported to ``OUTPUT_DIR/pipeline`` unless ``--export-dir`` says otherwise; nothing is written into the
-package.
+Every field of :class:`eqxdiff.train.TrainConfig` is a flag; a preset only changes the defaults
+(:mod:`eqxdiff.cli._train_presets`). The SD presets run data parallel over every device, ``sdxl``, ``flux-*`` and
+their LoRA and DreamBooth presets FSDP with remat (``--mesh.*`` changes the mesh). The trained pipeline is exported
+to ``OUTPUT_DIR/pipeline``, a LoRA (``--lora.rank`` > 0) to ``OUTPUT_DIR/lora`` (a PEFT file, or kohya's with
+``--lora.format kohya``), unless ``--export-dir`` says otherwise; nothing is written into the package.
 
 Every flag is checked before anything is loaded (:func:`validate`); a bad one stops the command with one line
 ``error: <what> (<how to fix>)`` naming the flags, and status 2 (``--debug`` shows the traceback). Ctrl-C or SIGTERM
@@ -35,14 +39,9 @@ import tyro
 
 from ..data import character_tokenizer
 from ..loading import PACKAGED_MODELS, read_config, resolve_folder
-from ..parallel import MeshConfig, Remat
 from ..pipelines import InputError
 from ..train import (
     CheckpointMismatchError,
-    DigitsArchitecture,
-    FluxOptions,
-    Objective,
-    OptimizerConfig,
     TrainConfig,
     TrainingInterrupted,
     autoencoder_reuse,
@@ -62,6 +61,7 @@ from ._command import (
     split_cache_flags,
 )
 from ._numbers import field_types, number_error
+from ._train_presets import PRESETS
 
 DESCRIPTION = ("Train or fine-tune a Stable Diffusion, SDXL or Flux model: every field of eqxdiff.train.TrainConfig "
                "is a flag, a preset sets the defaults. A run resumes from the checkpoints in its --output-dir "
@@ -69,78 +69,6 @@ DESCRIPTION = ("Train or fine-tune a Stable Diffusion, SDXL or Flux model: every
 MEMORY_HINT = ("a smaller --batch-size (with --optimizer.accumulation-steps to keep the effective batch), a smaller "
                "--resolution, --remat FULL, --no-cache with a large dataset, or shard over more devices "
                "(--mesh.ici-fsdp-parallelism -1)")
-_CAT = ("a photo of a cat",)
-_FSDP = MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1)
-
-
-def _stable_diffusion(model: str, name: str, resolution: int) -> TrainConfig:
-    """An SD 1.x/2.x fine-tuning preset (diffusers' ``train_text_to_image.py``): data parallel over every device,
-    4 micro-steps per update, Min-SNR, EMA, checkpoints and samples every 500 steps."""
-    return TrainConfig(
-        model=model, resolution=resolution, batch_size=1, steps=15000, mesh=MeshConfig(),
-        optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=500, schedule="constant", accumulation_steps=4),
-        objective=Objective(snr_gamma=5.0, caption_dropout=0.05), ema_decay=0.9999, output_dir=Path(f"runs/{name}"),
-        checkpoint_every=500, sample_every=500, sample_prompts=_CAT, sample_steps=25, sample_guidance_scale=7.5)
-
-
-def _large(model: str, name: str, *, resolution: int, steps: int, learning_rate: float, **changes) -> TrainConfig:
-    """A preset for a model that needs the whole machine (SDXL, Flux): FSDP over every device with full remat, a
-    stream's latents and text embeddings cached once, a constant learning rate, the folder's own scheduler
-    exported, checkpoints and samples every 500 steps; ``changes``: the family's objective, options, samples."""
-    return TrainConfig(
-        model=model, resolution=resolution, batch_size=8, steps=steps, mesh=_FSDP, remat=Remat.FULL,
-        cache_stream=True, optimizer=OptimizerConfig(learning_rate=learning_rate, schedule="constant"),
-        export_scheduler=None, output_dir=Path(f"runs/{name}"), checkpoint_every=500, sample_every=500,
-        sample_prompts=_CAT, **changes)
-
-
-# name: (description, config). A family's own options are its preset's ``family`` (--family.*).
-PRESETS = {
-    "digits": (
-        ("The digits model shipped with eqxdiff: SD classes at a small size, trained from scratch on "
-         "scikit-learn's digits. Its autoencoder stage (--autoencoder-steps 600, about 3 minutes on a 2-core CPU, "
-         "its own progress bar) trains the VAE before any of --steps, whatever --steps is; a later run in the same "
-         "--output-dir reuses it."),
-        TrainConfig(
-            data=None, resolution=16, batch_size=64, steps=1500, architecture=DigitsArchitecture(), mesh=MeshConfig(),
-            optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=100, schedule="cosine",
-                                      final_learning_rate_fraction=0.05, weight_decay=1e-2, max_grad_norm=1.0),
-            objective=Objective(prediction_type="epsilon", snr_gamma=5.0, caption_dropout=0.1),
-            ema_decay=0.995, autoencoder_steps=600, autoencoder_batch_size=32, autoencoder_learning_rate=2e-3,
-            kl_weight=1e-4, output_dir=Path("runs/digits"),
-            export_dtype="float32", export_scheduler="dpm++2m", log_every=25,
-            sample_prompts=tuple(f"a handwritten digit {d}" for d in
-                                 ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")))),
-    "sd15": (
-        "Fine-tune Stable Diffusion 1.5 (epsilon prediction) at 512 px (--data, --hf-dataset or --tfrecord).",
-        _stable_diffusion("stable-diffusion-v1-5/stable-diffusion-v1-5", "sd15", 512)),
-    "sd21": (
-        "Fine-tune Stable Diffusion 2.1 (v-prediction) at 768 px (--data, --hf-dataset or --tfrecord).",
-        _stable_diffusion("stabilityai/stable-diffusion-2-1", "sd21", 768)),
-    "sdxl": (
-        ("Fine-tune the SDXL base UNet at 1024 px as diffusers' train_text_to_image_sdxl.py: both text encoders "
-         "frozen and cached, each image's original size and crop as micro-conditioning, FSDP over every device with "
-         "remat (--data, --hf-dataset or --tfrecord)."),
-        _large("stabilityai/stable-diffusion-xl-base-1.0", "sdxl", resolution=1024, steps=10000, learning_rate=1e-6,
-               objective=Objective(caption_dropout=0.2), sample_steps=30, sample_guidance_scale=5.0)),
-    "flux-dev": (
-        ("Flow-matching fine-tuning of FLUX.1-dev's transformer at 512 px (diffusers' Flux recipe: guidance 3.5 "
-         "embedded, --family.guidance-scale; --objective.weighting-scheme logit_normal / mode / cosmap ...), latents "
-         "and text embeddings cached, FSDP over every device with remat (--data, --hf-dataset or --tfrecord)."),
-        _large("black-forest-labs/FLUX.1-dev", "flux-dev", resolution=512, steps=5000, learning_rate=1e-5,
-               objective=Objective(weighting_scheme="none"),
-               family=FluxOptions(guidance_scale=3.5, max_sequence_length=512), sample_steps=28,
-               sample_guidance_scale=3.5)),
-    "flux-schnell": (
-        ("Flow-matching fine-tuning of FLUX.1-schnell's transformer at 512 px (no guidance embedding, T5 at 256 "
-         "tokens: --family.max-sequence-length), latents and text embeddings cached, FSDP over every device with "
-         "remat (--data, --hf-dataset or --tfrecord)."),
-        _large("black-forest-labs/FLUX.1-schnell", "flux-schnell", resolution=512, steps=5000, learning_rate=1e-5,
-               objective=Objective(weighting_scheme="none"), family=FluxOptions(max_sequence_length=256),
-               sample_steps=4, sample_guidance_scale=0.0)),
-}
-
-
 def field_flags(config: type | TrainConfig = TrainConfig) -> dict[str, str]:
     """``{name: flag}`` of every field of ``config`` (:class:`~eqxdiff.train.TrainConfig`, or a preset's config:
     with its family's options) and of the configs nested in it, under the names the configs' errors use: the dotted
@@ -172,6 +100,11 @@ def _check_preset(argv: Sequence[str], prog: str | None) -> None:
                     f"({prog or 'eqxdiff-train'} PRESET [flags]; --help describes each)")
 
 
+def _listing(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def _family_fields(config: TrainConfig) -> list[str]:
     return [f.name for f in dataclasses.fields(config.family)]
 
@@ -197,7 +130,7 @@ def _family_flags(argv: list[str]) -> list[str]:
             elif field not in own and others:
                 takes = ", ".join("--family." + f.replace("_", "-") for f in own) or "none"
                 given = "--" + name if "--" + name == flag else f"--{name} ({flag} now)"
-                raise FlagError(f"{given} is a family option of the {' and '.join(others)} presets; the {preset} "
+                raise FlagError(f"{given} is a family option of the {_listing(others)} presets; the {preset} "
                                 f"preset's family takes {takes}")
         renamed.append(token)
     return renamed
@@ -242,8 +175,10 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
         config.source  # noqa: B018 - a missing or conflicting data source raises ValueError
     except ValueError as e:
         raise in_flags(e) from None
-    export = config.export_dir or Path(config.output_dir) / "pipeline"
-    for flag, path in (("--output-dir", Path(config.output_dir)), ("--export-dir", export)):
+    folders = [("--output-dir", Path(config.output_dir)), ("--export-dir", config.export_folder)]
+    if config.class_prompt is not None and config.class_data_dir is not None:
+        folders.append(("--class-data-dir", config.class_data_dir))
+    for flag, path in folders:
         check_output_folder(flag, path)  # a file, or under one: refused before hours of training
         shipped = next((name for name, folder in PACKAGED_MODELS.items() if _inside(path, folder)), None)
         if shipped is not None:

@@ -2,7 +2,8 @@
 
 Either a ``metadata.jsonl`` (or ``metadata.csv``) in the folder, one row per image with ``file_name`` (a path
 relative to the folder) and a caption column, or, without one, every image in the folder tree with a
-``.txt`` caption beside it sharing its stem (``0001.png`` + ``0001.txt``).
+``.txt`` caption beside it sharing its stem (``0001.png`` + ``0001.txt``). With ``caption=`` (DreamBooth's
+instance or class prompt) every image of the folder tree takes that caption, and the folder needs none.
 """
 
 import csv
@@ -31,18 +32,24 @@ class ImageFolderSource:
         check: what is checked now, before training: ``"index"`` (every listed file exists and has a
             caption), ``"headers"`` (also opens every image header; the default), ``"full"`` (also decodes
             every image). Problems raise one ``DataError`` naming the files.
+        caption: one caption for every image in the folder tree (no metadata or ``.txt`` files read).
     """
 
     def __init__(self, root, *, caption_column: str = "text", image_column: str = "file_name",
-                 check: str = "headers"):
+                 check: str = "headers", caption: str | None = None):
         check_level(check)
         self.root = Path(root)
         if not self.root.is_dir():
             raise DataError(f"image folder {self.root} does not exist or is not a folder")
         self.caption_column = caption_column
         self.image_column = image_column
+        if caption is not None and (why := caption_problem(caption)):
+            raise DataError(f"caption={caption!r}: {why}")
         metadata = [self.root / n for n in ("metadata.jsonl", "metadata.csv") if (self.root / n).is_file()]
-        if metadata:
+        if caption is not None:
+            self.index_file = None
+            rows = [(image, caption) for image in self._images(f"no images with extensions {IMAGE_EXTENSIONS}")]
+        elif metadata:
             self.index_file = metadata[0]
             rows = self._read_metadata(metadata[0])
         else:
@@ -89,17 +96,19 @@ class ImageFolderSource:
         require_nonempty(len(rows), str(path), "no rows")
         return rows
 
-    def _read_txt_captions(self):
+    def _images(self, how: str) -> list[Path]:
         images = sorted(
             Path(d) / n
             for d, _, names in os.walk(self.root)
             for n in names
             if n.lower().endswith(IMAGE_EXTENSIONS) and not n.startswith(".")
         )
-        require_nonempty(len(images), str(self.root),
-                         f"no metadata.jsonl, metadata.csv or images with extensions {IMAGE_EXTENSIONS}")
+        require_nonempty(len(images), str(self.root), how)
+        return images
+
+    def _read_txt_captions(self):
         rows, problems = [], []
-        for image in images:
+        for image in self._images(f"no metadata.jsonl, metadata.csv or images with extensions {IMAGE_EXTENSIONS}"):
             txt = image.with_suffix(".txt")
             if not txt.is_file():
                 problems.append(f"{image}: missing caption (no {txt.name} beside it and no metadata.jsonl)")

@@ -3,11 +3,16 @@
 >>> from eqxdiff import train
 >>> state, frozen, losses = train.run(train.TrainConfig(steps=1500))     # the digits model, from scratch
 >>> train.run(train.TrainConfig(model="path/to/sdxl", data="my-images", cache_stream=True, ...))  # fine-tune
+>>> train.run(train.TrainConfig(model="digits", data="thick/", lora=train.LoraConfig(rank=4)))   # a LoRA file
+>>> train.run(train.TrainConfig(model=..., data="dog/", instance_prompt="a photo of sks dog",
+...                             class_prompt="a photo of dog"))                  # DreamBooth, prior preservation
 
 Each family trains through its bundle (:class:`TrainModel`: :class:`LatentDiffusion` for Stable Diffusion,
 :class:`SDXLLatentDiffusion`, :class:`FluxFlowMatching`), found from the pipeline's class name
 (:data:`TRAIN_FAMILIES`), with its own options (``TrainConfig.family``: :class:`FluxOptions` for Flux's guidance
-and T5 length); the step, loop, optimizer, mesh, remat, checkpoints and export are shared.
+and T5 length); the step, loop, optimizer, mesh, remat, checkpoints and export are shared, and so are LoRA
+(:class:`LoraConfig`: adapters alone train, saved as a PEFT or kohya file) and DreamBooth (an instance prompt, prior
+preservation on class images the model draws itself).
 """
 
 from ..data import ArrayBatches as ArrayBatches
@@ -22,6 +27,8 @@ from ._data import cache_arrays as cache_arrays
 from ._data import cache_stream as cache_stream
 from ._data import check_batch as check_batch
 from ._digits import DigitsArchitecture as DigitsArchitecture
+from ._dreambooth import PriorBatches as PriorBatches
+from ._dreambooth import class_images as class_images
 from ._digits import build_digits_model as build_digits_model
 from ._families import TRAIN_FAMILIES as TRAIN_FAMILIES
 from ._families import train_family as train_family
@@ -39,6 +46,10 @@ from ._loop import fit as fit
 from ._loop import shard_batch as shard_batch
 from ._loop import shard_state as shard_state
 from ._loop import state_shardings as state_shardings
+from ._lora import LoraConfig as LoraConfig
+from ._lora import add_lora as add_lora
+from ._lora import lora_filter as lora_filter
+from ._lora import save_lora as save_lora
 from ._metrics import MetricsLogger as MetricsLogger
 from ._metrics import image_grid as image_grid
 from ._metrics import step_flops as step_flops

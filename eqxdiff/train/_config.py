@@ -13,6 +13,7 @@ from ..schedulers import SCHEDULERS
 from ._checks import check_choice
 from ._digits import DigitsArchitecture
 from ._family import FamilyOptions
+from ._lora import LoraConfig
 from ._objectives import Objective
 from ._step import OptimizerConfig
 
@@ -60,6 +61,24 @@ class TrainConfig:
     """Keep an exponential moving average of the trained weights with this decay (exported instead of them)."""
     train_text_encoder: bool = False
     """Train the text encoder too (default: frozen)."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA (``--lora.*``): with lora.rank > 0 only adapters of that rank on the lora.targets layers train (they
+    alone get gradients and optimizer state; the model's weights stay as loaded), saved as a LoRA file in
+    OUTPUT_DIR/lora (or export_dir) instead of a pipeline. Rank 0: a full fine-tune."""
+    instance_prompt: str | None = None
+    """DreamBooth: the caption of every training image (the data's own captions are not read, and an image folder
+    needs none), e.g. 'a photo of sks dog'."""
+    class_prompt: str | None = None
+    """Prior preservation (DreamBooth, diffusers' --with_prior_preservation): num_class_images images of this prompt,
+    drawn by the model itself before training (sample_steps, sample_guidance_scale, export_scheduler), train beside
+    the data; the loss is the data's + prior_loss_weight x the class images'. None: none."""
+    class_data_dir: Path | None = None
+    """Where the class images are kept (default OUTPUT_DIR/class_images): images already there count, missing ones
+    are drawn into it one by one, so an interrupted run goes on where it stopped and a later run reuses them."""
+    num_class_images: int = 100
+    """How many class images prior preservation trains on."""
+    prior_loss_weight: float = 1.0
+    """The weight of the class images' loss against the data's."""
     cache: bool = True
     """Encode latents and text embeddings once before training (only while the VAE and text encoders are frozen):
     an in-memory dataset (digits) always; a stream (folder, hf_dataset, tfrecord, synthetic) with
@@ -118,7 +137,8 @@ class TrainConfig:
     """Continue from the latest checkpoint in ``output_dir/checkpoints`` if there is one. Only these settings may
     differ from the ones it was saved with (each change printed as a note): steps, log_every, progress,
     profile_steps, checkpoint_every, keep_checkpoints, sample_every, sample_prompts, sample_steps,
-    sample_guidance_scale, export_dir, export_dtype, export_scheduler, mesh and remat / remat_names; any other
+    sample_guidance_scale, export_dir, export_dtype, export_scheduler, lora.format (what the LoRA file is written
+    as), mesh and remat / remat_names; any other
     change is refused before anything is loaded. A finished run (its last checkpoint at ``steps``) is not trained
     again. False: start over, replacing the earlier run's checkpoints."""
     profile_steps: tuple[int, ...] = ()
@@ -136,7 +156,7 @@ class TrainConfig:
 
     def __post_init__(self):
         for key in ("batch_size", "steps", "log_every", "keep_checkpoints", "resolution", "autoencoder_steps",
-                    "autoencoder_batch_size", "sample_steps"):
+                    "autoencoder_batch_size", "sample_steps", "num_class_images"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         for key in ("checkpoint_every", "sample_every"):
@@ -152,6 +172,8 @@ class TrainConfig:
             raise ValueError(f"autoencoder_learning_rate={self.autoencoder_learning_rate} must be a positive number")
         if not 0.0 <= self.kl_weight < math.inf:
             raise ValueError(f"kl_weight={self.kl_weight} must be a finite number >= 0")
+        if not 0.0 <= self.prior_loss_weight < math.inf:
+            raise ValueError(f"prior_loss_weight={self.prior_loss_weight} must be a finite number >= 0")
         if not math.isfinite(self.sample_guidance_scale):
             raise ValueError(f"sample_guidance_scale={self.sample_guidance_scale} must be finite (<= 1: no guidance)")
         if not isinstance(self.family, FamilyOptions):
@@ -167,6 +189,48 @@ class TrainConfig:
         object.__setattr__(self, "remat", Remat(self.remat))
         Plan(remat=self.remat, remat_names=self.remat_names)  # a bad remat/remat_names pair raises here
         self._source(require=False)  # conflicting data flags raise now; a missing source when training starts
+        self._check_lora_and_dreambooth()
+
+    def _check_lora_and_dreambooth(self) -> None:
+        if not isinstance(self.lora, LoraConfig):
+            raise TypeError(f"lora={self.lora!r} must be an eqxdiff.train.LoraConfig")
+        for key in ("instance_prompt", "class_prompt"):
+            if getattr(self, key) is not None and not getattr(self, key).strip():
+                raise ValueError(f"{key}={getattr(self, key)!r} is empty; give a prompt (or None)")
+        if self.class_data_dir is not None:
+            object.__setattr__(self, "class_data_dir", Path(self.class_data_dir))
+            if self.class_prompt is None:
+                raise ValueError(f"class_data_dir={str(self.class_data_dir)!r} holds prior preservation's class "
+                                 "images; give class_prompt too (or leave class_data_dir out)")
+        if self.model is None:
+            what = {"lora.rank": self.lora.rank if self.lora.enabled else None, "class_prompt": self.class_prompt}
+            given = {k: v for k, v in what.items() if v is not None}
+            if given:
+                name, value = next(iter(given.items()))
+                raise ValueError(f"{name}={value!r} needs a pretrained model: give model= (the from-scratch digits "
+                                 "architecture trains in full, without prior preservation)")
+        if self.lora.enabled and self.lora.text_encoders and self.train_text_encoder:
+            raise ValueError("train_text_encoder=True trains the text encoders' weights in full, lora.text_encoders="
+                             "True puts adapters on them instead; keep one")
+        if self.instance_prompt is not None and self._source(require=False) == "digits":
+            raise ValueError("instance_prompt captions the images of an image source; data='digits' comes "
+                             f"tokenized: give {_SOURCE_FLAGS.replace('digits, ', '')}")
+
+    @property
+    def export_folder(self) -> Path:
+        """Where the trained result goes: ``export_dir``, else ``OUTPUT_DIR/lora`` (a LoRA file) or
+        ``OUTPUT_DIR/pipeline`` (a pipeline folder)."""
+        return Path(self.export_dir or Path(self.output_dir) / ("lora" if self.lora.enabled else "pipeline"))
+
+    @property
+    def export_file(self) -> Path:
+        """The file whose presence says the export is done: the LoRA file, or the pipeline's ``model_index.json``."""
+        return self.export_folder / (self.lora.weight_name if self.lora.enabled else "model_index.json")
+
+    @property
+    def trains_text_encoders(self) -> bool:
+        """Whether the text encoders change (their weights, or LoRA adapters on them): then nothing is cached."""
+        return self.train_text_encoder or (self.lora.enabled and self.lora.text_encoders)
 
     def resolved(self) -> "TrainConfig":
         """This config with what it leaves to the run filled in: the optimizer's schedule spans ``steps`` unless
@@ -221,7 +285,7 @@ _SOURCE_FLAGS = "data= (digits, synthetic or an image folder), hf_dataset= or tf
 # order, the objective, the optimizer and its schedule, the seed, caching) is refused by eqxdiff.train.resume_point.
 RESUMABLE = ("steps", "output_dir", "resume", "progress", "log_every", "profile_steps", "checkpoint_every",
              "keep_checkpoints", "sample_every", "sample_prompts", "sample_steps", "sample_guidance_scale",
-             "export_dir", "export_dtype", "export_scheduler", "mesh", "remat", "remat_names")
+             "export_dir", "export_dtype", "export_scheduler", "lora.format", "mesh", "remat", "remat_names")
 _UNREPORTED = ("output_dir", "resume")  # the same folder, spelled another way; resuming itself
 
 
@@ -229,6 +293,18 @@ def run_settings(config: TrainConfig) -> dict:
     """``config`` as the run's ``config.json`` and each checkpoint hold it (nested dicts, JSON values), with what it
     leaves to the run filled in (:meth:`TrainConfig.resolved`)."""
     return json.loads(json.dumps(dataclasses.asdict(config.resolved()), default=str))
+
+
+def with_defaults(saved: dict) -> dict:
+    """``saved`` settings with those it lacks at their defaults: settings eqxdiff added after it was written (LoRA,
+    DreamBooth), which an older run trained without, i.e. as their defaults do."""
+    out = dict(saved)
+    for key, value in run_settings(TrainConfig()).items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict) and key != "family":
+            out[key] = {**value, **out[key]}
+    return out
 
 
 def flat_settings(settings: dict, prefix: str = "") -> dict:
@@ -298,5 +374,5 @@ def changed_settings(path: Path, settings: dict) -> str:
         saved = json.loads(path.read_text()) if path.is_file() else {}
     except json.JSONDecodeError:
         saved = {}
-    changes = setting_changes(saved, settings) if saved else {}
+    changes = setting_changes(with_defaults(saved), settings) if saved else {}
     return describe_changes({k: v for k, v in changes.items() if not resumable(k)})

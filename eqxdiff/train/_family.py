@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from .._typing import Array, Float, PRNGKeyArray
 from ..core import resolve_class
 from ..loading import token_ids
+from ..loading.lora import Naming
 from ..pipelines import DiffusionPipeline
 
 CACHED_LATENTS = ("latent_mean", "latent_std")  # the VAE posterior, cached in place of pixel_values
@@ -82,6 +83,7 @@ class TrainModel(eqx.Module):
     TRAINABLE_TEXT_ENCODERS: ClassVar[tuple[str, ...] | None] = None  # train_text_encoder's; None: all of TEXT
     OPTIONS: ClassVar[type[FamilyOptions]] = FamilyOptions
     CALL_OPTIONS: ClassVar[tuple[str, ...]] = ()  # options the pipeline's __call__ takes as trained (samples)
+    LORA_KOHYA: ClassVar[tuple[Naming, ...]] = ()  # how kohya's LoRA files name each model (--lora.format kohya)
 
     options: FamilyOptions = eqx.field(static=True, default=None, kw_only=True)  # None: OPTIONS()
 
@@ -158,14 +160,19 @@ class TrainModel(eqx.Module):
             return self.encode_text({k: v[None] for k, v in self.null_ids().items()})
         return dict(zip(self.CONDITION_KEYS, (null.embeds, null.pooled)[:len(self.CONDITION_KEYS)]))
 
+    @classmethod
+    def trainable_text_encoders(cls) -> tuple[str, ...]:
+        """The text encoders ``train_text_encoder`` (or LoRA's ``text_encoders``) trains: ``TRAINABLE_TEXT_ENCODERS``,
+        by default every one of ``TEXT``."""
+        return tuple(cls.TRAINABLE_TEXT_ENCODERS or [t.encoder for t in cls.TEXT])
+
     def trainable(self, *, train_text_encoder: bool = False, train_vae: bool = False):
         """A filter spec (the bundle's structure, bools at the leaves): the denoiser's arrays, plus the text
-        encoders' (``TRAINABLE_TEXT_ENCODERS``) and the VAE's if asked."""
+        encoders' (:meth:`trainable_text_encoders`) and the VAE's if asked."""
         spec = jax.tree.map(lambda _: False, self)
         names = [self.DENOISER]
         if train_text_encoder:
-            names += [n for n in (self.TRAINABLE_TEXT_ENCODERS or [t.encoder for t in self.TEXT])
-                      if getattr(self, n) is not None]
+            names += [n for n in self.trainable_text_encoders() if getattr(self, n) is not None]
         if train_vae:
             names.append("vae")
         for name in names:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 
 from .._typing import Array, Int
+from ..loading.lora import Naming
 from ..models.flux import image_ids, pack_latents, text_ids, unpack_latents
 from ..pipelines.flux import clip_pooled, t5_embeddings
 from ..schedulers import FlowMatchEulerDiscreteScheduler
@@ -54,6 +55,8 @@ class FluxFlowMatching(TrainModel):
     TRAINABLE_TEXT_ENCODERS: ClassVar = ("text_encoder",)
     OPTIONS: ClassVar = FluxOptions
     CALL_OPTIONS: ClassVar = ("max_sequence_length",)  # samples read T5 as it was trained
+    LORA_KOHYA: ClassVar = (Naming("lora_unet_", "transformer", "bfl", underscored=True, label="kohya (BFL names)"),
+                            Naming("lora_te1_", "text_encoder", underscored=True, label="kohya"))
 
     transformer: Any
     text_encoder: Any

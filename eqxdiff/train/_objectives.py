@@ -168,12 +168,21 @@ def weighted_mse(prediction, goal, weights: Float[Array, " batch"] | None = None
     return jnp.mean(per_sample if weights is None else per_sample * weights)
 
 
+def _times(weights, sample_weights):
+    """The objective's per-sample ``weights`` (or ``None``: ones) times ``sample_weights`` (or ``None``)."""
+    if sample_weights is None:
+        return weights
+    return sample_weights if weights is None else weights * sample_weights
+
+
 def diffusion_loss(denoiser: Callable, scheduler, objective: Objective, latents: Float[Array, "batch *dims"],
-                   context, key: PRNGKeyArray) -> Float[Array, ""]:
+                   context, key: PRNGKeyArray, sample_weights: Float[Array, " batch"] | None = None
+                   ) -> Float[Array, ""]:
     """The denoising loss of ``denoiser(noisy_latents, timesteps, context)`` at random timesteps and noise (on a
-    flow-matching scheduler: :func:`flow_matching_loss`)."""
+    flow-matching scheduler: :func:`flow_matching_loss`); ``sample_weights`` multiply each sample's loss before
+    the batch mean (prior preservation's class images: ``prior_loss_weight``)."""
     if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-        return flow_matching_loss(denoiser, scheduler, objective, latents, context, key)
+        return flow_matching_loss(denoiser, scheduler, objective, latents, context, key, sample_weights)
     if objective.weighting_scheme != "none" or objective.prediction_type == "flow_prediction":
         raise ValueError(f"{type(scheduler).__name__} trains on the DDPM process: weighting_scheme="
                          f"{objective.weighting_scheme!r} and prediction_type='flow_prediction' are flow-matching "
@@ -189,7 +198,7 @@ def diffusion_loss(denoiser: Callable, scheduler, objective: Objective, latents:
     weights = None
     if objective.snr_gamma is not None:
         weights = min_snr_weights(snr(scheduler.alphas_cumprod, timesteps), objective.snr_gamma, kind)
-    return weighted_mse(prediction, goal, weights)
+    return weighted_mse(prediction, goal, _times(weights, sample_weights))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -252,9 +261,11 @@ def flow_matching_pair(x0, noise, sigmas: Float[Array, " batch"]):
 
 
 def flow_matching_loss(velocity_model: Callable, scheduler: FlowMatchEulerDiscreteScheduler, objective: Objective,
-                       x0: Float[Array, "batch *dims"], context, key: PRNGKeyArray) -> Float[Array, ""]:
+                       x0: Float[Array, "batch *dims"], context, key: PRNGKeyArray,
+                       sample_weights: Float[Array, " batch"] | None = None) -> Float[Array, ""]:
     """Weighted MSE between ``velocity_model(x_s, timesteps, context)`` and ``noise - x0`` at the scheduler's
-    training timesteps drawn by :func:`flow_timesteps`, weighted by :func:`flow_loss_weights`."""
+    training timesteps drawn by :func:`flow_timesteps`, weighted by :func:`flow_loss_weights` (times
+    ``sample_weights``, if given)."""
     if objective.snr_gamma is not None or objective.timestep_bias.strategy != "none":
         raise ValueError("snr_gamma and timestep_bias weight the DDPM process; flow matching takes "
                          f"weighting_scheme (one of {list(WEIGHTING_SCHEMES)})")
@@ -269,4 +280,5 @@ def flow_matching_loss(velocity_model: Callable, scheduler: FlowMatchEulerDiscre
         noise = jax.random.normal(k_noise, x0.shape, x0.dtype)
     x_s, velocity = flow_matching_pair(x0, noise, sigmas)
     prediction = velocity_model(x_s, timesteps, context)
-    return weighted_mse(prediction, velocity, flow_loss_weights(objective.weighting_scheme, sigmas))
+    weights = flow_loss_weights(objective.weighting_scheme, sigmas)
+    return weighted_mse(prediction, velocity, _times(weights, sample_weights))

@@ -16,6 +16,7 @@ from ._config import (
     resumable,
     run_settings,
     setting_changes,
+    with_defaults,
 )
 
 # What the autoencoder stage's VAE depends on (dotted settings): its sizes, the stage's training and the data.
@@ -23,7 +24,7 @@ AUTOENCODER_SETTINGS = ("architecture.vae_channels", "architecture.latent_channe
                         "architecture.image_size", "autoencoder_steps", "autoencoder_batch_size",
                         "autoencoder_learning_rate", "kl_weight", "resolution", "data", "hf_dataset", "tfrecord")
 AUTOENCODER_RECORD = "eqxdiff_autoencoder_stage.json"  # beside the saved VAE: the settings that trained it
-_EXPORT = ("export_dir", "export_dtype", "export_scheduler")
+_EXPORT = ("export_dir", "export_dtype", "export_scheduler", "lora.format")
 _ELSEWHERE = "or output_dir=<another folder>"
 
 
@@ -51,8 +52,8 @@ class ResumePoint:
         after this checkpoint, with the export settings it was saved with. Such a run has nothing to do."""
         if self.step < config.steps or any(k in self.changes for k in _EXPORT):
             return False
-        index = Path(config.export_dir or Path(config.output_dir) / "pipeline") / "model_index.json"
-        return index.is_file() and index.stat().st_mtime >= self.folder.stat().st_mtime
+        done = config.export_file
+        return done.is_file() and done.stat().st_mtime >= self.folder.stat().st_mtime
 
 
 def resume_point(config: TrainConfig) -> ResumePoint | None:
@@ -72,7 +73,7 @@ def resume_point(config: TrainConfig) -> ResumePoint | None:
     saved = saved_settings(directory, step)
     if saved is None:  # the layout check (and config.json) stand in when the checkpoint is restored
         return ResumePoint(step, folder, None, {})
-    changes = setting_changes(saved, run_settings(config))
+    changes = setting_changes(with_defaults(saved), run_settings(config))
     refused = {k: v for k, v in changes.items() if not resumable(k)}
     if refused:
         hint = ""

@@ -11,6 +11,7 @@ scheduler says which objective (DDPM or flow matching).
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -21,8 +22,10 @@ from ..parallel import Plan, Remat, batch_shards, make_mesh, shard_params, with_
 from ._checkpoint import Checkpointer, CheckpointMismatchError, mismatch_message
 from ._config import TrainConfig, changed_settings, run_settings
 from ._data import DataError, cache_arrays, cache_stream
+from ._dreambooth import PriorBatches, class_images
 from ._family import TrainModel
 from ._loop import fit, shard_state
+from ._lora import add_lora, lora_filter, save_lora
 from ._metrics import MetricsLogger, log_line
 from ._resume import ResumePoint, autoencoder_reuse, resume_point
 from ._setup import Setup, autoencoder_stage, build, export_pipeline, sample_scheduler
@@ -60,7 +63,8 @@ def run(config: TrainConfig):
                         "the mesh's data/fsdp parallelism")
     source = None if config.source == "digits" else open_source(config)[1]  # bad data fails before any loading
     setup = build(config, mesh)
-    setup, batches, encoders = _training_data(config, setup, source)
+    classes = class_images(config, setup) if config.class_prompt is not None else None  # drawn by the model itself
+    setup, batches, encoders = _training_data(config, setup, source, classes)
     optimizer = make_optimizer(config.optimizer)
     state, frozen = _initial_state(config, setup.model, optimizer, mesh)
     # Checkpoints every checkpoint_every steps, at the end, and on Ctrl-C / SIGTERM whatever it is.
@@ -92,12 +96,16 @@ def run(config: TrainConfig):
         checkpointer.close()
     trained = state.model(_to_host(frozen), use_ema=True)
     trained = _to_host(trained).with_text_encoders(encoders)
-    folder = config.export_dir or out / "pipeline"
-    export_pipeline(trained, setup.tokenizers, setup.noise_scheduler, folder, scheduler=scheduler,
-                    dtype=config.export_dtype, options=setup.options,
-                    call_defaults={"num_inference_steps": config.sample_steps,  # the recipe the run sampled with
-                                   "guidance_scale": config.sample_guidance_scale})
-    log_line(f"exported the pipeline to {folder}; total {time.perf_counter() - t_start:.0f} s")
+    folder = config.export_folder
+    if config.lora.enabled:
+        what = save_lora(trained, config.lora, config.export_file, dtype=config.export_dtype)
+    else:
+        export_pipeline(trained, setup.tokenizers, setup.noise_scheduler, folder, scheduler=scheduler,
+                        dtype=config.export_dtype, options=setup.options,
+                        call_defaults={"num_inference_steps": config.sample_steps,  # the recipe the run sampled with
+                                       "guidance_scale": config.sample_guidance_scale})
+        what = f"the pipeline to {folder}"
+    log_line(f"exported {what}; total {time.perf_counter() - t_start:.0f} s")
     return state, frozen, losses
 
 
@@ -123,11 +131,13 @@ def _restore(config: TrainConfig, point: ResumePoint | None, checkpointer: Check
     return state
 
 
-def _training_data(config: TrainConfig, setup: Setup, source):
-    """``(setup, batches, encoders)``: the batches the run trains on (``source``, or the digits when ``None``),
-    after the from-scratch autoencoder stage, cached where the encoders are frozen (in memory; a stream with
-    ``cache_stream`` to ``OUTPUT_DIR/cache``). With a cache the text encoders leave the bundle (``encoders``, in
-    host memory: back for samples and the export) and ``setup`` holds the bundle without them."""
+def _training_data(config: TrainConfig, setup: Setup, source, classes=None):
+    """``(setup, batches, encoders)``: the batches the run trains on (``source``, or the digits when ``None``; with
+    prior preservation's ``classes`` beside them: :class:`~eqxdiff.train._dreambooth.PriorBatches`), after the
+    from-scratch autoencoder stage, cached where the encoders are frozen (in memory; a stream with ``cache_stream``
+    to ``OUTPUT_DIR/cache``, the class images to ``OUTPUT_DIR/cache_class``). With a cache the text encoders leave
+    the bundle (``encoders``, in host memory: back for samples and the export) and ``setup`` holds the bundle
+    without them."""
     out = Path(config.output_dir)
     if source is None:
         kind, data = open_source(config, setup.text_tokenizers)
@@ -136,20 +146,22 @@ def _training_data(config: TrainConfig, setup: Setup, source):
     model = setup.model
     if config.model is None:
         model = autoencoder_stage(config, model, kind, data)
-    cache = config.cache and not config.train_text_encoder
+    cache = config.cache and not config.trains_text_encoders
     if kind == "arrays":
         log_line(f"data: {len(data['pixel_values'])} samples of {data['pixel_values'].shape[1:]}")
         if cache:
             data = cache_arrays(model, data, log=log_line)
         batches = ArrayBatches(data, config.batch_size, seed=config.seed)
-    elif cache and config.cache_stream:  # one pass in order, encoded to memory-mapped files; shuffled batches
-        one_pass = setup.stream(config, source, shuffle=False, num_epochs=1, drop_remainder=False)
-        data = cache_stream(model, iter(one_pass), out / "cache", size=len(source) // jax.process_count(),
-                            fingerprint=_cache_fingerprint(config, model), log=log_line)
-        batches = ArrayBatches(data, config.batch_size // jax.process_count(), seed=config.seed)
-    else:  # a grain stream: encoded every step
-        batches = iter(data)
-        cache = False
+    else:
+        cache = cache and config.cache_stream  # else a grain stream, encoded every step
+        batches = _stream_batches(config, setup, model, source, data, cache, out / "cache", config.seed)
+    if classes is not None:
+        files = [str(p) for p in classes.source.paths[:len(classes)]]
+        fingerprint = {"class_images": [(p, os.path.getsize(p)) for p in files], "class_prompt": config.class_prompt}
+        stream = setup.stream(config, classes, seed=config.seed + 1)
+        class_batches = _stream_batches(config, setup, model, classes, stream, cache, out / "cache_class",
+                                        config.seed + 1, fingerprint)
+        batches = PriorBatches(batches, class_batches, config.prior_loss_weight)
     encoders = {}
     if cache:  # the embeddings are cached: the text encoders leave the devices (back for samples and the export)
         model, encoders = model.without_text_encoders()
@@ -157,15 +169,33 @@ def _training_data(config: TrainConfig, setup: Setup, source):
     return dataclasses.replace(setup, model=model), batches, encoders  # no reference to the encoders is left
 
 
+def _stream_batches(config: TrainConfig, setup: Setup, model: TrainModel, source, data, cache: bool, folder: Path,
+                    seed: int, fingerprint: dict | None = None):
+    """A stream's batches: with ``cache``, one pass in order encoded to memory-mapped files in ``folder`` (reused by a
+    run of the same ``fingerprint``) served in shuffled batches (seeded ``seed``); else the grain ``data``'s."""
+    if not cache:
+        return iter(data)
+    one_pass = setup.stream(config, source, shuffle=False, num_epochs=1, drop_remainder=False, seed=seed)
+    arrays = cache_stream(model, iter(one_pass), folder, size=len(source) // jax.process_count(),
+                          fingerprint={**_cache_fingerprint(config, model), **(fingerprint or {})}, log=log_line)
+    return ArrayBatches(arrays, config.batch_size // jax.process_count(), seed=seed)
+
+
 def _initial_state(config: TrainConfig, model: TrainModel, optimizer, mesh):
     """``(state, frozen)`` of ``model`` (its plan set for ``mesh`` and remat, its weights placed on the mesh before
     the optimizer state is made, so no device holds a whole copy), on their final shardings before a checkpoint is
-    restored onto them."""
+    restored onto them. With LoRA the adapters join it first, and they alone train (:func:`lora_filter`): every
+    weight of the model stays as loaded, outside the optimizer state."""
+    if config.lora.enabled:
+        model = add_lora(model, config.lora, seed=config.seed)
     if mesh is not None or config.remat is not Remat.NONE:
         model = with_plan(model, Plan(mesh, remat=config.remat, remat_names=config.remat_names))
     if mesh is not None:
         model = shard_params(model, mesh)
-    spec = trainable_filter(model, train_text_encoder=config.train_text_encoder)
+    if config.lora.enabled:
+        spec = lora_filter(model)
+    else:
+        spec = trainable_filter(model, train_text_encoder=config.train_text_encoder)
     state, frozen = init_state(model, optimizer, key=jax.random.key(config.seed), filter_spec=spec,
                                ema=config.ema_decay is not None)
     if mesh is not None:
@@ -181,7 +211,7 @@ def _to_host(tree):
 def _cache_fingerprint(config: TrainConfig, model: TrainModel) -> dict:
     """What a stream's cache depends on: the data flags, the model, its family options and the preprocessing."""
     keys = ("model", "data", "hf_dataset", "hf_split", "image_column", "caption_column", "tfrecord", "image_key",
-            "caption_key", "resolution", "center_crop", "random_flip", "seed")
+            "caption_key", "instance_prompt", "resolution", "center_crop", "random_flip", "seed")
     if config.model is None:  # from scratch: the VAE the autoencoder stage trains
         keys += ("architecture", "autoencoder_steps", "autoencoder_batch_size", "autoencoder_learning_rate",
                  "kl_weight")

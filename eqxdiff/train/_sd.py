@@ -4,6 +4,7 @@ state, the DDPM noise-prediction objective on the folder's noise schedule."""
 from typing import Any, ClassVar
 
 from .._typing import Array, Int
+from ..loading.lora import Naming
 from ..schedulers import DDPMScheduler
 from ._family import NullCondition, TextInput, TrainModel
 
@@ -17,6 +18,8 @@ class LatentDiffusion(TrainModel):
     CONDITION_KEYS: ClassVar = ("encoder_hidden_states",)
     PIPELINE: ClassVar[str] = "StableDiffusionPipeline"
     NOISE_SCHEDULER: ClassVar = DDPMScheduler
+    LORA_KOHYA: ClassVar = (Naming("lora_unet_", "unet", underscored=True, label="kohya"),  # diffusers' names
+                            Naming("lora_te_", "text_encoder", underscored=True, label="kohya"))
 
     unet: Any
     text_encoder: Any

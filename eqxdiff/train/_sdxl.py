@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 
 from .._typing import Array, Int
+from ..loading.lora import Naming
 from ..pipelines.stable_diffusion_xl import encode_prompt
 from ..schedulers import DDPMScheduler
 from ._family import NullCondition, TextInput, TrainModel
@@ -26,6 +27,9 @@ class SDXLLatentDiffusion(TrainModel):
     IMAGE_KEYS: ClassVar = ("original_size", "crop_top_left")
     PIPELINE: ClassVar[str] = "StableDiffusionXLPipeline"
     NOISE_SCHEDULER: ClassVar = DDPMScheduler
+    LORA_KOHYA: ClassVar = (Naming("lora_unet_", "unet", "sgm", underscored=True, label="kohya (SGM names)"),
+                            Naming("lora_te1_", "text_encoder", underscored=True, label="kohya"),
+                            Naming("lora_te2_", "text_encoder_2", underscored=True, label="kohya"))
 
     unet: Any
     text_encoder: Any

@@ -44,13 +44,15 @@ def open_source(config: TrainConfig, tokenizer=None):
                 if v is not None}
         source = TFRecordSource(config.tfrecord, **keys)
     elif Path(config.data).is_dir():
-        source = ImageFolderSource(config.data, **columns)
+        source = ImageFolderSource(config.data, **columns, caption=config.instance_prompt)
     else:
         name = config.data.lower()
         hint = ("; for TFRecord files use tfrecord (--tfrecord)" if ".tfrecord" in name else
                 "; for a Hugging Face dataset (a Hub id, parquet, json, csv or arrow files) use hf_dataset "
                 "(--hf-dataset)")
         raise DataError(f"data={config.data!r} is not 'digits', 'synthetic' or an image folder{hint}")
+    if config.instance_prompt is not None and not isinstance(source, ImageFolderSource):
+        source = Prompted(source, config.instance_prompt)
     if len(source) < config.batch_size:
         raise DataError(f"{source!r} has {len(source)} samples, fewer than batch_size={config.batch_size}")
     return "source", source
@@ -58,10 +60,27 @@ def open_source(config: TrainConfig, tokenizer=None):
 
 def stream(config: TrainConfig, source, tokenizer, **kwargs):
     """:func:`eqxdiff.data.make_dataset` of ``source`` with the run's resolution, crops, flips and seed
-    (``kwargs``: its other arguments: ``max_length``, ``image_keys``, ``shuffle`` ...)."""
+    (``kwargs``: its other arguments: ``max_length``, ``image_keys``, ``shuffle`` ..., or another ``seed``)."""
+    kwargs.setdefault("seed", config.seed)
     return make_dataset(source, tokenizer=_text_tokenizers(tokenizer), batch_size=config.batch_size,
                         resolution=config.resolution, center_crop=config.center_crop, random_flip=config.random_flip,
-                        seed=config.seed, **kwargs)
+                        **kwargs)
+
+
+class Prompted:
+    """A source whose every record takes ``prompt`` as its caption (DreamBooth's instance prompt)."""
+
+    def __init__(self, source, prompt: str):
+        self.source, self.prompt = source, prompt
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> dict:
+        return {**self.source[index], "caption": self.prompt}
+
+    def __repr__(self) -> str:
+        return f"{self.source!r} captioned {self.prompt!r}"
 
 
 def load_data(config: TrainConfig, tokenizer, *, image_keys: tuple[str, ...] = ()):

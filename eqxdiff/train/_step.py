@@ -12,8 +12,12 @@ denoiser's arrays: the UNet, the transformer) are in ``state.params`` and get gr
 everything else (VAE, text encoders, the unconditional prompt) rides in ``frozen``, which the step never changes.
 A batch holds either ``pixel_values`` + token ids (encoded each step) or the cached ``latent_mean`` + ``latent_std``
 + the text encoders' outputs (see :func:`eqxdiff.train.cache_arrays`), plus the family's per-image conditioning
-(``model.batch_keys``). The objective follows the noise scheduler: DDPM noise/v/sample prediction, or flow matching
-on a flow-matching scheduler (:func:`eqxdiff.train.diffusion_loss`).
+(``model.batch_keys``), and optionally per-sample ``loss_weight`` s: prior preservation's batches hold the
+instance rows weighted 2, then as many class rows weighted ``2 prior_loss_weight``, so the batch mean is the
+instance loss plus ``prior_loss_weight`` times the class loss, as diffusers' DreamBooth scripts compute it. The
+objective follows the noise scheduler: DDPM noise/v/sample prediction, or flow matching on a flow-matching
+scheduler (:func:`eqxdiff.train.diffusion_loss`). With LoRA (:func:`eqxdiff.train.lora_filter`) the trainable
+leaves are the adapters' alone.
 """
 
 import dataclasses
@@ -36,6 +40,7 @@ __all__ = ["LatentDiffusion", "OptimizerConfig", "TrainState", "batch_loss", "in
            "train_step", "trainable_filter"]
 
 SCHEDULES = ("constant", "cosine", "linear")
+LOSS_WEIGHT = "loss_weight"  # a batch key: per-sample loss weights (prior preservation's instance / class rows)
 
 
 def trainable_filter(model: TrainModel, *, train_text_encoder: bool = False, train_vae: bool = False):
@@ -180,7 +185,7 @@ def batch_loss(params, frozen, batch: dict, key, *, scheduler, objective: Object
     k_latent, k_drop, k_loss = jax.random.split(key, 3)
     latents = jax.lax.stop_gradient(model.latents(batch, k_latent))
     cond = model.condition(batch, k_drop, objective.caption_dropout)
-    return diffusion_loss(model.denoise, scheduler, objective, latents, cond, k_loss)
+    return diffusion_loss(model.denoise, scheduler, objective, latents, cond, k_loss, batch.get(LOSS_WEIGHT))
 
 
 @eqx.filter_jit
