@@ -1,7 +1,9 @@
-"""LoRA training on the shared trainer (issue 19), on the digits model shipped with eqxdiff: one tiny run (a style
-LoRA with rank 4 / alpha 8 on the attention, feed-forward and convolution layers of the UNet and on the text
-encoder, from thick-stroked digits as the README's example) trains three steps with a checkpoint at step 2, and a
-second run resumes from that checkpoint. Its assertions:
+"""LoRA training and DreamBooth on the shared trainer (issue 19), on a digits-architecture pipeline at the tiny sizes
+tests/_tiny_train.py trains (random weights, exported as the trainer exports: any model is what a LoRA starts from).
+One tiny run (a style LoRA with rank 4 / alpha 8 on the attention, feed-forward and convolution layers of the UNet and
+on the text encoder, from thick-stroked digits as the README's example, with prior preservation on 4 class images the
+model draws itself) trains three steps with a checkpoint at step 2, and a second run resumes from that checkpoint,
+reusing the class images. Its assertions:
 
 - only the adapters train: ``state.params`` and the optimizer state hold the adapters' arrays alone (their bytes
   against a full fine-tune's, measured), and every weight of the model comes out bit-identical to the loaded ones;
@@ -9,14 +11,17 @@ second run resumes from that checkpoint. Its assertions:
 - the saved PEFT file is what diffusers' ``load_lora_weights`` reads: diffusers' UNet and text encoder with it
   equal the trained models (<= 1e-4 of the output's scale), and so does eqxdiff's pipeline loading it, at any
   strength (0: the model itself; the adapter moved the output);
-- ``--lora.format kohya`` writes kohya's layout, which eqxdiff reads back to the same models.
+- ``--lora.format kohya`` writes kohya's layout, which eqxdiff reads back to the same models;
+- the class images are drawn once into class_data_dir, kept and reused, refused when drawn with another prompt, and
+  prior preservation's batch weights make the loss the instance loss plus prior_loss_weight times the class loss.
 
 DoRA's file (PEFT's magnitude, kohya's ``dora_scale``) is checked the same way on adapters with random values (no
-training: the writer is the same). SDXL's and Flux's writers (SGM and Black Forest Labs' fused layouts):
-tests/test_train_lora_families.py; DreamBooth: tests/test_train_dreambooth.py."""
+training: the writer is the same). Not here: SDXL's and Flux's writers (SGM and Black Forest Labs' fused layouts)
+in training runs."""
 
 import dataclasses
 import shutil
+import types
 
 import equinox as eqx
 import jax
@@ -27,8 +32,8 @@ import torch
 
 import eqxdiff
 from eqxdiff import nn
+from eqxdiff.data import ImageFolderSource
 from eqxdiff.data.digits import caption, load_digits_arrays, upscale
-from eqxdiff.loading import resolve_folder
 from eqxdiff.loading.lora import read_lora
 from eqxdiff.train import (
     CheckpointMismatchError,
@@ -43,22 +48,29 @@ from eqxdiff.train import (
     save_lora,
     trainable_filter,
 )
+from eqxdiff.train._dreambooth import PriorBatches, class_images
+from eqxdiff.train._lora import site_kind
+from eqxdiff.train._objectives import weighted_mse
 from eqxdiff.train._resume import resume_point
+from eqxdiff.train._setup import build, export_pipeline
+from eqxdiff.train._step import LOSS_WEIGHT
 
+from ._tiny_train import TINY
 from ._util import nhwc_to_nchw
 
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("attention", "mlp", "conv"), text_encoders=True)
 PROMPTS = ["a handwritten digit three", "a handwritten digit seven"]
+CLASS_PROMPT = "a handwritten digit"
 
 
-def thick_digits(folder, n: int | None = None) -> None:
-    """The README's style data: the digits at 16 px with strokes dilated by a pixel (a 2x2 maximum filter), each
-    with its caption beside it."""
+def thick_digits(folder, n: int | None = None, size: int = 16) -> None:
+    """The README's style data: the digits at ``size`` px with strokes dilated by a pixel (a 2x2 maximum filter),
+    each with its caption beside it."""
     from PIL import Image
     from scipy.ndimage import grey_dilation
 
     images, labels = load_digits_arrays()
-    thick = grey_dilation(upscale(images[:n], 16), size=(1, 2, 2, 1))
+    thick = grey_dilation(upscale(images[:n], size), size=(1, 2, 2, 1))
     folder.mkdir(parents=True, exist_ok=True)
     for i, (x, y) in enumerate(zip(thick, labels)):
         Image.fromarray(((x + 1) * 127.5).round().astype(np.uint8)).save(folder / f"{i:04d}.png")
@@ -66,29 +78,42 @@ def thick_digits(folder, n: int | None = None) -> None:
 
 
 def _config(root, **changes) -> TrainConfig:
-    settings = dict(model="digits", data=str(root / "thick"), resolution=16, batch_size=4, steps=3, lora=LORA,
+    settings = dict(model=str(root / "pipe"), data=str(root / "thick"), resolution=TINY.image_size, batch_size=4,
+                    steps=3, lora=LORA, class_prompt=CLASS_PROMPT, class_data_dir=root / "classes",
+                    num_class_images=4, prior_loss_weight=0.5, sample_steps=2,
                     optimizer=OptimizerConfig(learning_rate=3e-2, schedule="constant", total_steps=3),
                     random_flip=False, checkpoint_every=2, log_every=1, progress=False, export_scheduler=None)
     return TrainConfig(**{**settings, **changes})
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Three steps straight (a checkpoint at step 2), then a run resuming from a copy of that checkpoint (the same
-    compiled step)."""
+def root(tmp_path_factory):
+    """A folder holding the tiny digits-architecture pipeline (``pipe``) and 16 thick digits at its 8 px
+    (``thick``)."""
     root = tmp_path_factory.mktemp("lora_train")
-    thick_digits(root / "thick", 16)
-    straight = run(_config(root, output_dir=root / "a"))
-    (root / "b" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(root / "a" / "checkpoints" / "2", root / "b" / "checkpoints" / "2")
-    resumed = run(_config(root, output_dir=root / "b"))
-    return root, straight, resumed
+    setup = build(TrainConfig(architecture=TINY, resolution=TINY.image_size))
+    export_pipeline(setup.model, setup.tokenizers, setup.noise_scheduler, root / "pipe", scheduler=None)
+    thick_digits(root / "thick", 16, TINY.image_size)
+    return root
 
 
 @pytest.fixture(scope="module")
-def base():
-    """The digits pipeline as loaded, and its training bundle."""
-    pipe = eqxdiff.load_pipeline("digits")
+def runs(root):
+    """Three steps straight (a checkpoint at step 2; the class images drawn first), then a run resuming from a copy
+    of that checkpoint (the same compiled step, the same class images); the class images' modification times after
+    the first run."""
+    straight = run(_config(root, output_dir=root / "a"))
+    drawn = {p.name: p.stat().st_mtime_ns for p in (root / "classes").iterdir()}
+    (root / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(root / "a" / "checkpoints" / "2", root / "b" / "checkpoints" / "2")
+    resumed = run(_config(root, output_dir=root / "b"))
+    return root, straight, resumed, drawn
+
+
+@pytest.fixture(scope="module")
+def base(root):
+    """The tiny pipeline as loaded, and its training bundle."""
+    pipe = eqxdiff.load_pipeline(root / "pipe")
     return pipe, LatentDiffusion.from_pipeline(pipe)[0]
 
 
@@ -118,7 +143,7 @@ def _close(actual, expected, what: str, tol: float = 1e-4) -> None:
 
 
 def test_only_the_adapters_train_and_the_weights_stay_bit_identical(runs, base):
-    _, (state, frozen, losses), _ = runs
+    _, (state, frozen, losses), _, _ = runs
     _, loaded = base
     assert int(state.step) == 3 and len(losses) == 3 and all(np.isfinite(losses))
     trained = state.model(frozen)
@@ -131,10 +156,15 @@ def test_only_the_adapters_train_and_the_weights_stay_bit_identical(runs, base):
     full_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(make_optimizer(
         OptimizerConfig(total_steps=3)).init, full)) if x.ndim > 0)
     adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
+    # rank x (fan in + fan out) float32 numbers for every targeted layer of the UNet and the text encoder
+    sites = [s for name in ("unet", "text_encoder") for s in nn.adapter_sites(getattr(loaded, name))
+             if site_kind(s) in LORA.targets]
+    expected = sum(4 * LORA.rank * (int(np.prod(s.shape[1:])) + s.shape[0]) * (s.layers or 1) for s in sites)
+    assert adapter_bytes == expected, (adapter_bytes, expected)
     assert opt_bytes == 2 * adapter_bytes  # Adam's two moments of the adapters, nothing else
-    assert opt_bytes < 0.1 * full_bytes, (opt_bytes, full_bytes)
+    assert full_bytes == 2 * sum(x.nbytes for x in jax.tree.leaves(full))  # a full fine-tune's: the whole UNet's
     # the model's own weights: bit for bit the loaded ones
-    strip = lambda m: nn.map_adapters(m, lambda site, a: None)  # noqa: E731
+    strip = lambda m: nn.map_adapters(m, lambda site, a: None)
     for name in ("unet", "text_encoder", "vae"):
         a, b = jax.tree.leaves(strip(getattr(trained, name))), jax.tree.leaves(getattr(loaded, name))
         assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b)), name
@@ -143,7 +173,7 @@ def test_only_the_adapters_train_and_the_weights_stay_bit_identical(runs, base):
 
 
 def test_resume_is_exact_and_other_lora_settings_are_refused(runs):
-    root, (state, _, losses), (resumed, _, resumed_losses) = runs
+    root, (state, _, losses), (resumed, _, resumed_losses), _ = runs
     assert int(resumed.step) == 3 and len(resumed_losses) == 1 and resumed_losses[0] == losses[-1]
     for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(state.params)):
         np.testing.assert_array_equal(a, b)
@@ -160,7 +190,7 @@ def test_resume_is_exact_and_other_lora_settings_are_refused(runs):
 
 
 def test_the_peft_file_loads_in_diffusers_and_in_eqxdiff(runs, base):
-    root, (state, frozen, _), _ = runs
+    root, (state, frozen, _), _, _ = runs
     pipe, loaded = base
     trained = state.model(frozen)
     file = root / "a" / "lora" / "pytorch_lora_weights.safetensors"
@@ -174,7 +204,7 @@ def test_the_peft_file_loads_in_diffusers_and_in_eqxdiff(runs, base):
 
     from diffusers import StableDiffusionPipeline
 
-    ref = StableDiffusionPipeline.from_pretrained(resolve_folder("digits"), safety_checker=None)
+    ref = StableDiffusionPipeline.from_pretrained(root / "pipe", safety_checker=None)
     ref.load_lora_weights(str(file))
     x, t, ids = inputs
     with torch.no_grad():
@@ -196,7 +226,7 @@ def test_the_peft_file_loads_in_diffusers_and_in_eqxdiff(runs, base):
 
 
 def test_kohya_layout_reads_back(runs, base):
-    root, (state, frozen, _), _ = runs
+    root, (state, frozen, _), _, _ = runs
     pipe, loaded = base
     trained = state.model(frozen)
     file = save_lora(trained, dataclasses.replace(LORA, format="kohya"), root / "kohya" / "lora.safetensors")
@@ -215,7 +245,7 @@ def test_kohya_layout_reads_back(runs, base):
     _close(got_states, states, "kohya file read back (text encoder)", 1e-5)
 
 
-def test_dora_files_load_in_diffusers_and_read_back(base, tmp_path):
+def test_dora_files_load_in_diffusers_and_read_back(root, base, tmp_path):
     """DoRA adapters (random values, a magnitude moved off the weights' norms) on the UNet's attention and
     convolutions and the text encoder: diffusers reads the PEFT file to the same models, eqxdiff reads the PEFT
     and the kohya (``dora_scale``) files back."""
@@ -242,7 +272,7 @@ def test_dora_files_load_in_diffusers_and_read_back(base, tmp_path):
 
     from diffusers import StableDiffusionPipeline
 
-    ref = StableDiffusionPipeline.from_pretrained(resolve_folder("digits"), safety_checker=None)
+    ref = StableDiffusionPipeline.from_pretrained(root / "pipe", safety_checker=None)
     ref.load_lora_weights(str(peft))
     x, t, ids = inputs
     with torch.no_grad():
@@ -272,3 +302,45 @@ def test_lora_settings_errors():
     with pytest.raises(ValueError, match=r"train_text_encoder=True trains the text encoders' weights in full"):
         TrainConfig(model="digits", data="synthetic", train_text_encoder=True,
                     lora=LoraConfig(rank=4, text_encoders=True))
+
+
+def test_prior_preservation_draws_the_class_images_once_and_weights_the_loss(runs, base):
+    root, _, _, drawn = runs
+    _, loaded = base
+    from PIL import Image
+
+    classes = root / "classes"
+    names = sorted(p.name for p in classes.iterdir())
+    assert names == ["class_00000.png", "class_00001.png", "class_00002.png", "class_00003.png", "class_images.json"]
+    images = [np.asarray(Image.open(classes / n)) for n in names[:4]]
+    assert all(x.shape == (TINY.image_size, TINY.image_size, 3) for x in images)
+    assert np.ptp(np.stack(images)) > 0  # drawn by the model, not blank
+    # the resumed run reused them: nothing redrawn, nothing rewritten
+    assert {p.name: p.stat().st_mtime_ns for p in classes.iterdir()} == drawn
+    setup = types.SimpleNamespace(model=loaded)
+    with pytest.raises(ValueError, match=r"the class images in .* were drawn with other settings: class_prompt="):
+        class_images(_config(root, class_prompt="a handwritten letter"), setup)
+    # the batch: the data's rows then the class rows; the weighted mean is instance + prior_loss_weight x class
+    rng = np.random.default_rng(0)
+    a, b = ({"x": rng.standard_normal((3, 2)).astype(np.float32)} for _ in range(2))
+    batch = next(PriorBatches(iter([a]), iter([b]), 0.5))
+    np.testing.assert_array_equal(batch["x"], np.concatenate([a["x"], b["x"]]))
+    goal = np.zeros_like(batch["x"])
+    loss = float(weighted_mse(jnp.asarray(batch["x"]), goal, jnp.asarray(batch[LOSS_WEIGHT])))
+    expected = float(np.mean(a["x"] ** 2) + 0.5 * np.mean(b["x"] ** 2))
+    assert abs(loss - expected) <= 1e-6 * expected
+
+
+def test_dreambooth_instance_prompt_and_errors(root):
+    source = ImageFolderSource(root / "thick", caption="a photo of sks digit")
+    assert len(source) == 16 and {source[i]["caption"] for i in range(16)} == {"a photo of sks digit"}
+    assert _config(root, instance_prompt="a photo of sks digit").instance_prompt == "a photo of sks digit"
+    with pytest.raises(ValueError, match=r"class_data_dir='.*' holds prior preservation's class images; give "
+                       r"class_prompt too"):
+        _config(root, class_prompt=None)
+    with pytest.raises(ValueError, match=r"instance_prompt=' ' is empty; give a prompt"):
+        _config(root, instance_prompt=" ")
+    with pytest.raises(ValueError, match=r"prior_loss_weight=-1.0 must be a finite number >= 0"):
+        _config(root, prior_loss_weight=-1.0)
+    with pytest.raises(ValueError, match=r"instance_prompt captions the images of an image source; data='digits'"):
+        _config(root, data="digits", instance_prompt="a photo of sks digit")
