@@ -113,3 +113,11 @@ def test_ltx_smoke(capsys):
     ltx.main(ltx.Args(preset="tiny", repeats=1, tolerance=1e-4))
     out = capsys.readouterr().out
     assert "host: " in out and "ratio step eqxdiff/diffusers" in out and "ratio decode eqxdiff/diffusers" in out
+
+
+def test_lora_train_smoke(capsys):
+    import lora_train
+
+    lora_train.main(lora_train.Args(preset="sdxl-tiny", repeats=1))  # exits if the two adapt different layers
+    out = capsys.readouterr().out
+    assert "ratio diffusers+peft / eqxdiff step time" in out and "eqxdiff full fine-tune" in out
