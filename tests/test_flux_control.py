@@ -25,7 +25,7 @@ from . import _tiny_flux_pipeline as tiny
 from ._util import nhwc_to_nchw
 
 PROMPTS = ["a red cat", "two dogs"]
-SIZE = dict(height=8, width=8)
+SIZE = {"height": 8, "width": 8}
 COMMON = dict(num_inference_steps=3, max_sequence_length=12, **SIZE)
 SHAPE = (2, 8, 8, 1)  # latents: vae scale factor 1, one latent channel
 

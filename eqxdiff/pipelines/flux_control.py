@@ -9,8 +9,14 @@ The control image (an edge or depth map: PIL, uint8 ``[n, H, W, 3]`` or floats i
 size (PIL with Lanczos, arrays nearest-neighbour, as diffusers' image processor), VAE-encoded (a posterior sample),
 shifted and scaled as latents are, packed into 2x2 patches and concatenated to the noisy latents along the channels
 at every step: the transformer's ``in_channels`` are twice the packed latent channels (128 for FLUX.1's 16 latent
-channels). The output size defaults to diffusers' (1024 x 1024 for FLUX.1), not the control image's. A FLUX.1-dev
-pipeline with one of Black Forest Labs' control LoRAs (FLUX.1-Canny-dev-lora, -Depth-dev-lora) runs the same way.
+channels). The output size defaults to diffusers' (1024 x 1024 for FLUX.1), not the control image's.
+
+A FLUX.1-dev pipeline with one of Black Forest Labs' control LoRAs runs the same way: loading it widens the
+transformer's input (see :meth:`~eqxdiff.pipelines.DiffusionPipeline.load_lora_weights`), then
+
+>>> pipe = eqxdiff.load_pipeline("black-forest-labs/FLUX.1-dev", dtype="bfloat16")
+>>> pipe.load_lora_weights("black-forest-labs/FLUX.1-Canny-dev-lora", weight_name="flux1-canny-dev-lora.safetensors")
+>>> images = FluxControlPipeline.from_pipe(pipe)("a robot", control_image=edges, guidance_scale=30.0)
 """
 
 from collections.abc import Mapping, Sequence
