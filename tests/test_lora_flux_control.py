@@ -95,7 +95,7 @@ def test_control_lora_matches_diffusers_and_unloads(flux):
     """The BFL file and the diffusers-named file each give diffusers' widened, norm-replaced, adapted transformer;
     the pipeline runs as FluxControlPipeline (from_pipe: the adapters come along); strength 0 is the base model on
     the noisy channels (the norms follow the adapter, unlike diffusers'); unload gives back the very model loaded
-    before, the base's width and norms."""
+    before, the base's width and norms. A transformer with scanned blocks takes the same file."""
     import diffusers
 
     folder, pipe, out = flux
@@ -130,6 +130,11 @@ def test_control_lora_matches_diffusers_and_unloads(flux):
         finally:
             pipe.unload_lora_weights()
         assert pipe.transformer is base and base.config.in_channels == 4
+
+    # scanned blocks: the norms' new scales per stacked layer
+    scanned = type(pipe).from_pipe(pipe, transformer=eqxdiff.load(folder, "transformer", scan_layers=True))
+    scanned.load_lora_weights(bfl_path)
+    assert_close(np.asarray(_forward(scanned.transformer, X)), expected, 1e-4, "control LoRA, scanned blocks")
 
 
 def test_control_lora_errors(flux):
@@ -181,3 +186,25 @@ def test_control_lora_pipeline_matches_diffusers(flux, monkeypatch):
     finally:
         pipe.unload_lora_weights()
     assert _pixels_off(ours, expected) <= 2 and np.std(ours) > 1
+
+
+def test_the_check_before_loading_takes_a_control_lora(flux):
+    """eqxdiff-generate's check before loading (abstract models, no weight read) passes a control LoRA, its
+    widening and norm scales included (ranks padded to --lora-max-rank), and refuses what loading refuses."""
+    import diffusers
+
+    from eqxdiff.cli._generate_flags import config_reader
+    from eqxdiff.cli._lora import abstract_models
+    from eqxdiff.pipelines.flux import FluxPipeline
+
+    folder, _, out = flux
+    bfl, _ = control_lora(diffusers.FluxPipeline.from_pretrained(folder), files.Rand(93))
+    models = abstract_models(FluxPipeline, config_reader(str(folder)))
+    path = files.save(bfl, out / "bfl_check.safetensors")
+    FluxPipeline.check_lora_file(path, models, max_rank=8)
+    for scan in (False, True):
+        FluxPipeline.check_lora_file(path, abstract_models(FluxPipeline, config_reader(str(folder)), scan=scan))
+    wide = {"transformer.context_embedder.lora_A.weight": torch.ones(2, 64),
+            "transformer.context_embedder.lora_B.weight": torch.ones(32, 2)}
+    with pytest.raises(CheckpointError, match="does not declare that input widenable"):
+        FluxPipeline.check_lora_file(files.save(wide, out / "wide_check.safetensors"), models)
