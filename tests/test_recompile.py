@@ -280,6 +280,19 @@ def _flux_kontext(flux):
 
 
 @pytest.fixture(scope="module")
+def flux_control(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("flux_control")
+    tiny_flux.build(folder, "control")
+    return eqxdiff.load_pipeline(folder)
+
+
+def _flux_control(flux_control):
+    control = IMAGE[:, :8, :8]
+    sweep(flux_control, dict(FLUX_BASE, control_image=control),
+          [dict(guidance_scale=6.0), *STEPS, dict(seed=4), dict(control_image=255 - control)])
+
+
+@pytest.fixture(scope="module")
 def wan(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wan")
     _tiny_wan.build_a14b(folder)  # two experts, boundary 0.875
@@ -370,6 +383,7 @@ SWEEPS = {
     "FluxPipeline": (_flux, "flux"),
     "FluxImg2ImgPipeline": (_flux_img2img, "flux"),
     "FluxKontextPipeline": (_flux_kontext, "flux"),
+    "FluxControlPipeline": (_flux_control, "flux_control"),
     "WanPipeline": (_wan, "wan"),
     "WanImageToVideoPipeline": (_wan_i2v, "wan_ti2v"),
     "LTXPipeline": (_ltx, "ltx"),

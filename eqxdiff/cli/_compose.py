@@ -59,7 +59,8 @@ class ControlNetOptions:
     nets (a multi-ControlNet, residuals summed)."""
     control_image: Annotated[tuple[Path, ...], tyro.conf.UseAppendAction] = ()
     """The control image file (edges, depth, pose ...) of each net, in --controlnet order: one per net. Resized to
-    the output size, which defaults to the first one's."""
+    the output size, which defaults to the first one's. A pipeline whose model reads a control image itself (Flux's
+    Canny and Depth models) takes one, resized to its output size."""
     controlnet_scale: Annotated[tuple[float, ...], tyro.conf.UseAppendAction] = ()
     """Each net's conditioning scale (controlnet_conditioning_scale), in --controlnet order: one value for every
     net, or one per net; default: the pipeline's (1.0; 0.8 for image-to-image, as diffusers)."""
@@ -92,6 +93,12 @@ def control_argument(cls) -> str:
 def starts_from_image(cls) -> bool:
     """ControlNet pipeline ``cls`` starts from a picture: its ``__call__`` takes ``image`` and ``control_image``."""
     return {"image", "control_image"} <= set(_parameters(cls))
+
+
+def takes_control_image(cls) -> bool:
+    """Pipeline ``cls`` without a ControlNet takes a control image itself (its transformer reads it: Flux's Canny and
+    Depth models): ``--control-image`` once gives its ``control_image``."""
+    return not is_controlnet(cls) and "control_image" in _parameters(cls)
 
 
 def takes_modes(cls) -> bool:
@@ -155,7 +162,7 @@ def excluded_arguments(cls) -> tuple[str, ...]:
     images and scales (``--control-image``, ``--controlnet-scale``) and the inpainting mask; for text-to-image also
     what needs a picture to start from."""
     if not is_controlnet(cls):
-        return ()
+        return ("control_image",) if takes_control_image(cls) else ()
     modes = ("control_mode",) if takes_modes(cls) else ()
     return (control_argument(cls), SCALE, "mask_image", *modes) + (
         () if starts_from_image(cls) else ("image", "strength", "denoising_start"))
@@ -225,6 +232,13 @@ def control_kwargs(cls: type, options: ControlNetOptions, nets: int) -> dict[str
     images, as diffusers' ``load_image`` gives them: resized with Lanczos to the output size) under
     :func:`control_argument`, and ``controlnet_conditioning_scale`` if ``--controlnet-scale`` was given. Counts
     that do not match the nets raise ``InputError`` naming the flags."""
+    if takes_control_image(cls):
+        if options.controlnet_scale or options.control_mode or len(options.control_image) != 1:
+            flag = ("--controlnet-scale" if options.controlnet_scale else "--control-mode" if options.control_mode
+                    else f"--control-image given {len(options.control_image)} times:")
+            raise InputError(f"{flag} {cls.__name__} takes one --control-image (its model reads it; no ControlNet "
+                             "scales or modes)")
+        return {"control_image": _control_images(options)[0]}
     if not is_controlnet(cls):
         if options.control_image or options.controlnet_scale or options.control_mode:
             flag = ("--control-image" if options.control_image else "--controlnet-scale" if options.controlnet_scale

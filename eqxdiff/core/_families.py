@@ -31,6 +31,7 @@ FAMILY_TABLE: dict[str, str] = {
     "FluxPipeline": "eqxdiff.pipelines.flux:FluxPipeline",
     "FluxImg2ImgPipeline": "eqxdiff.pipelines.flux_image:FluxImg2ImgPipeline",
     "FluxKontextPipeline": "eqxdiff.pipelines.flux_image:FluxKontextPipeline",
+    "FluxControlPipeline": "eqxdiff.pipelines.flux_control:FluxControlPipeline",
     # Wan 2.1 / 2.2 (text encoder: UMT5 above; 2.1 image-to-video's image encoder: CLIP vision above)
     "WanTransformer3DModel": "eqxdiff.models.wan:WanTransformer3DModel",
     "AutoencoderKLWan": "eqxdiff.models.wan_vae:AutoencoderKLWan",

@@ -6,7 +6,8 @@ A key is a module key and a *role*: ``<module>.lora_A.weight`` (PEFT/diffusers),
 ``.hada_w1_a`` ... (LoHa), ``.lokr_w1`` ... (LoKr), ``.diff`` / ``.diff_b`` (full differences; lightx2v's
 ``<block>.diff_m``: the block's modulation table, whose name a family's layout aliases),
 ``.lora.down.weight`` / ``.lora_linear_layer.down.weight`` / ``_lora.down.weight`` (older diffusers processors),
-``.down.weight`` (XLabs). :func:`parse` groups them into :class:`Record` s; which model and layer a module key names
+``.down.weight`` (XLabs), and a module's bare ``.weight`` / ``.scale``: a whole new value replacing the parameter
+(``"replace"``: BFL's control LoRAs carry their q/k norms' scales so). :func:`parse` groups them into :class:`Record` s; which model and layer a module key names
 is the families' business (their prefixes and name tables), not this module's.
 """
 
@@ -44,15 +45,19 @@ ROLES: Mapping[str, tuple[str | None, str]] = {
     ".lokr_t2": ("lokr", "t2"),
     ".diff": ("diff", "diff"), ".diff_b": ("diff", "diff_b"),
     ".diff_m": ("diff", "diff"),  # lightx2v: a block's modulation table (its module: the block; families alias it)
+    # a whole new value of a parameter, replacing it (BFL's control LoRAs: the q/k RMSNorms' scales, ``.scale`` in
+    # BFL's names, ``.weight`` in diffusers'); loaders take it as the difference from the model's value
+    ".scale": ("replace", "weight"), ".weight": ("replace", "weight"),
 }
 _BY_LENGTH = sorted(ROLES, key=len, reverse=True)
 REQUIRED = {"lora": (("down",), ("up",)), "loha": (("w1a",), ("w1b",), ("w2a",), ("w2b",)),
-            "lokr": (("w1", "w1a"), ("w2", "w2a")), "diff": (("diff", "diff_b"),)}
+            "lokr": (("w1", "w1a"), ("w2", "w2a")), "diff": (("diff", "diff_b"),), "replace": (("weight",),)}
 STYLES = {".lora_A.weight": "PEFT", ".lora_down.weight": "kohya", ".lora.down.weight": "lora.down",
           ".lora_linear_layer.down.weight": "diffusers (legacy)", "_lora.down.weight": "diffusers (legacy)",
           ".down.weight": "XLabs", ".hada_w1_a": "LyCORIS LoHa", ".lokr_w1": "LyCORIS LoKr",
           ".lokr_w1_a": "LyCORIS LoKr", ".lokr_w2_a": "LyCORIS LoKr", ".lokr_w2": "LyCORIS LoKr",
-          ".diff": "full diff", ".diff_b": "full diff", ".diff_m": "full diff"}
+          ".diff": "full diff", ".diff_b": "full diff", ".diff_m": "full diff", ".scale": "replaced parameter",
+          ".weight": "replaced parameter"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +138,7 @@ def read_lora(path_or_hub_id, *, weight_name: str | None = None, revision: str |
 class Record:
     """The tensors a file holds for one module. ``key``: the module key as written (prefix included; diffusers'
     legacy processor names normalised, ``...attn1.processor.to_out_lora`` -> ``...attn1.to_out.0``); ``kind``:
-    ``"lora"``, ``"loha"``, ``"lokr"`` or ``"diff"``; ``tensors``: role -> array (an adapter's ``diff`` / ``diff_b``
+    ``"lora"``, ``"loha"``, ``"lokr"``, ``"diff"`` or ``"replace"`` (a parameter's new value, role ``weight``); ``tensors``: role -> array (an adapter's ``diff`` / ``diff_b``
     roles beside its own: whole differences that add to its change, lightx2v's LoRA pairs with ``diff_b``);
     ``alpha``: the file's ``.alpha``;
     ``magnitude`` / ``dora``: a DoRA magnitude and its convention (``"peft"``: ``lora_magnitude_vector``,
@@ -195,7 +200,7 @@ def parse(tensors: Mapping[str, np.ndarray]) -> tuple[list[Record], list[str]]:
             rec.magnitude, rec.dora = tensors[key], "peft" if role == "magnitude" else "lycoris"
         else:
             if rec.kind is not None and rec.kind != kind:
-                if "diff" not in (rec.kind, kind):
+                if "diff" not in (rec.kind, kind) or "replace" in (rec.kind, kind):
                     raise CheckpointError(f"module {module!r} holds tensors of two adapter kinds ({rec.kind} and "
                                           f"{kind}, e.g. {key!r}); one module takes one adapter per file")
                 kind = rec.kind if kind == "diff" else kind  # a whole difference beside an adapter adds to it

@@ -85,8 +85,9 @@ def _runs(tags: np.ndarray, targets) -> list[Run]:
 
 
 def _module(name: str) -> str:
-    """The module a weight's name names; a parameter named as its module (a modulation table) is its own."""
-    for suffix in (".weight", "_weight"):
+    """The module a weight's name names (``.scale``: a norm's weight in Black Forest Labs' names); a parameter named
+    as its module (a modulation table) is its own."""
+    for suffix in (".weight", "_weight", ".scale"):
         if name.endswith(suffix):
             return name[:-len(suffix)]
     return name

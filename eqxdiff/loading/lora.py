@@ -33,6 +33,9 @@ from ._lora_match import NameLayout as NameLayout
 from ._lora_match import Naming as Naming
 from ._lora_match import same_structure as same_structure
 from ._lora_match import site_adapters as site_adapters
+from ._lora_models import match_models as match_models
+from ._lora_models import replacements_as_differences as replacements_as_differences
+from ._lora_models import widened_models as widened_models
 from ._lora_names import Run as Run
 from ._lora_names import layer_index as layer_index
 from ._lora_write import STYLES as STYLES

@@ -20,6 +20,12 @@ class PretrainedModel(eqx.Module):
         it back. Default: none."""
         return ()
 
+    @classmethod
+    def with_input_width(cls, config, layer: str, width: int):
+        """The config of this model with Linear ``layer`` (its checkpoint name) taking ``width`` input features, for
+        a LoRA that widens it (a control LoRA's input layer), or ``None``: that input does not widen. Default:
+        none does."""
+
     def checkpoint_config(self) -> dict:
         """The config.json dict that diffusers/transformers need to rebuild this model."""
         d = self.config.to_dict()  # type: ignore[attr-defined]

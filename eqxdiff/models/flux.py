@@ -193,6 +193,15 @@ class FluxTransformer2DModel(PretrainedModel):
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
+    @classmethod
+    def with_input_width(cls, config: FluxTransformer2DConfig, layer: str, width: int
+                         ) -> FluxTransformer2DConfig | None:
+        """``x_embedder`` widened to ``width`` inputs is ``in_channels`` (a control LoRA's: FLUX.1-Canny-dev-lora
+        reads the control latents beside the noisy ones); the output keeps its channels."""
+        if layer != "x_embedder":
+            return None
+        return dataclasses.replace(config, in_channels=width, out_channels=config.out_channels or config.in_channels)
+
     def checkpoint_config(self) -> dict:
         out = super().checkpoint_config()
         del out["fused_projections"]  # eqxdiff's layout choice, not a diffusers key

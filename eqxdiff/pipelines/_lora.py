@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import nn
 from ..loading import AdaptersNotSavedWarning, CheckpointError, without_adapters
-from ..loading.lora import Matcher, parse, read_lora, same_structure, site_adapters
+from ..loading.lora import Matcher, match_models, parse, read_lora, same_structure, site_adapters
 from ..parallel import shard_params
 from ._lora_check import LoraWarning, check_coverage, check_lora_file, lora_format
 from ._lora_check import listed as _listed
@@ -115,7 +115,13 @@ class LoraMixin:
         adapter compiles nothing. ``hotswap``: replace the values of the existing adapter ``adapter_name`` (same
         layers, ranks up to the padded ones) instead of adding one. ``into``: load what the file holds for a
         component into another model of this pipeline instead (``{"transformer": "transformer_2"}``: a family's
-        keyword passes it, e.g. Wan's ``load_into_transformer_2``)."""
+        keyword passes it, e.g. Wan's ``load_into_transformer_2``).
+
+        Control LoRAs change more than adapters, as in diffusers: a layer whose ``lora_A`` reads more inputs than it
+        has is widened with zero columns where the model declares that input widenable (``with_input_width``), and
+        a norm's whole new scale (``.scale`` / ``.weight`` keys) is held as the difference from its value in the
+        adapter's entry: it follows the adapter's strength and switch (diffusers writes it in whatever they are).
+        ``unload_lora_weights`` gives back the models as they were, their widths and norms too."""
         fmt, state = self._lora_format(), self._lora()
         into = dict(into or {})
         models = self._lora_models()
@@ -130,7 +136,8 @@ class LoraMixin:
         file = read_lora(path_or_hub_id, weight_name=weight_name, revision=revision)
         records, unknown = parse(file.tensors)
         models = {name: models[into.get(name, name)] for name in models}  # the file's names, the targets' models
-        matched, unmatched = Matcher(models, fmt.namings, fmt.layouts).match(records)
+        matched, unmatched, widened = match_models(lambda m: Matcher(m, fmt.namings, fmt.layouts), models, records)
+        models.update(widened)  # a control LoRA's wider input layer
         check_coverage(fmt, type(self).__name__, list(models), file.path, file.tensors, matched, unmatched, unknown,
                        strict, stacklevel=3)
         if hotswap:
@@ -142,6 +149,13 @@ class LoraMixin:
         except ValueError as e:
             raise CheckpointError(f"{file.path!r}: {e}") from None
         built = {into.get(component, component): sites for component, sites in built.items()}
+        if widened and hotswap:
+            raise CheckpointError(f"{file.path!r} widens {sorted(widened)} (its adapters read more inputs than the "
+                                  f"layers have): hotswap keeps the compiled program, so load it as another adapter")
+        for component, model in widened.items():
+            target = into.get(component, component)
+            state.original.setdefault(target, getattr(self, target))
+            setattr(self, target, model)
         if hotswap:
             self._hotswap(name, built)
         else:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import nn
 from ..loading import CheckpointError
-from ..loading.lora import LoraFile, Matcher, parse, read_lora, site_adapters
+from ..loading.lora import LoraFile, Matcher, match_models, parse, read_lora, site_adapters
 from ._lora_format import LoraFormat, detect_family, load_format
 
 MAX_LISTED = 10  # keys listed in an error before "and N more"
@@ -79,7 +79,8 @@ def check_lora_file(cls: type, path_or_hub_id, models: Mapping[str, object] | No
     if not models:
         other_family(fmt, file.path, file.tensors)
         return file
-    matched, unmatched = Matcher(models, fmt.namings, fmt.layouts).match(records)
+    matched, unmatched, widened = match_models(lambda m: Matcher(m, fmt.namings, fmt.layouts), models, records)
+    models = {**models, **widened}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LoraWarning)  # loading warns; the check before it need not
         check_coverage(fmt, cls.__name__, list(models), file.path, file.tensors, matched, unmatched, unknown, strict)

@@ -14,7 +14,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
-from ..loading.lora import Matcher, Record, parse, read_lora
+from ..loading.lora import Matcher, Record, match_models, parse, read_lora
 from ._lora import LoadedAdapter, LoraWarning
 from ._lora_format import LoraFormat, all_formats, detect_family, load_format
 
@@ -22,13 +22,14 @@ __all__ = ["LoadedAdapter", "LoraReport", "LoraWarning", "adapter_type", "inspec
 
 
 def adapter_type(rec: Record) -> str:
-    """``"LoRA"``, ``"LoCon"`` (a convolution), ``"LoCon (Tucker)"``, ``"LoHa"``, ``"LoKr"``, ``"full diff"``;
+    """``"LoRA"``, ``"LoCon"`` (a convolution), ``"LoCon (Tucker)"``, ``"LoHa"``, ``"LoKr"``, ``"full diff"``,
+    ``"replaced parameter"`` (a norm's new scale);
     ``" + DoRA"`` with a magnitude."""
     t = rec.tensors
     if rec.kind == "lora":
         name = "LoCon (Tucker)" if "mid" in t else "LoCon" if t["down"].ndim > 2 else "LoRA"
     else:
-        name = {"loha": "LoHa", "lokr": "LoKr", "diff": "full diff"}[rec.kind]
+        name = {"loha": "LoHa", "lokr": "LoKr", "diff": "full diff", "replace": "replaced parameter"}[rec.kind]
     return name + (" + DoRA" if rec.magnitude is not None else "")
 
 
@@ -126,7 +127,7 @@ def inspect(path_or_hub_id, pipeline=None, *, weight_name: str | None = None, re
             raise TypeError(f"inspect(file, {name}): a pipeline class needs models= (component -> model)")
         if own is not None:
             models = pipeline._lora_models() if models is None else models
-            found, missed = Matcher(models, own.namings, own.layouts).match(records)
+            found, missed, _ = match_models(lambda m: Matcher(m, own.namings, own.layouts), models, records)
             matched, unmatched = [m.record.key for m in found], [r.key for r in missed]
             if found and not missed:
                 family, fmt = own.family, own

@@ -93,14 +93,17 @@ class FluxDenoiser(Denoiser):
     """The Flux transformer in :func:`~eqxdiff.pipelines.denoise_loop`, on packed latents ``[b, seq, 4C]``.
 
     ``cond``: ``embeds`` (T5), ``pooled`` (CLIP), ``rope`` (the rotary tables of ``[text, image]``, built outside
-    the loop from concrete ids), ``guidance`` (``[b]``, distilled models only) and, for Kontext, ``reference``
-    (the reference image's packed latents, appended to the tokens; the output keeps the noisy tokens only). The
+    the loop from concrete ids), ``guidance`` (``[b]``, distilled models only); for Kontext ``reference`` (the
+    reference image's packed latents, appended to the tokens; the output keeps the noisy tokens only); for the
+    control pipeline ``control`` (the control image's packed latents, appended to each token's channels). The
     model gets ``timestep / 1000`` (it multiplies by 1000 again, as diffusers' pipeline and model do)."""
 
     transformer: flux.FluxTransformer2DModel
 
     def __call__(self, x, t, cond, *, step):
-        tokens = x if "reference" not in cond else jnp.concatenate([x, cond["reference"].astype(x.dtype)], axis=1)
+        tokens = x if "control" not in cond else jnp.concatenate([x, cond["control"].astype(x.dtype)], axis=-1)
+        if "reference" in cond:
+            tokens = jnp.concatenate([tokens, cond["reference"].astype(x.dtype)], axis=1)
         sigma = jnp.broadcast_to(t, (x.shape[0],)).astype(x.dtype) / 1000
         out = self.transformer(tokens, cond["embeds"], cond["pooled"], sigma, rope=cond["rope"],
                                guidance=cond.get("guidance"))
@@ -154,12 +157,16 @@ class FluxPipeline(LatentPipeline):
     # Kontext scales the requested size to max_area itself: any height/width is accepted there.
     RESCALES_SIZE: ClassVar[bool] = False
     INIT_IMAGE: ClassVar[str | None] = None  # text-to-image: no image argument
+    # How many packed latents the transformer's input holds along its channels: the noisy ones (1), and a control
+    # image's after them (2: FLUX.1-Canny-dev, -Depth-dev).
+    PACKED_INPUTS: ClassVar[int] = 1
     # -- sizes and limits ----------------------------------------------------------------------------------------
 
     @property
     def latent_channels(self) -> int:
-        """Channels of the unpacked latents: the transformer's input channels over the 2x2 packing."""
-        return self.transformer.config.in_channels // 4
+        """Channels of the unpacked latents: the transformer's input channels over the 2x2 packing (and over the
+        packed inputs it concatenates, :attr:`PACKED_INPUTS`)."""
+        return self.transformer.config.in_channels // (4 * self.PACKED_INPUTS)
 
     def default_size(self) -> tuple[int, int]:
         """diffusers' default ``(height, width)``: ``128 * f`` pixels each (1024 for FLUX.1)."""
@@ -205,12 +212,14 @@ class FluxPipeline(LatentPipeline):
     def _check_model(self) -> None:
         """The components fit together: the VAE's latents packed are the transformer's input, T5's and CLIP's
         widths its text and pooled widths."""
-        config, vae = self.transformer.config, self.vae.config.latent_channels
-        if config.in_channels != 4 * vae:
+        config, vae, inputs = self.transformer.config, self.vae.config.latent_channels, self.PACKED_INPUTS
+        if config.in_channels != 4 * vae * inputs:
+            what = "" if inputs == 1 else f" for {inputs} packed inputs"
             raise CheckpointError(
                 f"the transformer takes {config.in_channels} input channels but the VAE's latents have {vae} (x4 "
-                f"packed = {4 * vae}): this pipeline drives text-to-image Flux transformers (Fill, Depth and Canny "
-                "variants take extra channels and are not served)")
+                f"packed = {4 * vae}{what}): {type(self).__name__} drives Flux transformers taking "
+                f"{4 * vae * inputs}. Canny and Depth transformers (2x) run as FluxControlPipeline, text-to-image ones "
+                "(1x) as FluxPipeline; Fill transformers are not served")
         for name, width, field in (("text_encoder_2", "d_model", "joint_attention_dim"),
                                    ("text_encoder", "hidden_size", "pooled_projection_dim")):
             want = getattr(config, field)
@@ -311,11 +320,12 @@ class FluxPipeline(LatentPipeline):
     def generate(self, positive: TextConditioning, negative: TextConditioning | None, *, batch: int, height: int,
                  width: int, num_inference_steps: int, sigmas, guidance_scale: float, true_cfg_scale: float,
                  key: PRNGKeyArray, latents=None, image=None, strength: float | None = None, reference=None,
-                 output_type: str = "uint8", progress: bool = True):
+                 control=None, output_type: str = "uint8", progress: bool = True):
         """Everything after the text encoders. ``positive`` / ``negative``: the text conditioning of ``batch``
         rows (``negative`` only under true CFG). ``latents``: the initial noise (:data:`LATENTS_LAYOUT`), else drawn
         from ``key``. ``image`` (image-to-image): the input's latents ``[batch, h, w, C]``, noised to ``strength``
-        with that noise. ``reference`` (Kontext): the reference image's latents, appended as tokens."""
+        with that noise. ``reference`` (Kontext): the reference image's latents, appended as tokens. ``control``
+        (the control pipeline): the control image's latents ``[batch, h, w, C]``, appended to the channels."""
         check_output_type(output_type)
         self._check_model()
         f, c = self.vae_scale_factor, self.latent_channels
@@ -341,6 +351,8 @@ class FluxPipeline(LatentPipeline):
                 reference_ids = flux.image_ids(reference.shape[1] // 2, reference.shape[2] // 2)
                 reference_ids[:, 0] = 1  # Kontext: the reference image's tokens sit at time index 1
                 ids = np.concatenate([ids, reference_ids])
+            if control is not None:
+                extra["control"] = flux.pack_latents(control).astype(dtype)
 
             def half(text: TextConditioning) -> dict:
                 rope = self.transformer.rotary_embedding(ids, flux.text_ids(text.embeds.shape[1]))
@@ -423,7 +435,8 @@ class FluxPipeline(LatentPipeline):
 
 # -- single files: Black Forest Labs' transformer files and ComfyUI's all-in-one files, as layouts ------------------
 
-_SINGLE_FILE = dict(family="Flux", pipelines=("FluxPipeline", "FluxImg2ImgPipeline", "FluxKontextPipeline"),
+_SINGLE_FILE = dict(family="Flux", pipelines=("FluxPipeline", "FluxImg2ImgPipeline", "FluxKontextPipeline",
+                                              "FluxControlPipeline"),
                     tokenizers={"tokenizer": "text_encoder", "tokenizer_2": "text_encoder_2"},
                     hub_id="black-forest-labs/FLUX.1-schnell")
 # The layouts eqxdiff.load_pipeline(file, config=FLUX_FOLDER) reads (listed in eqxdiff.core.SINGLE_FILE_LAYOUTS): the
