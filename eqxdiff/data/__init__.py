@@ -1,10 +1,11 @@
 """Data sources and input pipelines.
 
 Sources (``len`` + ``[i]`` of raw image/caption records, checked when built): ``ImageFolderSource``,
-``HFDatasetSource``, ``TFRecordSource``, ``SyntheticSource``. ``make_dataset`` turns one into a grain stream of
-``{"pixel_values": float32 [batch, height, width, 3] in [-1, 1], "input_ids": int32 [batch, seq]}`` whose
-iterator has ``get_state()``/``set_state()``; ``to_global_batch`` puts a host batch on a mesh (sharded as
-``eqxdiff.parallel.batch_sharding`` says).
+``HFDatasetSource``, ``TFRecordSource``, ``SyntheticSource``; ``VideoFolderSource`` for clips (``FrameSampling``:
+count, stride, start; ``pixel_values`` ``[batch, frames, height, width, 3]``). ``make_dataset`` turns one into a
+grain stream of ``{"pixel_values": float32 [batch, height, width, 3] in [-1, 1], "input_ids": int32 [batch,
+seq]}`` whose iterator has ``get_state()``/``set_state()``; ``to_global_batch`` puts a host batch on a mesh
+(sharded as ``eqxdiff.parallel.batch_sharding`` says).
 """
 
 from ._arrays import ArrayBatches as ArrayBatches
@@ -20,3 +21,8 @@ from ._tfrecord import write_tfrecord as write_tfrecord
 from ._tokenizer import character_tokenizer as character_tokenizer
 from ._transforms import IMAGE_FACTS as IMAGE_FACTS
 from ._transforms import ImageCaptionTransform as ImageCaptionTransform
+from ._video import VIDEO_EXTENSIONS as VIDEO_EXTENSIONS
+from ._video import FrameSampling as FrameSampling
+from ._video import VideoCaptionTransform as VideoCaptionTransform
+from ._video import VideoFolderSource as VideoFolderSource
+from ._video import read_frames as read_frames

@@ -63,7 +63,10 @@ def make_dataset(
 
     Args:
         source: a source (``ImageFolderSource``, ``HFDatasetSource``, ``TFRecordSource``, ``SyntheticSource``,
-            or any grain random-access source of raw records).
+            or any grain random-access source of raw records). A source whose records are not images
+            (``VideoFolderSource``) has ``record_transform(image_transform)``, which gives the transform of its
+            records from the image one (tokenizers, size, crops, flips): its batches' ``pixel_values`` are then
+            ``[b, frames, height, width, 3]``.
         tokenizer: the model's tokenizer (``transformers``); captions padded to its ``model_max_length``. A model
             with several text encoders gives ``{batch key: tokenizer}`` (``input_ids``, ``input_ids_2``).
         batch_size: the global batch size, over all hosts.
@@ -93,6 +96,8 @@ def make_dataset(
     host_batch = batch_size // count
     transform = ImageCaptionTransform(tokenizer, resolution, center_crop, random_flip, interpolation,
                                       image_keys, max_length)
+    if hasattr(source, "record_transform"):  # a source of other records (video clips) adapts the image transform
+        transform = source.record_transform(transform)
     if len(source) == 0:
         raise DataError(f"empty dataset: {source!r} has no examples")
 
