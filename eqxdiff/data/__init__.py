@@ -25,4 +25,5 @@ from ._video import VIDEO_EXTENSIONS as VIDEO_EXTENSIONS
 from ._video import FrameSampling as FrameSampling
 from ._video import VideoCaptionTransform as VideoCaptionTransform
 from ._video import VideoFolderSource as VideoFolderSource
+from ._video import holds_videos as holds_videos
 from ._video import read_frames as read_frames

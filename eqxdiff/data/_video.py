@@ -20,7 +20,7 @@ from pathlib import Path
 import imageio_ffmpeg
 import numpy as np
 
-from ._common import DataError, check_level, raise_problems, require_nonempty
+from ._common import IMAGE_EXTENSIONS, DataError, check_level, raise_problems, require_nonempty
 from ._folder import ImageFolderSource
 from ._transforms import (
     ImageCaptionTransform,
@@ -92,6 +92,14 @@ def read_frames(path, frames: FrameSampling = FrameSampling()) -> np.ndarray:
                         f"(count - 1) * stride + 1). Lower frames.count (at most {fit} fit at this start and stride), "
                         "frames.stride or frames.start, or drop the clip")
     return np.stack(taken)
+
+
+def holds_videos(root) -> bool:
+    """Whether the folder ``root`` holds video clips and no still images (a :class:`VideoFolderSource`, not an image
+    folder), by the file names in its tree; GIFs count as clips here."""
+    stills = tuple(e for e in IMAGE_EXTENSIONS if e not in VIDEO_EXTENSIONS)
+    names = [n.lower() for _, _, files in os.walk(root) for n in files if not n.startswith(".")]
+    return any(n.endswith(VIDEO_EXTENSIONS) for n in names) and not any(n.endswith(stills) for n in names)
 
 
 def video_problem(path: str, frames: FrameSampling, check: str) -> str | None:

@@ -232,8 +232,13 @@ class WanLatentDistribution(eqx.Module):
     def mode(self) -> Float[Array, "batch frames height width latent"]:
         return self.mean
 
+    @property
+    def std(self) -> Float[Array, "batch frames height width latent"]:
+        """``exp(logvar / 2)``: what the train stack caches beside :attr:`mean` (``latent_std``)."""
+        return jnp.exp(0.5 * self.logvar)
+
     def sample(self, *, key: PRNGKeyArray) -> Float[Array, "batch frames height width latent"]:
-        return self.mean + jnp.exp(0.5 * self.logvar) * jax.random.normal(key, self.mean.shape, self.mean.dtype)
+        return self.mean + self.std * jax.random.normal(key, self.mean.shape, self.mean.dtype)
 
     def kl(self) -> Float[Array, " batch"]:
         """KL to the standard normal, summed over each video."""

@@ -85,3 +85,5 @@ from ._step import init_state as init_state
 from ._step import make_optimizer as make_optimizer
 from ._step import train_step as train_step
 from ._step import trainable_filter as trainable_filter
+from ._wan import WanFlowMatching as WanFlowMatching
+from ._wan import WanOptions as WanOptions

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+from ..data import FrameSampling
 from ..loading import check_dtype
 from ..parallel import MeshConfig, Plan, Remat
 from ..schedulers import SCHEDULERS
@@ -92,6 +93,10 @@ class TrainConfig:
     """Crop each resized image at its center (False: at random; SDXL conditions on where the crop was)."""
     random_flip: bool = True
     """Flip images left-right at random."""
+    frames: FrameSampling = FrameSampling()
+    """A ``data`` folder of video clips (mp4, webm, gif ...: a folder with clips and no images) with captions, laid
+    out as an image folder: which frames of each clip train (``pixel_values`` ``[batch, frames, height, width, 3]``,
+    for a video family: Wan). Image sources ignore it."""
     family: FamilyOptions = FamilyOptions()
     """The model family's own training options (``--family.*``: a preset sets its family's, e.g. ``flux-dev``'s
     guidance and T5 length, ``eqxdiff.train.FluxOptions``); ``FamilyOptions()``: the defaults of the family the

@@ -38,8 +38,9 @@ def check_batch(batch: Mapping[str, np.ndarray], *, where: str = "batch",
             raise DataError(f"{where}: {k} must be [batch, 2] (a pair per image), got {np.shape(batch[k])}")
     if "pixel_values" in batch:
         px = np.asarray(batch["pixel_values"])
-        if px.ndim != 4 or px.shape[-1] != 3:
-            raise DataError(f"{where}: pixel_values must be [batch, height, width, 3] (channels-last), got {px.shape}")
+        if px.ndim not in (4, 5) or px.shape[-1] != 3:
+            raise DataError(f"{where}: pixel_values must be [batch, height, width, 3] (channels-last; videos [batch, "
+                            f"frames, height, width, 3]), got {px.shape}")
         if not np.issubdtype(px.dtype, np.floating) or px.min() < -1.0 - 1e-3 or px.max() > 1.0 + 1e-3:
             raise DataError(f"{where}: pixel_values must be floats in [-1, 1], got {px.dtype} in "
                             f"[{px.min()}, {px.max()}]")

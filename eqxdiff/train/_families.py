@@ -8,6 +8,7 @@ TRAIN_FAMILIES: dict[str, str] = {
     "StableDiffusionPipeline": "eqxdiff.train._sd:LatentDiffusion",
     "StableDiffusionXLPipeline": "eqxdiff.train._sdxl:SDXLLatentDiffusion",
     "FluxPipeline": "eqxdiff.train._flux:FluxFlowMatching",
+    "WanPipeline": "eqxdiff.train._wan:WanFlowMatching",
 }
 
 

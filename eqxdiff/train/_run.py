@@ -211,7 +211,7 @@ def _to_host(tree):
 def _cache_fingerprint(config: TrainConfig, model: TrainModel) -> dict:
     """What a stream's cache depends on: the data flags, the model, its family options and the preprocessing."""
     keys = ("model", "data", "hf_dataset", "hf_split", "image_column", "caption_column", "tfrecord", "image_key",
-            "caption_key", "instance_prompt", "resolution", "center_crop", "random_flip", "seed")
+            "caption_key", "instance_prompt", "resolution", "center_crop", "random_flip", "frames", "seed")
     if config.model is None:  # from scratch: the VAE the autoencoder stage trains
         keys += ("architecture", "autoencoder_steps", "autoencoder_batch_size", "autoencoder_learning_rate",
                  "kl_weight")

@@ -4,7 +4,15 @@ Hugging Face dataset, TFRecord files, synthetic images) checked before any model
 
 from pathlib import Path
 
-from ..data import HFDatasetSource, ImageFolderSource, SyntheticSource, TFRecordSource, make_dataset
+from ..data import (
+    HFDatasetSource,
+    ImageFolderSource,
+    SyntheticSource,
+    TFRecordSource,
+    VideoFolderSource,
+    holds_videos,
+    make_dataset,
+)
 from ..data.digits import DigitsSource
 from ._config import TrainConfig
 from ._data import DataError, check_batch
@@ -43,6 +51,9 @@ def open_source(config: TrainConfig, tokenizer=None):
         keys = {k: v for k, v in (("image_key", config.image_key), ("caption_key", config.caption_key))
                 if v is not None}
         source = TFRecordSource(config.tfrecord, **keys)
+    elif Path(config.data).is_dir() and holds_videos(config.data):  # clips, sampled as config.frames says
+        source = VideoFolderSource(config.data, frames=config.frames, **{
+            {"image_column": "video_column"}.get(k, k): v for k, v in columns.items()})
     elif Path(config.data).is_dir():
         source = ImageFolderSource(config.data, **columns, caption=config.instance_prompt)
     else:
@@ -51,7 +62,7 @@ def open_source(config: TrainConfig, tokenizer=None):
                 "; for a Hugging Face dataset (a Hub id, parquet, json, csv or arrow files) use hf_dataset "
                 "(--hf-dataset)")
         raise DataError(f"data={config.data!r} is not 'digits', 'synthetic' or an image folder{hint}")
-    if config.instance_prompt is not None and not isinstance(source, ImageFolderSource):
+    if config.instance_prompt is not None and type(source) is not ImageFolderSource:  # it took the caption itself
         source = Prompted(source, config.instance_prompt)
     if len(source) < config.batch_size:
         raise DataError(f"{source!r} has {len(source)} samples, fewer than batch_size={config.batch_size}")

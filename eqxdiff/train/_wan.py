@@ -1,0 +1,185 @@
+"""Wan 2.1 / 2.2 text-to-video (diffusers' ``WanPipeline`` folders), rectified-flow matching on video latents.
+
+The latents are the Wan VAE's posterior sample normalised as the pipeline does (``(z - latents_mean) /
+latents_std`` per channel: the VAE's ``scale_latents``), ``[b, T, h, w, C]`` channels-last; ``x_t = (1 - sigma) x0 +
+sigma * noise`` with the target ``noise - x0`` at the flow-matching training schedule of the folder's
+``flow_shift`` (Wan's scheduler_config.json: 3.0 for 2.1 and 2.2 A14B, 5.0 for TI2V-5B) and the transformer called at
+``t = 1000 sigma`` (as the pipeline's scheduler timesteps). Text is UMT5's last hidden state with the attention mask
+and every position past the caption zero (diffusers' trim and zero padding), at ``max_sequence_length`` tokens (512
+as the pipeline). Captions are tokenized as the data gives them (the pipeline's ``clean_prompt`` only unescapes HTML
+and collapses whitespace: clean the captions so, if they need it).
+
+**Two experts (Wan 2.2 A14B).** A folder with ``transformer_2`` and ``boundary_ratio`` runs ``transformer`` (high
+noise) at the timesteps ``t >= boundary_ratio * 1000`` and ``transformer_2`` below; each expert trains on its own
+range (:class:`WanOptions`' ``expert``):
+
+- ``both`` (default): both train in one run. Timesteps are drawn over the whole schedule and each sample goes to the
+  expert of its timestep; a batch whose samples are all on one side runs that expert alone (``lax.cond``), a mixed
+  one runs both and keeps each sample's. Both experts' weights and optimizer states are trained (FSDP shards them).
+- ``high`` / ``low``: one expert trains, its timesteps drawn from its own range only (the training schedule
+  restricted to it: :class:`ExpertTimesteps`); the other rides along frozen (it is in the export). Two such runs
+  (the second from the first's export) train both with half the optimizer state each.
+
+A folder with one transformer (2.1, TI2V-5B) trains it on every timestep (``expert='both'``). TI2V-5B's per-token
+timesteps (``expand_timesteps``) are all the sample's in text-to-video, which is one timestep per sample: that is how
+it trains here (image-conditioned training, the first frame kept clean, is not done).
+"""
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._typing import Array, Int
+from ..loading import token_ids
+from ..pipelines.wan import umt5_embeddings
+from ..schedulers import FlowMatchEulerDiscreteScheduler
+from ._checks import check_choice
+from ._family import FamilyOptions, NullCondition, TextInput, TrainModel
+
+EXPERTS = ("both", "high", "low")
+
+
+@dataclasses.dataclass(frozen=True)
+class WanOptions(FamilyOptions):
+    """Wan's training options (``--family.*`` under the ``wan2.*`` presets)."""
+
+    expert: str = "both"
+    """Wan 2.2 A14B's experts: ``both`` train, each on the samples of its timestep range; ``high`` trains
+    ``transformer`` on ``t >= boundary_ratio * 1000`` only, ``low`` ``transformer_2`` below it (the other frozen). A
+    folder with one transformer takes ``both`` (all timesteps)."""
+    max_sequence_length: int = 512
+    """UMT5's caption length in tokens, in training and in the samples (the pipeline's ``max_sequence_length``)."""
+
+    def __post_init__(self):
+        check_choice("expert", self.expert, EXPERTS)
+        if not 1 <= self.max_sequence_length <= 512:
+            raise ValueError(f"max_sequence_length={self.max_sequence_length} must be in [1, 512] (the Wan "
+                             "pipelines' prompt length)")
+
+
+class ExpertTimesteps(FlowMatchEulerDiscreteScheduler):
+    """The flow-matching scheduler whose training schedule keeps only the timesteps in ``[low, high)`` (one expert's
+    range), resampled to ``num_train_timesteps`` entries in order, so a density draw ``u`` in [0, 1] maps over that
+    range as it maps over the whole one; ``timestep_range=None``: the whole schedule. Sampling is unchanged."""
+
+    timestep_range: tuple[float, float] | None = eqx.field(static=True, default=None)
+
+    def training_schedule(self) -> tuple[np.ndarray, np.ndarray]:
+        timesteps, sigmas = super().training_schedule()
+        if self.timestep_range is None:
+            return timesteps, sigmas
+        low, high = self.timestep_range
+        keep = np.flatnonzero((timesteps >= np.float32(low)) & (timesteps < np.float32(high)))
+        if len(keep) == 0:
+            raise ValueError(f"no training timestep lies in [{low}, {high}): the expert's range is empty (check the "
+                             "folder's boundary_ratio)")
+        n = len(timesteps)
+        pick = keep[(np.arange(n) * len(keep)) // n]
+        return timesteps[pick], sigmas[pick]
+
+
+def prompt_mask(ids: Int[Array, "batch seq"], eos_token_id: int) -> Int[Array, "batch seq"]:
+    """The tokenizer's attention mask of right-padded ids: 1 up to and including each caption's first end token
+    (every position where no end token is: a caption cut to the length keeps its end token, so that is none)."""
+    is_eos = ids == eos_token_id
+    n = ids.shape[1]
+    last = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), n - 1)
+    return (jnp.arange(n)[None, :] <= last[:, None]).astype(jnp.int32)
+
+
+class WanFlowMatching(TrainModel):
+    """Wan's ``transformer`` (and A14B's ``transformer_2``), ``text_encoder`` (UMT5), VAE, the empty prompt's token
+    ids, the experts' boundary (``boundary_ratio * num_train_timesteps``, ``None`` with one transformer) and the
+    tokenizer's end token (the attention mask comes from it), with :class:`WanOptions`."""
+
+    DENOISER: ClassVar[str] = "transformer"
+    TEXT: ClassVar = (TextInput("input_ids", "tokenizer", "text_encoder", length="max_sequence_length"),)
+    CONDITION_KEYS: ClassVar = ("encoder_hidden_states",)
+    PIPELINE: ClassVar[str] = "WanPipeline"
+    NOISE_SCHEDULER: ClassVar = ExpertTimesteps
+    OPTIONS: ClassVar = WanOptions
+    CALL_OPTIONS: ClassVar = ("max_sequence_length",)
+
+    transformer: Any
+    transformer_2: Any
+    text_encoder: Any
+    vae: Any
+    null_input_ids: Int[Array, " seq"]
+    null_embeds: NullCondition | None = None
+    boundary: float | None = eqx.field(static=True, default=None)
+    eos_token_id: int = eqx.field(static=True, default=1)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.options.expert != "both" and self.transformer_2 is None:
+            raise ValueError(f"family.expert={self.options.expert!r} picks one of Wan 2.2 A14B's two experts, but "
+                             "this folder has one transformer; leave family.expert at 'both'")
+
+    def encode_text(self, ids):
+        input_ids = ids["input_ids"]
+        return {"encoder_hidden_states": umt5_embeddings(self.text_encoder, input_ids,
+                                                         prompt_mask(input_ids, self.eos_token_id))}
+
+    def denoise(self, x, t, cond):
+        """The velocity at video latents ``x`` ``[b, T, h, w, C]`` and timesteps ``t`` ``[b]`` (``1000 sigma``): the
+        expert of each sample's timestep (see the module docstring)."""
+        text = cond["encoder_hidden_states"].astype(x.dtype)
+        t = t.astype(jnp.float32)
+
+        def high():
+            return self.transformer(x, t, text)
+
+        def low():
+            return self.transformer_2(x, t, text)
+
+        if self.transformer_2 is None or self.options.expert == "high":
+            return high()
+        if self.options.expert == "low":
+            return low()
+        is_high = t >= self.boundary
+
+        def mixed():
+            return jnp.where(is_high.reshape((-1,) + (1,) * (x.ndim - 1)), high(), low())
+
+        return jax.lax.cond(jnp.all(is_high), high, lambda: jax.lax.cond(jnp.any(is_high), mixed, low))
+
+    def trainable(self, *, train_text_encoder: bool = False, train_vae: bool = False):
+        """The shared filter, with the experts ``family.expert`` trains (``both``: each one the folder has)."""
+        spec = super().trainable(train_text_encoder=train_text_encoder, train_vae=train_vae)
+        trains = {"both": ("transformer", "transformer_2"), "high": ("transformer",),
+                  "low": ("transformer_2",)}[self.options.expert]
+        for name in ("transformer", "transformer_2"):
+            if getattr(self, name) is not None:
+                marks = jax.tree.map(lambda x, n=name: n in trains and eqx.is_inexact_array(x), getattr(self, name))
+                spec = eqx.tree_at(lambda m, n=name: getattr(m, n), spec, marks)
+        return spec
+
+    @classmethod
+    def from_pipeline(cls, pipe, options=None):
+        """The bundle of a loaded ``WanPipeline`` (both experts of an A14B folder), its tokenizer, and the noise
+        scheduler: flow matching at the folder's ``flow_shift``, restricted to the expert's range for ``high`` /
+        ``low``."""
+        options = cls.OPTIONS() if options is None else options
+        second, ratio = getattr(pipe, "transformer_2", None), getattr(pipe, "boundary_ratio", None)
+        if (second is None) != (ratio is None):
+            raise ValueError("a Wan folder with transformer_2 needs boundary_ratio (and one with boundary_ratio needs "
+                             f"transformer_2): got transformer_2 {'present' if second is not None else 'absent'}, "
+                             f"boundary_ratio={ratio}; fix the folder's model_index.json")
+        tokenizer = pipe.tokenizer
+        length = cls.text_lengths({"tokenizer": tokenizer}, options)["input_ids"]
+        raw = pipe.scheduler.config.to_dict()
+        n = raw.get("num_train_timesteps", 1000)
+        boundary = None if ratio is None else float(np.float32(ratio * n))  # diffusers compares in float32
+        bundle = cls(transformer=pipe.transformer, transformer_2=second, text_encoder=pipe.text_encoder, vae=pipe.vae,
+                     null_input_ids=jnp.asarray(token_ids(tokenizer, [""], length)[0]), boundary=boundary,
+                     eos_token_id=int(tokenizer.eos_token_id), options=options)
+        shift = {} if "shift" in raw else {"shift": float(raw.get("flow_shift", 1.0))}
+        scheduler = ExpertTimesteps.from_config(raw, **shift)
+        ranges = {"both": None, "high": (boundary, math.inf), "low": (-math.inf, boundary)}
+        return bundle, {"tokenizer": tokenizer}, ExpertTimesteps(scheduler.config,
+                                                                 timestep_range=ranges[options.expert])
