@@ -1,0 +1,234 @@
+"""Wan training on the shared train stack (issue 20, Training): the video folder reader (clips written by the MP4
+writer and as a GIF: frames, stride, count, start; missing, corrupt and short clips), then ``train.run`` on a tiny Wan
+2.2 A14B-style folder (two experts, boundary 0.875: tests/_tiny_wan.py) from a folder of one repeated clip, latents
+and UMT5 embeddings cached, both experts trained on an FSDP 4 x context 2 mesh of the 8 simulated devices (a batch
+of 4 videos: half a video per device) with full remat: the cached embeddings are diffusers'
+``encode_prompt``, the loss falls, a resumed run continues exactly, and diffusers' ``WanPipeline`` loads the export,
+whose experts equal ours on the same inputs. One compiled step program serves both runs."""
+
+import shutil
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from eqxdiff.data import DataError, FrameSampling, VideoFolderSource, holds_videos, read_frames
+from eqxdiff.parallel import MeshConfig, Remat
+from eqxdiff.pipelines import write_video
+from eqxdiff.train import OptimizerConfig, TrainConfig, WanFlowMatching, WanOptions, batch_loss, build, run
+from eqxdiff.train._sources import open_source
+from eqxdiff.train._wan import ExpertTimesteps
+
+from . import _tiny_wan as tiny
+from ._util import assert_close
+
+LEVELS = np.arange(12) * 20 + 10  # frame i of the test clip is a flat grey at LEVELS[i]
+FRAMES = FrameSampling(count=9, stride=1, start=2)  # 9 frames: 3 latent frames in the 2.1 VAE
+TEXT_LENGTH = 16
+MESH = MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1, ici_context_parallelism=2)  # fsdp 4
+
+
+def _grey_clip(levels, size=(16, 16)) -> np.ndarray:
+    return np.stack([np.full((*size, 3), v, np.uint8) for v in levels])
+
+
+# -- the video reader (no JAX) ------------------------------------------------------------------------------------
+
+
+def test_read_frames_of_an_mp4_and_a_gif(tmp_path):
+    """The frames picked (start, stride, count) of a clip written by ``write_video``, and of an animated GIF."""
+    path = write_video(_grey_clip(LEVELS), tmp_path / "clip.mp4", fps=8, quality=10)
+    every = read_frames(path, FrameSampling(count=12))
+    assert every.shape == (12, 16, 16, 3) and every.dtype == np.uint8
+    assert np.abs(every.mean(axis=(1, 2, 3)) - LEVELS).max() <= 3
+    picked = read_frames(path, FrameSampling(count=3, stride=4, start=1))
+    assert np.abs(picked.mean(axis=(1, 2, 3)) - LEVELS[[1, 5, 9]]).max() <= 3
+    assert read_frames(path, FrameSampling(count=1, start=11)).shape == (1, 16, 16, 3)
+
+    gif = tmp_path / "clip.gif"
+    frames = [Image.fromarray(f) for f in _grey_clip(LEVELS[:5], (8, 12))]
+    frames[0].save(gif, save_all=True, append_images=frames[1:], duration=100, loop=0)
+    got = read_frames(gif, FrameSampling(count=2, stride=2, start=2))
+    assert got.shape == (2, 8, 12, 3) and np.abs(got.mean(axis=(1, 2, 3)) - LEVELS[[2, 4]]).max() <= 3
+
+
+def test_read_frames_errors(tmp_path):
+    path = write_video(_grey_clip(LEVELS), tmp_path / "clip.mp4", fps=8)
+    with pytest.raises(DataError, match="not found"):
+        read_frames(tmp_path / "missing.mp4")
+    (tmp_path / "broken.mp4").write_bytes(b"not a video at all" * 10)
+    with pytest.raises(DataError, match=r"unreadable video .*broken\.mp4"):
+        read_frames(tmp_path / "broken.mp4", FrameSampling(count=2))
+    with pytest.raises(DataError, match=r"has 12 frames; .* needs 14 .*at most 6 fit"):
+        read_frames(path, FrameSampling(count=7, stride=2, start=1))
+    with pytest.raises(ValueError, match=r"frames.stride=0 must be an int >= 1"):
+        FrameSampling(stride=0)
+
+
+def test_video_folder_source_checks_every_clip(tmp_path):
+    """Clips with ``.txt`` captions; the header check (ffmpeg's frame count) names a short clip, a missing caption."""
+    for name, n in (("long", 12), ("short", 5)):
+        write_video(_grey_clip(LEVELS[:n]), tmp_path / f"{name}.mp4", fps=8)
+        (tmp_path / f"{name}.txt").write_text(f"a {name} grey clip")
+    source = VideoFolderSource(tmp_path, frames=FrameSampling(count=5))
+    assert len(source) == 2 and source[0]["caption"] == "a long grey clip" and source[0]["video"].endswith("long.mp4")
+    # a training run's data=FOLDER of clips (and no still images) is read as clips, with the run's frames
+    assert holds_videos(tmp_path)
+    kind, opened = open_source(TrainConfig(model="m", data=str(tmp_path), frames=FrameSampling(count=3, start=2),
+                                           batch_size=2))
+    assert kind == "source" and type(opened) is VideoFolderSource and opened.frames.start == 2
+    Image.fromarray(_grey_clip([0])[0]).save(tmp_path / "still.png")
+    assert not holds_videos(tmp_path)
+    (tmp_path / "still.png").unlink()
+    with pytest.raises(DataError, match=r"(?s)1 problem.*short\.mp4 has 5 frames; .* needs 9"):
+        VideoFolderSource(tmp_path, frames=FrameSampling(count=5, stride=2))
+    (tmp_path / "short.txt").unlink()
+    with pytest.raises(DataError, match=r"short\.mp4: missing caption"):
+        VideoFolderSource(tmp_path, frames=FrameSampling(count=5))
+
+
+# -- training ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """The tiny A14B folder (diffusers, every weight random) and a folder of one 12-frame 16x16 clip, 4 times."""
+    root = tmp_path_factory.mktemp("wan_train")
+    pipe = tiny.build_a14b(root / "pipe")
+    clips = root / "clips"
+    clips.mkdir()
+    rng = np.random.default_rng(0)
+    clip = np.clip(rng.normal(128, 40, (1, 16, 16, 3)) + np.arange(12)[:, None, None, None] * 6, 0, 255)
+    for i in range(4):
+        write_video(clip.astype(np.uint8), clips / f"{i}.mp4", fps=8, quality=10)
+        (clips / f"{i}.txt").write_text("a red cat")
+    return root, pipe
+
+
+def _config(root, **changes) -> TrainConfig:
+    settings = dict(model=str(root / "pipe"), data=str(root / "clips"), frames=FRAMES, resolution=16, batch_size=4,
+                    steps=4, mesh=MESH, remat=Remat.FULL, cache_stream=True, random_flip=False,
+                    family=WanOptions(max_sequence_length=TEXT_LENGTH), export_scheduler=None, log_every=1,
+                    progress=False, optimizer=OptimizerConfig(learning_rate=3e-3, total_steps=4,
+                                                              schedule="constant"))
+    return TrainConfig(**{**settings, **changes})
+
+
+@pytest.fixture(scope="module")
+def runs(folders):
+    """Four steps straight (a checkpoint at step 2), then a run from a copy of that checkpoint and of the cache."""
+    root, _ = folders
+    straight = run(_config(root, output_dir=root / "a", checkpoint_every=2))
+    (root / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(root / "a" / "checkpoints" / "2", root / "b" / "checkpoints" / "2")
+    shutil.copytree(root / "a" / "cache", root / "b" / "cache")
+    shutil.copy(root / "a" / "config.json", root / "b" / "config.json")
+    resumed = run(_config(root, output_dir=root / "b", checkpoint_every=2))
+    return straight, resumed
+
+
+def _cache(root) -> dict[str, np.ndarray]:
+    return {k: np.load(root / "a" / "cache" / f"{k}.npy") for k in WanFlowMatching.batch_keys(cached=True)}
+
+
+def _leaves(tree):
+    return [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+            for x in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(scope="module")
+def single(folders, runs):
+    """The bundle as a run builds it on one device (no mesh, no remat), its trainable half as loaded and as trained
+    (the sharded run's params brought to the host), and the frozen half."""
+    root, _ = folders
+    (state, _, _), _ = runs
+    setup = build(_config(root, mesh=None, remat=Remat.NONE))
+    initial, frozen = eqx.partition(setup.model, setup.model.trainable())
+    trained = jax.tree.unflatten(jax.tree.structure(initial), [np.asarray(x) for x in jax.tree.leaves(state.params)])
+    return setup, initial, frozen, trained
+
+
+def test_wan_trains_both_experts_the_loss_falls_and_resume_is_exact(folders, runs, single):
+    """The cache holds diffusers' UMT5 embeddings of the captions (mask, zero padding) and video posteriors; both
+    experts train, sharded; their loss on the cached clip at fixed draws falls; the resumed run is exact."""
+    root, pipe = folders
+    (state, frozen, losses), (resumed, _, resumed_losses) = runs
+    cache = _cache(root)
+    with torch.no_grad():
+        embeds, _ = pipe.encode_prompt(["a red cat"] * 4, do_classifier_free_guidance=False,
+                                       max_sequence_length=TEXT_LENGTH)
+    assert_close(cache["encoder_hidden_states"], embeds.numpy(), 1e-4, "cached UMT5 embeddings")
+    assert cache["latent_mean"].shape == (4, 3, 2, 2, 16) and np.all(cache["latent_std"] > 0)
+
+    assert len(losses) == 4 and all(np.isfinite(losses)) and int(state.step) == 4
+    assert resumed_losses == losses[2:] and int(resumed.step) == 4
+    for a, b in zip(_leaves(resumed), _leaves(state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for name in ("transformer", "transformer_2"):
+        params = jax.tree.leaves(getattr(state.params, name))
+        assert params and any(not x.sharding.is_fully_replicated for x in params), name
+    assert frozen.text_encoder is None and frozen.null_embeds is not None and frozen.boundary == 875.0
+
+    setup, initial, frozen_one, trained = single
+    loss = eqx.filter_jit(lambda p, b, k: batch_loss(p, frozen_one, b, k, scheduler=setup.noise_scheduler,
+                                                     objective=_config(root).objective))
+    batch = {k: jnp.asarray(v) for k, v in cache.items()}
+    keys = jax.random.split(jax.random.key(11), 6)
+    before = np.mean([float(loss(initial, batch, k)) for k in keys])
+    after = np.mean([float(loss(trained, batch, k)) for k in keys])
+    assert after < 0.9 * before, (before, after)
+
+
+def test_export_loads_in_diffusers_and_its_experts_equal_ours(folders, single):
+    """diffusers' ``WanPipeline`` loads the export with both experts and the boundary; each expert gives our trained
+    expert's output on the same latents, timestep and text (1e-4)."""
+    from diffusers import WanPipeline
+
+    root, pipe = folders
+    _, _, frozen, trained = single
+    exported = WanPipeline.from_pretrained(root / "a" / "pipeline")
+    assert exported.config.boundary_ratio == 0.875 and exported.transformer_2 is not None
+    ours = eqx.combine(trained, frozen)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 3, 2, 2, 16)).astype(np.float32)
+    text = rng.standard_normal((1, TEXT_LENGTH, tiny.TEXT_DIM)).astype(np.float32)
+    for name, t in (("transformer", 950.0), ("transformer_2", 300.0)):
+        with torch.no_grad():
+            want = getattr(exported, name)(torch.from_numpy(np.moveaxis(x, -1, 1)), torch.tensor([t]),
+                                           torch.from_numpy(text)).sample.numpy()
+        got = jax.device_get(getattr(ours, name)(jnp.asarray(x), jnp.asarray([t]), jnp.asarray(text)))
+        assert_close(got, np.moveaxis(want, 1, -1), 1e-4, name)
+        original = getattr(pipe, name).state_dict()
+        assert any(not torch.equal(v, original[k]) for k, v in getattr(exported, name).state_dict().items()), name
+
+
+def test_expert_options_pick_the_trained_expert_and_its_timesteps(folders):
+    """``family.expert``: high trains ``transformer`` on t >= 875 only, low ``transformer_2`` below (the training
+    schedule restricted, in order), both both on all; a one-transformer folder refuses high/low."""
+    root, _ = folders
+    for expert, trained in (("high", "transformer"), ("low", "transformer_2"), ("both", None)):
+        setup = build(_config(root, mesh=None, family=WanOptions(expert=expert, max_sequence_length=TEXT_LENGTH)))
+        spec = setup.model.trainable()
+        for name in ("transformer", "transformer_2"):
+            marked = any(jax.tree.leaves(getattr(spec, name)))
+            assert marked == (trained in (None, name)), (expert, name)
+        timesteps, sigmas = setup.noise_scheduler.training_schedule()
+        assert len(timesteps) == 1000 and np.all(np.diff(timesteps) <= 0)
+        if expert == "high":
+            assert timesteps.min() >= 875 and timesteps.max() > 990
+        elif expert == "low":
+            assert timesteps.max() < 875 and timesteps.min() < 10
+        else:
+            assert timesteps.min() < 10 and timesteps.max() > 990
+        np.testing.assert_allclose(sigmas * 1000, timesteps, rtol=1e-6)
+    assert isinstance(setup.noise_scheduler, ExpertTimesteps) and setup.noise_scheduler.config.shift == 3.0
+    with pytest.raises(ValueError, match="expert='sideways'; choose one of"):
+        WanOptions(expert="sideways")
+    one = build(_config(root, mesh=None)).model
+    with pytest.raises(ValueError, match="this folder has one transformer"):
+        WanFlowMatching(transformer=one.transformer, transformer_2=None, text_encoder=None, vae=None,
+                        null_input_ids=one.null_input_ids, options=WanOptions(expert="low"))
