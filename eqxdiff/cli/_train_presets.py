@@ -7,9 +7,18 @@ DreamBooth (``dreambooth-*``)."""
 import dataclasses
 from pathlib import Path
 
+from ..data import FrameSampling
 from ..data.digits import DIGIT_NAMES
 from ..parallel import MeshConfig, Remat
-from ..train import DigitsArchitecture, FluxOptions, LoraConfig, Objective, OptimizerConfig, TrainConfig
+from ..train import (
+    DigitsArchitecture,
+    FluxOptions,
+    LoraConfig,
+    Objective,
+    OptimizerConfig,
+    TrainConfig,
+    WanOptions,
+)
 
 SD15 = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 SDXL = "stabilityai/stable-diffusion-xl-base-1.0"
@@ -55,6 +64,18 @@ def _dreambooth(config: TrainConfig, name: str, **changes) -> TrainConfig:
 
 
 _LORA_FLUX = LoraConfig(rank=4, targets=("attention", "mlp"))  # diffusers' Flux targets: attention and feed-forward
+
+
+def _wan(model: str, name: str, *, resolution: int, frames: int, batch_size: int, context: int,
+         **changes) -> TrainConfig:
+    """A Wan text-to-video preset: :func:`_large`'s FSDP, remat and caching, clips of ``frames`` frames at
+    ``resolution`` (square), ``batch_size`` clips a step over the devices' data x fsdp axes with ``context`` of them
+    splitting each clip's tokens (context parallel: a fraction of a clip per device), Wan's own sampling."""
+    mesh = MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1, ici_context_parallelism=context)
+    return dataclasses.replace(
+        _large(model, name, resolution=resolution, steps=5000, learning_rate=1e-5, sample_steps=50,
+               sample_guidance_scale=5.0, **changes),
+        frames=FrameSampling(count=frames), batch_size=batch_size, mesh=mesh)
 
 
 # name: (description, config). A family's own options are its preset's ``family`` (--family.*).
@@ -155,4 +176,30 @@ PRESETS = {
                            lora=_LORA_FLUX, objective=Objective(weighting_scheme="none"),
                            family=FluxOptions(guidance_scale=3.5, max_sequence_length=512), sample_steps=28,
                            sample_guidance_scale=3.5), "dreambooth-flux")),
+    "wan2.1-1.3b": (
+        ("Flow-matching fine-tuning of Wan 2.1 T2V 1.3B on video clips (--data: a folder of mp4/webm/gif clips with "
+         "captions; --frames.count / --frames.stride / --frames.start pick each clip's frames, 81 = 5 s at 16 fps) "
+         "at 480 px: latents and UMT5 embeddings cached, FSDP over every device with remat, one clip per device."),
+        _wan("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan2.1-1.3b", resolution=480, frames=81, batch_size=8, context=1,
+             family=WanOptions())),
+    "wan2.1-14b": (
+        ("Flow-matching fine-tuning of Wan 2.1 T2V 14B on video clips (--data, --frames.*) at 720 px: latents and "
+         "UMT5 embeddings cached, FSDP over the devices with each clip's tokens split over 2 (context parallel): 4 "
+         "clips a step, half a clip per device on 8; full remat (--remat offload_dots keeps the matmuls in host "
+         "memory instead)."),
+        _wan("Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan2.1-14b", resolution=720, frames=81, batch_size=4, context=2,
+             family=WanOptions())),
+    "wan2.2-a14b": (
+        ("Flow-matching fine-tuning of both experts of Wan 2.2 T2V A14B, each on its own timesteps (transformer at "
+         "t >= boundary_ratio x 1000, transformer_2 below; --family.expert high / low trains one, on its range "
+         "only) on video clips (--data, --frames.*) at 720 px: latents and UMT5 embeddings cached, FSDP with "
+         "context parallel 2 and full remat, 4 clips a step."),
+        _wan("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan2.2-a14b", resolution=720, frames=81, batch_size=4, context=2,
+             family=WanOptions(expert="both"))),
+    "wan2.2-ti2v-5b": (
+        ("Flow-matching fine-tuning of Wan 2.2 TI2V 5B (text-to-video) on video clips (--data, --frames.*) at "
+         "704 px and 121 frames (5 s at its 24 fps): latents (the 2.2 VAE, 16x) and UMT5 embeddings cached, FSDP "
+         "with context parallel 2 and full remat, 4 clips a step."),
+        _wan("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "wan2.2-ti2v-5b", resolution=704, frames=121, batch_size=4,
+             context=2, family=WanOptions())),
 }
