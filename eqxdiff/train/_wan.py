@@ -14,8 +14,8 @@ noise) at the timesteps ``t >= boundary_ratio * 1000`` and ``transformer_2`` bel
 range (:class:`WanOptions`' ``expert``):
 
 - ``both`` (default): both train in one run. Timesteps are drawn over the whole schedule and each sample goes to the
-  expert of its timestep; a batch whose samples are all on one side runs that expert alone (``lax.cond``), a mixed
-  one runs both and keeps each sample's. Both experts' weights and optimizer states are trained (FSDP shards them).
+  expert of its timestep: each expert runs on the batch only when one of its samples is there (``lax.cond``; one
+  program holds each expert once), and each sample keeps its expert's output. Both experts' weights and optimizer states are trained (FSDP shards them).
 - ``high`` / ``low``: one expert trains, its timesteps drawn from its own range only (the training schedule
   restricted to it: :class:`ExpertTimesteps`); the other rides along frozen (it is in the export). Two such runs
   (the second from the first's export) train both with half the optimizer state each.
@@ -142,11 +142,10 @@ class WanFlowMatching(TrainModel):
         if self.options.expert == "low":
             return low()
         is_high = t >= self.boundary
-
-        def mixed():
-            return jnp.where(is_high.reshape((-1,) + (1,) * (x.ndim - 1)), high(), low())
-
-        return jax.lax.cond(jnp.all(is_high), high, lambda: jax.lax.cond(jnp.any(is_high), mixed, low))
+        zeros = jnp.zeros(x.shape[:-1] + (self.transformer.config.output_channels,), x.dtype)  # an expert not needed
+        out_high = jax.lax.cond(jnp.any(is_high), high, lambda: zeros)
+        out_low = jax.lax.cond(jnp.all(is_high), lambda: zeros, low)
+        return jnp.where(is_high.reshape((-1,) + (1,) * (x.ndim - 1)), out_high, out_low)
 
     def trainable(self, *, train_text_encoder: bool = False, train_vae: bool = False):
         """The shared filter, with the experts ``family.expert`` trains (``both``: each one the folder has)."""
