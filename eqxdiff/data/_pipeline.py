@@ -39,6 +39,14 @@ def _host_shard(shard_options) -> tuple[int, int, bool]:
     return index, count, shard_options.drop_remainder
 
 
+def transform_for(source, images: ImageCaptionTransform):
+    """The transform of ``source``'s records: ``images`` (tokenizers, size, crops, flips), or, for a source whose
+    records are not images, what its ``record_transform(images)`` makes of it (``VideoFolderSource``: clips,
+    ``pixel_values`` ``[frames, height, width, 3]``)."""
+    make = getattr(source, "record_transform", None)
+    return images if make is None else make(images)
+
+
 def make_dataset(
     source,
     *,
@@ -63,10 +71,7 @@ def make_dataset(
 
     Args:
         source: a source (``ImageFolderSource``, ``HFDatasetSource``, ``TFRecordSource``, ``SyntheticSource``,
-            or any grain random-access source of raw records). A source whose records are not images
-            (``VideoFolderSource``) has ``record_transform(image_transform)``, which gives the transform of its
-            records from the image one (tokenizers, size, crops, flips): its batches' ``pixel_values`` are then
-            ``[b, frames, height, width, 3]``.
+            or any grain random-access source of raw records; clips: ``VideoFolderSource``, see :func:`transform_for`).
         tokenizer: the model's tokenizer (``transformers``); captions padded to its ``model_max_length``. A model
             with several text encoders gives ``{batch key: tokenizer}`` (``input_ids``, ``input_ids_2``).
         batch_size: the global batch size, over all hosts.
@@ -94,10 +99,8 @@ def make_dataset(
     if batch_size % count:
         raise ValueError(f"batch_size={batch_size} must be divisible by the number of hosts ({count})")
     host_batch = batch_size // count
-    transform = ImageCaptionTransform(tokenizer, resolution, center_crop, random_flip, interpolation,
-                                      image_keys, max_length)
-    if hasattr(source, "record_transform"):  # a source of other records (video clips) adapts the image transform
-        transform = source.record_transform(transform)
+    transform = transform_for(source, ImageCaptionTransform(tokenizer, resolution, center_crop, random_flip,
+                                                            interpolation, image_keys, max_length))
     if len(source) == 0:
         raise DataError(f"empty dataset: {source!r} has no examples")
 
