@@ -185,7 +185,8 @@ def test_wan_trains_both_experts_the_loss_falls_and_resume_is_exact(folders, run
 
 def test_export_loads_in_diffusers_and_its_experts_equal_ours(folders, single):
     """diffusers' ``WanPipeline`` loads the export with both experts and the boundary; each expert gives our trained
-    expert's output on the same latents, timestep and text (1e-4)."""
+    expert's output on the same latents, timestep and text (1e-4), and the bundle's ``denoise`` gives each sample of a
+    batch across the boundary its expert's."""
     from diffusers import WanPipeline
 
     root, pipe = folders
@@ -196,14 +197,20 @@ def test_export_loads_in_diffusers_and_its_experts_equal_ours(folders, single):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1, 3, 2, 2, 16)).astype(np.float32)
     text = rng.standard_normal((1, TEXT_LENGTH, tiny.TEXT_DIM)).astype(np.float32)
+    wants = []
     for name, t in (("transformer", 950.0), ("transformer_2", 300.0)):
         with torch.no_grad():
             want = getattr(exported, name)(torch.from_numpy(np.moveaxis(x, -1, 1)), torch.tensor([t]),
                                            torch.from_numpy(text)).sample.numpy()
+        wants.append(np.moveaxis(want, 1, -1))
         got = jax.device_get(getattr(ours, name)(jnp.asarray(x), jnp.asarray([t]), jnp.asarray(text)))
-        assert_close(got, np.moveaxis(want, 1, -1), 1e-4, name)
+        assert_close(got, wants[-1], 1e-4, name)
         original = getattr(pipe, name).state_dict()
         assert any(not torch.equal(v, original[k]) for k, v in getattr(exported, name).state_dict().items()), name
+    # the training denoiser sends each sample of a mixed batch to the expert of its timestep (boundary 875)
+    routed = ours.denoise(jnp.asarray(np.concatenate([x, x])), jnp.asarray([950.0, 300.0]),
+                          {"encoder_hidden_states": jnp.asarray(np.concatenate([text, text]))})
+    assert_close(jax.device_get(routed), np.concatenate(wants), 1e-4, "denoise of a mixed batch")
 
 
 def test_expert_options_pick_the_trained_expert_and_its_timesteps(folders):

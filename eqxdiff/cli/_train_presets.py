@@ -70,12 +70,13 @@ def _wan(model: str, name: str, *, resolution: int, frames: int, batch_size: int
          **changes) -> TrainConfig:
     """A Wan text-to-video preset: :func:`_large`'s FSDP, remat and caching, clips of ``frames`` frames at
     ``resolution`` (square), ``batch_size`` clips a step over the devices' data x fsdp axes with ``context`` of them
-    splitting each clip's tokens (context parallel: a fraction of a clip per device), Wan's own sampling."""
+    splitting each clip's tokens (context parallel: a fraction of a clip per device); one video sample at the end
+    (Wan's 50 steps at guidance 5: minutes for the 14B models; --sample-every N takes them during the run too)."""
     mesh = MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1, ici_context_parallelism=context)
     return dataclasses.replace(
         _large(model, name, resolution=resolution, steps=5000, learning_rate=1e-5, sample_steps=50,
                sample_guidance_scale=5.0, **changes),
-        frames=FrameSampling(count=frames), batch_size=batch_size, mesh=mesh)
+        frames=FrameSampling(count=frames), batch_size=batch_size, mesh=mesh, sample_every=0)
 
 
 # name: (description, config). A family's own options are its preset's ``family`` (--family.*).

@@ -1,4 +1,5 @@
-"""``eqxdiff-train`` (and ``python scripts/train.py``): train or fine-tune a Stable Diffusion, SDXL or Flux model.
+"""``eqxdiff-train`` (and ``python scripts/train.py``): train or fine-tune a Stable Diffusion, SDXL, Flux or Wan
+model.
 
     eqxdiff-train digits                                  # the shipped digits model, from scratch
     eqxdiff-train sd15 --data path/to/folder --steps 2000 # fine-tune SD 1.5 on captioned images
@@ -63,9 +64,9 @@ from ._command import (
 from ._numbers import field_types, number_error
 from ._train_presets import PRESETS
 
-DESCRIPTION = ("Train or fine-tune a Stable Diffusion, SDXL or Flux model: every field of eqxdiff.train.TrainConfig "
-               "is a flag, a preset sets the defaults. A run resumes from the checkpoints in its --output-dir "
-               f"(--resume says which settings may change). {CACHE_HELP} {DEBUG_HELP}")
+DESCRIPTION = ("Train or fine-tune a Stable Diffusion, SDXL, Flux or Wan model: every field of "
+               "eqxdiff.train.TrainConfig is a flag, a preset sets the defaults. A run resumes from the checkpoints in "
+               f"its --output-dir (--resume says which settings may change). {CACHE_HELP} {DEBUG_HELP}")
 MEMORY_HINT = ("a smaller --batch-size (with --optimizer.accumulation-steps to keep the effective batch), a smaller "
                "--resolution, --remat FULL, --no-cache with a large dataset, or shard over more devices "
                "(--mesh.ici-fsdp-parallelism -1)")
