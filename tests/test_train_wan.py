@@ -17,7 +17,9 @@ import torch
 from PIL import Image
 
 from eqxdiff.data import DataError, FrameSampling, VideoFolderSource, holds_videos, read_frames
+from eqxdiff.cli import train as train_cli
 from eqxdiff.parallel import MeshConfig, Remat
+from eqxdiff.pipelines import InputError
 from eqxdiff.pipelines import write_video
 from eqxdiff.train import OptimizerConfig, TrainConfig, WanFlowMatching, WanOptions, batch_loss, build, run
 from eqxdiff.train._sources import open_source
@@ -239,3 +241,18 @@ def test_expert_options_pick_the_trained_expert_and_its_timesteps(folders):
     with pytest.raises(ValueError, match="this folder has one transformer"):
         WanFlowMatching(transformer=one.transformer, transformer_2=None, text_encoder=None, vae=None,
                         null_input_ids=one.null_input_ids, options=WanOptions(expert="low"))
+
+
+def test_eqxdiff_train_checks_the_clips_against_the_folder_before_loading(folders, tmp_path):
+    """``eqxdiff-train wan2.1-1.3b --model FOLDER --data CLIPS``: a frame count the VAE cannot take (not 4k + 1) or a
+    size the VAE and the transformer's patches cannot take is refused, naming the flag and a value that fits."""
+    root, _ = folders
+    argv = ["wan2.1-1.3b", "--model", str(root / "pipe"), "--data", str(root / "clips"), "--output-dir",
+            str(tmp_path / "run"), "--resolution", "16", "--frames.count", "9"]
+    config = train_cli.validate(argv)
+    assert config.frames == FrameSampling(count=9) and type(config.family) is WanOptions
+    with pytest.raises(InputError, match=r"^--frames.count 8 must be 1 \+ 4k .*; try --frames.count 5 or 9$"):
+        train_cli.validate([*argv, "--frames.count", "8"])
+    with pytest.raises(InputError, match=r"^--resolution 24 must be a multiple of 16 \(the VAE downsamples by 8 and "
+                       r"the transformer takes 2x2 patches\); try --resolution 16$"):
+        train_cli.validate([*argv, "--resolution", "24"])

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import tyro
 
-from ..data import character_tokenizer
+from ..data import character_tokenizer, holds_videos
 from ..loading import PACKAGED_MODELS, read_config, resolve_folder
 from ..pipelines import InputError
 from ..train import (
@@ -61,6 +61,7 @@ from ._command import (
     run_command,
     split_cache_flags,
 )
+from ._generate_flags import config_reader, pipeline_class
 from ._numbers import field_types, number_error
 from ._train_presets import PRESETS
 
@@ -187,6 +188,7 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
                              f"another folder (copy the exported pipeline over {os.fspath(PACKAGED_MODELS[shipped])} "
                              "yourself to replace the shipped model)")
     _check_family(config)
+    _check_clips(config)
     try:  # an earlier run in --output-dir trained with other settings: refused now, not after minutes of loading
         resume_point(config)
         if config.model is None:
@@ -220,6 +222,24 @@ def _vae_factor(model: str) -> int | None:
         return None
     vae = read_config(resolve_folder(model, "vae"))
     return 2 ** (len(vae.get("block_out_channels", (0,) * 4)) - 1)
+
+
+def _check_clips(config: TrainConfig) -> None:
+    """For a ``--data`` folder of clips and a local ``--model`` folder: the clips' frame count and size are ones its
+    VAE and transformer take (the pipeline's limits, read from the folder's configs), before anything is loaded."""
+    if config.model is None or not _local(config.model) or not config.data or not Path(config.data).is_dir() \
+            or not holds_videos(config.data):
+        return
+    limits = pipeline_class(config.model).folder_limits(config_reader(config.model))
+    f, count = limits.frame_factor, config.frames.count
+    if f and (count - 1) % f:
+        low = 1 + (count - 1) // f * f
+        raise InputError(f"--frames.count {count} must be 1 + {f}k (the VAE keeps the first frame and compresses "
+                         f"each {f} after it into one latent frame); try --frames.count {low} or {low + f}")
+    size = limits.size_factor
+    if size and config.resolution % size:
+        raise InputError(f"--resolution {config.resolution} must be a multiple of {size} ({limits.why_size()}); "
+                         f"try --resolution {max(size, config.resolution // size * size)}")
 
 
 def _check_family(config: TrainConfig) -> None:
