@@ -16,8 +16,8 @@ reusing the class images. Its assertions:
   prior preservation's batch weights make the loss the instance loss plus prior_loss_weight times the class loss.
 
 DoRA's file (PEFT's magnitude, kohya's ``dora_scale``) is checked the same way on adapters with random values (no
-training: the writer is the same). Not here: SDXL's and Flux's writers (SGM and Black Forest Labs' fused layouts)
-in training runs."""
+training: the writer is the same). SDXL's and Flux's files (SGM and Black Forest Labs' fused layouts) and their
+training runs: tests/test_train_lora_families.py."""
 
 import dataclasses
 import shutil

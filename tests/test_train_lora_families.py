@@ -5,7 +5,8 @@ how the file names the layers), saved as PEFT and as kohya's layout: SDXL's UNet
 (``lora_unet_input_blocks_4_1_...``), Flux's transformer in Black Forest Labs' names, where one LoRA spans the fused
 ``qkv`` / ``linear1`` rows of several layers (downs stacked, ups block diagonal). Each file, loaded into the family's
 pipeline, gives the training bundle's output: the denoiser on the text encoders' conditioning of a prompt, through
-the bundle's own ``condition`` and ``denoise`` (<= 1e-4 of the output's scale), and it moved the output."""
+the bundle's own ``condition`` and ``denoise`` (<= 1e-4 of the output's scale), and it moved the output. Then a
+two-step LoRA training run per family (``slow``): only the adapters train, and diffusers and eqxdiff read its file."""
 
 import dataclasses
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import eqxdiff
+from eqxdiff.loading import state_dict, without_adapters
 from eqxdiff.loading.lora import read_lora
 from eqxdiff.train import FluxFlowMatching, LoraConfig, SDXLLatentDiffusion, add_lora, lora_filter, save_lora
 
@@ -82,3 +84,64 @@ def test_peft_and_kohya_files_of_a_trained_lora_load_to_the_same_model(family, t
             _close(np.asarray(_output(loaded, *inputs)), expected, f"{family}: the {fmt} file loaded")
         finally:
             pipe.delete_adapters(fmt)
+
+
+def _images(folder, size: int, n: int = 4) -> None:
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(2)
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(f"a {'red green blue gold'.split()[i]} fox")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_lora_training_run_writes_what_diffusers_reads(family, tmp_path):
+    """``train.run`` with ``lora=`` on the family's tiny folder, two steps: only the adapters changed (every weight
+    of the loaded models bit-identical), they moved the output, and the PEFT file it wrote loads in diffusers'
+    pipeline's denoiser with every key used (no unexpected / missing keys notice) and in eqxdiff's, where it gives the
+    trained bundle's output (<= 1e-4)."""
+    import logging
+
+    import diffusers
+
+    from eqxdiff.train import FluxOptions, OptimizerConfig, TrainConfig, run
+
+    build, bundle_class, size, _ = FAMILIES[family]
+    build(tmp_path / "pipe")
+    _images(tmp_path / "images", size)
+    lora = dataclasses.replace(LORA, text_encoders=False, targets=("attention",))
+    config = TrainConfig(model=str(tmp_path / "pipe"), data=str(tmp_path / "images"), resolution=size, batch_size=2,
+                         steps=2, lora=lora, output_dir=tmp_path / "run", random_flip=False, log_every=1,
+                         progress=False, export_scheduler=None, sample_every=0,
+                         optimizer=OptimizerConfig(learning_rate=3e-2, schedule="constant", total_steps=2),
+                         **({"family": FluxOptions(max_sequence_length=24)} if family == "flux" else {}))
+    state, frozen, _ = run(config)
+    trained = state.model(frozen)
+    pipe = eqxdiff.load_pipeline(tmp_path / "pipe")
+    base = bundle_class.from_pipeline(pipe)[0]
+    denoiser, held = without_adapters(getattr(trained, trained.DENOISER))
+    assert held > 0
+    ours, loaded = state_dict(denoiser), state_dict(getattr(base, base.DENOISER))
+    assert ours.keys() == loaded.keys() and all(np.array_equal(ours[k], loaded[k]) for k in ours)
+    inputs = _inputs(base, size)
+    expected = np.asarray(_output(trained, *inputs))
+    assert np.max(np.abs(expected - np.asarray(_output(base, *inputs)))) > 1e-3 * np.max(np.abs(expected))
+    file = tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors"
+    pipe.load_lora_weights(file, adapter_name="trained")  # strict: every key adapts a layer
+    _close(np.asarray(_output(bundle_class.from_pipeline(pipe)[0], *inputs)), expected, f"{family}: the file")
+
+    notices = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notices.append(record.getMessage())
+    logger = logging.getLogger("diffusers")
+    logger.addHandler(handler)
+    try:
+        ref = diffusers.DiffusionPipeline.from_pretrained(tmp_path / "pipe")
+        ref.load_lora_weights(str(file), adapter_name="trained")
+    finally:
+        logger.removeHandler(handler)
+    assert ref.get_active_adapters() == ["trained"] and "trained" in getattr(ref, base.DENOISER).peft_config
+    assert not [n for n in notices if "unexpected keys" in n or "missing keys" in n], notices
