@@ -397,7 +397,8 @@ def test_family_options_are_flags_of_their_presets(capsys):
                        r"preset's family takes none$"):
         train.parse(["sd15", "--guidance-scale", "3"])
     with pytest.raises(train.FlagError, match=r"^--family.max-sequence-length is a family option of the flux-dev, "
-                       r"flux-schnell, lora-flux and dreambooth-flux presets; the sdxl preset's family takes none$"):
+                       r"flux-schnell, lora-flux, dreambooth-flux, wan2.1-1.3b, wan2.1-14b, wan2.2-a14b and "
+                       r"wan2.2-ti2v-5b presets; the sdxl preset's family takes none$"):
         train.parse(["sdxl", "--family.max-sequence-length", "77"])
     assert train.field_flags(train.PRESETS["flux-dev"][1])["max_sequence_length"] == "--family.max-sequence-length"
     assert "max_sequence_length" not in train.FIELD_FLAGS and "guidance_scale" not in train.FIELD_FLAGS
