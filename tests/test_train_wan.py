@@ -1,11 +1,12 @@
 """Wan training on the shared train stack (issue 20, Training): the video folder reader (clips written by the MP4
-writer and as a GIF: frames, stride, count, start; missing, corrupt and short clips), then ``train.run`` on a tiny Wan
-2.2 A14B-style folder (two experts, boundary 0.875: tests/_tiny_wan.py) from a folder of one repeated clip, latents
-and UMT5 embeddings cached, both experts trained on an FSDP 4 x context 2 mesh of the 8 simulated devices (a batch
+writer and as a GIF: frames, stride, count, start; missing, corrupt and short clips; a Hugging Face dataset of clips
+read as the folder), then ``train.run`` on a tiny Wan 2.2 A14B-style folder (two experts, boundary 0.875:
+tests/_tiny_wan.py) from a folder of one repeated clip, latents and UMT5 embeddings cached, both experts trained on an FSDP 4 x context 2 mesh of the 8 simulated devices (a batch
 of 4 videos: half a video per device) with full remat: the cached embeddings are diffusers'
 ``encode_prompt``, the loss falls, a resumed run continues exactly, and diffusers' ``WanPipeline`` loads the export,
 whose experts equal ours on the same inputs. One compiled step program serves both runs."""
 
+import dataclasses
 import shutil
 
 import equinox as eqx
@@ -16,7 +17,17 @@ import pytest
 import torch
 from PIL import Image
 
-from eqxdiff.data import DataError, FrameSampling, VideoFolderSource, holds_videos, read_frames
+from eqxdiff.data import (
+    DataError,
+    FrameSampling,
+    HFDatasetSource,
+    HFVideoDatasetSource,
+    VideoFolderSource,
+    character_tokenizer,
+    holds_videos,
+    make_dataset,
+    read_frames,
+)
 from eqxdiff.cli import train as train_cli
 from eqxdiff.parallel import MeshConfig, Remat
 from eqxdiff.pipelines import InputError
@@ -91,6 +102,55 @@ def test_video_folder_source_checks_every_clip(tmp_path):
     (tmp_path / "short.txt").unlink()
     with pytest.raises(DataError, match=r"short\.mp4: missing caption"):
         VideoFolderSource(tmp_path, frames=FrameSampling(count=5))
+
+
+def test_hf_dataset_of_clips_reads_as_the_folder_does(tmp_path):
+    """``hf_dataset`` whose ``video`` column holds clips (a path relative to the saved dataset, an absolute one,
+    embedded bytes) opens as clips with the run's frames; its batches equal the folder source's; bad rows are named."""
+    import datasets
+
+    folder, saved = tmp_path / "folder", tmp_path / "saved"
+    folder.mkdir()
+    for name, levels in (("a", LEVELS), ("b", LEVELS[::-1])):
+        write_video(_grey_clip(levels, (16, 24)), folder / f"{name}.mp4", fps=8, quality=10)
+        (folder / f"{name}.txt").write_text(f"clip {name}")
+    rows = {"video": ["clips/a.mp4", str(folder / "b.mp4")], "text": ["clip a", "clip b"]}
+    datasets.Dataset.from_dict(rows).save_to_disk(saved)
+    (saved / "clips").mkdir()
+    shutil.copy(folder / "a.mp4", saved / "clips" / "a.mp4")
+    frames = FrameSampling(count=3, stride=2, start=1)
+    config = TrainConfig(model="m", hf_dataset=str(saved), frames=frames, batch_size=2, resolution=16)
+    kind, source = open_source(config)
+    assert kind == "source" and type(source) is HFVideoDatasetSource and source.frames == frames
+    assert source[0]["video"] == str(saved / "clips" / "a.mp4") and source[1]["caption"] == "clip b"
+
+    def batch(src):
+        return next(iter(make_dataset(src, tokenizer=character_tokenizer(16), batch_size=2, resolution=16,
+                                      shuffle=False, random_flip=False)))
+
+    got, want = batch(source), batch(VideoFolderSource(folder, frames=frames))
+    assert got["pixel_values"].shape == (2, 3, 16, 16, 3)
+    np.testing.assert_array_equal(got["pixel_values"], want["pixel_values"])
+    np.testing.assert_array_equal(got["input_ids"], want["input_ids"])
+    embedded = datasets.Dataset.from_dict({"video": [{"path": "b.mp4", "bytes": (folder / "b.mp4").read_bytes()}],
+                                           "text": ["clip b"]})
+    cached = HFVideoDatasetSource(embedded, frames=frames, cache_dir=tmp_path / "cache")
+    np.testing.assert_array_equal(read_frames(cached[0]["video"], frames), read_frames(folder / "b.mp4", frames))
+
+    Image.fromarray(_grey_clip([0])[0]).save(folder / "still.png")  # an image dataset still opens as images
+    still = datasets.Dataset.from_dict({"image": [str(folder / "still.png")], "text": ["a still"]})
+    still.save_to_disk(tmp_path / "im")
+    kind, images = open_source(dataclasses.replace(config, hf_dataset=str(tmp_path / "im"), batch_size=1))
+    assert type(images) is HFDatasetSource and images[0]["image"].endswith("still.png")
+
+    with pytest.raises(DataError, match=r"missing column: image_column='clip' .* columns are \['video', 'text'\]"):
+        HFVideoDatasetSource(saved, video_column="clip", frames=frames)
+    rows["video"].append("clips/gone.mp4")
+    rows["text"].append("gone")
+    datasets.Dataset.from_dict(rows).save_to_disk(tmp_path / "bad")  # its clips/ folder is missing
+    with pytest.raises(DataError, match=r"(?s)3 problem.*row 0 \(clips/a.mp4\): video file .*not found.*"
+                                       r"row 1 .*b.mp4 has 12 frames; .* needs 13.*row 2 \(clips/gone.mp4\)"):
+        open_source(dataclasses.replace(config, hf_dataset=str(tmp_path / "bad"), frames=FrameSampling(7, 2)))
 
 
 # -- training ------------------------------------------------------------------------------------------------------

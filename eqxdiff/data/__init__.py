@@ -1,7 +1,7 @@
 """Data sources and input pipelines.
 
 Sources (``len`` + ``[i]`` of raw image/caption records, checked when built): ``ImageFolderSource``,
-``HFDatasetSource``, ``TFRecordSource``, ``SyntheticSource``; ``VideoFolderSource`` for clips (``FrameSampling``:
+``HFDatasetSource``, ``TFRecordSource``, ``SyntheticSource``; ``VideoFolderSource`` and ``HFVideoDatasetSource`` for clips (``FrameSampling``:
 count, stride, start; ``pixel_values`` ``[batch, frames, height, width, 3]``). ``make_dataset`` turns one into a
 grain stream of ``{"pixel_values": float32 [batch, height, width, 3] in [-1, 1], "input_ids": int32 [batch,
 seq]}`` whose iterator has ``get_state()``/``set_state()``; ``to_global_batch`` puts a host batch on a mesh
@@ -12,6 +12,8 @@ from ._arrays import ArrayBatches as ArrayBatches
 from ._common import DataError as DataError
 from ._folder import ImageFolderSource as ImageFolderSource
 from ._hf import HFDatasetSource as HFDatasetSource
+from ._hf_video import HFVideoDatasetSource as HFVideoDatasetSource
+from ._hf_video import holds_clips as holds_clips
 from ._pipeline import make_dataset as make_dataset
 from ._pipeline import validate_decode as validate_decode
 from ._sharding import to_global_batch as to_global_batch

@@ -1,5 +1,6 @@
 """Hugging Face ``datasets`` as a source: a saved dataset, parquet/json/csv files, an image folder, or a Hub id."""
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -90,8 +91,9 @@ class HFDatasetSource:
                 raise DataError(f"missing column: {role}={column!r} is not a column of {self.where}; "
                                 f"its columns are {ds.column_names}")
         ds = ds.select_columns([image_column, caption_column])
-        if isinstance(ds.features[image_column], datasets.Image):  # decode in the pipeline, errors named there
-            ds = ds.cast_column(image_column, datasets.Image(decode=False))
+        feature = ds.features[image_column]
+        if isinstance(feature, (datasets.Image, datasets.Video)):  # decode in the pipeline, errors named there
+            ds = ds.cast_column(image_column, dataclasses.replace(feature, decode=False))
         require_nonempty(len(ds), self.where, f"split {split!r} has 0 rows")
         self.dataset = ds
         self.base = Path(path) if isinstance(path, (str, os.PathLike)) and Path(path).is_dir() else None
@@ -101,8 +103,14 @@ class HFDatasetSource:
         for start in range(0, len(ds) if check != "index" else 0, 1024):  # in chunks: images may be embedded
             images = list(ds[start : start + 1024][image_column])
             names = [self._name(start + i, image) for i, image in enumerate(images)]
-            problems += image_problems([self._resolve(image) for image in images], names, check)
+            problems += self._media_problems([self._resolve(image) for image in images], names, check)
         raise_problems(problems, self.where)
+
+    record_key = "image"
+    """The key of a record's image (a subclass's media: ``video``)."""
+
+    def _media_problems(self, images: list, names: list[str], check: str) -> list[str]:
+        return image_problems(images, names, check)
 
     def _resolve(self, image):
         if isinstance(image, str) and self.base is not None and not os.path.isabs(image):
@@ -119,7 +127,8 @@ class HFDatasetSource:
     def __getitem__(self, index: int) -> dict:
         row = self.dataset[index]
         image = row[self.image_column]
-        return {"image": self._resolve(image), "caption": row[self.caption_column], "name": self._name(index, image)}
+        return {self.record_key: self._resolve(image), "caption": row[self.caption_column],
+                "name": self._name(index, image)}
 
     def __repr__(self) -> str:
         return f"HFDatasetSource({self.where!r}, {len(self)} rows)"

@@ -107,6 +107,8 @@ def video_problem(path: str, frames: FrameSampling, check: str) -> str | None:
     ``full`` decodes the frames taken."""
     if check == "index":
         return None
+    if not os.path.isfile(path):
+        return f"video file {path} not found"
     try:
         if check == "full":
             read_frames(path, frames)
@@ -121,7 +123,22 @@ def video_problem(path: str, frames: FrameSampling, check: str) -> str | None:
     return None
 
 
-class VideoFolderSource(ImageFolderSource):
+class ClipRecords:
+    """What a source of ``{"video": path, "caption", "name"}`` records shares: its ``frames`` and the transform
+    :func:`eqxdiff.data.make_dataset` gives its records (:meth:`record_transform`)."""
+
+    frames: FrameSampling
+
+    def record_transform(self, images: ImageCaptionTransform) -> "VideoCaptionTransform":
+        """The transform of this source's records: ``images``' (tokenizers, size, crops, flips) on clips of
+        ``frames``."""
+        if images.image_keys:
+            raise ValueError(f"image_keys {list(images.image_keys)} are per-image facts; a clip source records none")
+        fields = {f.name: getattr(images, f.name) for f in dataclasses.fields(images)}
+        return VideoCaptionTransform(**fields, frames=self.frames)
+
+
+class VideoFolderSource(ClipRecords, ImageFolderSource):
     """Clip + caption records from a local folder (``metadata.jsonl``/``metadata.csv``, or ``.txt`` files beside
     the clips), as :class:`~eqxdiff.data.ImageFolderSource` reads images; ``frames``: which frames of each clip
     train. ``check``: ``"index"`` (files and captions), ``"headers"`` (also each clip's frame count from ffmpeg,
@@ -162,14 +179,6 @@ class VideoFolderSource(ImageFolderSource):
 
     def __getitem__(self, index: int) -> dict:
         return {"video": self.paths[index], "caption": self.captions[index], "name": self.paths[index]}
-
-    def record_transform(self, images: ImageCaptionTransform) -> "VideoCaptionTransform":
-        """The transform of this source's records: ``images``' (tokenizers, size, crops, flips) on clips of
-        ``frames``."""
-        if images.image_keys:
-            raise ValueError(f"image_keys {list(images.image_keys)} are per-image facts; a video folder records none")
-        fields = {f.name: getattr(images, f.name) for f in dataclasses.fields(images)}
-        return VideoCaptionTransform(**fields, frames=self.frames)
 
     def __repr__(self) -> str:
         return f"VideoFolderSource({str(self.root)!r}, {len(self)} clips, {self.frames})"

@@ -35,8 +35,9 @@ class TrainConfig:
     hf_split: str = "train"
     """The split of ``hf_dataset`` to train on."""
     image_column: str | None = None
-    """``hf_dataset``'s image column (default ``image``), or the file-name field of an image folder's metadata
-    (default ``file_name``)."""
+    """``hf_dataset``'s image column (default ``image``; ``video`` where the dataset has that and no ``image``: a
+    column of clips trains as a video folder does), or the file-name field of an image folder's metadata (default
+    ``file_name``)."""
     caption_column: str | None = None
     """``hf_dataset``'s caption column, or the caption field of an image folder's metadata (default ``text``)."""
     tfrecord: tuple[str, ...] = ()

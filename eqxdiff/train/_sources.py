@@ -6,10 +6,12 @@ from pathlib import Path
 
 from ..data import (
     HFDatasetSource,
+    HFVideoDatasetSource,
     ImageFolderSource,
     SyntheticSource,
     TFRecordSource,
     VideoFolderSource,
+    holds_clips,
     holds_videos,
     make_dataset,
 )
@@ -45,6 +47,10 @@ def open_source(config: TrainConfig, tokenizer=None):
     if source == "synthetic":
         source = SyntheticSource(max(1024, config.batch_size), height=config.resolution, width=config.resolution,
                                  seed=config.seed)
+    elif source == "hf" and (clips := holds_clips(config.hf_dataset, split=config.hf_split,
+                                                  column=config.image_column)):  # sampled as config.frames says
+        source = HFVideoDatasetSource(config.hf_dataset, split=config.hf_split, frames=config.frames,
+                                      video_column=clips, **{k: v for k, v in columns.items() if k != "image_column"})
     elif source == "hf":
         source = HFDatasetSource(config.hf_dataset, split=config.hf_split, **columns)
     elif source == "tfrecord":
