@@ -31,6 +31,18 @@ jax.config.update("jax_default_matmul_precision", "highest")
 pytest.register_assert_rewrite("tests._parity", "tests._util")
 
 
+def pytest_collection_modifyitems(items):
+    """Mark ``slow`` the checks tests/_slow.py lists (the README's default test command leaves them out)."""
+    import re
+
+    from tests._slow import SLOW
+
+    patterns = [re.compile(p) for p in SLOW.values()]
+    for item in items:
+        if any(p.search(item.nodeid) for p in patterns):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
     """After each test module, drop JAX's caches of compiled programs (a module's tests share theirs; later modules

@@ -1,0 +1,44 @@
+"""The checks marked ``slow`` (``pytest -m "not slow"`` leaves them out), in one place: the suite passed 25 minutes
+on the 2-core CPU machine (25:48 with Wan, LTX-Video, LoRA and their training in it), so its heaviest checks whose
+subject another, lighter check also covers run in the full command only (README: Test). Each entry: why, and the
+test ids it matches (regular expressions searched in the node id). Measured with ``pytest --durations=0``; what a
+line takes there in parentheses."""
+
+SLOW: dict[str, str] = {
+    # float32 parity against the reference is the proof; a bf16 run only shows the model runs in bf16 (62 s, 41 tests)
+    "bfloat16 runs of the model parity classes": r"::test_bfloat16_run$",
+    # the float32 cases of the same kernels and masks stay (36 s, 20 tests)
+    "bfloat16 cases of the attention kernels": r"^tests/test_attention\.py::.*bfloat16",
+    # one device against a mesh: each family's model and pipeline mesh tests stay (62 s)
+    "the remat / offload strategies and the SD pipeline on a mesh":
+        r"^tests/test_parallel\.py::(test_strategy_equals_single_device|test_pipeline_on_mesh_equals_single_device)",
+    # the trainer's step: its single-device, resume and loss tests stay (82 s)
+    "cached latents and the sharded train step":
+        r"^tests/test_train\.py::(test_cached_latents_give_the_same_loss|test_sharded_step_equals_single_device)",
+    # train.run: the folder source, synthetic resume and SIGTERM stay (53 s)
+    "more train.run sources and resumes":
+        r"^tests/test_train_run\.py::(test_fine_tune_the_shipped_digits_model|test_run_resumes_on_the_mesh|"
+        r"test_a_signal_saves_a_checkpoint_and_the_run_resumes_exactly\[SIGINT\]|test_run_from_each_source\[(hf|tfrecord)\])",
+    # the SDXL and Flux fine-tunes' runs (their option and micro-conditioning tests stay; 59 s)
+    "SDXL's and Flux's training runs":
+        r"^tests/test_train_(sdxl|flux)\.py::(test_cache_holds|test_train_step_calls|test_sdxl_trains|test_export_loads|"
+        r"test_loss_is_diffusers|test_flux_trains)",
+    # processes started by the test (52 s)
+    "two processes, a wheel build":
+        r"^tests/test_(multihost\.py|cache\.py::test_two_processes|scripts\.py::test_wheel)",
+    # each ControlNet kind's pipeline parity stays (45 s)
+    "guess mode, pooled and multi-net ControlNet variants":
+        r"^tests/test_controlnet(_union)?\.py::(test_pooled_net_forces_guess_mode|test_sdx?l?_multicontrolnet_guess_mode|"
+        r"test_from_unet_is_diffusers_from_unet|test_one_image_in_guess_mode|test_two_union_nets)",
+    # SD 1.x/2.x and SDXL base single files stay (19 s)
+    "the refiner's and the inpainting UNets' single files":
+        r"^tests/test_single_file\.py::(test_sdxl_refiner_from_its_single_file|test_sdx?l?_inpainting_nine_channel_unet)",
+    # the scanned / rematerialised forward passes stay (18 s)
+    "rematerialised gradients of the video and Flux transformers": r"::test_remat_gives_the_same_gradients$",
+    # the same images from another loading or hand-over path: the plain pipelines' parity stays (35 s)
+    "pipelines on a mesh, scanned loading, lone-file and refiner hand-overs":
+        r"^tests/(test_(wan|flux)_pipeline\.py::test_mesh_equals_one_device|"
+        r"test_pipeline\.py::test_load_pipeline_with_scan_layers_gives_the_same_images|"
+        r"test_sdxl\.py::test_lightning_unet_from_a_lone_file_with_trailing_euler|"
+        r"test_generate_families\.py::test_sdxl_single_file_hands_over_to_the_refiner)",
+}
