@@ -34,3 +34,14 @@ class PretrainedModel(eqx.Module):
         else:
             d["_class_name"] = type(self).__name__
         return d
+
+
+def check_channels_last(model: str, method: str, what: str, x, channels: int, axes: str) -> None:
+    """``ValueError`` unless ``x`` is ``[batch, <axes>, channels]`` (``axes``: "height, width" or "frames, height,
+    width"), naming the channels-first mistake and its fix when ``x`` looks like one."""
+    rank = 2 + axes.count(",") + 1
+    if x.ndim != rank or x.shape[-1] != channels:
+        hint = (" It looks channels-first; eqxdiff is channels-last: pass jnp.moveaxis(x, 1, -1)."
+                if x.ndim == rank and x.shape[1] == channels else "")
+        raise ValueError(f"{model}.{method} expects {what} of shape [batch, {axes}, {channels}] (channels last), got "
+                         f"shape {x.shape}.{hint}")

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from .. import nn
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
-from ._base import PretrainedModel
+from ._base import PretrainedModel, check_channels_last
 from ._ltx_vae_blocks import (
     RMS_EPS,
     LTXVideoDownBlock3D,
@@ -244,13 +244,6 @@ class AutoencoderKLLTXVideo(PretrainedModel):
         self.latents_std = jnp.ones((config.latent_channels,), dtype)
         self.config = config
 
-    def _check(self, x, channels: int, what: str, method: str) -> None:
-        if x.ndim != 5 or x.shape[-1] != channels:
-            hint = (" It looks channels-first; eqxdiff is channels-last: pass jnp.moveaxis(x, 1, -1)."
-                    if x.ndim == 5 and x.shape[1] == channels else "")
-            raise ValueError(f"AutoencoderKLLTXVideo.{method} expects {what} of shape [batch, frames, height, width, "
-                             f"{channels}] (channels last), got shape {x.shape}.{hint}")
-
     # -- encode ------------------------------------------------------------------------------------------------------
 
     @typechecked
@@ -258,7 +251,7 @@ class AutoencoderKLLTXVideo(PretrainedModel):
         """The posterior over latents of videos ``x`` in [-1, 1]: ``1 + k * temporal_factor`` frames, height and
         width multiples of ``downsample_factor`` (8 and 32 for LTX-Video)."""
         c = self.config
-        self._check(x, c.in_channels, "videos", "encode")
+        check_channels_last("AutoencoderKLLTXVideo", "encode", "videos", x, c.in_channels, "frames, height, width")
         t, s = c.temporal_factor, c.downsample_factor
         if (x.shape[1] - 1) % t:
             low = 1 + (x.shape[1] - 1) // t * t
@@ -321,7 +314,8 @@ class AutoencoderKLLTXVideo(PretrainedModel):
         (diffusers' framewise decoding: ``tile_sample_min_num_frames = frame_chunk * temporal_factor``, its
         defaults 2 and 1 here); each window tiled too."""
         c = self.config
-        self._check(z, c.latent_channels, "latents", "decode")
+        check_channels_last("AutoencoderKLLTXVideo", "decode", "latents", z, c.latent_channels,
+                            "frames, height, width")
         t = self._timestep(timestep, z.shape[0])
         if c.injects_noise and key is None:
             raise ValueError("AutoencoderKLLTXVideo.decode: this decoder injects noise (decoder_inject_noise); pass "

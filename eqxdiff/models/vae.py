@@ -30,7 +30,7 @@ from ..nn import (
     SelfAttention,
     Upsample2D,
 )
-from ._base import PretrainedModel
+from ._base import PretrainedModel, check_channels_last
 from ._tiling import blend_tiles
 
 _EPS = 1e-6  # every norm in diffusers' VAE
@@ -337,11 +337,7 @@ class AutoencoderKL(PretrainedModel):
 
     # -- checks ------------------------------------------------------------------------------------------------
     def _check(self, x, channels: int, what: str, method: str) -> None:
-        if x.shape[-1] != channels:
-            hint = (" It looks channels-first; eqxdiff is channels-last: pass jnp.moveaxis(x, 1, -1)."
-                    if x.shape[1] == channels else "")
-            raise ValueError(f"AutoencoderKL.{method} expects {what} of shape [batch, height, width, {channels}] "
-                             f"(channels last), got shape {x.shape}.{hint}")
+        check_channels_last("AutoencoderKL", method, what, x, channels, "height, width")
         if x.shape[1] < 1 or x.shape[2] < 1:
             raise ValueError(f"AutoencoderKL.{method}: {what} has an empty spatial axis, shape {x.shape}")
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from .. import nn
 from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ..core import ModelConfig, Plan
-from ._base import PretrainedModel
+from ._base import PretrainedModel, check_channels_last
 from ._tiling import blend_tiles
 from ._wan_vae_blocks import (
     WanAttentionBlock,
@@ -266,20 +266,13 @@ class AutoencoderKLWan(PretrainedModel):
         self.decoder = WanDecoder3d(c, c.out_channels, dtype=dtype, key=kd)
         self.config = config
 
-    def _check(self, x, channels: int, what: str, method: str) -> None:
-        if x.ndim != 5 or x.shape[-1] != channels:
-            hint = (" It looks channels-first; eqxdiff is channels-last: pass jnp.moveaxis(x, 1, -1)."
-                    if x.ndim == 5 and x.shape[1] == channels else "")
-            raise ValueError(f"AutoencoderKLWan.{method} expects {what} of shape [batch, frames, height, width, "
-                             f"{channels}] (channels last), got shape {x.shape}.{hint}")
-
     # -- encode ------------------------------------------------------------------------------------------------
     @typechecked
     def encode(self, x: Float[Array, "batch frames height width channels"]) -> WanLatentDistribution:
         """The posterior over latents of videos ``x`` in [-1, 1] (``1 + 4k`` frames; height and width multiples of
         :attr:`~AutoencoderKLWanConfig.downsample_factor`), in one causal pass over the frames."""
         c = self.config
-        self._check(x, c.video_channels[0], "videos", "encode")
+        check_channels_last("AutoencoderKLWan", "encode", "videos", x, c.video_channels[0], "frames, height, width")
         _check_frames(x.shape[1], c.temporal_factor, "a video")
         if x.shape[2] % c.downsample_factor or x.shape[3] % c.downsample_factor:
             raise ValueError(f"AutoencoderKLWan.encode: frames of width {x.shape[3]}, height {x.shape[2]}; both must "
@@ -327,7 +320,7 @@ class AutoencoderKLWan(PretrainedModel):
         ``tile_sample_stride`` pixels (diffusers' ``enable_tiling()`` defaults: 256 and 192) and blend them as
         diffusers' ``tiled_decode``; a latent that fits in one tile is decoded whole, as there."""
         c = self.config
-        self._check(z, c.z_dim, "latents", "decode")
+        check_channels_last("AutoencoderKLWan", "decode", "latents", z, c.z_dim, "frames, height, width")
         if frame_chunk is not None and (not isinstance(frame_chunk, int) or frame_chunk < 1):
             raise ValueError(f"AutoencoderKLWan.decode: frame_chunk={frame_chunk!r} must be a positive int or None")
         fn = lambda zz: self._decode_frames(zz, frame_chunk)  # noqa: E731
