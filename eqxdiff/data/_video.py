@@ -17,10 +17,15 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import imageio_ffmpeg
 import numpy as np
 
-from ._common import IMAGE_EXTENSIONS, DataError, check_level, raise_problems, require_nonempty
+from ._common import (
+    IMAGE_EXTENSIONS,
+    DataError,
+    check_level,
+    raise_problems,
+    require_nonempty,
+)
 from ._folder import ImageFolderSource
 from ._transforms import (
     ImageCaptionTransform,
@@ -29,6 +34,16 @@ from ._transforms import (
     resize_to_cover,
     to_unit_range,
 )
+
+
+def _ffmpeg():
+    """``imageio_ffmpeg``, imported when a clip is first read (``import eqxdiff.data`` works without it)."""
+    try:
+        import imageio_ffmpeg
+    except ImportError as e:
+        raise DataError("reading video clips needs imageio-ffmpeg: pip install imageio-ffmpeg") from e
+    return imageio_ffmpeg
+
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".gif", ".mov", ".mkv", ".avi", ".m4v")
 
@@ -71,7 +86,7 @@ def read_frames(path, frames: FrameSampling = FrameSampling()) -> np.ndarray:
     wanted = set(frames.indices().tolist())
     taken, seen = [], 0
     try:
-        reader = imageio_ffmpeg.read_frames(path)
+        reader = _ffmpeg().read_frames(path)
         meta = next(reader)
         width, height = meta["size"]
         try:
@@ -113,7 +128,7 @@ def video_problem(path: str, frames: FrameSampling, check: str) -> str | None:
         if check == "full":
             read_frames(path, frames)
             return None
-        count, _ = imageio_ffmpeg.count_frames_and_secs(path)
+        count, _ = _ffmpeg().count_frames_and_secs(path)
     except DataError as e:
         return str(e)
     except (RuntimeError, OSError, ValueError) as e:  # ffmpeg's failure, with its stderr

@@ -12,7 +12,6 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-import imageio_ffmpeg
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
@@ -20,6 +19,16 @@ from ._checks import InputError
 from ._images import next_index, output_folder, save_images
 
 DEFAULT_FPS = 16
+
+
+def _ffmpeg():
+    """``imageio_ffmpeg``, imported when a video is first written or read (``import eqxdiff.pipelines`` works
+    without it: a machine that only makes images)."""
+    try:
+        import imageio_ffmpeg
+    except ImportError as e:
+        raise ImportError("writing and reading videos needs imageio-ffmpeg: pip install imageio-ffmpeg") from e
+    return imageio_ffmpeg
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -38,7 +47,7 @@ def write_video(frames: np.ndarray, path: str | os.PathLike, *, fps: float = DEF
     path = Path(path)
     extra = [] if parameters is None else ["-metadata", f"comment={json.dumps(dict(parameters), default=str)}"]
     height, width = frames.shape[1:3]
-    writer = imageio_ffmpeg.write_frames(os.fspath(path), (width, height), fps=fps, quality=quality,
+    writer = _ffmpeg().write_frames(os.fspath(path), (width, height), fps=fps, quality=quality,
                                          macro_block_size=2, output_params=extra)
     writer.send(None)  # start ffmpeg
     try:
@@ -53,7 +62,7 @@ def read_video(path: str | os.PathLike) -> np.ndarray:
     """The frames of a video file as uint8 ``[F, H, W, 3]`` (any format the bundled ffmpeg reads)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"video file {os.fspath(path)!r} not found")
-    reader = imageio_ffmpeg.read_frames(os.fspath(path))
+    reader = _ffmpeg().read_frames(os.fspath(path))
     meta = next(reader)
     width, height = meta["size"]
     frames = [np.frombuffer(f, np.uint8).reshape(height, width, 3) for f in reader]
@@ -116,7 +125,7 @@ def read_parameters(path: str | os.PathLike) -> dict:
         with Image.open(path) as im:
             text = im.text.get("eqxdiff")
     else:
-        out = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-i", os.fspath(path), "-f",
+        out = subprocess.run([_ffmpeg().get_ffmpeg_exe(), "-v", "error", "-i", os.fspath(path), "-f",
                               "ffmetadata", "-"], capture_output=True, text=True, check=False)
         if out.returncode != 0:
             raise ValueError(f"ffmpeg cannot read {os.fspath(path)!r}: {out.stderr.strip()}")
