@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from PIL import Image, PngImagePlugin
@@ -16,6 +17,15 @@ def to_uint8(images) -> np.ndarray:
     """``[-1, 1]`` float images to uint8, rounding as diffusers' ``numpy_to_pil`` does."""
     x = np.clip(np.asarray(images, dtype=np.float32) / 2 + 0.5, 0.0, 1.0)
     return (x * 255).round().astype(np.uint8)
+
+
+@jax.jit
+def uint8_on_device(images):
+    """:func:`to_uint8` where ``images`` lie (the same float32 arithmetic), and whether each image is finite
+    (``bool [n]``): a pipeline's output crosses to the host as uint8."""
+    x = images.astype(jnp.float32)
+    finite = jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1)
+    return finite, (jnp.clip(x / 2 + 0.5, 0.0, 1.0) * 255).round().astype(jnp.uint8)
 
 
 def pil_to_array(images, mode: str = "RGB"):

@@ -20,12 +20,13 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._typing import Array, Float, PRNGKeyArray
 from ._base import DiffusionPipeline
 from ._checks import check_finite_output
 from ._denoise import Guidance, denoise_loop
-from ._images import to_uint8
+from ._images import uint8_on_device
 from ._progress import progress_bar
 
 
@@ -59,11 +60,13 @@ def encode_image_latents(vae, image: Float[Array, "batch height width 3"],
 
 @eqx.filter_jit
 def decode_latents(vae, latents: Float[Array, "batch *spatial latent"], *, tiled: bool = False,
-                   frame_chunk: int | None = None) -> Float[Array, "batch *pixels 3"]:
+                   frame_chunk: int | None = None, dtype=jnp.float32) -> Float[Array, "batch *pixels 3"]:
     """Scaled latents back to ``[-1, 1]`` images ``[b, H, W, 3]`` or videos ``[b, F, H, W, 3]`` (from video latents
     ``[b, T, h, w, C]``). ``tiled`` decodes in overlapping spatial tiles (as diffusers' ``enable_vae_tiling()``);
-    video latents are decoded ``frame_chunk`` latent frames at a time (``None``: all at once)."""
-    z = vae.unscale_latents(latents).astype(jnp.float32)
+    video latents are decoded ``frame_chunk`` latent frames at a time (``None``: all at once). The latents are
+    un-scaled in float32, then the VAE runs in ``dtype`` (a pipeline's activations dtype: diffusers decodes in the
+    VAE's dtype too)."""
+    z = vae.unscale_latents(latents.astype(jnp.float32)).astype(dtype)
     if z.ndim == 5:  # a video VAE (the module docstring's protocol)
         return vae.decode(z, tiled=tiled, frame_chunk=frame_chunk)
     return vae.decode_tiled(z) if tiled else vae.decode(z)
@@ -140,12 +143,21 @@ class LatentPipeline(DiffusionPipeline):
             return latents
         with self.timed("decode"):
             images = self.gather(self.decode(latents, **decode_options))
-            check_finite_output(images, what="videos" if images.ndim == 5 else "images", hint=hint)
-            return to_uint8(images)
+            finite, pixels = uint8_on_device(images)  # a quarter of float32's bytes cross to the host
+            check_finite_output(images, what="videos" if images.ndim == 5 else "images", hint=hint, finite=finite)
+            return np.asarray(pixels)
+
+    @property
+    def vae_dtype(self):
+        """The dtype the VAE decodes in: the activations', except float32 for a float16 pipeline whose VAE config says
+        ``force_upcast`` (diffusers' rule: the SD / SDXL VAEs overflow in float16)."""
+        if self.activations_dtype == jnp.float16 and getattr(self.vae.config, "force_upcast", False):
+            return jnp.dtype(jnp.float32)
+        return self.activations_dtype
 
     def decode(self, latents) -> Array:
         """The final latents as ``[-1, 1]`` pixels through the VAE, with the pipeline's tiling settings
         (:meth:`enable_vae_tiling`). A family whose VAE decodes with more inputs overrides this and takes them as
         keywords, which its calls hand to :meth:`finish` (LTX-Video: the decode timestep, noise scale and key)."""
-        return decode_latents(self.vae, latents, tiled=self.vae_tiling,
+        return decode_latents(self.vae, latents, tiled=self.vae_tiling, dtype=self.vae_dtype,
                               frame_chunk=self.vae_frame_chunk if latents.ndim == 5 else None)

@@ -120,18 +120,19 @@ def decode_keys(key: PRNGKeyArray) -> tuple[PRNGKeyArray, PRNGKeyArray]:
 
 
 @eqx.filter_jit
-def decode_video(vae, latents, timestep, noise_scale, key, *, tiled: bool = False, frame_chunk: int | None = None):
+def decode_video(vae, latents, timestep, noise_scale, key, *, tiled: bool = False, frame_chunk: int | None = None,
+                 dtype=jnp.float32):
     """Normalised latents ``[n, T, h, w, C]`` to ``[-1, 1]`` videos: un-normalised, mixed with fresh noise (``(1 - s)
-    z + s noise``, ``s = noise_scale [n]``) and decoded at ``timestep [n]`` by a timestep-conditioned decoder
-    (``timestep`` ``None``: a decoder without conditioning, no noise mixed). ``key``: :func:`decode_keys`' pair's
-    source."""
-    z = vae.unscale_latents(latents).astype(jnp.float32)
+    z + s noise``, ``s = noise_scale [n]``) in float32 and decoded in ``dtype`` (the pipeline's activations dtype, as
+    diffusers decodes in the VAE's) at ``timestep [n]`` by a timestep-conditioned decoder (``timestep`` ``None``: a
+    decoder without conditioning, no noise mixed). ``key``: :func:`decode_keys`' pair's source."""
+    z = vae.unscale_latents(latents.astype(jnp.float32))
     noise_key, inject_key = decode_keys(key)
     if timestep is not None:
         s = noise_scale.astype(jnp.float32)[:, None, None, None, None]
         z = (1 - s) * z + s * jax.random.normal(noise_key, z.shape, jnp.float32)
     inject = inject_key if vae.config.injects_noise else None
-    return vae.decode(z, timestep, key=inject, tiled=tiled, frame_chunk=frame_chunk)
+    return vae.decode(z.astype(dtype), timestep, key=inject, tiled=tiled, frame_chunk=frame_chunk)
 
 
 @eqx.filter_jit
@@ -331,7 +332,7 @@ class LTXPipeline(LatentPipeline):
         if key is None:
             key = jax.random.key(0)
         return decode_video(self.vae, latents, timestep, noise_scale, key, tiled=self.vae_tiling,
-                            frame_chunk=self.vae_frame_chunk)
+                            frame_chunk=self.vae_frame_chunk, dtype=self.vae_dtype)
 
     def decode_options(self, decode_timestep, decode_noise_scale, videos: int, key) -> dict:
         """:meth:`decode`'s keywords for a call of ``videos`` videos (:func:`decode_options`)."""

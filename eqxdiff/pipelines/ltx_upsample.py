@@ -92,7 +92,7 @@ class LTXLatentUpsamplePipeline(LatentPipeline):
         """Normalised latents as ``[-1, 1]`` videos (:func:`~eqxdiff.pipelines.ltx.decode_video`), with the
         pipeline's tiling settings."""
         return decode_video(self.vae, latents, timestep, noise_scale, jax.random.key(0) if key is None else key,
-                            tiled=self.vae_tiling, frame_chunk=self.vae_frame_chunk)
+                            tiled=self.vae_tiling, frame_chunk=self.vae_frame_chunk, dtype=self.vae_dtype)
 
     def video_latents(self, video, key: PRNGKeyArray) -> Array:
         """A clip's normalised latents ``[1, T, h, w, C]``, its posterior sampled with ``noise_draws(key, ...).image``
