@@ -269,7 +269,7 @@ class FluxTransformer2DModel(PretrainedModel):
             if img_ids is None or txt_ids is None:
                 raise ValueError("FluxTransformer2DModel: give the positions, img_ids= and txt_ids= (see "
                                  "eqxdiff.models.flux.image_ids/text_ids), or rope=model.rotary_embedding(...)")
-            rope = self.rotary_embedding(img_ids, txt_ids)
+            rope = self.rotary_embedding(img_ids, txt_ids).as_arrays()
         elif img_ids is not None or txt_ids is not None:
             raise ValueError("FluxTransformer2DModel: give either rope= or img_ids=/txt_ids=, not both")
         if tuple(rope.cos.shape) != (txt_seq + img_seq, c.attention_head_dim):

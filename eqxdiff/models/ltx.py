@@ -225,7 +225,7 @@ class LTXVideoTransformer3DModel(PretrainedModel):
         x = constrain(self.proj_in(tokens), self.plan, TOKENS)
         temb, embedded = self.time_embed(broadcast_timestep(timestep, b, seq), dtype)
         context = self.caption_projection(encoder_hidden_states.astype(dtype))
-        rope = nn.Rope(*(constrain(t, self.plan, ("batch", "seq", None)) for t in rope))
+        rope = nn.Rope(*(constrain(t, self.plan, ("batch", "seq", None)) for t in nn.Rope(*rope).as_arrays()))
 
         def step(block, x):
             x = checkpoint_block(block, self.plan)(constrain(x, self.plan, TOKENS), context, temb, rope, mask)

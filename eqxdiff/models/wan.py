@@ -258,7 +258,7 @@ class WanTransformer3DModel(PretrainedModel):
         b, frames, height, width, _ = hidden_states.shape
         dtype = hidden_states.dtype
         grid = self.grid(frames, height, width)
-        rope = self.rotary_embedding(grid)
+        rope = self.rotary_embedding(grid).as_arrays()  # one constant per table under jit
         x = self.patch_embedding(constrain(hidden_states, self.plan, VIDEO_AXES)).reshape(b, math.prod(grid), -1)
         x = constrain(x, self.plan, TOKENS)
         t = self._check_timestep(timestep, b, x.shape[1])

@@ -33,6 +33,12 @@ class Rope(NamedTuple):
     cos: np.ndarray | Array
     sin: np.ndarray | Array
 
+    def as_arrays(self) -> "Rope":
+        """The tables as float32 JAX arrays. Under ``jit`` a model converts its NumPy tables once with this, so the
+        program holds one constant per table, not one per layer that applies them (a 40-block Wan 14B at 720p
+        captured 6 GB of copies of its 39 MB tables before)."""
+        return Rope(jnp.asarray(self.cos, jnp.float32), jnp.asarray(self.sin, jnp.float32))
+
 
 def _interleave(angles: np.ndarray) -> Rope:
     """cos/sin of ``angles [..., n]`` (float64 maths), each repeated twice along the last axis, as float32."""
