@@ -40,6 +40,11 @@ _TINY_VAE = dict(_VAE_095, latent_channels=8, block_out_channels=(8, 16, 32, 32,
                  decoder_block_out_channels=(16, 32, 64), layers_per_block=(1, 1, 1, 1, 1),
                  decoder_layers_per_block=(1, 1, 1, 1), patch_size=2, spatial_compression_ratio=16)
 
+# 0.9.0's VAE (the paper's; diffusers' defaults): no decoder timestep, 0.9.0 up blocks
+_VAE_090 = dict(spatial_compression_ratio=32, temporal_compression_ratio=8)
+_TINY_VAE_090 = dict(latent_channels=8, block_out_channels=(8, 16, 16, 16), decoder_block_out_channels=(8, 16, 16, 16),
+                     layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1), patch_size=2,
+                     spatial_compression_ratio=16, temporal_compression_ratio=8)
 _REDUCED_VAE = dict(_VAE_095, block_out_channels=(8, 16, 32, 32, 64), layers_per_block=(1, 1, 1, 1, 1),
                     decoder_layers_per_block=(1, 1, 1, 1))
 
@@ -78,6 +83,8 @@ class Args:
     """Timed runs per variant (after one untimed warm-up); the median is reported."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights and activations dtype in both frameworks."""
+    vae: Literal["0.9.5", "0.9.0"] = "0.9.5"
+    """The VAE's config: 0.9.5's timestep-conditioned decoder, or 0.9.0's (the paper's; full-size and tiny presets)."""
     skip_decode: bool = False
     """Time the transformer step only."""
     torch_device: TorchDevice = "auto"
@@ -143,13 +150,15 @@ def decode_runners(vae, ref_vae, latents, preset: Preset, device, jdt, torch_run
     frames = preset.decode_frames or preset.frames
     z = latents[:, :(frames - 1) // vae_t + 1].astype(np.float32)
     v_params, v_static = eqx.partition(vae, eqx.is_array)
-    v_args = (jnp.asarray(z, jdt), jnp.full((batch,), 0.05, jnp.float32))
+    conditioned = preset.vae.get("timestep_conditioning", False)
+    v_args = (jnp.asarray(z, jdt), jnp.full((batch,), 0.05, jnp.float32) if conditioned else None)
 
     def decode(v_params, z, temb):
         return eqx.combine(v_params, v_static).decode(z, temb)
 
     compiled = jax.jit(decode).lower(v_params, *v_args).compile()
-    z_t, temb = tt(np.moveaxis(z, -1, 1)), tt(np.full((batch,), 0.05, np.float32))
+    z_t = tt(np.moveaxis(z, -1, 1))
+    temb = tt(np.full((batch,), 0.05, np.float32)) if conditioned else None
     print(f"decode: {frames} frames at {preset.width}x{preset.height}")
     return {"eqxdiff": lambda: jax.block_until_ready(compiled(v_params, *v_args)),
             "diffusers": torch_run(lambda: ref_vae.decode(z_t, temb, return_dict=False)[0])}
@@ -168,6 +177,8 @@ def main(args: Args) -> None:
 
     device, header = setup_frameworks(args.torch_device, args.tf32)
     preset = PRESETS[args.preset]
+    if args.vae == "0.9.0":
+        preset = dataclasses.replace(preset, vae=_TINY_VAE_090 if args.preset == "tiny" else _VAE_090)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     jdt = jnp.dtype(args.dtype)
     vae_f, vae_t = preset.vae["spatial_compression_ratio"], preset.vae["temporal_compression_ratio"]

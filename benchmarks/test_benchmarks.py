@@ -115,6 +115,25 @@ def test_ltx_smoke(capsys):
     assert "host: " in out and "ratio step eqxdiff/diffusers" in out and "ratio decode eqxdiff/diffusers" in out
 
 
+def test_ltx_pipeline_smoke(capsys):
+    import ltx
+    import ltx_pipeline
+
+    ltx.main(ltx.Args(preset="tiny", vae="0.9.0", repeats=1, tolerance=1e-4))  # 0.9.0's decoder: no timestep
+    ltx_pipeline.main(ltx_pipeline.Args(preset="tiny", steps=3, distilled=True, repeats=1, max_levels=2))
+    out = capsys.readouterr().out
+    assert "ratio guided (3 steps, guidance 3.0) eqxdiff/diffusers, end to end" in out
+    assert "ratio distilled (8 steps, no guidance) eqxdiff/diffusers, end to end" in out
+
+
+def test_vae3d_block_smoke(capsys):
+    import vae3d_block
+
+    vae3d_block.main(vae3d_block.Args(stage="tiny", repeats=1, tolerance=1e-4))
+    out = capsys.readouterr().out
+    assert "eqxdiff block: " in out and "diffusers conv: " in out
+
+
 def test_lora_train_smoke(capsys):
     import lora_train
 
