@@ -782,6 +782,23 @@ def test_limits_read_before_loading_equal_the_loaded_models(pipe):
     assert StableDiffusionXLPipeline.folder_limits(configs.get) == CallLimits(8, (1024, 1024), 11)
 
 
+def test_limits_from_declared_components():
+    """A family declaring LIMIT_COMPONENTS gets folder_limits (before loading) and call_limits from one limits_from:
+    the configs in that order, None for a missing one."""
+    from eqxdiff.pipelines.flux import FluxPipeline
+    from eqxdiff.pipelines.ltx import LTXPipeline
+    from eqxdiff.pipelines.ltx_upsample import LTXLatentUpsamplePipeline
+    from eqxdiff.pipelines.wan import WanPipeline
+
+    vae = {"block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlock2D"] * 4,
+           "up_block_types": ["UpDecoderBlock2D"] * 4, "latent_channels": 16}
+    assert FluxPipeline.folder_limits({"vae/config.json": vae}.get) == CallLimits(16, (1024, 1024))
+    ltx = LTXLatentUpsamplePipeline.folder_limits({"vae/config.json": {}}.get)  # 0.9.0's VAE: 32x, 8 frames
+    assert (ltx.size_factor, ltx.frame_factor) == (32, 8)
+    assert LTXPipeline.folder_limits({"vae/config.json": {}}.get).size_factor == 32  # no transformer: 1x1 patches
+    assert WanPipeline.folder_limits({}.get) == LTXPipeline.folder_limits({}.get) == CallLimits()
+
+
 def test_any_int_is_a_seed():
     assert jax.random.key_data(seed_key(5)).tolist() == jax.random.key_data(jax.random.key(5)).tolist()
     keys = [seed_key(s) for s in (0, 1, 2**32 - 1, 2**32, 2**33, 2**64, 2**200, -1, -2, -(2**63))]

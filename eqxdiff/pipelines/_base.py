@@ -233,9 +233,19 @@ class DiffusionPipeline(LoraMixin):
         of its own overrides this and calls ``super()``."""
         check_arguments(arguments, limits or CallLimits(), init_image=cls.INIT_IMAGE)
 
+    # The components whose configs decide a call's limits, handed in this order to limits_from (which call_limits
+    # and folder_limits use: the loaded models' configs, a folder's).
+    LIMIT_COMPONENTS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def limits_from(cls, *configs: ModelConfig | None) -> CallLimits:
+        """The call limits from the configs of :attr:`LIMIT_COMPONENTS` (``None`` for a missing one)."""
+        return CallLimits()
+
     def call_limits(self) -> CallLimits:
         """What this pipeline's models allow its call arguments (the VAE's factor, the text encoder's layers)."""
-        return CallLimits()
+        return self.limits_from(*(getattr(getattr(self, name, None), "config", None)
+                                  for name in self.LIMIT_COMPONENTS))
 
     def check_call(self, arguments: Mapping[str, Any]) -> None:
         """Checks of a call that need this pipeline's components (its scheduler's schedule for the requested
@@ -246,7 +256,7 @@ class DiffusionPipeline(LoraMixin):
         """:meth:`call_limits` from the configs of a pipeline folder, before loading it: ``read_json(path)`` reads
         ``path`` (``"vae/config.json"``) relative to the folder, ``None`` if it is missing. Read the configs with
         :meth:`folder_config`, which checks them as loading would."""
-        return CallLimits()
+        return cls.limits_from(*(cls.folder_config(read_json, name) for name in cls.LIMIT_COMPONENTS))
 
     @classmethod
     def folder_call_defaults(cls, read_json: Callable[[str], Mapping | None]) -> dict[str, Any]:

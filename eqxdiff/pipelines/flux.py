@@ -172,13 +172,10 @@ class FluxPipeline(LatentPipeline):
         """diffusers' default ``(height, width)``: ``128 * f`` pixels each (1024 for FLUX.1)."""
         return (DEFAULT_SAMPLE_SIZE * self.vae_scale_factor,) * 2
 
-    def call_limits(self) -> CallLimits:
-        f = self.vae_scale_factor
-        return CallLimits(size_factor=None if self.RESCALES_SIZE else 2 * f, native_size=self.default_size())
+    LIMIT_COMPONENTS: ClassVar[tuple[str, ...]] = ("vae",)
 
     @classmethod
-    def folder_limits(cls, read_json) -> CallLimits:
-        vae = cls.folder_config(read_json, "vae")
+    def limits_from(cls, vae) -> CallLimits:
         if vae is None:
             return CallLimits()
         f = vae.downsample_factor

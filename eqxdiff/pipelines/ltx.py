@@ -222,20 +222,15 @@ class LTXPipeline(LatentPipeline):
         """Channels of the latents the scheduler steps (unpacked: the transformer's input features per patch)."""
         return self.transformer.config.latent_channels[0]
 
-    @staticmethod
-    def _limits(vae, transformer) -> CallLimits:
+    LIMIT_COMPONENTS: ClassVar[tuple[str, ...]] = ("vae", "transformer")
+
+    @classmethod
+    def limits_from(cls, vae, transformer) -> CallLimits:
         if vae is None:
             return CallLimits()
         f, patch = vae.downsample_factor, 1 if transformer is None else transformer.patch_size
         return CallLimits(size_factor=f * patch, native_size=DEFAULT_SIZE, frame_factor=vae.temporal_factor,
                           size_why=f"the VAE downsamples by {f} and the transformer takes {patch}x{patch} patches")
-
-    def call_limits(self) -> CallLimits:
-        return self._limits(self.vae.config, self.transformer.config)
-
-    @classmethod
-    def folder_limits(cls, read_json) -> CallLimits:
-        return cls._limits(cls.folder_config(read_json, "vae"), cls.folder_config(read_json, "transformer"))
 
     def check_call(self, arguments) -> None:
         """The schedule exists for the steps (or ``timesteps``) asked for (once loaded: ``eqxdiff-generate`` checks it

@@ -83,8 +83,12 @@ class LTXLatentUpsamplePipeline(LatentPipeline):
     def default_fps(self) -> int:
         return DEFAULT_FRAME_RATE
 
-    def call_limits(self) -> CallLimits:
-        c = self.vae.config
+    LIMIT_COMPONENTS: ClassVar[tuple[str, ...]] = ("vae",)
+
+    @classmethod
+    def limits_from(cls, c) -> CallLimits:
+        if c is None:
+            return CallLimits()
         return CallLimits(frame_factor=c.temporal_factor, size_factor=c.downsample_factor,
                           size_why=f"the VAE downsamples by {c.downsample_factor}")
 

@@ -220,8 +220,10 @@ class WanPipeline(LatentPipeline):
         """The frame rate the checkpoint's videos play at (saved videos): 24 for TI2V-5B, else 16."""
         return 24 if self.expand_timesteps else 16
 
-    @staticmethod
-    def _limits(vae, transformer) -> CallLimits:
+    LIMIT_COMPONENTS: ClassVar[tuple[str, ...]] = ("vae", "transformer")
+
+    @classmethod
+    def limits_from(cls, vae, transformer) -> CallLimits:
         if vae is None:
             return CallLimits()
         f, patch = vae.downsample_factor, (1, 1, 1) if transformer is None else transformer.patch_size
@@ -229,13 +231,6 @@ class WanPipeline(LatentPipeline):
         return CallLimits(size_factor=f * max(ph, pw), native_size=DEFAULT_SIZE,
                           frame_factor=vae.temporal_factor,
                           size_why=f"the VAE downsamples by {f} and the transformer takes {ph}x{pw} patches")
-
-    def call_limits(self) -> CallLimits:
-        return self._limits(self.vae.config, self.transformer.config)
-
-    @classmethod
-    def folder_limits(cls, read_json) -> CallLimits:
-        return cls._limits(cls.folder_config(read_json, "vae"), cls.folder_config(read_json, "transformer"))
 
     def check_call(self, arguments) -> None:
         """The schedule exists for the steps asked for, and the experts' arguments fit the folder: ``boundary_ratio``
