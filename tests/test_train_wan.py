@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from eqxdiff.cli import train as train_cli
 from eqxdiff.data import (
     DataError,
     FrameSampling,
@@ -28,11 +29,17 @@ from eqxdiff.data import (
     make_dataset,
     read_frames,
 )
-from eqxdiff.cli import train as train_cli
 from eqxdiff.parallel import MeshConfig, Remat
-from eqxdiff.pipelines import InputError
-from eqxdiff.pipelines import write_video
-from eqxdiff.train import OptimizerConfig, TrainConfig, WanFlowMatching, WanOptions, batch_loss, build, run
+from eqxdiff.pipelines import InputError, write_video
+from eqxdiff.train import (
+    OptimizerConfig,
+    TrainConfig,
+    WanFlowMatching,
+    WanOptions,
+    batch_loss,
+    build,
+    run,
+)
 from eqxdiff.train._sources import open_source
 from eqxdiff.train._wan import ExpertTimesteps
 
@@ -102,6 +109,35 @@ def test_video_folder_source_checks_every_clip(tmp_path):
     (tmp_path / "short.txt").unlink()
     with pytest.raises(DataError, match=r"short\.mp4: missing caption"):
         VideoFolderSource(tmp_path, frames=FrameSampling(count=5))
+
+
+def test_clip_captions_are_cleaned_as_the_pipeline_cleans_prompts(tmp_path, monkeypatch):
+    """Wan's bundle declares the pipeline's prompt cleaning: a clip's caption trains as the same prompt reads at
+    inference; clip streams read one batch of records ahead, not image streams' eight."""
+    import grain
+
+    from eqxdiff.pipelines.wan import clean_prompt
+
+    assert WanFlowMatching.CLEAN_CAPTION is clean_prompt and clean_prompt(" a  &amp;amp;\tb ") == "a & b"
+    write_video(_grey_clip(LEVELS[:3]), tmp_path / "c.mp4", fps=8)
+    (tmp_path / "c.txt").write_text("  two &amp;  grey\n")
+    asked = []
+    real = grain.ReadOptions
+    monkeypatch.setattr(grain, "ReadOptions", lambda **kw: asked.append(kw) or real(**kw))
+    tokenizer = character_tokenizer(16)
+
+    def ids(**kwargs):
+        return next(iter(make_dataset(VideoFolderSource(tmp_path, frames=FrameSampling(count=3)), batch_size=1,
+                                      tokenizer=tokenizer, resolution=16, shuffle=False, **kwargs)))["input_ids"]
+
+    np.testing.assert_array_equal(ids(clean_caption=WanFlowMatching.CLEAN_CAPTION), ids_of(tokenizer, "two & grey"))
+    assert not np.array_equal(ids(), ids_of(tokenizer, "two & grey"))
+    assert asked[0]["prefetch_buffer_size"] == 2
+
+
+def ids_of(tokenizer, caption):
+    return tokenizer([caption], padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                     return_tensors="np").input_ids
 
 
 def test_hf_dataset_of_clips_reads_as_the_folder_does(tmp_path):

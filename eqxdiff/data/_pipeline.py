@@ -47,6 +47,16 @@ def transform_for(source, images: ImageCaptionTransform):
     return images if make is None else make(images)
 
 
+def _read_ahead(transform, host_batch: int) -> grain.ReadOptions:
+    """Reader threads and records read ahead: two batches of images (at least 8), one of clips (a clip record is
+    its whole ``[frames, height, width, 3]`` float32: 81 frames at 720p are 0.9 GB)."""
+    threads = min(16, os.cpu_count() or 1)
+    if getattr(transform, "frames", None) is None:
+        return grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(2 * host_batch, 8))
+    ahead = max(host_batch, 2)
+    return grain.ReadOptions(num_threads=min(threads, ahead), prefetch_buffer_size=ahead)
+
+
 def make_dataset(
     source,
     *,
@@ -58,6 +68,7 @@ def make_dataset(
     interpolation: str = "bilinear",
     image_keys: tuple[str, ...] = (),
     max_length: int | dict[str, int] | None = None,
+    clean_caption=None,
     shuffle: bool = True,
     seed: int = 0,
     num_epochs: int | None = None,
@@ -80,6 +91,7 @@ def make_dataset(
             ``original_size`` and ``crop_top_left`` a model conditions on; see ``ImageCaptionTransform``).
         max_length: token ids per caption (one number, or per key); default: each tokenizer's
             ``model_max_length``.
+        clean_caption: a function applied to each caption before tokenizing (see ``ImageCaptionTransform``).
         shuffle: global shuffle, different each epoch. seed: seeds the shuffle and the augmentations.
         num_epochs: passes over the data; ``None`` repeats forever.
         drop_remainder: drop a last partial batch (with ``num_epochs``); keeps batch shapes static.
@@ -100,7 +112,7 @@ def make_dataset(
         raise ValueError(f"batch_size={batch_size} must be divisible by the number of hosts ({count})")
     host_batch = batch_size // count
     transform = transform_for(source, ImageCaptionTransform(tokenizer, resolution, center_crop, random_flip,
-                                                            interpolation, image_keys, max_length))
+                                                            interpolation, image_keys, max_length, clean_caption))
     if len(source) == 0:
         raise DataError(f"empty dataset: {source!r} has no examples")
 
@@ -116,10 +128,7 @@ def make_dataset(
         raise DataError(f"{source!r} gives {len(ds) * num_epochs} examples to host {index} in {num_epochs} "
                         f"epoch(s), fewer than one batch of {host_batch}; with drop_remainder that is no batch")
     ds = ds.repeat(num_epochs).random_map(transform)
-    if read_options is None:
-        read_options = grain.ReadOptions(num_threads=min(16, os.cpu_count() or 1),
-                                         prefetch_buffer_size=max(2 * host_batch, 8))
-    it_ds = ds.to_iter_dataset(read_options).batch(host_batch, drop_remainder=drop_remainder)
+    it_ds = ds.to_iter_dataset(read_options or _read_ahead(transform, host_batch)).batch(host_batch, drop_remainder=drop_remainder)
     if worker_count > 0:
         from absl import flags
 

@@ -10,7 +10,7 @@ not depend on threads, workers or where the iterator was restored.
 """
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -91,6 +91,8 @@ class ImageCaptionTransform:
             ``original_size`` (the decoded image's ``(height, width)``), ``crop_top_left`` (the crop's corner).
         max_length: token ids per caption, one number or ``{batch key: number}`` (Flux's T5 takes 512 whatever
             its tokenizer says); default: each tokenizer's ``model_max_length``.
+        clean_caption: applied to each caption before it is tokenized (a picklable function: data workers run it),
+            e.g. the prompt cleaning a family's pipeline applies (Wan's ``clean_prompt``); default: none.
     """
 
     tokenizer: object
@@ -100,6 +102,7 @@ class ImageCaptionTransform:
     interpolation: str = "bilinear"
     image_keys: tuple[str, ...] = ()
     max_length: int | Mapping[str, int] | None = None
+    clean_caption: Callable[[str], str] | None = None
 
     def __post_init__(self):
         _size(self.resolution)
@@ -136,6 +139,15 @@ class ImageCaptionTransform:
             return self.max_length
         return getattr(self.tokenizers[key], "model_max_length", None)
 
+    def caption_ids(self, caption, rng: np.random.Generator) -> dict:
+        """``{batch key: token ids}`` of a record's caption: one drawn where it has several (as diffusers' scripts
+        do), cleaned by :attr:`clean_caption`, tokenized by each tokenizer at its length."""
+        if not isinstance(caption, str):
+            caption = caption[int(rng.integers(len(caption)))]
+        if self.clean_caption is not None:
+            caption = self.clean_caption(caption)
+        return {key: self.tokenize(caption, tokenizer, self.length(key)) for key, tokenizer in self.tokenizers.items()}
+
     def tokenize(self, caption: str, tokenizer=None, max_length: int | None = None) -> np.ndarray:
         tokenizer = self.tokenizer if tokenizer is None else tokenizer
         return token_ids(tokenizer, [caption], max_length)[0]
@@ -153,12 +165,7 @@ class ImageCaptionTransform:
         if self.random_flip and rng.random() < 0.5:
             image = image[:, ::-1]
             left = resized_width - left - width  # the same pixels, cropped from the flipped image
-        caption = record["caption"]
-        if not isinstance(caption, str):  # several captions: draw one, as diffusers' scripts do
-            caption = caption[int(rng.integers(len(caption)))]
-        out = {"pixel_values": to_unit_range(image)}
-        for key, tokenizer in self.tokenizers.items():
-            out[key] = self.tokenize(caption, tokenizer, self.length(key))
+        out = {"pixel_values": to_unit_range(image), **self.caption_ids(record["caption"], rng)}
         facts = ImageFacts(original_size=original_size, crop_top_left=(top, left))
         out.update({k: np.asarray(getattr(facts, k), np.int32) for k in self.image_keys})
         return out

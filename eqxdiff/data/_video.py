@@ -216,10 +216,4 @@ class VideoCaptionTransform(ImageCaptionTransform):
         clip = clip[:, top:top + height, left:left + width]
         if self.random_flip and rng.random() < 0.5:
             clip = clip[:, :, ::-1]
-        caption = record["caption"]
-        if not isinstance(caption, str):
-            caption = caption[int(rng.integers(len(caption)))]
-        out = {"pixel_values": to_unit_range(clip)}
-        for key, tokenizer in self.tokenizers.items():
-            out[key] = self.tokenize(caption, tokenizer, self.length(key))
-        return out
+        return {"pixel_values": to_unit_range(clip), **self.caption_ids(record["caption"], rng)}

@@ -78,6 +78,7 @@ class TrainModel(eqx.Module):
     TEXT: ClassVar[tuple[TextInput, ...]]
     CONDITION_KEYS: ClassVar[tuple[str, ...]]  # (token embeddings, [pooled]) as the denoiser reads them
     IMAGE_KEYS: ClassVar[tuple[str, ...]] = ()  # per-image facts of eqxdiff.data.IMAGE_FACTS the denoiser reads
+    CLEAN_CAPTION: ClassVar = None  # staticmethod(f): captions cleaned as the family's pipeline cleans prompts
     PIPELINE: ClassVar[str]  # the pipeline class (model_index.json ``_class_name``) exported
     NOISE_SCHEDULER: ClassVar[type]  # the training noise process, built on the pipeline folder's scheduler config
     TRAINABLE_TEXT_ENCODERS: ClassVar[tuple[str, ...] | None] = None  # train_text_encoder's; None: all of TEXT

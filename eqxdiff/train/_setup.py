@@ -50,7 +50,7 @@ class Setup:
         """:func:`~eqxdiff.train.stream` of ``source`` as the model reads it: captions tokenized by its tokenizers at
         its lengths, with the per-image facts it conditions on (``kwargs``: the rest of ``make_dataset``'s)."""
         return stream(config, source, self.text_tokenizers, max_length=self.text_lengths,
-                      image_keys=self.model.IMAGE_KEYS, **kwargs)
+                      image_keys=self.model.IMAGE_KEYS, clean_caption=self.model.CLEAN_CAPTION, **kwargs)
 
 
 def family_options(given: FamilyOptions, family: type[TrainModel], what: str) -> FamilyOptions:

@@ -6,8 +6,8 @@ sigma * noise`` with the target ``noise - x0`` at the flow-matching training sch
 ``flow_shift`` (Wan's scheduler_config.json: 3.0 for 2.1 and 2.2 A14B, 5.0 for TI2V-5B) and the transformer called at
 ``t = 1000 sigma`` (as the pipeline's scheduler timesteps). Text is UMT5's last hidden state with the attention mask
 and every position past the caption zero (diffusers' trim and zero padding), at ``max_sequence_length`` tokens (512
-as the pipeline). Captions are tokenized as the data gives them (the pipeline's ``clean_prompt`` only unescapes HTML
-and collapses whitespace: clean the captions so, if they need it).
+as the pipeline). Captions are cleaned as the pipeline cleans prompts (``clean_prompt``: ``ftfy`` if installed, HTML
+entities unescaped, whitespace runs made one space), so a caption trains as the same prompt reads at inference.
 
 **Two experts (Wan 2.2 A14B).** A folder with ``transformer_2`` and ``boundary_ratio`` runs ``transformer`` (high
 noise) at the timesteps ``t >= boundary_ratio * 1000`` and ``transformer_2`` below; each expert trains on its own
@@ -36,7 +36,7 @@ import numpy as np
 
 from .._typing import Array, Int
 from ..loading import token_ids
-from ..pipelines.wan import umt5_embeddings
+from ..pipelines.wan import clean_prompt, umt5_embeddings
 from ..schedulers import FlowMatchEulerDiscreteScheduler
 from ._checks import check_choice
 from ._family import FamilyOptions, NullCondition, TextInput, TrainModel
@@ -104,6 +104,7 @@ class WanFlowMatching(TrainModel):
     NOISE_SCHEDULER: ClassVar = ExpertTimesteps
     OPTIONS: ClassVar = WanOptions
     CALL_OPTIONS: ClassVar = ("max_sequence_length",)
+    CLEAN_CAPTION: ClassVar = staticmethod(clean_prompt)
 
     transformer: Any
     transformer_2: Any
