@@ -248,6 +248,7 @@ def test_samples_call_the_pipeline_with_the_options_as_trained(folders, single_d
     monkeypatch.setattr(FluxFlowMatching, "pipeline", pipeline)
     config = _config(root, sample_prompts=("a red fox",), sample_steps=3, sample_guidance_scale=2.0)
     state = types.SimpleNamespace(model=lambda frozen, use_ema: setup.model)
+    assert setup.model.sample_size(config) == {}  # images at the pipeline's default size
     run_module._sampler(config, setup, "the scheduler", frozen=None, encoders={})(state)
     assert calls == [(["a red fox"], dict(num_inference_steps=3, guidance_scale=2.0, seed=0, progress=False,
                                           max_sequence_length=T5_LENGTH))]

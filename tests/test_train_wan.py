@@ -135,6 +135,11 @@ def test_clip_captions_are_cleaned_as_the_pipeline_cleans_prompts(tmp_path, monk
     assert asked[0]["prefetch_buffer_size"] == 2
 
 
+def test_samples_are_videos_as_the_clips_trained(folders):
+    root, _ = folders
+    assert WanFlowMatching.sample_size(_config(root)) == {"height": 16, "width": 16, "num_frames": FRAMES.count}
+
+
 def ids_of(tokenizer, caption):
     return tokenizer([caption], padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
                      return_tensors="np").input_ids

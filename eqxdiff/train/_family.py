@@ -138,6 +138,12 @@ class TrainModel(eqx.Module):
         ``max_sequence_length``), for samples."""
         return {name: getattr(self.options, name) for name in self.CALL_OPTIONS}
 
+    @classmethod
+    def sample_size(cls, config) -> dict[str, Any]:
+        """The size arguments of samples' pipeline calls for a run of ``config`` (a ``TrainConfig``); default none:
+        the pipeline's default size."""
+        return {}
+
     @property
     def denoiser(self):
         return getattr(self, self.DENOISER)

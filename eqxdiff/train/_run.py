@@ -223,12 +223,14 @@ def _cache_fingerprint(config: TrainConfig, model: TrainModel) -> dict:
 def _sampler(config: TrainConfig, setup: Setup, scheduler, frozen, encoders):
     """``sample(state)``: uint8 images of ``sample_prompts`` from the trained weights (their EMA), through the
     family's pipeline (text encoders put on the devices only while they encode), called with the options it
-    takes as trained (:meth:`~eqxdiff.train.TrainModel.call_options`)."""
+    takes as trained (:meth:`~eqxdiff.train.TrainModel.call_options`), at the family's sample size (videos: as
+    the clips trained)."""
 
     def sample(state):
         model = state.model(frozen, use_ema=True).with_text_encoders(encoders)
         pipe = model.pipeline(setup.tokenizers, scheduler, options=setup.options, offload_encoders=bool(encoders))
         return pipe(list(config.sample_prompts), num_inference_steps=config.sample_steps,
-                    guidance_scale=config.sample_guidance_scale, seed=0, progress=False, **model.call_options())
+                    guidance_scale=config.sample_guidance_scale, seed=0, progress=False, **model.call_options(),
+                    **model.sample_size(config))
 
     return sample

@@ -121,6 +121,12 @@ class WanFlowMatching(TrainModel):
             raise ValueError(f"family.expert={self.options.expert!r} picks one of Wan 2.2 A14B's two experts, but "
                              "this folder has one transformer; leave family.expert at 'both'")
 
+    @classmethod
+    def sample_size(cls, config) -> dict[str, Any]:
+        """Samples are videos as the clips trained: the run's resolution and frame count (the pipeline's default is
+        81 frames at 480x832, a long wait inside a training run)."""
+        return {"height": config.resolution, "width": config.resolution, "num_frames": config.frames.count}
+
     def encode_text(self, ids):
         input_ids = ids["input_ids"]
         return {"encoder_hidden_states": umt5_embeddings(self.text_encoder, input_ids,
