@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+import eqxdiff
 from eqxdiff.cli import train as train_cli
 from eqxdiff.data import (
     DataError,
@@ -357,3 +358,64 @@ def test_eqxdiff_train_checks_the_clips_against_the_folder_before_loading(folder
     with pytest.raises(InputError, match=r"^--resolution 24 must be a multiple of 16 \(the VAE downsamples by 8 and "
                        r"the transformer takes 2x2 patches\); try --resolution 16$"):
         train_cli.validate([*argv, "--resolution", "24"])
+
+
+def test_lora_on_both_experts_writes_one_file_per_expert(folders, tmp_path):
+    """LoRA on Wan 2.2 A14B trains both experts (``family.expert='both'``): ``save_lora`` writes ``transformer``'s
+    adapters to the file and ``transformer_2``'s to ``<stem>.transformer_2.safetensors`` in the same names, which
+    eqxdiff's ``load_lora_weights(file, load_into_transformer_2=True)`` and diffusers' (same keyword, no unexpected
+    or missing keys) read back into the low-noise expert: the loaded bundle gives the adapted bundle's output on each
+    side of the boundary (<= 1e-4); ``expert='low'`` adapts and writes the second expert only."""
+    import logging
+
+    import diffusers
+
+    from eqxdiff.loading.lora import read_lora
+    from eqxdiff.train import LoraConfig, add_lora, lora_filter, save_lora
+
+    lora = LoraConfig(rank=2, alpha=3.0, targets=("attention", "mlp"))
+    pipe = eqxdiff.load_pipeline(folders[0] / "pipe")
+    base = WanFlowMatching.from_pipeline(pipe)[0]
+    rng = np.random.default_rng(1)
+    adapted = add_lora(base, lora, seed=0)
+    adapted = jax.tree.map(lambda leaf, trains: jnp.asarray(0.3 * rng.standard_normal(leaf.shape), leaf.dtype)
+                           if trains else leaf, adapted, lora_filter(adapted))
+    assert adapted.trained_denoisers() == ("transformer", "transformer_2")
+    written = save_lora(adapted, lora, tmp_path / "w.safetensors")
+    second = tmp_path / "w.transformer_2.safetensors"
+    assert written == f"{tmp_path / 'w.safetensors'} and {second}"
+    assert {k.split(".")[0] for k in read_lora(second).tensors} == {"transformer"}
+
+    batch = {"pixel_values": jnp.zeros((1, FRAMES.count, 16, 16, 3)), **{k: v[None] for k, v in adapted.null_ids().items()}}
+    cond = adapted.condition(batch, jax.random.key(0), 0.0)
+    x = jnp.asarray(rng.standard_normal((1, 3, 2, 2, base.transformer.config.in_channels)), jnp.float32)
+    times = [jnp.asarray([base.boundary + 60.0]), jnp.asarray([base.boundary - 200.0])]  # one step per expert
+    outputs = jax.jit(lambda b: [b.denoise(x, t, cond) for t in times])
+    expected, plain = outputs(adapted), outputs(base)
+    for e, p in zip(expected, plain):
+        assert float(jnp.max(jnp.abs(e - p))) > 1e-2 * float(jnp.max(jnp.abs(p)))  # each expert's adapters count
+    pipe.load_lora_weights(tmp_path / "w.safetensors", adapter_name="high")
+    pipe.load_lora_weights(second, adapter_name="low", load_into_transformer_2=True)
+    assert pipe.get_active_adapters() == ["high", "low"]  # one per expert, both on (diffusers keeps them per model)
+    for got, want in zip(outputs(WanFlowMatching.from_pipeline(pipe)[0]), expected):
+        assert_close(got, want, 1e-4, "the files loaded into both experts")
+
+    notices = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notices.append(record.getMessage())
+    ref = folders[1]  # the module's diffusers pipeline: its adapters are deleted after
+    logging.getLogger("diffusers").addHandler(handler)
+    try:
+        ref.load_lora_weights(str(tmp_path / "w.safetensors"), adapter_name="high")
+        ref.load_lora_weights(str(second), adapter_name="low", load_into_transformer_2=True)
+        assert ref.transformer.active_adapters() == ["high"] and ref.transformer_2.active_adapters() == ["low"]
+    finally:
+        logging.getLogger("diffusers").removeHandler(handler)
+        ref.delete_adapters(["high", "low"])
+    assert not [n for n in notices if "unexpected keys" in n or "missing keys" in n], notices
+
+    low = dataclasses.replace(base, options=WanOptions(max_sequence_length=TEXT_LENGTH, expert="low"))
+    assert low.trained_denoisers() == ("transformer_2",)
+    only = add_lora(low, lora, seed=0)
+    assert save_lora(only, lora, tmp_path / "low.safetensors") == str(tmp_path / "low.transformer_2.safetensors")
+

@@ -106,8 +106,9 @@ class LoraMixin:
                           strict: bool = True, max_rank: int | None = None, hotswap: bool = False,
                           revision: str | None = None, into: Mapping[str, str] | None = None) -> str:
         """Load a LoRA / LyCORIS file (a ``.safetensors`` file, a folder holding one, or a Hub id with
-        ``weight_name``) as adapter ``adapter_name`` (default ``default_N``) and make it the active one; returns the
-        name. Any trainer's layout of the family's models is read (see the family's ``LORA_FORMAT``).
+        ``weight_name``) as adapter ``adapter_name`` (default ``default_N``) and make it the active one of the models
+        it adapts (adapters of only other models stay active, as diffusers keeps them per model: Wan's high- and
+        low-noise files); returns the name. Any trainer's layout of the family's models is read (``LORA_FORMAT``).
 
         ``strict``: keys that adapt nothing here are an error listing them (``False``: one warning); a file for
         another family is an error naming it either way, and so is a file of which nothing applies. ``max_rank``:
@@ -163,7 +164,7 @@ class LoraMixin:
             state.adapters[name] = LoadedAdapter(name, file.path, {c: [s.path for s in sites]
                                                                    for c, sites in built.items()},
                                                  max_rank=max_rank, modules=len(matched))
-            state.active = [name]
+            state.active = [a for a in state.active if not set(built) & set(state.adapters[a].sites)] + [name]
         self._refresh_lora()
         return name
 

@@ -173,11 +173,17 @@ class TrainModel(eqx.Module):
         by default every one of ``TEXT``."""
         return tuple(cls.TRAINABLE_TEXT_ENCODERS or [t.encoder for t in cls.TEXT])
 
+    def trained_denoisers(self) -> tuple[str, ...]:
+        """The denoisers a run trains (in full, or through LoRA adapters): ``DENOISER``; a family with several
+        (Wan 2.2 A14B's experts) says which of them its options train."""
+        return (self.DENOISER,)
+
     def trainable(self, *, train_text_encoder: bool = False, train_vae: bool = False):
-        """A filter spec (the bundle's structure, bools at the leaves): the denoiser's arrays, plus the text
-        encoders' (:meth:`trainable_text_encoders`) and the VAE's if asked."""
+        """A filter spec (the bundle's structure, bools at the leaves): the trained denoisers' arrays
+        (:meth:`trained_denoisers`), plus the text encoders' (:meth:`trainable_text_encoders`) and the VAE's if
+        asked."""
         spec = jax.tree.map(lambda _: False, self)
-        names = [self.DENOISER]
+        names = list(self.trained_denoisers())
         if train_text_encoder:
             names += [n for n in self.trainable_text_encoders() if getattr(self, n) is not None]
         if train_vae:

@@ -16,6 +16,7 @@ PEFT file (diffusers' ``load_lora_weights`` reads it) or in kohya's layout (the 
 
 import dataclasses
 import math
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -98,8 +99,9 @@ def site_kind(site: nn.Site) -> str | None:
 
 
 def lora_components(bundle: TrainModel, config: LoraConfig) -> list[str]:
-    """The bundle's models that get adapters: the denoiser, and its trainable text encoders if asked."""
-    names = [bundle.DENOISER]
+    """The bundle's models that get adapters: the trained denoisers (Wan 2.2 A14B: the experts its options train),
+    and its trainable text encoders if asked."""
+    names = list(bundle.trained_denoisers())
     if config.text_encoders:
         names += [n for n in bundle.trainable_text_encoders() if getattr(bundle, n) is not None]
     return names
@@ -174,15 +176,28 @@ def kohya_layouts(bundle: TrainModel):
 def save_lora(bundle: TrainModel, config: LoraConfig, path, *, dtype=None) -> str:
     """Write the bundle's adapters to ``path``: PEFT keys (``unet.``, ``text_encoder.`` ... with diffusers'
     metadata) or kohya's (the family's ``LORA_KOHYA`` namings: ``lora_unet_`` with its layout's names, ``lora_te_``
-    ...), tensors in ``dtype`` (default float32), the alpha of the config."""
-    models = {n: getattr(bundle, n) for n in lora_components(bundle, config)}
-    if config.format == "peft":
-        namings, layouts = [Naming(f"{n}.", n, label="PEFT") for n in models], ()
-    else:
-        namings, layouts = bundle.LORA_KOHYA, kohya_layouts(bundle)
+    ...), tensors in ``dtype`` (default float32), the alpha of the config. A trained denoiser other than
+    ``DENOISER`` (Wan 2.2 A14B's ``transformer_2``) is written to a file of its own beside ``path``,
+    ``<stem>.<name>.safetensors``, named as ``DENOISER`` is: the form its family's loaders read into that model
+    (diffusers' ``load_lora_weights(file, load_into_transformer_2=True)``, the community's high / low noise pairs).
+    Returns what was written."""
     alpha = float(config.rank if config.alpha is None else config.alpha)
-    return write_lora(path, models, namings, layouts, style=config.format, alpha=alpha,
-                      dtype=np.dtype(dtype or np.float32))
+
+    def write(file, models):
+        if config.format == "peft":
+            namings, layouts = [Naming(f"{n}.", n, label="PEFT") for n in models], ()
+        else:
+            namings, layouts = bundle.LORA_KOHYA, kohya_layouts(bundle)
+        return write_lora(file, models, namings, layouts, style=config.format, alpha=alpha,
+                          dtype=np.dtype(dtype or np.float32))
+
+    own = [n for n in bundle.trained_denoisers() if n != bundle.DENOISER]
+    models = {n: getattr(bundle, n) for n in lora_components(bundle, config) if n not in own}
+    path = Path(path)
+    written = [write(path, models)] if models else []
+    written += [write(path.with_name(f"{path.stem}.{n}{path.suffix}"), {bundle.DENOISER: getattr(bundle, n)})
+                for n in own]
+    return " and ".join(written)
 
 
 __all__ = ["FORMATS", "TARGETS", "LoraConfig", "add_lora", "lora_components", "lora_filter", "save_lora",

@@ -154,16 +154,11 @@ class WanFlowMatching(TrainModel):
         out_low = jax.lax.cond(jnp.all(is_high), lambda: zeros, low)
         return jnp.where(is_high.reshape((-1,) + (1,) * (x.ndim - 1)), out_high, out_low)
 
-    def trainable(self, *, train_text_encoder: bool = False, train_vae: bool = False):
-        """The shared filter, with the experts ``family.expert`` trains (``both``: each one the folder has)."""
-        spec = super().trainable(train_text_encoder=train_text_encoder, train_vae=train_vae)
+    def trained_denoisers(self) -> tuple[str, ...]:
+        """The experts ``family.expert`` trains (``both``: each one the folder has)."""
         trains = {"both": ("transformer", "transformer_2"), "high": ("transformer",),
                   "low": ("transformer_2",)}[self.options.expert]
-        for name in ("transformer", "transformer_2"):
-            if getattr(self, name) is not None:
-                marks = jax.tree.map(lambda x, n=name: n in trains and eqx.is_inexact_array(x), getattr(self, name))
-                spec = eqx.tree_at(lambda m, n=name: getattr(m, n), spec, marks)
-        return spec
+        return tuple(name for name in trains if getattr(self, name) is not None)
 
     @classmethod
     def from_pipeline(cls, pipe, options=None):
