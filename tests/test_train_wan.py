@@ -368,8 +368,6 @@ def test_lora_on_both_experts_writes_one_file_per_expert(folders, tmp_path):
     side of the boundary (<= 1e-4); ``expert='low'`` adapts and writes the second expert only."""
     import logging
 
-    import diffusers
-
     from eqxdiff.loading.lora import read_lora
     from eqxdiff.train import LoraConfig, add_lora, lora_filter, save_lora
 
