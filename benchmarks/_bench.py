@@ -117,6 +117,19 @@ def torch_sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def torch_runner(fn, device):
+    """``fn`` as a timed runner: run under ``torch.no_grad()``, then wait for the device's queued work."""
+    import torch
+
+    def run():
+        with torch.no_grad():
+            out = fn()
+        torch_sync(device)
+        return out
+
+    return run
+
+
 def torch_peak_bytes(device) -> int | None:
     """Peak memory PyTorch's allocator has handed out on ``device`` since the start or the last reset."""
     import torch

@@ -24,7 +24,7 @@ from typing import Literal
 import tyro
 
 from _bench import (TorchDevice, check_agreement, fmt_seconds, load_average, on_gpu, rel_error, report_cpu_times,
-                    report_times, setup_frameworks, time_interleaved, torch_sync)
+                    report_times, setup_frameworks, time_interleaved, torch_runner)
 
 _LTX_2B = dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
                attention_head_dim=64, cross_attention_dim=2048, num_layers=28, caption_channels=4096)
@@ -224,12 +224,7 @@ def main(args: Args) -> None:
                     num_frames=t, height=h, width=w, rope_interpolation_scale=scale, return_dict=False)
 
     def torch_run(fn):
-        def run():
-            with torch.no_grad():
-                out = fn()
-            torch_sync(device)
-            return out
-        return run
+        return torch_runner(fn, device)
 
     stages = {"step": {"eqxdiff": jax.jit(step).lower(params, *j_args).compile(),
                        "diffusers": torch_run(lambda: ref(**t_kwargs)[0])}}

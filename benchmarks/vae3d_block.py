@@ -19,26 +19,13 @@ from typing import Literal
 
 import tyro
 
-from _bench import TorchDevice, report_times, setup_frameworks, time_interleaved, torch_sync
+from _bench import TorchDevice, report_times, setup_frameworks, time_interleaved, torch_runner
 
 STAGES = {  # (frames, height, width, channels) of a decoder stage's activations
     "last": (121, 128, 192, 128),  # 0.9.0's last up block: 121 frames at 768x512 before the 4x4 unpatchify
     "third": (61, 64, 96, 256),
     "tiny": (5, 8, 8, 8),
 }
-
-
-class _Checkpoint(dict):
-    """A state dict as the loader's checkpoint view."""
-
-    def names(self):
-        return list(self)
-
-    def shape(self, name):
-        return self[name].shape
-
-    def get(self, name):
-        return self[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +50,7 @@ def main(args: Args) -> None:
     import numpy as np
     import torch
 
+    from eqxdiff.loading import TensorDict
     from eqxdiff.loading._fill import fill_module
     from eqxdiff.models._ltx_vae_blocks import LTXVideoResnetBlock3d
 
@@ -74,7 +62,7 @@ def main(args: Args) -> None:
           f"per activation), dtype={args.dtype}")
     torch.manual_seed(0)
     ref = ltx.LTXVideoResnetBlock3d(c, c, is_causal=False).to(device=device, dtype=torch_dtype).eval()
-    state = _Checkpoint({k: v.float().cpu().numpy() for k, v in ref.state_dict().items()})
+    state = TensorDict({k: v.float().cpu().numpy() for k, v in ref.state_dict().items()})
     block = fill_module(eqx.filter_eval_shape(lambda: LTXVideoResnetBlock3d(c, c, causal=False, dtype=jdt,
                                                                             key=jax.random.key(0))), state, dtype=jdt)
     x = np.random.default_rng(0).standard_normal((1, f, h, w, c), np.float32)
@@ -99,16 +87,8 @@ def main(args: Args) -> None:
         print(f"{name}: compiled in {time.perf_counter() - t0:.1f}s")
         runners[name] = (lambda compiled=compiled, a=a: jax.block_until_ready(compiled(*a)))
 
-    def torch_run(fn):
-        def run():
-            with torch.no_grad():
-                out = fn()
-            torch_sync(device)
-            return out
-        return run
-
-    runners["diffusers block"] = torch_run(lambda: ref(tx))
-    runners["diffusers conv"] = torch_run(lambda: ref.conv1(tx))
+    runners["diffusers block"] = torch_runner(lambda: ref(tx), device)
+    runners["diffusers conv"] = torch_runner(lambda: ref.conv1(tx), device)
     for name, run in runners.items():
         outputs[name] = run()
     mine = np.asarray(outputs["eqxdiff block"], np.float32)
