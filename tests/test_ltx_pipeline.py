@@ -1,13 +1,14 @@
 """The LTX-Video pipelines end to end against diffusers 0.42 in float32 (every pixel within 2/255 from the same initial
 latents): text-to-video with guidance_rescale and the timestep-conditioned decoder (decode_timestep, and
 decode_noise_scale with diffusers' noise replaced by eqxdiff's draw), image-to-video (the image's latents sampled with
-the same posterior noise on both sides), conditions at frame 0 and at a later index, the two-stage recipe's upsampling
-and refinement, then eqxdiff-generate's MP4 and the errors. Prompts go
+the same posterior noise on both sides), image conditions at frame 0 and at a later index, video-clip conditions at
+frame 0 and at a later index, the two-stage recipe's upsampling and refinement, then eqxdiff-generate's MP4 and the
+errors. Prompts go
 through a character tokenizer saved in the folder (both sides tokenize alike) and a tiny T5.
 
 One tiny folder (tests/_tiny_ltx.py: the 0.9.5 VAE, 16x spatial and 8x temporal, random latent statistics) is built
-for the module; every video has 9 frames of 32x32 pixels (2 latent frames of 2x2) and every call 3 steps, so the
-calls of a pipeline share their compiled programs.
+for the module; every video has 9 frames of 32x32 pixels (2 latent frames of 2x2; the clips' test 25) and every call
+3 steps, so the calls of a pipeline share their compiled programs.
 """
 
 import diffusers
@@ -28,7 +29,7 @@ from eqxdiff.loading import SafetensorsFile, convert_tensors, formats, inverse, 
 from eqxdiff.pipelines import InputError, read_parameters, read_video, save_single_file, write_video
 from eqxdiff.pipelines._latents import noise_draws
 from eqxdiff.pipelines.ltx import LTXPipeline, decode_keys
-from eqxdiff.pipelines.ltx_condition import LTXConditionPipeline, condition_keys
+from eqxdiff.pipelines.ltx_condition import LTXConditionPipeline, LTXVideoCondition, condition_keys
 from eqxdiff.pipelines.ltx_i2v import LTXImageToVideoPipeline
 from eqxdiff.pipelines.ltx_upsample import LTXLatentUpsamplePipeline
 
@@ -173,6 +174,52 @@ def test_conditions_at_frame_indices_match_diffusers(ltx, monkeypatch):
     ours = pipe(image=[first, later], frame_index=[0, 8], strength=[1.0, 0.8], prompt=PROMPTS[0],
                 negative_prompt=NEGATIVES[0], key=key, progress=False, **kwargs)
     assert ours.shape == (1, 9, 32, 32, 3) and pixels_off(ours, expected) <= 2 and np.std(ours) > 1
+
+
+def test_video_clip_conditions_match_diffusers(ltx, monkeypatch):
+    """Video clips as conditions of a 25-frame video (4 latent frames; diffusers' LTXVideoCondition(video=...)): one of
+    19 frames at frame 0 (cut to 17 = 8k+1: its 3 latent frames blended into the video's first three at strength 1,
+    re-noised before every step) and one of 20 frames at frame 8 (cut to the 17 that fit, strength 0.6: its first two
+    latent frames extra tokens positioned from frame 8 and blended with noise, its third blended into the video's
+    latent frame 3). The clips are the video's size (diffusers' resize is then the identity); diffusers' draws are
+    eqxdiff's as in the image conditions' test (start noise, each clip's posterior sample, the later clip's blend
+    noise, the re-noising per step, the decode noise)."""
+    ref, pipe, _ = ltx
+    ref = diffusers.LTXConditionPipeline(**ref.components)
+    pipe = LTXConditionPipeline.from_pipe(pipe)
+    key, steps, shape = jax.random.key(9), 3, (1, 4, 2, 2, 8)
+    posterior, blend, renoise = condition_keys(key)
+    clip_latents = (1, 3, 2, 2, 8)  # 17 frames
+    draws = [ncthw(noise_draws(key, shape).noise),
+             ncthw(jax.random.normal(jax.random.fold_in(posterior, 0), clip_latents)),
+             ncthw(jax.random.normal(jax.random.fold_in(posterior, 1), clip_latents)),
+             ncthw(jax.random.normal(jax.random.fold_in(blend, 1), (1, 2, 2, 2, 8)))]
+    draws += [torch.from_numpy(np.array(jax.random.normal(jax.random.fold_in(renoise, j), (1, 8 + 16, 8))))
+              for j in range(steps)]
+    draws.append(ncthw(jax.random.normal(decode_keys(key)[0], shape)))
+
+    def randn_tensor(shape, **_):
+        draw = draws.pop(0)
+        assert tuple(draw.shape) == tuple(shape), (draw.shape, shape)
+        return draw
+
+    monkeypatch.setattr(pipeline_ltx_condition, "randn_tensor", randn_tensor)
+    monkeypatch.setattr(autoencoder_vae, "randn_tensor", randn_tensor)
+    rng = np.random.default_rng(10)
+    first, later = (rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8) for n in (19, 20))
+    kwargs = dict(guidance_scale=3.0, decode_timestep=0.05, decode_noise_scale=0.025, image_cond_noise_scale=0.15,
+                  **dict(VIDEO, num_frames=25, num_inference_steps=steps))
+    as_pil = [Image.fromarray(f) for f in first]
+    conditions = [RefCondition(video=as_pil, frame_index=0),
+                  RefCondition(video=[Image.fromarray(f) for f in later], frame_index=8, strength=0.6)]
+    with torch.no_grad():
+        expected = ref(conditions=conditions, prompt=PROMPTS[0], negative_prompt=NEGATIVES[0], output_type="np",
+                       **kwargs).frames
+    assert not draws, f"{len(draws)} draws left"
+    ours = pipe(conditions=[LTXVideoCondition(video=as_pil), LTXVideoCondition(video=later, frame_index=8,
+                                                                                strength=0.6)],
+                prompt=PROMPTS[0], negative_prompt=NEGATIVES[0], key=key, progress=False, **kwargs)
+    assert ours.shape == (1, 25, 32, 32, 3) and pixels_off(ours, expected) <= 2 and np.std(ours) > 1
 
 
 def test_two_stages_upsample_and_refine_match_diffusers(ltx, tmp_path, monkeypatch):
