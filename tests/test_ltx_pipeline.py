@@ -266,9 +266,10 @@ def test_two_stages_upsample_and_refine_match_diffusers(ltx, tmp_path, monkeypat
 
 def test_lightricks_single_file_loads_as_diffusers_from_single_file(ltx, tmp_path):
     """A Lightricks file (the transformer below ``model.diffusion_model.``, the VAE below ``vae.`` in the original
-    names, the statistics' extra entries beside) with config= a diffusers folder: eqxdiff.load_pipeline detects the
-    layout and loads exactly the weights diffusers' LTXPipeline.from_single_file loads (the 0.9.1 VAE layout: the one
-    diffusers' fixed single-file tables give for the tiny sizes); save_single_file writes the same tensors back."""
+    names, the statistics' three unused entries beside) with config= a diffusers folder: eqxdiff.load_pipeline detects
+    the layout and loads exactly the weights diffusers' LTXPipeline.from_single_file loads (the 0.9.1 VAE layout: the
+    one diffusers' fixed single-file tables give for the tiny sizes); save_single_file writes every key of the file
+    back (the models' tensors equal), and the written file loads in diffusers and in eqxdiff as the original."""
     ref, _, _ = ltx
     folder = tmp_path / "ltx091"
     ref = diffusers.LTXPipeline(**{**ref.components, "vae": tiny.vae(tiny.VAE_091)})
@@ -278,29 +279,48 @@ def test_lightricks_single_file_loads_as_diffusers_from_single_file(ltx, tmp_pat
                                 ("vae", formats.LTX_VAE, formats.ltx_vae(ref.vae.config))):
         state = {k: v.detach().numpy() for k, v in getattr(ref, name).state_dict().items()}
         tensors.update({prefix + k: v for k, v in convert_tensors(state, inverse(rules)).items()})
-    stats = formats.LTX_VAE + "per_channel_statistics."
-    tensors.update({stats + "channel": np.arange(8, dtype=np.float32), stats + "mean-of-stds": np.ones(8, np.float32)})
+    stats = formats.LTX_VAE + formats.LTX_STATISTICS
+    std, mean_of_stds = tensors[stats + "std-of-means"], np.random.default_rng(11).uniform(0.5, 2, 8).astype(np.float32)
+    unused = {stats + "channel": np.arange(8, dtype=np.float32), stats + "mean-of-stds": mean_of_stds,
+              stats + "mean-of-stds_over_std-of-means": mean_of_stds / std}
+    assert set(unused) == {stats + n for n in formats.LTX_UNUSED_STATISTICS}
+    tensors.update(unused)
     path = tmp_path / "ltx-video-tiny.safetensors"
     write_safetensors(tensors, path)
 
-    expected = diffusers.LTXPipeline.from_single_file(path, config=str(folder), text_encoder=ref.text_encoder,
+    def assert_same_models(ours, expected):
+        for name in ("transformer", "vae"):
+            theirs = {k: v.numpy() for k, v in getattr(expected, name).state_dict().items()}
+            got = state_dict(getattr(ours, name))
+            assert set(got) == set(theirs), name
+            for key, value in theirs.items():
+                np.testing.assert_array_equal(got[key], value, err_msg=f"{name}.{key}")
+
+    def from_single_file(file):
+        return diffusers.LTXPipeline.from_single_file(file, config=str(folder), text_encoder=ref.text_encoder,
                                                       tokenizer=ref.tokenizer)
+
     ours = eqxdiff.load_pipeline(path, config=folder, pipeline_class=LTXConditionPipeline)
     assert type(ours) is LTXConditionPipeline
-    for name in ("transformer", "vae"):
-        theirs = {k: v.numpy() for k, v in getattr(expected, name).state_dict().items()}
-        got = state_dict(getattr(ours, name))
-        assert set(got) == set(theirs), name
-        for key, value in theirs.items():
-            np.testing.assert_array_equal(got[key], value, err_msg=f"{name}.{key}")
+    assert_same_models(ours, from_single_file(path))
     with pytest.raises(ValueError, match=r"no single-file layout holds exactly a LTXConditionPipeline's models "
                                          r"\['text_encoder', 'transformer', 'vae'\]; pass layout="):
         save_single_file(ours, tmp_path / "written.safetensors")  # Lightricks' files hold no T5
-    written = SafetensorsFile(save_single_file(ours, tmp_path / "written.safetensors", layout="ltx_lightricks"))
-    kept = {n: v for n, v in tensors.items() if n not in (stats + "channel", stats + "mean-of-stds")}
-    assert set(written.names()) == set(kept)
-    for name, value in kept.items():
-        np.testing.assert_array_equal(written.get(name), value, err_msg=name)
+    # written back: every key of the original file, the models' tensors as they were, the entries no loader reads
+    # derived (the channel indices as the file's; mean-of-stds, which nobody keeps, ones, and that over std-of-means)
+    written_path = save_single_file(ours, tmp_path / "written.safetensors", layout="ltx_lightricks")
+    written = SafetensorsFile(written_path)
+    assert set(written.names()) == set(tensors)
+    for name, value in tensors.items():
+        if name not in unused:
+            np.testing.assert_array_equal(written.get(name), value, err_msg=name)
+    np.testing.assert_array_equal(written.get(stats + "channel"), unused[stats + "channel"])
+    np.testing.assert_array_equal(written.get(stats + "mean-of-stds"), np.ones(8, np.float32))
+    np.testing.assert_array_equal(written.get(stats + "mean-of-stds_over_std-of-means"), 1 / std)
+    # and read again: diffusers' from_single_file of the written file, and eqxdiff's, hold the same weights
+    again = eqxdiff.load_pipeline(written_path, config=folder, pipeline_class=LTXConditionPipeline)
+    assert_same_models(ours, from_single_file(written_path))
+    assert_same_models(again, from_single_file(written_path))
 
 
 def test_generate_writes_an_mp4_with_its_parameters(ltx, tmp_path, capsys):

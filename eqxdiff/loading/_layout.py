@@ -60,8 +60,9 @@ class Part:
         """Whether a model of ``config`` is what this part holds (which layout writes a pipeline)."""
         return True
 
-    def extra_tensors(self, config) -> dict[str, np.ndarray]:
-        """Tensors a file in this layout holds beside the model's own (written with it, dropped when reading)."""
+    def extra_tensors(self, config, written: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Tensors a file in this layout holds beside the model's own (written with it, dropped when reading);
+        ``written``: the model's tensors in the file's names, for entries derived from them."""
         return {}
 
 

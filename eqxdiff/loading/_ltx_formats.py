@@ -12,12 +12,19 @@ those tables for the released configs (tested against the converter) and any oth
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from ..core import ModelConfig, resolve_class
 from ._convert import Drop, Rename, Rule
 from ._rules import select
 
 LTX_DIFFUSION_MODEL = "model.diffusion_model."  # Lightricks' single files: the transformer below it
 LTX_VAE = "vae."  # ... and the VAE below this
+LTX_STATISTICS = "per_channel_statistics."  # the VAE's latent statistics, below LTX_VAE
+LTX_UNUSED_STATISTICS = ("channel", "mean-of-stds", "mean-of-stds_over_std-of-means")
+"""The statistics entries Lightricks' files carry beside ``mean-of-means`` / ``std-of-means`` (diffusers'
+``latents_mean`` / ``latents_std``) that no loader reads: diffusers' converter drops them (``channel`` and, by
+substring, both ``mean-of-stds`` entries), Lightricks' and ComfyUI's VAEs read only the other two."""
 
 
 def ltx_transformer(*, prefix: str = "") -> tuple[Rule, ...]:
@@ -101,19 +108,33 @@ def ltx_vae(config, *, prefix: str = "") -> tuple[Rule, ...]:
     ``AutoencoderKLLTXVideo``: the encoder's and decoder's blocks renumbered (see the module docstring), the
     width-changing ResNet blocks' ``conv_shortcut`` / ``norm3.norm`` renamed, ``last_time_embedder`` /
     ``last_scale_shift_table`` the decoder's ``time_embedder`` / ``scale_shift_table``, and the latent statistics
-    ``per_channel_statistics.mean-of-means`` / ``std-of-means`` the ``latents_mean`` / ``latents_std`` tensors (its
-    ``channel`` and ``mean-of-stds`` entries dropped). The inverse writes the original names back.
+    ``per_channel_statistics.mean-of-means`` / ``std-of-means`` the ``latents_mean`` / ``latents_std`` tensors (the
+    :data:`LTX_UNUSED_STATISTICS` entries dropped). The inverse writes the original names back; the dropped entries
+    are :func:`ltx_unused_statistics`.
 
     >>> config = eqxdiff.loading.read_config("Lightricks/LTX-Video-0.9.5", "vae")
     >>> eqxdiff.load("ltx-video-2b-v0.9.5.safetensors", model_class="AutoencoderKLLTXVideo", config=config,
     ...              conversion=formats.ltx_vae(config, prefix=formats.LTX_VAE))
     """
     c = _vae_config(config)
-    stats = "per_channel_statistics."
+    stats = LTX_STATISTICS
     rules: list[Rule] = list(select(prefix)) if prefix else []
-    rules += [Drop((stats + "channel", stats + "mean-of-stds"), optional=True),
+    rules += [Drop(tuple(stats + n for n in LTX_UNUSED_STATISTICS), optional=True),
               Rename(stats + "mean-of-means", "latents_mean"), Rename(stats + "std-of-means", "latents_std")]
     return tuple(rules + _encoder(c) + _decoder(c))
 
 
-__all__ = ["LTX_DIFFUSION_MODEL", "LTX_VAE", "ltx_transformer", "ltx_vae"]
+def ltx_unused_statistics(latents_std) -> dict[str, np.ndarray]:
+    """The :data:`LTX_UNUSED_STATISTICS` entries (below :data:`LTX_STATISTICS`) a written file carries so that it has
+    every key of Lightricks' layout, from what eqxdiff holds: ``channel`` the channel indices ``0 .. C-1`` (float, as
+    the original buffers), ``mean-of-stds`` ones (the dataset's mean per-channel std is not kept by eqxdiff or
+    diffusers: a neutral stand-in that no loader reads) and ``mean-of-stds_over_std-of-means`` that over
+    ``latents_std`` (``std-of-means``), as its name says."""
+    std = np.asarray(latents_std)
+    ones = np.ones(std.shape, std.dtype)
+    values = (np.arange(std.shape[0]).astype(std.dtype), ones, ones / std)
+    return {LTX_STATISTICS + n: v for n, v in zip(LTX_UNUSED_STATISTICS, values)}
+
+
+__all__ = ["LTX_DIFFUSION_MODEL", "LTX_STATISTICS", "LTX_UNUSED_STATISTICS", "LTX_VAE", "ltx_transformer",
+           "ltx_unused_statistics", "ltx_vae"]

@@ -100,7 +100,7 @@ class OpenClipText(Part):
     def fits(self, config) -> bool:
         return config.hidden_act == self.hidden_act
 
-    def extra_tensors(self, config) -> dict[str, np.ndarray]:
+    def extra_tensors(self, config, written=None) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         for i in range(self.unused_blocks):
             out.update(openclip_padding_block(config, self.prefix, config.num_hidden_layers + i))

@@ -18,7 +18,10 @@ from ._convert import Dim, Drop, Rename, Rule, Split, SwapHalves, Transpose
 from ._errors import CheckpointError
 from ._layout import Part, Stored
 from ._ltx_formats import LTX_DIFFUSION_MODEL as LTX_DIFFUSION_MODEL
+from ._ltx_formats import LTX_STATISTICS as LTX_STATISTICS
+from ._ltx_formats import LTX_UNUSED_STATISTICS as LTX_UNUSED_STATISTICS
 from ._ltx_formats import LTX_VAE as LTX_VAE
+from ._ltx_formats import ltx_unused_statistics as ltx_unused_statistics
 from ._ltx_formats import ltx_transformer as ltx_transformer
 from ._ltx_formats import ltx_vae as ltx_vae
 from ._wan_formats import WAN22_LATENTS_MEAN as WAN22_LATENTS_MEAN

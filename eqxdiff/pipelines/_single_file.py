@@ -151,8 +151,9 @@ def save_single_file(pipe, path, *, dtype=None, layout: str | None = None) -> Pa
         if model is None:
             raise ValueError(f"{type(pipe).__name__} has no {part.name}, which a {chosen.name} single file holds; "
                              "pass layout= the layout of this pipeline")
-        tensors.update(layout_tensors(model, part.rules(model.config)))
-        tensors.update(part.extra_tensors(model.config))
+        written = layout_tensors(model, part.rules(model.config))
+        tensors.update(written)
+        tensors.update(part.extra_tensors(model.config, written))
     if dtype is not None:
         dt = check_dtype(dtype)
         tensors = {k: v.astype(dt) if v.dtype.kind == "f" else v for k, v in tensors.items()}

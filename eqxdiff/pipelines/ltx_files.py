@@ -33,7 +33,7 @@ class LightricksTransformer(Part):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LightricksVae(Part):
     """The VAE of a Lightricks file (:func:`~eqxdiff.loading.formats.ltx_vae`: its blocks numbered from the config's
-    layout), its config from ``config=``."""
+    layout), its config from ``config=``; written with the statistics entries no loader reads."""
 
     name: str = "vae"
     model_class: str = "AutoencoderKLLTXVideo"
@@ -41,6 +41,12 @@ class LightricksVae(Part):
 
     def rules(self, config, view=None):
         return formats.ltx_vae(config, prefix=self.prefix)
+
+    def extra_tensors(self, config, written=None):
+        """The statistics entries Lightricks' files carry and no loader reads
+        (:func:`~eqxdiff.loading.formats.ltx_unused_statistics`), so that a written file has every key of theirs."""
+        std = written[self.prefix + formats.LTX_STATISTICS + "std-of-means"]
+        return {self.prefix + n: v for n, v in formats.ltx_unused_statistics(std).items()}
 
 
 SINGLE_FILE_LAYOUTS = (
