@@ -227,14 +227,15 @@ def test_original_vae_names_equal_diffusers_converter_at_full_size(config):
 @pytest.mark.parametrize("which", ["vae090", "vae091"])
 def test_original_vae_file_loads_as_diffusers_converts_it(which, request, tmp_path_factory, tmp_path):
     """Lightricks' single file: the transformer below ``model.diffusion_model.`` and the VAE below ``vae.`` (with the
-    statistics' extra ``channel`` / ``mean-of-stds`` entries) in one file. diffusers' converter reads the VAE back to
-    exactly the reference's tensors; ``formats.ltx_vae`` and ``formats.ltx_transformer`` load both models from the
-    file into exactly the references' weights; written back, the same tensors."""
+    statistics' unused ``channel`` / ``mean-of-stds`` / ``mean-of-stds_over_std-of-means`` entries) in one file.
+    diffusers' converter reads the VAE back to exactly the reference's tensors (all three dropped); ``formats.ltx_vae``
+    and ``formats.ltx_transformer`` load both models from the file into exactly the references' weights; written back,
+    the same tensors."""
     case = request.getfixturevalue(which)
     transformer = test_ltx_model.TestLTXTiny.build(tmp_path_factory)
     vae = _original_vae(case.reference, formats.LTX_VAE)
-    extras = {"vae.per_channel_statistics.channel": np.arange(8, dtype=np.float32),
-              "vae.per_channel_statistics.mean-of-stds": np.ones(8, np.float32)}
+    extras = {formats.LTX_VAE + formats.LTX_STATISTICS + n: np.full(8, i + 1, np.float32)
+              for i, n in enumerate(formats.LTX_UNUSED_STATISTICS)}  # channel, mean-of-stds, their ratio: dropped
     ref = {k: v.numpy() for k, v in case.reference.state_dict().items()}
     converted = convert_ltx_vae_checkpoint_to_diffusers({k: torch.from_numpy(v) for k, v in {**vae, **extras}.items()})
     assert set(converted) == set(ref)
