@@ -1,5 +1,5 @@
 """Test setup: 8 simulated CPU devices, float32 matmuls at full precision, jaxtyping + beartype checks on, a cache
-folder (XDG_CACHE_HOME) of the session's."""
+folder (XDG_CACHE_HOME) of the session's, holding the session's persistent compilation cache."""
 
 import atexit
 import os
@@ -27,6 +27,12 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# The session's compiled programs go to its cache folder (eqxdiff's persistent cache, every program): tests that build
+# the same tiny models in their own fixtures read each other's programs instead of compiling them again (the training
+# tests' steps: about a fifth of their time). Tests of the cache itself set and restore their own folders.
+import eqxdiff  # noqa: E402
+
+eqxdiff.enable_compilation_cache()
 # Shared test bases: pytest rewrites their asserts too, so a failure shows the values compared.
 pytest.register_assert_rewrite("tests._parity", "tests._util")
 
