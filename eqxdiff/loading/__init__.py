@@ -36,6 +36,7 @@ from ._errors import PICKLE_SUFFIXES as PICKLE_SUFFIXES
 from ._errors import CheckpointError as CheckpointError
 from ._errors import ConversionError as ConversionError
 from ._errors import pickle_error as pickle_error
+from ._fast_tokenizer import file_tokenizer as file_tokenizer
 from ._fill import AdaptersNotSavedWarning as AdaptersNotSavedWarning
 from ._fill import fill_module as fill_module
 from ._fill import state_dict as state_dict

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core import ConfigError
-from ..loading import CheckpointError, tokenizer_class
+from ..loading import CheckpointError, file_tokenizer, tokenizer_class
 from ..schedulers import scheduler_from_config
 
 __all__ = ["COMPONENT_KINDS", "LIBRARIES", "Component", "build_scheduler", "load_processor", "load_tokenizer",
@@ -22,7 +22,7 @@ LIBRARIES = ("diffusers", "transformers")
 class Component:
     """One entry of a pipeline's ``model_index.json``: a subfolder of the pipeline folder.
 
-    ``kind``: ``"model"`` (read with :func:`eqxdiff.load`), ``"tokenizer"`` (transformers' own), ``"processor"``
+    ``kind``: ``"model"`` (read with :func:`eqxdiff.load`), ``"tokenizer"`` (:func:`load_tokenizer`), ``"processor"``
     (a transformers image processor: CLIP's resize, crop and normalisation, :func:`load_processor`) or
     ``"scheduler"``.
     ``library``: what ``model_index.json`` says reads it (``diffusers`` or ``transformers``). ``classes``: the
@@ -50,9 +50,13 @@ class Component:
 
 
 def load_tokenizer(folder):
-    """The checkpoint's own tokenizer through transformers (no download)."""
+    """The checkpoint's own tokenizer (no download): read with ``tokenizers`` alone where transformers would run the
+    folder's ``tokenizer.json`` as it is (:func:`~eqxdiff.loading.file_tokenizer`: the same ids, without importing
+    transformers), else through transformers."""
     if not os.path.isdir(folder):
         raise CheckpointError(f"tokenizer folder {os.fspath(folder)!r} not found")
+    if (tokenizer := file_tokenizer(folder)) is not None:
+        return tokenizer
     return tokenizer_class(folder).from_pretrained(os.fspath(folder))  # AutoTokenizer's choice, without torch
 
 
