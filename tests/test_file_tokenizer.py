@@ -74,6 +74,7 @@ def test_same_special_tokens_lengths_and_decoding(saved):
     for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
         assert getattr(ours, name) == getattr(theirs, name), name
         assert getattr(ours, name + "_id") == getattr(theirs, name + "_id"), name
+    assert ours.transformers_class == type(theirs).__name__  # what a saved pipeline's model_index.json names
     assert (ours.model_max_length, len(ours), ours.vocab_size) == (theirs.model_max_length, len(theirs),
                                                                    theirs.vocab_size)
     for prompt in PROMPTS:
@@ -83,14 +84,15 @@ def test_same_special_tokens_lengths_and_decoding(saved):
                 assert ours.decode(part, skip_special_tokens=skip) == theirs.decode(part, skip_special_tokens=skip)
 
 
-def test_cut_prompt_warning_is_the_same(saved):
+def test_prompt_warnings_are_the_same(saved):
+    """The cut-prompt warning (which decodes the part cut off) and the unknown-words one."""
     theirs, ours, _ = saved
-    long = "the cat sat on the hat " * 5
-    with pytest.warns(Warning) as with_ours:
-        tokens(ours, [long], max_length=8)
-    with pytest.warns(Warning) as with_theirs:
-        tokens(theirs, [long], max_length=8)
-    assert [str(w.message) for w in with_ours] == [str(w.message) for w in with_theirs]
+    for prompt in ("the cat sat on the hat " * 5, "a café for the cat ç"):
+        with pytest.warns(Warning) as with_ours:
+            tokens(ours, [prompt], max_length=8)
+        with pytest.warns(Warning) as with_theirs:
+            tokens(theirs, [prompt], max_length=8)
+        assert [str(w.message) for w in with_ours] == [str(w.message) for w in with_theirs]
 
 
 def test_save_pretrained_round_trips_through_transformers(saved, tmp_path):
@@ -118,6 +120,9 @@ def test_folders_transformers_reads_otherwise_are_left_to_it(saved, tmp_path):
         changed = shutil.copytree(folder, tmp_path / edit.split('"')[1])
         (changed / "tokenizer_config.json").write_text(config.replace("{", "{" + edit, 1))
         assert file_tokenizer(changed) is None, edit
+    unnamed = shutil.copytree(folder, tmp_path / "unnamed")
+    (unnamed / "tokenizer_config.json").write_text(config.replace('"tokenizer_class"', '"was_tokenizer_class"'))
+    assert file_tokenizer(unnamed) is None
     assert file_tokenizer(tmp_path / "missing") is None
 
 

@@ -5,12 +5,13 @@ tokenizer. A folder whose ``tokenizer_config.json`` says ``"backend": "tokenizer
 very backend transformers runs (its ``save_pretrained`` writes it), so :class:`FileTokenizer` runs that file through
 ``tokenizers`` with the same per-call padding and truncation transformers sets: the same ids and masks. Any setting
 transformers would act on beyond that file (remote code, a model ``config.json``, ``add_bos_token`` /
-``add_eos_token``, split special tokens, a special token the file lacks) leaves the folder to transformers
+``add_eos_token``, split special tokens, a special token the file lacks, no ``tokenizer_class``) leaves the folder to transformers
 (:func:`file_tokenizer` returns ``None``).
 
 The interface is what eqxdiff uses: ``__call__`` (``padding="max_length"``, ``max_length``, ``truncation``,
 ``add_special_tokens``, ``return_attention_mask``, ``return_tensors="np"``), ``decode``, the special tokens and their
-ids, ``model_max_length``, ``len()``, ``vocab_size`` and ``save_pretrained``."""
+ids, ``model_max_length``, ``len()``, ``vocab_size`` and ``save_pretrained``; ``transformers_class`` names the class
+transformers reads the folder with (a saved pipeline's ``model_index.json`` entry)."""
 
 import json
 from pathlib import Path
@@ -60,6 +61,8 @@ class FileTokenizer:
         self.padding_side = config.get("padding_side") or padding.get("direction") or "right"
         self.truncation_side = config.get("truncation_side") or truncation.get("direction") or "right"
         self._clean_up = bool(config.get("clean_up_tokenization_spaces", False))
+        # the transformers class that reads the folder (a pipeline's model_index.json entry when saved)
+        self.transformers_class = config["tokenizer_class"]
         backend.no_padding()
         backend.no_truncation()
 
@@ -150,6 +153,7 @@ def file_tokenizer(folder) -> FileTokenizer | None:
     except (OSError, ValueError):
         return None
     if (not isinstance(config, dict) or config.get("backend") != "tokenizers" or config.get("split_special_tokens")
+            or not isinstance(config.get("tokenizer_class"), str)
             or any(k in config for k in _REBUILDS) or not (folder / "tokenizer.json").is_file()
             or (folder / "config.json").exists()):
         return None

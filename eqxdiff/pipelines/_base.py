@@ -487,7 +487,8 @@ def save_pipeline(pipe: DiffusionPipeline, folder, *, dtype=None) -> Path:
                 index[c.name] = pipe.save_component(tmp, c, value, dtype=dtype)
             elif c.kind in ("tokenizer", "processor"):
                 value.save_pretrained(tmp / c.name)
-                index[c.name] = ["transformers", type(value).__name__]
+                # a tokenizer read without transformers names the transformers class it stands for
+                index[c.name] = ["transformers", getattr(value, "transformers_class", type(value).__name__)]
             else:
                 (tmp / c.name).mkdir(exist_ok=True)
                 config = {k: v for k, v in value.config.to_dict().items() if k != "_use_default_values"}
