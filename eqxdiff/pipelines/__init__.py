@@ -34,8 +34,6 @@ from ._media import read_video as read_video
 from ._media import save_outputs as save_outputs
 from ._media import save_videos as save_videos
 from ._media import write_video as write_video
-from ._single_file import save_single_file as save_single_file
-from ._single_file import single_file_class as single_file_class
 from . import _lora_inspect as lora  # eqxdiff.lora: inspect(file), LoraReport, LoraWarning
 from ._unet import UNetDenoiser as UNetDenoiser
 from ._unet import UNetPipeline as UNetPipeline
@@ -44,3 +42,19 @@ from .stable_diffusion import StableDiffusionPipeline as StableDiffusionPipeline
 from .stable_diffusion_xl import StableDiffusionXLImg2ImgPipeline as StableDiffusionXLImg2ImgPipeline
 from .stable_diffusion_xl import StableDiffusionXLInpaintPipeline as StableDiffusionXLInpaintPipeline
 from .stable_diffusion_xl import StableDiffusionXLPipeline as StableDiffusionXLPipeline
+
+# Imported when first named: the single-file readers and writers, and huggingface_hub with them, are not needed to
+# load or run a pipeline folder (``import eqxdiff`` + ``load_pipeline("digits")``).
+_SINGLE_FILE = ("save_single_file", "single_file_class")
+
+
+def __getattr__(name: str):
+    if name in _SINGLE_FILE:
+        from . import _single_file
+
+        return getattr(_single_file, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_SINGLE_FILE))

@@ -45,7 +45,6 @@ from ._call import COMPILE_SUFFIX, call_argument_names, compile_seconds, is_chec
 from ._checks import CallLimits, check_arguments
 from ._components import Component, build_scheduler, load_processor, load_tokenizer, pipeline_class_for
 from ._lora import LoraMixin
-from ._single_file import read_single_file
 
 EQXDIFF_KEY = "_eqxdiff"  # model_index.json's entry for eqxdiff's own settings (the recommended call)
 
@@ -389,6 +388,9 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     if Path(os.fspath(path_or_hub_id)).expanduser().is_file():
         if mesh is not None and sharding is None:
             sharding = sharding_fn(mesh, rules or DEFAULT_RULES)
+        # imported here: the single-file readers (and huggingface_hub) are not needed to load a folder
+        from ._single_file import read_single_file
+
         read = read_single_file(
             path_or_hub_id, config=config, revision=revision, dtype=weights_dtype, sharding=sharding,
             offload_encoders=offload_encoders, scan_layers=scan_layers, scheduler=scheduler,
