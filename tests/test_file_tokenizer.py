@@ -126,8 +126,8 @@ def test_folders_transformers_reads_otherwise_are_left_to_it(saved, tmp_path):
     assert file_tokenizer(tmp_path / "missing") is None
 
 
-def test_loading_the_digits_pipeline_imports_neither_transformers_nor_torch():
+def test_loading_the_digits_pipeline_imports_neither_transformers_torch_nor_the_hub_client():
     code = ("import sys, eqxdiff; p = eqxdiff.load_pipeline('digits'); "
-            "print(sorted(m for m in ('transformers', 'torch', 'diffusers') if m in sys.modules))")
+            "print(sorted(m for m in ('transformers', 'torch', 'diffusers', 'huggingface_hub') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
