@@ -5,8 +5,8 @@ tokenizer. A folder whose ``tokenizer_config.json`` says ``"backend": "tokenizer
 very backend transformers runs (its ``save_pretrained`` writes it), so :class:`FileTokenizer` runs that file through
 ``tokenizers`` with the same per-call padding and truncation transformers sets: the same ids and masks. Any setting
 transformers would act on beyond that file (remote code, a model ``config.json``, ``add_bos_token`` /
-``add_eos_token``, split special tokens, a special token the file lacks, no ``tokenizer_class``) leaves the folder to transformers
-(:func:`file_tokenizer` returns ``None``).
+``add_eos_token``, split special tokens, a special token the file lacks, no ``tokenizer_class``) leaves the folder
+to transformers (:func:`file_tokenizer` returns ``None``).
 
 The interface is what eqxdiff uses: ``__call__`` (``padding="max_length"``, ``max_length``, ``truncation``,
 ``add_special_tokens``, ``return_attention_mask``, ``return_tensors="np"``), ``decode``, the special tokens and their

@@ -388,9 +388,7 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     if Path(os.fspath(path_or_hub_id)).expanduser().is_file():
         if mesh is not None and sharding is None:
             sharding = sharding_fn(mesh, rules or DEFAULT_RULES)
-        # imported here: the single-file readers (and huggingface_hub) are not needed to load a folder
-        from ._single_file import read_single_file
-
+        from ._single_file import read_single_file  # here: a folder needs neither it nor huggingface_hub
         read = read_single_file(
             path_or_hub_id, config=config, revision=revision, dtype=weights_dtype, sharding=sharding,
             offload_encoders=offload_encoders, scan_layers=scan_layers, scheduler=scheduler,
@@ -489,7 +487,6 @@ def save_pipeline(pipe: DiffusionPipeline, folder, *, dtype=None) -> Path:
                 index[c.name] = pipe.save_component(tmp, c, value, dtype=dtype)
             elif c.kind in ("tokenizer", "processor"):
                 value.save_pretrained(tmp / c.name)
-                # a tokenizer read without transformers names the transformers class it stands for
                 index[c.name] = ["transformers", getattr(value, "transformers_class", type(value).__name__)]
             else:
                 (tmp / c.name).mkdir(exist_ok=True)
