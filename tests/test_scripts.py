@@ -166,19 +166,21 @@ def test_the_folders_recommended_call_is_what_the_command_runs(tmp_path, monkeyp
 def test_loading_without_pytorch_prints_no_transformers_notice():
     """Without PyTorch (eqxdiff's users need none), importing transformers for the tokenizers printed "PyTorch was
     not found. Models won't be available ..." on every run (issue 18). Loading the digits pipeline and building the
-    training's character tokenizer print nothing of it; the user's environment and transformers' warnings stay as
-    they were."""
+    training's character tokenizer print nothing of it (the digits pipeline no longer imports transformers at all:
+    its tokenizer is read with ``tokenizers``); the user's environment and transformers' warnings stay as they were."""
     env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
-    for first in ("eqxdiff.load_pipeline('digits')", "eqxdiff.data.character_tokenizer()"):  # each imports it first
+    for first, imports in (("eqxdiff.load_pipeline('digits')", "False"), ("eqxdiff.data.character_tokenizer()", "True")):
         code = ("import sys; sys.modules['torch'] = None\n"
                 f"import os, eqxdiff, eqxdiff.data\n{first}\n"
-                "import transformers  # imported by eqxdiff already\n"
-                "print(os.environ.get('TRANSFORMERS_NO_ADVISORY_WARNINGS'), transformers.logging.get_verbosity())\n")
+                "imported = 'transformers' in sys.modules\n"
+                "verbosity = sys.modules['transformers'].logging.get_verbosity() if imported else 30\n"
+                "print(imported, os.environ.get('TRANSFORMERS_NO_ADVISORY_WARNINGS'), verbosity)\n")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
                              env={**env, "PYTHONPATH": str(ROOT)})
         assert out.returncode == 0, out.stderr[-2000:]
         assert "PyTorch was not found" not in out.stderr + out.stdout, (first, out.stderr[-2000:])
-        assert out.stdout.split()[-2:] == ["None", "30"]  # the variable unset again; transformers warns as before
+        # whether eqxdiff imported transformers; the variable unset again; transformers warns as before
+        assert out.stdout.split()[-3:] == [imports, "None", "30"], (first, out.stdout)
 
 
 def test_generate_cli_rejects_bad_flags():
