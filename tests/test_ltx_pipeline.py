@@ -155,13 +155,7 @@ def test_conditions_at_frame_indices_match_diffusers(ltx, monkeypatch):
               for j in range(steps)]
     draws.append(ncthw(jax.random.normal(decode_keys(key)[0], shape)))
 
-    def randn_tensor(shape, **_):
-        draw = draws.pop(0)
-        assert tuple(draw.shape) == tuple(shape), (draw.shape, shape)
-        return draw
-
-    monkeypatch.setattr(pipeline_ltx_condition, "randn_tensor", randn_tensor)
-    monkeypatch.setattr(autoencoder_vae, "randn_tensor", randn_tensor)
+    _feed_draws(monkeypatch, draws)
     first, later = picture(6), picture(7)
     kwargs = dict(guidance_scale=3.0, guidance_rescale=0.3, decode_timestep=0.05, decode_noise_scale=0.025,
                   image_cond_noise_scale=0.15, **dict(VIDEO, num_inference_steps=steps))
@@ -174,6 +168,19 @@ def test_conditions_at_frame_indices_match_diffusers(ltx, monkeypatch):
     ours = pipe(image=[first, later], frame_index=[0, 8], strength=[1.0, 0.8], prompt=PROMPTS[0],
                 negative_prompt=NEGATIVES[0], key=key, progress=False, **kwargs)
     assert ours.shape == (1, 9, 32, 32, 3) and pixels_off(ours, expected) <= 2 and np.std(ours) > 1
+
+
+def _feed_draws(monkeypatch, draws: list) -> None:
+    """diffusers' condition pipeline and VAE draw ``draws`` in order (eqxdiff's), each checked for its shape; the
+    list is emptied as they are drawn."""
+
+    def randn_tensor(shape, **_):
+        draw = draws.pop(0)
+        assert tuple(draw.shape) == tuple(shape), (draw.shape, shape)
+        return draw
+
+    monkeypatch.setattr(pipeline_ltx_condition, "randn_tensor", randn_tensor)
+    monkeypatch.setattr(autoencoder_vae, "randn_tensor", randn_tensor)
 
 
 def test_video_clip_conditions_match_diffusers(ltx, monkeypatch):
@@ -198,13 +205,7 @@ def test_video_clip_conditions_match_diffusers(ltx, monkeypatch):
               for j in range(steps)]
     draws.append(ncthw(jax.random.normal(decode_keys(key)[0], shape)))
 
-    def randn_tensor(shape, **_):
-        draw = draws.pop(0)
-        assert tuple(draw.shape) == tuple(shape), (draw.shape, shape)
-        return draw
-
-    monkeypatch.setattr(pipeline_ltx_condition, "randn_tensor", randn_tensor)
-    monkeypatch.setattr(autoencoder_vae, "randn_tensor", randn_tensor)
+    _feed_draws(monkeypatch, draws)
     rng = np.random.default_rng(10)
     first, later = (rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8) for n in (19, 20))
     kwargs = dict(guidance_scale=3.0, decode_timestep=0.05, decode_noise_scale=0.025, image_cond_noise_scale=0.15,
