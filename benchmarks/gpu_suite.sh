@@ -13,8 +13,8 @@
 #   bash benchmarks/gpu_suite.sh flux_schnell OUTDIR  # FLUX.1-schnell end to end, 4 steps          [~7 min, est.]
 #   bash benchmarks/gpu_suite.sh wan_1_3b OUTDIR  # Wan 2.1 1.3B CFG step + VAE decode, 81x480x832     [~6 min, est.]
 #   bash benchmarks/gpu_suite.sh wan_14b  OUTDIR  # Wan 2.1 14B CFG step, 81 frames at 720x1280        [~4.5 min]
-#   bash benchmarks/gpu_suite.sh ltx_2b   OUTDIR  # LTX-Video 2B end to end, 121 frames 768x512, 20 guided
-#                                                 #   and 8 distilled steps; its step and VAE decode alone   [~4 min]
+#   bash benchmarks/gpu_suite.sh ltx_2b   OUTDIR  # LTX-Video 2B end to end, 121 frames 768x512, 20 guided,
+#                                                 #   20 unguided and 8 distilled steps; step and decode alone [~5 min]
 #
 # H200 times in brackets where measured (wan_1_3b's step: ~1 min); the others are estimates (full-size random models are built
 # on the GPU in bf16, saved and loaded: the Flux folders are 24 GB (transformer) and 34 GB (pipeline) of disk).
@@ -72,6 +72,8 @@ wan_14b)  # the issue's goal: at most 20 s per CFG step on one H100 (the floor i
     run wan_14b_step 580 python3 benchmarks/wan.py --preset 14b-720p --part transformer --dtype bfloat16 --repeats 2 ;;
 ltx_2b)  # the issue-21 goal's run (at most 1.6 s end to end on an H100)
     run ltx_2b_pipeline 240 python3 benchmarks/ltx_pipeline.py --preset 2b --dtype bfloat16 --repeats 3 --distilled
+    run ltx_2b_unguided 120 python3 benchmarks/ltx_pipeline.py --preset 2b --dtype bfloat16 --repeats 3 \
+        --guidance-scale 1.0
     run ltx_2b_parts 110 python3 benchmarks/ltx.py --preset 2b --vae 0.9.0 --dtype bfloat16 --repeats 3 ;;
 *)
     echo "unknown group '$group': use tests, kernels, models, sdxl, controlnet, flux_step, flux_fused, flux_dev, flux_dev_fast, flux_schnell, wan_1_3b, wan_14b or ltx_2b" >&2
