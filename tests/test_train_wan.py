@@ -146,10 +146,15 @@ def ids_of(tokenizer, caption):
                      return_tensors="np").input_ids
 
 
-def test_hf_dataset_of_clips_reads_as_the_folder_does(tmp_path):
+def test_hf_dataset_of_clips_reads_as_the_folder_does(tmp_path, monkeypatch):
     """``hf_dataset`` whose ``video`` column holds clips (a path relative to the saved dataset, an absolute one,
-    embedded bytes) opens as clips with the run's frames; its batches equal the folder source's; bad rows are named."""
+    embedded bytes) opens as clips with the run's frames, the dataset loaded once (it says it holds clips, then the
+    source reads it); its batches equal the folder source's; bad rows are named."""
     import datasets
+
+    loads = []
+    real_load = datasets.load_from_disk
+    monkeypatch.setattr(datasets, "load_from_disk", lambda *a, **k: loads.append(a) or real_load(*a, **k))
 
     folder, saved = tmp_path / "folder", tmp_path / "saved"
     folder.mkdir()
@@ -164,6 +169,7 @@ def test_hf_dataset_of_clips_reads_as_the_folder_does(tmp_path):
     config = TrainConfig(model="m", hf_dataset=str(saved), frames=frames, batch_size=2, resolution=16)
     kind, source = open_source(config)
     assert kind == "source" and type(source) is HFVideoDatasetSource and source.frames == frames
+    assert loads == [(str(saved),)]
     assert source[0]["video"] == str(saved / "clips" / "a.mp4") and source[1]["caption"] == "clip b"
 
     def batch(src):
@@ -184,6 +190,7 @@ def test_hf_dataset_of_clips_reads_as_the_folder_does(tmp_path):
     still.save_to_disk(tmp_path / "im")
     kind, images = open_source(dataclasses.replace(config, hf_dataset=str(tmp_path / "im"), batch_size=1))
     assert type(images) is HFDatasetSource and images[0]["image"].endswith("still.png")
+    assert loads[1:] == [(str(tmp_path / "im"),)]
 
     with pytest.raises(DataError, match=r"missing column: image_column='clip' .* columns are \['video', 'text'\]"):
         HFVideoDatasetSource(saved, video_column="clip", frames=frames)

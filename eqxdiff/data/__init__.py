@@ -12,6 +12,7 @@ from ._arrays import ArrayBatches as ArrayBatches
 from ._common import DataError as DataError
 from ._folder import ImageFolderSource as ImageFolderSource
 from ._hf import HFDatasetSource as HFDatasetSource
+from ._hf import load_hf_dataset as load_hf_dataset
 from ._hf_video import HFVideoDatasetSource as HFVideoDatasetSource
 from ._hf_video import holds_clips as holds_clips
 from ._pipeline import make_dataset as make_dataset

@@ -34,12 +34,25 @@ def _pick_split(ds, split: str, where: str):
     return ds
 
 
+def _where(path) -> str:
+    """How messages name the dataset at ``path`` (a path or Hub id; a dataset object: ``the given dataset``)."""
+    datasets = _import_datasets()
+    return "the given dataset" if isinstance(path, (datasets.Dataset, datasets.DatasetDict)) else str(path)
+
+
+def load_hf_dataset(path, *, split: str = "train", **load_kwargs):
+    """The ``split`` of the Hugging Face dataset at ``path`` (what :class:`HFDatasetSource` reads; see its ``path``),
+    loaded once: hand it to the source's ``dataset`` (and to :func:`~eqxdiff.data.holds_clips`) so that neither loads
+    it again."""
+    return _load(path, split, load_kwargs)[0]
+
+
 def _load(path, split: str, load_kwargs: dict):
     datasets = _import_datasets()
 
+    where = _where(path)
     if isinstance(path, (datasets.Dataset, datasets.DatasetDict)):
-        return _pick_split(path, split, "the given dataset"), "the given dataset"
-    where = str(path)
+        return _pick_split(path, split, where), where
     local = Path(path)
     if local.is_dir() and any((local / n).is_file() for n in ("state.json", "dataset_dict.json")):
         return _pick_split(datasets.load_from_disk(where), split, where), where
@@ -77,14 +90,16 @@ class HFDatasetSource:
         caption_column: column holding captions (strings or lists of strings).
         check: ``"index"`` (columns and captions), ``"headers"`` (also opens every image; default) or
             ``"full"`` (also decodes every image); problems raise one ``DataError`` naming the rows.
+        dataset: the ``split`` of ``path`` already loaded (:func:`load_hf_dataset`), read instead of loading it
+            again; ``path`` still names it and roots its relative file paths.
         **load_kwargs: passed to ``datasets.load_dataset`` (``data_files``, ``revision``, ``cache_dir``...).
     """
 
     def __init__(self, path, *, split: str = "train", image_column: str = "image", caption_column: str = "text",
-                 check: str = "headers", **load_kwargs):
+                 check: str = "headers", dataset=None, **load_kwargs):
         datasets = _import_datasets()
         check_level(check)
-        ds, self.where = _load(path, split, load_kwargs)
+        ds, self.where = _load(path, split, load_kwargs) if dataset is None else (dataset, _where(path))
         self.image_column, self.caption_column = image_column, caption_column
         for role, column in (("image_column", image_column), ("caption_column", caption_column)):
             if column not in ds.column_names:

@@ -23,9 +23,10 @@ def _clip_path(value) -> str | None:
 
 
 def holds_clips(path, *, split: str = "train", column: str | None = None) -> str | None:
-    """The column of the dataset at ``path`` that holds clips, or None (an image dataset): ``column`` (default
-    ``video`` where the dataset has it and no ``image`` column), when it is a ``datasets.Video`` feature or its
-    first row names a file with a video extension (GIFs stay images here)."""
+    """The column of the dataset at ``path`` (or of a loaded one: :func:`~eqxdiff.data.load_hf_dataset`) that holds
+    clips, or None (an image dataset): ``column`` (default ``video`` where the dataset has it and no ``image``
+    column), when it is a ``datasets.Video`` feature or its first row names a file with a video extension (GIFs stay
+    images here)."""
     datasets = _import_datasets()
     ds, _ = _load(path, split, {})
     if column is None:
@@ -47,7 +48,7 @@ class HFVideoDatasetSource(ClipRecords, HFDatasetSource):
     ``**load_kwargs``); ``video_column``: the clips; ``frames``: which frames of each clip train. ``check``:
     ``"index"`` (columns and captions), ``"headers"`` (also each clip's frame count from ffmpeg, against
     ``frames``; the default) or ``"full"`` (also decodes the frames taken); problems raise one ``DataError``
-    naming the rows. ``cache_dir``: where embedded clip bytes are written (default: ``eqxdiff-clips`` in the system
+    naming the rows; ``dataset``: the split already loaded (:func:`~eqxdiff.data.load_hf_dataset`). ``cache_dir``: where embedded clip bytes are written (default: ``eqxdiff-clips`` in the system
     temp folder), once per clip by content hash and kept for later runs, as ``datasets`` keeps its own cache: delete
     the folder to free the space."""
 
@@ -55,11 +56,11 @@ class HFVideoDatasetSource(ClipRecords, HFDatasetSource):
 
     def __init__(self, path, *, frames: FrameSampling = FrameSampling(), split: str = "train",
                  video_column: str = "video", caption_column: str = "text", check: str = "headers",
-                 cache_dir=None, **load_kwargs):
+                 cache_dir=None, dataset=None, **load_kwargs):
         self.frames = frames
         self.cache_dir = Path(cache_dir or Path(tempfile.gettempdir()) / "eqxdiff-clips")
         super().__init__(path, split=split, image_column=video_column, caption_column=caption_column, check=check,
-                         **load_kwargs)
+                         dataset=dataset, **load_kwargs)
 
     def _media_problems(self, clips: list, names: list[str], check: str) -> list[str]:
         def problem(i):

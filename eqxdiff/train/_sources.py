@@ -13,6 +13,7 @@ from ..data import (
     VideoFolderSource,
     holds_clips,
     holds_videos,
+    load_hf_dataset,
     make_dataset,
 )
 from ..data.digits import DigitsSource
@@ -47,12 +48,14 @@ def open_source(config: TrainConfig, tokenizer=None):
     if source == "synthetic":
         source = SyntheticSource(max(1024, config.batch_size), height=config.resolution, width=config.resolution,
                                  seed=config.seed)
-    elif source == "hf" and (clips := holds_clips(config.hf_dataset, split=config.hf_split,
-                                                  column=config.image_column)):  # sampled as config.frames says
-        source = HFVideoDatasetSource(config.hf_dataset, split=config.hf_split, frames=config.frames,
-                                      video_column=clips, **{k: v for k, v in columns.items() if k != "image_column"})
-    elif source == "hf":
-        source = HFDatasetSource(config.hf_dataset, split=config.hf_split, **columns)
+    elif source == "hf":  # loaded once: it says whether it holds clips, then the source reads it
+        loaded = load_hf_dataset(config.hf_dataset, split=config.hf_split)
+        if clips := holds_clips(loaded, column=config.image_column):  # sampled as config.frames says
+            source = HFVideoDatasetSource(config.hf_dataset, split=config.hf_split, frames=config.frames,
+                                          video_column=clips, dataset=loaded,
+                                          **{k: v for k, v in columns.items() if k != "image_column"})
+        else:
+            source = HFDatasetSource(config.hf_dataset, split=config.hf_split, dataset=loaded, **columns)
     elif source == "tfrecord":
         keys = {k: v for k, v in (("image_key", config.image_key), ("caption_key", config.caption_key))
                 if v is not None}
