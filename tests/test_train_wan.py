@@ -1,10 +1,11 @@
 """Wan training on the shared train stack (issue 20, Training): the video folder reader (clips written by the MP4
 writer and as a GIF: frames, stride, count, start; missing, corrupt and short clips; a Hugging Face dataset of clips
 read as the folder), then ``train.run`` on a tiny Wan 2.2 A14B-style folder (two experts, boundary 0.875:
-tests/_tiny_wan.py) from a folder of one repeated clip, latents and UMT5 embeddings cached, both experts trained on an FSDP 4 x context 2 mesh of the 8 simulated devices (a batch
-of 4 videos: half a video per device) with full remat: the cached embeddings are diffusers'
-``encode_prompt``, the loss falls, a resumed run continues exactly, and diffusers' ``WanPipeline`` loads the export,
-whose experts equal ours on the same inputs. One compiled step program serves both runs."""
+tests/_tiny_wan.py) from a folder of one repeated clip, latents and UMT5 embeddings cached, both experts trained on
+an FSDP 4 x context 2 mesh of the 8 simulated devices (a batch of 4 videos: half a video per device) with full remat:
+the cached embeddings are diffusers' ``encode_prompt``, the loss falls, a resumed run continues exactly, and
+diffusers' ``WanPipeline`` loads the export, whose experts equal ours on the same inputs. One compiled step program
+serves both runs. Wan 2.2 TI2V's first-frame-conditioned samples (a tiny TI2V folder, a stand-in transformer)."""
 
 import dataclasses
 import shutil
@@ -391,7 +392,8 @@ def test_lora_on_both_experts_writes_one_file_per_expert(folders, tmp_path):
     assert written == f"{tmp_path / 'w.safetensors'} and {second}"
     assert {k.split(".")[0] for k in read_lora(second).tensors} == {"transformer"}
 
-    batch = {"pixel_values": jnp.zeros((1, FRAMES.count, 16, 16, 3)), **{k: v[None] for k, v in adapted.null_ids().items()}}
+    batch = {"pixel_values": jnp.zeros((1, FRAMES.count, 16, 16, 3)),
+             **{k: v[None] for k, v in adapted.null_ids().items()}}
     cond = adapted.condition(batch, jax.random.key(0), 0.0)
     x = jnp.asarray(rng.standard_normal((1, 3, 2, 2, base.transformer.config.in_channels)), jnp.float32)
     times = [jnp.asarray([base.boundary + 60.0]), jnp.asarray([base.boundary - 200.0])]  # one step per expert
@@ -424,3 +426,77 @@ def test_lora_on_both_experts_writes_one_file_per_expert(folders, tmp_path):
     only = add_lora(low, lora, seed=0)
     assert save_lora(only, lora, tmp_path / "low.safetensors") == str(tmp_path / "low.transformer_2.safetensors")
 
+
+
+# -- Wan 2.2 TI2V: first-frame conditioning ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ti2v(tmp_path_factory):
+    """The tiny TI2V-5B-style folder (``expand_timesteps``, the 2.2 VAE) as a run builds it (no mesh)."""
+    folder = tmp_path_factory.mktemp("wan_ti2v_train") / "pipe"
+    tiny.build_ti2v(folder)
+    return folder, build(TrainConfig(model=str(folder), family=WanOptions(max_sequence_length=TEXT_LENGTH)))
+
+
+def test_ti2v_trains_first_frame_conditioned_samples_as_its_pipeline_denoises_them(ti2v, tmp_path):
+    """``family.first_frame_probability`` 1: the transformer sees the clean first latent frame with the timestep 0 on
+    its tokens (the sample's on the others) and the loss leaves that frame out (changing it changes nothing); 0: the
+    step is the plain text-to-video one. A TI2V folder defaults to 0.5, another refuses a non-zero value; the export
+    keeps ``expand_timesteps`` and loads in diffusers."""
+    from diffusers import WanPipeline
+
+    from eqxdiff.train import Objective, diffusion_loss, export_pipeline
+
+    folder, setup = ti2v
+    assert setup.model.expand_timesteps and setup.model.first_frame_probability == 0.5
+    seen = []
+
+    class Spy(eqx.Module):  # the transformer's stand-in: records its inputs, mixes nothing across frames
+        config: object = eqx.field(static=True)
+        record: object = eqx.field(static=True)
+
+        def __call__(self, x, t, text):
+            self.record(x, t)
+            return 2.0 * x
+
+    spied = eqx.tree_at(lambda m: m.transformer, setup.model, Spy(setup.model.transformer.config,
+                                                                  lambda x, t: seen.append((x, t))))
+    rng = np.random.default_rng(0)
+    mean = rng.standard_normal((2, 3, 4, 4, 48)).astype(np.float32)  # 3 latent frames of 2x2 patches of 2x2
+    batch = {"latent_mean": jnp.asarray(mean), "latent_std": jnp.zeros_like(mean),
+             "encoder_hidden_states": jnp.asarray(rng.standard_normal((2, TEXT_LENGTH, tiny.TEXT_DIM)), jnp.float32)}
+    objective, key = Objective(prediction_type="flow_prediction"), jax.random.key(3)
+
+    def loss(p, batch):
+        model = dataclasses.replace(spied, options=WanOptions(max_sequence_length=TEXT_LENGTH,
+                                                              first_frame_probability=p))
+        return float(batch_loss(*eqx.partition(model, False), batch, key, scheduler=setup.noise_scheduler,
+                                objective=objective))
+
+    x0 = np.asarray(setup.model.vae.scale_latents(jnp.asarray(mean)))
+    plain, conditioned = loss(0.0, batch), loss(1.0, batch)
+    (x_plain, t_plain), (x_cond, t_cond) = seen
+    assert t_plain.shape == (2,) and t_cond.shape == (2, 3 * 2 * 2)
+    np.testing.assert_array_equal(x_cond[:, 0], x0[:, 0])  # the clean first frame
+    np.testing.assert_array_equal(x_cond[:, 1:], x_plain[:, 1:])  # the others noised as in text-to-video
+    assert np.abs(x_plain[:, 0] - x0[:, 0]).max() > 1e-2
+    np.testing.assert_array_equal(t_cond[:, :4], 0.0)  # the first frame's 4 tokens at timestep 0
+    np.testing.assert_array_equal(t_cond[:, 4:], np.broadcast_to(np.asarray(t_plain)[:, None], (2, 8)))
+    moved = {**batch, "latent_mean": batch["latent_mean"].at[:, 0].add(5.0)}  # the first frame's target changes
+    assert loss(1.0, moved) == conditioned and loss(0.0, moved) != plain
+
+    k_latent, _, k_loss = jax.random.split(key, 3)  # probability 0: the loss as it was before the hook
+    today = diffusion_loss(spied.denoise, setup.noise_scheduler, objective, spied.latents(batch, k_latent),
+                           spied.condition(batch, k_latent, 0.0), k_loss)
+    assert float(today) == plain
+
+    with pytest.raises(ValueError, match=r"first_frame_probability=0.5 .*expand_timesteps.*leave family\."
+                                         r"first_frame_probability at 0"):
+        WanFlowMatching(transformer=None, transformer_2=None, text_encoder=None, vae=None,
+                        null_input_ids=setup.model.null_input_ids, options=WanOptions(first_frame_probability=0.5))
+    with pytest.raises(ValueError, match=r"first_frame_probability=1.5 must be in \[0, 1\]"):
+        WanOptions(first_frame_probability=1.5)
+    export_pipeline(setup.model, setup.tokenizers, setup.noise_scheduler, tmp_path / "export",
+                    scheduler=setup.scheduler, options=setup.options)
+    assert WanPipeline.from_pretrained(tmp_path / "export").config.expand_timesteps is True

@@ -1,8 +1,9 @@
 """Data sources and input pipelines.
 
 Sources (``len`` + ``[i]`` of raw image/caption records, checked when built): ``ImageFolderSource``,
-``HFDatasetSource``, ``TFRecordSource``, ``SyntheticSource``; ``VideoFolderSource`` and ``HFVideoDatasetSource`` for clips (``FrameSampling``:
-count, stride, start; ``pixel_values`` ``[batch, frames, height, width, 3]``). ``make_dataset`` turns one into a
+``HFDatasetSource`` (``load_hf_dataset``: its dataset, loaded once), ``TFRecordSource``, ``SyntheticSource``;
+``VideoFolderSource`` and ``HFVideoDatasetSource`` for clips (``FrameSampling``: count, stride, start;
+``pixel_values`` ``[batch, frames, height, width, 3]``). ``make_dataset`` turns one into a
 grain stream of ``{"pixel_values": float32 [batch, height, width, 3] in [-1, 1], "input_ids": int32 [batch,
 seq]}`` whose iterator has ``get_state()``/``set_state()``; ``to_global_batch`` puts a host batch on a mesh
 (sharded as ``eqxdiff.parallel.batch_sharding`` says).

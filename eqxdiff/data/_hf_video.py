@@ -48,9 +48,10 @@ class HFVideoDatasetSource(ClipRecords, HFDatasetSource):
     ``**load_kwargs``); ``video_column``: the clips; ``frames``: which frames of each clip train. ``check``:
     ``"index"`` (columns and captions), ``"headers"`` (also each clip's frame count from ffmpeg, against
     ``frames``; the default) or ``"full"`` (also decodes the frames taken); problems raise one ``DataError``
-    naming the rows; ``dataset``: the split already loaded (:func:`~eqxdiff.data.load_hf_dataset`). ``cache_dir``: where embedded clip bytes are written (default: ``eqxdiff-clips`` in the system
-    temp folder), once per clip by content hash and kept for later runs, as ``datasets`` keeps its own cache: delete
-    the folder to free the space."""
+    naming the rows; ``dataset``: the split already loaded (:func:`~eqxdiff.data.load_hf_dataset`). ``cache_dir``:
+    where embedded clip bytes are written (default: ``eqxdiff-clips`` in the system temp folder), once per clip by
+    content hash and kept for later runs, as ``datasets`` keeps its own cache: delete the folder to free the
+    space."""
 
     record_key = "video"
 

@@ -14,7 +14,9 @@ encoders, its VAE and the token ids of the empty prompt, and saying
 - :meth:`~TrainModel.encode_text`: token ids to the conditioning arrays;
 - :meth:`~TrainModel.denoise`: the model call the objective drives (``denoise(x_t, t, cond)`` in the latents'
   channels-last layout; the objective, DDPM noise prediction or flow matching, comes from the noise scheduler,
-  ``NOISE_SCHEDULER`` on the folder's config).
+  ``NOISE_SCHEDULER`` on the folder's config); :meth:`~TrainModel.training_inputs` (default: the identity) may
+  turn the noisy latents and timesteps into what ``denoise`` takes and mask the loss (Wan 2.2 TI2V's clean first
+  frame).
 
 :meth:`~TrainModel.from_pipeline` (the bundle, its tokenizers and noise scheduler from a loaded pipeline) is shared
 too: it reads the components the declarations name. Everything else (the loss, caption dropout, latents from pixels
@@ -107,6 +109,14 @@ class TrainModel(eqx.Module):
         """The trained model's prediction at ``x`` (noisy latents), timesteps ``t`` ``[batch]`` (the noise
         scheduler's: DDPM indices, or flow-matching timesteps in [0, 1000]), conditioning ``cond``."""
         raise NotImplementedError
+
+    def training_inputs(self, x0: Array, noisy: Array, t: Array, *, key: PRNGKeyArray):
+        """``(model input, timesteps, loss mask)`` of a training step's clean latents ``x0``, noisy latents and
+        timesteps ``t`` ``[batch]``: what :meth:`denoise` is called with (the timesteps may become one per token) and
+        which elements of its output the loss counts (broadcastable to it; ``None``: all). ``key``: its own draws
+        (from the step's key, so a resumed run draws the same). The default is the identity, every element counted;
+        a family whose pipeline conditions on part of the clean latents (Wan 2.2 TI2V's first frame) overrides it."""
+        return noisy, t, None
 
     # -- shared ----------------------------------------------------------------------------------------------------
 

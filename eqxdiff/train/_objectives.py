@@ -161,11 +161,24 @@ def target(scheduler, prediction_type: str, latents, noise, timesteps):
     return latents
 
 
-def weighted_mse(prediction, goal, weights: Float[Array, " batch"] | None = None) -> Float[Array, ""]:
-    """Mean over elements of each sample's squared error, then (optionally weighted) mean over the batch."""
-    per_sample = jnp.mean(jnp.square(prediction.astype(jnp.float32) - goal.astype(jnp.float32)),
-                          axis=tuple(range(1, prediction.ndim)))
+def weighted_mse(prediction, goal, weights: Float[Array, " batch"] | None = None, mask=None) -> Float[Array, ""]:
+    """Mean over elements of each sample's squared error (with ``mask``, broadcastable to the prediction: over the
+    elements where it is nonzero), then (optionally weighted) mean over the batch."""
+    square = jnp.square(prediction.astype(jnp.float32) - goal.astype(jnp.float32))
+    axes = tuple(range(1, prediction.ndim))
+    if mask is None:
+        per_sample = jnp.mean(square, axis=axes)
+    else:
+        counted = jnp.broadcast_to(mask, square.shape).astype(jnp.float32)
+        per_sample = jnp.sum(square * counted, axis=axes) / jnp.maximum(jnp.sum(counted, axis=axes), 1.0)
     return jnp.mean(per_sample if weights is None else per_sample * weights)
+
+
+def model_inputs(inputs: Callable | None, x0, noisy, timesteps):
+    """``(model input, timesteps, loss mask)``: ``inputs(x0, noisy, timesteps)`` (a bundle's
+    :meth:`~eqxdiff.train.TrainModel.training_inputs`: some samples conditioned on part of their clean latents), or
+    the noisy latents and timesteps as they are, every element counted (``inputs=None``)."""
+    return (noisy, timesteps, None) if inputs is None else inputs(x0, noisy, timesteps)
 
 
 def _times(weights, sample_weights):
@@ -176,13 +189,14 @@ def _times(weights, sample_weights):
 
 
 def diffusion_loss(denoiser: Callable, scheduler, objective: Objective, latents: Float[Array, "batch *dims"],
-                   context, key: PRNGKeyArray, sample_weights: Float[Array, " batch"] | None = None
-                   ) -> Float[Array, ""]:
+                   context, key: PRNGKeyArray, sample_weights: Float[Array, " batch"] | None = None,
+                   inputs: Callable | None = None) -> Float[Array, ""]:
     """The denoising loss of ``denoiser(noisy_latents, timesteps, context)`` at random timesteps and noise (on a
     flow-matching scheduler: :func:`flow_matching_loss`); ``sample_weights`` multiply each sample's loss before
-    the batch mean (prior preservation's class images: ``prior_loss_weight``)."""
+    the batch mean (prior preservation's class images: ``prior_loss_weight``); ``inputs``: what the denoiser is
+    called with and which elements the loss counts (:func:`model_inputs`)."""
     if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-        return flow_matching_loss(denoiser, scheduler, objective, latents, context, key, sample_weights)
+        return flow_matching_loss(denoiser, scheduler, objective, latents, context, key, sample_weights, inputs)
     if objective.weighting_scheme != "none" or objective.prediction_type == "flow_prediction":
         raise ValueError(f"{type(scheduler).__name__} trains on the DDPM process: weighting_scheme="
                          f"{objective.weighting_scheme!r} and prediction_type='flow_prediction' are flow-matching "
@@ -192,13 +206,14 @@ def diffusion_loss(denoiser: Callable, scheduler, objective: Objective, latents:
     timesteps = sample_timesteps(k_t, latents.shape[0], n, objective.timestep_bias)
     noise = offset_noise(k_noise, latents, objective.noise_offset)
     noisy = scheduler.add_noise(latents, noise, timesteps)
-    prediction = denoiser(noisy, timesteps, context)
+    x, t, mask = model_inputs(inputs, latents, noisy, timesteps)
+    prediction = denoiser(x, t, context)
     kind = objective.prediction_type or scheduler.config.prediction_type
     goal = target(scheduler, kind, latents, noise, timesteps)
     weights = None
     if objective.snr_gamma is not None:
         weights = min_snr_weights(snr(scheduler.alphas_cumprod, timesteps), objective.snr_gamma, kind)
-    return weighted_mse(prediction, goal, _times(weights, sample_weights))
+    return weighted_mse(prediction, goal, _times(weights, sample_weights), mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -262,10 +277,12 @@ def flow_matching_pair(x0, noise, sigmas: Float[Array, " batch"]):
 
 def flow_matching_loss(velocity_model: Callable, scheduler: FlowMatchEulerDiscreteScheduler, objective: Objective,
                        x0: Float[Array, "batch *dims"], context, key: PRNGKeyArray,
-                       sample_weights: Float[Array, " batch"] | None = None) -> Float[Array, ""]:
+                       sample_weights: Float[Array, " batch"] | None = None,
+                       inputs: Callable | None = None) -> Float[Array, ""]:
     """Weighted MSE between ``velocity_model(x_s, timesteps, context)`` and ``noise - x0`` at the scheduler's
     training timesteps drawn by :func:`flow_timesteps`, weighted by :func:`flow_loss_weights` (times
-    ``sample_weights``, if given)."""
+    ``sample_weights``, if given); ``inputs``: what the model is called with and which elements the loss counts
+    (:func:`model_inputs`)."""
     if objective.snr_gamma is not None or objective.timestep_bias.strategy != "none":
         raise ValueError("snr_gamma and timestep_bias weight the DDPM process; flow matching takes "
                          f"weighting_scheme (one of {list(WEIGHTING_SCHEMES)})")
@@ -279,6 +296,7 @@ def flow_matching_loss(velocity_model: Callable, scheduler: FlowMatchEulerDiscre
     else:
         noise = jax.random.normal(k_noise, x0.shape, x0.dtype)
     x_s, velocity = flow_matching_pair(x0, noise, sigmas)
-    prediction = velocity_model(x_s, timesteps, context)
+    x, t, mask = model_inputs(inputs, x0, x_s, timesteps)
+    prediction = velocity_model(x, t, context)
     weights = flow_loss_weights(objective.weighting_scheme, sigmas)
-    return weighted_mse(prediction, velocity, _times(weights, sample_weights))
+    return weighted_mse(prediction, velocity, _times(weights, sample_weights), mask)

@@ -180,12 +180,15 @@ def ema_decay_at(update: Int[Array, ""], decay: float) -> Array:
 def batch_loss(params, frozen, batch: dict, key, *, scheduler, objective: Objective):
     """The loss of one batch (see the module docstring for the batch layouts): a latent sample, the conditioning
     (the empty prompt's for ``objective.caption_dropout`` of the samples), and the family's denoiser under the
-    scheduler's objective."""
+    scheduler's objective, called on what the bundle's :meth:`~eqxdiff.train.TrainModel.training_inputs` makes of
+    the noisy latents (the identity, but for Wan 2.2 TI2V's first-frame conditioning)."""
     model = eqx.combine(params, frozen)
     k_latent, k_drop, k_loss = jax.random.split(key, 3)
     latents = jax.lax.stop_gradient(model.latents(batch, k_latent))
     cond = model.condition(batch, k_drop, objective.caption_dropout)
-    return diffusion_loss(model.denoise, scheduler, objective, latents, cond, k_loss, batch.get(LOSS_WEIGHT))
+    inputs = functools.partial(model.training_inputs, key=jax.random.fold_in(key, 3))  # its own draws, of the key
+    return diffusion_loss(model.denoise, scheduler, objective, latents, cond, k_loss, batch.get(LOSS_WEIGHT),
+                          inputs)
 
 
 @eqx.filter_jit

@@ -15,14 +15,23 @@ range (:class:`WanOptions`' ``expert``):
 
 - ``both`` (default): both train in one run. Timesteps are drawn over the whole schedule and each sample goes to the
   expert of its timestep: each expert runs on the batch only when one of its samples is there (``lax.cond``; one
-  program holds each expert once), and each sample keeps its expert's output. Both experts' weights and optimizer states are trained (FSDP shards them).
+  program holds each expert once), and each sample keeps its expert's output. Both experts' weights and optimizer
+  states are trained (FSDP shards them).
 - ``high`` / ``low``: one expert trains, its timesteps drawn from its own range only (the training schedule
   restricted to it: :class:`ExpertTimesteps`); the other rides along frozen (it is in the export). Two such runs
   (the second from the first's export) train both with half the optimizer state each.
 
-A folder with one transformer (2.1, TI2V-5B) trains it on every timestep (``expert='both'``). TI2V-5B's per-token
-timesteps (``expand_timesteps``) are all the sample's in text-to-video, which is one timestep per sample: that is how
-it trains here (image-conditioned training, the first frame kept clean, is not done).
+A folder with one transformer (2.1, TI2V-5B) trains it on every timestep (``expert='both'``).
+
+**First-frame conditioning (Wan 2.2 TI2V-5B).** A folder whose pipeline has ``expand_timesteps`` (per-token
+timesteps) is one model for text- and image-to-video; its image-to-video pipeline keeps the first latent frame at the
+image's latents with the timestep 0 on its tokens. A ``family.first_frame_probability`` fraction of the samples
+(drawn per sample from the step's key) train so (:meth:`WanFlowMatching.training_inputs`): their first latent frame
+is the clean latents (the VAE's first latent frame depends on the first pixel frame alone, so it is the image's
+latents, a posterior sample where the pipeline takes the mode), its tokens get the timestep 0, the others the
+sample's, and the loss leaves that frame out (the mean over the other frames); the other samples train as
+text-to-video (every token at the sample's timestep, the same as one per sample). Folders without
+``expand_timesteps`` train text-to-video only.
 """
 
 import dataclasses
@@ -54,12 +63,20 @@ class WanOptions(FamilyOptions):
     folder with one transformer takes ``both`` (all timesteps)."""
     max_sequence_length: int = 512
     """UMT5's caption length in tokens, in training and in the samples (the pipeline's ``max_sequence_length``)."""
+    first_frame_probability: float | None = None
+    """Wan 2.2 TI2V-5B (a folder with ``expand_timesteps``): the fraction of samples trained image-to-video, their
+    first latent frame clean at timestep 0 and left out of the loss (the rest train text-to-video). None: 0.5 for such
+    a folder (TI2V-5B is one model for both tasks: half of each keeps both, as its own T2V + I2V training does), 0
+    for any other; 0: text-to-video only. A folder without ``expand_timesteps`` takes only 0 (or None)."""
 
     def __post_init__(self):
         check_choice("expert", self.expert, EXPERTS)
         if not 1 <= self.max_sequence_length <= 512:
             raise ValueError(f"max_sequence_length={self.max_sequence_length} must be in [1, 512] (the Wan "
                              "pipelines' prompt length)")
+        p = self.first_frame_probability
+        if p is not None and not 0.0 <= p <= 1.0:
+            raise ValueError(f"first_frame_probability={p} must be in [0, 1] (or None: 0.5 for a TI2V folder)")
 
 
 class ExpertTimesteps(FlowMatchEulerDiscreteScheduler):
@@ -114,12 +131,40 @@ class WanFlowMatching(TrainModel):
     null_embeds: NullCondition | None = None
     boundary: float | None = eqx.field(static=True, default=None)
     eos_token_id: int = eqx.field(static=True, default=1)
+    expand_timesteps: bool = eqx.field(static=True, default=False)
 
     def __post_init__(self):
         super().__post_init__()
         if self.options.expert != "both" and self.transformer_2 is None:
             raise ValueError(f"family.expert={self.options.expert!r} picks one of Wan 2.2 A14B's two experts, but "
                              "this folder has one transformer; leave family.expert at 'both'")
+        if self.options.first_frame_probability and not self.expand_timesteps:
+            raise ValueError(f"family.first_frame_probability={self.options.first_frame_probability} trains first-"
+                             "frame conditioning, which needs per-token timesteps (a Wan 2.2 TI2V folder with "
+                             "expand_timesteps); this folder has none: leave family.first_frame_probability at 0")
+
+    @property
+    def first_frame_probability(self) -> float:
+        """The fraction of samples conditioned on their clean first frame (:class:`WanOptions`' default resolved)."""
+        p = self.options.first_frame_probability
+        return (0.5 if self.expand_timesteps else 0.0) if p is None else p
+
+    def training_inputs(self, x0, noisy, t, *, key):
+        """A :attr:`first_frame_probability` fraction of the samples (drawn with ``key``) as TI2V's image-to-video
+        pipeline denoises them: the first latent frame the clean ``x0``'s, the timestep 0 on its tokens (``t`` per
+        token ``[b, tokens]``, as the pipeline's token mask gives) and that frame left out of the loss; the others as
+        they are (see the module docstring)."""
+        p = self.first_frame_probability
+        if p == 0:
+            return noisy, t, None
+        b, frames = x0.shape[:2]
+        clean = jax.random.bernoulli(key, p, (b,))[:, None] & (jnp.arange(frames) == 0)[None, :]  # [b, T]
+        x = jnp.where(clean[:, :, None, None, None], x0.astype(noisy.dtype), noisy)
+        pt, ph, pw = self.transformer.config.patch_size
+        grid = (frames // pt, x0.shape[2] // ph, x0.shape[3] // pw)
+        tokens = jnp.broadcast_to(clean[:, ::pt, None, None], (b, *grid)).reshape(b, -1)
+        per_token = jnp.where(tokens, 0.0, t.astype(jnp.float32)[:, None])
+        return x, per_token, ~clean[:, :, None, None, None]
 
     @classmethod
     def sample_size(cls, config) -> dict[str, Any]:
@@ -133,8 +178,9 @@ class WanFlowMatching(TrainModel):
                                                          prompt_mask(input_ids, self.eos_token_id))}
 
     def denoise(self, x, t, cond):
-        """The velocity at video latents ``x`` ``[b, T, h, w, C]`` and timesteps ``t`` ``[b]`` (``1000 sigma``): the
-        expert of each sample's timestep (see the module docstring)."""
+        """The velocity at video latents ``x`` ``[b, T, h, w, C]`` and timesteps ``t`` ``[b]`` (``1000 sigma``; per
+        token ``[b, tokens]`` from :meth:`training_inputs`, TI2V's one transformer): the expert of each sample's
+        timestep (see the module docstring)."""
         text = cond["encoder_hidden_states"].astype(x.dtype)
         t = t.astype(jnp.float32)
 
@@ -178,7 +224,8 @@ class WanFlowMatching(TrainModel):
         boundary = None if ratio is None else float(np.float32(ratio * n))  # diffusers compares in float32
         bundle = cls(transformer=pipe.transformer, transformer_2=second, text_encoder=pipe.text_encoder, vae=pipe.vae,
                      null_input_ids=jnp.asarray(token_ids(tokenizer, [""], length)[0]), boundary=boundary,
-                     eos_token_id=int(tokenizer.eos_token_id), options=options)
+                     eos_token_id=int(tokenizer.eos_token_id),
+                     expand_timesteps=bool(getattr(pipe, "expand_timesteps", False)), options=options)
         shift = {} if "shift" in raw else {"shift": float(raw.get("flow_shift", 1.0))}
         scheduler = ExpertTimesteps.from_config(raw, **shift)
         ranges = {"both": None, "high": (boundary, math.inf), "low": (-math.inf, boundary)}
