@@ -366,6 +366,15 @@ def test_eqxdiff_train_checks_the_clips_against_the_folder_before_loading(folder
     with pytest.raises(InputError, match=r"^--resolution 24 must be a multiple of 16 \(the VAE downsamples by 8 and "
                        r"the transformer takes 2x2 patches\); try --resolution 16$"):
         train_cli.validate([*argv, "--resolution", "24"])
+    assert train_cli.validate([*argv, "--resolution", "16", "32"]).resolution == (16, 32)  # height width
+    assert train_cli.validate([*argv, "--resolution", "32", "32"]).resolution == 32  # square: one size
+    with pytest.raises(InputError, match=r"^--resolution 16 60 must be height and width multiples of 16 \(the VAE "
+                       r"downsamples by 8 and the transformer takes 2x2 patches\); try --resolution 16 64$"):
+        train_cli.validate([*argv, "--resolution", "16", "60"])
+    for extra, message in ((["16", "32", "48"], "takes 1 or 2 values, got 3: 16 32 48"), (["16", "x"],
+                                                                                        "expects integers, got 'x'")):
+        with pytest.raises(ValueError, match=f"^--resolution {message}$"):
+            train_cli.validate([*argv, "--resolution", *extra])
 
 
 def test_lora_on_both_experts_writes_one_file_per_expert(folders, tmp_path):
@@ -500,3 +509,25 @@ def test_ti2v_trains_first_frame_conditioned_samples_as_its_pipeline_denoises_th
     export_pipeline(setup.model, setup.tokenizers, setup.noise_scheduler, tmp_path / "export",
                     scheduler=setup.scheduler, options=setup.options)
     assert WanPipeline.from_pretrained(tmp_path / "export").config.expand_timesteps is True
+
+
+def test_a_non_square_size_trains_and_a_bad_one_is_refused(folders, tmp_path):
+    """``resolution=(height, width)``: the clips' batches are ``[b, frames, 16, 32, 3]``, a step trains on them (one
+    expert, one device) and the samples take that size; a size that is not one or two sides >= 1, and non-square
+    digits, are refused."""
+    root, _ = folders
+    config = _config(root, resolution=(16, 32), frames=FrameSampling(count=5), batch_size=2, steps=1, mesh=None,
+                     remat=Remat.NONE, cache_stream=False, output_dir=tmp_path / "run",
+                     family=WanOptions(expert="high", max_sequence_length=TEXT_LENGTH))
+    assert config.size == (16, 32) and WanFlowMatching.sample_size(config) == {"height": 16, "width": 32,
+                                                                               "num_frames": 5}
+    setup = build(config)
+    batch = next(iter(setup.stream(config, open_source(config)[1])))
+    assert batch["pixel_values"].shape == (2, 5, 16, 32, 3)
+    _, _, losses = run(config)
+    assert len(losses) == 1 and np.isfinite(losses[0])
+    for bad in ((16, 0), (16, 32, 48), "16"):
+        with pytest.raises(ValueError, match=r"resolution=.* must be one size >= 1 \(square\) or two, height and"):
+            TrainConfig(resolution=bad)
+    with pytest.raises(ValueError, match=r"^resolution=\(16, 32\) is not square, but data='digits' upscales square"):
+        TrainConfig(resolution=(16, 32))

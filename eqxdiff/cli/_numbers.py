@@ -46,18 +46,28 @@ def _members(annotation) -> tuple:
 
 def _number(annotation) -> tuple[type, bool, bool] | None:
     """``(int or float, optional, several values)`` of a numeric annotation (``int``, ``float | None``,
-    ``tuple[int, ...]``), or ``None`` for any other."""
+    ``tuple[int, ...]``, ``int | tuple[int, int]``), or ``None`` for any other."""
     members = _members(annotation)
     optional = type(None) in members
-    rest = [m for m in members if m is not type(None)]
-    if len(rest) != 1:
-        return None
-    kind, several = rest[0], False
-    if typing.get_origin(kind) in (tuple, list) and typing.get_args(kind):
-        kind, several = typing.get_args(kind)[0], True
-    if kind not in _KINDS:  # (bool is not int here: an annotation is the class itself)
+    kinds, several = set(), False
+    for kind in (m for m in members if m is not type(None)):
+        if typing.get_origin(kind) in (tuple, list) and typing.get_args(kind):
+            kind, several = typing.get_args(kind)[0], True
+        kinds.add(kind)
+    if len(kinds) != 1 or (kind := kinds.pop()) not in _KINDS:  # (bool is not int: an annotation is the class)
         return None
     return kind, optional, several
+
+
+def _counts(annotation) -> tuple[int, ...] | None:
+    """How many values a numeric flag takes: ``(1, 2)`` for ``int | tuple[int, int]``; ``None``: any number."""
+    counts = set()
+    for member in (m for m in _members(annotation) if m is not type(None)):
+        args = typing.get_args(member) if typing.get_origin(member) in (tuple, list) else ()
+        if typing.get_origin(member) is list or Ellipsis in args:
+            return None
+        counts.add(len(args) or 1)
+    return tuple(sorted(counts))
 
 
 def _converts(text: str, kind: type, optional: bool) -> bool:
@@ -100,4 +110,7 @@ def number_error(argv: Sequence[str], types_by_flag: Mapping[str, Any]) -> str |
             if not _converts(value, kind, optional):
                 expects = _KINDS[kind][several] + (" or None" if optional else "")
                 return f"{name} expects {expects}, got {value!r}"
+        counts = _counts(flags[name.replace("_", "-")])
+        if several and not eq and counts and len(values) not in counts:
+            return f"{name} takes {' or '.join(map(str, counts))} values, got {len(values)}: {' '.join(values)}"
     return None

@@ -1,8 +1,8 @@
 """``eqxdiff-train``'s presets: a name, a description (its ``--help``) and the :class:`~eqxdiff.train.TrainConfig`
 whose values the flags start from. Full fine-tunes as diffusers' ``train_text_to_image*.py`` run them (``digits``,
-``sd15``, ``sd21``, ``sdxl``, ``flux-*``), LoRA as its ``train_text_to_image_lora*.py`` / ``train_dreambooth_lora_flux.py``
-(``lora-*``), and DreamBooth with prior preservation as its ``train_dreambooth*.py`` and MaxDiffusion's SD 1.x
-DreamBooth (``dreambooth-*``)."""
+``sd15``, ``sd21``, ``sdxl``, ``flux-*``), LoRA as its ``train_text_to_image_lora*.py`` /
+``train_dreambooth_lora_flux.py`` (``lora-*``), and DreamBooth with prior preservation as its ``train_dreambooth*.py``
+and MaxDiffusion's SD 1.x DreamBooth (``dreambooth-*``)."""
 
 import dataclasses
 from pathlib import Path
@@ -68,10 +68,11 @@ _LORA_FLUX = LoraConfig(rank=4, targets=("attention", "mlp"))  # diffusers' Flux
 
 def _wan(model: str, name: str, *, resolution: int, frames: int, batch_size: int, context: int,
          **changes) -> TrainConfig:
-    """A Wan text-to-video preset: :func:`_large`'s FSDP, remat and caching, clips of ``frames`` frames at
-    ``resolution`` (square), ``batch_size`` clips a step over the devices' data x fsdp axes with ``context`` of them
-    splitting each clip's tokens (context parallel: a fraction of a clip per device); one video sample at the end
-    (Wan's 50 steps at guidance 5: minutes for the 14B models; --sample-every N takes them during the run too)."""
+    """A Wan video preset: :func:`_large`'s FSDP, remat and caching, clips of ``frames`` frames at ``resolution``
+    (square; ``--resolution HEIGHT WIDTH`` for another shape, e.g. the pipelines' 480 832), ``batch_size`` clips a
+    step over the devices' data x fsdp axes with ``context`` of them splitting each clip's tokens (context parallel:
+    a fraction of a clip per device); one video sample at the end (Wan's 50 steps at guidance 5: minutes for the 14B
+    models; --sample-every N takes them during the run too)."""
     mesh = MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1, ici_context_parallelism=context)
     return dataclasses.replace(
         _large(model, name, resolution=resolution, steps=5000, learning_rate=1e-5, sample_steps=50,
@@ -198,9 +199,10 @@ PRESETS = {
         _wan("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan2.2-a14b", resolution=720, frames=81, batch_size=4, context=2,
              family=WanOptions(expert="both"))),
     "wan2.2-ti2v-5b": (
-        ("Flow-matching fine-tuning of Wan 2.2 TI2V 5B (text-to-video) on video clips (--data, --frames.*) at "
-         "704 px and 121 frames (5 s at its 24 fps): latents (the 2.2 VAE, 16x) and UMT5 embeddings cached, FSDP "
-         "with context parallel 2 and full remat, 4 clips a step."),
+        ("Flow-matching fine-tuning of Wan 2.2 TI2V 5B on video clips (--data, --frames.*) at 704 px and 121 "
+         "frames (5 s at its 24 fps), text- and image-to-video: half the clips train conditioned on their clean "
+         "first frame (--family.first-frame-probability); latents (the 2.2 VAE, 16x) and UMT5 embeddings cached, "
+         "FSDP with context parallel 2 and full remat, 4 clips a step."),
         _wan("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "wan2.2-ti2v-5b", resolution=704, frames=121, batch_size=4,
              context=2, family=WanOptions())),
 }

@@ -204,10 +204,24 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
         factor = vae.downsample_factor
     else:
         factor = _vae_factor(config.model)
-    if factor and config.resolution % factor:
-        raise InputError(f"--resolution {config.resolution} must be a multiple of {factor} (the VAE downsamples by "
-                         f"{factor}); try --resolution {max(factor, config.resolution // factor * factor)}")
+    _check_size(config, factor, f"the VAE downsamples by {factor}")
     return config
+
+
+def _check_size(config: TrainConfig, factor: int | None, why: str) -> None:
+    """Both sides of ``--resolution`` (one size, or height and width) are multiples of ``factor`` (``why``), else an
+    :class:`InputError` naming the nearest size that is (the lower one on a tie)."""
+    if not factor or not any(side % factor for side in config.size):
+        return
+
+    def nearest(side: int) -> int:
+        low = side // factor * factor
+        return max(factor, low if side - low <= low + factor - side else low + factor)
+
+    given = config.resolution if isinstance(config.resolution, int) else " ".join(map(str, config.resolution))
+    fits = nearest(given) if isinstance(given, int) else " ".join(str(nearest(s)) for s in config.resolution)
+    sides = "a multiple" if isinstance(given, int) else "height and width multiples"
+    raise InputError(f"--resolution {given} must be {sides} of {factor} ({why}); try --resolution {fits}")
 
 
 def _local(model: str) -> bool:
@@ -236,10 +250,7 @@ def _check_clips(config: TrainConfig) -> None:
         low = 1 + (count - 1) // f * f
         raise InputError(f"--frames.count {count} must be 1 + {f}k (the VAE keeps the first frame and compresses "
                          f"each {f} after it into one latent frame); try --frames.count {low} or {low + f}")
-    size = limits.size_factor
-    if size and config.resolution % size:
-        raise InputError(f"--resolution {config.resolution} must be a multiple of {size} ({limits.why_size()}); "
-                         f"try --resolution {max(size, config.resolution // size * size)}")
+    _check_size(config, limits.size_factor, limits.why_size())
 
 
 def _check_family(config: TrainConfig) -> None:

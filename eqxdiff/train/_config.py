@@ -46,8 +46,11 @@ class TrainConfig:
     """The ``tfrecord`` feature holding encoded image bytes (default ``image``)."""
     caption_key: str | None = None
     """The ``tfrecord`` feature holding the caption (default ``text``)."""
-    resolution: int = 16
-    """Training image size (digits are upscaled to it; folders are resized and center-cropped)."""
+    resolution: int | tuple[int, int] = 16
+    """Training image (and clip) size: one number for square images, or HEIGHT WIDTH (``--resolution 480 832``, as
+    diffusers' and the Wan pipelines' height and width); images are resized to cover it and cropped; digits are
+    upscaled to it (square only). Both sides must be multiples of the model's size factor (the VAE's downsampling,
+    times the transformer's patch for Wan)."""
     batch_size: int = 64
     """Samples per micro-step (over all devices)."""
     steps: int = 1000
@@ -161,10 +164,11 @@ class TrainConfig:
     """Show a progress bar."""
 
     def __post_init__(self):
-        for key in ("batch_size", "steps", "log_every", "keep_checkpoints", "resolution", "autoencoder_steps",
+        for key in ("batch_size", "steps", "log_every", "keep_checkpoints", "autoencoder_steps",
                     "autoencoder_batch_size", "sample_steps", "num_class_images"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        object.__setattr__(self, "resolution", _resolution(self.resolution))
         for key in ("checkpoint_every", "sample_every"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 0 (0: never)")
@@ -194,7 +198,10 @@ class TrainConfig:
         object.__setattr__(self, "tfrecord", tuple(str(p) for p in self.tfrecord))
         object.__setattr__(self, "remat", Remat(self.remat))
         Plan(remat=self.remat, remat_names=self.remat_names)  # a bad remat/remat_names pair raises here
-        self._source(require=False)  # conflicting data flags raise now; a missing source when training starts
+        source = self._source(require=False)  # conflicting data flags raise now; a missing one when training starts
+        if source == "digits" and not isinstance(self.resolution, int):
+            raise ValueError(f"resolution={self.resolution} is not square, but data='digits' upscales square digits: "
+                             "give one size (e.g. resolution=16)")
         self._check_lora_and_dreambooth()
 
     def _check_lora_and_dreambooth(self) -> None:
@@ -221,6 +228,12 @@ class TrainConfig:
         if self.instance_prompt is not None and self._source(require=False) == "digits":
             raise ValueError("instance_prompt captions the images of an image source; data='digits' comes "
                              f"tokenized: give {_SOURCE_FLAGS.replace('digits, ', '')}")
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """``(height, width)`` of the training images (and clips): :attr:`resolution`'s."""
+        r = self.resolution
+        return (r, r) if isinstance(r, int) else r
 
     @property
     def export_folder(self) -> Path:
@@ -282,6 +295,18 @@ class TrainConfig:
 
 
 _SOURCE_FLAGS = "data= (digits, synthetic or an image folder), hf_dataset= or tfrecord="
+
+
+def _resolution(value) -> int | tuple[int, int]:
+    """``TrainConfig.resolution`` checked: one size >= 1, or ``(height, width)`` (a sequence of two; equal sides are
+    one size, so a run saved as square reads the same)."""
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"resolution={value} must be >= 1 (one size: square; or two: height and width)")
+    sides = [value] if isinstance(value, int) else list(value) if isinstance(value, (tuple, list)) else None
+    if sides is None or len(sides) not in (1, 2) or not all(isinstance(s, int) and s >= 1 for s in sides):
+        raise ValueError(f"resolution={value!r} must be one size >= 1 (square) or two, height and width, each >= 1 "
+                         "(e.g. resolution=(480, 832), --resolution 480 832)")
+    return sides[0] if len(set(sides)) == 1 else tuple(sides)
 
 
 # What a resumed run may change (dotted names, or a nested config whose every field may), each change printed as a

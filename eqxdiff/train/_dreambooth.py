@@ -86,8 +86,8 @@ def class_images(config: TrainConfig, setup) -> ImageFolderSource:
         pipe = setup.model.pipeline(setup.tokenizers, sample_scheduler(config, setup), options=setup.options)
         for chunk in sorted({i // CHUNK for i in missing}):
             drawn = np.asarray(pipe([config.class_prompt] * CHUNK, num_inference_steps=config.sample_steps,
-                                    guidance_scale=config.sample_guidance_scale, height=config.resolution,
-                                    width=config.resolution, key=jax.random.fold_in(jax.random.key(config.seed), chunk),
+                                    guidance_scale=config.sample_guidance_scale, height=config.size[0],
+                                    width=config.size[1], key=jax.random.fold_in(jax.random.key(config.seed), chunk),
                                     progress=False, **setup.model.call_options()))
             for j, image in enumerate(drawn):
                 i = chunk * CHUNK + j

@@ -46,8 +46,8 @@ def open_source(config: TrainConfig, tokenizer=None):
     columns = {k: v for k, v in (("image_column", config.image_column), ("caption_column", config.caption_column))
                if v is not None}
     if source == "synthetic":
-        source = SyntheticSource(max(1024, config.batch_size), height=config.resolution, width=config.resolution,
-                                 seed=config.seed)
+        height, width = config.size
+        source = SyntheticSource(max(1024, config.batch_size), height=height, width=width, seed=config.seed)
     elif source == "hf":  # loaded once: it says whether it holds clips, then the source reads it
         loaded = load_hf_dataset(config.hf_dataset, split=config.hf_split)
         if clips := holds_clips(loaded, column=config.image_column):  # sampled as config.frames says
@@ -79,11 +79,11 @@ def open_source(config: TrainConfig, tokenizer=None):
 
 
 def stream(config: TrainConfig, source, tokenizer, **kwargs):
-    """:func:`eqxdiff.data.make_dataset` of ``source`` with the run's resolution, crops, flips and seed
-    (``kwargs``: its other arguments: ``max_length``, ``image_keys``, ``shuffle`` ..., or another ``seed``)."""
+    """:func:`eqxdiff.data.make_dataset` of ``source`` with the run's size (``(height, width)``), crops, flips and
+    seed (``kwargs``: its other arguments: ``max_length``, ``image_keys``, ``shuffle`` ..., or another ``seed``)."""
     kwargs.setdefault("seed", config.seed)
     return make_dataset(source, tokenizer=_text_tokenizers(tokenizer), batch_size=config.batch_size,
-                        resolution=config.resolution, center_crop=config.center_crop, random_flip=config.random_flip,
+                        resolution=config.size, center_crop=config.center_crop, random_flip=config.random_flip,
                         **kwargs)
 
 

@@ -168,9 +168,10 @@ class WanFlowMatching(TrainModel):
 
     @classmethod
     def sample_size(cls, config) -> dict[str, Any]:
-        """Samples are videos as the clips trained: the run's resolution and frame count (the pipeline's default is
-        81 frames at 480x832, a long wait inside a training run)."""
-        return {"height": config.resolution, "width": config.resolution, "num_frames": config.frames.count}
+        """Samples are videos as the clips trained: the run's size (height, width) and frame count (the pipeline's
+        default is 81 frames at 480x832, a long wait inside a training run)."""
+        height, width = config.size
+        return {"height": height, "width": width, "num_frames": config.frames.count}
 
     def encode_text(self, ids):
         input_ids = ids["input_ids"]
