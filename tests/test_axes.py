@@ -151,6 +151,18 @@ def test_every_parameter_declares_logical_axes(name):
     assert not problems, f"{name}:\n" + "\n".join(problems)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_the_loaders_abstract_build_has_the_constructors_structure(name):
+    """``nn.build_abstract`` (the initialisers draw nothing: what the loader fills) gives every model the structure,
+    shapes, dtypes and static fields of tracing its real constructor."""
+    cls = resolve_class(name)
+    for config in _tiny_configs(name, cls):
+        traced = eqx.filter_eval_shape(lambda: cls(config, key=jax.random.key(0)))  # noqa: B023 - called at once
+        built = nn.build_abstract(cls, config, key=jax.random.key(0))
+        assert jax.tree.structure(built) == jax.tree.structure(traced), name
+        assert jax.tree.leaves(built) == jax.tree.leaves(traced), name
+
+
 def _parity_classes() -> list[type]:
     """Every collected (``Test...``) ModelParity subclass in tests/, importing the test modules that define them."""
     here = Path(__file__).parent

@@ -7,6 +7,7 @@ run in float64 must equal PyTorch's float64 result to float64 rounding, which no
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -147,3 +148,21 @@ def test_resnet_and_sampling_blocks_match_diffusers(cin, cout, temb, padding):
     _check(ours_up, up, x, image=True, what="upsample")
     _check(ours_up, up, x, image=True, what="upsample to size", ours_extra=((9, 11),),
            ref_kwargs={"output_size": (9, 11)})
+
+
+def test_initialisers_draw_outside_build_abstract_and_only_shapes_inside():
+    """Built directly, a layer's parameters are random draws of its key (PyTorch's default bounds); under
+    ``nn.build_abstract`` the same constructor yields only shapes and dtypes, and the switch does not outlive the
+    call, even one that raises."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    a, b = nn.Linear(8, 16, key=k1), nn.Linear(8, 16, key=k2)
+    assert float(jnp.std(a.weight)) > 0.1 and not np.array_equal(np.asarray(a.weight), np.asarray(b.weight))
+    assert float(jnp.max(jnp.abs(a.weight))) <= 1 / np.sqrt(8)
+    table = nn.ScaleShiftTable(6, 4, key=k1)
+    assert float(jnp.std(table.weight)) > 0.1
+    shapes = nn.build_abstract(nn.Conv3d, 3, 5, 3, dtype=jnp.bfloat16, key=k1)
+    assert shapes.weight == jax.ShapeDtypeStruct((3, 3, 3, 3, 5), jnp.bfloat16)
+    with pytest.raises(ValueError, match="kernel_size"):
+        nn.build_abstract(nn.Conv3d, 3, 5, 0, key=k1)
+    again = nn.Conv3d(3, 5, 3, key=k1)
+    assert float(jnp.std(again.weight)) > 0.01

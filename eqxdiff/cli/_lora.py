@@ -25,13 +25,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
-import equinox as eqx
 import jax
 import tyro
 
 from ..loading import PICKLE_SUFFIXES, CheckpointError, check_dtype, model_class
 from ..loading.lora import DEFAULT_WEIGHT_NAME, lora_path
-from ..nn import scan_layers
+from ..nn import build_abstract, scan_layers
 from ..pipelines import InputError, lora
 from ._command import one_line
 
@@ -244,7 +243,7 @@ def abstract_models(cls: type, read: Callable[[str], Mapping | None], *, dtype: 
             built = model(config, dtype=check_dtype(dtype), key=jax.random.key(0))
             return scan_layers(built) if stacked else built
 
-        out[component.name] = eqx.filter_eval_shape(build)
+        out[component.name] = build_abstract(build)
     return out
 
 

@@ -9,7 +9,6 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -306,7 +305,7 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
         except ValueError as e:
             raise CheckpointError(f"scan_layers=True: {e}") from None
 
-    abstract = eqx.filter_eval_shape(build)
+    abstract = nn.build_abstract(build)
     if not conversion and (named or lone.is_file()):
         conversion = part_rules(CheckpointFiles(files), abstract, config, cls)
     rules = (*conversion, *key_map_rules(getattr(cls, "CHECKPOINT_KEY_MAP", ())))

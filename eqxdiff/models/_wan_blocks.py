@@ -52,7 +52,7 @@ class WanImageEmbedding(eqx.Module):
         self.ff = nn.FeedForward(in_features, out_features, mult=1, activation="gelu", dtype=dtype, key=kf)
         self.norm2 = nn.LayerNorm(out_features, eps=1e-5, dtype=dtype)
         self.pos_embed = (None if pos_embed_seq_len is None else
-                          jax.random.normal(kp, (1, pos_embed_seq_len, in_features), dtype) * 0.02)
+                          nn.init_normal(kp, (1, pos_embed_seq_len, in_features), dtype) * 0.02)
 
     @typechecked
     def __call__(self, image: Float[Array, "b img_seq image_dim"]) -> Float[Array, "batch seq dim"]:

@@ -97,7 +97,7 @@ class CLIPVisionEmbeddings(eqx.Module):
 
     def __init__(self, config: CLIPVisionConfig, *, dtype, key: PRNGKeyArray):
         kc, kp, ke = jax.random.split(key, 3)
-        self.class_embedding = jax.random.normal(kc, (config.hidden_size,), dtype)
+        self.class_embedding = nn.init_normal(kc, (config.hidden_size,), dtype)
         self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size,
                                          stride=config.patch_size, use_bias=False, dtype=dtype, key=kp)
         self.position_embedding = nn.Embedding(config.num_patches + 1, config.hidden_size, axes=("position", "embed"),

@@ -18,7 +18,7 @@ import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
 from ..core import ConfigError, Plan, constrain
-from ..nn import Conv2d, TimestepEmbedding
+from ..nn import Conv2d, TimestepEmbedding, build_abstract
 from ._base import PretrainedModel
 from ._unet_blocks import DownBlock, MidBlock
 from .unet2d import (
@@ -218,7 +218,7 @@ class ControlNetModel(PretrainedModel):
         if not load_weights_from_unet:
             return cls(config, dtype=dtype, key=key)
         # Built abstractly; only the control image's embedding is new (the residual convolutions are zeros).
-        model = eqx.filter_eval_shape(cls, config, dtype=dtype, key=key)
+        model = build_abstract(cls, config, dtype=dtype, key=key)
         fresh = lambda m: (m.controlnet_cond_embedding, m.controlnet_down_blocks, m.controlnet_mid_block)
         embedding = ControlNetConditioningEmbedding(
             config.block_out_channels[0], conditioning_channels=conditioning_channels,

@@ -37,6 +37,8 @@ from ..nn import (
     ProjectedAttention,
     TimestepEmbedding,
     activation,
+    init_normal,
+    init_uniform,
     timestep_embedding,
 )
 from ._base import PretrainedModel
@@ -119,7 +121,7 @@ class SequenceFirstSelfAttention(eqx.Module):
         in_proj = Linear(dim, 3 * dim, axes=(None, "embed"), names=("in_proj_weight", "in_proj_bias"), dtype=dtype,
                          key=kw)
         self.in_proj = eqx.tree_at(lambda lin: (lin.weight, lin.bias), in_proj,
-                                   (jax.random.uniform(kw, (3 * dim, dim), dtype, -bound, bound),
+                                   (init_uniform(kw, (3 * dim, dim), bound, dtype),
                                     jnp.zeros((3 * dim,), dtype)))
         self.attention = ProjectedAttention(dim, heads=heads, dim_head=dim // heads, out_bias=True, names="clip",
                                             token_axis=None, dtype=dtype, key=ka)
@@ -210,7 +212,8 @@ class ControlNetUnionModel(PretrainedModel):
         kc, kt, kl, ke = jax.random.split(key, 4)
         self.controlnet = ControlNetModel(c, dtype=dtype, key=kc)
         width = c.num_trans_channel
-        self.task_embedding = (math.sqrt(width) * jax.random.normal(kt, (c.num_control_type, width))).astype(dtype)
+        task = init_normal(kt, (c.num_control_type, width), jnp.float32)
+        self.task_embedding = (math.sqrt(width) * task).astype(dtype)
         self.transformer_layes = [ResidualAttentionBlock(width, c.num_trans_head, dtype=dtype, key=k)
                                   for k in jax.random.split(kl, c.num_trans_layer)]
         shapes = eqx.filter_eval_shape(Linear, width, c.num_proj_channel, dtype=dtype, key=kl)

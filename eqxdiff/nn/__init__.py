@@ -14,15 +14,14 @@ from ._adapted import with_adapters as with_adapters
 from ._adapters import DORA_MODES as DORA_MODES
 from ._adapters import Adapter as Adapter
 from ._adapters import Adapters as Adapters
-from ._adapters import adapted_parameters as adapted_parameters
 from ._adapters import Diff as Diff
 from ._adapters import DoRA as DoRA
 from ._adapters import LoHa as LoHa
 from ._adapters import LoKr as LoKr
 from ._adapters import LoRA as LoRA
+from ._adapters import adapted_parameters as adapted_parameters
 from ._adapters import describe as describe_adapter
 from ._adapters import zeros_like as zeros_adapter
-
 from ._attend import ATTENTION_NAMES as ATTENTION_NAMES
 from ._attend import AbstractAttention as AbstractAttention
 from ._attend import AcrossHeads as AcrossHeads
@@ -44,6 +43,9 @@ from ._embeddings import timestep_embedding as timestep_embedding
 from ._embeddings import timestep_frequencies as timestep_frequencies
 from ._feedforward import FEEDFORWARD_ACTIVATIONS as FEEDFORWARD_ACTIVATIONS
 from ._feedforward import FeedForward as FeedForward
+from ._init import build_abstract as build_abstract
+from ._init import init_normal as init_normal
+from ._init import init_uniform as init_uniform
 from ._layers import Conv2d as Conv2d
 from ._layers import Embedding as Embedding
 from ._layers import GroupNorm as GroupNorm

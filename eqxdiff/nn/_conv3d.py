@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ._adapters import Adapters, conv_weight
+from ._init import init_uniform
 
 
 def _triple(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
@@ -45,8 +46,8 @@ class Conv3d(eqx.Module):
             raise ValueError(f"Conv3d: kernel_size={kernel} and stride={self.stride} must be positive")
         wkey, bkey = jax.random.split(key)
         bound = 1.0 / math.sqrt(in_channels * math.prod(kernel))
-        self.weight = jax.random.uniform(wkey, (*kernel, in_channels, out_channels), dtype, -bound, bound)
-        self.bias = jax.random.uniform(bkey, (out_channels,), dtype, -bound, bound) if use_bias else None
+        self.weight = init_uniform(wkey, (*kernel, in_channels, out_channels), bound, dtype)
+        self.bias = init_uniform(bkey, (out_channels,), bound, dtype) if use_bias else None
         self.adapters = None
 
     @typechecked

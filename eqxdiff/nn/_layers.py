@@ -22,10 +22,8 @@ import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ._adapters import Adapters, adapted_parameters, conv_weight
-
-
-def _uniform(key, shape, bound, dtype):
-    return jax.random.uniform(key, shape, dtype, -bound, bound)
+from ._init import init_normal
+from ._init import init_uniform as _uniform
 
 
 class Linear(eqx.Module):
@@ -221,7 +219,7 @@ class Embedding(eqx.Module):
 
     def __init__(self, num_embeddings: int, dim: int, *, axes: tuple[str | None, str | None] = ("vocab", "embed"),
                  dtype=jnp.float32, key: PRNGKeyArray):
-        self.weight = jax.random.normal(key, (num_embeddings, dim), dtype)
+        self.weight = init_normal(key, (num_embeddings, dim), dtype)
         self.axes = tuple(axes)
 
     def param_axes(self):

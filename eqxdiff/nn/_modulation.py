@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ._adapters import Adapters, adapted_parameters
+from ._init import init_normal
 from ._layers import LayerNorm, Linear, RMSNorm
 
 
@@ -124,7 +125,7 @@ class ScaleShiftTable(eqx.Module):
         shape = tuple(shape) if shape is not None else (num, dim)
         if shape[-2:] != (num, dim) or any(s != 1 for s in shape[:-2]):
             raise ValueError(f"ScaleShiftTable: shape={shape} must be (..., 1, {num}, {dim})")
-        self.weight = jax.random.normal(key, shape, dtype) / dim**0.5
+        self.weight = init_normal(key, shape, dtype) / dim**0.5
         self.adapters = None
         self.leading_ones = len(shape) - 2
 

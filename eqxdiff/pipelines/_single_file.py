@@ -15,7 +15,6 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-import equinox as eqx
 import jax
 from huggingface_hub import snapshot_download
 
@@ -34,6 +33,7 @@ from ..loading import (
     write_safetensors,
 )
 from ..loading.single_file import Layout, Part, Shapes, check_tensors, detect_in, layout_shapes, layout_tensors
+from ..nn import build_abstract
 from ._components import build_scheduler, load_processor, load_tokenizer, pipeline_class_for
 
 __all__ = ["SingleFile", "read_single_file", "save_single_file", "single_file_class"]
@@ -176,7 +176,7 @@ def _read_held(path, file, layout: Layout, held: list[Part], source: _Config, wh
         configs[part.name] = config
         rules = part.rules(config, file)
         dt = kwargs["dtype"]
-        abstract = eqx.filter_eval_shape(lambda c=config, m=model_cls: m(c, dtype=dt, key=jax.random.key(0)))
+        abstract = build_abstract(lambda c=config, m=model_cls: m(c, dtype=dt, key=jax.random.key(0)))
         what = f"the {part.name} ({part.prefix}*)" if part.prefix else f"the {part.name} (no prefix)"
         check_tensors(file, abstract, rules, where=where, what=what, hint=hint)
         components[part.name] = load(path, model_class=model_cls, config=config, conversion=rules, **kwargs)

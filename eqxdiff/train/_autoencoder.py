@@ -12,6 +12,7 @@ import optax
 from tqdm.auto import tqdm
 
 from .._typing import Array, Float, PRNGKeyArray
+from ..nn import build_abstract
 from ._interrupt import TrainingInterrupted, stop_on_signals
 
 
@@ -70,7 +71,7 @@ def with_config(module, **changes):
     """``module`` rebuilt with ``dataclasses.replace(module.config, **changes)``, same weights (the config is a
     static field, so it cannot be swapped with ``eqx.tree_at``)."""
     config = dataclasses.replace(module.config, **changes)
-    skeleton = eqx.filter_eval_shape(type(module), config, key=jax.random.key(0))
+    skeleton = build_abstract(type(module), config, key=jax.random.key(0))
     return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(module))
 
 

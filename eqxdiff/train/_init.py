@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..nn import Conv2d, Embedding, GroupNorm, LayerNorm, Linear
+from ..nn import Conv2d, Embedding, GroupNorm, LayerNorm, Linear, build_abstract
 
 _LAYERS = (Linear, Conv2d, GroupNorm, LayerNorm, Embedding)
 
@@ -35,7 +35,7 @@ def _fill(layer, rng: np.random.Generator):
 
 def host_init(cls, config, *, seed: int = 0, dtype=jnp.float32):
     """``cls(config, dtype=dtype, key=...)`` with weights drawn on the host from ``seed`` (seconds, not minutes)."""
-    skeleton = eqx.filter_eval_shape(cls, config, dtype=dtype, key=jax.random.key(0))
+    skeleton = build_abstract(cls, config, dtype=dtype, key=jax.random.key(0))
     rng = np.random.default_rng(seed)
     filled = jax.tree.map(lambda x: _fill(x, rng) if isinstance(x, _LAYERS) else x, skeleton,
                           is_leaf=lambda x: isinstance(x, _LAYERS))
