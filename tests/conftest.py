@@ -17,8 +17,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # user's. Hugging Face's caches stay where they were.
 _user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
 os.environ.setdefault("HF_HOME", os.path.join(_user_cache, "huggingface"))
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="eqxdiff-tests-cache-")
-atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+# With pytest-xdist (``-n 2``) the workers inherit the controller's folder (the controller loads this file first and
+# starts them after), so they share one compilation cache as two processes may; the controller removes it at exit.
+if "PYTEST_XDIST_WORKER" not in os.environ or "EQXDIFF_TESTS_CACHE" not in os.environ:
+    os.environ["EQXDIFF_TESTS_CACHE"] = tempfile.mkdtemp(prefix="eqxdiff-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ["EQXDIFF_TESTS_CACHE"], ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = os.environ["EQXDIFF_TESTS_CACHE"]
 
 import gc  # noqa: E402
 import random  # noqa: E402
