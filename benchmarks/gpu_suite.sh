@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu_suite.sh wan_14b  OUTDIR  # Wan 2.1 14B CFG step, 81 frames at 720x1280        [~4.5 min]
 #   bash benchmarks/gpu_suite.sh ltx_2b   OUTDIR  # LTX-Video 2B end to end, 121 frames 768x512, 20 guided,
 #                                                 #   20 unguided and 8 distilled steps; step and decode alone [~5 min]
+#   bash benchmarks/gpu_suite.sh ltx_13b  OUTDIR  # LTX-Video 13B, the same video and recipes (0.9.5's VAE)  [~9 min, est.]
 #
 # H200 times in brackets where measured (wan_1_3b's step: ~1 min); the others are estimates (full-size random models are built
 # on the GPU in bf16, saved and loaded: the Flux folders are 24 GB (transformer) and 34 GB (pipeline) of disk).
@@ -23,7 +24,7 @@
 # (diffusers, torch). Each command's output goes to OUTDIR/<name>.txt as well as to the console; record what
 # matters in benchmarks/RESULTS.md with the device and the command.
 set -uo pipefail
-group=${1:?usage: gpu_suite.sh tests|kernels|models|sdxl|controlnet|flux_step|flux_fused|flux_dev|flux_dev_fast|flux_schnell|wan_1_3b|wan_14b|ltx_2b [OUTDIR]}
+group=${1:?usage: gpu_suite.sh tests|kernels|models|sdxl|controlnet|flux_step|flux_fused|flux_dev|flux_dev_fast|flux_schnell|wan_1_3b|wan_14b|ltx_2b|ltx_13b [OUTDIR]}
 out=${2:-gpu_results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -75,7 +76,11 @@ ltx_2b)  # the issue-21 goal's run (at most 1.6 s end to end on an H100)
     run ltx_2b_unguided 120 python3 benchmarks/ltx_pipeline.py --preset 2b --dtype bfloat16 --repeats 3 \
         --guidance-scale 1.0
     run ltx_2b_parts 110 python3 benchmarks/ltx.py --preset 2b --vae 0.9.0 --dtype bfloat16 --repeats 3 ;;
+ltx_13b)  # LTX-Video 13B on the same video (issue 21): end to end at 20 guided and 8 distilled steps, then its parts
+    run ltx_13b_pipeline 420 python3 benchmarks/ltx_pipeline.py --preset 13b --vae 0.9.5 --dtype bfloat16 --repeats 2 \
+        --distilled
+    run ltx_13b_parts 150 python3 benchmarks/ltx.py --preset 13b --dtype bfloat16 --repeats 3 ;;
 *)
-    echo "unknown group '$group': use tests, kernels, models, sdxl, controlnet, flux_step, flux_fused, flux_dev, flux_dev_fast, flux_schnell, wan_1_3b, wan_14b or ltx_2b" >&2
+    echo "unknown group '$group': use tests, kernels, models, sdxl, controlnet, flux_step, flux_fused, flux_dev, flux_dev_fast, flux_schnell, wan_1_3b, wan_14b, ltx_2b or ltx_13b" >&2
     exit 2 ;;
 esac

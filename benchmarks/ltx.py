@@ -4,6 +4,7 @@ weights, same run.
     python benchmarks/ltx.py                        # the CPU's reduced configs (see PRESETS)
     python benchmarks/ltx.py --preset tiny          # a seconds-long smoke run
     python benchmarks/ltx.py --preset 2b --dtype bfloat16 --repeats 5    # GPU: 2B at 768x512 x 121 frames
+    python benchmarks/ltx.py --preset 13b --dtype bfloat16 --repeats 3   # GPU: 13B (0.9.7/0.9.8), the same video
 
 A step is one forward pass of ``LTXVideoTransformer3DModel`` on the packed latents of one video (what each of a
 pipeline's steps runs without guidance; batch 2 is a guided step), T5 embeddings of ``text_tokens`` tokens with their
@@ -28,6 +29,8 @@ from _bench import (TorchDevice, check_agreement, fmt_seconds, load_average, on_
 
 _LTX_2B = dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
                attention_head_dim=64, cross_attention_dim=2048, num_layers=28, caption_channels=4096)
+# LTX-Video 13B (0.9.7 / 0.9.8: ltxv-13b-0.9.x-dev / -distilled): 32 heads of 128, 48 layers
+_LTX_13B = dict(_LTX_2B, attention_head_dim=128, cross_attention_dim=4096, num_layers=48)
 _VAE_095 = dict(in_channels=3, out_channels=3, latent_channels=128, block_out_channels=(128, 256, 512, 1024, 2048),
                 decoder_block_out_channels=(256, 512, 1024), layers_per_block=(4, 6, 6, 2, 2),
                 decoder_layers_per_block=(5, 5, 5, 5), spatio_temporal_scaling=(True, True, True, True),
@@ -63,6 +66,8 @@ class Preset:
 PRESETS = {
     # GPU: LTX-Video 2B (0.9.5's VAE) at 768x512 x 121 frames (the paper's 5 s at 24 fps): 6144 tokens
     "2b": Preset(_LTX_2B, _VAE_095, 121, 512, 768),
+    # GPU: LTX-Video 13B at the same size (0.9.7's VAE is 0.9.5's layout)
+    "13b": Preset(_LTX_13B, _VAE_095, 121, 512, 768),
     # CPU: the 2B's widths with 2 of its 28 blocks at 384x256 x 25 frames (384 tokens); the 0.9.5 decoder's widths
     # with one ResNet per block (and a narrow encoder, unused: the machine's memory) on 9 frames at 384x256
     "reduced": Preset(dict(_LTX_2B, num_layers=2), _REDUCED_VAE, 25, 256, 384, decode_frames=9),
@@ -75,7 +80,7 @@ PRESETS = {
 class Args:
     """Time LTX-Video's transformer step and VAE decode in eqxdiff and in diffusers."""
 
-    preset: Literal["2b", "reduced", "tiny"] = "reduced"
+    preset: Literal["2b", "13b", "reduced", "tiny"] = "reduced"
     """"2b": full size at 768x512 x 121 frames (GPU); "reduced": the CPU's (2 blocks, 384x256); "tiny": a smoke run."""
     batch: int = 1
     """Videos per step (2: a guided step's [negative; positive])."""

@@ -9,7 +9,7 @@ in 2 s on an H100 with the 2B model, with 20 diffusion steps; eqxdiff should tak
 that recipe. The default here is 20 steps with classifier-free guidance 3 (a batch of 2 per step); ``--guidance-scale
 1`` times the 20 steps without guidance (``--steps``, ``--guidance-scale``).
 
-diffusers builds an ``LTXPipeline`` with a random transformer (the 2B's config), a random VAE (``--vae``: 0.9.0's
+diffusers builds an ``LTXPipeline`` with a random transformer (the preset's config), a random VAE (``--vae``: 0.9.0's
 decoder, the paper's; or 0.9.5's timestep-conditioned one) and a narrow random T5 (one layer at the transformer's
 caption width: the timed calls pass embeddings, so the text encoder's size does not matter), saves it, and eqxdiff
 loads that folder. Both pipelines are then called with the same T5-shaped ``prompt_embeds`` / mask (128 tokens, a
@@ -35,7 +35,7 @@ import tyro
 from _bench import (TorchDevice, fmt_seconds, gib, jax_peak_bytes, load_average, on_gpu, report_cpu_times,
                     report_times, setup_frameworks, time_interleaved, torch_free, torch_peak_bytes, torch_reset_peak,
                     torch_sync)
-from ltx import _LTX_2B, _TINY_VAE, _TINY_VAE_090, _VAE_095
+from ltx import _LTX_2B, _LTX_13B, _TINY_VAE, _TINY_VAE_090, _VAE_095
 
 DISTILLED_TIMESTEPS = (1000, 993, 987, 981, 975, 909, 725, 0.03)  # the 0.9.7 / 0.9.8 distilled model cards
 _TINY = dict(_LTX_2B, in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=8,
@@ -54,6 +54,7 @@ class Preset:
 
 PRESETS = {
     "2b": Preset(_LTX_2B, 121, 512, 768),  # the paper's video: 768x512 x 121 frames (5 s at 24 fps), 6144 tokens
+    "13b": Preset(_LTX_13B, 121, 512, 768),  # the 13B (0.9.7 / 0.9.8) on the same video
     "tiny": Preset(_TINY, 9, 32, 32, tiny=True),
 }
 
@@ -62,8 +63,8 @@ PRESETS = {
 class Args:
     """Time LTX-Video text-to-video end to end in eqxdiff and in diffusers."""
 
-    preset: Literal["2b", "tiny"] = "tiny"
-    """"2b": LTX-Video 2B at 768x512 x 121 frames (a GPU); "tiny": the CPU's smoke run."""
+    preset: Literal["2b", "13b", "tiny"] = "tiny"
+    """"2b" / "13b": LTX-Video 2B / 13B at 768x512 x 121 frames (a GPU); "tiny": the CPU's smoke run."""
     vae: Literal["0.9.0", "0.9.5"] = "0.9.0"
     """The VAE's config: 0.9.0 (the paper's, no decoder timestep) or 0.9.5 (timestep-conditioned decoder)."""
     steps: int = 20
