@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_suite.sh flux_schnell OUTDIR  # FLUX.1-schnell end to end, 4 steps          [~7 min, est.]
 #   bash benchmarks/gpu_suite.sh wan_1_3b OUTDIR  # Wan 2.1 1.3B CFG step + VAE decode, 81x480x832     [~6 min, est.]
 #   bash benchmarks/gpu_suite.sh wan_14b  OUTDIR  # Wan 2.1 14B CFG step, 81 frames at 720x1280        [~4.5 min]
+#   bash benchmarks/gpu_suite.sh wan_14b_attn OUTDIR  # the 14B step with cuDNN and with flash attention  [~5 min, est.]
 #   bash benchmarks/gpu_suite.sh ltx_2b   OUTDIR  # LTX-Video 2B end to end, 121 frames 768x512, 20 guided,
 #                                                 #   20 unguided and 8 distilled steps; step and decode alone [~5 min]
 #   bash benchmarks/gpu_suite.sh ltx_13b  OUTDIR  # LTX-Video 13B, the same video and recipes (0.9.5's VAE)  [~9 min, est.]
@@ -24,7 +25,7 @@
 # (diffusers, torch). Each command's output goes to OUTDIR/<name>.txt as well as to the console; record what
 # matters in benchmarks/RESULTS.md with the device and the command.
 set -uo pipefail
-group=${1:?usage: gpu_suite.sh tests|kernels|models|sdxl|controlnet|flux_step|flux_fused|flux_dev|flux_dev_fast|flux_schnell|wan_1_3b|wan_14b|ltx_2b|ltx_13b [OUTDIR]}
+group=${1:?usage: gpu_suite.sh tests|kernels|models|sdxl|controlnet|flux_step|flux_fused|flux_dev|flux_dev_fast|flux_schnell|wan_1_3b|wan_14b|wan_14b_attn|ltx_2b|ltx_13b [OUTDIR]}
 out=${2:-gpu_results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -71,6 +72,9 @@ wan_1_3b)
     run wan_vae_480p 240 python3 benchmarks/wan.py --preset 1.3b-480p --part vae --dtype bfloat16 --repeats 2 ;;
 wan_14b)  # the issue's goal: at most 20 s per CFG step on one H100 (the floor is about 16.5 s)
     run wan_14b_step 580 python3 benchmarks/wan.py --preset 14b-720p --part transformer --dtype bfloat16 --repeats 2 ;;
+wan_14b_attn)  # the same step with each attention kernel (72% of its FLOPs are self-attention's products), no diffusers
+    run wan_14b_attention 580 python3 benchmarks/wan.py --preset 14b-720p --part transformer --dtype bfloat16 \
+        --attention cudnn flash --skip-diffusers --repeats 2 ;;
 ltx_2b)  # the issue-21 goal's run (at most 1.6 s end to end on an H100)
     run ltx_2b_pipeline 240 python3 benchmarks/ltx_pipeline.py --preset 2b --dtype bfloat16 --repeats 3 --distilled
     run ltx_2b_unguided 120 python3 benchmarks/ltx_pipeline.py --preset 2b --dtype bfloat16 --repeats 3 \
@@ -81,6 +85,6 @@ ltx_13b)  # LTX-Video 13B on the same video (issue 21): end to end at 20 guided 
         --distilled
     run ltx_13b_parts 150 python3 benchmarks/ltx.py --preset 13b --dtype bfloat16 --repeats 3 ;;
 *)
-    echo "unknown group '$group': use tests, kernels, models, sdxl, controlnet, flux_step, flux_fused, flux_dev, flux_dev_fast, flux_schnell, wan_1_3b, wan_14b, ltx_2b or ltx_13b" >&2
+    echo "unknown group '$group': use tests, kernels, models, sdxl, controlnet, flux_step, flux_fused, flux_dev, flux_dev_fast, flux_schnell, wan_1_3b, wan_14b, wan_14b_attn, ltx_2b or ltx_13b" >&2
     exit 2 ;;
 esac

@@ -33,6 +33,7 @@ import tyro
 from _bench import (TorchDevice, check_agreement, fmt_seconds, gib, jax_device_name, jax_peak_bytes, load_average,
                     mfu, on_gpu, rel_error, report_cpu_times, report_times, setup_frameworks, time_interleaved,
                     torch_peak_bytes, torch_sync)
+from unet_step import check_attention
 
 _REAL = dict(patch_size=[1, 2, 2], attention_head_dim=128, cross_attn_norm=True, eps=1e-6, freq_dim=256,
              qk_norm="rms_norm_across_heads", text_dim=4096, in_channels=16, out_channels=16)
@@ -86,6 +87,9 @@ class Args:
     """Timed runs per variant (after one untimed warm-up); the median is reported."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights and activations dtype in both frameworks."""
+    attention: tuple[str, ...] = ("auto",)
+    """eqxdiff attention implementation(s) of the transformer step, each compiled and timed ("auto", or names in
+    ``eqxdiff.kernels.IMPLEMENTATIONS``: e.g. ``--attention auto cudnn flash`` on a GPU)."""
     cached_kv: bool = True
     """eqxdiff's step takes the prompts' cross-attention keys/values computed once (as its pipelines run)."""
     frame_chunk: int | None = None
@@ -158,7 +162,10 @@ def bench_transformer(args, preset, device, torch_dtype):
     import torch
 
     import eqxdiff
+    from eqxdiff.kernels import explain_choice
+    from eqxdiff.nn import with_attention_implementation
 
+    check_attention(args.attention)
     cfg = preset.transformer
     f, h, w = _latent_shape(preset.frames, preset.height, preset.width, 8)
     tokens = f * (h // 2) * (w // 2)
@@ -184,24 +191,35 @@ def bench_transformer(args, preset, device, torch_dtype):
     embeds = rng.standard_normal((2, preset.text_tokens, cfg["text_dim"]), np.float32)
     timestep = np.full((2,), 757.0, np.float32)
     jdt = jnp.dtype(args.dtype)
-    params, static = eqx.partition(model, eqx.is_array)
     j_latents, j_embeds, j_t = jnp.asarray(latents, jdt), jnp.asarray(embeds, jdt), jnp.asarray(timestep)
+    heads, head_dim = cfg["num_attention_heads"], cfg["attention_head_dim"]
+    q = jax.ShapeDtypeStruct((2, tokens, heads, head_dim), jdt)
+    print(f"self-attention [2, {tokens}, {heads}, {head_dim}], auto picks {explain_choice(q, q)}")
+    runners, labels = {}, []
+    for name in args.attention:
+        params, static = eqx.partition(with_attention_implementation(model, None if name == "auto" else name),
+                                       eqx.is_array)
+        if args.cached_kv:
+            kv = jax.jit(lambda p, e, s=static: eqx.combine(p, s).cross_attention_kv(e, dtype=jdt))(params, j_embeds)
 
-    if args.cached_kv:
-        kv = jax.jit(lambda p, e: eqx.combine(p, static).cross_attention_kv(e, dtype=jdt))(params, j_embeds)
-
-        def step(p, x, t, kv):
-            return eqx.combine(p, static)(x, t, cross_kv=kv)
-        step_args = (j_latents, j_t, kv)
-    else:
-        def step(p, x, t, e):
-            return eqx.combine(p, static)(x, t, e)
-        step_args = (j_latents, j_t, j_embeds)
-    label = "eqxdiff" + (" (cached k/v)" if args.cached_kv else "")
-    t0 = time.perf_counter()
-    compiled = jax.jit(step).lower(params, *step_args).compile()
-    print(f"{label} compile: {time.perf_counter() - t0:.1f}s")
-    runners = {label: lambda: jax.block_until_ready(compiled(params, *step_args))}
+            def step(p, x, t, kv, s=static):
+                return eqx.combine(p, s)(x, t, cross_kv=kv)
+            step_args = (j_latents, j_t, kv)
+        else:
+            def step(p, x, t, e, s=static):
+                return eqx.combine(p, s)(x, t, e)
+            step_args = (j_latents, j_t, j_embeds)
+        label = "eqxdiff" + (" (cached k/v)" if args.cached_kv else "") + (
+            f" [attention={name}]" if len(args.attention) > 1 else "")
+        t0 = time.perf_counter()
+        try:
+            compiled = jax.jit(step).lower(params, *step_args).compile()
+        except Exception as e:  # e.g. AttentionUnavailableError: the other implementations still run
+            print(f"{label} skipped: {type(e).__name__}: {str(e).splitlines()[0][:500]}")
+            continue
+        print(f"{label} compile: {time.perf_counter() - t0:.1f}s")
+        runners[label] = lambda c=compiled, p=params, a=step_args: jax.block_until_ready(c(p, *a))
+        labels.append(label)
     if not args.skip_diffusers:
         kwargs = dict(hidden_states=torch.from_numpy(latents).permute(0, 4, 1, 2, 3).to(device, torch_dtype),
                       timestep=torch.from_numpy(timestep).to(device),
@@ -214,7 +232,7 @@ def bench_transformer(args, preset, device, torch_dtype):
             return out.permute(0, 2, 3, 4, 1)
         runners["diffusers"] = run_ref
     outputs, med = _run_and_report(runners, args.repeats, device, _to_numpy, flops, "step")
-    _compare(outputs, med, [label], args, "transformer step")
+    _compare(outputs, med, labels, args, "transformer step")
     del ref
 
 
