@@ -188,6 +188,24 @@ def compiled_bytes(compiled) -> int | None:
         return None
 
 
+def compile_variant(label: str, fn, *args):
+    """``jax.jit(fn)`` lowered and compiled for ``args``, its compile time printed (and on a GPU, XLA's account of its
+    memory); ``None``, with the reason printed, where it cannot be built (an attention implementation this device
+    lacks, say): a benchmark's other variants still run."""
+    import jax
+
+    t0 = time.perf_counter()
+    try:
+        compiled = jax.jit(fn).lower(*args).compile()
+    except Exception as e:  # e.g. AttentionUnavailableError
+        print(f"{label} skipped: {type(e).__name__}: {str(e).splitlines()[0][:500]}")
+        return None
+    need = compiled_bytes(compiled) if on_gpu() else None
+    print(f"{label} compile: {time.perf_counter() - t0:.1f}s"
+          + ("" if need is None else f"; XLA's account of one call: {gib(need)} (weights, inputs, temporaries)"))
+    return compiled
+
+
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 

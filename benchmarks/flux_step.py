@@ -27,7 +27,7 @@ from typing import Literal
 
 import tyro
 
-from _bench import (TorchDevice, check_agreement, compiled_bytes, fmt_seconds, gib, jax_device_name, jax_peak_bytes,
+from _bench import (TorchDevice, check_agreement, compile_variant, fmt_seconds, gib, jax_device_name, jax_peak_bytes,
                     load_average, mfu, on_gpu, rel_error, report_cpu_times, report_times, setup_frameworks, time_interleaved,
                     torch_free, torch_peak_bytes, torch_sync)
 from _flux_configs import PRESETS, build_transformer, parameters, transformer_flops
@@ -165,15 +165,8 @@ def main(args: Args) -> None:
             return _call(eqx.combine(params, static), *a)
 
         label = f"eqxdiff [attention={name}{', fused' if args.fused else ''}]"
-        t0 = time.perf_counter()
-        try:
-            compiled = jax.jit(step).lower(params, *j_args).compile()
-        except Exception as e:  # e.g. AttentionUnavailableError: the other implementations still run
-            print(f"{label} skipped: {type(e).__name__}: {str(e).splitlines()[0][:500]}")
+        if (compiled := compile_variant(label, step, params, *j_args)) is None:
             continue
-        need = compiled_bytes(compiled) if on_gpu() else None
-        print(f"{label} compile: {time.perf_counter() - t0:.1f}s"
-              + ("" if need is None else f"; XLA's account of one step: {gib(need)} (weights, inputs, temporaries)"))
         runners[label] = (lambda compiled=compiled, params=params:
                           jax.block_until_ready(compiled(params, *j_args)))
         labels.append(label)

@@ -30,9 +30,9 @@ from typing import Literal
 
 import tyro
 
-from _bench import (TorchDevice, check_agreement, fmt_seconds, gib, jax_device_name, jax_peak_bytes, load_average,
-                    mfu, on_gpu, rel_error, report_cpu_times, report_times, setup_frameworks, time_interleaved,
-                    torch_peak_bytes, torch_sync)
+from _bench import (TorchDevice, check_agreement, compile_variant, fmt_seconds, gib, jax_device_name, jax_peak_bytes,
+                    load_average, mfu, on_gpu, rel_error, report_cpu_times, report_times, setup_frameworks,
+                    time_interleaved, torch_peak_bytes, torch_sync)
 from unet_step import check_attention
 
 _REAL = dict(patch_size=[1, 2, 2], attention_head_dim=128, cross_attn_norm=True, eps=1e-6, freq_dim=256,
@@ -211,13 +211,8 @@ def bench_transformer(args, preset, device, torch_dtype):
             step_args = (j_latents, j_t, j_embeds)
         label = "eqxdiff" + (" (cached k/v)" if args.cached_kv else "") + (
             f" [attention={name}]" if len(args.attention) > 1 else "")
-        t0 = time.perf_counter()
-        try:
-            compiled = jax.jit(step).lower(params, *step_args).compile()
-        except Exception as e:  # e.g. AttentionUnavailableError: the other implementations still run
-            print(f"{label} skipped: {type(e).__name__}: {str(e).splitlines()[0][:500]}")
+        if (compiled := compile_variant(label, step, params, *step_args)) is None:
             continue
-        print(f"{label} compile: {time.perf_counter() - t0:.1f}s")
         runners[label] = lambda c=compiled, p=params, a=step_args: jax.block_until_ready(c(p, *a))
         labels.append(label)
     if not args.skip_diffusers:
