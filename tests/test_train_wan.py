@@ -375,6 +375,11 @@ def test_eqxdiff_train_checks_the_clips_against_the_folder_before_loading(folder
                                                                                         "expects integers, got 'x'")):
         with pytest.raises(ValueError, match=f"^--resolution {message}$"):
             train_cli.validate([*argv, "--resolution", *extra])
+    # the family's options against the folder's model_index.json, before loading: no expand_timesteps here
+    with pytest.raises(InputError, match=r"^--family.first-frame-probability 0.5 trains first-frame conditioning, .*"
+                       r"set --family.first-frame-probability 0$"):
+        train_cli.validate([*argv, "--family.first-frame-probability", "0.5"])
+    assert train_cli.validate([*argv, "--family.expert", "high"]).family.expert == "high"  # this folder has two
 
 
 def test_lora_on_both_experts_writes_one_file_per_expert(folders, tmp_path):
@@ -500,8 +505,8 @@ def test_ti2v_trains_first_frame_conditioned_samples_as_its_pipeline_denoises_th
                            spied.condition(batch, k_latent, 0.0), k_loss)
     assert float(today) == plain
 
-    with pytest.raises(ValueError, match=r"first_frame_probability=0.5 .*expand_timesteps.*leave family\."
-                                         r"first_frame_probability at 0"):
+    with pytest.raises(ValueError, match=r"first_frame_probability=0.5 .*expand_timesteps.*set family\."
+                                         r"first_frame_probability=0"):
         WanFlowMatching(transformer=None, transformer_2=None, text_encoder=None, vae=None,
                         null_input_ids=setup.model.null_input_ids, options=WanOptions(first_frame_probability=0.5))
     with pytest.raises(ValueError, match=r"first_frame_probability=1.5 must be in \[0, 1\]"):
@@ -509,6 +514,18 @@ def test_ti2v_trains_first_frame_conditioned_samples_as_its_pipeline_denoises_th
     export_pipeline(setup.model, setup.tokenizers, setup.noise_scheduler, tmp_path / "export",
                     scheduler=setup.scheduler, options=setup.options)
     assert WanPipeline.from_pretrained(tmp_path / "export").config.expand_timesteps is True
+
+
+def test_eqxdiff_train_checks_the_family_options_against_a_ti2v_folder_before_loading(folders, ti2v, tmp_path):
+    """On the TI2V folder (one transformer, ``expand_timesteps``) first-frame conditioning is taken and one A14B
+    expert is refused, from ``model_index.json`` before anything loads."""
+    (root, _), (folder, _) = folders, ti2v
+    argv = ["wan2.2-ti2v-5b", "--model", str(folder), "--data", str(root / "clips"), "--output-dir",
+            str(tmp_path / "run"), "--resolution", "32", "--frames.count", "9"]
+    assert train_cli.validate([*argv, "--family.first-frame-probability", "1.0"]).family.first_frame_probability == 1
+    with pytest.raises(InputError, match=r"^--family.expert .?high.? picks one of Wan 2.2 A14B's two experts, but "
+                       r"this folder has one transformer: set --family.expert .?both.?$"):
+        train_cli.validate([*argv, "--family.expert", "high"])
 
 
 def test_a_non_square_size_trains_and_a_bad_one_is_refused(folders, tmp_path):

@@ -270,6 +270,10 @@ def _check_family(config: TrainConfig) -> None:
         raise InputError(f"--model {config.model!r} is a {name}, which trains as {family.__name__}, but the "
                          f"preset's --family.* options are {type(config.family).__name__}, another family's; start "
                          f"from a preset of the model's family ({', '.join(presets)}) with --model") from None
+    try:
+        family.check_folder(config.family, read_config(index.parent, index.name))
+    except ValueError as e:
+        raise InputError(str(in_flags(e, field_flags(config)))) from None
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> None:

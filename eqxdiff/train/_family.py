@@ -149,6 +149,12 @@ class TrainModel(eqx.Module):
         return {name: getattr(self.options, name) for name in self.CALL_OPTIONS}
 
     @classmethod
+    def check_folder(cls, options: FamilyOptions, model_index: Mapping[str, Any]) -> None:
+        """``ValueError`` where ``options`` (the run's ``--family.*``) ask for what a pipeline folder cannot train,
+        read from its ``model_index.json`` (``model_index``: its components and pipeline settings) before anything is
+        loaded; :meth:`from_pipeline`'s bundle checks the same on the loaded pipeline. Default: nothing to check."""
+
+    @classmethod
     def sample_size(cls, config) -> dict[str, Any]:
         """The size arguments of samples' pipeline calls for a run of ``config`` (a ``TrainConfig``); default none:
         the pipeline's default size."""

@@ -109,6 +109,18 @@ def prompt_mask(ids: Int[Array, "batch seq"], eos_token_id: int) -> Int[Array, "
     return (jnp.arange(n)[None, :] <= last[:, None]).astype(jnp.int32)
 
 
+def _check_options(options: WanOptions, *, two_experts: bool, expand: bool) -> None:
+    """``ValueError`` for options a folder cannot train: one expert picked of a single transformer, or first-frame
+    conditioning without per-token timesteps."""
+    if options.expert != "both" and not two_experts:
+        raise ValueError(f"family.expert={options.expert!r} picks one of Wan 2.2 A14B's two experts, but this folder "
+                         "has one transformer: set family.expert='both'")
+    if options.first_frame_probability and not expand:
+        raise ValueError(f"family.first_frame_probability={options.first_frame_probability} trains first-frame "
+                         "conditioning, which needs per-token timesteps (a Wan 2.2 TI2V folder with "
+                         "expand_timesteps); this folder has none: set family.first_frame_probability=0")
+
+
 class WanFlowMatching(TrainModel):
     """Wan's ``transformer`` (and A14B's ``transformer_2``), ``text_encoder`` (UMT5), VAE, the empty prompt's token
     ids, the experts' boundary (``boundary_ratio * num_train_timesteps``, ``None`` with one transformer) and the
@@ -135,13 +147,14 @@ class WanFlowMatching(TrainModel):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.options.expert != "both" and self.transformer_2 is None:
-            raise ValueError(f"family.expert={self.options.expert!r} picks one of Wan 2.2 A14B's two experts, but "
-                             "this folder has one transformer; leave family.expert at 'both'")
-        if self.options.first_frame_probability and not self.expand_timesteps:
-            raise ValueError(f"family.first_frame_probability={self.options.first_frame_probability} trains first-"
-                             "frame conditioning, which needs per-token timesteps (a Wan 2.2 TI2V folder with "
-                             "expand_timesteps); this folder has none: leave family.first_frame_probability at 0")
+        _check_options(self.options, two_experts=self.transformer_2 is not None, expand=self.expand_timesteps)
+
+    @classmethod
+    def check_folder(cls, options, model_index):
+        """The folder's second expert (``transformer_2``) and ``expand_timesteps``, read from ``model_index.json``."""
+        second = model_index.get("transformer_2")
+        _check_options(options, two_experts=isinstance(second, (list, tuple)) and second[0] is not None,
+                       expand=bool(model_index.get("expand_timesteps", False)))
 
     @property
     def first_frame_probability(self) -> float:
