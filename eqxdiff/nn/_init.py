@@ -36,12 +36,11 @@ def init_uniform(key, shape, bound: float, dtype) -> jax.Array:
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
-def init_normal(key, shape, dtype, std: float = 1.0) -> jax.Array:
-    """``N(0, std^2)`` of ``shape``, drawn in ``dtype``."""
+def init_normal(key, shape, dtype) -> jax.Array:
+    """``N(0, 1)`` of ``shape``, drawn in ``dtype`` (callers scale it)."""
     if _SHAPES_ONLY.get():
         return jnp.zeros(shape, dtype)
-    draw = jax.random.normal(key, shape, dtype)
-    return draw if std == 1.0 else draw * std
+    return jax.random.normal(key, shape, dtype)
 
 
 def build_abstract(build: Callable[..., Any], *args, **kwargs) -> Any:

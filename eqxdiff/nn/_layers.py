@@ -22,8 +22,7 @@ import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ._adapters import Adapters, adapted_parameters, conv_weight
-from ._init import init_normal
-from ._init import init_uniform as _uniform
+from ._init import init_normal, init_uniform
 
 
 class Linear(eqx.Module):
@@ -48,8 +47,8 @@ class Linear(eqx.Module):
                  dtype=jnp.float32, key: PRNGKeyArray):
         wkey, bkey = jax.random.split(key)
         bound = 1.0 / math.sqrt(in_features)
-        self.weight = _uniform(wkey, (out_features, in_features), bound, dtype)
-        self.bias = _uniform(bkey, (out_features,), bound, dtype) if use_bias else None
+        self.weight = init_uniform(wkey, (out_features, in_features), bound, dtype)
+        self.bias = init_uniform(bkey, (out_features,), bound, dtype) if use_bias else None
         self.adapters = None
         self.axes = tuple(axes)
         self.names = None if names is None else tuple(names)
@@ -97,8 +96,8 @@ class Conv2d(eqx.Module):
                  padding: int = 0, use_bias: bool = True, dtype=jnp.float32, key: PRNGKeyArray):
         wkey, bkey = jax.random.split(key)
         bound = 1.0 / math.sqrt(in_channels * kernel_size * kernel_size)
-        self.weight = _uniform(wkey, (kernel_size, kernel_size, in_channels, out_channels), bound, dtype)
-        self.bias = _uniform(bkey, (out_channels,), bound, dtype) if use_bias else None
+        self.weight = init_uniform(wkey, (kernel_size, kernel_size, in_channels, out_channels), bound, dtype)
+        self.bias = init_uniform(bkey, (out_channels,), bound, dtype) if use_bias else None
         self.adapters = None
         self.stride = stride
         self.padding = padding
