@@ -130,6 +130,13 @@ class WanDenoiser(Denoiser):
                             lambda: self.transformer_2(x_in, timestep, cross_kv=cond["kv_2"]))
 
 
+def token_mask(frame_mask, patch_size) -> Array:
+    """``frame_mask`` ``[n, T, h, w, 1]`` (constant over each of the transformer's ``patch_size`` patches) per video
+    token, ``[n, tokens]`` in the transformer's token order: TI2V's timestep factor (0 on the first frame's tokens)."""
+    pt, ph, pw = patch_size
+    return frame_mask[:, ::pt, ::ph, ::pw, 0].reshape(frame_mask.shape[0], -1)
+
+
 def model_input(x, t, cond):
     """``(latents, timestep)`` as the transformer takes them: image-to-video's condition channels appended, or the
     first frame's latents blended in with one timestep per token (TI2V); else the latents and ``t`` per sample."""

@@ -32,7 +32,7 @@ from ._call import checked_call
 from ._checks import InputError, image_size, pixel_size
 from ._components import Component
 from ._images import to_model_range
-from .wan import DEFAULT_FRAMES, MAX_SEQUENCE_LENGTH, WanPipeline
+from .wan import DEFAULT_FRAMES, MAX_SEQUENCE_LENGTH, WanPipeline, token_mask
 
 __all__ = ["WanImageToVideoPipeline", "clip_image_embeds", "condition_latents", "frame_mask"]
 
@@ -145,8 +145,7 @@ class WanImageToVideoPipeline(WanPipeline):
             latents = jnp.repeat(condition_latents(self.vae, first[:, None]), n, axis=0)
             mask = np.ones((1, t, h, w, 1), np.float32)
             mask[:, 0] = 0.0
-            p = self.transformer.config.patch_size
-            tokens = mask[0, ::p[0], ::p[1], ::p[2], 0].reshape(1, -1)
+            tokens = token_mask(mask, self.transformer.config.patch_size)
             return {"first_frame": latents, "frame_mask": jnp.asarray(mask), "token_mask": jnp.asarray(tokens)}
         frames = [first[:, None], jnp.zeros((1, num_frames - 1 - (last_image is not None), *size, 3))]
         if last_image is not None:

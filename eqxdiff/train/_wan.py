@@ -45,7 +45,7 @@ import numpy as np
 
 from .._typing import Array, Int
 from ..loading import token_ids
-from ..pipelines.wan import clean_prompt, umt5_embeddings
+from ..pipelines.wan import clean_prompt, model_input, token_mask, umt5_embeddings
 from ..schedulers import FlowMatchEulerDiscreteScheduler
 from ._checks import check_choice
 from ._family import FamilyOptions, NullCondition, TextInput, TrainModel
@@ -172,12 +172,12 @@ class WanFlowMatching(TrainModel):
             return noisy, t, None
         b, frames = x0.shape[:2]
         clean = jax.random.bernoulli(key, p, (b,))[:, None] & (jnp.arange(frames) == 0)[None, :]  # [b, T]
-        x = jnp.where(clean[:, :, None, None, None], x0.astype(noisy.dtype), noisy)
-        pt, ph, pw = self.transformer.config.patch_size
-        grid = (frames // pt, x0.shape[2] // ph, x0.shape[3] // pw)
-        tokens = jnp.broadcast_to(clean[:, ::pt, None, None], (b, *grid)).reshape(b, -1)
-        per_token = jnp.where(tokens, 0.0, t.astype(jnp.float32)[:, None])
-        return x, per_token, ~clean[:, :, None, None, None]
+        keep = ~clean[:, :, None, None, None]
+        frame_mask = jnp.broadcast_to(keep, (*x0.shape[:4], 1)).astype(jnp.float32)  # the pipeline's, per sample
+        cond = {"first_frame": x0, "frame_mask": frame_mask,
+                "token_mask": token_mask(frame_mask, self.transformer.config.patch_size)}
+        x, per_token = model_input(noisy, t[:, None], cond)
+        return x, per_token, keep
 
     @classmethod
     def sample_size(cls, config) -> dict[str, Any]:
