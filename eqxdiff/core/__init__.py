@@ -34,6 +34,8 @@ from ._plan import checkpoint_names as checkpoint_names
 from ._plan import constrain as constrain
 from ._plan import remat_policy as remat_policy
 from ._plan import with_plan as with_plan
+from ._programs import ProgramCacheWarning as ProgramCacheWarning
+from ._programs import program as program
 from ._rules import DEFAULT_RULES as DEFAULT_RULES
 from ._rules import VIDEO_AXES as VIDEO_AXES
 from ._rules import AxisRules as AxisRules
