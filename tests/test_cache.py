@@ -18,7 +18,8 @@ from PIL import Image
 
 import eqxdiff
 from eqxdiff.cli import generate, train
-from eqxdiff.core import CacheWarning, _cache, compilation_cache, default_cache_dir, enable_compilation_cache
+from eqxdiff.core import CacheWarning, _cache, _programs, compilation_cache, default_cache_dir, enable_compilation_cache
+from eqxdiff.core._programs import EXPORTED_SUBFOLDER, clear_programs
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ("jax_compilation_cache_dir", "jax_enable_compilation_cache", "jax_persistent_cache_min_compile_time_secs",
@@ -179,15 +180,22 @@ def test_two_processes_share_a_fresh_cache_folder(shared):
     np.testing.assert_array_equal(_image(root / "out0"), _image(root / "out1"))
 
 
-def test_a_later_process_compiles_nothing_and_draws_the_same(shared, tmp_path):
+def test_a_later_process_compiles_nothing_and_draws_the_same(shared, tmp_path, monkeypatch):
     """This process, its in-memory programs dropped, runs the same command on the folder the two filled: every
-    program is read from the cache (the denoising loop with its progress bar too), none compiled or written."""
+    program is read from the cache (the denoising loop with its progress bar too), none compiled or written, and the
+    pipeline's programs (eqxdiff.core.program: the text encoder, the noise draws, the denoising loop, the decoder and
+    the uint8 conversion) are read as exported programs, none traced."""
     root, results = shared
     assert all(code == 0 for code, _, _ in results)
+    assert len(list((root / "cache" / EXPORTED_SUBFOLDER).iterdir())) == 5
     jax.clear_caches()
+    clear_programs()
+    traced = []
+    monkeypatch.setattr(_programs._Program, "_export", lambda self, *a: traced.append(self.__name__))
     with _Counts() as counts:
         generate.main([*ARGS, "--compilation-cache-dir", str(root / "cache"), "--output-dir", str(tmp_path)])
     assert counts.read > 0 and counts.compiled == counts.read and counts.written == 0, vars(counts)
+    assert traced == []
     np.testing.assert_array_equal(_image(tmp_path), _image(root / "out0"))
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray
+from ..core import program
 from ..schedulers import pad_schedule, to_device
 from ._progress import tick
 
@@ -169,7 +170,7 @@ def _concrete_int(value) -> int | None:
     return None if isinstance(value, jax.core.Tracer) else int(value)
 
 
-@eqx.filter_jit
+@program
 def _denoise_loop(denoiser: Denoiser, scheduler, state, latents, cond, key, guidance: Guidance, steps, end):
     """:func:`denoise_loop`'s program: ``steps`` steps of a loop that ends before step index ``end``; the latents,
     the scheduler state and the key after them."""

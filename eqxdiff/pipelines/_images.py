@@ -7,10 +7,11 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from PIL import Image, PngImagePlugin
+
+from ..core import program
 
 
 def to_uint8(images) -> np.ndarray:
@@ -19,7 +20,7 @@ def to_uint8(images) -> np.ndarray:
     return (x * 255).round().astype(np.uint8)
 
 
-@jax.jit
+@program
 def uint8_on_device(images):
     """:func:`to_uint8` where ``images`` lie (the same float32 arithmetic), and whether each image is finite
     (``bool [n]``): a pipeline's output crosses to the host as uint8."""

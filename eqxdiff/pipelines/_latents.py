@@ -17,12 +17,12 @@ unpacked: images ``[n, h, w, C]``, videos ``[n, F, h, w, C]``.
 import dataclasses
 from typing import Any, ClassVar
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, PRNGKeyArray
+from ..core import program
 from ._base import DiffusionPipeline
 from ._checks import check_finite_output
 from ._denoise import Guidance, denoise_loop
@@ -44,12 +44,17 @@ class NoiseDraws:
 def noise_draws(key: PRNGKeyArray, shape: tuple[int, ...]) -> NoiseDraws:
     """What a latent pipeline's call draws from ``key`` for latents of ``shape`` (every family the same way: to
     reproduce a call, or to give diffusers the same noise)."""
+    return NoiseDraws(*_draws(key, shape))
+
+
+@program
+def _draws(key, shape):
     noise_key, image_key, loop_key = jax.random.split(key, 3)
     masked_key = jax.random.fold_in(image_key, 1)
-    return NoiseDraws(*(jax.random.normal(k, shape) for k in (noise_key, image_key, masked_key)), loop_key)
+    return (*(jax.random.normal(k, shape) for k in (noise_key, image_key, masked_key)), loop_key)
 
 
-@eqx.filter_jit
+@program
 def encode_image_latents(vae, image: Float[Array, "batch height width 3"],
                          posterior_noise: Float[Array, "batch h w latent"], *, tiled: bool = False):
     """VAE latents of ``[-1, 1]`` images, sampled with the given standard-normal noise, then scaled; ``tiled``
@@ -58,7 +63,7 @@ def encode_image_latents(vae, image: Float[Array, "batch height width 3"],
     return vae.scale_latents(dist.mean + dist.std * posterior_noise)
 
 
-@eqx.filter_jit
+@program
 def decode_latents(vae, latents: Float[Array, "batch *spatial latent"], *, tiled: bool = False,
                    frame_chunk: int | None = None, dtype=jnp.float32) -> Float[Array, "batch *pixels 3"]:
     """Scaled latents back to ``[-1, 1]`` images ``[b, H, W, 3]`` or videos ``[b, F, H, W, 3]`` (from video latents

@@ -32,12 +32,12 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray
+from ..core import program
 from ..loading import CheckpointError, formats
 from ..loading.single_file import ClipText, Layout, LdmVae, Part
 from ..models import flux
@@ -63,13 +63,13 @@ COMFY_VAE = "vae."
 # -- text encoders ------------------------------------------------------------------------------------------------
 
 
-@eqx.filter_jit
+@program
 def clip_pooled(text_encoder, input_ids: Int[Array, "batch seq"]) -> Float[Array, "batch embed"]:
     """CLIP's ``pooler_output`` (the end-of-text token's final state): Flux's pooled conditioning."""
     return text_encoder(input_ids).pooler_output
 
 
-@eqx.filter_jit
+@program
 def t5_embeddings(text_encoder, input_ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq embed"]:
     """T5's ``last_hidden_state`` without an attention mask (the padding is encoded too, as diffusers does)."""
     return text_encoder(input_ids).last_hidden_state

@@ -45,6 +45,7 @@ import numpy as np
 
 from .. import nn
 from .._typing import Array, Float, Int, PRNGKeyArray
+from ..core import program
 from ..models.ltx import LTXVideoTransformer3DModel, pack_latents, unpack_latents
 from ..schedulers import to_device
 from ._arguments import as_list, given_array, prompt_list, resolve_key
@@ -71,7 +72,7 @@ _DECODE_DRAWS = 0x17D  # the call key's fold for the draws after the loop (decod
 # -- prompts ------------------------------------------------------------------------------------------------------
 
 
-@eqx.filter_jit
+@program
 def t5_embeddings(text_encoder, input_ids: Int[Array, "batch seq"], mask: Int[Array, "batch seq"] | None = None):
     """T5's ``last_hidden_state``, without an attention mask (``None``: the padding is encoded too, as diffusers'
     ``LTXPipeline`` and ``LTXImageToVideoPipeline`` do) or with it (its ``LTXConditionPipeline``)."""
@@ -98,14 +99,14 @@ class PromptEmbeds:
 # -- positions, decoding ------------------------------------------------------------------------------------------
 
 
-@eqx.filter_jit
+@program
 def grid_rope(transformer, grid: tuple[int, int, int], scale) -> nn.Rope:
     """The rotary tables ``[1, seq, inner]`` of a token ``grid`` at ``rope_interpolation_scale`` ``scale`` (a float32
     array ``[3]``: traced, so a new frame rate compiles nothing)."""
     return transformer.rotary_embedding(grid, (scale[0], scale[1], scale[2]))
 
 
-@eqx.filter_jit
+@program
 def coords_rope(transformer, video_coords) -> nn.Rope:
     """The rotary tables ``[b, seq, inner]`` of explicit ``video_coords [b, 3, seq]`` (the condition pipeline's)."""
     return transformer.rotary_embedding(video_coords=video_coords)
@@ -119,7 +120,7 @@ def decode_keys(key: PRNGKeyArray) -> tuple[PRNGKeyArray, PRNGKeyArray]:
     return noise_key, inject_key
 
 
-@eqx.filter_jit
+@program
 def decode_video(vae, latents, timestep, noise_scale, key, *, tiled: bool = False, frame_chunk: int | None = None,
                  dtype=jnp.float32):
     """Normalised latents ``[n, T, h, w, C]`` to ``[-1, 1]`` videos: un-normalised, mixed with fresh noise (``(1 - s)
@@ -135,7 +136,7 @@ def decode_video(vae, latents, timestep, noise_scale, key, *, tiled: bool = Fals
     return vae.decode(z.astype(dtype), timestep, key=inject, tiled=tiled, frame_chunk=frame_chunk)
 
 
-@eqx.filter_jit
+@program
 def sampled_latents(vae, video: Float[Array, "1 frames height width 3"], noise: Float[Array, "n t h w c"]
                     ) -> Float[Array, "n t h w c"]:
     """The normalised latents of ``video`` sampled from its posterior with the standard-normal ``noise`` (one draw

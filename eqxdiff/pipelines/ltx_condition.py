@@ -43,6 +43,7 @@ import numpy as np
 from PIL import Image
 
 from .._typing import PRNGKeyArray
+from ..core import program
 from ..schedulers import FlowMatchEulerDiscreteScheduler, pad_schedule, to_device
 from ._arguments import given_array, resolve_key
 from ._call import checked_call
@@ -126,7 +127,7 @@ class ConditionedEuler(eqx.Module):
         return x.astype(sample.dtype), dataclasses.replace(state, step_index=state.step_index + 1)
 
 
-@eqx.filter_jit
+@program
 def renoised(x, init, strength, noise_scale, key, index, t):
     """diffusers' ``add_noise_to_image_conditioning_latents`` before the step at schedule ``index`` (timestep ``t``):
     the strength-1 tokens become ``init + noise_scale * noise * (t / 1000)^2``, the others stay."""

@@ -10,11 +10,11 @@ nothing.
 import dataclasses
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core import program
 from ..models.ltx import pack_latents, unpack_latents
 from ._checks import InputError
 
@@ -100,7 +100,7 @@ def placements(frame_indices, frames, temporal: int) -> tuple[Placement, ...]:
     return tuple(out)
 
 
-@eqx.filter_jit
+@program
 def assemble(x, encoded: tuple, strengths, blend_key, where: tuple[Placement, ...], patch: tuple[int, int, int]):
     """The start tokens ``[n, extra + video, features]``: the video's latents ``x [n, T, h, w, C]`` with the
     conditions' latents (``encoded``, each ``[1, f, h, w, C]``) blended in by ``strengths [k]`` where their placement

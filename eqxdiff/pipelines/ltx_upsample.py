@@ -22,11 +22,11 @@ decodes (``decode_timestep``, ``decode_noise_scale``, the noise drawn from the c
 from collections.abc import Sequence
 from typing import ClassVar
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from .._typing import Array, PRNGKeyArray
+from ..core import program
 from ..models.ltx_upsampler import LTXLatentUpsamplerModel
 from ._arguments import resolve_key
 from ._call import checked_call
@@ -55,7 +55,7 @@ def tone_map(latents, compression):
     return latents * (1.0 - 0.8 * s * jax.nn.sigmoid(4.0 * s * (jnp.abs(latents) - 1.0)))
 
 
-@eqx.filter_jit
+@program
 def upsampled_latents(upsampler, vae, latents, adain_factor, compression):
     """Normalised latents ``[n, T, h, w, C]`` upsampled (un-normalised; the upsampler's output, AdaIN-matched to the
     input where ``adain_factor > 0`` and tone-mapped): ``[n, T, 2h, 2w, C]``, not normalised again."""

@@ -9,10 +9,10 @@ base. The whole denoising loop is one jitted ``lax.fori_loop`` (:func:`eqxdiff.p
 from collections.abc import Sequence
 from typing import ClassVar
 
-import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
+from ..core import program
 from ._arguments import as_list, given_array, prompt_list, resolve_key
 from ._call import checked_call
 from ._components import Component
@@ -27,7 +27,7 @@ __all__ = ["Guidance", "StableDiffusionInpaintPipeline", "StableDiffusionPipelin
            "to_model_range", "to_uint8", "tokenize"]
 
 
-@eqx.filter_jit
+@program
 @typechecked
 def encode_prompt(text_encoder, input_ids: Int[Array, "batch seq"], *,
                   clip_skip: int | None = None) -> Float[Array, "batch seq embed"]:

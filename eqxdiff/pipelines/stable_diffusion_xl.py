@@ -18,11 +18,11 @@ with ``prediction_type="sample"``).
 from collections.abc import Sequence
 from typing import ClassVar
 
-import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray
+from ..core import program
 from ._arguments import as_list, given_array, prompt_list, resolve_key
 from ._call import checked_call
 from ._components import Component
@@ -36,7 +36,7 @@ __all__ = ["StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline
 Size = tuple[int, int]
 
 
-@eqx.filter_jit
+@program
 def encode_prompt(text_encoder, input_ids: Int[Array, "batch seq"], *, layer: int = -2
                   ) -> tuple[Float[Array, "batch seq embed"], Float[Array, "batch proj"] | None]:
     """One SDXL text encoder: its hidden states ``layer`` (``-2``: the penultimate layer's output, without the

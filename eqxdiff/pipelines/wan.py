@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray
+from ..core import program
 from ..loading import formats
 from ..loading.single_file import Layout
 from ..models.wan import WanTransformer3DModel
@@ -88,14 +89,14 @@ def clean_prompt(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-@eqx.filter_jit
+@program
 def umt5_embeddings(text_encoder, input_ids: Int[Array, "batch seq"], mask: Int[Array, "batch seq"]
                     ) -> Float[Array, "batch seq embed"]:
     """UMT5's ``last_hidden_state`` with the attention mask, zero past each prompt's end (diffusers' Wan)."""
     return zero_padding(text_encoder(input_ids, attention_mask=mask).last_hidden_state, mask)
 
 
-@eqx.filter_jit
+@program
 def cross_attention_kv(transformer, embeds, image_embeds=None, *, dtype=jnp.float32):
     """The transformer's cross-attention keys and values of the prompts (and image tokens), computed once per call
     and reused at every step (:meth:`~eqxdiff.models.wan.WanTransformer3DModel.cross_attention_kv`)."""

@@ -22,11 +22,11 @@ image's. ``last_image`` does not apply.
 from collections.abc import Sequence
 from typing import ClassVar
 
-import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, PRNGKeyArray
+from ..core import program
 from ._arguments import resolve_key
 from ._call import checked_call
 from ._checks import InputError, image_size, pixel_size
@@ -39,14 +39,14 @@ __all__ = ["WanImageToVideoPipeline", "clip_image_embeds", "condition_latents", 
 MASK_CHANNELS = 4  # the mask's channels: one per frame of the first latent frame's 4 (diffusers' repeat of frame 0)
 
 
-@eqx.filter_jit
+@program
 def clip_image_embeds(image_encoder, pixel_values: Float[Array, "n size size 3"]) -> Float[Array, "n tokens dim"]:
     """The CLIP image encoder's penultimate hidden state (``hidden_states[-2]``: no post norm), Wan 2.1's image
     tokens."""
     return image_encoder(pixel_values, output_hidden_states=True).hidden_states[-2]
 
 
-@eqx.filter_jit
+@program
 def condition_latents(vae, video: Float[Array, "1 frames height width 3"]) -> Float[Array, "1 t h w z"]:
     """The condition video's latents: the posterior's mode, normalised (``scale_latents``) as the denoised ones."""
     return vae.scale_latents(vae.encode(video).mode())
