@@ -11,6 +11,7 @@ import io
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -48,6 +49,29 @@ def raise_problems(problems: Sequence[str], where: str) -> None:
 def require_nonempty(n: int, where: str, how: str) -> None:
     if n == 0:
         raise DataError(f"empty dataset: {where} has no examples ({how})")
+
+
+def files_below(root: Path, extensions: tuple[str, ...], how: str) -> list[Path]:
+    """Every file in ``root``'s tree with one of ``extensions`` (any case; hidden files left out), sorted; an empty
+    dataset is a ``DataError`` that says ``how`` it was looked for."""
+    files = sorted(Path(d) / n for d, _, names in os.walk(root) for n in names
+                   if n.lower().endswith(extensions) and not n.startswith("."))
+    require_nonempty(len(files), str(root), how)
+    return files
+
+
+def with_txt_captions(files: Sequence[Path], root: Path) -> list[tuple[Path, str]]:
+    """``(file, caption)`` for each of ``files`` (of the folder ``root``), the caption read from the ``.txt`` file
+    beside it that shares its stem; one ``DataError`` names every file without one."""
+    rows, problems = [], []
+    for file in files:
+        txt = file.with_suffix(".txt")
+        if not txt.is_file():
+            problems.append(f"{file}: missing caption (no {txt.name} beside it and no metadata.jsonl)")
+            continue
+        rows.append((file, txt.read_text(encoding="utf-8").strip()))
+    raise_problems(problems, str(root))
+    return rows
 
 
 def caption_problem(caption: Any) -> str | None:

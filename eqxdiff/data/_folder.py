@@ -8,7 +8,6 @@ instance or class prompt) every image of the folder tree takes that caption, and
 
 import csv
 import json
-import os
 from pathlib import Path
 
 from ._common import (
@@ -16,9 +15,11 @@ from ._common import (
     DataError,
     caption_problem,
     check_level,
+    files_below,
     image_problems,
     raise_problems,
     require_nonempty,
+    with_txt_captions,
 )
 
 
@@ -48,13 +49,15 @@ class ImageFolderSource:
         metadata = [self.root / n for n in ("metadata.jsonl", "metadata.csv") if (self.root / n).is_file()]
         if caption is not None:
             self.index_file = None
-            rows = [(image, caption) for image in self._images(f"no images with extensions {IMAGE_EXTENSIONS}")]
+            images = files_below(self.root, IMAGE_EXTENSIONS, f"no images with extensions {IMAGE_EXTENSIONS}")
+            rows = [(image, caption) for image in images]
         elif metadata:
             self.index_file = metadata[0]
             rows = self._read_metadata(metadata[0])
         else:
             self.index_file = None
-            rows = self._read_txt_captions()
+            how = f"no metadata.jsonl, metadata.csv or images with extensions {IMAGE_EXTENSIONS}"
+            rows = with_txt_captions(files_below(self.root, IMAGE_EXTENSIONS, how), self.root)
         self.paths = [str(p) for p, _ in rows]
         self.captions = [c for _, c in rows]
         where = str(self.index_file or self.root)
@@ -94,27 +97,6 @@ class ImageFolderSource:
             rows.append((file, record[self.caption_column]))
         raise_problems(problems, str(path))
         require_nonempty(len(rows), str(path), "no rows")
-        return rows
-
-    def _images(self, how: str) -> list[Path]:
-        images = sorted(
-            Path(d) / n
-            for d, _, names in os.walk(self.root)
-            for n in names
-            if n.lower().endswith(IMAGE_EXTENSIONS) and not n.startswith(".")
-        )
-        require_nonempty(len(images), str(self.root), how)
-        return images
-
-    def _read_txt_captions(self):
-        rows, problems = [], []
-        for image in self._images(f"no metadata.jsonl, metadata.csv or images with extensions {IMAGE_EXTENSIONS}"):
-            txt = image.with_suffix(".txt")
-            if not txt.is_file():
-                problems.append(f"{image}: missing caption (no {txt.name} beside it and no metadata.jsonl)")
-                continue
-            rows.append((image, txt.read_text(encoding="utf-8").strip()))
-        raise_problems(problems, str(self.root))
         return rows
 
     def __len__(self) -> int:

@@ -23,8 +23,9 @@ from ._common import (
     IMAGE_EXTENSIONS,
     DataError,
     check_level,
+    files_below,
     raise_problems,
-    require_nonempty,
+    with_txt_captions,
 )
 from ._folder import ImageFolderSource
 from ._transforms import (
@@ -170,27 +171,16 @@ class VideoFolderSource(ClipRecords, ImageFolderSource):
         self.caption_column, self.image_column = caption_column, video_column
         metadata = [self.root / n for n in ("metadata.jsonl", "metadata.csv") if (self.root / n).is_file()]
         self.index_file = metadata[0] if metadata else None
-        rows = self._read_metadata(metadata[0]) if metadata else self._clips_with_captions()
+        if metadata:
+            rows = self._read_metadata(metadata[0])
+        else:
+            how = f"no metadata.jsonl, metadata.csv or clips with extensions {VIDEO_EXTENSIONS}"
+            rows = with_txt_captions(files_below(self.root, VIDEO_EXTENSIONS, how), self.root)
         self.paths = [str(p) for p, _ in rows]
         self.captions = [c for _, c in rows]
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
             problems = [p for p in pool.map(lambda p: video_problem(p, frames, check), self.paths) if p]
         raise_problems(problems, str(self.index_file or self.root))
-
-    def _clips_with_captions(self):
-        clips = sorted(Path(d) / n for d, _, names in os.walk(self.root) for n in names
-                       if n.lower().endswith(VIDEO_EXTENSIONS) and not n.startswith("."))
-        require_nonempty(len(clips), str(self.root),
-                         f"no metadata.jsonl, metadata.csv or clips with extensions {VIDEO_EXTENSIONS}")
-        rows, problems = [], []
-        for clip in clips:
-            txt = clip.with_suffix(".txt")
-            if not txt.is_file():
-                problems.append(f"{clip}: missing caption (no {txt.name} beside it and no metadata.jsonl)")
-                continue
-            rows.append((clip, txt.read_text(encoding="utf-8").strip()))
-        raise_problems(problems, str(self.root))
-        return rows
 
     def __getitem__(self, index: int) -> dict:
         return {"video": self.paths[index], "caption": self.captions[index], "name": self.paths[index]}

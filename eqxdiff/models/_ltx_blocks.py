@@ -163,16 +163,8 @@ def attention_mask(mask: Array | None, batch: int, length: int) -> Bool[Array, "
 
 def broadcast_timestep(timestep, batch: int, seq: int) -> Array:
     """``timestep`` as ``[batch, 1]`` (one per sample) or ``[batch, seq]`` (one per token, in the packed order)."""
-    t = jnp.asarray(timestep)
-    if t.ndim == 2:
-        if t.shape[1] != seq:
-            raise ValueError(f"LTXVideoTransformer3DModel: per-token timesteps of shape {t.shape} for {seq} tokens; "
-                             f"give [batch, {seq}] (one per token, in frame, row, column order)")
-        return jnp.broadcast_to(t, (batch, seq))
-    if t.ndim > 1:
-        raise ValueError(f"LTXVideoTransformer3DModel: timestep of shape {t.shape}; give a scalar, [batch] or "
-                         f"[batch, {seq}] (one per token)")
-    return jnp.broadcast_to(t, (batch,))[:, None]
+    t = nn.token_timesteps(timestep, batch, seq, who="LTXVideoTransformer3DModel")
+    return t if t.ndim == 2 else t[:, None]
 
 
 def check_scale(scale: Sequence | Array | None) -> None:

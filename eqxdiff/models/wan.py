@@ -222,15 +222,6 @@ class WanTransformer3DModel(PretrainedModel):
 
     # -- forward -------------------------------------------------------------------------------------------------
 
-    def _check_timestep(self, timestep, batch: int, seq: int):
-        t = jnp.asarray(timestep)
-        if t.ndim == 2:
-            if t.shape[1] != seq:
-                raise ValueError(f"WanTransformer3DModel: per-token timesteps of shape {t.shape} for {seq} video "
-                                 f"tokens; give [batch, {seq}] (one per patch, in frame, row, column order)")
-            return jnp.broadcast_to(t, (batch, seq))
-        return jnp.broadcast_to(t, (batch,))
-
     def _head(self, x, temb, grid, dtype):
         """Modulated ``norm_out``, ``proj_out`` and unpatchify: tokens -> ``[b, frames, height, width, out]``."""
         shift, scale = self.scale_shift_table(temb)
@@ -261,7 +252,7 @@ class WanTransformer3DModel(PretrainedModel):
         rope = self.rotary_embedding(grid).as_arrays()  # one constant per table under jit
         x = self.patch_embedding(constrain(hidden_states, self.plan, VIDEO_AXES)).reshape(b, math.prod(grid), -1)
         x = constrain(x, self.plan, TOKENS)
-        t = self._check_timestep(timestep, b, x.shape[1])
+        t = nn.token_timesteps(timestep, b, x.shape[1], who="WanTransformer3DModel", tokens="video tokens")
         temb, proj = self.condition_embedder.time(t, dtype)
         proj = proj.reshape(*proj.shape[:-1], 6, -1)
         context = image = None

@@ -41,6 +41,7 @@ from ._embeddings import TextProjection as TextProjection
 from ._embeddings import TimestepEmbedding as TimestepEmbedding
 from ._embeddings import timestep_embedding as timestep_embedding
 from ._embeddings import timestep_frequencies as timestep_frequencies
+from ._embeddings import token_timesteps as token_timesteps
 from ._feedforward import FEEDFORWARD_ACTIVATIONS as FEEDFORWARD_ACTIVATIONS
 from ._feedforward import FeedForward as FeedForward
 from ._init import build_abstract as build_abstract

@@ -397,6 +397,18 @@ def conv_weight(adapters: Adapters | None, weight: Array, perm, dtype):
     return (_f32(weight) + dw).astype(dtype), db
 
 
+def adapted_conv(x: Array, weight: Array, bias: Array | None, adapters: Adapters | None, perm, **conv) -> Array:
+    """``jax.lax.conv_general_dilated(x, weight, **conv) + bias`` in ``x``'s dtype, run with the ``adapters``'
+    change to the weight and then their change to the bias added (:func:`conv_weight`): the convolution of
+    :class:`~eqxdiff.nn.Conv2d` and :class:`~eqxdiff.nn.Conv3d`."""
+    weight, bias_change = conv_weight(adapters, weight, perm, x.dtype)
+    y = jax.lax.conv_general_dilated(x, weight, **conv)
+    for b in (bias, bias_change):
+        if b is not None:
+            y = y + b.astype(x.dtype)
+    return y
+
+
 def adapted_parameters(adapters: Adapters | None, weight: Array, bias: Array | None = None, *,
                        has_bias: bool = True, owner: str = "layer") -> tuple[Array, Array | None]:
     """``(weight, bias)`` a layer that uses its parameters directly (a norm's scale and shift, a modulation table)
@@ -443,4 +455,4 @@ def adapter_size(adapter: Adapter) -> int:
 
 
 __all__ = ["Adapter", "Adapters", "DORA_MODES", "Diff", "DoRA", "LoHa", "LoKr", "LoRA", "adapted_parameters",
-           "adapter_size", "conv_weight", "describe", "zeros_like"]
+           "adapted_conv", "adapter_size", "conv_weight", "describe", "zeros_like"]

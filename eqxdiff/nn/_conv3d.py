@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
-from ._adapters import Adapters, conv_weight
+from ._adapters import Adapters, adapted_conv
 from ._init import init_uniform
 
 
@@ -55,15 +55,9 @@ class Conv3d(eqx.Module):
         if x.shape[-1] != self.weight.shape[3]:
             raise ValueError(f"Conv3d expects channels-last input [batch, frames, height, width, "
                              f"cin={self.weight.shape[3]}], got shape {x.shape}")
-        weight, bias_change = conv_weight(self.adapters, self.weight, self.TORCH_PERMUTATIONS["weight"], x.dtype)
-        y = jax.lax.conv_general_dilated(
-            x, weight, window_strides=self.stride, padding=[(p, p) for p in self.padding],
-            dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))
-        if self.bias is not None:
-            y = y + self.bias.astype(x.dtype)
-        if bias_change is not None:
-            y = y + bias_change.astype(x.dtype)
-        return y
+        return adapted_conv(x, self.weight, self.bias, self.adapters, self.TORCH_PERMUTATIONS["weight"],
+                            window_strides=self.stride, padding=[(p, p) for p in self.padding],
+                            dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))
 
 
 class CausalConv3d(eqx.Module):

@@ -40,6 +40,21 @@ def timestep_embedding(t: Float[Array, "*n"] | Int[Array, "*n"], dim: int, *, fl
     return emb
 
 
+def token_timesteps(timestep, batch: int, seq: int, *, who: str, tokens: str = "tokens") -> Array:
+    """A video transformer's ``timestep`` as ``[batch]`` (a scalar or one per sample) or ``[batch, seq]`` (one per
+    token, in frame, row, column order); ``who`` and ``tokens`` (what the ``seq`` tokens are) name them in errors."""
+    t = jnp.asarray(timestep)
+    if t.ndim == 2:
+        if t.shape[1] != seq:
+            raise ValueError(f"{who}: per-token timesteps of shape {t.shape} for {seq} {tokens}; give [batch, {seq}] "
+                             "(one per token, in frame, row, column order)")
+        return jnp.broadcast_to(t, (batch, seq))
+    if t.ndim > 1:
+        raise ValueError(f"{who}: timestep of shape {t.shape}; give a scalar, [batch] or [batch, {seq}] (one per "
+                         "token)")
+    return jnp.broadcast_to(t, (batch,))
+
+
 class TimestepEmbedding(eqx.Module):
     """``post_act(linear_2(act(linear_1(x + cond_proj(cond)))))``: diffusers' ``TimestepEmbedding``."""
 
@@ -103,4 +118,4 @@ class TextProjection(eqx.Module):
         return self.linear_2(_TEXT_PROJECTION_ACTIVATIONS[self.act_fn](self.linear_1(x)))
 
 
-__all__ = ["TextProjection", "TimestepEmbedding", "timestep_embedding", "timestep_frequencies"]
+__all__ = ["TextProjection", "TimestepEmbedding", "timestep_embedding", "timestep_frequencies", "token_timesteps"]

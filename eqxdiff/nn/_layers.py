@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
-from ._adapters import Adapters, adapted_parameters, conv_weight
+from ._adapters import Adapters, adapted_conv, adapted_parameters
 from ._init import init_normal, init_uniform
 
 
@@ -108,15 +108,9 @@ class Conv2d(eqx.Module):
             raise ValueError(f"Conv2d expects channels-last input [batch, height, width, cin={self.weight.shape[2]}], "
                              f"got shape {x.shape}")
         p = self.padding
-        weight, bias_change = conv_weight(self.adapters, self.weight, self.TORCH_PERMUTATIONS["weight"], x.dtype)
-        y = jax.lax.conv_general_dilated(
-            x, weight, window_strides=(self.stride, self.stride),
-            padding=((p, p), (p, p)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        if self.bias is not None:
-            y = y + self.bias.astype(x.dtype)
-        if bias_change is not None:
-            y = y + bias_change.astype(x.dtype)
-        return y
+        return adapted_conv(x, self.weight, self.bias, self.adapters, self.TORCH_PERMUTATIONS["weight"],
+                            window_strides=(self.stride, self.stride), padding=((p, p), (p, p)),
+                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
 class GroupNorm(eqx.Module):

@@ -21,6 +21,7 @@ from PIL import Image
 from .._typing import Array, Float
 from ..loading import CheckpointError, load, save_pretrained
 from ..models.controlnet import ControlNetModel, MultiControlNetModel
+from ._checks import InputError
 from ._components import Component
 from ._images import resize_nearest
 from ._unet import UNetDenoiser
@@ -69,6 +70,19 @@ def prepare_control_image(image, *, height: int | None = None, width: int | None
     return arr
 
 
+def per_output(images: np.ndarray, batch: int, num_images_per_prompt: int, where: str = "",
+               noun: str = "control image") -> np.ndarray:
+    """``images`` ``[n, ...]`` as one per output ``[batch, ...]``: one image for every output, or one per prompt
+    repeated ``num_images_per_prompt`` times (diffusers' ``prepare_image``). The error for another count starts with
+    ``where`` and calls the images ``noun``."""
+    if images.shape[0] == 1:
+        return np.repeat(images, batch, axis=0)
+    if images.shape[0] * num_images_per_prompt == batch:
+        return np.repeat(images, num_images_per_prompt, axis=0)
+    raise InputError(f"{where}got {images.shape[0]} {noun}s for {batch // num_images_per_prompt} prompts; pass one "
+                     f"{noun} or one per prompt")
+
+
 def control_scales(scales: Sequence[float], starts: Sequence[float], ends: Sequence[float],
                    num_steps: int) -> np.ndarray:
     """``[num_steps, nets]``: each net's ``controlnet_conditioning_scale`` at each step of the loop, zero where
@@ -112,14 +126,7 @@ class ControlInput:
         out, num_images_per_prompt = [], self.num_images_per_prompt
         for i, image in enumerate(self.images):
             arr = prepare_control_image(image, height=height, width=width, multiple=multiple)
-            if arr.shape[0] == 1:
-                arr = np.repeat(arr, batch, axis=0)
-            elif arr.shape[0] * num_images_per_prompt == batch:
-                arr = np.repeat(arr, num_images_per_prompt, axis=0)
-            else:
-                raise ValueError(f"control image {i}: {arr.shape[0]} images for {batch // num_images_per_prompt} "
-                                 "prompts; pass one image or one per prompt")
-            out.append(arr)
+            out.append(per_output(arr, batch, num_images_per_prompt, f"control image {i}: ", "image"))
         return out
 
 

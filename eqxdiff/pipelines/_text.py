@@ -6,21 +6,25 @@ prompt is cut (naming the part cut off), and also when the tokenizer reads words
 the ids against the text encoder's vocabulary (a tokenizer saved with another model fails here, not as garbage
 embeddings). :func:`tokenize` is its ids alone. :func:`zero_padding` sets the embeddings past each prompt to zero, as
 diffusers does for T5-family prompts it trims to their length and pads back to ``max_sequence_length`` (Wan's UMT5).
-The encoders themselves are each family's (CLIP skip, pooled outputs, which hidden state).
+:func:`prompt_pair` is diffusers' ``encode_prompt`` for one text encoder: prompts or given embeddings, and the
+negative ones of classifier-free guidance. The encoders themselves are each family's (CLIP skip, pooled outputs, which
+hidden state).
 """
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Bool, Float, Int, typechecked
 from ..loading import CheckpointError, token_ids
-from ._checks import InputWarning
+from ._arguments import as_list
+from ._checks import InputError, InputWarning
 
-__all__ = ["Tokens", "tokenize", "tokens", "zero_padding"]
+__all__ = ["Tokens", "prompt_pair", "tokenize", "tokens", "zero_padding"]
 
 SHOWN_PROMPT = 40  # characters of a prompt quoted in a warning
 SHOWN_TOKENS = 24  # tokens of the cut-off part decoded for a warning (then cut to SHOWN_PROMPT characters)
@@ -111,6 +115,36 @@ def check_vocabulary(ids: np.ndarray, vocab_size: int, *, tokenizer_name: str = 
 
 
 @typechecked
+def prompt_pair(encode: Callable[[Any, int], Any], given: Callable[[Any, str], Any], *, prompt, negative_prompt,
+                prompt_embeds, negative_prompt_embeds, guided: bool, max_sequence_length: int,
+                shape: Callable[[Any], tuple[int, ...]]) -> tuple[Any, Any | None]:
+    """``(positive, negative)`` embeddings of one text encoder, the negative only when ``guided``, as diffusers'
+    ``encode_prompt`` makes them: ``encode(prompts, length)`` of ``prompt`` at ``max_sequence_length`` or
+    ``given(prompt_embeds, "prompt_embeds")`` (the embeddings checked; one of the two), then
+    ``given(negative_prompt_embeds, "negative_prompt_embeds")`` or ``negative_prompt`` (default ``""`` for every
+    prompt) encoded at the positive's length. ``shape``: an embedding's array shape ``[n, seq, dim]``, the same for
+    both."""
+    if (prompt is None) == (prompt_embeds is None):
+        raise InputError("pass prompt or prompt_embeds (one of them)")
+    if prompt_embeds is None:
+        positive = encode(prompt, max_sequence_length)
+    else:
+        positive = given(prompt_embeds, "prompt_embeds")
+    if not guided:
+        return positive, None
+    if negative_prompt_embeds is not None:
+        if negative_prompt is not None:
+            raise InputError("pass negative_prompt or negative_prompt_embeds, not both")
+        negative = given(negative_prompt_embeds, "negative_prompt_embeds")
+    else:
+        rows, length = shape(positive)[:2]
+        negative = encode(as_list("" if negative_prompt is None else negative_prompt, rows, "negative_prompt"), length)
+    if shape(negative) != shape(positive):
+        raise InputError(f"negative embeddings of shape {shape(negative)} for prompt embeddings of shape "
+                         f"{shape(positive)}: pass one negative per prompt, of the same length")
+    return positive, negative
+
+
 def zero_padding(embeds: Float[Array, "batch seq embed"],
                  mask: Int[Array | np.ndarray, "batch seq"] | Bool[Array | np.ndarray, "batch seq"]
                  ) -> Float[Array, "batch seq embed"]:

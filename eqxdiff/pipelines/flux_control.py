@@ -24,13 +24,12 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .._typing import PRNGKeyArray
 from ._arguments import resolve_key
 from ._call import checked_call
 from ._checks import CallLimits, InputError
-from ._controlnet import prepare_control_image
+from ._controlnet import per_output, prepare_control_image
 from ._latents import encode_image_latents
 from .flux import MAX_SEQUENCE_LENGTH, FluxPipeline
 
@@ -63,13 +62,7 @@ class FluxControlPipeline(FluxPipeline):
         if pixels.shape[-1] != 3:
             raise InputError(f"control_image must be RGB (3 channels, channels-last), got {pixels.shape[-1]} "
                              "channels; convert a grayscale map to RGB")
-        if pixels.shape[0] == 1:
-            pixels = np.repeat(pixels, batch, axis=0)
-        elif pixels.shape[0] * num_images_per_prompt == batch:
-            pixels = np.repeat(pixels, num_images_per_prompt, axis=0)
-        else:
-            raise InputError(f"got {pixels.shape[0]} control images for {batch // num_images_per_prompt} prompts; "
-                             "pass one control image or one per prompt")
+        pixels = per_output(pixels, batch, num_images_per_prompt)
         f = self.vae_scale_factor
         noise = jax.random.normal(key, (batch, height // f, width // f, self.vae.config.latent_channels))
         return encode_image_latents(self.vae, jnp.asarray(pixels * 2.0 - 1.0), noise, tiled=self.vae_tiling)

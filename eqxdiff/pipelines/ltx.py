@@ -48,14 +48,14 @@ from .._typing import Array, Float, Int, PRNGKeyArray
 from ..core import program
 from ..models.ltx import LTXVideoTransformer3DModel, pack_latents, unpack_latents
 from ..schedulers import to_device
-from ._arguments import as_list, given_array, prompt_list, resolve_key
+from ._arguments import given_array, prompt_list, resolve_key
 from ._call import checked_call
 from ._checks import CallLimits, InputError, pixel_size
 from ._components import Component
 from ._denoise import Denoiser, Guidance, plan_schedule
 from ._images import to_model_range
 from ._latents import LatentPipeline, noise_draws
-from ._text import tokens
+from ._text import prompt_pair, tokens
 
 __all__ = ["DEFAULT_FRAME_RATE", "MAX_SEQUENCE_LENGTH", "LTXDenoiser", "LTXPipeline", "PromptEmbeds",
            "check_frame_rate", "coords_rope", "decode_keys", "decode_options", "decode_video", "grid_rope",
@@ -276,26 +276,14 @@ class LTXPipeline(LatentPipeline):
                           prompt_attention_mask=None, negative_prompt_embeds=None,
                           negative_prompt_attention_mask=None, max_sequence_length: int = MAX_SEQUENCE_LENGTH
                           ) -> tuple[PromptEmbeds, PromptEmbeds | None]:
-        """``(positive, negative)`` embeddings with their masks, the negative only when ``guided`` (diffusers'
-        ``encode_prompt``: the negative prompt defaults to ``""`` for every prompt)."""
-        if (prompt is None) == (prompt_embeds is None):
-            raise InputError("pass prompt or prompt_embeds (one of them)")
-        positive = (self.encode_prompt(prompt, max_sequence_length=max_sequence_length) if prompt_embeds is None
-                    else self._given(prompt_embeds, prompt_attention_mask, "prompt_embeds"))
-        if not guided:
-            return positive, None
-        if negative_prompt_embeds is not None:
-            if negative_prompt is not None:
-                raise InputError("pass negative_prompt or negative_prompt_embeds, not both")
-            negative = self._given(negative_prompt_embeds, negative_prompt_attention_mask, "negative_prompt_embeds")
-        else:
-            negatives = as_list("" if negative_prompt is None else negative_prompt, positive.embeds.shape[0],
-                                "negative_prompt")
-            negative = self.encode_prompt(negatives, max_sequence_length=positive.embeds.shape[1])
-        if negative.embeds.shape != positive.embeds.shape:
-            raise InputError(f"negative embeddings of shape {negative.embeds.shape} for prompt embeddings of shape "
-                             f"{positive.embeds.shape}: pass one negative per prompt, of the same length")
-        return positive, negative
+        """``(positive, negative)`` embeddings with their masks, the negative only when ``guided``
+        (:func:`~eqxdiff.pipelines._text.prompt_pair`)."""
+        masks = {"prompt_embeds": prompt_attention_mask, "negative_prompt_embeds": negative_prompt_attention_mask}
+        return prompt_pair(lambda prompts, length: self.encode_prompt(prompts, max_sequence_length=length),
+                           lambda embeds, name: self._given(embeds, masks[name], name), prompt=prompt,
+                           negative_prompt=negative_prompt, prompt_embeds=prompt_embeds,
+                           negative_prompt_embeds=negative_prompt_embeds, guided=guided,
+                           max_sequence_length=max_sequence_length, shape=lambda e: e.embeds.shape)
 
     def prompts(self, num_videos_per_prompt: int, **text) -> tuple[PromptEmbeds, PromptEmbeds | None]:
         """:meth:`text_conditioning` with every row repeated for its videos, timed as ``encode``."""

@@ -54,14 +54,14 @@ from ..loading import formats
 from ..loading.single_file import Layout
 from ..models.wan import WanTransformer3DModel
 from ..parallel import shard_params
-from ._arguments import as_list, given_array, prompt_list, resolve_key
+from ._arguments import given_array, prompt_list, resolve_key
 from ._call import checked_call
 from ._checks import CallLimits, InputError
 from ._components import Component
 from ._denoise import Denoiser, Guidance, denoise_loop, plan_schedule
 from ._latents import LatentPipeline, noise_draws
 from ._progress import progress_bar
-from ._text import tokens, zero_padding
+from ._text import prompt_pair, tokens, zero_padding
 
 try:  # diffusers cleans prompts with ftfy when it is installed: so do we, to read the same prompts
     import ftfy
@@ -294,28 +294,19 @@ class WanPipeline(LatentPipeline):
     def text_conditioning(self, prompt=None, negative_prompt=None, *, guided: bool, prompt_embeds=None,
                           negative_prompt_embeds=None, max_sequence_length: int = MAX_SEQUENCE_LENGTH
                           ) -> tuple[Array, Array | None]:
-        """``(positive, negative)`` embeddings, the negative only when ``guided`` (diffusers' ``encode_prompt``:
-        the negative prompt defaults to ``""`` for every prompt)."""
-        if (prompt is None) == (prompt_embeds is None):
-            raise InputError("pass prompt or prompt_embeds (one of them)")
-        if prompt_embeds is None:
-            positive = self.encode_prompt(prompt, max_sequence_length=max_sequence_length)
-        else:
-            positive = self._given(prompt_embeds, "prompt_embeds")
-        if not guided:
-            return positive, None
-        n = positive.shape[0]
-        if negative_prompt_embeds is not None:
-            if negative_prompt is not None:
-                raise InputError("pass negative_prompt or negative_prompt_embeds, not both")
-            negative = self._given(negative_prompt_embeds, "negative_prompt_embeds")
-        else:
-            negatives = as_list("" if negative_prompt is None else negative_prompt, n, "negative_prompt")
-            negative = self.encode_prompt(negatives, max_sequence_length=positive.shape[1])
-        if negative.shape != positive.shape:
-            raise InputError(f"negative embeddings of shape {negative.shape} for prompt embeddings of shape "
-                             f"{positive.shape}: pass one negative per prompt, of the same length")
-        return positive, negative
+        """``(positive, negative)`` embeddings, the negative only when ``guided``
+        (:func:`~eqxdiff.pipelines._text.prompt_pair`)."""
+        return prompt_pair(lambda prompts, length: self.encode_prompt(prompts, max_sequence_length=length),
+                           self._given, prompt=prompt, negative_prompt=negative_prompt, prompt_embeds=prompt_embeds,
+                           negative_prompt_embeds=negative_prompt_embeds, guided=guided,
+                           max_sequence_length=max_sequence_length, shape=jnp.shape)
+
+    def prompts(self, num_videos_per_prompt: int, *text, **options) -> tuple[Array, Array | None]:
+        """:meth:`text_conditioning` with every row repeated for its videos, timed as ``encode``."""
+        with self.timed("encode"):
+            positive, negative = self.text_conditioning(*text, **options)
+            return jnp.repeat(positive, num_videos_per_prompt, axis=0), None if negative is None else jnp.repeat(
+                negative, num_videos_per_prompt, axis=0)
 
     # -- generation ------------------------------------------------------------------------------------------------
 
@@ -427,12 +418,9 @@ class WanPipeline(LatentPipeline):
             progress: Show a progress bar.
         """
         key = resolve_key(seed, key)
-        with self.timed("encode"):
-            positive, negative = self.text_conditioning(
-                prompt, negative_prompt, guided=guidance_scale > 1, prompt_embeds=prompt_embeds,
-                negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=max_sequence_length)
-            positive, negative = (None if e is None else jnp.repeat(e, num_videos_per_prompt, axis=0)
-                                  for e in (positive, negative))
+        positive, negative = self.prompts(
+            num_videos_per_prompt, prompt, negative_prompt, guided=guidance_scale > 1, prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=max_sequence_length)
         height, width = height or DEFAULT_SIZE[0], width or DEFAULT_SIZE[1]
         shape = self.video_latents_shape(positive.shape[0], num_frames, height, width, self.latent_channels)
         return self.generate(positive, negative, shape=shape, num_inference_steps=num_inference_steps,

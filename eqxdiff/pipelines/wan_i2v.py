@@ -207,12 +207,10 @@ class WanImageToVideoPipeline(WanPipeline):
         if height is None or width is None:
             raise InputError("image must be a picture: uint8 [H, W, 3] or [1, H, W, 3], floats in [0, 1], or a PIL "
                              "image")
-        with self.timed("encode"):
-            positive, negative = self.text_conditioning(
-                prompt, negative_prompt, guided=guidance_scale > 1, prompt_embeds=prompt_embeds,
-                negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=max_sequence_length)
-            positive, negative = (None if e is None else jnp.repeat(e, num_videos_per_prompt, axis=0)
-                                  for e in (positive, negative))
+        positive, negative = self.prompts(
+            num_videos_per_prompt, prompt, negative_prompt, guided=guidance_scale > 1, prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=max_sequence_length)
+        with self.timed("encode_image"):
             n = positive.shape[0]
             tokens = self._image_tokens(image, last_image, image_embeds, n)
             shape = self.video_latents_shape(n, num_frames, height, width, self.latent_channels)

@@ -19,7 +19,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from .._typing import Array, Float, Int, Shaped, typechecked
+from .._typing import Array, Float, Int, PRNGKeyArray, Shaped, typechecked
 from ._base import BOOLS, AbstractScheduler, AbstractSchedulerState, SchedulerConfig, per_sample
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
@@ -296,3 +296,15 @@ class AbstractBetaScheduler(AbstractScheduler):
         diffusers' pipelines do with ``add_noise(original, noise, timesteps[t_start * order])``."""
         acp = jnp.asarray(self.alphas_cumprod)[self.current_timestep(state)]
         return (jnp.sqrt(acp) * original + jnp.sqrt(1 - acp) * noise).astype(original.dtype)
+
+
+class AbstractLearnedVarianceScheduler(AbstractBetaScheduler):
+    """A beta scheduler whose model may also predict its variance: :meth:`step` takes a model output with twice the
+    sample's channels (the variance in the second half, which ``update`` reads or drops)."""
+
+    @typechecked
+    def step(self, state: AbstractSchedulerState, model_output: Float[Array, "..."], sample: Float[Array, "*dims"],
+             *, key: PRNGKeyArray | None = None,
+             noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], AbstractSchedulerState]:
+        """As :meth:`AbstractScheduler.step`; a learned-variance model output has twice the sample's channels."""
+        return self._step(state, model_output, sample, key, noise)

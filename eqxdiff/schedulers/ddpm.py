@@ -8,7 +8,6 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ._base import (
     check_num_steps,
     counters,
@@ -19,7 +18,7 @@ from ._base import (
     to_device,
 )
 from ._beta import (
-    AbstractBetaScheduler,
+    AbstractLearnedVarianceScheduler,
     AlphaProdState,
     ClipSampleConfig,
     check_train_indices,
@@ -43,7 +42,7 @@ class DDPMConfig(ClipSampleConfig):
 DDPMState = AlphaProdState  # the same state as DDIM's
 
 
-class DDPMScheduler(AbstractBetaScheduler):
+class DDPMScheduler(AbstractLearnedVarianceScheduler):
     """DDPM. With ``variance_type`` ``"learned"`` / ``"learned_range"`` the model output carries the predicted
     variance in the second half of its channels (the last axis). ``init(timesteps=[...])`` takes a custom
     descending schedule (each step goes to the next listed timestep, the last to the clean sample)."""
@@ -70,13 +69,6 @@ class DDPMScheduler(AbstractBetaScheduler):
         begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
         return DDPMState(timesteps=to_device(timesteps, np.int32), alpha_prod=to_device(acp[timesteps]),
                          alpha_prod_prev=to_device(alpha_prev), **counters(len(timesteps), begin))
-
-    @typechecked
-    def step(self, state: DDPMState, model_output: Float[Array, "..."], sample: Float[Array, "*dims"], *,
-             key: PRNGKeyArray | None = None,
-             noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], DDPMState]:
-        """As :meth:`AbstractScheduler.step`; a learned-variance model output has twice the sample's channels."""
-        return self._step(state, model_output, sample, key, noise)
 
     def update(self, state: DDPMState, out, x, *, key=None, noise=None):
         cfg = self.config

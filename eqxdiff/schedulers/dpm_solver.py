@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
+from .._typing import Array, Float, Int, typechecked
 from ._base import (
     BOOLS,
     AbstractSchedulerState,
@@ -22,7 +22,7 @@ from ._base import (
     to_device,
 )
 from ._beta import (
-    AbstractBetaScheduler,
+    AbstractLearnedVarianceScheduler,
     SigmaSpacingConfig,
     check_train_indices,
     sigma_to_t,
@@ -83,7 +83,7 @@ def _lambda(alpha, sigma):
     return jnp.log(alpha) - jnp.log(sigma)
 
 
-class DPMSolverMultistepScheduler(AbstractBetaScheduler):
+class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
     CONFIG: ClassVar[type[DPMSolverConfig]] = DPMSolverConfig
     config: DPMSolverConfig = eqx.field(static=True, default=DPMSolverConfig())
     TERMINAL_FLOOR: ClassVar[bool] = True
@@ -179,13 +179,6 @@ class DPMSolverMultistepScheduler(AbstractBetaScheduler):
         if self.config.solver_type == "midpoint":
             return first - 0.5 * (alpha_t * (jnp.exp(-h) - 1.0)) * d1
         return first + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1
-
-    @typechecked
-    def step(self, state: DPMSolverState, model_output: Float[Array, "..."], sample: Float[Array, "*dims"], *,
-             key: PRNGKeyArray | None = None,
-             noise: Float[Array, "*dims"] | None = None) -> tuple[Float[Array, "*dims"], DPMSolverState]:
-        """As :meth:`AbstractScheduler.step`; a learned-variance model output has twice the sample's channels."""
-        return self._step(state, model_output, sample, key, noise)
 
     def update(self, state: DPMSolverState, out, x, *, key=None, noise=None):
         cfg = self.config
