@@ -243,7 +243,7 @@ def test_samples_call_the_pipeline_with_the_options_as_trained(folders, single_d
 
     def pipeline(self, tokenizers, scheduler, **kwargs):
         assert tokenizers is setup.tokenizers and scheduler == "the scheduler"
-        return lambda prompts, **call: calls.append((prompts, call))
+        return lambda prompt, **call: calls.append((prompt, call))
 
     monkeypatch.setattr(FluxFlowMatching, "pipeline", pipeline)
     config = _config(root, sample_prompts=("a red fox",), sample_steps=3, sample_guidance_scale=2.0)

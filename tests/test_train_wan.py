@@ -528,6 +528,80 @@ def test_eqxdiff_train_checks_the_family_options_against_a_ti2v_folder_before_lo
         train_cli.validate([*argv, "--family.expert", "high"])
 
 
+def test_a_ti2v_run_samples_image_to_video_from_the_first_frame_of_its_first_clip(folders, ti2v, tmp_path,
+                                                                                   monkeypatch):
+    """A TI2V run's sampler with ``first_frame_probability`` 1 draws its samples with ``WanImageToVideoPipeline``
+    (the text-to-video pipeline not at all), from the first frame of the dataset's first clip as the run reads it
+    (the stream's pixels at the run's size, the frame ``frames.start`` picks: closer to it than to any other of the
+    clip's frames); the videos are logged as an MP4 of every frame and a PNG. (The sampler as ``run`` builds it, on
+    the loaded weights: a training step would add a compile and nothing to what is checked.)"""
+    import functools
+    import types
+
+    from eqxdiff.pipelines import read_video
+    from eqxdiff.pipelines.wan import WanPipeline
+    from eqxdiff.pipelines.wan_i2v import WanImageToVideoPipeline
+    from eqxdiff.train import _run as run_module
+    from eqxdiff.train._metrics import MetricsLogger
+
+    (root, _), (folder, _) = folders, ti2v
+    calls = []
+    for cls in (WanPipeline, WanImageToVideoPipeline):
+        def spy(self, *args, real=cls.__call__, **kwargs):
+            calls.append((type(self).__name__, kwargs))
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "__call__", functools.wraps(cls.__call__)(spy))
+    frames = FrameSampling(count=5, start=2)
+    config = TrainConfig(model=str(folder), data=str(root / "clips"), frames=frames, resolution=32, batch_size=1,
+                         random_flip=False, family=WanOptions(max_sequence_length=TEXT_LENGTH,
+                                                              first_frame_probability=1.0),
+                         sample_prompts=("a red cat",), sample_steps=2, sample_guidance_scale=2.0)
+    setup, source = build(config), open_source(config)[1]
+    state = types.SimpleNamespace(model=lambda frozen, use_ema: setup.model)
+    videos = run_module._sampler(config, setup, setup.scheduler, None, {}, source)(state)
+    assert [name for name, _ in calls] == ["WanImageToVideoPipeline"] and videos.shape == (1, 5, 32, 32, 3)
+    image = calls[0][1]["image"]
+    clip = next(iter(setup.stream(config, source, shuffle=False)))["pixel_values"][0]  # [5, 32, 32, 3] in [-1, 1]
+    assert image.shape == (32, 32, 3)
+    np.testing.assert_allclose(image, (clip[0] + 1) / 2, atol=1e-6)
+    distances = [np.abs(image - (frame + 1) / 2).mean() for frame in clip]
+    assert np.argmin(distances) == 0 and min(distances[1:]) > 0.01  # the clip's frames differ: the first one it is
+    assert calls[0][1]["prompt"] == ["a red cat"] and calls[0][1]["num_frames"] == 5
+
+    MetricsLogger(tmp_path, total_steps=1, tensorboard=False, progress=False).images(1, "samples", videos)
+    written = read_video(tmp_path / "samples" / "samples_0000001.mp4")
+    assert written.shape == (5, 34, 34, 3)  # the grid of one video: 32 pixels and a pad of 1 on each side
+    means = written[:, 1:-1, 1:-1].mean(axis=(1, 2)), videos[0].mean(axis=(1, 2))  # each frame's colour, [5, 3]
+    assert np.abs(means[0] - means[1]).max() < 8  # as sampled, give or take H.264 (which smooths the random detail)
+    assert (tmp_path / "samples" / "samples_0000001.png").is_file()
+
+
+def test_ti2v_samples_show_the_tasks_the_run_trains(ti2v, capsys):
+    """``sample_calls``: text-to-video alone at probability 0 (the data not read), both tasks in between (the
+    image-to-video one from the example's first frame, in [0, 1]), image-to-video alone at 1; an example without
+    pixels gives text-to-video samples and a log line saying why."""
+    _, setup = ti2v
+    rng = np.random.default_rng(0)
+    pixels = rng.uniform(-1, 1, (1, 5, 32, 32, 3)).astype(np.float32)
+
+    def bundle(p):
+        return dataclasses.replace(setup.model, options=WanOptions(max_sequence_length=TEXT_LENGTH,
+                                                                   first_frame_probability=p))
+
+    def unread():
+        raise AssertionError("the data is read for text-to-video samples")
+
+    assert bundle(0.0).sample_calls(unread) == (("WanPipeline", {}),)
+    t2v, i2v = bundle(0.5).sample_calls(lambda: {"pixel_values": pixels, "input_ids": np.zeros((1, 4), np.int32)})
+    assert t2v == ("WanPipeline", {}) and i2v.pipeline == "WanImageToVideoPipeline"
+    np.testing.assert_allclose(i2v.inputs["image"], (pixels[0, 0] + 1) / 2, atol=1e-6)
+    (only,) = bundle(1.0).sample_calls(lambda: {"pixel_values": pixels})
+    assert only.pipeline == "WanImageToVideoPipeline"
+    assert bundle(1.0).sample_calls(lambda: {"latent_mean": pixels}) == (("WanPipeline", {}),)
+    assert "samples are text-to-video only, though first_frame_probability=1.0 trains" in capsys.readouterr().out
+
+
 def test_a_non_square_size_trains_and_a_bad_one_is_refused(folders, tmp_path):
     """``resolution=(height, width)``: the clips' batches are ``[b, frames, 16, 32, 3]``, a step trains on them (one
     expert, one device) and the samples take that size; a size that is not one or two sides >= 1, and non-square

@@ -17,6 +17,9 @@ encoders, its VAE and the token ids of the empty prompt, and saying
   ``NOISE_SCHEDULER`` on the folder's config); :meth:`~TrainModel.training_inputs` (default: the identity) may
   turn the noisy latents and timesteps into what ``denoise`` takes and mask the loss (Wan 2.2 TI2V's clean first
   frame).
+- :meth:`~TrainModel.sample_calls`: the pipeline calls that draw a run's samples (default: its ``PIPELINE`` on the
+  sample prompts alone); a family whose training conditions on data beside the text (Wan 2.2 TI2V's first frame)
+  samples that task too, from the dataset's first example.
 
 :meth:`~TrainModel.from_pipeline` (the bundle, its tokenizers and noise scheduler from a loaded pipeline) is shared
 too: it reads the components the declarations name. Everything else (the loss, caption dropout, latents from pixels
@@ -25,7 +28,7 @@ bundle file and one line in ``eqxdiff/train/_families.py``.
 """
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
@@ -58,6 +61,15 @@ class TextInput(NamedTuple):
     tokenizer: str
     encoder: str
     length: str | None = None
+
+
+class SampleCall(NamedTuple):
+    """One set of a run's samples (:meth:`TrainModel.sample_calls`): the pipeline class drawing them (its
+    ``model_index.json`` ``_class_name``, built on the bundle's components) and the call's inputs beside the prompts
+    and the shared sampling arguments (an ``image``: ``{"image": uint8 or [0, 1] floats [H, W, 3]}``)."""
+
+    pipeline: str
+    inputs: Mapping[str, Any] = {}
 
 
 class NullCondition(eqx.Module):
@@ -153,6 +165,14 @@ class TrainModel(eqx.Module):
         """``ValueError`` where ``options`` (the run's ``--family.*``) ask for what a pipeline folder cannot train,
         read from its ``model_index.json`` (``model_index``: its components and pipeline settings) before anything is
         loaded; :meth:`from_pipeline`'s bundle checks the same on the loaded pipeline. Default: nothing to check."""
+
+    def sample_calls(self, example: Callable[[], Mapping[str, Any]]) -> tuple[SampleCall, ...]:
+        """The pipeline calls that draw a run's samples, each on every sample prompt, their outputs logged in this
+        order along the batch axis. ``example()`` reads the dataset's first training example (a batch of 1, as the
+        data gives it: ``pixel_values`` ``[1, (F,) H, W, 3]`` in [-1, 1] and the token ids) for a family whose samples
+        take an input from the data; it is read only when called. Default: the family's ``PIPELINE`` on the prompts
+        alone (text-to-image, text-to-video); Wan 2.2 TI2V adds image-to-video from the example's first frame."""
+        return (SampleCall(self.PIPELINE),)
 
     @classmethod
     def sample_size(cls, config) -> dict[str, Any]:
@@ -266,18 +286,21 @@ class TrainModel(eqx.Module):
     # -- as a pipeline -----------------------------------------------------------------------------------------
 
     @classmethod
-    def pipeline_class(cls) -> type[DiffusionPipeline]:
-        found = resolve_class(cls.PIPELINE)
+    def pipeline_class(cls, name: str | None = None) -> type[DiffusionPipeline]:
+        """The pipeline class named ``name`` (default ``PIPELINE``, the one exported)."""
+        name = cls.PIPELINE if name is None else name
+        found = resolve_class(name)
         if found is None:
-            raise TypeError(f"{cls.__name__} exports a {cls.PIPELINE}, which eqxdiff does not serve yet")
+            raise TypeError(f"{cls.__name__} uses a {name}, which eqxdiff does not serve yet")
         return found
 
     def pipeline(self, tokenizers: Mapping[str, Any], scheduler, *, options: Mapping[str, Any] | None = None,
-                 **kwargs) -> DiffusionPipeline:
+                 class_name: str | None = None, **kwargs) -> DiffusionPipeline:
         """The family's pipeline of this bundle's models, ``tokenizers`` (by component name) and ``scheduler``
-        (to sample from, or to save with :func:`eqxdiff.pipelines.save_pipeline`); ``kwargs`` go to the
-        pipeline (``offload_encoders``, ``mesh`` ...)."""
-        cls = self.pipeline_class()
+        (to sample from, or to save with :func:`eqxdiff.pipelines.save_pipeline`): ``PIPELINE``, or the pipeline
+        class ``class_name`` on the same components (a sample call's: :meth:`sample_calls`; components the bundle
+        does not hold are ``None``); ``kwargs`` go to the pipeline (``offload_encoders``, ``mesh`` ...)."""
+        cls = self.pipeline_class(class_name)
         components = {}
         for c in cls.COMPONENTS:
             if c.kind == "tokenizer":

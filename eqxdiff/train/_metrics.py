@@ -6,6 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..pipelines import write_video
+
+FILMSTRIP_FRAMES = 8  # frames of each sample video in its PNG and TensorBoard image
+
 
 def log_line(message: str) -> None:
     """A run's console line, with the time: ``[12:34:56] message``."""
@@ -66,14 +70,23 @@ class MetricsLogger:
         self.last = int(step)
 
     def images(self, step: int, tag: str, images: np.ndarray) -> None:
-        """uint8 ``[n, h, w, 3]`` samples: a PNG grid under ``samples/`` and an image batch in TensorBoard."""
+        """uint8 samples under ``samples/``: images ``[n, h, w, 3]`` as a PNG grid, also in TensorBoard; videos ``[n,
+        frames, h, w, 3]`` as an MP4 of each frame's grid, and a PNG (also in TensorBoard) of up to 8 evenly spaced
+        frames of each video, one video a row."""
         if self.folder is None:
             return
         from PIL import Image
 
-        grid = image_grid(images)
-        (self.folder / "samples").mkdir(exist_ok=True)
-        Image.fromarray(grid).save(self.folder / "samples" / f"{tag}_{int(step):07d}.png")
+        images = np.asarray(images)
+        folder, name = self.folder / "samples", f"{tag}_{int(step):07d}"
+        folder.mkdir(exist_ok=True)
+        if images.ndim == 5:
+            write_video(np.stack([image_grid(images[:, f]) for f in range(images.shape[1])]), folder / f"{name}.mp4")
+            picks = np.unique(np.linspace(0, images.shape[1] - 1, min(images.shape[1], FILMSTRIP_FRAMES)).round())
+            grid = image_grid(images[:, picks.astype(int)].reshape(-1, *images.shape[2:]), columns=len(picks))
+        else:
+            grid = image_grid(images)
+        Image.fromarray(grid).save(folder / f"{name}.png")
         if self.writer is not None:
             self.writer.add_image(f"samples/{tag}", grid, int(step), dataformats="HWC")
 

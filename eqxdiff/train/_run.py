@@ -5,7 +5,8 @@ trains, through its :class:`~eqxdiff.train.TrainModel` bundle and the run's fami
 digits architecture with its autoencoder stage: :mod:`._setup`), optional caching of latents and text embeddings
 (in memory, or for a stream to memory-mapped files), the train loop with metrics, checkpoints and samples, and the
 export of the trained pipeline in the diffusers format. Nothing here names a family: the bundle says what trains,
-how text is encoded, what the denoiser is called with and what its pipeline's call takes as trained; the noise
+how text is encoded, what the denoiser is called with, what its pipeline's call takes as trained and which pipeline
+calls draw the samples (:meth:`~eqxdiff.train.TrainModel.sample_calls`, given the dataset's first example); the noise
 scheduler says which objective (DDPM or flow matching).
 """
 
@@ -13,9 +14,12 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
+import grain
 import jax
+import numpy as np
 
 from ..data import ArrayBatches
 from ..parallel import Plan, Remat, batch_shards, make_mesh, shard_params, with_plan
@@ -75,7 +79,7 @@ def run(config: TrainConfig):
     (out / "config.json").write_text(json.dumps(settings, indent=2))  # only once the run is known to fit
     logger = MetricsLogger(out, total_steps=config.steps, start_step=int(state.step), progress=config.progress)
     scheduler = sample_scheduler(config, setup)
-    sample_fn = _sampler(config, setup, scheduler, frozen, encoders) if config.sample_prompts else None
+    sample_fn = _sampler(config, setup, scheduler, frozen, encoders, source) if config.sample_prompts else None
     objective = config.objective
     if objective.prediction_type is None:
         default = getattr(setup.noise_scheduler.config, "prediction_type", None)  # flow matching: the velocity
@@ -220,17 +224,38 @@ def _cache_fingerprint(config: TrainConfig, model: TrainModel) -> dict:
             "process": jax.process_index()}
 
 
-def _sampler(config: TrainConfig, setup: Setup, scheduler, frozen, encoders):
-    """``sample(state)``: uint8 images of ``sample_prompts`` from the trained weights (their EMA), through the
-    family's pipeline (text encoders put on the devices only while they encode), called with the options it
-    takes as trained (:meth:`~eqxdiff.train.TrainModel.call_options`), at the family's sample size (videos: as
-    the clips trained)."""
+def _sampler(config: TrainConfig, setup: Setup, scheduler, frozen, encoders, source=None):
+    """``sample(state)``: uint8 images (videos) of ``sample_prompts`` from the trained weights (their EMA), drawn by
+    the pipeline calls the family asks for (:meth:`~eqxdiff.train.TrainModel.sample_calls`, decided here, before
+    training: its pipeline on the prompts by default; Wan 2.2 TI2V's image-to-video pipeline too, on the first frame
+    of the dataset's first clip, ``source``'s: :func:`first_example`), each call's outputs after the previous one's
+    along the batch axis. Text encoders are put on the devices only while they encode; each call takes the options
+    the pipeline takes as trained (:meth:`~eqxdiff.train.TrainModel.call_options`) and the family's sample size
+    (videos: as the clips trained)."""
+    calls = setup.model.sample_calls(lambda: first_example(config, setup, source))
 
     def sample(state):
         model = state.model(frozen, use_ema=True).with_text_encoders(encoders)
-        pipe = model.pipeline(setup.tokenizers, scheduler, options=setup.options, offload_encoders=bool(encoders))
-        return pipe(list(config.sample_prompts), num_inference_steps=config.sample_steps,
-                    guidance_scale=config.sample_guidance_scale, seed=0, progress=False, **model.call_options(),
-                    **model.sample_size(config))
+        outputs = []
+        for call in calls:
+            pipe = model.pipeline(setup.tokenizers, scheduler, options=setup.options, offload_encoders=bool(encoders),
+                                  class_name=call.pipeline)
+            outputs.append(pipe(prompt=list(config.sample_prompts), **call.inputs,
+                                num_inference_steps=config.sample_steps, guidance_scale=config.sample_guidance_scale,
+                                seed=0, progress=False, **model.call_options(), **model.sample_size(config)))
+        return outputs[0] if len(outputs) == 1 else np.concatenate([np.asarray(o) for o in outputs])
 
     return sample
+
+
+def first_example(config: TrainConfig, setup: Setup, source=None) -> dict[str, np.ndarray]:
+    """The dataset's first training example as a batch of 1, as the run's data gives it before any cache (pixels at
+    the run's size and frames, token ids), the same on every host: ``source``'s first record (``None``: the one
+    ``config`` selects) through the run's preprocessing, unshuffled."""
+    if source is None:
+        source = open_source(config, setup.text_tokenizers)[1]
+    if isinstance(source, Mapping):  # the digits, in memory
+        return {k: np.asarray(v[:1]) for k, v in source.items()}
+    one = setup.stream(dataclasses.replace(config, batch_size=1), source, shuffle=False, num_epochs=1,
+                       drop_remainder=False, shard_options=grain.sharding.NoSharding())
+    return {k: np.asarray(v) for k, v in next(iter(one)).items()}

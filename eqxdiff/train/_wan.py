@@ -32,6 +32,15 @@ latents, a posterior sample where the pipeline takes the mode), its tokens get t
 sample's, and the loss leaves that frame out (the mean over the other frames); the other samples train as
 text-to-video (every token at the sample's timestep, the same as one per sample). Folders without
 ``expand_timesteps`` train text-to-video only.
+
+**Samples** drawn during a run (``sample_prompts``) show the tasks it trains (:meth:`WanFlowMatching.sample_calls`),
+as a validation set with images does in finetrainers' I2V training (diffusers' own scripts train no Wan): text-to-video
+(``WanPipeline``) when some samples train without the first frame, image-to-video (``WanImageToVideoPipeline``, which
+serves TI2V-5B folders) when some train with it, so the default 0.5 draws both (text-to-video first, then
+image-to-video, each on every prompt) and 1.0 image-to-video only. Every image-to-video sample starts from one frame:
+the first frame of the dataset's first clip (its first record, unshuffled, through the run's size and frame
+sampling), so samples at successive steps compare. An example without pixels (cached latents only) gives
+text-to-video samples only, with a log line saying why.
 """
 
 import dataclasses
@@ -48,7 +57,8 @@ from ..loading import token_ids
 from ..pipelines.wan import clean_prompt, model_input, token_mask, umt5_embeddings
 from ..schedulers import FlowMatchEulerDiscreteScheduler
 from ._checks import check_choice
-from ._family import FamilyOptions, NullCondition, TextInput, TrainModel
+from ._family import FamilyOptions, NullCondition, SampleCall, TextInput, TrainModel
+from ._metrics import log_line
 
 EXPERTS = ("both", "high", "low")
 
@@ -67,7 +77,9 @@ class WanOptions(FamilyOptions):
     """Wan 2.2 TI2V-5B (a folder with ``expand_timesteps``): the fraction of samples trained image-to-video, their
     first latent frame clean at timestep 0 and left out of the loss (the rest train text-to-video). None: 0.5 for such
     a folder (TI2V-5B is one model for both tasks: half of each keeps both, as its own T2V + I2V training does), 0
-    for any other; 0: text-to-video only. A folder without ``expand_timesteps`` takes only 0 (or None)."""
+    for any other; 0: text-to-video only. A folder without ``expand_timesteps`` takes only 0 (or None). The run's
+    samples show the tasks it trains: text-to-video below 1, image-to-video (from the first frame of the dataset's
+    first clip) above 0; both in between."""
 
     def __post_init__(self):
         check_choice("expert", self.expert, EXPERTS)
@@ -178,6 +190,25 @@ class WanFlowMatching(TrainModel):
                 "token_mask": token_mask(frame_mask, self.transformer.config.patch_size)}
         x, per_token = model_input(noisy, t[:, None], cond)
         return x, per_token, keep
+
+    def sample_calls(self, example):
+        """The tasks the run trains (see the module docstring): ``WanPipeline`` unless every sample trains
+        image-to-video, and ``WanImageToVideoPipeline`` when some do, its ``image`` the first frame of ``example()``
+        (the clip's first frame as trained, floats in [0, 1]). ``example()`` is read only then; without
+        ``pixel_values`` the samples are text-to-video, and a log line says so."""
+        p = self.first_frame_probability
+        text = SampleCall(self.PIPELINE)
+        if p == 0:
+            return (text,)
+        pixels = example().get("pixel_values")
+        if pixels is None:
+            log_line(f"note: samples are text-to-video only, though first_frame_probability={p} trains image-to-video: "
+                     "the data's first example has no pixels (cached latents) to take a first frame from")
+            return (text,)
+        first = np.asarray(pixels[0, 0] if np.ndim(pixels) == 5 else pixels[0], np.float32)  # [H, W, 3] in [-1, 1]
+        image = np.clip((first + 1.0) / 2.0, 0.0, 1.0)
+        video = SampleCall("WanImageToVideoPipeline", {"image": image})
+        return (video,) if p == 1 else (text, video)
 
     @classmethod
     def sample_size(cls, config) -> dict[str, Any]:
