@@ -26,7 +26,7 @@ from pathlib import Path
 
 import tyro._errors
 
-from ..core import compilation_cache
+from ..core import compilation_cache, not_a_folder
 from ..pipelines import InputError, NonFiniteError
 
 DEBUG_FLAG = "--debug"
@@ -172,13 +172,8 @@ def check_output_folder(flag: str, path) -> None:
     minutes of loading, compiling or training, whose results would be lost when the folder cannot be made; raises
     :class:`~eqxdiff.pipelines.InputError` naming the flag and the fix."""
     given = os.fspath(path)
-    absolute = Path(os.path.abspath(Path(path).expanduser()))
-    existing = absolute
-    while not (existing.exists() or existing.is_symlink()):
-        existing = existing.parent
-    if not existing.is_dir():
-        kind = "a file" if existing.is_file() else "not a folder"
-        where = f"is {kind}" if existing == absolute else f"lies under {os.fspath(existing)!r}, which is {kind}"
+    absolute, existing, where = not_a_folder(path)
+    if where:
         raise InputError(f"{flag} {given!r} {where}; pass a folder (created if missing)")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {given!r}: no permission to write in {os.fspath(existing)!r}; pass a folder you "

@@ -48,17 +48,27 @@ def _probe(folder: Path) -> None:
     os.unlink(name)
 
 
-def cache_folder_problem(path) -> str | None:
-    """Why ``path`` cannot hold the compilation cache, in a few words (``"is a file"``, ``"lies under '/x', which is
-    a file"``, ``"cannot be written in (PermissionError: ...)"``), or ``None`` when it can. Creates the folder (and
-    its parents) when missing."""
+def not_a_folder(path) -> tuple[Path, Path, str | None]:
+    """``(folder, existing, problem)``: ``path`` made absolute, its nearest existing ancestor (itself when it
+    exists), and why it cannot be a folder (``"is a file"``, ``"lies under '/x', which is a file"``) or ``None``."""
     folder = Path(os.path.abspath(Path(path).expanduser()))
     existing = folder
     while not (existing.exists() or existing.is_symlink()):
         existing = existing.parent
-    if not existing.is_dir():
-        kind = "a file" if existing.is_file() else "not a folder"
-        return f"is {kind}" if existing == folder else f"lies under {os.fspath(existing)!r}, which is {kind}"
+    if existing.is_dir():
+        return folder, existing, None
+    kind = "a file" if existing.is_file() else "not a folder"
+    where = f"is {kind}" if existing == folder else f"lies under {os.fspath(existing)!r}, which is {kind}"
+    return folder, existing, where
+
+
+def cache_folder_problem(path) -> str | None:
+    """Why ``path`` cannot hold the compilation cache, in a few words (``"is a file"``, ``"lies under '/x', which is
+    a file"``, ``"cannot be written in (PermissionError: ...)"``), or ``None`` when it can. Creates the folder (and
+    its parents) when missing."""
+    folder, _, problem = not_a_folder(path)
+    if problem:
+        return problem
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # the cache is trusted code: private when made here
         _probe(folder)
