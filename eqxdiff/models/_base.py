@@ -4,6 +4,8 @@ from typing import ClassVar
 
 import equinox as eqx
 
+from ..core import ModelConfig
+
 
 class PretrainedModel(eqx.Module):
     """Base of modules that ``eqxdiff.load`` builds. Subclasses set ``config_class``, hold the parsed config in a
@@ -34,6 +36,21 @@ class PretrainedModel(eqx.Module):
         else:
             d["_class_name"] = type(self).__name__
         return d
+
+
+class TransformerConfig(ModelConfig):
+    """A diffusion transformer's config: ``num_attention_heads`` heads of ``attention_head_dim`` channels, and
+    ``out_channels`` (``None``: ``in_channels``), as diffusers' transformer configs declare them."""
+
+    @property
+    def inner_dim(self) -> int:
+        """The model width: ``num_attention_heads * attention_head_dim``."""
+        return self.num_attention_heads * self.attention_head_dim  # type: ignore[attr-defined]
+
+    @property
+    def output_channels(self) -> int:
+        """Channels per output token: ``out_channels or in_channels``."""
+        return self.out_channels or self.in_channels  # type: ignore[attr-defined]
 
 
 def check_channels_last(model: str, method: str, what: str, x, channels: int, axes: str) -> None:

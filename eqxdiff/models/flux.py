@@ -52,8 +52,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .. import nn
 from .._typing import Array, Float, PRNGKeyArray, typechecked
-from ..core import ModelConfig, Plan, checkpoint_block, constrain
-from ._base import PretrainedModel
+from ..core import Plan, checkpoint_block, constrain
+from ._base import PretrainedModel, TransformerConfig
 from ._flux_blocks import FluxSingleTransformerBlock, FluxTimeTextEmbedding, FluxTransformerBlock
 
 ROPE_THETA = 10000.0
@@ -61,7 +61,7 @@ MLP_RATIO = 4.0  # diffusers' FluxSingleTransformerBlock default; FeedForward's 
 
 
 @dataclasses.dataclass(frozen=True)
-class FluxTransformer2DConfig(ModelConfig):
+class FluxTransformer2DConfig(TransformerConfig):
     """diffusers' ``FluxTransformer2DModel`` config.json (defaults: FLUX.1's sizes; dev sets ``guidance_embeds``).
 
     ``patch_size`` only widens ``proj_out`` (``patch_size ** 2 * out_channels``), as in diffusers: the pipeline
@@ -96,10 +96,6 @@ class FluxTransformer2DConfig(ModelConfig):
         self.check(sum(self.axes_dims_rope) == self.attention_head_dim, "axes_dims_rope",
                    f"must sum to attention_head_dim={self.attention_head_dim} (each head's channels are split "
                    "between the position axes)")
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
 
     @property
     def mlp_hidden_dim(self) -> int:

@@ -41,8 +41,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .. import nn
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
-from ..core import ModelConfig, Plan, checkpoint_block, constrain
-from ._base import PretrainedModel
+from ..core import Plan, checkpoint_block, constrain
+from ._base import PretrainedModel, TransformerConfig
 from ._ltx_blocks import (
     TOKENS,
     LTXTimeEmbedding,
@@ -57,7 +57,7 @@ from ._ltx_blocks import (
 
 
 @dataclasses.dataclass(frozen=True)
-class LTXVideoTransformer3DConfig(ModelConfig):
+class LTXVideoTransformer3DConfig(TransformerConfig):
     """diffusers' ``LTXVideoTransformer3DModel`` config.json (defaults: LTX-Video 2B 0.9.x; the 13B has 32 heads of
     128, ``cross_attention_dim`` 4096 and 48 layers). ``in_channels`` / ``out_channels`` count packed features:
     latent channels times ``patch_size_t * patch_size ** 2``. The caption projection outputs the model width, so
@@ -99,14 +99,6 @@ class LTXVideoTransformer3DConfig(ModelConfig):
             self.check((getattr(self, key) or self.in_channels) % self.patch_volume == 0, key,
                        f"must be a multiple of patch_size_t * patch_size ** 2 = {self.patch_volume} (it counts packed "
                        "latent features)")
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
-    def output_channels(self) -> int:
-        return self.out_channels or self.in_channels
 
     @property
     def patch_volume(self) -> int:

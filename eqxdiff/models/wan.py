@@ -50,15 +50,15 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .. import nn
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
-from ..core import VIDEO_AXES, ModelConfig, Plan, checkpoint_block, constrain
-from ._base import PretrainedModel
+from ..core import VIDEO_AXES, Plan, checkpoint_block, constrain
+from ._base import PretrainedModel, TransformerConfig
 from ._wan_blocks import TOKENS, CrossKV, WanTimeTextImageEmbedding, WanTransformerBlock
 
 ROPE_THETA = 10000.0
 
 
 @dataclasses.dataclass(frozen=True)
-class WanTransformer3DConfig(ModelConfig):
+class WanTransformer3DConfig(TransformerConfig):
     """diffusers' ``WanTransformer3DModel`` config.json (defaults: Wan 2.1 14B text-to-video).
 
     ``image_dim``: CLIP's width, builds the image embedder (2.1 I2V: 1280); ``added_kv_proj_dim``: the width the
@@ -106,14 +106,6 @@ class WanTransformer3DConfig(ModelConfig):
                    "needs image_dim (the image embedder that makes the tokens it projects)")
         self.check(self.pos_embed_seq_len is None or self.image_dim is not None, "pos_embed_seq_len",
                    "needs image_dim (it positions the image embedder's input tokens)")
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
-    def output_channels(self) -> int:
-        return self.out_channels or self.in_channels
 
 
 TimestepLike = (int | float | Float[Array, ""] | Int[Array, ""] | Float[Array, " #batch"] | Int[Array, " #batch"]
