@@ -180,20 +180,22 @@ def _describe_tree(treedef) -> str:
     return "*" if kind is None else f"{_name(kind)}<{describe(aux)}>({children})"
 
 
-def _placed_type(x):
-    """An array's type and, once placed on devices, its sharding (this process's key: cheaper than the file's)."""
+def _placed_type(x, devices: set):
+    """An array's type (this process's key: cheaper than the file's); :class:`_Undescribed` inside a trace and for
+    an array placed on another device than the default one or on several (a stored program runs on the default
+    device, where an array not yet placed goes too)."""
     if isinstance(x, jax.core.Tracer):
         raise _Undescribed("called inside a trace")
     if isinstance(x, (np.ndarray, np.generic)):
         return x.shape, x.dtype
-    return x.shape, x.dtype, getattr(x, "weak_type", None), x.sharding if x.committed else None
+    if x.committed and x.sharding.device_set != devices:
+        raise _Undescribed("an array placed on another device or on several")
+    return x.shape, x.dtype, getattr(x, "weak_type", None)
 
 
 def _leaf_type(x) -> str:
     if isinstance(x, jax.core.Tracer):
         raise _Undescribed("called inside a trace")
-    if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != {_device()}:
-        raise _Undescribed("an array placed on another device or on several")
     return f"{x.dtype}{tuple(x.shape)}{'w' if getattr(jax.typeof(x), 'weak_type', False) else ''}"
 
 
@@ -308,9 +310,10 @@ class _Program:
         dynamic = [x for x, a in zip(leaves, is_array) if a]
         static = tuple(x for x, a in zip(leaves, is_array) if not a)
         try:
-            local = (treedef, static, tuple(map(_placed_type, dynamic)), folder)
+            devices = {_device()}
+            local = (treedef, static, tuple(_placed_type(x, devices) for x in dynamic), folder)
             run = self.calls.get(local)
-        except (_Undescribed, TypeError):  # a trace; unhashable statics: filter_jit says so
+        except (_Undescribed, TypeError):  # a trace, placed elsewhere; unhashable statics: filter_jit says so
             return self.jitted(*args, **kwargs)
         if run is None:
             run = self.calls[local] = self._load_or_export(folder, treedef, static, is_array, dynamic)
