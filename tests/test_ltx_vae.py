@@ -227,7 +227,9 @@ def test_original_vae_names_equal_diffusers_converter_at_full_size(config):
 @pytest.mark.parametrize("which", ["vae090", "vae091"])
 def test_original_vae_file_loads_as_diffusers_converts_it(which, request, tmp_path_factory, tmp_path):
     """Lightricks' single file: the transformer below ``model.diffusion_model.`` and the VAE below ``vae.`` (with the
-    statistics' unused ``channel`` / ``mean-of-stds`` / ``mean-of-stds_over_std-of-means`` entries) in one file.
+    statistics' unused ``channel`` / ``mean-of-stds`` / ``mean-of-stds_over_std-of-means`` entries, the buffers of
+    Lightricks' per-channel statistics module; a file without them, as later checkpoints ship, loads the same) in one
+    file.
     diffusers' converter reads the VAE back to exactly the reference's tensors (all three dropped); ``formats.ltx_vae``
     and ``formats.ltx_transformer`` load both models from the file into exactly the references' weights; written back,
     the same tensors."""
@@ -250,6 +252,12 @@ def test_original_vae_file_loads_as_diffusers_converts_it(which, request, tmp_pa
     assert set(got) == set(ref)
     for name, t in ref.items():
         np.testing.assert_array_equal(got[name], t, err_msg=name)
+    bare = tmp_path / "ltx-video-tiny-two-statistics.safetensors"  # later files carry only the two read
+    write_safetensors(vae, bare)
+    got_bare = state_dict(eqxdiff.load(bare, config=case.folder, conversion=rules))
+    assert set(got_bare) == set(ref)
+    for name, t in ref.items():
+        np.testing.assert_array_equal(got_bare[name], t, err_msg=name)
     back = convert_tensors(got, inverse(rules))
     assert set(back) == set(vae)
     for name, t in vae.items():
