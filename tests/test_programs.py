@@ -186,3 +186,26 @@ def test_a_damaged_file_is_a_warning_and_is_stored_again(tmp_path):
     assert "cannot be read" in str(caught[0].message) and len(TRACES) == 1
     _programs._read(path.read_bytes())  # stored again, whole
     assert_same(got, jitted(*args))
+
+
+def test_outputs_are_placed_as_jit_places_them(tmp_path):
+    """A stored program's outputs are committed to their device only when an argument was (JAX commits an exported
+    call's outputs; jit leaves them free to move), so a pipeline on a mesh can mix them with sharded arrays."""
+    args = inputs()
+    other = jax.device_put(jnp.ones(()), jax.devices()[-1])
+    with compilation_cache(tmp_path):
+        later_process()
+        for run in ("exported", "read"):
+            out = step(*args)
+            assert not any(x.committed for x in jax.tree.leaves(out)), run
+            np.testing.assert_array_equal(out[0]["total"] + other, jitted(*args)[0]["total"] + 1)  # moves
+            later_process()
+        placed = jax.device_put(args, jax.devices()[0])
+        assert all(x.committed for x in jax.tree.leaves(step(*placed)))
+        key = jax.random.key(3)
+        assert not _draw(key).committed and _draw(jax.device_put(key, jax.devices()[0])).committed
+
+
+@program
+def _draw(key):
+    return jax.random.split(key)[0]

@@ -275,6 +275,26 @@ def _read(data: bytes):
     return jax.jit(call, in_shardings=jax.sharding.SingleDeviceSharding(_device())), header["outputs"]
 
 
+def _uncommitted(x):
+    """``x`` (an output of a stored program, which JAX commits to its device) as jit gives it for arguments none of
+    which were placed: uncommitted, so that JAX may move it to other devices (a pipeline on a mesh mixes such arrays
+    with sharded ones). The same buffers; no public API sets this (a JAX without these internals gives the array
+    as it is, committed, and says so once)."""
+    try:
+        if hasattr(x, "_base_array"):  # a typed PRNG key array over its key data
+            return type(x)(x._impl, _uncommitted(x._base_array))
+        return type(x)(x.aval, x.sharding, x._arrays, committed=False)
+    except (AttributeError, TypeError) as e:
+        _warn_committed(e)
+        return x
+
+
+@functools.cache
+def _warn_committed(error) -> None:
+    logger.warning("eqxdiff.core.program: stored programs' outputs stay committed to their device (%s: %s)",
+                   type(error).__name__, error)
+
+
 def _device():
     return jax.config.jax_default_device or jax.devices()[0]
 
@@ -320,7 +340,10 @@ class _Program:
         if run is False:
             return self.jitted(*args, **kwargs)
         call, skeleton = run
-        return jax.tree.unflatten(jax.tree.structure(_build(skeleton, treedef)), call(*dynamic))
+        outs = call(*dynamic)
+        if not any(getattr(x, "committed", False) for x in dynamic):  # as jit's: free to move to other devices
+            outs = tuple(map(_uncommitted, outs))
+        return jax.tree.unflatten(jax.tree.structure(_build(skeleton, treedef)), outs)
 
     def _load_or_export(self, folder, treedef, static, is_array, dynamic):
         """``(jitted exported call, output skeleton)``, or ``False``: this call runs as ``eqx.filter_jit``."""
