@@ -128,6 +128,12 @@ def test_functions_and_configs_are_described_by_their_code_and_every_field():
     assert describe(Config(1, 2)) != describe(Config(1, 3))
     assert describe(jnp.tanh) == describe(jnp.tanh) and describe(np.float32) != describe(np.float16)
 
+    def recursive(n):  # holds itself in its closure: not describable, so not stored
+        return 1 if n == 0 else recursive(n - 1)
+
+    with pytest.raises(RecursionError):
+        describe(recursive)
+
 
 class Opaque:
     def __init__(self, value):

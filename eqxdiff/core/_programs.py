@@ -149,6 +149,8 @@ def describe(x) -> str:
         return f"{_name(type(x))}{{{','.join(sorted(f'{describe(k)}:{describe(v)}' for k, v in x.items()))}}}"
     if isinstance(x, type):
         return f"type:{_name(x)}"
+    if isinstance(x, types.ModuleType) and x.__name__.split(".")[0] in _TRUSTED:
+        return f"module:{x.__name__}"
     if isinstance(x, np.dtype):
         return f"dtype:{x}"
     if isinstance(x, types.FunctionType):
@@ -349,7 +351,7 @@ class _Program:
         """``(jitted exported call, output skeleton)``, or ``False``: this call runs as ``eqx.filter_jit``."""
         try:
             key = _key(self.fun, treedef, static, dynamic)
-        except _Undescribed as e:
+        except (_Undescribed, RecursionError) as e:  # RecursionError: a value that holds itself
             logger.debug("%s: not stored (%s)", _name(self.fun), e)
             return False
         path = folder / f"{self.fun.__name__}-{key}"
