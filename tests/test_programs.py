@@ -215,3 +215,13 @@ def test_outputs_are_placed_as_jit_places_them(tmp_path):
 @program
 def _draw(key):
     return jax.random.split(key)[0]
+
+
+def test_a_folder_that_cannot_hold_programs_is_not_an_error(tmp_path):
+    """``exported`` is a file (or not writable): the call runs and gives the same results; nothing is stored."""
+    (tmp_path / _programs.EXPORTED_SUBFOLDER).write_text("not a folder")
+    args = inputs()
+    with compilation_cache(tmp_path):
+        later_process()
+        assert_same(step(*args), jitted(*args))
+    assert (tmp_path / _programs.EXPORTED_SUBFOLDER).read_text() == "not a folder"

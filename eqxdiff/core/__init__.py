@@ -7,7 +7,8 @@
 - the tree walk behind ``with_plan``, ``scan_layers`` and ``with_attention_implementation``;
 - the family table (:data:`FAMILY_TABLE`): checkpoint class names to the eqxdiff classes serving them, and the
   families' single-file layouts (:data:`SINGLE_FILE_LAYOUTS`);
-- the persistent compilation cache (:func:`enable_compilation_cache`), which the commands turn on;
+- the persistent compilation cache (:func:`enable_compilation_cache`), which the commands turn on, and
+  :func:`program` (``eqx.filter_jit`` whose traced programs are kept there too: a later process skips tracing);
 - transformers imported for its tokenizers without its framework notice (:func:`import_transformers`).
 """
 

@@ -30,7 +30,6 @@ import dataclasses
 import enum
 import functools
 import hashlib
-import importlib.metadata
 import importlib.util
 import inspect
 import json
@@ -46,6 +45,7 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
+import jaxlib
 import numpy as np
 from jax._src.lax import lax as _lax  # weak types: no public API sets them
 
@@ -92,12 +92,17 @@ def _serializable() -> bool:
 
 @functools.cache
 def _code_fingerprint() -> str:
-    """A hash of eqxdiff's source files and of the versions its programs depend on."""
+    """A hash of eqxdiff's source files and of the versions its programs depend on, taken when this module is
+    imported (before the pipelines' modules are): a file edited later, while this process runs the code it read
+    before, does not give that code's programs the edited file's key."""
     digest = hashlib.sha256(_FORMAT.encode())
-    root = Path(__file__).resolve().parent.parent
-    for path in sorted(root.rglob("*.py")):
-        digest.update(os.fspath(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    versions = [sys.version, jax.__version__, importlib.metadata.version("jaxlib"), eqx.__version__, np.__version__]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = sorted(os.path.relpath(os.path.join(folder, name), root) for folder, _, names in os.walk(root)
+                   for name in names if name.endswith(".py"))
+    for name in files:
+        with open(os.path.join(root, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read())
+    versions = [sys.version, jax.__version__, jaxlib.__version__, eqx.__version__, np.__version__]
     digest.update(repr(versions).encode())
     return digest.hexdigest()
 
@@ -409,3 +414,6 @@ def program(fun=None, **jit_kwargs):
     if fun is None:
         return functools.partial(program, **jit_kwargs)
     return _Program(fun, jit_kwargs)
+
+
+_code_fingerprint()
