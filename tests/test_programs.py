@@ -225,3 +225,32 @@ def test_a_folder_that_cannot_hold_programs_is_not_an_error(tmp_path):
         later_process()
         assert_same(step(*args), jitted(*args))
     assert (tmp_path / _programs.EXPORTED_SUBFOLDER).read_text() == "not a folder"
+
+
+class Pair(eqx.Module):
+    a: jax.Array
+    b: jax.Array
+
+
+@program
+def _pair(x):
+    TRACES.append(1)
+    return Pair(x, x + 1)
+
+
+def test_an_output_that_cannot_be_stored_is_noted_so_later_processes_trace_once(tmp_path, monkeypatch):
+    """A new module as output (not an input's structure: the stored program could not rebuild it): traced as
+    filter_jit, and a marker file says so, so a later process does not trace it for an export first."""
+    with compilation_cache(tmp_path):
+        _pair.clear()
+        TRACES.clear()
+        out = _pair(jnp.ones(2))
+        assert isinstance(out, Pair) and len(TRACES) == 2  # the export's trace, then filter_jit's
+        (marker,) = (tmp_path / _programs.EXPORTED_SUBFOLDER).iterdir()
+        assert marker.name.endswith(_programs.UNSTORED)
+        _pair.clear()
+        jax.clear_caches()
+        TRACES.clear()
+        monkeypatch.setattr(_programs._Program, "_export", lambda *a: pytest.fail("exported again"))
+        np.testing.assert_array_equal(_pair(jnp.ones(2)).b, [2.0, 2.0])
+        assert len(TRACES) == 1

@@ -26,6 +26,7 @@ processes may share the folder. Without the persistent cache (:func:`~eqxdiff.co
 :func:`program` is ``eqx.filter_jit``.
 """
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -53,6 +54,7 @@ __all__ = ["EXPORTED_SUBFOLDER", "ProgramCacheWarning", "clear_programs", "progr
 
 EXPORTED_SUBFOLDER = "exported"  # inside the compilation cache folder
 _FORMAT = "eqxdiff-exported-1"
+UNSTORED = ".unstored"  # beside a program's would-be file: its outputs cannot be stored (traced as filter_jit)
 _TRUSTED = ("eqxdiff", "jax", "jaxlib", "equinox", "numpy", "builtins", "functools", "operator", "math")
 # JAX settings that do not change a traced program (logging, caches, dumps, transfers, distributed set-up): left out
 # of the key. Any other setting, known or new, is part of it.
@@ -360,6 +362,8 @@ class _Program:
             logger.debug("%s: not stored (%s)", _name(self.fun), e)
             return False
         path = folder / f"{self.fun.__name__}-{key}"
+        if path.with_name(path.name + UNSTORED).exists():  # a program an earlier process found it cannot store
+            return False
         if path.exists():
             try:
                 return _read(path.read_bytes())
@@ -386,8 +390,10 @@ class _Program:
                  for x in dynamic]
         try:
             exported = jax.export.export(jax.jit(flat))(*specs)
-        except _Undescribed as e:
+        except _Undescribed as e:  # its outputs: the same for every later call of this key, so say so on disk
             logger.debug("%s: not stored (%s)", _name(self.fun), e)
+            with contextlib.suppress(OSError):
+                _write(path.with_name(path.name + UNSTORED), str(e).encode())
             return False
         except Exception as e:  # noqa: BLE001 - not exportable (a callback ...) or a bad input: filter_jit decides
             logger.debug("%s: not exported (%s: %s)", _name(self.fun), type(e).__name__, e)
