@@ -214,8 +214,9 @@ def family_options(pipeline_class: type, defaults: Mapping[str, Any] | None = No
     chain = _call_chain(pipeline_class)
     hints = [_hints(call) for call in chain]
     documented: dict[str, str] = {}
-    for call in reversed(chain):  # the subclass's own description wins
-        documented.update(_documented(call))
+    for klass in reversed(pipeline_class.__mro__):  # a subclass documents what differs; its own description wins
+        if "__call__" in klass.__dict__:
+            documented.update(_documented(klass.__dict__["__call__"]))
     defaults = dict(defaults or {})
     params: dict[str, tuple[inspect.Parameter, int]] = {}  # name -> (parameter, its __call__'s place in the chain)
     for i, call in enumerate(chain):

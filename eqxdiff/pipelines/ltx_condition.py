@@ -315,6 +315,9 @@ class LTXConditionPipeline(LTXPipeline):
         """Videos with diffusers' ``LTXConditionPipeline`` arguments: uint8 ``[n, num_frames, height, width, 3]``, or
         the final latents ``[n, T, h, w, C]`` with ``output_type="latent"``.
 
+        The other arguments are :meth:`LTXPipeline.__call__`'s, with the same meaning (``eqxdiff-generate --help`` reads
+        them there too).
+
         Args:
             conditions: LTXVideoCondition s (image or video, frame_index, strength), instead of image / video.
             image: A picture (or a list) to place at frame_index; the video's size.
@@ -322,31 +325,12 @@ class LTXConditionPipeline(LTXPipeline):
             frame_index: Where each condition starts (one for all, or one per condition: images, then clips).
             strength: How firmly each condition holds, 1 = exactly (one for all, or one per condition).
             denoise_strength: The fraction of the schedule that refines the given latents (1: generate from noise).
-            prompt: What to generate.
-            negative_prompt: What to steer away from (classifier-free guidance; default "").
-            height: Height in pixels, a multiple of 32; default 512.
-            width: Width in pixels, a multiple of 32; default 704.
             num_frames: Frames per video, 8k+1.
-            frame_rate: Frames per second the model is conditioned on (also the saved video's, unless --fps is
-                given).
             num_inference_steps: Number of denoising steps (of LTX-Video's linear-quadratic schedule).
             timesteps: A custom schedule of timesteps from 1000 down (the distilled models' recipes).
             guidance_scale: Classifier-free guidance scale; 1 or less turns guidance off.
-            guidance_rescale: Rescale the guided prediction toward the text prediction's std (0 = off).
             image_cond_noise_scale: Noise added to the strength-1 conditions before each step, times (t/1000)^2.
-            num_videos_per_prompt: Videos per prompt.
-            seed: Random seed (the same seed gives the same videos).
             latents: Video latents [n, T, h, w, C] (normalised, channels-last) refined with denoise_strength < 1.
-            prompt_embeds: T5 embeddings ``[n, seq, 4096]`` instead of ``prompt``.
-            prompt_attention_mask: Their attention mask ``[n, seq]`` (needed with prompt_embeds).
-            negative_prompt_embeds: T5 embeddings of the negative prompt.
-            negative_prompt_attention_mask: Their attention mask.
-            decode_timestep: The timestep a timestep-conditioned VAE decodes at (0.9.1+; 0.03-0.05 recommended).
-            decode_noise_scale: How much fresh noise is mixed into the latents before decoding (default:
-                decode_timestep).
-            max_sequence_length: T5's prompt length in tokens (padded to it).
-            output_type: ``"uint8"`` frames or ``"latent"`` (channels-last latents).
-            progress: Show a progress bar.
         """
         if latents is not None and denoise_strength >= 1:
             raise InputError("latents are refined with denoise_strength < 1 (0.4 is the two-stage recipe's); with "

@@ -74,33 +74,18 @@ class LTXImageToVideoPipeline(LTXPipeline):
         """Videos starting from ``image`` with diffusers' ``LTXImageToVideoPipeline`` arguments: uint8 ``[n,
         num_frames, height, width, 3]``, or the final latents ``[n, T, h, w, C]`` with ``output_type="latent"``.
 
+        The other arguments are :meth:`LTXPipeline.__call__`'s, with the same meaning (``eqxdiff-generate --help`` reads
+        them there too).
+
         Args:
             image: The first frame (its size is the video's).
-            prompt: What to generate.
-            negative_prompt: What to steer away from (classifier-free guidance; default "").
             height: Height in pixels (default: the image's; if given, the image's).
             width: Width in pixels (default: the image's; if given, the image's).
             num_frames: Frames per video, 8k+1.
-            frame_rate: Frames per second the model is conditioned on (also the saved video's, unless --fps is
-                given).
-            num_inference_steps: Number of denoising steps.
             timesteps: A custom schedule of timesteps from 1000 down, instead of num_inference_steps' sigmas.
             guidance_scale: Classifier-free guidance scale; 1 or less turns guidance off.
-            guidance_rescale: Rescale the guided prediction toward the text prediction's std (0 = off).
-            num_videos_per_prompt: Videos per prompt.
-            seed: Random seed (the same seed gives the same videos).
             latents: The initial noise ``[n, T, h, w, C]``, channels-last (its first frame is replaced by the
                 image's latents).
-            prompt_embeds: T5 embeddings ``[n, seq, 4096]`` instead of ``prompt``.
-            prompt_attention_mask: Their attention mask ``[n, seq]`` (needed with prompt_embeds).
-            negative_prompt_embeds: T5 embeddings of the negative prompt.
-            negative_prompt_attention_mask: Their attention mask.
-            decode_timestep: The timestep a timestep-conditioned VAE decodes at (0.9.1+; 0.03-0.05 recommended).
-            decode_noise_scale: How much fresh noise is mixed into the latents before decoding (default:
-                decode_timestep).
-            max_sequence_length: T5's prompt length in tokens (padded to it).
-            output_type: ``"uint8"`` frames or ``"latent"`` (channels-last latents).
-            progress: Show a progress bar.
         """
         if image is None:
             raise InputError("pass image= (the first frame of the video)")

@@ -174,29 +174,18 @@ class WanImageToVideoPipeline(WanPipeline):
         """Videos starting from ``image`` with diffusers' ``WanImageToVideoPipeline`` arguments: uint8 ``[n,
         num_frames, height, width, 3]``, or the final latents ``[n, T, h, w, C]`` with ``output_type="latent"``.
 
+        The other arguments are :meth:`WanPipeline.__call__`'s, with the same meaning (``eqxdiff-generate --help`` reads
+        them there too).
+
         Args:
             image: The first frame (its size is the video's).
-            prompt: What to generate.
-            negative_prompt: What to steer away from (classifier-free guidance; default "").
             height: Height in pixels (default: the image's; if given, the image's).
             width: Width in pixels (default: the image's; if given, the image's).
             num_frames: Frames per video, 4k+1.
-            num_inference_steps: Number of denoising steps.
-            guidance_scale: Classifier-free guidance scale (of the high-noise expert with two); 1 or less turns
-                guidance off.
-            guidance_scale_2: Wan 2.2 A14B: the low-noise expert's guidance scale (default: guidance_scale).
             boundary_ratio: Wan 2.2 A14B: the fraction of the training timesteps above which the high-noise expert
                 runs (default: the folder's; 0.9 for image-to-video).
-            num_videos_per_prompt: Videos per prompt.
-            seed: Random seed (the same seed gives the same videos).
-            latents: The initial noise ``[n, T, h, w, C]``, channels-last (an array).
-            prompt_embeds: UMT5 embeddings ``[n, seq, text_dim]`` instead of ``prompt``.
-            negative_prompt_embeds: UMT5 embeddings of the negative prompt.
             image_embeds: Wan 2.1: CLIP's image tokens ``[images, tokens, image_dim]`` instead of encoding ``image``.
             last_image: The last frame (first-last-frame-to-video), the image's size.
-            max_sequence_length: UMT5's prompt length in tokens (padded to it).
-            output_type: ``"uint8"`` frames or ``"latent"`` (channels-last latents).
-            progress: Show a progress bar.
         """
         if image is None:
             raise InputError("pass image= (the first frame of the video)")
