@@ -538,6 +538,8 @@ def test_a_ti2v_run_samples_image_to_video_from_the_first_frame_of_its_first_cli
     import functools
     import types
 
+    import imageio_ffmpeg
+
     from eqxdiff.pipelines import read_video
     from eqxdiff.pipelines.wan import WanPipeline
     from eqxdiff.pipelines.wan_i2v import WanImageToVideoPipeline
@@ -559,8 +561,9 @@ def test_a_ti2v_run_samples_image_to_video_from_the_first_frame_of_its_first_cli
                          sample_prompts=("a red cat",), sample_steps=2, sample_guidance_scale=2.0)
     setup, source = build(config), open_source(config)[1]
     state = types.SimpleNamespace(model=lambda frozen, use_ema: setup.model)
-    videos = run_module._sampler(config, setup, setup.scheduler, None, {}, source)(state)
+    videos, fps = run_module._sampler(config, setup, setup.scheduler, None, {}, source)(state)
     assert [name for name, _ in calls] == ["WanImageToVideoPipeline"] and videos.shape == (1, 5, 32, 32, 3)
+    assert fps == 24  # TI2V-5B's frame rate (expand_timesteps), which the sample video plays at
     image = calls[0][1]["image"]
     clip = next(iter(setup.stream(config, source, shuffle=False)))["pixel_values"][0]  # [5, 32, 32, 3] in [-1, 1]
     assert image.shape == (32, 32, 3)
@@ -569,8 +572,10 @@ def test_a_ti2v_run_samples_image_to_video_from_the_first_frame_of_its_first_cli
     assert np.argmin(distances) == 0 and min(distances[1:]) > 0.01  # the clip's frames differ: the first one it is
     assert calls[0][1]["prompt"] == ["a red cat"] and calls[0][1]["num_frames"] == 5
 
-    MetricsLogger(tmp_path, total_steps=1, tensorboard=False, progress=False).images(1, "samples", videos)
+    MetricsLogger(tmp_path, total_steps=1, tensorboard=False, progress=False).images(1, "samples", videos, fps)
     written = read_video(tmp_path / "samples" / "samples_0000001.mp4")
+    meta = next(imageio_ffmpeg.read_frames(str(tmp_path / "samples" / "samples_0000001.mp4")))
+    assert meta["fps"] == 24
     assert written.shape == (5, 34, 34, 3)  # the grid of one video: 32 pixels and a pad of 1 on each side
     means = written[:, 1:-1, 1:-1].mean(axis=(1, 2)), videos[0].mean(axis=(1, 2))  # each frame's colour, [5, 3]
     assert np.abs(means[0] - means[1]).max() < 8  # as sampled, give or take H.264 (which smooths the random detail)

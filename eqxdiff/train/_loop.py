@@ -74,7 +74,8 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
     (``with_plan``) before :func:`init_state` for activation constraints and remat. ``checkpointer`` (a
     :class:`eqxdiff.train.Checkpointer`) saves every ``checkpointer.every`` steps and at ``steps`` along with
     ``batches``'s position; ``profile_steps`` writes a JAX profiler trace of those steps to ``profile_dir``;
-    ``sample_fn(state)`` returns uint8 images logged every ``sample_every`` steps.
+    ``sample_fn(state)`` returns uint8 images (or videos) and their frame rate (``None`` for images), logged every
+    ``sample_every`` steps.
 
     Ctrl-C (SIGINT) or SIGTERM stop the loop at the next step boundary: the state is saved with ``checkpointer``
     (if given) and :class:`eqxdiff.train.TrainingInterrupted` raised; a second Ctrl-C aborts at once.
@@ -123,7 +124,7 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
             if checkpointer is not None and checkpointer.due(done):
                 checkpointer.save(done, state, batches)
             if sample_fn is not None and sample_every and done % sample_every == 0 and logger is not None:
-                logger.images(done, "samples", sample_fn(state))
+                logger.images(done, "samples", *sample_fn(state))
                 t_last = time.perf_counter()
             if on_step is not None:
                 on_step(done, state)

@@ -69,10 +69,10 @@ class MetricsLogger:
                                  sps=f"{row.get('samples_per_second', 0.0):.1f}")
         self.last = int(step)
 
-    def images(self, step: int, tag: str, images: np.ndarray) -> None:
+    def images(self, step: int, tag: str, images: np.ndarray, fps: float | None = None) -> None:
         """uint8 samples under ``samples/``: images ``[n, h, w, 3]`` as a PNG grid, also in TensorBoard; videos ``[n,
-        frames, h, w, 3]`` as an MP4 of each frame's grid, and a PNG (also in TensorBoard) of up to 8 evenly spaced
-        frames of each video, one video a row."""
+        frames, h, w, 3]`` as an MP4 of each frame's grid at ``fps`` (``None``: the writer's default), and a PNG (also
+        in TensorBoard) of up to 8 evenly spaced frames of each video, one video a row."""
         if self.folder is None:
             return
         from PIL import Image
@@ -81,7 +81,8 @@ class MetricsLogger:
         folder, name = self.folder / "samples", f"{tag}_{int(step):07d}"
         folder.mkdir(exist_ok=True)
         if images.ndim == 5:
-            write_video(np.stack([image_grid(images[:, f]) for f in range(images.shape[1])]), folder / f"{name}.mp4")
+            frames = np.stack([image_grid(images[:, f]) for f in range(images.shape[1])])
+            write_video(frames, folder / f"{name}.mp4", **({} if fps is None else {"fps": fps}))
             picks = np.unique(np.linspace(0, images.shape[1] - 1, min(images.shape[1], FILMSTRIP_FRAMES)).round())
             grid = image_grid(images[:, picks.astype(int)].reshape(-1, *images.shape[2:]), columns=len(picks))
         else:

@@ -94,7 +94,7 @@ def run(config: TrainConfig):
         if int(state.step) > start:  # this process's part of the run
             log_line(f"trained steps {start}-{int(state.step)} in {time.perf_counter() - t_fit:.0f} s")
         if sample_fn is not None:
-            logger.images(int(state.step), "samples", sample_fn(state))
+            logger.images(int(state.step), "samples", *sample_fn(state))
     finally:
         logger.close()
         checkpointer.close()
@@ -225,7 +225,8 @@ def _cache_fingerprint(config: TrainConfig, model: TrainModel) -> dict:
 
 
 def _sampler(config: TrainConfig, setup: Setup, scheduler, frozen, encoders, source=None):
-    """``sample(state)``: uint8 images (videos) of ``sample_prompts`` from the trained weights (their EMA), drawn by
+    """``sample(state)``: uint8 images (videos) of ``sample_prompts`` from the trained weights (their EMA) and their
+    frame rate (a video pipeline's ``default_fps``, else ``None``), drawn by
     the pipeline calls the family asks for (:meth:`~eqxdiff.train.TrainModel.sample_calls`, decided here, before
     training: its pipeline on the prompts by default; Wan 2.2 TI2V's image-to-video pipeline too, on the first frame
     of the dataset's first clip, ``source``'s: :func:`first_example`), each call's outputs after the previous one's
@@ -236,14 +237,15 @@ def _sampler(config: TrainConfig, setup: Setup, scheduler, frozen, encoders, sou
 
     def sample(state):
         model = state.model(frozen, use_ema=True).with_text_encoders(encoders)
-        outputs = []
+        outputs, fps = [], None
         for call in calls:
             pipe = model.pipeline(setup.tokenizers, scheduler, options=setup.options, offload_encoders=bool(encoders),
                                   class_name=call.pipeline)
             outputs.append(pipe(prompt=list(config.sample_prompts), **call.inputs,
                                 num_inference_steps=config.sample_steps, guidance_scale=config.sample_guidance_scale,
                                 seed=0, progress=False, **model.call_options(), **model.sample_size(config)))
-        return outputs[0] if len(outputs) == 1 else np.concatenate([np.asarray(o) for o in outputs])
+            fps = getattr(pipe, "default_fps", None)  # a video pipeline's: the checkpoint's frame rate
+        return (outputs[0] if len(outputs) == 1 else np.concatenate([np.asarray(o) for o in outputs])), fps
 
     return sample
 
