@@ -189,28 +189,21 @@ def _describe_tree(treedef) -> str:
     return "*" if kind is None else f"{_name(kind)}<{describe(aux)}>({children})"
 
 
-def _placed_type(x, devices: set):
-    """An array's type (this process's key: cheaper than the file's); :class:`_Undescribed` inside a trace and for
-    an array placed on another device than the default one or on several (a stored program runs on the default
-    device, where an array not yet placed goes too)."""
+def _placed_type(x, devices: set) -> tuple:
+    """An array's ``(shape, dtype, weak type)``; :class:`_Undescribed` inside a trace and for an array placed on
+    another device than the default one or on several (a stored program runs on the default device, where an array
+    not yet placed goes too)."""
     if isinstance(x, jax.core.Tracer):
         raise _Undescribed("called inside a trace")
-    if isinstance(x, (np.ndarray, np.generic)):
-        return x.shape, x.dtype
-    if x.committed and x.sharding.device_set != devices:
+    if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != devices:
         raise _Undescribed("an array placed on another device or on several")
-    return x.shape, x.dtype, getattr(x, "weak_type", None)
+    return tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False))  # NumPy's and typed keys' are never weak
 
 
-def _leaf_type(x) -> str:
-    if isinstance(x, jax.core.Tracer):
-        raise _Undescribed("called inside a trace")
-    return f"{x.dtype}{tuple(x.shape)}{'w' if getattr(jax.typeof(x), 'weak_type', False) else ''}"
-
-
-def _key(fun, treedef, static, dynamic) -> str:
+def _key(fun, treedef, static, types) -> str:
+    arrays = ";".join(f"{dtype}{shape}{'w' if weak else ''}" for shape, dtype, weak in types)
     parts = [_code_fingerprint(), _settings(), jax.default_backend(), jax.devices()[0].device_kind, _name(fun),
-             _describe_tree(treedef), describe(static), ";".join(_leaf_type(x) for x in dynamic)]
+             _describe_tree(treedef), describe(static), arrays]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -318,7 +311,7 @@ class _Program:
     def __init__(self, fun, jit_kwargs):
         self.fun, self.jitted = fun, eqx.filter_jit(fun, **jit_kwargs)
         self.stored = not jit_kwargs  # donation is not exported: such programs are only jitted
-        self.calls: dict = {}  # this process's runs, by the structure and types of their arguments
+        self.calls: dict = {}  # this process's runs (jitted call, output treedef), by their arguments' description
         functools.update_wrapper(self, fun)
         _PROGRAMS.add(self)
 
@@ -340,24 +333,26 @@ class _Program:
         static = tuple(x for x, a in zip(leaves, is_array) if not a)
         try:
             devices = {_device()}
-            local = (treedef, static, tuple(_placed_type(x, devices) for x in dynamic), folder)
+            types = tuple(_placed_type(x, devices) for x in dynamic)
+            local = (treedef, static, types, folder)
             run = self.calls.get(local)
         except (_Undescribed, TypeError):  # a trace, placed elsewhere; unhashable statics: filter_jit says so
             return self.jitted(*args, **kwargs)
         if run is None:
-            run = self.calls[local] = self._load_or_export(folder, treedef, static, is_array, dynamic)
+            found = self._load_or_export(folder, treedef, static, is_array, types)
+            run = self.calls[local] = found and (found[0], jax.tree.structure(_build(found[1], treedef)))
         if run is False:
             return self.jitted(*args, **kwargs)
-        call, skeleton = run
+        call, out_treedef = run
         outs = call(*dynamic)
         if not any(getattr(x, "committed", False) for x in dynamic):  # as jit's: free to move to other devices
             outs = tuple(map(_uncommitted, outs))
-        return jax.tree.unflatten(jax.tree.structure(_build(skeleton, treedef)), outs)
+        return jax.tree.unflatten(out_treedef, outs)
 
-    def _load_or_export(self, folder, treedef, static, is_array, dynamic):
+    def _load_or_export(self, folder, treedef, static, is_array, types):
         """``(jitted exported call, output skeleton)``, or ``False``: this call runs as ``eqx.filter_jit``."""
         try:
-            key = _key(self.fun, treedef, static, dynamic)
+            key = _key(self.fun, treedef, static, types)
         except (_Undescribed, RecursionError) as e:  # RecursionError: a value that holds itself
             logger.debug("%s: not stored (%s)", _name(self.fun), e)
             return False
@@ -370,9 +365,9 @@ class _Program:
             except Exception as e:  # noqa: BLE001 - any unreadable file: trace and store it again
                 warnings.warn(f"the stored program {os.fspath(path)!r} cannot be read ({type(e).__name__}); tracing "
                               f"it again", ProgramCacheWarning, stacklevel=3)
-        return self._export(path, treedef, static, is_array, dynamic)
+        return self._export(path, treedef, static, is_array, types)
 
-    def _export(self, path, treedef, static, is_array, dynamic):
+    def _export(self, path, treedef, static, is_array, types):
         out_skeleton = {}
 
         def flat(*arrays):
@@ -386,8 +381,7 @@ class _Program:
             return tuple(out_leaves)
 
         flat.__name__ = flat.__qualname__ = self.fun.__name__
-        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(jax.typeof(x), "weak_type", False))
-                 for x in dynamic]
+        specs = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in types]
         try:
             exported = jax.export.export(jax.jit(flat))(*specs)
         except _Undescribed as e:  # its outputs: the same for every later call of this key, so say so on disk
