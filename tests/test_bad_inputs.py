@@ -866,14 +866,14 @@ def test_an_unusable_cache_folder_is_one_warning_and_the_command_runs_uncached(g
     from eqxdiff.core import _cache
 
     taken, locked = ws.paths["taken"], tmp_path / "locked"
-    real_probe = _cache._probe
+    real_probe = _cache.write_probe
 
     def probe(folder):
         if folder == locked:
             raise PermissionError(13, "Permission denied")
         real_probe(folder)
 
-    monkeypatch.setattr(_cache, "_probe", probe)
+    monkeypatch.setattr(_cache, "write_probe", probe)
     before = jax.config.jax_compilation_cache_dir  # the caller's (the test session's), left as it was
     seen, real_load = [], generate.load_pipeline
     monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: seen.append(jax.config.jax_compilation_cache_dir)

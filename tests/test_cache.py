@@ -87,7 +87,7 @@ def test_a_folder_that_cannot_hold_the_cache_is_a_warning(case, tmp_path, monkey
         # as root a chmod changes nothing: the write the check makes fails instead
         "not-writable": (tmp_path / "locked", r"cannot be written in \(PermissionError: Permission denied\)"),
     }[case]
-    monkeypatch.setattr(_cache, "_probe", _refuse_probe if case == "not-writable" else _cache._probe)
+    monkeypatch.setattr(_cache, "write_probe", _refuse_probe if case == "not-writable" else _cache.write_probe)
     before = settings()
     with pytest.warns(CacheWarning, match=rf"^the compilation cache folder '{folder}' {problem}; running without the "
                       r"persistent compilation cache, so every program compiles \(pass a folder you can write in\)$"):

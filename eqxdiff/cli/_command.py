@@ -19,14 +19,13 @@ import dataclasses
 import os
 import re
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import tyro._errors
 
-from ..core import compilation_cache, not_a_folder
+from ..core import compilation_cache, not_a_folder, write_probe
 from ..pipelines import InputError, NonFiniteError
 
 DEBUG_FLAG = "--debug"
@@ -194,9 +193,7 @@ def _write_probe(folder: Path, existing: Path) -> str | None:
             part.mkdir()
             made.append(part)
         doing = "written in"
-        handle, name = tempfile.mkstemp(prefix=".eqxdiff-probe-", dir=folder)
-        os.close(handle)
-        os.unlink(name)
+        write_probe(folder)
     except OSError as e:
         return f"cannot be {doing} ({type(e).__name__}: {e.strerror or e})"
     finally:

@@ -17,6 +17,7 @@ from ._cache import compilation_cache as compilation_cache
 from ._cache import default_cache_dir as default_cache_dir
 from ._cache import enable_compilation_cache as enable_compilation_cache
 from ._cache import not_a_folder as not_a_folder
+from ._cache import write_probe as write_probe
 from ._config import ConfigError as ConfigError
 from ._config import ModelConfig as ModelConfig
 from ._families import FAMILY_TABLE as FAMILY_TABLE

@@ -40,9 +40,9 @@ def default_cache_dir() -> Path:
     return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / CACHE_SUBFOLDER
 
 
-def _probe(folder: Path) -> None:
-    """Create and remove a file in ``folder``: what writing a cache entry needs (``os.access`` answers yes to root
-    on a read-only mount, and says nothing of a full disk)."""
+def write_probe(folder: Path) -> None:
+    """Create and remove a file in ``folder`` (``OSError`` when that fails): what writing in it needs (``os.access``
+    answers yes to root on a read-only mount, and says nothing of a full disk)."""
     handle, name = tempfile.mkstemp(prefix=".eqxdiff-probe-", dir=folder)
     os.close(handle)
     os.unlink(name)
@@ -71,7 +71,7 @@ def cache_folder_problem(path) -> str | None:
         return problem
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # the cache is trusted code: private when made here
-        _probe(folder)
+        write_probe(folder)
     except OSError as e:
         return f"cannot be written in ({type(e).__name__}: {e.strerror or e})"
     return None
