@@ -116,8 +116,13 @@ def test_fill_reports_missing_unexpected_and_wrong_shapes():
 
 def test_wrong_input_shape_is_rejected_readably():
     conv = nn.Conv2d(3, 4, 3, key=jax.random.key(0))
-    with pytest.raises(ValueError, match=r"cin=3.*got shape \(1, 8, 8, 5\)"):
+    with pytest.raises(ValueError, match=r"Conv2d expects channels-last input \[batch, height, width, cin=3\], "
+                                         r"got shape \(1, 8, 8, 5\)"):
         conv(to_jax(np.zeros((1, 8, 8, 5), np.float32)))
+    conv3 = nn.Conv3d(2, 4, 3, key=jax.random.key(1))
+    with pytest.raises(ValueError, match=r"Conv3d expects channels-last input \[batch, frames, height, width, "
+                                         r"cin=2\], got shape \(1, 3, 4, 4, 3\)"):
+        conv3(to_jax(np.zeros((1, 3, 4, 4, 3), np.float32)))
 
 
 def test_conv_nchw_helper_round_trip():

@@ -397,10 +397,20 @@ def conv_weight(adapters: Adapters | None, weight: Array, perm, dtype):
     return (_f32(weight) + dw).astype(dtype), db
 
 
-def adapted_conv(x: Array, weight: Array, bias: Array | None, adapters: Adapters | None, perm, **conv) -> Array:
+_CONV_AXES = {"N": "batch", "D": "frames", "H": "height", "W": "width"}  # adapted_conv's errors
+
+
+def adapted_conv(x: Array, weight: Array, bias: Array | None, adapters: Adapters | None, perm, *, layer: str,
+                 **conv) -> Array:
     """``jax.lax.conv_general_dilated(x, weight, **conv) + bias`` in ``x``'s dtype, run with the ``adapters``'
     change to the weight and then their change to the bias added (:func:`conv_weight`): the convolution of
-    :class:`~eqxdiff.nn.Conv2d` and :class:`~eqxdiff.nn.Conv3d`."""
+    :class:`~eqxdiff.nn.Conv2d` and :class:`~eqxdiff.nn.Conv3d`. Input with other than the weight's input channels
+    last is an error naming ``layer`` and the layout ``conv["dimension_numbers"]`` gives."""
+    lhs, rhs, _ = conv["dimension_numbers"]
+    cin = weight.shape[rhs.index("I")]
+    if x.shape[-1] != cin:
+        layout = ", ".join(_CONV_AXES[a] for a in lhs[:-1])
+        raise ValueError(f"{layer} expects channels-last input [{layout}, cin={cin}], got shape {x.shape}")
     weight, bias_change = conv_weight(adapters, weight, perm, x.dtype)
     y = jax.lax.conv_general_dilated(x, weight, **conv)
     for b in (bias, bias_change):

@@ -52,10 +52,7 @@ class Conv3d(eqx.Module):
 
     @typechecked
     def __call__(self, x: Float[Array, "batch frames height width cin"]) -> Float[Array, "batch f2 h2 w2 cout"]:
-        if x.shape[-1] != self.weight.shape[3]:
-            raise ValueError(f"Conv3d expects channels-last input [batch, frames, height, width, "
-                             f"cin={self.weight.shape[3]}], got shape {x.shape}")
-        return adapted_conv(x, self.weight, self.bias, self.adapters, self.TORCH_PERMUTATIONS["weight"],
+        return adapted_conv(x, self.weight, self.bias, self.adapters, self.TORCH_PERMUTATIONS["weight"], layer="Conv3d",
                             window_strides=self.stride, padding=[(p, p) for p in self.padding],
                             dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))
 

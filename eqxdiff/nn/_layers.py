@@ -104,11 +104,8 @@ class Conv2d(eqx.Module):
 
     @typechecked
     def __call__(self, x: Float[Array, "batch height width cin"]) -> Float[Array, "batch h2 w2 cout"]:
-        if x.shape[-1] != self.weight.shape[2]:
-            raise ValueError(f"Conv2d expects channels-last input [batch, height, width, cin={self.weight.shape[2]}], "
-                             f"got shape {x.shape}")
         p = self.padding
-        return adapted_conv(x, self.weight, self.bias, self.adapters, self.TORCH_PERMUTATIONS["weight"],
+        return adapted_conv(x, self.weight, self.bias, self.adapters, self.TORCH_PERMUTATIONS["weight"], layer="Conv2d",
                             window_strides=(self.stride, self.stride), padding=((p, p), (p, p)),
                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
