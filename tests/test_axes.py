@@ -96,10 +96,12 @@ TINY_CONFIGS: dict[str, Tiny | list[Tiny]] = {
     "WanTransformer3DModel": [dict(_WAN), dict(_WAN, image_dim=4, added_kv_proj_dim=16, pos_embed_seq_len=6)],
     # Wan 2.1 (resamples, encoder attention at attn_scales) and Wan 2.2 (residual levels, patchified pixels)
     "AutoencoderKLWan": [dict(base_dim=2, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[0.5],
-                              temperal_downsample=[True, False], latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
+                              temperal_downsample=[True, False], latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+                              scale_factor_spatial=4, scale_factor_temporal=2),
                          dict(base_dim=2, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, is_residual=True,
                               patch_size=2, in_channels=12, out_channels=12, temperal_downsample=[True, False],
-                              latents_mean=[0.0] * 4, latents_std=[1.0] * 4)],
+                              latents_mean=[0.0] * 4, latents_std=[1.0] * 4, scale_factor_spatial=8,
+                              scale_factor_temporal=2)],
     "LTXVideoTransformer3DModel": [dict(_LTX), dict(_LTX, patch_size=2, patch_size_t=2, in_channels=8, out_channels=8)],
     "AutoencoderKLLTXVideo": [_LTX_VAE, _LTX_VAE_091, _LTX_VAE_095],
     # 3-D with temporal and spatial upsampling; 2-D

@@ -15,6 +15,8 @@ decodes overlapping spatial tiles blended as diffusers' ``enable_tiling()`` (til
 
 Videos must have ``1 + 4k`` frames (diffusers silently drops the frames after the last such count);
 ``latents_mean`` / ``latents_std`` normalise latents for the transformer (:meth:`AutoencoderKLWan.scale_latents`).
+The config's ``scale_factor_spatial`` / ``scale_factor_temporal`` (diffusers' pipelines size latents by them, its
+tiling crops by the spatial one) must be null or the layers' factors.
 """
 
 import dataclasses
@@ -88,6 +90,12 @@ class AutoencoderKLWanConfig(ModelConfig):
                        "channels of patchified pixels)")
         for key in ("latents_mean", "latents_std"):
             self.check(len(getattr(self, key)) == self.z_dim, key, f"must have z_dim={self.z_dim} entries")
+        # diffusers' pipelines size latents and its tiling crops by these; the layers fix the true factors
+        for key, factor, by in (("scale_factor_spatial", self.downsample_factor, "2 ** (len(dim_mult) - 1) * "
+                                 "(patch_size or 1)"), ("scale_factor_temporal", self.temporal_factor,
+                                                        "2 ** sum(temperal_downsample)")):
+            self.check(getattr(self, key) in (None, factor), key, f"must be null or the layers' factor {by} = "
+                       f"{factor}")
 
     @property
     def downsample_factor(self) -> int:
