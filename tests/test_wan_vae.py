@@ -10,6 +10,7 @@ the proof that the two agree. ``frame_chunk`` decodes in chunks again (a ``lax.s
 import inspect
 
 import diffusers
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,6 +235,23 @@ def test_input_errors(vae21):
         vae.decode(z, frame_chunk=0)
     with pytest.raises(ValueError, match="strides no larger than the tiles"):
         vae.decode(z, tiled=True, tile_sample_min=16, tile_sample_stride=24)
+
+
+@pytest.mark.parametrize("temporal, frames, match", [
+    ([False, False, True], 3, r"a video of 3 frames; the VAE takes 1 \+ 4k frames \(nearest: 1 or 5\)"),
+    ([True, True, True], 9, "temporal_factor=8; diffusers' encoder reads 4 frames at a time"),
+])
+def test_encode_reads_frames_as_diffusers(temporal, frames, match):
+    """diffusers' encoder reads the first frame, then 4 at a time, whatever the temporal factor: a VAE halving time
+    once drops frames 2-3 of a 3-frame video there (one latent frame), so it is an error here too, not two latent
+    frames; a VAE shortening time by 8 cannot encode 4 frames at all (one frame still encodes)."""
+    config = AutoencoderKLWanConfig.from_dict({**tiny.VAE_21, "temperal_downsample": temporal,
+                                               "scale_factor_temporal": 2 ** sum(temporal)})
+    vae = eqx.filter_eval_shape(AutoencoderKLWan, config, key=jax.random.key(0))
+    video = lambda n: jax.ShapeDtypeStruct((1, n, 16, 16, 3), jnp.float32)  # noqa: E731
+    assert eqx.filter_eval_shape(vae.encode, video(1)).mean.shape == (1, 1, 2, 2, 16)
+    with pytest.raises(ValueError, match=match):
+        eqx.filter_eval_shape(vae.encode, video(frames))
 
 
 @pytest.mark.parametrize("change, match", [

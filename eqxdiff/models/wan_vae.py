@@ -13,7 +13,10 @@ time inside one ``lax.scan``, carrying the caches (the same numbers, a fraction 
 decodes overlapping spatial tiles blended as diffusers' ``enable_tiling()`` (tiles of ``tile_sample_min`` pixels every
 ``tile_sample_stride``; each tile frame-chunked too): both bound the memory of long 720p videos.
 
-Videos must have ``1 + 4k`` frames (diffusers silently drops the frames after the last such count);
+Videos must have ``1 + 4k`` frames, whatever the temporal factor: diffusers' encoder reads the first frame, then
+chunks of :data:`ENCODE_CHUNK` frames, and silently drops the frames after the last whole chunk (a VAE halving time
+once would otherwise take ``1 + 2k``); a VAE that shortens time by more than 4 (three temporal levels) encodes one
+frame only, as diffusers' can.
 ``latents_mean`` / ``latents_std`` normalise latents for the transformer (:meth:`AutoencoderKLWan.scale_latents`).
 The config's ``scale_factor_spatial`` / ``scale_factor_temporal`` (diffusers' pipelines size latents by them, its
 tiling crops by the spatial one) must be null or the layers' factors.
@@ -47,6 +50,7 @@ from ._wan_vae_blocks import (
 # diffusers' defaults: Wan 2.1's per-channel latent statistics
 WAN21_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517,
                       -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
+ENCODE_CHUNK = 4  # frames diffusers' encoder reads per call after the first (hard-coded there)
 WAN21_LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652, 1.5579,
                      1.6382, 1.1253, 2.8251, 1.9160)
 
@@ -281,7 +285,11 @@ class AutoencoderKLWan(PretrainedModel):
         :attr:`~AutoencoderKLWanConfig.downsample_factor`), in one causal pass over the frames."""
         c = self.config
         check_channels_last("AutoencoderKLWan", "encode", "videos", x, c.video_channels[0], "frames, height, width")
-        _check_frames(x.shape[1], c.temporal_factor, "a video")
+        _check_frames(x.shape[1], ENCODE_CHUNK, "a video")
+        if x.shape[1] > 1 and ENCODE_CHUNK % c.temporal_factor:
+            raise ValueError(f"AutoencoderKLWan.encode: a video of {x.shape[1]} frames with temporal_factor="
+                             f"{c.temporal_factor}; diffusers' encoder reads {ENCODE_CHUNK} frames at a time, which a "
+                             "VAE shortening time by more than that cannot encode: give one frame")
         if x.shape[2] % c.downsample_factor or x.shape[3] % c.downsample_factor:
             raise ValueError(f"AutoencoderKLWan.encode: frames of width {x.shape[3]}, height {x.shape[2]}; both must "
                              f"be multiples of {c.downsample_factor}")
