@@ -23,7 +23,15 @@ from PIL import Image
 import eqxdiff
 from eqxdiff.cli import generate
 from eqxdiff.parallel import MeshConfig, make_mesh
-from eqxdiff.pipelines import CallLimits, InputError, check_arguments, read_parameters, read_video, save_pipeline
+from eqxdiff.pipelines import (
+    CallLimits,
+    InputError,
+    check_arguments,
+    read_parameters,
+    read_video,
+    save_pipeline,
+    wan_i2v,
+)
 from eqxdiff.pipelines.wan import WanPipeline, clean_prompt
 from eqxdiff.pipelines.wan_i2v import WanImageToVideoPipeline
 
@@ -173,6 +181,27 @@ def test_image_to_video_with_clip_tokens_matches_diffusers(i2v):
     given = pipe(image, PROMPTS, negative_prompt=NEGATIVES, image_embeds=embeds.numpy(), latents=noise,
                  progress=False, **kwargs)
     assert _pixels_off(given, expected) <= 2
+
+
+def test_vae_tiling_encodes_the_condition_video_in_tiles(i2v, monkeypatch):
+    """``enable_vae_tiling()`` tiles the condition video's encode too, as diffusers' ``vae.enable_tiling()`` does
+    (``tests/test_wan_vae.py::test_tiled_encode_equals_diffusers_tiling``: the latents differ from the whole
+    video's above the tile size); without it, the whole video."""
+    _, pipe = i2v
+    seen = []
+
+    def spy(vae, video, *, tiled=False):
+        seen.append(tiled)
+        return np.zeros((1, 3, 4, 4, 16), np.float32)
+
+    monkeypatch.setattr(wan_i2v, "condition_latents", spy)
+    pipe.enable_vae_tiling()
+    try:
+        pipe.image_condition(_picture(1), None, shape=SHAPE, num_frames=9)
+    finally:
+        pipe.enable_vae_tiling(False)
+    pipe.image_condition(_picture(1), None, shape=SHAPE, num_frames=9)
+    assert seen == [True, False]
 
 
 def test_first_last_frame_matches_diffusers(i2v, tmp_path):

@@ -1,6 +1,6 @@
 """Wan 2.1 / 2.2: AutoencoderKLWan against diffusers (the parity base, :mod:`tests._parity`: encode and decode of 1, 5
-and 9 frames at diffusers' tiny 2.1 and 2.2 configs), the frame-chunked and tiled decodes, latent normalisation and
-the errors.
+and 9 frames at diffusers' tiny 2.1 and 2.2 configs), the frame-chunked and tiled decodes, the tiled encode, latent
+normalisation and the errors.
 
 diffusers runs the VAE chunk by chunk (frame 0, then 4 frames; one latent frame at a time when decoding) with a
 feature cache; eqxdiff's encoder and decoder make one causal pass over the whole sequence, so these parity tests are
@@ -155,6 +155,28 @@ def test_tiled_decode_equals_diffusers_tiling(vae22):
     assert difference.max() > 1e-2 and difference.mean() <= 0.15, (difference.max(), difference.mean())
 
 
+def test_tiled_encode_equals_diffusers_tiling(vae22):
+    """diffusers' ``tiled_encode`` (under ``enable_tiling()``, which image-to-video's condition video goes through):
+    the moments of overlapping tiles blended, the tiles measured in patchified pixels (Wan 2.2: a tile of 16 spans 32
+    pixels). 48 x 16 pixels in tiles of 16 every 8 patches: rows of 16, 16 and 8 (two tile shapes), one column. The
+    tiled latents differ from the whole video's (diffusers' by more than 1e-2), so ignoring ``tiled`` fails."""
+    ref = vae22.reference
+    x = np.random.default_rng(8).uniform(-1, 1, (1, 5, 48, 16, 3)).astype(np.float32)
+    ref.enable_tiling(16, 16, 8, 8)
+    try:
+        with torch.no_grad():
+            tiled = ref.encode(nhwc_to_nchw(x)).latent_dist
+    finally:
+        ref.use_tiling = False
+    with torch.no_grad():
+        whole = ref.encode(nhwc_to_nchw(x)).latent_dist.mean
+    assert rel_error(nchw_to_nhwc(whole), nchw_to_nhwc(tiled.mean)) > 1e-2
+    out = run_jitted(lambda vae, x: vae.encode(x, tiled=True, tile_sample_min=16, tile_sample_stride=8), vae22.model, x)
+    assert out.mean.shape == (1, 2, 3, 1, 48)
+    assert_close(out.mean, nchw_to_nhwc(tiled.mean), 1e-4, "tiled mean vs diffusers")
+    assert_close(out.logvar, nchw_to_nhwc(tiled.logvar), 1e-4, "tiled logvar vs diffusers")
+
+
 def test_decode_fits_in_one_tile_is_the_plain_decode(vae21):
     vae, z = vae21.model, jnp.asarray(vae21.inputs["z5"])
     trace = lambda **kw: str(jax.make_jaxpr(lambda z: vae.decode(z, **kw))(z))  # noqa: E731
@@ -235,6 +257,8 @@ def test_input_errors(vae21):
         vae.decode(z, frame_chunk=0)
     with pytest.raises(ValueError, match="strides no larger than the tiles"):
         vae.decode(z, tiled=True, tile_sample_min=16, tile_sample_stride=24)
+    with pytest.raises(ValueError, match=r"AutoencoderKLWan.encode: tile_sample_min=\(4, 4\) .* at least 8"):
+        vae.encode(jnp.zeros((1, 1, 16, 16, 3)), tiled=True, tile_sample_min=4, tile_sample_stride=4)
 
 
 @pytest.mark.parametrize("temporal, frames, match", [

@@ -11,7 +11,8 @@ by default, the decoder make one pass over the whole sequence with the same numb
 :mod:`eqxdiff.models._wan_vae_blocks`). ``decode(z, frame_chunk=n)`` runs the decoder over ``n`` latent frames at a
 time inside one ``lax.scan``, carrying the caches (the same numbers, a fraction of the activations); ``tiled=True``
 decodes overlapping spatial tiles blended as diffusers' ``enable_tiling()`` (tiles of ``tile_sample_min`` pixels every
-``tile_sample_stride``; each tile frame-chunked too): both bound the memory of long 720p videos.
+``tile_sample_stride``; each tile frame-chunked too): both bound the memory of long 720p videos. ``encode(x,
+tiled=True)`` is diffusers' ``tiled_encode`` likewise (image-to-video's condition video under ``enable_tiling()``).
 
 Videos must have ``1 + 4k`` frames, whatever the temporal factor: diffusers' encoder reads the first frame, then
 chunks of :data:`ENCODE_CHUNK` frames, and silently drops the frames after the last whole chunk (a VAE halving time
@@ -279,10 +280,7 @@ class AutoencoderKLWan(PretrainedModel):
         self.config = config
 
     # -- encode ------------------------------------------------------------------------------------------------
-    @typechecked
-    def encode(self, x: Float[Array, "batch frames height width channels"]) -> WanLatentDistribution:
-        """The posterior over latents of videos ``x`` in [-1, 1] (``1 + 4k`` frames; height and width multiples of
-        :attr:`~AutoencoderKLWanConfig.downsample_factor`), in one causal pass over the frames."""
+    def _check_video(self, x) -> None:
         c = self.config
         check_channels_last("AutoencoderKLWan", "encode", "videos", x, c.video_channels[0], "frames, height, width")
         _check_frames(x.shape[1], ENCODE_CHUNK, "a video")
@@ -293,7 +291,31 @@ class AutoencoderKLWan(PretrainedModel):
         if x.shape[2] % c.downsample_factor or x.shape[3] % c.downsample_factor:
             raise ValueError(f"AutoencoderKLWan.encode: frames of width {x.shape[3]}, height {x.shape[2]}; both must "
                              f"be multiples of {c.downsample_factor}")
-        moments = self.quant_conv(self.encoder(patchify(x, c.patch_size)))
+
+    @typechecked
+    def encode(self, x: Float[Array, "batch frames height width channels"], *, tiled: bool = False,
+               tile_sample_min: int | tuple[int, int] = 256,
+               tile_sample_stride: int | tuple[int, int] = 192) -> WanLatentDistribution:
+        """The posterior over latents of videos ``x`` in [-1, 1] (``1 + 4k`` frames; height and width multiples of
+        :attr:`~AutoencoderKLWanConfig.downsample_factor`), in one causal pass over the frames.
+
+        ``tiled``: encode overlapping spatial tiles and blend their moments, as diffusers' ``tiled_encode`` (under
+        ``enable_tiling()``) does. Like it, the tiles are measured in the encoder's input pixels, which the 2.2 VAE
+        patchifies first: there ``tile_sample_min`` / ``tile_sample_stride`` count 2x2 patches (a 256 tile spans 512
+        pixels, twice the decode's). Videos that fit in one tile are encoded whole, as there."""
+        c = self.config
+        self._check_video(x)
+        x = patchify(x, c.patch_size)
+        fn = lambda xx: self.quant_conv(self.encoder(xx))  # noqa: E731
+        e = c.downsample_factor // (c.patch_size or 1)  # the encoder's input pixels per latent
+        size, stride = self._tiles(tile_sample_min, tile_sample_stride, method="encode", f=e)
+        if tiled and (x.shape[2] > size[0] or x.shape[3] > size[1]):
+            moments = blend_tiles(fn, x, axes=(2, 3), tile=size, stride=stride,
+                                  blend_extent=tuple(m // e - s // e for m, s in zip(size, stride)),
+                                  keep=tuple(s // e for s in stride))
+            moments = moments[:, :, :x.shape[2] // e, :x.shape[3] // e]
+        else:
+            moments = fn(x)
         mean, logvar = jnp.split(moments, 2, axis=-1)
         return WanLatentDistribution(mean, jnp.clip(logvar, -30.0, 20.0))
 
@@ -316,13 +338,16 @@ class AutoencoderKLWan(PretrainedModel):
         out = jnp.moveaxis(out, 0, 1).reshape(b, -1, *out.shape[3:])
         return jnp.concatenate([head, out], axis=1)
 
-    def _tiles(self, tile_sample_min, tile_sample_stride) -> tuple[tuple[int, int], tuple[int, int]]:
+    def _tiles(self, tile_sample_min, tile_sample_stride, *, method: str = "decode",
+               f: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(height, width) tile sizes and strides, checked to span at least ``f`` input pixels per latent (the
+        decode's pixels: ``downsample_factor``; the encode's patchified ones: ``downsample_factor / patch_size``)."""
         pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
-        size, stride, f = pair(tile_sample_min), pair(tile_sample_stride), self.config.downsample_factor
+        size, stride, f = pair(tile_sample_min), pair(tile_sample_stride), f or self.config.downsample_factor
         if len(size) != 2 or len(stride) != 2 or min(size) < f or not all(f <= s <= m for s, m in zip(stride, size)):
-            raise ValueError(f"AutoencoderKLWan.decode: tile_sample_min={size} and tile_sample_stride={stride} must be "
-                             f"(height, width) pixel sizes of at least downsample_factor={f}, strides no larger than "
-                             "the tiles")
+            raise ValueError(f"AutoencoderKLWan.{method}: tile_sample_min={size} and tile_sample_stride={stride} must "
+                             f"be (height, width) sizes of at least {f} (input pixels per latent), strides no larger "
+                             "than the tiles")
         return size, stride
 
     @typechecked

@@ -28,7 +28,8 @@ one host's memory: single-host meshes only.
 multiples of the VAE's factor times the transformer's patch (16; 32 for TI2V-5B). ``expand_timesteps`` folders
 (TI2V-5B) give every video token its own timestep; in text-to-video all are the step's, which is the same as one per
 sample (computed so). The output is uint8 frames ``[n, num_frames, height, width, 3]`` (``eqxdiff-generate`` saves
-them as MP4); ``enable_vae_tiling()`` decodes in spatial tiles and one latent frame at a time.
+them as MP4); ``enable_vae_tiling()`` decodes in spatial tiles and one latent frame at a time (and image-to-video
+encodes its condition video in tiles, as diffusers' ``vae.enable_tiling()`` does).
 
 **Original checkpoints.** ``eqxdiff.load_pipeline("wan2.1_t2v_1.3B_bf16.safetensors", config=FOLDER)`` reads a Wan-AI
 transformer file in the original names (or ComfyUI's under ``model.diffusion_model.``; an original VAE file the same

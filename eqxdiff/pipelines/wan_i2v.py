@@ -47,9 +47,12 @@ def clip_image_embeds(image_encoder, pixel_values: Float[Array, "n size size 3"]
 
 
 @program
-def condition_latents(vae, video: Float[Array, "1 frames height width 3"]) -> Float[Array, "1 t h w z"]:
-    """The condition video's latents: the posterior's mode, normalised (``scale_latents``) as the denoised ones."""
-    return vae.scale_latents(vae.encode(video).mode())
+def condition_latents(vae, video: Float[Array, "1 frames height width 3"], *,
+                      tiled: bool = False) -> Float[Array, "1 t h w z"]:
+    """The condition video's latents: the posterior's mode, normalised (``scale_latents``) as the denoised ones;
+    ``tiled`` (the pipeline's ``enable_vae_tiling()``): encoded in blended spatial tiles, as diffusers' VAE does under
+    ``enable_tiling()`` (which changes the latents: each tile's mid-block attention sees that tile only)."""
+    return vae.scale_latents(vae.encode(video, tiled=tiled).mode())
 
 
 def frame_mask(num_frames: int, latent_shape: tuple[int, ...], factor: int, *, last: bool) -> np.ndarray:
@@ -142,7 +145,7 @@ class WanImageToVideoPipeline(WanPipeline):
             if last_image is not None:
                 raise InputError("last_image: this pipeline (expand_timesteps, TI2V-5B) conditions on the first frame "
                                  "only; leave last_image out")
-            latents = jnp.repeat(condition_latents(self.vae, first[:, None]), n, axis=0)
+            latents = jnp.repeat(condition_latents(self.vae, first[:, None], tiled=self.vae_tiling), n, axis=0)
             mask = np.ones((1, t, h, w, 1), np.float32)
             mask[:, 0] = 0.0
             tokens = token_mask(mask, self.transformer.config.patch_size)
@@ -150,7 +153,7 @@ class WanImageToVideoPipeline(WanPipeline):
         frames = [first[:, None], jnp.zeros((1, num_frames - 1 - (last_image is not None), *size, 3))]
         if last_image is not None:
             frames.append(self._pixels(last_image, "last_image", size)[:, None])
-        latents = condition_latents(self.vae, jnp.concatenate(frames, axis=1))
+        latents = condition_latents(self.vae, jnp.concatenate(frames, axis=1), tiled=self.vae_tiling)
         mask = frame_mask(num_frames, latents.shape, self.vae_temporal_factor, last=last_image is not None)
         return {"condition": jnp.repeat(jnp.concatenate([jnp.asarray(mask), latents], axis=-1), n, axis=0)}
 
