@@ -125,6 +125,23 @@ def test_rotary_tables_equal_the_numpy_tables():
     np.testing.assert_array_equal(padded.sin[..., :2], 0.0)
 
 
+@pytest.mark.parametrize("heads, head_dim", [(2, 5), (3, 8)])
+def test_rotary_application_pairs_the_inner_dimension_as_diffusers(heads, head_dim):
+    """diffusers rotates channel pairs of the whole inner dimension before its head split: an odd head_dim's pairs
+    straddle two heads (a width of 10 as 2 heads of 5 is a valid config). ``nn.apply_rope`` on ``[b, s, heads,
+    head_dim]`` with LTX's table over the inner dimension rotates the same pairs; an odd width does not pair up."""
+    from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
+
+    rng = np.random.default_rng(heads)
+    x = rng.standard_normal((2, 7, heads * head_dim), np.float32)
+    table = rotary_tables(jnp.asarray(rng.uniform(0, 1, (2, 7, 3)), jnp.float32), heads * head_dim)
+    expected = apply_rotary_emb(torch.from_numpy(x), tuple(torch.from_numpy(np.array(t)) for t in table)).numpy()
+    got = eqxdiff.nn.apply_rope(jnp.asarray(x).reshape(2, 7, heads, head_dim), table)
+    np.testing.assert_allclose(np.asarray(got).reshape(x.shape), expected, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="heads \\* head_dim = 15 channels do not pair up"):
+        eqxdiff.nn.apply_rope(jnp.zeros((1, 6, 3, 5)), rotary_tables(grid_positions((1, 2, 3)), 15))
+
+
 def _conditioned(model, inputs):
     """The condition pipeline's form: conditioning tokens prepended to the video's, every token positioned by
     ``video_coords`` (traced here), run through ``forward_tokens``; and the grid call positioned by coords."""
@@ -263,6 +280,8 @@ def test_original_names_equal_diffusers_converter(patched, tmp_path):
     (dict(qk_norm="rms_norm"), "unsupported config value qk_norm='rms_norm'"),
     (dict(activation_fn="swiglu"), "unsupported config value activation_fn='swiglu'"),
     (dict(num_attention_heads=1, attention_head_dim=4, cross_attention_dim=4), "attention_head_dim=4 must make"),
+    (dict(num_attention_heads=3, attention_head_dim=5, cross_attention_dim=15), "attention_head_dim=5 must make .* "
+                                                                                "\\(now 15\\) even"),
 ])
 def test_config_errors(change, match):
     with pytest.raises(ConfigError, match=match):

@@ -90,8 +90,9 @@ class LTXVideoTransformer3DConfig(TransformerConfig):
         self.check(self.num_layers >= 0, "num_layers", "must be a non-negative integer")
         self.check(self.out_channels is None or self.out_channels > 0, "out_channels",
                    "must be a positive integer or null (in_channels)")
-        self.check(self.inner_dim >= 6, "attention_head_dim", "must make num_attention_heads * attention_head_dim at "
-                   "least 6 (rotary channels pair up over frames, rows and columns)")
+        self.check(self.inner_dim >= 6 and self.inner_dim % 2 == 0, "attention_head_dim",
+                   f"must make num_attention_heads * attention_head_dim (now {self.inner_dim}) even and at least 6 "
+                   "(rotary channels pair up over frames, rows and columns; diffusers cannot run an odd width)")
         self.check(self.cross_attention_dim == self.inner_dim, "cross_attention_dim",
                    f"must equal num_attention_heads * attention_head_dim = {self.inner_dim} (the caption projection "
                    "outputs the model width)")

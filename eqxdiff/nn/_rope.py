@@ -146,7 +146,8 @@ def apply_rope(x: Float[Array, "batch seq heads head_dim"], rope: Rope) -> Float
     cos + x[2i] sin``, in float32 (diffusers' ``apply_rotary_emb(use_real_unbind_dim=-1)``).
 
     The tables are ``[seq, head_dim]`` (shared by every head) or ``[seq, heads * head_dim]`` (one table over the
-    whole inner dimension, LTX), with an optional leading batch axis."""
+    whole inner dimension, LTX: its pairs run over the flat inner dimension, across heads where ``head_dim`` is
+    odd), with an optional leading batch axis."""
     b, s, heads, head_dim = x.shape
     cos, sin = (jnp.asarray(t, jnp.float32) for t in rope)
     if cos.shape != sin.shape or cos.ndim not in (2, 3) or cos.shape[-2] != s:
@@ -154,15 +155,20 @@ def apply_rope(x: Float[Array, "batch seq heads head_dim"], rope: Rope) -> Float
                          f"[(batch,) seq={s}, head_dim={head_dim} or heads*head_dim={heads * head_dim}]")
     if cos.shape[-1] == heads * head_dim:
         cos, sin = (t.reshape(*t.shape[:-1], heads, head_dim) for t in (cos, sin))
-    elif cos.shape[-1] == head_dim:
+    elif cos.shape[-1] == head_dim and head_dim % 2 == 0:
         cos, sin = cos[..., None, :], sin[..., None, :]
     else:
         raise ValueError(f"apply_rope: tables with {cos.shape[-1]} channels for heads={heads} x head_dim={head_dim}; "
-                         "expected head_dim (shared by the heads) or heads * head_dim")
+                         "expected an even head_dim (shared by the heads) or heads * head_dim")
     if cos.ndim == 3:
         cos, sin = cos[None], sin[None]
     xf = x.astype(jnp.float32)
-    pairs = xf.reshape(b, s, heads, head_dim // 2, 2)
+    if (heads * head_dim) % 2:
+        raise ValueError(f"apply_rope: heads * head_dim = {heads * head_dim} channels do not pair up; the inner "
+                         "dimension must be even")
+    # Pairs within each head; an odd head_dim's (a table over the inner dimension) straddle heads, as diffusers'
+    # pairs over the flat inner dimension do.
+    pairs = xf.reshape(b, s, heads, head_dim // 2, 2) if head_dim % 2 == 0 else xf.reshape(b, s, -1, 2)
     rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
     return (xf * cos + rotated * sin).astype(x.dtype)
 
