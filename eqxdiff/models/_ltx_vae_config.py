@@ -155,6 +155,7 @@ class AutoencoderKLLTXVideoConfig(ModelConfig):
             cin, out = out // factors[i], widths[i] // factors[i]
             block = DecoderBlock(cin, out, layers[i + 1], scaling[i], residual[i], factors[i], inject[i + 1])
             self._check_chain(i, block, channels)
+            self._check_residual(i, block)
             channels = out
             blocks.append(block)
         return tuple(blocks)
@@ -173,6 +174,14 @@ class AutoencoderKLLTXVideoConfig(ModelConfig):
         expected = block.cout * block.factor if block.upsample else block.cout
         self.check(channels == expected, "decoder_block_out_channels",
                    f"up block {i} expects {expected} channels but receives {channels}; {fix}")
+
+    def _check_residual(self, i: int, block: DecoderBlock) -> None:
+        """A residual upsampling adds the input's depth-to-space by (2, 2, 2), its channels tiled 8 / factor times."""
+        width = block.cout * block.factor
+        self.check(not (block.upsample and block.residual) or (width % 8 == 0 and 8 % block.factor == 0),
+                   "upsample_residual", f"up block {i} adds a residual to its upsampling of {width} channels with "
+                   f"upsample_factor {block.factor}: that needs a multiple of 8 channels and a factor dividing 8 "
+                   "(diffusers cannot run it either); set its entry false or widen the block")
 
     @property
     def decoder_width(self) -> int:
