@@ -280,6 +280,11 @@ def test_original_vae_file_loads_as_diffusers_converts_it(which, request, tmp_pa
     ("VAE_090", dict(patch_size_t=2), "unsupported config value patch_size_t=2"),
     ("VAE_090", dict(layers_per_block=(1, 1, 1, 1)), "layers_per_block=.* must have 5 entries"),
     ("VAE_091", dict(upsample_residual=(True, True)), "upsample_residual=.* at least 3 entries for 3 decoder blocks"),
+    ("VAE_090", dict(timestep_conditioning=True), "timestep_conditioning=True up block 2 changes the width"),
+    ("VAE_095", dict(block_out_channels=(8, 16, 24, 32, 64)), "block_out_channels=.* LTXVideo095DownBlock3D 1 a "
+                                                               "temporal space-to-depth downsampler from 16 to 24"),
+    ("VAE_095", dict(block_out_channels=(8, 16, 32, 48, 64)), "block_out_channels=.* LTXVideo095DownBlock3D 2 a "
+                                                               "spatiotemporal .* from 32 to 48"),
     ("VAE_091", dict(decoder_block_out_channels=(3, 6, 12)), "upsample_residual=.* up block 0 adds a residual to its "
                                                                "upsampling of 12 channels with upsample_factor 2"),
     ("VAE_090", dict(down_block_types=("LTXVideoDownBlock3D",) * 3 + ("Other",)), "down_block_types=.* entries"),

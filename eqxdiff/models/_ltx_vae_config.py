@@ -127,6 +127,11 @@ class AutoencoderKLLTXVideoConfig(ModelConfig):
             self.check(cin == out or kind not in (None, "conv"), "downsample_type",
                        f"must be a space-to-depth type for LTXVideo095DownBlock3D {i} ({cin} -> {out} channels): only "
                        "those change the width (diffusers' block would pass on the wrong width)")
+            volume = math.prod(DOWNSAMPLE_STRIDES[kind]) if kind not in (None, "conv") else 1
+            self.check(out % volume == 0 and (cin * volume) % out == 0, "block_out_channels",
+                       f"gives LTXVideo095DownBlock3D {i} a {kind} space-to-depth downsampler from {cin} to {out} "
+                       f"channels: the output width must be a multiple of the {volume} pixels it folds and divide "
+                       f"{cin} x {volume} (the residual averages groups of channels; diffusers cannot run it either)")
             blocks.append(EncoderBlock(cin, out, self.layers_per_block[i], kind, False))
         return tuple(blocks)
 
@@ -167,7 +172,8 @@ class AutoencoderKLLTXVideoConfig(ModelConfig):
             self.check(channels == block.cin and (block.factor == 1 or not block.upsample), "upsample_factor",
                        f"up block {i} widens {block.cin} -> {block.cout} channels but receives {channels} (or "
                        f"upsamples by factor {block.factor}); {fix}")
-            self.check(not (block.inject or self.timestep_conditioning), "decoder_inject_noise",
+            self.check(not (block.inject or self.timestep_conditioning),
+                       "timestep_conditioning" if self.timestep_conditioning else "decoder_inject_noise",
                        f"up block {i} changes the width ({block.cin} -> {block.cout}) in a ResNet block that injects "
                        "noise or is timestep-conditioned, which diffusers cannot run; " + fix)
             return
