@@ -11,8 +11,8 @@ real checkpoints (for names and shapes on the meta device; ``scripts/convert_ltx
 - :data:`UPSAMPLER`: the spatial latent upsampler at 32 channels (GroupNorm's 32 groups).
 - :func:`build_pipeline` / :func:`build_upsampler`: the pipelines' tiny folders (tests/test_ltx_pipeline.py,
   tests/test_recompile.py): a character tokenizer and a tiny random T5 (width 16, the transformer's caption channels),
-  :data:`TRANSFORMER`, the 0.9.5 VAE (timestep-conditioned decoder, random latent statistics) and diffusers' default
-  flow-matching Euler; the upsampler folder holds :data:`UPSAMPLER` beside the same VAE, as
+  :data:`TRANSFORMER`, the 0.9.5 VAE (timestep-conditioned decoder, random latent statistics, scaling_factor 0.8)
+  and diffusers' default flow-matching Euler; the upsampler folder holds :data:`UPSAMPLER` beside the same VAE, as
   ``Lightricks/ltxv-spatial-upscaler-0.9.7`` does.
 """
 
@@ -72,7 +72,9 @@ AutoencoderKLLTXVideo = diffusers.AutoencoderKLLTXVideo
 
 # -- tiny pipelines ---------------------------------------------------------------------------------------------------
 
-PIPELINE_VAE = VAE_095  # timestep-conditioned decoder (decode_timestep, decode_noise_scale), no injected noise
+# timestep-conditioned decoder (decode_timestep, decode_noise_scale), no injected noise; a scaling_factor other than 1
+# (diffusers' image-to-video, condition and upsample pipelines normalise encoded latents without it, decode with it)
+PIPELINE_VAE = dict(VAE_095, scaling_factor=0.8)
 
 
 def _random(model, seed: int):

@@ -140,9 +140,13 @@ def decode_video(vae, latents, timestep, noise_scale, key, *, tiled: bool = Fals
 def sampled_latents(vae, video: Float[Array, "1 frames height width 3"], noise: Float[Array, "n t h w c"]
                     ) -> Float[Array, "n t h w c"]:
     """The normalised latents of ``video`` sampled from its posterior with the standard-normal ``noise`` (one draw
-    per row): ``scale_latents(mean + std * noise)``, diffusers' ``retrieve_latents`` then ``_normalize_latents``."""
+    per row): ``(mean + std * noise - latents_mean) / latents_std``, diffusers' ``retrieve_latents`` then
+    ``_normalize_latents``. Like diffusers' image-to-video, condition and upsample pipelines, this leaves out the
+    VAE's ``scaling_factor`` (``_normalize_latents``' default 1.0), which the decode divides by (1.0 in every
+    released LTX-Video VAE)."""
     posterior = vae.encode(video)
-    return vae.scale_latents(posterior.mean + jnp.exp(0.5 * posterior.logvar) * noise)
+    z = posterior.mean + jnp.exp(0.5 * posterior.logvar) * noise
+    return (z - vae.latents_mean.astype(z.dtype)) / vae.latents_std.astype(z.dtype)
 
 
 def one_picture(image, name: str, size: tuple[int, int]) -> Array:
