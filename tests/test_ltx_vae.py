@@ -288,6 +288,8 @@ def test_original_vae_file_loads_as_diffusers_converts_it(which, request, tmp_pa
     ("VAE_091", dict(decoder_block_out_channels=(3, 6, 12)), "upsample_residual=.* up block 0 adds a residual to its "
                                                                "upsampling of 12 channels with upsample_factor 2"),
     ("VAE_090", dict(down_block_types=("LTXVideoDownBlock3D",) * 3 + ("Other",)), "down_block_types=.* entries"),
+    ("VAE_095", dict(spatial_compression_ratio=64), "spatial_compression_ratio=64 .* the encoder's factor, 16"),
+    ("VAE_090", dict(temporal_compression_ratio=4), "temporal_compression_ratio=4 .* the encoder's factor, 8"),
 ])
 def test_config_errors(base, change, match):
     with pytest.raises(ConfigError, match=match):

@@ -94,6 +94,11 @@ class AutoencoderKLLTXVideoConfig(ModelConfig):
         self._check_encoder_lengths()
         self.encoder_blocks()
         self.decoder_blocks()
+        # diffusers' pipelines size latents by these (and its tiling and chunking): they must be the layers' factors
+        for key, factor in (("spatial_compression_ratio", self.downsample_factor),
+                            ("temporal_compression_ratio", self.temporal_factor)):
+            self.check(getattr(self, key) in (None, factor), key, f"must be null or the encoder's factor, {factor} "
+                       "(patch_size times the strides of its downsampling blocks)")
 
     # -- the encoder -------------------------------------------------------------------------------------------------
 
