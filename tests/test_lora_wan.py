@@ -323,6 +323,14 @@ def test_inspect_and_other_families(t2v):
                              "diffusion_model.blocks.7.self_attn.q.lora_up.weight": torch.ones(24, 2)})
     with pytest.raises(CheckpointError, match=r"2 of the .* adapt nothing .*blocks\.7\.self_attn\.q"):
         case.pipe.load_lora_weights(files.save(extra, folder / "extra.safetensors"))
+    # diffusers/PEFT names (``transformer.``, as Flux's files have) with a block this model lacks: Wan's keys, not
+    # Flux's (the error named Flux.1); it lists the extra keys and the fix
+    peft = files.peft(files.modules(case.ref.transformer, BLOCKS), "transformer.", files.Rand(61), rank=2)
+    assert detect_family(peft)[0] == "Wan"
+    peft.update({"transformer.blocks.7.attn1.to_q.lora_A.weight": torch.ones(2, 24),
+                 "transformer.blocks.7.attn1.to_q.lora_B.weight": torch.ones(24, 2)})
+    with pytest.raises(CheckpointError, match=r"2 of the .* adapt nothing .*blocks\.7\.attn1\.to_q.*strict=False"):
+        case.pipe.load_lora_weights(files.save(peft, folder / "extra_peft.safetensors"))
 
 
 def test_load_into_transformer_2(t2v, tmp_path):
