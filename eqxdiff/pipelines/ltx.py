@@ -214,6 +214,7 @@ class LTXPipeline(LatentPipeline):
     INIT_IMAGE: ClassVar[str | None] = None  # text-to-video: no image argument
     T5_MASK: ClassVar[bool] = False  # whether T5 encodes the prompts with their attention mask
     DEFAULT_FRAME_CHUNK: ClassVar[int] = 2  # diffusers' LTX VAE decodes 16 frames (2 latent frames) every 8
+    LORA_FORMAT: ClassVar[str | None] = "eqxdiff.pipelines._lora_ltx:LTX"
 
     # -- sizes and limits ----------------------------------------------------------------------------------------
 
