@@ -182,6 +182,44 @@ def test_peft_dora_at_a_strength_matches_peft():
     assert_close(ours(jnp.asarray(x)), expected, what="DoRA at 0.5")
 
 
+def test_peft_dora_after_a_lora_rescales_it_as_peft():
+    """Two PEFT adapters on one layer, a LoRA then a DoRA (diffusers' ``set_adapters([a, b], [0.7, -0.3])``): PEFT's
+    DoRA multiplies the output so far, the LoRA's change included, by its factor (``base_result = result`` in
+    ``lora.Linear.forward``). Unfused and fused as PEFT's layer; a switched-off DoRA leaves the LoRA alone."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(2)
+    holder = torch.nn.ModuleDict({"m": torch.nn.Linear(12, 16)})
+    layer = holder["m"]
+    lora_file = files.peft({"m": layer}, "", files.Rand(6), rank=3, bias=True)
+    dora_file = files.peft({"m": layer}, "", files.Rand(7), rank=2, dora=True)
+    adapters = []
+    for tensors in (lora_file, dora_file):
+        adapted, plain = _adapted(layer, tensors)
+        adapters.append(adapted.adapters.entries[0])
+    model = inject_adapter_in_model(LoraConfig(r=3, lora_alpha=3, target_modules=["m"], lora_bias=True), holder, "a")
+    model = inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=["m"], use_dora=True), model, "b")
+    peft_layer = model["m"]
+    with torch.no_grad():
+        for name, tensors in (("a", lora_file), ("b", dora_file)):
+            peft_layer.lora_A[name].weight.copy_(tensors["m.lora_A.weight"])
+            peft_layer.lora_B[name].weight.copy_(tensors["m.lora_B.weight"])
+        peft_layer.lora_B["a"].bias.copy_(lora_file["m.lora_B.bias"])
+        peft_layer.lora_magnitude_vector["b"].weight.copy_(dora_file["m.lora_magnitude_vector"])
+    x = _inputs(layer)
+    site = nn.adapter_sites(plain)[0]
+    for scales, enabled in (((0.7, -0.3), (1, 1)), ((1.0, 1.0), (1, 1)), ((0.7, -0.3), (1, 0))):
+        peft_layer.set_adapter(["a", "b"] if enabled[1] else ["a"])
+        for name, scale in zip("ab", scales):
+            peft_layer.set_scale(name, scale)
+        with torch.no_grad():
+            expected = peft_layer(torch.from_numpy(x)).numpy()
+        ours = nn.with_adapters(plain, {site.path: nn.Adapters(tuple(adapters), np.array(scales, np.float32),
+                                                               np.array(enabled, np.float32))})
+        assert_close(ours(jnp.asarray(x)), expected, what=f"LoRA then DoRA at {scales}, on {enabled}")
+        assert_close(nn.fuse_adapters(ours)(jnp.asarray(x)), expected, what=f"fused, at {scales}, on {enabled}")
+
+
 def test_scanned_stack_pads_ranks_and_skipped_layers():
     """Layers of a stack get one structure: a rank-2 and a rank-5 LoRA padded to 5, a layer without one zeros; the
     scan equals the unrolled layers each holding its own adapter."""

@@ -318,12 +318,17 @@ class DoRA(Adapter):
             return n.sqrt(n.sum(n.square(v).reshape(v.shape[0], -1), axis=1)).reshape(-1, *(1,) * (v.ndim - 1))
         return n.sqrt(n.sum(n.square(v), axis=(0, *range(2, v.ndim)), keepdims=True))
 
+    def factor(self, weight, scale):
+        """PEFT's ``m / |W + s * delta|`` (``mode="peft"``), shaped ``[out, 1, ...]``: what the layer's output is
+        multiplied by."""
+        v = weight + scale * self.adapter.delta()
+        return _f32(self.magnitude).reshape(-1, *(1,) * (v.ndim - 1)) / self._norm(v)
+
     def contribution(self, weight, scale):
         db = self.adapter.delta_bias()
         db = None if db is None else scale * db
         if self.mode == "peft":
-            v = weight + scale * self.adapter.delta()
-            return _f32(self.magnitude).reshape(-1, *(1,) * (v.ndim - 1)) / self._norm(v) * v - weight, db
+            return self.factor(weight, scale) * (weight + scale * self.adapter.delta()) - weight, db
         v = weight + self.adapter.delta()
         norm = self._norm(v)
         return scale * (v * (_f32(self.magnitude).reshape(norm.shape) / (norm + EPS)) - weight), db
@@ -349,6 +354,11 @@ class Adapters(eqx.Module):
     def _strength(self, i: int) -> Array:
         return self.scales[..., i] * self.enabled[..., i]
 
+    def _rescales(self) -> bool:
+        """Whether a PEFT DoRA entry follows another: PEFT's ``DoraLinearLayer`` multiplies the layer's output so far
+        (the weight and the adapters before it, in order) by its factor, not only the weight's."""
+        return any(isinstance(a, DoRA) and a.mode == "peft" for a in self.entries[1:])
+
     def weight_update(self, weight: Array, perm: tuple[int, ...] | None, *, low_rank: bool = False):
         """``(weight change in our layout, bias change)`` (float32, ``None`` where none) of the entries that are not
         run low rank (all if ``low_rank`` is false), for a layer holding ``weight`` (our layout: ``ours =
@@ -363,6 +373,12 @@ class Adapters(eqx.Module):
                 torch_weight = w if perm is None else xp(w).transpose(w, tuple(np.argsort(perm)))
             if isinstance(a, DoRA):
                 change, bias = a.contribution(torch_weight, self.scales[..., i])
+                if a.mode == "peft" and (dw is not None or db is not None):  # the earlier entries' changes too
+                    k = a.factor(torch_weight, self.scales[..., i]) - 1
+                    if dw is not None:
+                        change = change + k * dw
+                    if db is not None:
+                        bias = k.reshape(-1) * db if bias is None else bias + k.reshape(-1) * db
                 change, bias = self.enabled[..., i] * change, None if bias is None else self.enabled[..., i] * bias
             else:
                 change, bias = a.contribution(torch_weight, self._strength(i))
@@ -374,11 +390,13 @@ class Adapters(eqx.Module):
         return dw, db
 
     def linear(self, x: Array, weight: Array, y: Array) -> Array:
-        """A Linear's output ``y = x @ weight^T + bias`` with every entry's change added."""
+        """A Linear's output ``y = x @ weight^T + bias`` with every entry's change added (low rank where it can:
+        not when a PEFT DoRA entry rescales the ones before it)."""
+        rescales = self._rescales()
         for i, a in enumerate(self.entries):
-            if a.low_rank:
+            if a.low_rank and not rescales:
                 y = y + a.apply(x, self._strength(i))
-        dw, db = self.weight_update(weight, None, low_rank=True)
+        dw, db = self.weight_update(weight, None, low_rank=not rescales)
         if dw is not None:
             y = y + jnp.einsum("...i,oi->...o", x, dw.astype(x.dtype))
         if db is not None:
