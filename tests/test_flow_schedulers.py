@@ -369,6 +369,11 @@ def test_init_errors_name_the_argument():
         build(FLOW, use_dynamic_shifting=True).init(10)
     with pytest.raises(ValueError, match="lengths disagree"):
         build(FLOW).init(4, sigmas=[1.0, 0.5])
+    # one step from sigma 1 leaves nothing to stretch (diffusers divides by zero: NaN sigmas and timesteps)
+    with pytest.raises(ValueError, match="shift_terminal=0.1 cannot stretch .* at least 2 steps"):
+        build(FLOW, shift_terminal=0.1).init(1)
+    with pytest.raises(ValueError, match="shift_terminal=0.1 cannot stretch"):
+        build(UNIPC, **WAN, shift_terminal=0.1).init(1, sample_shape=SHAPE)
     with pytest.raises(ValueError, match="sigmas= needs use_flow_sigmas=True"):
         build(UNIPC).init(sigmas=[1.0, 0.5], sample_shape=SHAPE)
     with pytest.raises(ValueError, match="sample_shape="):

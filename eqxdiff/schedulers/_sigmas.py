@@ -111,6 +111,9 @@ def time_shift(kind: str, mu: float, sigmas: np.ndarray, power: float = 1.0) -> 
 def stretch_to_terminal(sigmas: np.ndarray, terminal: float) -> np.ndarray:
     """Stretch ``1 - sigmas`` so that the last sigma becomes ``terminal`` (LTX-Video's ``shift_terminal``)."""
     one_minus = 1 - sigmas
+    if one_minus[-1] == 0:  # diffusers divides by zero here and returns NaN sigmas (and timesteps)
+        raise ValueError(f"shift_terminal={terminal} cannot stretch a schedule whose last sigma is 1 (a single step "
+                         "from sigma 1, or custom sigmas ending at 1): use at least 2 steps, or shift_terminal=None")
     scale = one_minus[-1] / (1 - terminal)
     return 1 - one_minus / scale
 
