@@ -173,6 +173,9 @@ CASES = [
     ("EulerAncestralDiscreteScheduler", dict(rescale_betas_zero_snr=True, prediction_type="v_prediction",
                                              timestep_spacing="trailing"), 25),
     ("EulerAncestralDiscreteScheduler", dict(SD, prediction_type="v_prediction", timestep_spacing="trailing"), 1),
+    # sigma_to << sigma_from: sigma_to**2 - sigma_up**2 cancels to a float32 ulp or two, negative in XLA's rounding
+    ("EulerAncestralDiscreteScheduler", dict(prediction_type="v_prediction", timestep_spacing="linspace"), 2),
+    ("EulerAncestralDiscreteScheduler", dict(beta_schedule="squaredcos_cap_v2"), 2),
     # LMS
     ("LMSDiscreteScheduler", dict(SD, timestep_spacing="leading", steps_offset=1), 25),
     ("LMSDiscreteScheduler", dict(SD, prediction_type="v_prediction", use_karras_sigmas=True), 10),

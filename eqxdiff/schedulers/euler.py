@@ -195,7 +195,10 @@ class EulerAncestralDiscreteScheduler(AbstractSigmaScheduler):
         sigma_from, sigma_to = state.sigmas[state.step_index], state.sigmas[state.step_index + 1]
         x0 = x0_from_sigma(self.config.prediction_type, out, x, sigma_from)
         sigma_up = jnp.sqrt(sigma_to**2 * (sigma_from**2 - sigma_to**2) / sigma_from**2)
-        sigma_down = jnp.sqrt(sigma_to**2 - sigma_up**2)
+        # sigma_to**2 - sigma_up**2 is sigma_to**4 / sigma_from**2 in exact arithmetic (diffusers' form): when
+        # sigma_to << sigma_from it cancels to an ulp or two of sigma_to**2, which XLA's rounding can make negative (a
+        # NaN sample); this form has no cancellation and is closer to diffusers' float64 run than its float32 one.
+        sigma_down = sigma_to * (sigma_to / sigma_from)
         derivative = (x - x0) / sigma_from
         prev = x + derivative * (sigma_down - sigma_from)
         return prev + step_noise("EulerAncestralDiscreteScheduler", x.shape, x.dtype, key, noise) * sigma_up, state
