@@ -87,6 +87,11 @@ class UniPCConfig(BetaScheduleConfig):
         spacing = [k for k in SPACINGS if getattr(self, k)]
         self.check(len(spacing) <= 1, spacing[0] if spacing else "use_karras_sigmas",
                    f"cannot be combined with {'=True, '.join(spacing[1:])}=True (pick one spacing)")
+        if self.use_flow_sigmas and spacing and spacing[0] != "use_karras_sigmas":
+            # diffusers converts only Karras sigmas to flow sigmas: these stay the beta schedule's (up to ~157), and
+            # 1 - sigma < 0 makes every step NaN
+            self.check(False, spacing[0], "cannot be combined with use_flow_sigmas=True (only use_karras_sigmas "
+                       "respaces flow sigmas; these exceed 1 and every step is NaN, in diffusers too)")
         if self.shift_terminal is not None:
             self.check(self.use_flow_sigmas, "shift_terminal", "needs use_flow_sigmas=True")
         if self.prediction_type == "flow_prediction":
