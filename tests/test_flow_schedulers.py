@@ -377,6 +377,8 @@ def test_init_errors_name_the_argument():
         build(FLOW, shift_terminal=0.1).init(1)
     with pytest.raises(ValueError, match="shift_terminal=0.1 cannot stretch"):
         build(UNIPC, **WAN, shift_terminal=0.1).init(1, sample_shape=SHAPE)
+    with pytest.raises(ValueError, match="sigmas= cannot be used with use_karras_sigmas=True"):
+        build(UNIPC, **WAN, use_karras_sigmas=True).init(sigmas=[1.0, 0.6, 0.2], sample_shape=SHAPE)
     with pytest.raises(ValueError, match="sigmas= needs use_flow_sigmas=True"):
         build(UNIPC).init(sigmas=[1.0, 0.5], sample_shape=SHAPE)
     with pytest.raises(ValueError, match="sample_shape="):

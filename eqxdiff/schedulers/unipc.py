@@ -154,6 +154,11 @@ class UniPCMultistepScheduler(AbstractBetaScheduler):
         if sigmas is not None:
             if not cfg.use_flow_sigmas:
                 raise ValueError(f"{name}.init: sigmas= needs use_flow_sigmas=True (as diffusers)")
+            spacing = [k for k in SPACINGS if getattr(cfg, k)]
+            if spacing:  # diffusers flips the given (descending) sigmas before respacing: an ascending schedule
+                raise ValueError(f"{name}.init: sigmas= cannot be used with {spacing[0]}=True (diffusers respaces "
+                                 "between the given sigmas' ends reversed, from the smallest up); pass the respaced "
+                                 f"sigmas themselves, or set {spacing[0]}=False")
             sigmas = custom_schedule(name, "sigmas", sigmas, np.float64)
             num_inference_steps = len(sigmas)
         elif num_inference_steps is None:
