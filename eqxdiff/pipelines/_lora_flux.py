@@ -52,7 +52,8 @@ FLUX = LoraFormat(
     layouts=(BFL,),
     # diffusers' names are Flux's by its blocks' layers (``attn``, ``ff_context``, ``norm1_context``), not by the
     # ``transformer.`` prefix alone: Wan's and LTX-Video's diffusers files carry it too
-    markers=(r"^lora_transformer_", r"^(transformer\.|base_model\.model\.)?transformer_blocks\.\d+\.(attn|ff_context|norm1|norm1_context)\.",
+    markers=(r"^lora_transformer_",
+             r"^(transformer\.|base_model\.model\.)?transformer_blocks\.\d+\.(attn|ff_context|norm1|norm1_context)\.",
              r"(^|[._])(double|single)_blocks[._]\d",
              r"single_transformer_blocks[._]\d", r"(^|[._])(x_embedder|context_embedder|img_in|txt_in)[._]",
              r"^lora_te3_"),
