@@ -211,6 +211,28 @@ def test_a_pipeline_that_reads_no_lora_files_refuses_the_flag():
         _lora.check_loras(quiet, [spec], _lora.LoraOptions(lora=("x.safetensors",)), {})
 
 
+# diffusers' pipelines without a LoRA loader (LTXLatentUpsamplePipeline holds no denoiser to adapt)
+NO_LORA = {"LTXLatentUpsamplePipeline"}
+
+
+def test_every_pipeline_of_the_family_table_reads_its_familys_lora_files():
+    """Each pipeline class in the family table declares a LoRA format whose namings adapt components it has (LTX-Video
+    once declared none, and refused every file), except the ones diffusers gives no LoRA loader either."""
+    from eqxdiff.core import FAMILY_TABLE, resolve_class
+    from eqxdiff.pipelines._lora_format import load_format
+
+    pipelines = {name: resolve_class(name) for name in FAMILY_TABLE if name.endswith("Pipeline")}
+    assert set(NO_LORA) <= set(pipelines)
+    for name, cls in pipelines.items():
+        fmt = load_format(getattr(cls, "LORA_FORMAT", None))
+        if name in NO_LORA:
+            assert fmt is None, name
+            continue
+        assert fmt is not None, f"{name} declares no LORA_FORMAT"
+        components = {c.name for c in cls.COMPONENTS}
+        assert {n.component for n in fmt.namings} <= components, name
+
+
 # -- from_pipe / with_scheduler carry the adapters -------------------------------------------------------------------
 
 def _scales(model) -> list[np.ndarray]:
