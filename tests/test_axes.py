@@ -51,7 +51,7 @@ _LTX_VAE = dict(latent_channels=4, block_out_channels=(4, 8), layers_per_block=(
                 spatio_temporal_scaling=(True, False), decoder_block_out_channels=(4, 8, 8),
                 decoder_layers_per_block=(1, 1, 1, 1), decoder_spatio_temporal_scaling=(True, True, False),
                 patch_size=2)
-_LTX_VAE_091 = dict(_LTX_VAE, decoder_block_out_channels=(4, 8), decoder_layers_per_block=(1, 1, 1),
+_LTX_VAE_091 = dict(_LTX_VAE, decoder_block_out_channels=(8, 16), decoder_layers_per_block=(1, 1, 1),
                     decoder_spatio_temporal_scaling=(True, True), decoder_inject_noise=(True, True, True),
                     upsample_residual=(True, True), upsample_factor=(2, 2), timestep_conditioning=True)
 _LTX_VAE_095 = dict(_LTX_VAE_091, block_out_channels=(4, 8, 8), down_block_types=("LTXVideo095DownBlock3D",) * 2,
