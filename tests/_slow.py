@@ -33,6 +33,8 @@ SLOW: dict[str, str] = {
     # SD 1.x/2.x and SDXL base single files stay (19 s)
     "the refiner's and the inpainting UNets' single files":
         r"^tests/test_single_file\.py::(test_sdxl_refiner_from_its_single_file|test_sdx?l?_inpainting_nine_channel_unet)",
+    # Wan's square training runs take the same step; the non-square batches, sizes and refusals stay (18 s)
+    "Wan's train step on non-square clips": r"^tests/test_train_wan\.py::test_a_non_square_size_trains$",
     # the scanned / rematerialised forward passes stay (18 s)
     "rematerialised gradients of the video and Flux transformers": r"::test_remat_gives_the_same_gradients$",
     # the same images from another loading or hand-over path: the plain pipelines' parity stays (35 s)

@@ -607,21 +607,27 @@ def test_ti2v_samples_show_the_tasks_the_run_trains(ti2v, capsys):
     assert "samples are text-to-video only, though first_frame_probability=1.0 trains" in capsys.readouterr().out
 
 
-def test_a_non_square_size_trains_and_a_bad_one_is_refused(folders, tmp_path):
-    """``resolution=(height, width)``: the clips' batches are ``[b, frames, 16, 32, 3]``, a step trains on them (one
-    expert, one device) and the samples take that size; a size that is not one or two sides >= 1, and non-square
-    digits, are refused."""
-    root, _ = folders
-    config = _config(root, resolution=(16, 32), frames=FrameSampling(count=5), batch_size=2, steps=1, mesh=None,
-                     remat=Remat.NONE, cache_stream=False, output_dir=tmp_path / "run",
-                     family=WanOptions(expert="high", max_sequence_length=TEXT_LENGTH))
+def _non_square(root, tmp_path):
+    return _config(root, resolution=(16, 32), frames=FrameSampling(count=5), batch_size=2, steps=1, mesh=None,
+                   remat=Remat.NONE, cache_stream=False, output_dir=tmp_path / "run",
+                   family=WanOptions(expert="high", max_sequence_length=TEXT_LENGTH))
+
+
+def test_a_non_square_size_trains(folders, tmp_path):
+    """A step trains on ``[2, 5, 16, 32, 3]`` clips (one expert, one device)."""
+    _, _, losses = run(_non_square(folders[0], tmp_path))
+    assert len(losses) == 1 and np.isfinite(losses[0])
+
+
+def test_a_non_square_size_reads_and_a_bad_one_is_refused(folders, tmp_path):
+    """``resolution=(height, width)``: the clips' batches are ``[b, frames, 16, 32, 3]`` and the samples take that
+    size; a size that is not one or two sides >= 1, and non-square digits, are refused."""
+    config = _non_square(folders[0], tmp_path)
     assert config.size == (16, 32) and WanFlowMatching.sample_size(config) == {"height": 16, "width": 32,
                                                                                "num_frames": 5}
     setup = build(config)
     batch = next(iter(setup.stream(config, open_source(config)[1])))
     assert batch["pixel_values"].shape == (2, 5, 16, 32, 3)
-    _, _, losses = run(config)
-    assert len(losses) == 1 and np.isfinite(losses[0])
     for bad in ((16, 0), (16, 32, 48), "16"):
         with pytest.raises(ValueError, match=r"resolution=.* must be one size >= 1 \(square\) or two, height and"):
             TrainConfig(resolution=bad)
