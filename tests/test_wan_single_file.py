@@ -227,3 +227,32 @@ def test_a_cut_file_names_what_it_lacks(i2v, tmp_path):
         eqxdiff.load(path, config=folder / "transformer")
     with pytest.raises(CheckpointError, match=r"1 tensor\(s\) missing: 'blocks\.1\.ffn\.2\.weight'"):
         eqxdiff.load_pipeline(path, config=folder)
+
+
+def test_another_familys_config_is_named(i2v, tmp_path):
+    """A Wan file with config= another family's model (an LTX-Video transformer's or VAE's config, alone or in a
+    folder) says which layout and model the file holds and what config= to pass, instead of listing every tensor
+    the other model lacks (eqxdiff.load) or failing on a config value of the other family (load_pipeline)."""
+    folder, state = i2v
+    path = _write(_original(state, formats.WAN_DIFFUSION_MODEL), tmp_path / "wan.safetensors")
+    ltx = {"_class_name": "LTXVideoTransformer3DModel", "in_channels": 8, "num_attention_heads": 2,
+           "attention_head_dim": 8, "cross_attention_dim": 16, "num_layers": 1, "caption_channels": 16}
+    with pytest.raises(CheckpointError, match=r"is a Wan file \(the 'wan_comfyui' layout, holding the transformer "
+                                              r"\(WanTransformer3DModel\)\), not a LTXVideoTransformer3DModel .*pass "
+                                              r"config= the config of the model it holds"):
+        eqxdiff.load(path, config=ltx)
+    other = tmp_path / "ltx_folder"
+    (other / "transformer").mkdir(parents=True)
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "LTXPipeline"}))
+    (other / "transformer" / "config.json").write_text(json.dumps(ltx))
+    with pytest.raises(CheckpointError, match=r"describes a LTXVideoTransformer3DModel as its transformer, but the "
+                                              r"file is a Wan file .*whose transformer is a WanTransformer3DModel; "
+                                              r"pass config= a diffusers Wan folder"):
+        eqxdiff.load_pipeline(path, config=other)
+    vae = _write(convert_tensors(state_dict(eqxdiff.load(folder, "vae")), inverse(formats.wan_vae(num_res_blocks=1))),
+                 tmp_path / "wan_vae.safetensors")
+    ltx_vae = {"_class_name": "AutoencoderKLLTXVideo", "latent_channels": 8, "block_out_channels": [8, 16, 32, 32],
+               "decoder_block_out_channels": [8, 16, 32, 32], "layers_per_block": [1, 1, 1, 1, 1],
+               "decoder_layers_per_block": [1, 1, 1, 1, 1], "patch_size": 2}
+    with pytest.raises(CheckpointError, match=r"is a Wan file \(the 'wan_vae' layout.* not a AutoencoderKLLTXVideo"):
+        eqxdiff.load(vae, config=ltx_vae)

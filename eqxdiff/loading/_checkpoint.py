@@ -307,7 +307,7 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
 
     abstract = nn.build_abstract(build)
     if not conversion and (named or lone.is_file()):
-        conversion = part_rules(CheckpointFiles(files), abstract, config, cls)
+        conversion = part_rules(CheckpointFiles(files), abstract, config, cls, where=where)
     rules = (*conversion, *key_map_rules(getattr(cls, "CHECKPOINT_KEY_MAP", ())))
     checkpoint = convert(CheckpointFiles(files), rules, where=where)
     checkpoint = convert(checkpoint, alias_rules(getattr(cls, "CHECKPOINT_ALIASES", {}), checkpoint.names()),

@@ -8,16 +8,17 @@ from collections.abc import Sequence
 
 from ..core import resolve_class, single_file_layouts
 from ._convert import Rule
-from ._errors import ConversionError
+from ._errors import CheckpointError, ConversionError
 from ._layout import layout_shapes
 
 
-def part_rules(view, abstract, config, model_cls: type) -> Sequence[Rule]:
+def part_rules(view, abstract, config, model_cls: type, *, where: str = "the checkpoint") -> Sequence[Rule]:
     """The conversion rules that read ``abstract`` (a ``model_cls`` built from ``config``) from ``view`` (the
     checkpoint's ``names()/shape()``): ``()`` if the checkpoint holds the model's own names, else the rules of the
     single-file part for ``model_cls`` under which it holds the most of the tensors the model needs (every one, for
     a whole file: a file missing some is then reported in its own layout); ``()`` if no part fits better than the
-    model's own names."""
+    model's own names. A checkpoint that fits no part and is a whole file of a layout without a ``model_cls``
+    (another family's file, ``where``) is a :class:`CheckpointError` saying what it holds."""
     names = set(view.names())
 
     def held(expected) -> float:
@@ -37,7 +38,24 @@ def part_rules(view, abstract, config, model_cls: type) -> Sequence[Rule]:
                 continue
             if share > best:
                 best, best_rules = share, rules
+    if best < 1.0:
+        _check_family(view, model_cls, where)
     return best_rules
+
+
+def _check_family(view, model_cls: type, where: str) -> None:
+    """Raise a :class:`CheckpointError` if ``view`` is in a single-file layout of which no model is a
+    ``model_cls`` (a Wan transformer file given an LTX-Video config)."""
+    matching = [layout for layout in single_file_layouts() if layout.matches(view)]
+    if not matching or any(resolve_class(p.model_class) is model_cls for lay in matching for p in lay.parts):
+        return
+    layout = matching[0]
+    holds = " and ".join(f"the {p.name} ({p.model_class})" for p in layout.parts if p.held(view))
+    raise CheckpointError(
+        f"{where} is a {layout.family} file (the {layout.name!r} layout, holding {holds}), not a "
+        f"{model_cls.__name__} as the config passed says; pass config= the config of the model it holds (a diffusers "
+        f"{layout.family} folder's, e.g. {layout.hub_id!r}), or load the pipeline with "
+        "eqxdiff.load_pipeline(file, config=...)")
 
 
 __all__ = ["part_rules"]

@@ -193,6 +193,7 @@ def _part_config(part: Part, model_cls, file, layout: Layout, source: _Config, w
         if part.infer_config:
             hint += (f", or one without {part.name}/config.json to read it from the tensors" if layout.needs_config
                      else ", or no config= to infer it from the tensors")
+        _check_given_class(given, part, model_cls, layout, source)
         return model_cls.config_class.from_dict(given), hint
     raw = part.infer(file, where=where, configs=configs) if part.infer_config else None
     if raw is None:
@@ -210,6 +211,19 @@ def _part_config(part: Part, model_cls, file, layout: Layout, source: _Config, w
             "of this model (its component config.json files)") from None
     return config, ("The file is incomplete or its models are not of one pipeline; download it again, or pass "
                     "config= a diffusers folder of this model")
+
+
+def _check_given_class(given: Mapping, part: Part, model_cls, layout: Layout, source: _Config) -> None:
+    """Raise a :class:`CheckpointError` if ``config=``'s ``{part}/config.json`` configures a model of another kind
+    than the one the file holds (another family's folder): its values would be read as the wrong config's."""
+    named = given.get("_class_name") or (given.get("architectures") or [None])[0]
+    other = resolve_class(named) if isinstance(named, str) else None
+    if other is None or other.config_class is model_cls.config_class:
+        return
+    raise CheckpointError(
+        f"config={os.fspath(source.given)!r} describes a {named} as its {part.name}, but the file is a "
+        f"{layout.family} file (the {layout.name!r} layout), whose {part.name} is a {part.model_class}; pass config= a "
+        f"diffusers {layout.family} folder or Hub id (e.g. {layout.hub_id!r})")
 
 
 def _read_lacking(cls, layout: Layout, components: Mapping, source: _Config, where: str, load_kwargs) -> dict:
