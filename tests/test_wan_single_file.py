@@ -232,7 +232,8 @@ def test_a_cut_file_names_what_it_lacks(i2v, tmp_path):
 def test_another_familys_config_is_named(i2v, tmp_path):
     """A Wan file with config= another family's model (an LTX-Video transformer's or VAE's config, alone or in a
     folder) says which layout and model the file holds and what config= to pass, instead of listing every tensor
-    the other model lacks (eqxdiff.load) or failing on a config value of the other family (load_pipeline)."""
+    the other model lacks (eqxdiff.load) or failing on a config value of the other family (load_pipeline). A path
+    with config= that is no file says so."""
     folder, state = i2v
     path = _write(_original(state, formats.WAN_DIFFUSION_MODEL), tmp_path / "wan.safetensors")
     ltx = {"_class_name": "LTXVideoTransformer3DModel", "in_channels": 8, "num_attention_heads": 2,
@@ -256,3 +257,5 @@ def test_another_familys_config_is_named(i2v, tmp_path):
                "decoder_layers_per_block": [1, 1, 1, 1, 1], "patch_size": 2}
     with pytest.raises(CheckpointError, match=r"is a Wan file \(the 'wan_vae' layout.* not a AutoencoderKLLTXVideo"):
         eqxdiff.load(vae, config=ltx_vae)
+    with pytest.raises(CheckpointError, match=r"no file .*typo\.safetensors'; check its path"):
+        eqxdiff.load_pipeline(tmp_path / "typo.safetensors", config=folder)

@@ -385,7 +385,7 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     """
     weights_dtype = check_dtype(dtype) or check_dtype("float32")
     act_dtype = check_dtype(activations_dtype) or weights_dtype
-    if Path(os.fspath(path_or_hub_id)).expanduser().is_file():
+    if config is not None or Path(os.fspath(path_or_hub_id)).expanduser().is_file():  # config=: a single file
         if mesh is not None and sharding is None:
             sharding = sharding_fn(mesh, rules or DEFAULT_RULES)
         from ._single_file import read_single_file  # here: a folder needs neither it nor huggingface_hub
@@ -396,8 +396,6 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
         return read.cls(attention=attention, activations_dtype=act_dtype, mesh=mesh, rules=rules,
                         offload_encoders=offload_encoders, scheduler_extras=read.scheduler_extras,
                         **read.components, **read.options)
-    if config is not None:
-        raise CheckpointError("config= is for single .safetensors files; a pipeline folder holds its own configs")
     folder = resolve_folder(path_or_hub_id, revision=revision)
     index = read_config(folder, "model_index.json")
     cls, overrides = _folder_class(folder, index, pipeline_class, config_overrides)

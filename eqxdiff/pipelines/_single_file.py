@@ -299,6 +299,12 @@ def _check_overrides_held(overrides: Mapping, held: list[Part], source: _Config,
 
 def _open(path) -> tuple[Path, SafetensorsFile]:
     path = Path(os.fspath(path)).expanduser()
+    if path.is_dir():
+        raise CheckpointError(f"{os.fspath(path)!r} is a folder: config= is for single .safetensors files; a pipeline "
+                              "folder holds its own configs (drop config=)")
+    if not path.exists():
+        raise CheckpointError(f"no file {os.fspath(path)!r}; check its path (config= goes with a single .safetensors "
+                              "file: a pipeline folder or Hub id holds its own configs)")
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise pickle_error(path)
     if path.suffix.lower() != ".safetensors":
