@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core import FFMPEG_AS_STORED, imageio_ffmpeg
 from ._common import (
     IMAGE_EXTENSIONS,
     DataError,
@@ -39,11 +40,7 @@ from ._transforms import (
 
 def _ffmpeg():
     """``imageio_ffmpeg``, imported when a clip is first read (``import eqxdiff.data`` works without it)."""
-    try:
-        import imageio_ffmpeg
-    except ImportError as e:
-        raise DataError("reading video clips needs imageio-ffmpeg: pip install imageio-ffmpeg") from e
-    return imageio_ffmpeg
+    return imageio_ffmpeg(DataError)
 
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".gif", ".mov", ".mkv", ".avi", ".m4v")
@@ -87,7 +84,7 @@ def read_frames(path, frames: FrameSampling = FrameSampling()) -> np.ndarray:
     wanted = set(frames.indices().tolist())
     taken, seen = [], 0
     try:
-        reader = _ffmpeg().read_frames(path)
+        reader = _ffmpeg().read_frames(path, output_params=list(FFMPEG_AS_STORED))  # each frame once
         meta = next(reader)
         width, height = meta["size"]
         try:
