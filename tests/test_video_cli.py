@@ -11,8 +11,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from eqxdiff.cli import generate
+from eqxdiff.cli._command import FlagError
 from eqxdiff.data import FrameSampling, read_frames
-from eqxdiff.pipelines import read_video, write_video
+from eqxdiff.pipelines import InputError, read_video, write_video
+
+from . import _tiny_ltx as tiny_ltx
+from . import _tiny_wan as tiny_wan
 
 LEVELS = np.arange(10) * 20 + 10  # frame i is a flat grey at LEVELS[i]
 
@@ -46,3 +51,63 @@ def test_videos_are_written_and_read_without_a_fork_warning(tmp_path):
     for fps in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="must be a positive number of frames per second"):
             write_video(clip, tmp_path / "bad.mp4", fps=fps)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("video_cli")
+    tiny_wan.build_ti2v(root / "ti2v")
+    tiny_ltx.build_pipeline(root / "ltx")
+    return root
+
+
+def _argv(folder, *extra):
+    return ["--model", str(folder), "--prompt", "x", "--height", "32", "--width", "32", "--num-frames", "9",
+            "--steps", "2", *extra]
+
+
+def test_generate_refuses_fps_before_loading(folders, tmp_path):
+    """--fps -1 was refused only after generating (by the MP4 writer, in Python's words), --fps 0 wrote the default
+    rate and --fps nan failed with 'cannot convert NaN to integer ratio'."""
+    for fps in ("-1", "0", "nan", "inf"):
+        with pytest.raises(InputError, match=rf"^--fps {fps} must be a positive number of frames per second; leave "
+                                             "it out for the model's own rate$"):
+            generate.validate(_argv(folders / "ti2v", "--fps", fps, "--output-dir", str(tmp_path)))
+
+
+def test_pipeline_class_runs_a_folder_as_another_task_of_its_family(folders, tmp_path, capsys):
+    """A Wan 2.2 TI2V-5B folder (WanPipeline) runs image-to-video and an LTX-Video folder image-to-video or with
+    conditions through --pipeline-class, as load_pipeline(pipeline_class=...); the command line had no way to, and
+    --image was an unrecognized argument without a word on what takes it."""
+    image = tmp_path / "first.png"
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(image)
+    out = ["--output-dir", str(tmp_path / "out")]
+    with pytest.raises(FlagError, match=r"unrecognized argument\(s\) --image .*; --image is an option of "
+                                        r"WanImageToVideoPipeline: add --pipeline-class WanImageToVideoPipeline to "
+                                        "run the --model folder's WanPipeline as one$"):
+        generate.validate(_argv(folders / "ti2v", "--image", str(image), *out))
+    with pytest.raises(FlagError, match=r"--image is an option of LTXConditionPipeline and LTXImageToVideoPipeline: "
+                                        r"add --pipeline-class LTXConditionPipeline \(or another of them\)"):
+        generate.validate(_argv(folders / "ltx", "--image", str(image), *out))
+    checked = generate.validate(_argv(folders / "ti2v", "--image", str(image), "--pipeline-class",
+                                      "WanImageToVideoPipeline", *out))
+    assert checked.load_class.__name__ == "WanImageToVideoPipeline" and checked.kwargs["image"].shape == (32, 32, 3)
+    # the task's own input is required before loading (it was refused after the weights were loaded)
+    with pytest.raises(InputError, match=r"^pass --image \(the first frame of the video\)$"):
+        generate.validate(_argv(folders / "ti2v", "--pipeline-class", "WanImageToVideoPipeline", *out))
+    with pytest.raises(InputError, match=r"^pass --image \(the first frame of the video\)$"):
+        generate.validate(_argv(folders / "ltx", "--pipeline-class", "LTXImageToVideoPipeline", *out))
+    assert generate.validate(_argv(folders / "ltx", "--pipeline-class", "LTXConditionPipeline", "--image", str(image),
+                                   "--frame-index", "8", *out)).load_class.__name__ == "LTXConditionPipeline"
+    with pytest.raises(FlagError, match=r"^--pipeline-class WanPipeline: cannot run it; the --model folder's "
+                                        r"LTXPipeline runs as LTXPipeline, LTXConditionPipeline, "
+                                        "LTXImageToVideoPipeline: pass one of those or leave the flag out$"):
+        generate.validate(_argv(folders / "ltx", "--pipeline-class", "WanPipeline", *out))
+    with pytest.raises(FlagError, match="--pipeline-class Foo: is no pipeline eqxdiff serves"):
+        generate.validate(_argv(folders / "ltx", "--pipeline-class", "Foo", *out))
+    with pytest.raises(SystemExit):
+        generate.main(["--model", str(folders / "ltx"), "--pipeline-class", "LTXConditionPipeline", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "LTXConditionPipeline's (the --model folder's LTXPipeline as --pipeline-class)" in shown
+    for flag in ("--image", "--video", "--frame-index", "--strength", "--denoise-strength", "--pipeline-class"):
+        assert flag in shown, flag
