@@ -13,7 +13,7 @@ from PIL import Image
 
 from eqxdiff.cli import generate
 from eqxdiff.cli._command import FlagError
-from eqxdiff.data import FrameSampling, read_frames
+from eqxdiff.data import DataError, FrameSampling, VideoFolderSource, read_frames
 from eqxdiff.pipelines import InputError, read_video, write_video
 
 from . import _tiny_ltx as tiny_ltx
@@ -51,6 +51,16 @@ def test_videos_are_written_and_read_without_a_fork_warning(tmp_path):
     for fps in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="must be a positive number of frames per second"):
             write_video(clip, tmp_path / "bad.mp4", fps=fps)
+
+
+def test_a_short_clip_names_what_fits_when_the_folder_is_checked(tmp_path):
+    """The folder check (ffmpeg's frame count, before training) names the frames that fit, as the reader does; it
+    said only 'has 5 frames; ... needs 9'."""
+    write_video(np.stack([np.full((8, 8, 3), v, np.uint8) for v in LEVELS[:5]]), tmp_path / "short.mp4", fps=8)
+    (tmp_path / "short.txt").write_text("a short grey clip")
+    with pytest.raises(DataError, match=r"short\.mp4 has 5 frames; .* needs 9 .*Lower frames.count \(at most 3 fit "
+                                        r"at this start and stride\)"):
+        VideoFolderSource(tmp_path, frames=FrameSampling(count=5, stride=2))
 
 
 @pytest.fixture(scope="module")
