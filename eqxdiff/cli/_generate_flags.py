@@ -7,6 +7,7 @@ line gives, so that the command passes only those on and the folder's recommende
 import argparse
 import dataclasses
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -17,7 +18,7 @@ from huggingface_hub import hf_hub_download
 from ..core import family_names, resolve_class
 from ..loading import CheckpointError, is_hub_id, read_config, read_json, resolve_folder
 from ..parallel import MeshConfig
-from ..pipelines import DiffusionPipeline, InputError, single_file_class
+from ..pipelines import DiffusionPipeline, InputError, pipeline_class_for, single_file_class
 from ..schedulers import SCHEDULERS
 from ._command import DEBUG_HELP, CacheOptions, FlagError, config_errors_raise
 from ._compose import ControlNetOptions, excluded_arguments, net_class, run_class
@@ -48,6 +49,11 @@ class RunOptions:
     config: str | None = None
     """With a single .safetensors --model (a Black Forest Labs Flux file, an A1111/ComfyUI checkpoint): a diffusers
     folder or Hub id giving what the file lacks (tokenizers, scheduler, configs, a Flux file's other models)."""
+    pipeline_class: str | None = None
+    """Run the --model folder as another task of its family, as eqxdiff.load_pipeline(pipeline_class=...) does: a
+    Wan 2.2 TI2V-5B folder as WanImageToVideoPipeline (--image), an LTX-Video folder as LTXImageToVideoPipeline or
+    LTXConditionPipeline; default: the folder's own class. ``--model X --pipeline-class Y --help`` lists Y's
+    options."""
     refiner: str | None = None
     """A refiner pipeline (folder or Hub id, e.g. SDXL's refiner) that finishes the --model base's latents: with
     --denoising-end F the base runs the first F of the schedule and the refiner the rest (ensemble of experts),
@@ -105,12 +111,13 @@ class ParallelOptions:
 
 
 def _early_flags(argv: Sequence[str]) -> argparse.Namespace:
-    """The flags that decide the pipeline class (and so the other flags): --model, --revision, --config, and
-    whether --controlnet, --image and --mask are given."""
+    """The flags that decide the pipeline class (and so the other flags): --model, --revision, --config,
+    --pipeline-class, and whether --controlnet, --image and --mask are given."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--model", default=DEFAULT_MODEL)
     pre.add_argument("--revision", default=None)
     pre.add_argument("--config", default=None)
+    pre.add_argument("--pipeline-class", default=None)
     pre.add_argument("--controlnet", action="append", default=[])
     pre.add_argument("--image", default=None)
     pre.add_argument("--mask", "--mask-image", dest="mask", default=None)
@@ -138,6 +145,52 @@ def pipeline_class(model: str, revision: str | None = None, config: str | None =
         raise CheckpointError(f"{model!r} holds a {name!r} pipeline (model_index.json _class_name), which eqxdiff "
                               f"does not serve; eqxdiff serves {', '.join(family_names('pipeline'))}")
     return cls
+
+
+def task_classes(folder_class: type) -> list[type]:
+    """The pipeline classes a folder of ``folder_class`` runs as (:func:`eqxdiff.pipelines.pipeline_class_for`):
+    its own and its family's other tasks that use the same components, give or take optional ones."""
+    found = [folder_class]
+    for name in family_names("pipeline"):
+        other = resolve_class(name)
+        if other in found or not (issubclass(other, folder_class) or issubclass(folder_class, other)):
+            continue
+        try:
+            pipeline_class_for(folder_class, other, where="", holds="")
+        except CheckpointError:
+            continue
+        found.append(other)
+    return found
+
+
+def task_class(folder_class: type, name: str | None) -> type:
+    """``--pipeline-class NAME``: the class it names, if a folder of ``folder_class`` runs as it
+    (:func:`task_classes`; the folder's own class for ``None``); a :class:`FlagError` naming those it runs as
+    otherwise."""
+    if name is None:
+        return folder_class
+    tasks = task_classes(folder_class)
+    chosen = next((c for c in tasks if c.__name__ == name), None)
+    if chosen is None:
+        what = "is no pipeline eqxdiff serves" if name not in family_names("pipeline") else "cannot run it"
+        raise FlagError(f"--pipeline-class {name}: {what}; the --model folder's {folder_class.__name__} runs as "
+                        f"{', '.join(c.__name__ for c in tasks)}: pass one of those or leave the flag out")
+    return chosen
+
+
+def other_tasks_hint(folder_class: type, cls: type, message: str) -> str:
+    """``message`` (an unrecognized-flags error) with, for each unknown flag that another task of the folder takes
+    (``--image`` on a text-to-video folder), the ``--pipeline-class`` that takes it."""
+    flags = re.findall(r"(?<![\w-])--([a-z][\w-]*)", message.split(";")[0])
+    hints = []
+    for flag in dict.fromkeys(flags):
+        takers = [c.__name__ for c in task_classes(folder_class) if c is not cls and flag.replace("-", "_") in
+                  {f.name for f in dataclasses.fields(family_options(c, exclude=excluded_arguments(c)).options)}]
+        if takers:
+            hints.append(f"--{flag} is an option of {' and '.join(takers)}: add --pipeline-class {takers[0]}"
+                         + (" (or another of them)" if len(takers) > 1 else "")
+                         + f" to run the --model folder's {folder_class.__name__} as one")
+    return message if not hints else f"{message}; {'; '.join(hints)}"
 
 
 def config_reader(model: str, revision: str | None = None, config: str | None = None):
@@ -212,11 +265,13 @@ def parse_command(argv: Sequence[str], *, prog: str | None = None) -> Parsed:
     check_short_forms(argv)
     early = _early_flags(argv)
     folder_class = pipeline_class(early.model, early.revision, early.config)
-    cls = run_class(folder_class, controlnet=bool(early.controlnet), image=early.image is not None,
+    task = task_class(folder_class, early.pipeline_class)
+    cls = run_class(task, controlnet=bool(early.controlnet), image=early.image is not None,
                     mask=early.mask is not None, net=net_class(early.controlnet, config_reader))
     own = {"prompt": DIGITS_PROMPT} if early.model == DEFAULT_MODEL else {}
     family = family_options(cls, own, exclude=excluded_arguments(cls))
     what = ("the --model folder's class" if cls is folder_class else
+            f"the --model folder's {folder_class.__name__} as --pipeline-class" if cls is task else
             f"the --model folder's {folder_class.__name__} with ControlNet" if early.controlnet else
             f"the --model folder's {folder_class.__name__} for --image")
     description = (f"Images or videos from a diffusion pipeline. The pipeline options are {cls.__name__}'s ({what}); "
@@ -224,7 +279,9 @@ def parse_command(argv: Sequence[str], *, prog: str | None = None) -> Parsed:
     try:
         with config_errors_raise():
             args = tyro.cli(build_parser(family), args=argv, prog=prog, description=description)
-    except FlagError:
+    except FlagError as e:
+        if str(e).startswith("unrecognized argument"):
+            raise FlagError(other_tasks_hint(folder_class, cls, str(e))) from None
         raise
     except ValueError as e:  # a number that does not parse: in the flag's words (tyro's names neither)
         message = number_error(argv, flag_types(family))

@@ -40,6 +40,7 @@ the batch is split over the mesh; several hosts run the same command with ``--co
 """
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -131,6 +132,9 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, pars
     family, args, folder_class = parsed.family, parsed.args, parsed.folder_class
     run, control = args.run, args.control
     check_output_folder("--output-dir", run.output_dir)  # before minutes of loading and compiling
+    if run.fps is not None and not (math.isfinite(run.fps) and run.fps > 0):
+        raise InputError(f"--fps {run.fps:g} must be a positive number of frames per second; leave it out for the "
+                         "model's own rate")
     if run.config is not None and not Path(run.model).expanduser().is_file():
         raise InputError(f"--config is for a single .safetensors --model (it gives what the file lacks); --model "
                          f"{run.model!r} holds its own configs: leave out --config")

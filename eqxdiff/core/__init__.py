@@ -9,7 +9,8 @@
   families' single-file layouts (:data:`SINGLE_FILE_LAYOUTS`);
 - the persistent compilation cache (:func:`enable_compilation_cache`), which the commands turn on, and
   :func:`program` (``eqx.filter_jit`` whose traced programs are kept there too: a later process skips tracing);
-- transformers imported for its tokenizers without its framework notice (:func:`import_transformers`).
+- transformers imported for its tokenizers without its framework notice (:func:`import_transformers`);
+- imageio-ffmpeg as the video readers and writers use it (:func:`imageio_ffmpeg`, :data:`FFMPEG_AS_STORED`).
 """
 
 from ._cache import CacheWarning as CacheWarning
@@ -20,6 +21,8 @@ from ._cache import not_a_folder as not_a_folder
 from ._cache import write_probe as write_probe
 from ._config import ConfigError as ConfigError
 from ._config import ModelConfig as ModelConfig
+from ._ffmpeg import AS_STORED as FFMPEG_AS_STORED
+from ._ffmpeg import imageio_ffmpeg as imageio_ffmpeg
 from ._families import FAMILY_TABLE as FAMILY_TABLE
 from ._families import SINGLE_FILE_LAYOUTS as SINGLE_FILE_LAYOUTS
 from ._families import family_names as family_names

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core import FFMPEG_AS_STORED, imageio_ffmpeg
 from ._common import (
     IMAGE_EXTENSIONS,
     DataError,
@@ -39,11 +40,7 @@ from ._transforms import (
 
 def _ffmpeg():
     """``imageio_ffmpeg``, imported when a clip is first read (``import eqxdiff.data`` works without it)."""
-    try:
-        import imageio_ffmpeg
-    except ImportError as e:
-        raise DataError("reading video clips needs imageio-ffmpeg: pip install imageio-ffmpeg") from e
-    return imageio_ffmpeg
+    return imageio_ffmpeg(DataError)
 
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".gif", ".mov", ".mkv", ".avi", ".m4v")
@@ -87,7 +84,7 @@ def read_frames(path, frames: FrameSampling = FrameSampling()) -> np.ndarray:
     wanted = set(frames.indices().tolist())
     taken, seen = [], 0
     try:
-        reader = _ffmpeg().read_frames(path)
+        reader = _ffmpeg().read_frames(path, output_params=list(FFMPEG_AS_STORED))  # each frame once
         meta = next(reader)
         width, height = meta["size"]
         try:
@@ -103,11 +100,16 @@ def read_frames(path, frames: FrameSampling = FrameSampling()) -> np.ndarray:
     except Exception as e:  # ffmpeg's errors come as RuntimeError / OSError / StopIteration with its stderr
         raise DataError(f"unreadable video {path}: {type(e).__name__}: {str(e).strip()[-300:]}") from e
     if len(taken) < frames.count:
-        fit = max((seen - 1 - frames.start) // frames.stride + 1, 0) if seen > frames.start else 0
-        raise DataError(f"video {path} has {seen} frames; frames {frames} needs {frames.needed} (start + "
-                        f"(count - 1) * stride + 1). Lower frames.count (at most {fit} fit at this start and stride), "
-                        "frames.stride or frames.start, or drop the clip")
+        raise DataError(too_short(path, seen, frames))
     return np.stack(taken)
+
+
+def too_short(path: str, count: int, frames: FrameSampling) -> str:
+    """What a clip of ``count`` frames lacks for ``frames``, and the fix."""
+    fit = max((count - 1 - frames.start) // frames.stride + 1, 0) if count > frames.start else 0
+    return (f"video {path} has {count} frames; frames {frames} needs {frames.needed} (start + (count - 1) * stride "
+            f"+ 1). Lower frames.count (at most {fit} fit at this start and stride), frames.stride or frames.start, "
+            "or drop the clip")
 
 
 def holds_videos(root) -> bool:
@@ -135,7 +137,7 @@ def video_problem(path: str, frames: FrameSampling, check: str) -> str | None:
     except (RuntimeError, OSError, ValueError) as e:  # ffmpeg's failure, with its stderr
         return f"unreadable video {path}: {type(e).__name__}: {str(e).strip()[-300:]}"
     if count < frames.needed:
-        return f"video {path} has {count} frames; frames {frames} needs {frames.needed}"
+        return too_short(path, count, frames)
     return None
 
 

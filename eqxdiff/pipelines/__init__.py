@@ -20,6 +20,7 @@ from ._checks import check_arguments as check_arguments
 from ._components import Component as Component
 from ._components import build_scheduler as build_scheduler
 from ._components import load_tokenizer as load_tokenizer
+from ._components import pipeline_class_for as pipeline_class_for
 from ._denoise import Denoiser as Denoiser
 from ._denoise import Guidance as Guidance
 from ._denoise import Schedule as Schedule

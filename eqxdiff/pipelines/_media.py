@@ -6,6 +6,8 @@ saves what a pipeline returned: uint8 images ``[n, H, W, 3]`` as PNGs, frames ``
 """
 
 import json
+import math
+import numbers
 import os
 import re
 import subprocess
@@ -15,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from ..core import FFMPEG_AS_STORED, imageio_ffmpeg
 from ._checks import InputError
 from ._images import next_index, output_folder, save_images
 
@@ -24,11 +27,9 @@ DEFAULT_FPS = 16
 def _ffmpeg():
     """``imageio_ffmpeg``, imported when a video is first written or read (``import eqxdiff.pipelines`` works
     without it: a machine that only makes images)."""
-    try:
-        import imageio_ffmpeg
-    except ImportError as e:
-        raise ImportError("writing and reading videos needs imageio-ffmpeg: pip install imageio-ffmpeg") from e
-    return imageio_ffmpeg
+    return imageio_ffmpeg()
+
+
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -42,8 +43,9 @@ def write_video(frames: np.ndarray, path: str | os.PathLike, *, fps: float = DEF
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise ValueError(f"frames must be uint8 [frames, height, width, 3], got {frames.dtype} {frames.shape}")
-    if fps <= 0:
-        raise ValueError(f"fps={fps} must be > 0")
+    if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or fps <= 0:
+        raise ValueError(f"fps={fps!r} must be a positive number of frames per second (16, 24 and 25 are "
+                         "usual)")
     path = Path(path)
     extra = [] if parameters is None else ["-metadata", f"comment={json.dumps(dict(parameters), default=str)}"]
     height, width = frames.shape[1:3]
@@ -59,10 +61,11 @@ def write_video(frames: np.ndarray, path: str | os.PathLike, *, fps: float = DEF
 
 
 def read_video(path: str | os.PathLike) -> np.ndarray:
-    """The frames of a video file as uint8 ``[F, H, W, 3]`` (any format the bundled ffmpeg reads)."""
+    """The frames of a video file as uint8 ``[F, H, W, 3]`` (any format the bundled ffmpeg reads), each frame once
+    as stored (a variable-frame-rate clip is not resampled to a constant rate)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"video file {os.fspath(path)!r} not found")
-    reader = _ffmpeg().read_frames(os.fspath(path))
+    reader = _ffmpeg().read_frames(os.fspath(path), output_params=list(FFMPEG_AS_STORED))
     meta = next(reader)
     width, height = meta["size"]
     frames = [np.frombuffer(f, np.uint8).reshape(height, width, 3) for f in reader]
@@ -87,7 +90,7 @@ def save_videos(videos: np.ndarray, folder: str | os.PathLike, parameters: Mappi
     """Save uint8 ``[n, F, H, W, 3]`` videos as ``{prefix}_{i}.mp4`` at ``fps`` frames per second (default 16),
     numbered on after the files already in ``folder`` (from 0 with ``overwrite``), each with ``parameters`` plus its
     ``index`` in the batch and ``fps``."""
-    fps = fps or DEFAULT_FPS
+    fps = DEFAULT_FPS if fps is None else fps
     videos = np.asarray(videos)
     if videos.ndim != 5:
         raise ValueError(f"videos must be uint8 [n, frames, height, width, 3], got shape {videos.shape}")

@@ -46,6 +46,13 @@ class LTXImageToVideoPipeline(LTXPipeline):
     CLASS_NAME: ClassVar[str] = "LTXImageToVideoPipeline"
     INIT_IMAGE: ClassVar[str | None] = "image"
 
+    @classmethod
+    def check_arguments(cls, arguments, limits=None) -> None:
+        """The first frame is required (checked before loading too), then the shared checks."""
+        if "image" in arguments and arguments["image"] is None:
+            raise InputError("pass image= (the first frame of the video)")
+        super().check_arguments(arguments, limits)
+
     def image_condition(self, image, *, shape, key: PRNGKeyArray) -> dict:
         """The image's arrays for latents of ``shape`` (:class:`~eqxdiff.pipelines.ltx.LTXDenoiser`): its sampled
         latents on the first frame (``first_frame`` ``[n, 1, h, w, C]``), the ``frame_mask`` and the ``token_mask``
@@ -87,8 +94,6 @@ class LTXImageToVideoPipeline(LTXPipeline):
             latents: The initial noise ``[n, T, h, w, C]``, channels-last (its first frame is replaced by the
                 image's latents).
         """
-        if image is None:
-            raise InputError("pass image= (the first frame of the video)")
         size = image_size(image)
         if size is None:
             raise InputError("image must be a picture: uint8 [H, W, 3] or [1, H, W, 3], floats in [0, 1], or a PIL "

@@ -92,6 +92,19 @@ class LTXLatentUpsamplePipeline(LatentPipeline):
         return CallLimits(frame_factor=c.temporal_factor, size_factor=c.downsample_factor,
                           size_why=f"the VAE downsamples by {c.downsample_factor}")
 
+    @classmethod
+    def check_arguments(cls, arguments, limits=None) -> None:
+        """Checks before loading too: one input (``video`` or ``latents``), the AdaIN factor and tone mapping in
+        range."""
+        for name, most in (("adain_factor", 10), ("tone_map_compression_ratio", 1)):
+            value = arguments.get(name, 0.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= most:
+                raise InputError(f"{name}={value!r} must be a number in [0, {most}] (0 turns it off)")
+        if "video" in arguments and (arguments["video"] is None) == (arguments.get("latents") is None):
+            raise InputError("pass video= (frames to encode) or latents= (a pipeline's output_type='latent' result), "
+                             "one of them")
+        super().check_arguments(arguments, limits)
+
     def decode(self, latents, *, timestep=None, noise_scale=None, key=None) -> Array:
         """Normalised latents as ``[-1, 1]`` videos (:func:`~eqxdiff.pipelines.ltx.decode_video`), with the
         pipeline's tiling settings."""
@@ -133,14 +146,6 @@ class LTXLatentUpsamplePipeline(LatentPipeline):
                 input).
             progress: Unused (no loop); accepted as the other pipelines accept it.
         """
-        for name, value in (("adain_factor", adain_factor), ("tone_map_compression_ratio", tone_map_compression_ratio)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= (
-                    1 if name.startswith("tone") else 10):
-                raise InputError(f"{name}={value!r} must be a number in [0, {1 if name.startswith('tone') else 10}] "
-                                 "(0 turns it off)")
-        if (video is None) == (latents is None):
-            raise InputError("pass video= (frames to encode) or latents= (a pipeline's output_type='latent' result), "
-                             "one of them")
         key = resolve_key(seed, key)
         with self.timed("encode"):
             if latents is None:

@@ -82,6 +82,13 @@ class WanImageToVideoPipeline(WanPipeline):
     )
     INIT_IMAGE: ClassVar[str | None] = "image"
 
+    @classmethod
+    def check_arguments(cls, arguments, limits=None) -> None:
+        """The first frame is required (checked before loading too), then the shared checks."""
+        if "image" in arguments and arguments["image"] is None:
+            raise InputError("pass image= (the first frame of the video)")
+        super().check_arguments(arguments, limits)
+
     @property
     def latent_channels(self) -> int:
         """Channels of the latents the scheduler steps: the VAE's (the transformer takes more: mask and image)."""
@@ -190,8 +197,6 @@ class WanImageToVideoPipeline(WanPipeline):
             image_embeds: Wan 2.1: CLIP's image tokens ``[images, tokens, image_dim]`` instead of encoding ``image``.
             last_image: The last frame (first-last-frame-to-video), the image's size.
         """
-        if image is None:
-            raise InputError("pass image= (the first frame of the video)")
         self._check_channels()
         key = resolve_key(seed, key)
         size = image_size(image)

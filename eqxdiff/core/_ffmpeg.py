@@ -1,0 +1,29 @@
+"""``imageio-ffmpeg``, as every video reader and writer of eqxdiff uses it (``pipelines``' MP4 files, ``data``'s
+training clips).
+
+- :data:`AS_STORED`: ffmpeg's output options that hand over a clip's frames as stored. Without them ffmpeg turns a
+  variable-frame-rate clip (a GIF whose frames last different times, a phone's MP4) into a constant rate by repeating
+  and dropping frames: a GIF of 10 frames read as 73, its first frame 6 times, so frame indices picked nothing of the
+  clip's own sequence (and ``count_frames_and_secs`` said 10).
+- :func:`imageio_ffmpeg` imports the module on first use and keeps JAX's ``os.fork() was called`` warning from
+  printing for imageio-ffmpeg's own ffmpeg processes. imageio-ffmpeg starts ffmpeg with ``preexec_fn=os.setpgrp``
+  (its own process group, so that Ctrl-C stops eqxdiff at a step instead of killing ffmpeg mid-file), which makes
+  ``subprocess`` fork and run the fork hooks, and JAX warns at every video written or read that a deadlock is
+  likely. The child only calls ``setpgrp`` before ``exec``; the warning is silenced for forks by ``subprocess``
+  alone (a fork of the user's own still warns).
+"""
+
+import warnings
+
+AS_STORED = ("-fps_mode", "passthrough")
+
+
+def imageio_ffmpeg(error: type[Exception] = ImportError):
+    """The ``imageio_ffmpeg`` module; ``error`` (naming the fix) when it is not installed."""
+    try:
+        import imageio_ffmpeg as module
+    except ImportError as e:
+        raise error("reading and writing videos needs imageio-ffmpeg: pip install imageio-ffmpeg") from e
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning,
+                            module="subprocess")
+    return module

@@ -1,0 +1,123 @@
+"""The video families as a new user meets them from the command line (issues 20 and 21), beyond what the families'
+own tests run: clips read frame by frame as stored, no JAX fork warning at each video written or read, and
+``eqxdiff-generate``'s refusals before anything is loaded (``--fps``, a task's missing input, a flag of another task
+of the folder's family, ``--pipeline-class``). Nothing here compiles: the tiny folders are only read for their
+configs (tests/_tiny_wan.py, tests/_tiny_ltx.py)."""
+
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from eqxdiff.cli import generate
+from eqxdiff.cli._command import FlagError
+from eqxdiff.data import DataError, FrameSampling, VideoFolderSource, read_frames
+from eqxdiff.pipelines import InputError, read_video, write_video
+
+from . import _tiny_ltx as tiny_ltx
+from . import _tiny_wan as tiny_wan
+
+LEVELS = np.arange(10) * 20 + 10  # frame i is a flat grey at LEVELS[i]
+
+
+def test_a_variable_frame_rate_clip_reads_each_frame_once(tmp_path):
+    """A GIF whose frames last different times (as a phone's MP4 has a variable rate): its 10 frames, each once.
+    ffmpeg's default constant-rate output read it as 73 frames, the first 6 times, so frame sampling picked
+    repeated frames (and the clip checks' frame count, 10, disagreed with the reader)."""
+    frames = [Image.fromarray(np.full((8, 8, 3), v, np.uint8)) for v in LEVELS]
+    gif = tmp_path / "vfr.gif"
+    frames[0].save(gif, save_all=True, append_images=frames[1:], loop=0,
+                   duration=[100, 300, 50, 100, 200, 100, 100, 70, 100, 100])
+    for got in (read_frames(gif, FrameSampling(count=10)), read_video(gif)):
+        assert got.shape == (10, 8, 8, 3)
+        np.testing.assert_allclose(got.mean(axis=(1, 2, 3)), LEVELS, atol=3)
+    picked = read_frames(gif, FrameSampling(count=3, stride=3, start=1))
+    np.testing.assert_allclose(picked.mean(axis=(1, 2, 3)), LEVELS[[1, 4, 7]], atol=3)
+
+
+def test_videos_are_written_and_read_without_a_fork_warning(tmp_path):
+    """imageio-ffmpeg starts ffmpeg in its own process group (``preexec_fn``), a fork JAX warned about ('os.fork()
+    was called ... will likely lead to a deadlock') at every video an eqxdiff command wrote or read."""
+    jax.devices()  # JAX's fork hook is installed with its backend
+    clip = np.stack([np.full((8, 8, 3), v, np.uint8) for v in LEVELS[:3]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = write_video(clip, tmp_path / "clip.mp4", fps=8)
+        read_video(path)
+        read_frames(path, FrameSampling(count=2))
+    assert not [w for w in caught if "fork" in str(w.message)], [str(w.message) for w in caught]
+    for fps in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="must be a positive number of frames per second"):
+            write_video(clip, tmp_path / "bad.mp4", fps=fps)
+
+
+def test_a_short_clip_names_what_fits_when_the_folder_is_checked(tmp_path):
+    """The folder check (ffmpeg's frame count, before training) names the frames that fit, as the reader does; it
+    said only 'has 5 frames; ... needs 9'."""
+    write_video(np.stack([np.full((8, 8, 3), v, np.uint8) for v in LEVELS[:5]]), tmp_path / "short.mp4", fps=8)
+    (tmp_path / "short.txt").write_text("a short grey clip")
+    with pytest.raises(DataError, match=r"short\.mp4 has 5 frames; .* needs 9 .*Lower frames.count \(at most 3 fit "
+                                        r"at this start and stride\)"):
+        VideoFolderSource(tmp_path, frames=FrameSampling(count=5, stride=2))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("video_cli")
+    tiny_wan.build_ti2v(root / "ti2v")
+    tiny_ltx.build_pipeline(root / "ltx")
+    return root
+
+
+def _argv(folder, *extra):
+    return ["--model", str(folder), "--prompt", "x", "--height", "32", "--width", "32", "--num-frames", "9",
+            "--steps", "2", *extra]
+
+
+def test_generate_refuses_fps_before_loading(folders, tmp_path):
+    """--fps -1 was refused only after generating (by the MP4 writer, in Python's words), --fps 0 wrote the default
+    rate and --fps nan failed with 'cannot convert NaN to integer ratio'."""
+    for fps in ("-1", "0", "nan", "inf"):
+        with pytest.raises(InputError, match=rf"^--fps {fps} must be a positive number of frames per second; leave "
+                                             "it out for the model's own rate$"):
+            generate.validate(_argv(folders / "ti2v", "--fps", fps, "--output-dir", str(tmp_path)))
+
+
+def test_pipeline_class_runs_a_folder_as_another_task_of_its_family(folders, tmp_path, capsys):
+    """A Wan 2.2 TI2V-5B folder (WanPipeline) runs image-to-video and an LTX-Video folder image-to-video or with
+    conditions through --pipeline-class, as load_pipeline(pipeline_class=...); the command line had no way to, and
+    --image was an unrecognized argument without a word on what takes it."""
+    image = tmp_path / "first.png"
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(image)
+    out = ["--output-dir", str(tmp_path / "out")]
+    with pytest.raises(FlagError, match=r"unrecognized argument\(s\) --image .*; --image is an option of "
+                                        r"WanImageToVideoPipeline: add --pipeline-class WanImageToVideoPipeline to "
+                                        "run the --model folder's WanPipeline as one$"):
+        generate.validate(_argv(folders / "ti2v", "--image", str(image), *out))
+    with pytest.raises(FlagError, match=r"--image is an option of LTXConditionPipeline and LTXImageToVideoPipeline: "
+                                        r"add --pipeline-class LTXConditionPipeline \(or another of them\)"):
+        generate.validate(_argv(folders / "ltx", "--image", str(image), *out))
+    checked = generate.validate(_argv(folders / "ti2v", "--image", str(image), "--pipeline-class",
+                                      "WanImageToVideoPipeline", *out))
+    assert checked.load_class.__name__ == "WanImageToVideoPipeline" and checked.kwargs["image"].shape == (32, 32, 3)
+    # the task's own input is required before loading (it was refused after the weights were loaded)
+    with pytest.raises(InputError, match=r"^pass --image \(the first frame of the video\)$"):
+        generate.validate(_argv(folders / "ti2v", "--pipeline-class", "WanImageToVideoPipeline", *out))
+    with pytest.raises(InputError, match=r"^pass --image \(the first frame of the video\)$"):
+        generate.validate(_argv(folders / "ltx", "--pipeline-class", "LTXImageToVideoPipeline", *out))
+    assert generate.validate(_argv(folders / "ltx", "--pipeline-class", "LTXConditionPipeline", "--image", str(image),
+                                   "--frame-index", "8", *out)).load_class.__name__ == "LTXConditionPipeline"
+    with pytest.raises(FlagError, match=r"^--pipeline-class WanPipeline: cannot run it; the --model folder's "
+                                        r"LTXPipeline runs as LTXPipeline, LTXConditionPipeline, "
+                                        "LTXImageToVideoPipeline: pass one of those or leave the flag out$"):
+        generate.validate(_argv(folders / "ltx", "--pipeline-class", "WanPipeline", *out))
+    with pytest.raises(FlagError, match="--pipeline-class Foo: is no pipeline eqxdiff serves"):
+        generate.validate(_argv(folders / "ltx", "--pipeline-class", "Foo", *out))
+    with pytest.raises(SystemExit):
+        generate.main(["--model", str(folders / "ltx"), "--pipeline-class", "LTXConditionPipeline", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "LTXConditionPipeline's (the --model folder's LTXPipeline as --pipeline-class)" in shown
+    for flag in ("--image", "--video", "--frame-index", "--strength", "--denoise-strength", "--pipeline-class"):
+        assert flag in shown, flag
