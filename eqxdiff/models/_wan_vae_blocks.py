@@ -29,13 +29,6 @@ from ..core import VIDEO_AXES, Plan, checkpoint_block, constrain
 VIDEO = VIDEO_AXES  # frames stay whole under the default rules: the convolutions are causal in time
 
 
-def _frames(fn, x: Array) -> Array:
-    """``fn`` (a 2-D op on ``[n, h, w, c]``) applied to each frame of ``x [b, t, h, w, c]``."""
-    b, t = x.shape[:2]
-    y = fn(x.reshape(b * t, *x.shape[2:]))
-    return y.reshape(b, t, *y.shape[1:])
-
-
 def causal(conv: nn.CausalConv3d, x: Array, cache: Array | None) -> tuple[Array, Array | tuple]:
     """``conv`` over ``x`` after the cached frames (``None``: zeros), and the new cache: the last input frames."""
     front = conv.time_padding[0]
@@ -128,6 +121,7 @@ class WanAttentionBlock(eqx.Module):
     to_qkv: nn.Conv2d
     proj: nn.Conv2d
     attention: nn.ProjectedAttention  # the kernel and its settings: no parameters
+    plan: Plan | None = eqx.field(static=True, default=None)
 
     def __init__(self, dim: int, *, dtype, key: PRNGKeyArray):
         kq, kp, ka = jax.random.split(key, 3)
@@ -143,7 +137,7 @@ class WanAttentionBlock(eqx.Module):
         return self.proj(self.attention(q, k, v).reshape(n, h, w, c))
 
     def __call__(self, x, cache=None):
-        return x + _frames(self._frame, x), ()
+        return x + nn.per_frame(self._frame, x, self.plan), ()
 
 
 class WanResample(eqx.Module):
@@ -157,6 +151,7 @@ class WanResample(eqx.Module):
     conv: nn.Conv2d
     time_conv: nn.CausalConv3d | None
     mode: str = eqx.field(static=True)
+    plan: Plan | None = eqx.field(static=True, default=None)
 
     def __init__(self, dim: int, mode: str, out_dim: int | None = None, *, dtype, key: PRNGKeyArray):
         kc, kt = jax.random.split(key)
@@ -174,6 +169,7 @@ class WanResample(eqx.Module):
         if rest.shape[1] == 0:  # frame 0 alone: nothing through time_conv yet, its cache stays zeros
             return x, jnp.zeros((x.shape[0], 2, *x.shape[2:]), x.dtype)
         y, cache = causal(self.time_conv, rest, cache)
+        y = constrain(y, self.plan, VIDEO)
         b, t, h, w, _ = y.shape
         y = y.reshape(b, t, h, w, 2, -1).transpose(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, -1)
         return (jnp.concatenate([x[:, :1], y], axis=1) if first else y), cache
@@ -189,8 +185,9 @@ class WanResample(eqx.Module):
             x, cache = self._double_frames(x, cache)
         if self.mode.startswith("upsample"):
             up = lambda f: jnp.repeat(jnp.repeat(f, 2, axis=1), 2, axis=2)  # noqa: E731
-            return _frames(lambda f: self.conv(up(f)), x), (cache if self.mode == "upsample3d" else ())
-        x = _frames(lambda f: self.conv(jnp.pad(f, ((0, 0), (0, 1), (0, 1), (0, 0)))), x)
+            x = nn.per_frame(lambda f: self.conv(up(f)), x, self.plan)
+            return x, (cache if self.mode == "upsample3d" else ())
+        x = nn.per_frame(lambda f: self.conv(jnp.pad(f, ((0, 0), (0, 1), (0, 1), (0, 0)))), x, self.plan)
         return self._halve_frames(x, cache) if self.mode == "downsample3d" else (x, ())
 
 

@@ -64,13 +64,6 @@ def _conv(dims: int, cin: int, cout: int, *, dtype, key) -> nn.Conv2d | nn.Conv3
     return cls(cin, cout, 3, padding=1, dtype=dtype, key=key)
 
 
-def _frames(fn, x: Array) -> Array:
-    """``fn`` on each frame of ``x [b, f, h, w, c]`` (an image function of ``[n, h, w, c]``)."""
-    b, f = x.shape[:2]
-    y = fn(x.reshape(b * f, *x.shape[2:]))
-    return y.reshape(b, f, *y.shape[1:])
-
-
 class LTXUpsamplerResBlock(eqx.Module):
     """``silu(norm2(conv2(silu(norm1(conv1(x))))) + x)`` (diffusers' ``ResBlock``)."""
 
@@ -108,7 +101,7 @@ class PixelShuffleUpsampler(eqx.Module):
 
     def __call__(self, x: Array) -> Array:
         if self.stride[0] == 1:
-            return depth_to_space(_frames(self.conv, x), self.stride)
+            return depth_to_space(nn.per_frame(self.conv, x), self.stride)
         return depth_to_space(self.conv(x), self.stride)[:, 1:]
 
 
@@ -161,7 +154,7 @@ class LTXLatentUpsamplerModel(PretrainedModel):
             return self.final_conv(self._stage(x, self.post_upsample_res_blocks))
 
         if c.dims == 2:
-            return _frames(after, self.upsampler(_frames(before, latents)))
+            return nn.per_frame(after, self.upsampler(nn.per_frame(before, latents)))
         return after(self.upsampler(before(latents)))
 
 

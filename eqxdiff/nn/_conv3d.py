@@ -1,5 +1,6 @@
 """3-D convolutions on channels-last video ``[batch, frames, height, width, channels]``: a plain one (Wan's patch
-embedding) and a causal one for the video VAEs (time padded in front only)."""
+embedding) and a causal one for the video VAEs (time padded in front only); :func:`per_frame` runs an image function
+on each frame."""
 
 import math
 from collections.abc import Mapping, Sequence
@@ -10,8 +11,24 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
+from ..core import VIDEO_AXES, Plan, constrain
 from ._adapters import Adapters, adapted_conv
 from ._init import init_uniform
+
+
+def per_frame(fn, x: Float[Array, "batch frames height width channels"], plan: Plan | None = None) -> Array:
+    """``fn`` (an image function of ``[n, h, w, c]``) on each frame of ``x``: frames folded into the batch and back,
+    the result constrained to the video layout (:data:`~eqxdiff.core.VIDEO_AXES`, frames whole) under ``plan``.
+
+    The constraint is not only layout: a kernel inside ``fn`` may split the folded batch (``batch x frames``) over
+    the batch axes (the VAEs' per-frame attention does), and unfolded unconstrained, that split lands on the frames.
+    Inside a loop body (a tiled decode's ``lax.map``, a frame-chunked decode's ``lax.scan``), XLA's Shardy
+    partitioner (jax 0.10.2) then computes the next causal time convolution wrongly: frames off by up to 0.5 of the
+    output range on 8 simulated devices (tests/test_wan_vae.py::test_mesh_decodes_equal_one_device)."""
+    b, t = x.shape[:2]
+    x = constrain(x, plan, VIDEO_AXES)
+    y = fn(x.reshape(b * t, *x.shape[2:]))
+    return constrain(y.reshape(b, t, *y.shape[1:]), plan, VIDEO_AXES)
 
 
 def _triple(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
@@ -109,4 +126,4 @@ class CausalConv3d(eqx.Module):
         return self.conv(x)
 
 
-__all__ = ["CausalConv3d", "Conv3d"]
+__all__ = ["CausalConv3d", "Conv3d", "per_frame"]
