@@ -507,6 +507,10 @@ API = [
     ("sigmas-nan", lambda c: c.pipe("a", sigmas=[1.0, float("nan")]), InputError, r"sigmas=\[1.0, nan\]"),
     ("denoising-start-out-of-range", lambda c: eqxdiff.pipelines.check_arguments({"denoising_start": 1.5}),
      InputError, r"denoising_start=1.5 must be a float in \(0, 1\)"),
+    ("denoising-start-one", lambda c: eqxdiff.pipelines.check_arguments({"denoising_start": 1.0}), InputError,
+     r"denoising_start=1.0 must be a float in \(0, 1\)"),  # diffusers ignores it and noises the image to strength
+    ("denoising-end-zero", lambda c: eqxdiff.pipelines.check_arguments({"denoising_end": 0.0}), InputError,
+     r"denoising_end=0.0 must be a float in \(0, 1\]"),  # (1.0: the whole schedule, as diffusers runs it)
     ("denoising-start-without-image", lambda c: StableDiffusionXLPipeline.check_arguments(
         {"prompt": "a", "image": None, "denoising_start": 0.8}), InputError,
      r"denoising_start needs image= \(the latents .*\); got denoising_start=0.8 alone"),

@@ -213,6 +213,12 @@ def test_refiner_and_hand_off_match_diffusers(base, refiner, monkeypatch):
     ours = pipe(PROMPTS, image=ours_handed, denoising_start=0.5, progress=False, **common)
     assert _pixels_off(ours, expected) <= 2
 
+    # denoising_end=1 runs the whole schedule (diffusers ignores the value there: the same run, the same program)
+    with torch.no_grad():
+        whole = base_ref(PROMPTS, latents=nhwc_to_nchw(noise), denoising_end=1.0, output_type="latent", **steps).images
+    assert_close(base_pipe(PROMPTS, latents=noise, denoising_end=1.0, output_type="latent", progress=False, **steps),
+                 nchw_to_nhwc(whole), 1e-4, "denoising_end=1.0")
+
 
 def test_lightning_unet_from_a_lone_file_with_trailing_euler(base, tmp_path, latents):
     """SDXL-Lightning as its users run it: a UNet state dict in one .safetensors file (diffusers' names, no

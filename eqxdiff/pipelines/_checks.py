@@ -23,6 +23,11 @@ OUTPUT_TYPES = ("uint8", "latent")
 # A requested output above this many times the model's native pixel count, and this many latent tokens, gets an
 # InputWarning (the attention's cost grows with the square of the tokens).
 LARGE_OUTPUT_RATIO, LARGE_OUTPUT_TOKENS = 4, 4096
+# The hand-off fractions' ranges. denoising_end=1 runs the whole schedule (diffusers ignores the value there: the same
+# run); denoising_start=1 would leave no step (diffusers ignores it too, then noises the image to strength: another
+# run than the one asked for); 0 is refused for either (no step to run; diffusers' strength run).
+FRACTION_TOP = {"denoising_start": float(np.nextafter(1.0, 0.0)), "denoising_end": 1.0}
+FRACTION_RANGE = {"denoising_start": "(0, 1)", "denoising_end": "(0, 1]"}
 
 
 class InputError(ValueError):
@@ -133,8 +138,8 @@ def _seed(name: str, value, limits) -> None:
 
 
 def _fraction(name: str, value, limits) -> None:
-    if not _is_real(value) or not 0.0 < value < 1.0:
-        raise InputError(f"{name}={value!r} must be a float in (0, 1): the fraction of the schedule "
+    if not _is_real(value) or not 0.0 < value <= FRACTION_TOP[name]:
+        raise InputError(f"{name}={value!r} must be a float in {FRACTION_RANGE[name]}: the fraction of the schedule "
                          f"{'before the hand-off' if name == 'denoising_start' else 'to run'}")
 
 

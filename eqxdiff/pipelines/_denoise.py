@@ -20,6 +20,7 @@ import numpy as np
 from .._typing import Array, Float, Int, PRNGKeyArray
 from ..core import program
 from ..schedulers import pad_schedule, to_device
+from ._checks import FRACTION_RANGE, FRACTION_TOP
 from ._progress import tick
 
 GUIDANCE_MODES = ("batched", "separate")
@@ -202,8 +203,8 @@ class Schedule:
 def _fraction(name: str, value) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
-        raise ValueError(f"{name}={value!r} must be a float in (0, 1): the fraction of the schedule "
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= FRACTION_TOP[name]:
+        raise ValueError(f"{name}={value!r} must be a float in {FRACTION_RANGE[name]}: the fraction of the schedule "
                          f"{'before the hand-off' if name == 'denoising_start' else 'to run'}")
     return float(value)
 
