@@ -13,6 +13,7 @@ call 3 steps, so calls of one pipeline share their compiled programs.
 import types
 
 import diffusers
+import jax
 import numpy as np
 import pytest
 import torch
@@ -239,6 +240,22 @@ def test_ti2v_matches_diffusers(ti2v):
 
 
 # -- across devices, files, flags -----------------------------------------------------------------------------------
+
+
+def _implementations(model) -> set:
+    layers = jax.tree_util.tree_leaves(model, is_leaf=lambda m: hasattr(m, "implementation"))
+    return {m.implementation for m in layers if hasattr(m, "implementation")}
+
+
+def test_attention_picks_the_denoisers_kernel_and_leaves_the_encoder_its_own(a14b):
+    """load_pipeline(attention=) sets the experts' (and the VAE's) kernel; UMT5 keeps its own, since its
+    relative-position bias needs a kernel that takes a logits bias (flash, cuDNN, ring and Ulysses refused every
+    prompt before, naming no encoder)."""
+    _, pipe, folder = a14b
+    flash = eqxdiff.load_pipeline(folder, attention="flash")
+    assert _implementations(flash.transformer) == _implementations(flash.transformer_2) == {"flash"}
+    assert _implementations(flash.text_encoder) == _implementations(pipe.text_encoder) != {"flash"}
+    np.testing.assert_array_equal(flash.encode_prompt(PROMPTS), pipe.encode_prompt(PROMPTS))
 
 
 def test_mesh_equals_one_device(a14b):

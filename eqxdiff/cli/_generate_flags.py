@@ -75,7 +75,8 @@ class RunOptions:
     activations_dtype: Dtype = "float32"
     """Dtype of the latents and activations in the denoising loop."""
     attention: str | None = None
-    """Attention implementation (xla, chunked, cudnn, flash, ...); default: chosen for the platform."""
+    """Attention implementation (xla, chunked, cudnn, flash, ...) of the denoiser, ControlNets and VAE (the text
+    and image encoders keep their own); default: chosen for the platform."""
     scan_layers: bool = False
     """Run repeated layers with lax.scan (faster compiles, the same numbers)."""
     offload_encoders: bool = False

@@ -54,7 +54,9 @@ class DiffusionPipeline(LoraMixin):
     ``_class_name``), :attr:`COMPONENTS` and write ``__call__``, decorated with
     :func:`~eqxdiff.pipelines.checked_call`; components become attributes of the same name.
 
-    ``attention`` picks the attention kernel of every model; ``activations_dtype`` is the dtype of latents and
+    ``attention`` picks the attention kernel of every model but the encoders (the denoisers, ControlNets and the
+    VAE; a text or image encoder keeps its own, as T5's relative-position bias needs a kernel that takes a logits
+    bias, which the context-parallel, flash and cuDNN kernels do not); ``activations_dtype`` is the dtype of latents and
     activations (default: float32). ``mesh`` (:func:`eqxdiff.parallel.make_mesh`) runs every model on it:
     parameters placed by ``rules`` (default :data:`eqxdiff.parallel.DEFAULT_RULES`), activations constrained at
     block boundaries, the batch split over data+fsdp. ``offload_encoders`` keeps the encoders' weights in host
@@ -121,7 +123,7 @@ class DiffusionPipeline(LoraMixin):
             setattr(self, c.name, value)
 
     def _place(self, model, component: Component, attention, plan):
-        if attention:
+        if attention and not component.encoder:
             model = with_attention_implementation(model, attention)
         offload = self.offload_encoders and component.encoder
         if plan is not None:
@@ -368,8 +370,8 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
 
     ``dtype`` sets the weights (default float32); ``scheduler`` swaps the checkpoint's scheduler by name
     (see :data:`eqxdiff.schedulers.SCHEDULERS`) and ``scheduler_options`` sets its config keys
-    (``{"clip_sample": False}``, :func:`build_scheduler`); ``attention`` picks the attention kernel;
-    ``activations_dtype`` (default: the weights' dtype) is the dtype of latents and activations. ``mesh``
+    (``{"clip_sample": False}``, :func:`build_scheduler`); ``attention`` picks the attention kernel of every model but
+    the encoders; ``activations_dtype`` (default: the weights' dtype) is the dtype of latents and activations. ``mesh``
     (:func:`eqxdiff.parallel.make_mesh`) loads every weight straight onto its rule-given sharding (``rules``,
     default :data:`eqxdiff.parallel.DEFAULT_RULES`; each device reads only its slices) and runs the pipeline on
     the mesh; ``offload_encoders`` keeps the encoders in host memory outside encoding. ``scan_layers`` stacks the
