@@ -4,7 +4,10 @@ own tests run: clips read frame by frame as stored, no JAX fork warning at each 
 of the folder's family, ``--pipeline-class``). Nothing here compiles: the tiny folders are only read for their
 configs (tests/_tiny_wan.py, tests/_tiny_ltx.py)."""
 
+import json
+import re
 import warnings
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -12,9 +15,11 @@ import pytest
 from PIL import Image
 
 from eqxdiff.cli import generate
+from eqxdiff.cli import train as train_cli
 from eqxdiff.cli._command import FlagError
 from eqxdiff.data import DataError, FrameSampling, VideoFolderSource, read_frames
-from eqxdiff.pipelines import InputError, read_video, write_video
+from eqxdiff.parallel import MeshError
+from eqxdiff.pipelines import InputError, read_parameters, read_video, write_video
 
 from . import _tiny_ltx as tiny_ltx
 from . import _tiny_wan as tiny_wan
@@ -68,6 +73,7 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("video_cli")
     tiny_wan.build_ti2v(root / "ti2v")
     tiny_ltx.build_pipeline(root / "ltx")
+    tiny_ltx.build_upsampler(root / "up", tiny_ltx.vae())
     return root
 
 
@@ -121,3 +127,110 @@ def test_pipeline_class_runs_a_folder_as_another_task_of_its_family(folders, tmp
     assert "LTXConditionPipeline's (the --model folder's LTXPipeline as --pipeline-class)" in shown
     for flag in ("--image", "--video", "--frame-index", "--strength", "--denoise-strength", "--pipeline-class"):
         assert flag in shown, flag
+
+
+def _picture(tmp_path, name="frame.png"):
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / name)
+    return str(tmp_path / name)
+
+
+def test_condition_flags_repeat_for_several_conditions(folders, tmp_path, capsys):
+    """LTXConditionPipeline takes a list of images (and clips) with one frame index and strength each; the command
+    line took one --image and one --frame-index (a second one silently replaced the first), so the README's
+    two-image recipe was Python-only. A flag whose argument takes one value or a list (read from the signature)
+    repeats: once is the one value, repeated the list; counts that disagree are refused before loading."""
+    first, last = _picture(tmp_path, "first.png"), _picture(tmp_path, "last.png")
+    argv = _argv(folders / "ltx", "--pipeline-class", "LTXConditionPipeline", "--output-dir", str(tmp_path / "out"))
+    checked = generate.validate([*argv, "--image", first, "--frame-index", "0", "--image", last, "--frame-index", "8",
+                                 "--strength", "0.9"])
+    kwargs = checked.kwargs
+    assert [i.shape for i in kwargs["image"]] == [(32, 32, 3)] * 2 and kwargs["frame_index"] == [0, 8]
+    assert kwargs["strength"] == 0.9 and kwargs["prompt"] == "x" and kwargs["video"] is None  # once: the one value
+    once = generate.validate([*argv, "--image", last, "--frame-index", "8"]).kwargs
+    assert once["image"].shape == (32, 32, 3) and once["frame_index"] == 8
+    with pytest.raises(InputError, match=r"^--frame-index has 3 values for 2 conditions; pass one, or one per "
+                                         r"condition \(images first, then video clips\)$"):
+        generate.validate([*argv, "--image", first, "--image", last, *("--frame-index", "0") * 3])
+    with pytest.raises(InputError, match=r"^--frame-index 9 lies outside the video's 9 frames; pass 0 to 8$"):
+        generate.validate([*argv, "--image", first, "--frame-index", "0", "--image", last, "--frame-index", "9"])
+    with pytest.raises(FlagError, match=r"^--frame-index expects an integer, got 'x'$"):
+        generate.validate([*argv, "--image", first, "--frame-index", "x"])
+    with pytest.raises(SystemExit):
+        generate.main([*argv, "--help"])
+    shown = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert re.search(r"--frame-index INT .*\(repeatable: once for one value, repeated for a list; default: 0\)",
+                     shown), shown
+
+
+class _Stub:
+    """A loaded pipeline's stand-in for the command's wiring: its call returns 9 black frames or raises ``error``."""
+
+    INIT_IMAGE = None
+    default_fps = 25
+    call_defaults: ClassVar[dict] = {}
+
+    def __init__(self, error=None):
+        self.error, self.timings = error, {"call_compile": 0.0}
+
+    def __call__(self, **kwargs):
+        if self.error:
+            raise InputError(self.error)
+        return np.zeros((1, 9, 32, 32, 3), np.uint8)
+
+
+def test_errors_of_the_call_and_the_mesh_name_the_flags(folders, tmp_path, monkeypatch):
+    """Errors raised inside the call said frame_index=9 where the user gave --frame-index, the upsampler asked for
+    latents= (no flag) when --video was missing, and a mesh that does not fit the devices named
+    ici_context_parallelism=3, no flag; all go through the flag names now (no pipeline is loaded)."""
+    out = ["--output-dir", str(tmp_path / "out")]
+    with pytest.raises(InputError, match=r"^pass --video \(frames to encode\)$"):
+        generate.validate(["--model", str(folders / "up"), *out])
+    monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: _Stub("frame_index=7 lies outside the video"))
+    argv = _argv(folders / "ltx", "--pipeline-class", "LTXConditionPipeline", "--image", _picture(tmp_path), *out)
+    with pytest.raises(InputError, match="^--frame-index 7 lies outside the video$"):
+        generate.main(argv)
+    with pytest.raises(MeshError, match=r"--mesh.ici-context-parallelism 3, --mesh.ici-tensor-parallelism 1: the fixed "
+                                        r"sizes multiply to 3, which does not divide the 8 device\(s\) per slice; change "
+                                        r"--mesh.ici-context-parallelism 3 so that"):
+        generate.main([*argv, "--mesh.ici-context-parallelism", "3"])
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    write_video(np.zeros((9, 32, 32, 3), np.uint8), clips / "a.mp4", fps=8)
+    (clips / "a.txt").write_text("a grey clip")
+    train = ["wan2.1-14b", "--model", str(folders / "ti2v"), "--data", str(clips), "--output-dir",
+             str(tmp_path / "run"), "--resolution", "32", "--frames.count", "9"]
+    with pytest.raises(MeshError, match=r"8 device\(s\) per slice; change --mesh.ici-context-parallelism 3 so that"):
+        train_cli.main([*train, "--mesh.ici-context-parallelism", "3"])
+
+
+def test_an_upsampled_video_keeps_its_frame_rate(folders, tmp_path, monkeypatch):
+    """The upsampler has no frame_rate: a --video was saved at its default 25 fps whatever its own rate; it is
+    saved at the input's rate now, unless --fps says otherwise."""
+    clip = tmp_path / "clip.mp4"
+    write_video(np.zeros((9, 32, 32, 3), np.uint8), clip, fps=12)
+    monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: _Stub())
+    argv = ["--model", str(folders / "up"), "--video", str(clip), "--output-dir", str(tmp_path / "out")]
+    assert read_parameters(generate.main(argv)[0])["fps"] == 12
+    assert read_parameters(generate.main([*argv, "--fps", "8"])[0])["fps"] == 8
+
+
+def test_a_preset_refuses_a_folder_without_what_it_trains(folders, tmp_path):
+    """wan2.2-a14b (two experts) and wan2.2-ti2v-5b (first-frame conditioning) trained a folder without a second
+    expert or per-token timesteps without a word; the preset's declared needs are checked against model_index.json
+    before loading, naming the preset, what the folder lacks and the presets it fits."""
+    single = tmp_path / "t2v"
+    single.mkdir()
+    index = json.loads((folders / "ti2v" / "model_index.json").read_text())
+    (single / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": False}))
+    for name in ("vae", "transformer"):
+        (single / name).symlink_to(folders / "ti2v" / name)
+    for folder, preset, lacks, fits in (
+            (folders / "ti2v", "wan2.2-a14b", r"transformer_2 \(Wan 2.2 A14B's second, low-noise expert\)",
+             "wan2.1-1.3b, wan2.1-14b, wan2.2-ti2v-5b"),
+            (single, "wan2.2-ti2v-5b", r"expand_timesteps true \(Wan 2.2 TI2V-5B's per-token timesteps, .*\)",
+             "wan2.1-1.3b, wan2.1-14b")):
+        with pytest.raises(InputError, match=rf"^the {preset} preset trains a folder with {lacks}, which --model "
+                                             rf"'{folder}' lacks; pass such a folder \(Wan-AI/.*\), or start from a "
+                                             rf"preset this folder fits \({fits}\)$"):
+            train_cli.validate([preset, "--model", str(folder), "--data", str(tmp_path), "--output-dir",
+                                str(tmp_path / "run")])

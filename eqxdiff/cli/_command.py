@@ -148,12 +148,15 @@ def is_out_of_memory(error: BaseException) -> bool:
         s in str(error) for s in _OUT_OF_MEMORY)
 
 
-def as_flags(message: str, names, flags: Mapping[str, str] | None = None) -> str:
+def as_flags(message: str, names, flags: Mapping[str, str] | None = None, python_only=()) -> str:
     """``message`` (about a call's arguments or a config's fields: ``height=0``, ``pass image=``, ``needs
     remat_names``) in the command's words (``--height 0``, ``pass --image``, ``needs --remat-names``); ``flags``
     gives the flag of a name whose flag is not ``--`` and the name with ``-`` for ``_`` (a nested config's field:
-    ``{"learning_rate": "--optimizer.learning-rate"}``)."""
+    ``{"learning_rate": "--optimizer.learning-rate"}``). ``python_only``: arguments the command line cannot give (a
+    call's arrays: ``latents``); an alternative naming one (``pass video= (...) or latents= (...)``) is dropped."""
     flags = dict(flags or {})
+    for name in python_only:
+        message = re.sub(rf",? or {re.escape(name)}=(?: \([^()]*\))?", "", message)
     for name in sorted({*names, *flags}, key=len, reverse=True):
         flag = flags.get(name) or "--" + name.replace("_", "-")
         word = rf"(?<![\w.-]){re.escape(name)}"

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import re
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -89,8 +90,9 @@ class RunOptions:
     overwrite: bool = False
     """Number outputs from 0, replacing earlier files of the same names."""
     fps: float | None = None
-    """Frames per second of saved videos; default: the family's frame_rate option if it has one, else the
-    pipeline's default_fps (the rate its checkpoint's videos play at), else 16."""
+    """Frames per second of saved videos; default: the family's frame_rate option if it has one, else the input
+    --video's own rate (an upsampled clip plays as it did), else the pipeline's default_fps (the rate its
+    checkpoint's videos play at), else 16."""
     debug: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False
     """Show the full traceback of an error instead of its one line (the console command reads it first, anywhere
     on the command line)."""
@@ -243,6 +245,8 @@ def flag_types(family: FamilyOptions) -> dict[str, Any]:
     included), for :func:`~eqxdiff.cli._numbers.number_error`."""
     types = {"--" + k.replace("_", "-"): v for k, v in field_types(build_parser(family), dotted=False).items()}
     types |= {"--mesh." + k.replace("_", "-"): v for k, v in field_types(MeshConfig).items()}
+    # a repeatable flag takes one value each time it is given
+    types |= {(flag := "--" + name.replace("_", "-")): typing.get_args(types[flag])[0] for name in family.several}
     return types | {short: types[long] for name, shorts in ALIASES.items() for short in shorts
                     if (long := "--" + name.replace("_", "-")) in types}
 

@@ -7,7 +7,9 @@ docstring's entry for it (an argument section in Google, NumPy or reST style, or
 "``name``: what it does." sentences) or, for the arguments diffusers' pipelines share, :data:`COMMON_HELP`.
 Media inputs under diffusers' names (:data:`MEDIA_INPUTS`: ``image``, ``mask_image``, ``video`` ...) take a file
 path that is read before the call (a mask in grayscale). Arrays (``latents``, ``prompt_embeds``), PRNG keys,
-callbacks and ``output_type`` are not flags. A ``__call__`` that takes ``**kwargs`` passes them on to its base
+callbacks and ``output_type`` are not flags. An argument that takes one value or a list of them (``int |
+Sequence[int]``, ``Picture | Sequence[Picture] | None``: :func:`one_or_several`) is a repeatable flag: given once it
+passes the one value, repeated the list (``--image a.png --frame-index 0 --image b.png --frame-index 160``). A ``__call__`` that takes ``**kwargs`` passes them on to its base
 class's (a ControlNet pipeline's to Stable Diffusion's), so the flags of the ``__call__`` s further up the class's
 MRO join its own; an argument without annotation takes the annotation the same name has further up, else its
 default's type (``control_guidance_start=0.0``: a float). A new family therefore needs nothing here: annotate
@@ -25,6 +27,7 @@ import os
 import re
 import types
 import typing
+from collections import abc
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -120,6 +123,26 @@ def _cli_type(annotation) -> Any | None:
     return None
 
 
+def one_or_several(annotation) -> Any | None:
+    """The item type of an annotation that takes one value or a list of them (a union holding ``X`` and
+    ``Sequence[X]``, ``list[X]`` or ``tuple[X, ...]``: ``int | Sequence[int]``, ``str | Sequence[str] | None``, a
+    picture or a list of pictures), else ``None``."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if not _is_union(annotation):
+        return None
+    members = set(typing.get_args(annotation))
+    for member in typing.get_args(annotation):
+        args = typing.get_args(member)
+        if typing.get_origin(member) not in (list, tuple, abc.Sequence) or not args or len(args) > 2 or (
+                len(args) == 2 and args[1] is not Ellipsis):
+            continue
+        item = args[0]
+        if set(typing.get_args(item) if _is_union(item) else (item,)) <= members:
+            return item
+    return None
+
+
 # eqxdiff's own docstring style: "``eta``: DDIM's noise. ``timesteps`` / ``sigmas``: a custom schedule ..."
 _INLINE = re.compile(r"((?:``\w+``(?:\s*(?:/|\+|,|or|and)\s*)?)+)\s*(\([^()]*\))?:\s")
 
@@ -157,31 +180,51 @@ def _hints(function) -> dict[str, Any]:
 @dataclasses.dataclass(frozen=True)
 class FamilyOptions:
     """The flags of one pipeline class: :attr:`options` is the frozen dataclass tyro parses, :meth:`call_kwargs`
-    turns a parsed instance into ``__call__``'s keyword arguments."""
+    turns a parsed instance into ``__call__``'s keyword arguments. :attr:`several`: the repeatable flags (an
+    argument taking one value or a list, :func:`one_or_several`) with the default each stands for when not given."""
 
     pipeline_class: type
     options: type
     media: Mapping[str, str]
+    several: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    python_only: tuple[str, ...] = ()  # the call's arguments that are no flags (arrays, keys): Python's alone
+
+    def values(self, parsed) -> dict[str, Any]:
+        """``{argument: value}`` of a parsed instance as the call takes them, files still paths: a repeatable flag
+        given once is its one value, repeated the list of them, not given its default."""
+        values = {f.name: getattr(parsed, f.name) for f in dataclasses.fields(parsed)}
+        for name, default in self.several.items():
+            given = values[name]
+            values[name] = default if not given else given[0] if len(given) == 1 else list(given)
+        return values
 
     def call_kwargs(self, values) -> dict[str, Any]:
-        """Keyword arguments for the pipeline call: media files read (images uint8 ``[H, W, 3]``, videos uint8
-        ``[F, H, W, 3]``), every other value as parsed."""
-        kwargs = {f.name: getattr(values, f.name) for f in dataclasses.fields(values)}
+        """Keyword arguments for the pipeline call (:meth:`values`): media files read (images uint8 ``[H, W, 3]``,
+        videos uint8 ``[F, H, W, 3]``; a list of files as a list of them), every other value as parsed."""
+        kwargs = self.values(values)
         for name, kind in self.media.items():
             path = kwargs.get(name)
-            if path is not None:
-                flag = f"--{name.replace('_', '-')}"
-                if not Path(path).is_file():
-                    raise FileNotFoundError(f"{flag} {os.fspath(path)!r}: no such file")
-                try:
-                    kwargs[name] = read_media(path, kind)
-                except InputError as e:
-                    raise InputError(f"{flag}: {e}") from None
-                except (ValueError, OSError, RuntimeError, StopIteration) as e:  # ffmpeg's errors included
-                    what = "a video file ffmpeg" if kind == "video" else "an image file Pillow"
-                    raise InputError(f"{flag} {os.fspath(path)!r} is not {what} can read "
-                                     f"({type(e).__name__}); pass another file") from None
+            if isinstance(path, list):
+                kwargs[name] = [_read_flag(name, p, kind) for p in path]
+            elif path is not None:
+                kwargs[name] = _read_flag(name, path, kind)
         return kwargs
+
+
+def _read_flag(name: str, path, kind: str) -> np.ndarray:
+    """File ``path`` given as the flag of argument ``name``, read as ``kind`` (:func:`read_media`); what cannot be
+    read is refused naming the flag."""
+    flag = f"--{name.replace('_', '-')}"
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{flag} {os.fspath(path)!r}: no such file")
+    try:
+        return read_media(path, kind)
+    except InputError as e:
+        raise InputError(f"{flag}: {e}") from None
+    except (ValueError, OSError, RuntimeError, StopIteration) as e:  # ffmpeg's errors included
+        what = "a video file ffmpeg" if kind == "video" else "an image file Pillow"
+        raise InputError(f"{flag} {os.fspath(path)!r} is not {what} can read ({type(e).__name__}); pass another "
+                         "file") from None
 
 
 def read_media(path, kind: str) -> np.ndarray:
@@ -223,31 +266,45 @@ def family_options(pipeline_class: type, defaults: Mapping[str, Any] | None = No
         for name, param in list(inspect.signature(call).parameters.items())[1:]:  # [0] is self
             if param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 params.setdefault(name, (param, i))
-    fields, media = [], {}
+    fields, media, several = [], {}, {}
     for name, (param, i) in params.items():
         if name in NOT_FLAGS or name in exclude:
             continue
+        annotation = _annotation(name, param, hints[i:])
+        item = one_or_several(annotation)
         if name in MEDIA_INPUTS:
             tp, default, media[name] = Path | None, None, MEDIA_INPUTS[name]
+            item = None if item is None else Path
         else:
-            tp = _cli_type(_annotation(name, param, hints[i:]))
+            tp = _cli_type(annotation)
             if tp is None:
                 continue
             default = defaults.pop(name, param.default)
+            item = item if item is not None and _is_scalar(item) else None
         help_text = documented.get(name) or COMMON_HELP.get(name)
         if name in media and name in documented:  # say that the flag takes a file
             help_text = f"{COMMON_HELP[name]} {documented[name]}"
-        marker = tyro.conf.arg(help=help_text, aliases=ALIASES.get(name))
+        extra: tuple = ()
+        if item is not None:  # one value, or the flag repeated for a list (see the module docstring)
+            several[name] = None if default is inspect.Parameter.empty else default
+            shown = "" if default in (None, inspect.Parameter.empty) else f"; default: {default}"
+            hint = f"(repeatable: once for one value, repeated for a list{shown})"
+            tp, default, extra = tuple[item, ...], (), (tyro.conf.UseAppendAction,)
+        else:
+            hint = None
+        marker = tyro.conf.arg(help=help_text, aliases=ALIASES.get(name), help_behavior_hint=hint)
         field = (dataclasses.field() if default is inspect.Parameter.empty
                  else dataclasses.field(default=default))
-        fields.append((name, Annotated[tp, marker], field))
+        fields.append((name, Annotated[(tp, marker, *extra)], field))
     if defaults:
         raise ValueError(f"{pipeline_class.__name__}.__call__ has no command-line option(s) {sorted(defaults)}")
     fields.sort(key=lambda f: f[2].default is dataclasses.MISSING, reverse=True)  # required flags first
     options = dataclasses.make_dataclass(f"{pipeline_class.__name__}Options", fields, frozen=True)
     options.__doc__ = (f"Options of {pipeline_class.__name__} (the --model folder's pipeline), read from its "
                        "__call__: diffusers' argument names.")
-    return FamilyOptions(pipeline_class, options, media)
+    flagged = {f[0] for f in fields}
+    python_only = tuple(n for n in params if n not in flagged and n not in NOT_FLAGS and n not in exclude)
+    return FamilyOptions(pipeline_class, options, media, several, python_only)
 
 
 def _annotation(name: str, param: inspect.Parameter, hints: Sequence[Mapping[str, Any]]):

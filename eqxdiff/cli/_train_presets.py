@@ -5,7 +5,9 @@ whose values the flags start from. Full fine-tunes as diffusers' ``train_text_to
 and MaxDiffusion's SD 1.x DreamBooth (``dreambooth-*``)."""
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from ..data import FrameSampling
 from ..data.digits import DIGIT_NAMES
@@ -205,4 +207,31 @@ PRESETS = {
          "FSDP with context parallel 2 and full remat, 4 clips a step."),
         _wan("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "wan2.2-ti2v-5b", resolution=704, frames=121, batch_size=4,
              context=2, family=WanOptions())),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FolderNeeds:
+    """What a preset's ``--model`` folder must hold beyond its family's pipeline, read from its ``model_index.json``
+    before anything loads: ``components`` (entries naming a model) and ``settings`` (pipeline settings that must be
+    true), each with what it is, in words."""
+
+    components: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    settings: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def lacks(self, model_index: Mapping[str, Any]) -> list[str]:
+        """What of these ``model_index`` (a folder's ``model_index.json``) lacks, in words."""
+        def names_a_model(entry) -> bool:
+            return isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[1] is not None
+
+        return ([f"{name} ({what})" for name, what in self.components.items()
+                 if not names_a_model(model_index.get(name))]
+                + [f"{name} true ({what})" for name, what in self.settings.items() if model_index.get(name) is not True])
+
+
+# preset: what its --model folder must hold (the others train any folder of their family).
+PRESET_NEEDS: Mapping[str, FolderNeeds] = {
+    "wan2.2-a14b": FolderNeeds(components={"transformer_2": "Wan 2.2 A14B's second, low-noise expert"}),
+    "wan2.2-ti2v-5b": FolderNeeds(settings={"expand_timesteps": "Wan 2.2 TI2V-5B's per-token timesteps, which its "
+                                                                "first-frame conditioning trains"}),
 }

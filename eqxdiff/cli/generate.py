@@ -51,8 +51,8 @@ from typing import Any
 import jax
 
 from ..core import ConfigError
-from ..parallel import MeshConfig, initialize_distributed, make_mesh
-from ..pipelines import InputError, build_scheduler, load_pipeline, save_outputs
+from ..parallel import MeshConfig, MeshError, initialize_distributed, make_mesh
+from ..pipelines import InputError, build_scheduler, load_pipeline, save_outputs, video_fps
 from ..schedulers import SCHEDULERS
 from ._command import as_flags, check_output_folder, run_command, split_cache_flags
 from ._compose import (
@@ -113,6 +113,7 @@ class Invocation:
     # the ControlNet arguments); the pipeline's recommended call and its signature give it the others.
     passed: frozenset[str] = frozenset()
     loras: tuple = ()  # the --lora files, checked, located and named (cli._lora.LoraSpec)
+    input_fps: float | None = None  # the frame rate of the first input video file (--video), if it says one
 
 
 def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, parsed: Parsed | None = None
@@ -161,12 +162,11 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, pars
         check_refiner(cls, refiner.pipeline_class, _flags(family), _flags(refiner), kwargs)
     if run.vae_tiling and not hasattr(cls, "enable_vae_tiling"):
         raise InputError(f"--vae-tiling: {cls.__name__} has no VAE tiling; leave the flag out")
-    flags = {SCALE: "--controlnet-scale", control_argument(cls): "--control-image"} if nets else {}
     try:
         cls.check_arguments({**kwargs}, cls.folder_limits(read))
         check_schedule(cls, scheduler, kwargs, read)
     except InputError as e:
-        raise type(e)(as_flags(str(e), kwargs, flags)) from None
+        raise in_flags(e, family, kwargs, nets) from None
     if refiner is not None:
         rcls, rread = refiner.pipeline_class, config_reader(run.refiner)
         arguments = refiner_kwargs(_flags(refiner), kwargs, HANDED_LATENTS)
@@ -180,7 +180,38 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, pars
         loras = check_loras(cls, loras, args.lora, _lora_models(cls, run, read))
     load_class = None if control.controlnet or cls is folder_class else cls
     return Invocation(family, args, kwargs, options, load_class, nets, refiner, parsed.given | set(control_arguments),
-                      tuple(loras))
+                      tuple(loras), _input_fps(family, args.pipeline))
+
+
+def _input_fps(family: FamilyOptions, parsed) -> float | None:
+    """The frame rate of the first video file the command line gives (``--video``), ``None`` without one."""
+    for name, kind in family.media.items():
+        path = family.values(parsed).get(name)
+        path = path[0] if isinstance(path, list) else path
+        if kind == "video" and path is not None:
+            return video_fps(path)
+    return None
+
+
+def save_fps(checked: Invocation, pipe) -> float | None:
+    """The frame rate videos are saved at: ``--fps``, else the call's ``frame_rate`` (the rate the model was
+    conditioned on), else the input video's (an upsampled or edited clip plays as it did), else the pipeline's
+    ``default_fps``."""
+    return (checked.args.run.fps or checked.kwargs.get("frame_rate") or checked.input_fps
+            or getattr(pipe, "default_fps", None))
+
+
+def in_flags(error: InputError, family: FamilyOptions, kwargs: Mapping[str, Any], nets: int = 0) -> InputError:
+    """``error`` (about the call's arguments: ``frame_index=9 lies outside ...``) in the command's words
+    (:func:`~eqxdiff.cli._command.as_flags`: ``--frame-index 9 lies outside ...``), the call's Python-only arguments'
+    alternatives dropped; the same type. Both the checks before loading and the call's own errors go through it."""
+    cls = family.pipeline_class
+    flags = {SCALE: "--controlnet-scale", control_argument(cls): "--control-image"} if nets else {}
+    return type(error)(as_flags(str(error), kwargs, flags, family.python_only))
+
+
+# MeshConfig's fields as --mesh.* flags (a MeshError names the fields)
+MESH_FLAGS = {f.name: "--mesh." + f.name.replace("_", "-") for f in dataclasses.fields(MeshConfig)}
 
 
 def _lora_models(cls: type, run, read) -> dict[str, Any]:
@@ -294,7 +325,10 @@ def _generate(checked: Invocation) -> list[Path]:
     run = args.run
     mesh = None
     if args.parallel.parallel or args.mesh != MeshConfig() or jax.process_count() > 1:
-        mesh = make_mesh(args.mesh)
+        try:
+            mesh = make_mesh(args.mesh)
+        except MeshError as e:  # sizes that do not fit this machine's devices: in the --mesh.* flags' words
+            raise MeshError(as_flags(str(e), (), MESH_FLAGS)) from None
     main_process = jax.process_index() == 0
 
     t0 = time.perf_counter()
@@ -325,16 +359,19 @@ def _generate(checked: Invocation) -> list[Path]:
     passed = checked.passed | ({"progress"} if not main_process else set())
     call = {k: v for k, v in kwargs.items() if k in passed}
     t0 = time.perf_counter()
-    if refiner is None:
-        outputs = pipe(**call)
-    else:  # the base hands its latents over to the refiner, which gets the base's arguments as the base ran them
-        latents = pipe(**{**call, "output_type": "latent"})
-        outputs = refiner(**refiner_kwargs(_flags(checked.refiner), kwargs, latents))
+    try:
+        if refiner is None:
+            outputs = pipe(**call)
+        else:  # the base hands its latents over to the refiner, which gets the base's arguments as the base ran them
+            latents = pipe(**{**call, "output_type": "latent"})
+            outputs = refiner(**refiner_kwargs(_flags(checked.refiner), kwargs, latents))
+    except InputError as e:  # what only the call could check, in the flags' words as the checks before loading
+        raise in_flags(e, checked.family, kwargs, checked.nets) from None
     total_s = time.perf_counter() - t0
     compile_s = sum(p.timings["call_compile"] for p in (pipe, refiner) if p is not None)
 
     params = _parameters(checked, pipe, outputs, refiner, loras)
-    fps = run.fps or kwargs.get("frame_rate") or getattr(pipe, "default_fps", None)
+    fps = save_fps(checked, pipe)
     paths = save_outputs(outputs, run.output_dir, params, fps=fps, overwrite=run.overwrite) if main_process else []
     print(f"load: {load_s:.2f} s | compile: {compile_s:.2f} s | generation (excluding compile): "
           f"{max(total_s - compile_s, 0.0):.2f} s | total call: {total_s:.2f} s"
@@ -349,11 +386,12 @@ def _parameters(checked: Invocation, pipe, outputs, refiner=None, loras=()) -> d
     ControlNets' folders, control image files and scales, the single file's config folder, the --unet, the
     refiner, the --lora files: name, scale, sha256 and where from)."""
     args = checked.args
-    values = {f.name: getattr(args.pipeline, f.name) for f in dataclasses.fields(args.pipeline)}
+    values = checked.family.values(args.pipeline)
     # The pipeline's recommended call gave what the command line left out (the digits model's 20 steps ...).
     values.update({k: v for k, v in pipe.call_defaults.items() if k in values and k not in checked.passed})
     values.pop("progress", None)
-    values = {k: os.fspath(v) if isinstance(v, Path) else v for k, v in values.items()}
+    values = {k: os.fspath(v) if isinstance(v, Path) else [os.fspath(p) for p in v]
+              if isinstance(v, list) and v and isinstance(v[0], Path) else v for k, v in values.items()}
     # The sizes actually used (None in the flags means the model's native size).
     values["height"], values["width"] = int(outputs.shape[-3]), int(outputs.shape[-2])
     if outputs.ndim == 5 and "num_frames" in values:

@@ -40,6 +40,7 @@ import tyro
 
 from ..data import character_tokenizer, holds_videos
 from ..loading import PACKAGED_MODELS, read_config, resolve_folder
+from ..parallel import MeshError
 from ..pipelines import InputError
 from ..train import (
     CheckpointMismatchError,
@@ -63,7 +64,7 @@ from ._command import (
 )
 from ._generate_flags import config_reader, pipeline_class
 from ._numbers import field_types, number_error
-from ._train_presets import PRESETS
+from ._train_presets import PRESET_NEEDS, PRESETS
 
 DESCRIPTION = ("Train or fine-tune a Stable Diffusion, SDXL, Flux or Wan model: every field of "
                "eqxdiff.train.TrainConfig is a flag, a preset sets the defaults. A run resumes from the checkpoints in "
@@ -172,6 +173,7 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
     what needs more than one field, without loading anything: one data source, the output and export folders (never
     a file, never the model shipped inside eqxdiff), the from-scratch architecture's model configs, and a resolution
     the VAE can downsample. Raises a ``ValueError`` naming the flag."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     config = parse(argv, prog=prog)
     try:
         config.source  # noqa: B018 - a missing or conflicting data source raises ValueError
@@ -188,6 +190,7 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
                              f"another folder (copy the exported pipeline over {os.fspath(PACKAGED_MODELS[shipped])} "
                              "yourself to replace the shipped model)")
     _check_family(config)
+    _check_preset_folder(next(iter(split_cache_flags(argv)[1]), ""), config)
     _check_clips(config)
     try:  # an earlier run in --output-dir trained with other settings: refused now, not after minutes of loading
         resume_point(config)
@@ -276,6 +279,25 @@ def _check_family(config: TrainConfig) -> None:
         raise InputError(str(in_flags(e, field_flags(config)))) from None
 
 
+def _check_preset_folder(preset: str, config: TrainConfig) -> None:
+    """A local ``--model`` folder holds what the preset trains (:data:`~eqxdiff.cli._train_presets.PRESET_NEEDS`:
+    the ``wan2.2-a14b`` preset's second expert), read from its ``model_index.json`` before loading; else an
+    :class:`InputError` naming the preset, what the folder lacks and the presets of its family that fit it."""
+    needs = PRESET_NEEDS.get(preset)
+    if needs is None or config.model is None or not _local(config.model):
+        return
+    index = resolve_folder(config.model) / "model_index.json"
+    model_index = read_config(index.parent, index.name) if index.is_file() else {}
+    lacks = needs.lacks(model_index)
+    if not lacks:
+        return
+    fits = [name for name, (_, c) in PRESETS.items() if type(c.family) is type(config.family)
+            and not (name in PRESET_NEEDS and PRESET_NEEDS[name].lacks(model_index))]
+    other = f", or start from a preset this folder fits ({', '.join(fits)})" if fits else ""
+    raise InputError(f"the {preset} preset trains a folder with {_listing(lacks)}, which --model "
+                     f"{config.model!r} lacks; pass such a folder ({PRESETS[preset][1].model}){other}")
+
+
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> None:
     """Check ``argv`` (:func:`validate`) and train (:func:`eqxdiff.train.run`) with the persistent compilation cache
     of the cache flags (:class:`~eqxdiff.cli._command.CacheOptions`), leaving JAX's cache settings as they were."""
@@ -286,7 +308,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> None:
         if total is not None and total != config.steps:
             print(f"note: --optimizer.total-steps {total} differs from --steps {config.steps}: the learning-rate "
                   f"schedule spans {total} steps", file=sys.stderr)
-        run(config)
+        try:
+            run(config)
+        except MeshError as e:  # --mesh.* sizes that do not fit this machine's devices (the preset's, maybe)
+            raise in_flags(e, field_flags(config)) from None
 
 
 def cli() -> None:

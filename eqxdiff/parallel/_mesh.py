@@ -78,12 +78,15 @@ class MeshConfig:
 
 
 def _fill(sizes: list[int], total: int, kind: str, what: str) -> tuple[int, ...]:
+    """``sizes`` with ``-1`` filled so that they multiply to ``total``; a :class:`MeshError` naming each setting
+    and the sizes to change otherwise (``what``: the devices, in words)."""
     known = math.prod(n for n in sizes if n != -1)
     settings = ", ".join(f"{kind}_{a}_parallelism={n}" for a, n in zip(MESH_AXES, sizes))
     if -1 in sizes:
         if total % known:
+            fixed = " or ".join(f"{kind}_{a}_parallelism={n}" for a, n in zip(MESH_AXES, sizes) if n > 1)
             raise MeshError(f"{settings}: the fixed sizes multiply to {known}, which does not divide the {what}; "
-                            f"make their product a divisor of {total}")
+                            f"change {fixed} so that the fixed sizes multiply to a divisor of {total}")
         sizes = [total // known if n == -1 else n for n in sizes]
     elif known != total:
         raise MeshError(f"{settings} multiply to {known} but there are {what}; make the product {total} or set "

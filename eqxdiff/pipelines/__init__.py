@@ -34,6 +34,7 @@ from ._media import read_parameters as read_parameters
 from ._media import read_video as read_video
 from ._media import save_outputs as save_outputs
 from ._media import save_videos as save_videos
+from ._media import video_fps as video_fps
 from ._media import write_video as write_video
 from . import _lora_inspect as lora  # eqxdiff.lora: inspect(file), LoraReport, LoraWarning
 from ._unet import UNetDenoiser as UNetDenoiser

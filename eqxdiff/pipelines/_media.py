@@ -72,6 +72,19 @@ def read_video(path: str | os.PathLike) -> np.ndarray:
     return np.stack(frames) if frames else np.zeros((0, height, width, 3), np.uint8)
 
 
+def video_fps(path: str | os.PathLike) -> float | None:
+    """The frame rate a video file says it plays at (its container's, as ffmpeg reports it), ``None`` if it says
+    none; the frames are not decoded."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"video file {os.fspath(path)!r} not found")
+    reader = _ffmpeg().read_frames(os.fspath(path), output_params=list(FFMPEG_AS_STORED))
+    try:
+        fps = next(reader).get("fps")
+    finally:
+        reader.close()
+    return float(fps) if isinstance(fps, numbers.Real) and math.isfinite(fps) and fps > 0 else None
+
+
 def read_image(path: str | os.PathLike) -> np.ndarray:
     """An image file as uint8 RGB ``[H, W, 3]``; a missing file raises ``FileNotFoundError``, one PIL cannot read
     :class:`~eqxdiff.pipelines.InputError`, each naming the file."""

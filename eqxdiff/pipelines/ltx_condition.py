@@ -70,6 +70,12 @@ MAX_SEQUENCE_LENGTH = 256  # diffusers' LTXConditionPipeline default prompt leng
 _CONDITION_DRAWS = 0x2C0  # the call key's folds for the conditions' posterior and blend noise and the re-noising
 
 
+# One picture (PIL, uint8 [H, W, 3] or floats in [0, 1]) and one clip (frames [F, H, W, 3], or a list of pictures):
+# the call takes one or a list of each (so eqxdiff-generate's --image and --video repeat).
+Picture = Image.Image | np.ndarray | jax.Array
+Clip = np.ndarray | jax.Array | list[Image.Image]
+
+
 @dataclasses.dataclass(frozen=True)
 class LTXVideoCondition:
     """One condition (diffusers' ``LTXVideoCondition``): an ``image`` or a ``video`` clip, at ``frame_index``, with
@@ -176,6 +182,7 @@ class LTXConditionPipeline(LTXPipeline):
         """The shared checks, with ``strength`` the conditions' (one number in [0, 1] or one per condition, not an
         image-to-image strength), ``denoise_strength`` in (0, 1] and ``image_cond_noise_scale`` at least 0."""
         arguments = dict(arguments)
+        _check_counts(arguments)
         for name, low in (("strength", 0.0), ("frame_index", 0)):
             values = arguments.pop(name, None)
             values = [] if values is None else list(values) if isinstance(values, (list, tuple)) else [values]
@@ -301,8 +308,9 @@ class LTXConditionPipeline(LTXPipeline):
                            if guidance.enabled else None, **decode)
 
     @checked_call
-    def __call__(self, conditions: LTXVideoCondition | Sequence[LTXVideoCondition] | None = None, image=None,
-                 video=None, frame_index: int | Sequence[int] = 0, strength: float | Sequence[float] = 1.0,
+    def __call__(self, conditions: LTXVideoCondition | Sequence[LTXVideoCondition] | None = None,
+                 image: Picture | Sequence[Picture] | None = None, video: Clip | Sequence[Clip] | None = None,
+                 frame_index: int | Sequence[int] = 0, strength: float | Sequence[float] = 1.0,
                  denoise_strength: float = 1.0, prompt: str | Sequence[str] | None = None, *,
                  negative_prompt: str | Sequence[str] | None = None, height: int | None = None,
                  width: int | None = None, num_frames: int = DEFAULT_FRAMES, frame_rate: float = DEFAULT_FRAME_RATE,
@@ -398,9 +406,27 @@ def _frames(clip):
     return clip
 
 
+def _check_counts(arguments) -> None:
+    """Before anything runs: ``frame_index`` and ``strength`` give one value, or one per condition of ``image`` /
+    ``video``, and each frame index lies inside the video's ``num_frames``."""
+    if arguments.get("conditions") is not None:
+        return
+    count = len(_images(arguments.get("image"))) + len(_clips(arguments.get("video")))
+    if not count:
+        return
+    for name in ("frame_index", "strength"):
+        if name in arguments:
+            _per_condition(arguments[name], count, name)
+    frames, index = arguments.get("num_frames"), arguments.get("frame_index", 0)
+    for i in index if isinstance(index, (list, tuple)) else [index]:
+        if isinstance(frames, int) and isinstance(i, int) and not i < frames:
+            raise InputError(f"frame_index={i} lies outside the video's {frames} frames; pass 0 to {frames - 1}")
+
+
 def _per_condition(value, count: int, name: str) -> list:
     values = list(value) if isinstance(value, (list, tuple)) else [value] * count
     if len(values) != count:
-        raise InputError(f"{name} has {len(values)} values for {count} conditions; pass one, or one per condition "
-                         "(images first, then video clips)")
+        raise InputError(f"{name} has {len(values)} value{'s' * (len(values) != 1)} for {count} "
+                         f"condition{'s' * (count != 1)}; pass one, or one per condition (images first, then video "
+                         "clips)")
     return values
