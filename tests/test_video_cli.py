@@ -189,8 +189,8 @@ def test_errors_of_the_call_and_the_mesh_name_the_flags(folders, tmp_path, monke
     argv = _argv(folders / "ltx", "--pipeline-class", "LTXConditionPipeline", "--image", _picture(tmp_path), *out)
     with pytest.raises(InputError, match="^--frame-index 7 lies outside the video$"):
         generate.main(argv)
-    with pytest.raises(MeshError, match=r"--mesh.ici-context-parallelism 3, --mesh.ici-tensor-parallelism 1: the fixed "
-                                        r"sizes multiply to 3, which does not divide the 8 device\(s\) per slice; change "
+    fixed = r"--mesh.ici-context-parallelism 3, --mesh.ici-tensor-parallelism 1: the fixed sizes multiply to 3, "
+    with pytest.raises(MeshError, match=fixed + r"which does not divide the 8 device\(s\) per slice; change "
                                         r"--mesh.ici-context-parallelism 3 so that"):
         generate.main([*argv, "--mesh.ici-context-parallelism", "3"])
     clips = tmp_path / "clips"

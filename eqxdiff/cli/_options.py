@@ -5,15 +5,15 @@ Every argument of ``__call__`` whose annotation a command line can carry (``str`
 ``--num-inference-steps``, ``--guidance-scale``), with the signature's default. Its help is the ``__call__``
 docstring's entry for it (an argument section in Google, NumPy or reST style, or eqxdiff's inline
 "``name``: what it does." sentences) or, for the arguments diffusers' pipelines share, :data:`COMMON_HELP`.
-Media inputs under diffusers' names (:data:`MEDIA_INPUTS`: ``image``, ``mask_image``, ``video`` ...) take a file
-path that is read before the call (a mask in grayscale). Arrays (``latents``, ``prompt_embeds``), PRNG keys,
-callbacks and ``output_type`` are not flags. An argument that takes one value or a list of them (``int |
-Sequence[int]``, ``Picture | Sequence[Picture] | None``: :func:`one_or_several`) is a repeatable flag: given once it
-passes the one value, repeated the list (``--image a.png --frame-index 0 --image b.png --frame-index 160``). A ``__call__`` that takes ``**kwargs`` passes them on to its base
-class's (a ControlNet pipeline's to Stable Diffusion's), so the flags of the ``__call__`` s further up the class's
-MRO join its own; an argument without annotation takes the annotation the same name has further up, else its
-default's type (``control_guidance_start=0.0``: a float). A new family therefore needs nothing here: annotate
-``__call__`` and name its arguments as diffusers does.
+Media inputs under diffusers' names (:data:`MEDIA_INPUTS`: ``image``, ``mask_image``, ``video`` ...) take a file path
+that is read before the call (a mask in grayscale). Arrays (``latents``, ``prompt_embeds``), PRNG keys, callbacks and
+``output_type`` are not flags. An argument that takes one value or a list of them (``int | Sequence[int]``, ``Picture |
+Sequence[Picture] | None``: :func:`one_or_several`) is a repeatable flag: given once it passes the one value, repeated
+the list (``--image a.png --frame-index 0 --image b.png --frame-index 160``). A ``__call__`` that takes ``**kwargs``
+passes them on to its base class's (a ControlNet pipeline's to Stable Diffusion's), so the flags of the ``__call__`` s
+further up the class's MRO join its own; an argument without annotation takes the annotation the same name has further
+up, else its default's type (``control_guidance_start=0.0``: a float). A new family therefore needs nothing here:
+annotate ``__call__`` and name its arguments as diffusers does.
 
 :func:`given_options` says which of them a command line gives (the command passes only those on, so that a folder's
 recommended call applies to the rest), and :func:`check_short_forms` refuses a short form (:data:`ALIASES`) and its

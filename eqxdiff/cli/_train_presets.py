@@ -226,7 +226,8 @@ class FolderNeeds:
 
         return ([f"{name} ({what})" for name, what in self.components.items()
                  if not names_a_model(model_index.get(name))]
-                + [f"{name} true ({what})" for name, what in self.settings.items() if model_index.get(name) is not True])
+                + [f"{name} true ({what})" for name, what in self.settings.items()
+                   if model_index.get(name) is not True])
 
 
 # preset: what its --model folder must hold (the others train any folder of their family).
