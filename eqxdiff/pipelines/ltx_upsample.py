@@ -101,8 +101,8 @@ class LTXLatentUpsamplePipeline(LatentPipeline):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= most:
                 raise InputError(f"{name}={value!r} must be a number in [0, {most}] (0 turns it off)")
         if "video" in arguments and (arguments["video"] is None) == (arguments.get("latents") is None):
-            raise InputError("pass video= (frames to encode) or latents= (a pipeline's output_type='latent' result)"
-                             if arguments["video"] is None else "pass video= or latents=, not both")
+            either = "pass video= (frames to encode) or latents= (a pipeline's output_type='latent' result)"
+            raise InputError(either if arguments["video"] is None else f"{either}, not both")
         super().check_arguments(arguments, limits)
 
     def decode(self, latents, *, timestep=None, noise_scale=None, key=None) -> Array:
