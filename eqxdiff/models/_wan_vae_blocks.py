@@ -169,9 +169,7 @@ class WanResample(eqx.Module):
         if rest.shape[1] == 0:  # frame 0 alone: nothing through time_conv yet, its cache stays zeros
             return x, jnp.zeros((x.shape[0], 2, *x.shape[2:]), x.dtype)
         y, cache = causal(self.time_conv, rest, cache)
-        y = constrain(y, self.plan, VIDEO)
-        b, t, h, w, _ = y.shape
-        y = y.reshape(b, t, h, w, 2, -1).transpose(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, -1)
+        y = nn.unfold_channels(constrain(y, self.plan, VIDEO), 2, axis=1)  # frame i: 2i from [:c], 2i + 1 from [c:]
         return (jnp.concatenate([x[:, :1], y], axis=1) if first else y), cache
 
     def _halve_frames(self, x, cache):
