@@ -32,7 +32,6 @@ from eqxdiff.models.wan_vae import (
     AutoencoderKLWanConfig,
     WanLatentDistribution,
 )
-
 from eqxdiff.parallel import MeshConfig, Plan, make_mesh, shard_params, with_plan
 
 from . import _tiny_wan as tiny
