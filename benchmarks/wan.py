@@ -32,7 +32,7 @@ import tyro
 
 from _bench import (TorchDevice, check_agreement, compile_variant, fmt_seconds, gib, jax_device_name, jax_peak_bytes,
                     load_average, mfu, on_gpu, rel_error, report_cpu_times, report_times, setup_frameworks,
-                    time_interleaved, torch_peak_bytes, torch_sync)
+                    time_interleaved, torch_free, torch_peak_bytes, torch_sync)
 from unet_step import check_attention
 
 _REAL = dict(patch_size=[1, 2, 2], attention_head_dim=128, cross_attn_norm=True, eps=1e-6, freq_dim=256,
@@ -154,14 +154,12 @@ def _compare(outputs, med, labels, args, what):
 
 
 def bench_transformer(args, preset, device, torch_dtype):
-    import diffusers
     import equinox as eqx
     import jax
     import jax.numpy as jnp
     import numpy as np
     import torch
 
-    import eqxdiff
     from eqxdiff.kernels import explain_choice
     from eqxdiff.nn import with_attention_implementation
 
@@ -174,18 +172,11 @@ def bench_transformer(args, preset, device, torch_dtype):
           f"; {preset.frames} frames at {preset.width}x{preset.height}: latents {f}x{h}x{w}, {tokens} video + "
           f"{preset.text_tokens} text tokens, batch 2 (CFG); {flops / 1e12:.4g} TFLOP per step (analytic)")
     t0 = time.perf_counter()
-    with torch.device(device):
-        ref = diffusers.WanTransformer3DModel(**cfg).eval()
-    with tempfile.TemporaryDirectory() as folder:
-        if torch_dtype != torch.float32:  # saved in the dtype, read back as diffusers loads it (its float32 modules)
-            ref.to(torch_dtype).save_pretrained(folder)
-            del ref
-            ref = diffusers.WanTransformer3DModel.from_pretrained(folder, torch_dtype=torch_dtype).to(device).eval()
-        else:
-            ref.save_pretrained(folder)
-        model = eqxdiff.load(folder, dtype=args.dtype)
+    models, parameters = build_models(cfg, device, args.dtype, torch_dtype, args.skip_diffusers)
+    model, ref = models["eqxdiff"], models.get("diffusers")
     print(f"built, saved and loaded the transformer in {time.perf_counter() - t0:.1f}s "
-          f"({sum(p.numel() for p in ref.parameters()) / 1e6:,.1f}M parameters)")
+          f"({parameters / 1e6:,.1f}M parameters)" + (", diffusers' copy freed (--skip-diffusers)"
+                                                      if ref is None else ""))
     rng = np.random.default_rng(0)
     latents = rng.standard_normal((2, f, h, w, cfg["in_channels"]), np.float32)
     embeds = rng.standard_normal((2, preset.text_tokens, cfg["text_dim"]), np.float32)
@@ -215,7 +206,10 @@ def bench_transformer(args, preset, device, torch_dtype):
             continue
         runners[label] = lambda c=compiled, p=params, a=step_args: jax.block_until_ready(c(p, *a))
         labels.append(label)
-    if not args.skip_diffusers:
+    if not labels:
+        print(f"nothing to time for eqxdiff: every --attention variant ({' '.join(args.attention)}) was skipped "
+              f"(the reasons above)")
+    if ref is not None:
         kwargs = dict(hidden_states=torch.from_numpy(latents).permute(0, 4, 1, 2, 3).to(device, torch_dtype),
                       timestep=torch.from_numpy(timestep).to(device),
                       encoder_hidden_states=torch.from_numpy(embeds).to(device, torch_dtype))
@@ -226,9 +220,42 @@ def bench_transformer(args, preset, device, torch_dtype):
             torch_sync(device)
             return out.permute(0, 2, 3, 4, 1)
         runners["diffusers"] = run_ref
+    if not runners:
+        print("nothing to time: no eqxdiff variant compiled and diffusers is skipped (--skip-diffusers)")
+        return
     outputs, med = _run_and_report(runners, args.repeats, device, _to_numpy, flops, "step")
     _compare(outputs, med, labels, args, "transformer step")
-    del ref
+
+
+def build_models(cfg: dict, device, dtype: str, torch_dtype, skip_diffusers: bool) -> tuple[dict, int]:
+    """diffusers' random ``WanTransformer3DModel`` (PyTorch's default initialisation, built straight on ``device``
+    in ``torch_dtype``: the 14B is 28 GB in bf16) saved to a scratch folder and loaded by eqxdiff; returns
+    ``{"eqxdiff": model, "diffusers": reference}`` and the parameter count. The reference is read back from the
+    folder as diffusers loads it (its float32 modules: ``_keep_in_fp32_modules``); with ``skip_diffusers`` it is
+    left out and its memory handed back before eqxdiff loads, so nothing of PyTorch's stays on the device."""
+    import diffusers
+    import torch
+    from _flux_configs import torch_defaults
+
+    import eqxdiff
+
+    torch.manual_seed(0)
+    with torch_defaults(device, torch_dtype):
+        built = diffusers.WanTransformer3DModel(**cfg).eval()
+    parameters = sum(p.numel() for p in built.parameters())
+    models = {}
+    with tempfile.TemporaryDirectory() as folder:
+        built.save_pretrained(folder)
+        if skip_diffusers or torch_dtype != torch.float32:
+            del built
+            torch_free(device)
+            if not skip_diffusers:
+                models["diffusers"] = diffusers.WanTransformer3DModel.from_pretrained(
+                    folder, torch_dtype=torch_dtype).to(device).eval()
+        else:
+            models["diffusers"] = built
+        models["eqxdiff"] = eqxdiff.load(folder, dtype=dtype)
+    return models, parameters
 
 
 def bench_vae(args, preset, device, torch_dtype):
@@ -237,6 +264,7 @@ def bench_vae(args, preset, device, torch_dtype):
     import jax.numpy as jnp
     import numpy as np
     import torch
+    from _flux_configs import torch_defaults
 
     import eqxdiff
 
@@ -247,11 +275,14 @@ def bench_vae(args, preset, device, torch_dtype):
     print(f"VAE {args.vae if not preset.tiny_vae else 'tiny'} decode: latents {f}x{h}x{w}x{config['z_dim']} -> "
           f"{frames} frames at {w * spatial}x{h * spatial}" + (f", {args.frame_chunk} latent frame(s) at a time"
                                                              if args.frame_chunk else ""))
-    with torch.device(device):
+    torch.manual_seed(1)
+    with torch_defaults(device, torch_dtype):  # built in the dtype: the Wan VAE keeps no module in float32
         ref = diffusers.AutoencoderKLWan(**config).eval()
-    ref = ref if torch_dtype == torch.float32 else ref.to(torch_dtype)  # the Wan VAE keeps no module in float32
     with tempfile.TemporaryDirectory() as folder:
         ref.save_pretrained(folder)
+        if args.skip_diffusers:
+            del ref
+            torch_free(device)
         vae = eqxdiff.load(folder, dtype=args.dtype)
     z = np.random.default_rng(1).standard_normal((1, f, h, w, config["z_dim"]), np.float32)
     jz = jnp.asarray(z, jnp.dtype(args.dtype))
@@ -285,6 +316,7 @@ def main(args: Args) -> None:
     print(f"{header}; preset={args.preset} dtype={args.dtype}")
     if args.part in ("both", "transformer"):
         bench_transformer(args, preset, device, torch_dtype)
+        torch_free(device)  # the transformer's reference, gone with its function, handed back to the device
     if args.part in ("both", "vae"):
         bench_vae(args, preset, device, torch_dtype)
     for name, peak in (("eqxdiff", jax_peak_bytes()), ("diffusers", None if args.skip_diffusers
