@@ -107,6 +107,21 @@ def test_wan_smoke(capsys):
     assert "ratio eqxdiff/diffusers (VAE decode)" in out
 
 
+def test_wan_nothing_to_time(capsys):
+    """gpu_suite.sh's wan_14b_attn command where its kernel is unavailable (cuDNN on a CPU) and diffusers is skipped:
+    a clear line and a clean return, not a crash in the report of no runs."""
+    import jax
+
+    import wan
+
+    if jax.devices()[0].platform == "gpu":
+        pytest.skip("cuDNN attention is available here")
+    wan.main(wan.Args(preset="tiny", part="transformer", attention=("cudnn",), skip_diffusers=True, repeats=1))
+    out = capsys.readouterr().out
+    assert "eqxdiff (cached k/v) skipped: AttentionUnavailableError" in out
+    assert "nothing to time: no eqxdiff variant compiled and diffusers is skipped" in out
+
+
 def test_ltx_smoke(capsys):
     import ltx
 
