@@ -11,7 +11,8 @@ pipeline's steps runs without guidance; batch 2 is a guided step), T5 embeddings
 mask, the rotary positions from the frame rate (built once outside the step, as eqxdiff's pipeline does; diffusers
 builds them every call, as its pipeline does). The decode is ``AutoencoderKLLTXVideo.decode`` of those latents at
 ``decode_timestep`` 0.05 (0.9.5's timestep-conditioned decoder, no injected noise), one pass. diffusers' models are
-built with PyTorch's default initialisation and saved; eqxdiff loads those folders.
+built with PyTorch's default initialisation straight on its device in the benchmark's dtype (LTX-Video keeps no
+module in float32) and saved; eqxdiff loads those folders.
 
 Prints the host (CPU model and the ISA extensions XLA and PyTorch use), each variant's median with its runs (after one
 untimed warm-up; the variants take turns), CPU times, the ratios eqxdiff / diffusers and the outputs' agreement.
@@ -169,8 +170,23 @@ def decode_runners(vae, ref_vae, latents, preset: Preset, device, jdt, torch_run
             "diffusers": torch_run(lambda: ref_vae.decode(z_t, temb, return_dict=False)[0])}
 
 
-def main(args: Args) -> None:
+def build_reference(preset: Preset, device, torch_dtype, skip_decode: bool = False):
+    """diffusers' random transformer and VAE (``None`` with ``skip_decode``), PyTorch's default initialisation, built
+    straight on ``device`` in ``torch_dtype``: the 13B is 26 GB in bf16, not 52 GB of float32 on the host first. Then
+    every parameter is in ``torch_dtype``, as ``from_pretrained(torch_dtype=...)`` loads them (LTX-Video keeps none in
+    float32; the 0.9.5 decoder's ``timestep_scale_multiplier`` is made in float32 explicitly)."""
     import diffusers
+    import torch
+    from _flux_configs import torch_defaults
+
+    torch.manual_seed(0)
+    with torch_defaults(device, torch_dtype):  # then cast: a few parameters are made in float32 whatever the default
+        ref = diffusers.LTXVideoTransformer3DModel(**preset.transformer).to(torch_dtype).eval()
+        ref_vae = None if skip_decode else diffusers.AutoencoderKLLTXVideo(**preset.vae).to(torch_dtype).eval()
+    return ref, ref_vae
+
+
+def main(args: Args) -> None:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -193,10 +209,7 @@ def main(args: Args) -> None:
           f"({t * h * w} tokens, {preset.text_tokens} text), dtype={args.dtype}, batch={args.batch}")
 
     t0 = time.perf_counter()
-    torch.manual_seed(0)
-    ref = diffusers.LTXVideoTransformer3DModel(**preset.transformer).to(device=device, dtype=torch_dtype).eval()
-    ref_vae = None if args.skip_decode else diffusers.AutoencoderKLLTXVideo(**preset.vae).to(
-        device=device, dtype=torch_dtype).eval()
+    ref, ref_vae = build_reference(preset, device, torch_dtype, args.skip_decode)
     with tempfile.TemporaryDirectory() as folder:
         ref.save_pretrained(f"{folder}/transformer")
         model = eqxdiff.load(f"{folder}/transformer", dtype=args.dtype)

@@ -102,7 +102,8 @@ def build_folder(preset: Preset, vae_name: str, folder: str, device, dtype):
         t5 = T5EncoderModel(T5Config(vocab_size=len(tokenizer) + 3, d_model=preset.transformer["caption_channels"],
                                      d_kv=8, d_ff=32, num_layers=1, num_heads=2, feed_forward_proj="gated-gelu",
                                      pad_token_id=0, eos_token_id=1)).eval()
-        vae = diffusers.AutoencoderKLLTXVideo(**VAES[vae_name][preset.tiny]).eval()
+        # cast: 0.9.5's decoder makes timestep_scale_multiplier in float32 whatever the default (from_pretrained casts)
+        vae = diffusers.AutoencoderKLLTXVideo(**VAES[vae_name][preset.tiny]).to(dtype).eval()
         transformer = diffusers.LTXVideoTransformer3DModel(**preset.transformer).eval()
     pipe = diffusers.LTXPipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(
         base_image_seq_len=1024, base_shift=0.95, max_image_seq_len=4096, max_shift=2.05, shift=1.0,

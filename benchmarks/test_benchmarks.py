@@ -111,7 +111,6 @@ def test_wan_nothing_to_time(capsys):
     """gpu_suite.sh's wan_14b_attn command where its kernel is unavailable (cuDNN on a CPU) and diffusers is skipped:
     a clear line and a clean return, not a crash in the report of no runs."""
     import jax
-
     import wan
 
     if jax.devices()[0].platform == "gpu":
@@ -128,6 +127,23 @@ def test_ltx_smoke(capsys):
     ltx.main(ltx.Args(preset="tiny", repeats=1, tolerance=1e-4))
     out = capsys.readouterr().out
     assert "host: " in out and "ratio step eqxdiff/diffusers" in out and "ratio decode eqxdiff/diffusers" in out
+
+
+def test_ltx_reference_built_in_the_dtype(monkeypatch):
+    """ltx.py builds diffusers' models with the benchmark's dtype as PyTorch's default (on its device), not in
+    float32 on the host then cast and moved: the 13B would take 52 GB of host memory and minutes to initialise."""
+    import diffusers
+    import ltx
+    import torch
+
+    seen = []
+    for name in ("LTXVideoTransformer3DModel", "AutoencoderKLLTXVideo"):
+        cls = getattr(diffusers, name)
+        monkeypatch.setattr(diffusers, name, lambda *a, cls=cls, **k: seen.append(torch.get_default_dtype())
+                            or cls(*a, **k))
+    ref, vae = ltx.build_reference(ltx.PRESETS["tiny"], torch.device("cpu"), torch.bfloat16)
+    assert seen == [torch.bfloat16, torch.bfloat16] and torch.get_default_dtype() == torch.float32
+    assert {p.dtype for m in (ref, vae) for p in m.parameters()} == {torch.bfloat16}
 
 
 def test_ltx_pipeline_smoke(capsys):
