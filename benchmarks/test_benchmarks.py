@@ -50,6 +50,49 @@ def test_time_interleaved_takes_turns():
         time_interleaved({"a": lambda: None}, 0)
 
 
+def _suite_commands(out):
+    """Each gpu_suite.sh group's commands as the suite's dry run lists them: ``{group: [(name, limit, argv)]}``."""
+    import os
+    import pathlib
+    import re
+    import shlex
+    import subprocess
+
+    script = pathlib.Path(__file__).with_name("gpu_suite.sh")
+    groups = re.findall(r"^(\w+)\)", script.read_text(), re.MULTILINE)
+    commands = {}
+    for group in groups:
+        listed = subprocess.run(["bash", str(script), group, str(out)], capture_output=True, text=True, check=True,
+                                env=dict(os.environ, GPU_SUITE_DRY_RUN="1")).stdout
+        commands[group] = [(name, int(limit), argv) for name, limit, *argv in map(shlex.split, listed.splitlines())]
+    return commands
+
+
+def test_gpu_suite_groups_fit_a_device_call_and_parse(tmp_path):
+    """Every gpu_suite.sh group's time limits add up to at most 560 s (one 600 s device call, the wheels' install
+    included), and every benchmark command's flags parse (a typo would cost a device call)."""
+    import importlib
+    import pathlib
+
+    import tyro
+
+    commands = _suite_commands(tmp_path)
+    assert {"tests", "wan_14b_attn", "ltx_13b"} <= set(commands)
+    for group, runs in commands.items():
+        assert runs and sum(limit for _, limit, _ in runs) <= 560, (group, runs)
+        for name, _, argv in runs:
+            assert argv[0] == "python3", (group, name, argv)
+            if argv[1:3] == ["-m", "pytest"]:  # on a test file
+                files = [a for a in argv if a.endswith(".py")]
+                assert files and all(pathlib.Path(__file__).parent.parent.joinpath(f).is_file() for f in files), argv
+                continue
+            path = pathlib.Path(argv[1])
+            assert path.parent.name == "benchmarks" and pathlib.Path(__file__).with_name(path.name).is_file(), argv
+            module = importlib.import_module(path.stem)
+            if hasattr(module, "Args"):  # attention.py's argparse flags are not checked here
+                tyro.cli(module.Args, args=argv[2:])
+
+
 # -- smoke runs: each script at a tiny preset, float32 outputs checked against diffusers ---------------------------
 
 
