@@ -49,9 +49,14 @@ run() {  # run NAME TIMEOUT_S COMMAND...
         return
     fi
     echo "## $name: $*" | tee "$out/$name.txt"
-    timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v "DeprecationWarning\|Pallas Triton backend is deprecated" \
-        | tee -a "$out/$name.txt"
+    # a scratch folder of its own, removed after it: a command stopped at its limit leaves its saved random models
+    # (tens of GB: the 14B Wan, the 13B LTX pipeline) behind, and the next would run out of the 64 GB disk
+    local scratch
+    scratch=$(mktemp -d)
+    TMPDIR=$scratch timeout -k 10 "$limit" "$@" 2>&1 \
+        | grep --line-buffered -v "DeprecationWarning\|Pallas Triton backend is deprecated" | tee -a "$out/$name.txt"
     rc=${PIPESTATUS[0]}
+    rm -rf "$scratch"
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
         echo "## $name: stopped at its limit of $limit s" | tee -a "$out/$name.txt"
     elif [ "$rc" != 0 ]; then
