@@ -408,6 +408,19 @@ def test_swap_by_name_matches_diffusers_from_config(name):
     np.testing.assert_allclose(np.asarray(sched.init(10, sample_shape=SHAPE).timesteps), ref.timesteps.numpy())
 
 
+def test_options_set_last_over_the_names_own_keys():
+    """A key the user sets that the scheduler's name also sets (``dpm++2m_karras``: ``use_karras_sigmas=True``,
+    ``solver_order=2``) takes the user's value, in load_pipeline / with_scheduler / the CLI's --scheduler-option
+    (all through ``build_scheduler``); it raised TypeError "got multiple values for keyword argument"."""
+    from eqxdiff.pipelines._components import build_scheduler
+
+    sched = scheduler_from_config(SD15_RAW, name="dpm++2m_karras", use_karras_sigmas=False, solver_order=1)
+    assert (sched.config.use_karras_sigmas, sched.config.solver_order, sched.config.algorithm_type) == (
+        False, 1, "dpmsolver++")
+    sched, _ = build_scheduler(SD15_RAW, "dpm++2m_karras", {"use_karras_sigmas": False})
+    assert sched.config == scheduler_from_config(SD15_RAW, name="dpm++2m").config
+
+
 @pytest.mark.parametrize("class_name", list(S.SCHEDULER_CLASSES))
 def test_config_covers_every_diffusers_key(class_name):
     """Each diffusers ``__init__`` argument is a config field, or one whose only values eqxdiff ignores."""

@@ -56,7 +56,9 @@ def scheduler_from_config(raw: Mapping[str, Any], name: str | None = None, **ove
     Without ``name`` its ``_class_name`` picks the class. With ``name`` (a key of :data:`SCHEDULERS`) that
     scheduler is built from the same dict, like diffusers' ``X.from_config(other.config)``: keys both classes
     know (betas, prediction type, spacing, ...) carry over, the rest take the new class's defaults, keys diffusers
-    recorded as defaulted (``_use_default_values``) are dropped. ``overrides`` set config keys last.
+    recorded as defaulted (``_use_default_values``) are dropped. ``overrides`` set config keys last: after the
+    dict's and the keys the name sets (``"dpm++2m_karras"``'s ``use_karras_sigmas=True``, which an override may
+    change).
     """
     if name is None:
         class_name = raw.get("_class_name")
@@ -70,4 +72,4 @@ def scheduler_from_config(raw: Mapping[str, Any], name: str | None = None, **ove
         cls, forced = SCHEDULERS[name].cls, SCHEDULERS[name].overrides
     else:
         raise ValueError(f"unknown scheduler name {name!r}; choose one of {list(SCHEDULERS)}")
-    return cls.from_config(raw, **forced, **overrides)
+    return cls.from_config(raw, **{**forced, **overrides})
