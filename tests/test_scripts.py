@@ -115,6 +115,15 @@ def test_generate_help_lists_debug_and_only_scheduler_names(capsys):
     assert re.search(r"--scheduler \{[^}]*\} Swap .*\(default: the checkpoint's own\)", text)
 
 
+def test_generate_help_names_the_folders_recommended_values(capsys):
+    """--help's "(default: 50)" is the signature's; the digits folder recommends 20 steps, guidance 4 and seed 0
+    (model_index.json's call_defaults), which a left-out flag takes: the help says so and lists them."""
+    text = _generate_help(capsys)
+    assert "(default: 50)" in text  # --num-inference-steps: the signature's, as tyro shows it
+    assert ("an option left out takes the --model folder's recommended value first (--num-inference-steps 20, "
+            "--guidance-scale 4.0, --seed 0: model_index.json's _eqxdiff.call_defaults)") in text
+
+
 def test_the_scheduler_option_examples_work_on_the_default_model(capsys):
     """The KEY=VALUE examples of --scheduler-option in --help and in the README are taken by the digits model's
     scheduler (DPM-Solver++): clip_sample=false, the example before, has no meaning there and was refused."""

@@ -251,6 +251,17 @@ def flag_types(family: FamilyOptions) -> dict[str, Any]:
                     if (long := "--" + name.replace("_", "-")) in types}
 
 
+def recommended_help(folder_class: type[DiffusionPipeline], read) -> str:
+    """The help's sentence on the defaults: the ones --help shows are ``__call__``'s signature's, while an option
+    left out takes the folder's recommended call first (``model_index.json``'s ``_eqxdiff.call_defaults``: the
+    digits model's 20 steps, not the signature's 50), which it lists."""
+    recommended = folder_class.folder_call_defaults(read)
+    listed = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in recommended.items())
+    return ("The defaults shown are the pipeline signature's; an option left out takes the --model folder's "
+            f"recommended value first ({listed}: model_index.json's _eqxdiff.call_defaults). " if recommended else
+            "The defaults shown are the pipeline signature's (the --model folder recommends none of its own). ")
+
+
 @dataclasses.dataclass(frozen=True)
 class Parsed:
     """A parsed command line: the options of the pipeline class it runs, the parsed flags, the ``--model`` folder's
@@ -280,7 +291,9 @@ def parse_command(argv: Sequence[str], *, prog: str | None = None) -> Parsed:
             f"the --model folder's {folder_class.__name__} with ControlNet" if early.controlnet else
             f"the --model folder's {folder_class.__name__} for --image")
     description = (f"Images or videos from a diffusion pipeline. The pipeline options are {cls.__name__}'s ({what}); "
-                   f"eqxdiff serves {', '.join(family_names('pipeline'))}. {DEBUG_HELP}")
+                   f"eqxdiff serves {', '.join(family_names('pipeline'))}. "
+                   f"{recommended_help(folder_class, config_reader(early.model, early.revision, early.config))}"
+                   f"{DEBUG_HELP}")
     try:
         with config_errors_raise():
             args = tyro.cli(build_parser(family), args=argv, prog=prog, description=description)
