@@ -27,7 +27,7 @@ from eqxdiff.core import ConfigError
 from eqxdiff.loading import CheckpointError, SafetensorsFile, formats, state_dict, write_safetensors
 from eqxdiff.loading import single_file as layouts
 from eqxdiff.parallel import MeshConfig, make_mesh
-from eqxdiff.pipelines import CallLimits, InputError, InputWarning, save_pipeline, save_single_file
+from eqxdiff.pipelines import CallLimits, InputError, InputTypeError, InputWarning, save_pipeline, save_single_file
 from eqxdiff.pipelines._latents import noise_draws
 from eqxdiff.pipelines.flux import COMFY_CLIP_L, COMFY_VAE, SINGLE_FILE_LAYOUTS, FluxPipeline
 from eqxdiff.pipelines.flux_image import FluxImg2ImgPipeline, FluxKontextPipeline, kontext_size
@@ -161,7 +161,7 @@ def test_image_to_image_matches_diffusers(dev, monkeypatch):
 
 def test_kontext_with_true_cfg_matches_diffusers(dev):
     """Kontext on the dev folder: a 16x8 reference image's latent tokens appended at positions (1, row, col) to
-    an 8x8 output's, distilled guidance and true CFG together; the reference's size kept (auto_resize=False)."""
+    an 8x8 output's, distilled guidance and true CFG together; the reference's size kept (_auto_resize=False)."""
     from diffusers import FluxKontextPipeline as Reference
 
     pipe = FluxKontextPipeline.from_pipe(dev.pipe)
@@ -170,8 +170,11 @@ def test_kontext_with_true_cfg_matches_diffusers(dev):
                   **COMMON)
     expected = _run(Reference(**dev.ref.components), prompt=PROMPTS, image=_pixels(image),
                     latents=_packed(dev.ref, dev.noise), _auto_resize=False, **kwargs)
-    ours = pipe(PROMPTS, image=image, latents=dev.noise, auto_resize=False, progress=False, **kwargs)
+    ours = pipe(PROMPTS, image=image, latents=dev.noise, _auto_resize=False, progress=False, **kwargs)
     assert ours.shape == (2, 8, 8, 3) and _pixels_off(ours, expected) <= 2
+    # diffusers' name, underscore included; the bare one (eqxdiff's before) is refused naming diffusers'
+    with pytest.raises(InputTypeError, match=r"'auto_resize' \(diffusers' name, which this call takes: _auto_resize="):
+        pipe(PROMPTS, image=image, auto_resize=False)
 
 
 def test_kontext_sizes_follow_diffusers(dev):

@@ -275,7 +275,7 @@ def _flux_img2img(flux):
 
 def _flux_kontext(flux):
     pipe = resolve_class("FluxKontextPipeline").from_pipe(flux)
-    sweep(pipe, dict(FLUX_BASE, image=IMAGE[:, :8, :8], auto_resize=False, max_area=64),
+    sweep(pipe, dict(FLUX_BASE, image=IMAGE[:, :8, :8], _auto_resize=False, max_area=64),
           [dict(guidance_scale=6.0), *STEPS, dict(seed=4)])
 
 

@@ -158,7 +158,7 @@ def as_flags(message: str, names, flags: Mapping[str, str] | None = None, python
     for name in python_only:
         message = re.sub(rf",? or {re.escape(name)}=(?: \([^()]*\))?", "", message)
     for name in sorted({*names, *flags}, key=len, reverse=True):
-        flag = flags.get(name) or "--" + name.replace("_", "-")
+        flag = flags.get(name) or "--" + name.lstrip("_").replace("_", "-")  # _auto_resize: --auto-resize
         word = rf"(?<![\w.-]){re.escape(name)}"
         message = re.sub(rf"{word}=(?=[^\s,;)])", flag + " ", message)
         message = re.sub(rf"{word}=", flag, message)

@@ -243,10 +243,12 @@ def build_parser(family: FamilyOptions) -> type:
 def flag_types(family: FamilyOptions) -> dict[str, Any]:
     """``{flag: annotation}`` of every flag of :func:`build_parser`'s command line (short forms and ``--mesh.*``
     included), for :func:`~eqxdiff.cli._numbers.number_error`."""
-    types = {"--" + k.replace("_", "-"): v for k, v in field_types(build_parser(family), dotted=False).items()}
+    types = {"--" + k.lstrip("_").replace("_", "-"): v
+             for k, v in field_types(build_parser(family), dotted=False).items()}
     types |= {"--mesh." + k.replace("_", "-"): v for k, v in field_types(MeshConfig).items()}
     # a repeatable flag takes one value each time it is given
-    types |= {(flag := "--" + name.replace("_", "-")): typing.get_args(types[flag])[0] for name in family.several}
+    types |= {(flag := "--" + name.lstrip("_").replace("_", "-")): typing.get_args(types[flag])[0]
+              for name in family.several}
     return types | {short: types[long] for name, shorts in ALIASES.items() for short in shorts
                     if (long := "--" + name.replace("_", "-")) in types}
 

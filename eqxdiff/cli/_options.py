@@ -292,7 +292,8 @@ def family_options(pipeline_class: type, defaults: Mapping[str, Any] | None = No
             tp, default, extra = tuple[item, ...], (), (tyro.conf.UseAppendAction,)
         else:
             hint = None
-        marker = tyro.conf.arg(help=help_text, aliases=ALIASES.get(name), help_behavior_hint=hint)
+        marker = tyro.conf.arg(name=_flag(name)[2:], help=help_text, aliases=ALIASES.get(name),
+                               help_behavior_hint=hint)
         field = (dataclasses.field() if default is inspect.Parameter.empty
                  else dataclasses.field(default=default))
         fields.append((name, Annotated[(tp, marker, *extra)], field))
@@ -324,7 +325,9 @@ def _annotation(name: str, param: inspect.Parameter, hints: Sequence[Mapping[str
 # -- what a command line gives ------------------------------------------------------------------------------------
 
 def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    """The flag of argument ``name``: diffusers' underscore-led names lose the underscore (Kontext's
+    ``_auto_resize``: ``--auto-resize``)."""
+    return "--" + name.lstrip("_").replace("_", "-")
 
 
 def _flag_of(token: str) -> str | None:
@@ -373,7 +376,7 @@ def given_options(argv: Sequence[str], options: type) -> set[str]:
     (its ``call_defaults``) applies to every argument the user left out."""
     flags = {}
     for field in dataclasses.fields(options):
-        for form in (_flag(field.name), "--no-" + field.name.replace("_", "-"), *ALIASES.get(field.name, ())):
+        for form in (_flag(field.name), "--no-" + _flag(field.name)[2:], *ALIASES.get(field.name, ())):
             flags[form] = field.name
     given = set()
     for token in argv:

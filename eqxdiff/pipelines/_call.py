@@ -6,6 +6,7 @@ anything is encoded or compiled, the call and its stages timed with the seconds 
 import contextvars
 import functools
 import inspect
+import re
 
 import jax
 
@@ -47,6 +48,15 @@ def compile_seconds() -> float:
 _IN_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("eqxdiff_pipeline_call", default=False)
 
 
+def _underscored(error: TypeError, signature: inspect.Signature) -> str:
+    """A hint for an unexpected keyword that the call takes under diffusers' underscore-led name (Kontext's
+    ``_auto_resize``), else ``""``."""
+    match = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+    if match and "_" + match.group(1) in signature.parameters:
+        return f" (diffusers' name, which this call takes: _{match.group(1)}=)"
+    return ""
+
+
 def checked_call(call):
     """The decorator on every family's ``__call__`` (``@checked_call``). The call's arguments are bound to ``call``'s
     signature and checked before anything is encoded or compiled (the pipeline's
@@ -69,7 +79,7 @@ def checked_call(call):
                 kwargs = {**kwargs, **defaults}
                 bound = signature.bind(self, *args, **kwargs)
         except TypeError as e:
-            raise InputTypeError(f"{type(self).__name__}(...): {e}") from None
+            raise InputTypeError(f"{type(self).__name__}(...): {e}{_underscored(e, signature)}") from None
         bound.apply_defaults()
         arguments = {k: v for k, v in bound.arguments.items() if k != params[0].name and k != var_keyword}
         arguments.update(bound.arguments.get(var_keyword, {}) if var_keyword else {})

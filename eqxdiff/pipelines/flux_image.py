@@ -7,7 +7,8 @@
 **Image-to-image** noises the image's VAE latents to ``strength``; the output has the image's size. **Kontext**
 appends the reference image's latent tokens (positions ``(1, row, col)``) to the noisy ones; the output size follows
 diffusers (``height``/``width`` scaled to ``max_area``) and the reference is resized to the nearest of Kontext's
-trained resolutions unless ``auto_resize=False``. Either takes pixels or latents handed over (``[n, h, w, C]``).
+trained resolutions unless ``_auto_resize=False`` (diffusers' name, underscore included). Either takes pixels or
+latents handed over (``[n, h, w, C]``).
 """
 
 import warnings
@@ -187,7 +188,7 @@ class FluxKontextPipeline(_FluxFromImage):
                  sigmas: Sequence[float] | None = None, guidance_scale: float = 3.5, num_images_per_prompt: int = 1,
                  seed: int | None = None, key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None,
                  pooled_prompt_embeds=None, negative_prompt_embeds=None, negative_pooled_prompt_embeds=None,
-                 max_sequence_length: int = MAX_SEQUENCE_LENGTH, max_area: int = 1024**2, auto_resize: bool = True,
+                 max_sequence_length: int = MAX_SEQUENCE_LENGTH, max_area: int = 1024**2, _auto_resize: bool = True,
                  output_type: str = "uint8", progress: bool = True):
         """Edit ``image`` toward ``prompt`` with diffusers' ``FluxKontextPipeline`` arguments (see
         :meth:`FluxPipeline.__call__` for the shared ones).
@@ -199,7 +200,9 @@ class FluxKontextPipeline(_FluxFromImage):
             width: With height, the output's aspect ratio (default 1024x1024), scaled to max_area.
             max_area: The output's area in pixels (diffusers' default 1024**2); height and width are rounded down
                 to multiples of 16.
-            auto_resize: Resize the reference to Kontext's trained resolution of the nearest aspect ratio.
+            _auto_resize: Resize the reference to Kontext's trained resolution of the nearest aspect ratio
+                (diffusers' name, underscore included; on the command line ``--auto-resize`` /
+                ``--no-auto-resize``).
             latents: The initial noise ``[n, height/f, width/f, C]`` at the final size (channels-last).
         """
         if isinstance(max_area, bool) or not isinstance(max_area, int) or max_area < 1:
@@ -224,7 +227,7 @@ class FluxKontextPipeline(_FluxFromImage):
             prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
         with self.timed("encode_image"):
-            image = image if self._given_latents(image) else self.reference_image(image, auto_resize=auto_resize)
+            image = image if self._given_latents(image) else self.reference_image(image, auto_resize=_auto_resize)
             reference = self._image_latents(image, n, None, sample=False)
         return self.generate(positive, negative, batch=n, height=size[0], width=size[1],
                              num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
