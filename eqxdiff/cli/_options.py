@@ -292,8 +292,8 @@ def family_options(pipeline_class: type, defaults: Mapping[str, Any] | None = No
             tp, default, extra = tuple[item, ...], (), (tyro.conf.UseAppendAction,)
         else:
             hint = None
-        marker = tyro.conf.arg(name=_flag(name)[2:], help=help_text, aliases=ALIASES.get(name),
-                               help_behavior_hint=hint)
+        renamed = {"name": _flag(name)[2:]} if name.startswith("_") else {}  # tyro would keep the underscore
+        marker = tyro.conf.arg(help=help_text, aliases=ALIASES.get(name), help_behavior_hint=hint, **renamed)
         field = (dataclasses.field() if default is inspect.Parameter.empty
                  else dataclasses.field(default=default))
         fields.append((name, Annotated[(tp, marker, *extra)], field))
