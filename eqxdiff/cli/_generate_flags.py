@@ -253,15 +253,18 @@ def flag_types(family: FamilyOptions) -> dict[str, Any]:
                     if (long := "--" + name.replace("_", "-")) in types}
 
 
-def recommended_help(folder_class: type[DiffusionPipeline], read) -> str:
+def recommended_help(folder_class: type[DiffusionPipeline], early: argparse.Namespace) -> str:
     """The help's sentence on the defaults: the ones --help shows are ``__call__``'s signature's, while an option
     left out takes the folder's recommended call first (``model_index.json``'s ``_eqxdiff.call_defaults``: the
-    digits model's 20 steps, not the signature's 50), which it lists."""
-    recommended = folder_class.folder_call_defaults(read)
+    digits model's 20 steps, not the signature's 50), which it lists. A single file carries none (its --config
+    folder's are not applied either)."""
+    single = Path(early.model).expanduser().is_file()
+    recommended = {} if single else folder_class.folder_call_defaults(config_reader(early.model, early.revision))
     listed = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in recommended.items())
     return ("The defaults shown are the pipeline signature's; an option left out takes the --model folder's "
             f"recommended value first ({listed}: model_index.json's _eqxdiff.call_defaults). " if recommended else
-            "The defaults shown are the pipeline signature's (the --model folder recommends none of its own). ")
+            "The defaults shown are the pipeline signature's (the --model "
+            f"{'file carries' if single else 'folder recommends'} no values of its own). ")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +297,7 @@ def parse_command(argv: Sequence[str], *, prog: str | None = None) -> Parsed:
             f"the --model folder's {folder_class.__name__} for --image")
     description = (f"Images or videos from a diffusion pipeline. The pipeline options are {cls.__name__}'s ({what}); "
                    f"eqxdiff serves {', '.join(family_names('pipeline'))}. "
-                   f"{recommended_help(folder_class, config_reader(early.model, early.revision, early.config))}"
+                   f"{recommended_help(folder_class, early)}"
                    f"{DEBUG_HELP}")
     try:
         with config_errors_raise():
