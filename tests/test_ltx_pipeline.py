@@ -371,6 +371,16 @@ def test_num_frames_sizes_and_inputs_are_refused_in_one_line(ltx, i2v, tmp_path)
         pipe(PROMPTS, decode_timestep=[0.1, 0.2, 0.3], progress=False, **VIDEO)
     with pytest.raises(InputError, match="prompt_embeds needs prompt_attention_mask"):
         pipe(prompt_embeds=np.zeros((1, 4, 16), np.float32), progress=False, **VIDEO)
+    # the negative prompt is encoded at max_sequence_length (the tiny folder's 16) as diffusers does, not at 4
+    four = dict(prompt_embeds=np.zeros((1, 4, 16), np.float32), prompt_attention_mask=np.ones((1, 4), np.int32))
+    with pytest.raises(InputError, match=r"negative embeddings of shape \(1, 16, 16\) \(the negative prompt encoded at "
+                                         r"max_sequence_length=16\) for prompt embeddings of shape \(1, 4, 16\) "
+                                         r"\(prompt_embeds\).*pass max_sequence_length=4"):
+        pipe(**four, guidance_scale=3.0, progress=False, **VIDEO)
+    with pytest.raises(InputError, match=r"negative embeddings of shape \(1, 5, 16\) \(negative_prompt_embeds\) for "
+                                         r"prompt embeddings of shape \(1, 4, 16\).*negative_prompt_attention_mask"):
+        pipe(**four, negative_prompt_embeds=np.zeros((1, 5, 16), np.float32),
+             negative_prompt_attention_mask=np.ones((1, 5), np.int32), guidance_scale=3.0, progress=False, **VIDEO)
     with pytest.raises(InputError, match="image has width 32, height 32 pixels but the video has width 64"):
         i2v[1](picture(0), "a cat", progress=False, **dict(VIDEO, width=64))
     with pytest.raises(InputError, match="pass image="):

@@ -8,10 +8,11 @@ pipelines build on: image-to-video (:mod:`eqxdiff.pipelines.ltx_i2v`), condition
 
 **Prompts.** T5 v1.1-XXL reads the prompt (``max_sequence_length`` 128 tokens, padded) **without** an attention mask,
 as diffusers does (its condition pipeline encodes with the mask: so does eqxdiff's); the mask is the transformer's
-cross-attention mask. ``prompt_embeds`` (``[n, seq, 4096]``) need
-their ``prompt_attention_mask`` (``[n, seq]``, 1 = token), ``negative_prompt_embeds`` theirs. Classifier-free guidance
-runs when ``guidance_scale > 1`` (the negative prompt defaulting to ``""``), both halves in one batch, with
-``guidance_rescale``.
+cross-attention mask. ``prompt_embeds`` (``[n, seq, 4096]``) need their ``prompt_attention_mask`` (``[n, seq]``,
+1 = token), ``negative_prompt_embeds`` theirs. The negative prompt is encoded at ``max_sequence_length`` as diffusers
+encodes it, beside ``prompt_embeds`` too; both halves need one length (refused otherwise, where diffusers fails to
+concatenate them: pass ``max_sequence_length`` = their length). Classifier-free guidance runs when
+``guidance_scale > 1`` (the negative prompt defaulting to ``""``), both halves in one batch, with ``guidance_rescale``.
 
 **Schedule.** Flow-matching Euler over ``linspace(1, 1/N, N)`` sigmas, shifted by ``mu`` for the video's latent token
 count where the scheduler shifts dynamically (0.9.0 / 0.9.1; 0.9.5+ shift statically); ``timesteps`` replaces them
