@@ -248,6 +248,14 @@ def test_two_stages_upsample_and_refine_match_diffusers(ltx, tmp_path, monkeypat
         upsampler(video=np.zeros((9, 32, 32, 3), np.uint8), latents=low)
     with pytest.raises(InputError, match=r"latents must be \[n, T, h, w, 8\]"):
         upsampler(latents=low[..., :4])
+    # diffusers' height / width (the size it resizes a video to): the input's size, or refused (they were unknown)
+    assert np.array_equal(upsampler(latents=low, height=32, width=32, adain_factor=1.0, output_type="latent"), high)
+    with pytest.raises(InputError, match=r"width 32, height 128 pixels asked, but latents 2x2 \(x16, the VAE's "
+                                         r"factor\) are frames of width 32, height 32 pixels .*output is twice it"):
+        upsampler(latents=low, height=128)
+    with pytest.raises(InputError, match=r"width 64, height 32 pixels asked, but the video's frames have width 32, "
+                                         r"height 32 pixels and eqxdiff does not resize"):
+        upsampler(video=[np.zeros((32, 32, 3), np.uint8)] * 9, width=64)
 
     shape = (1, 2, 4, 4, 8)
     draws = [ncthw(noise_draws(key, shape).noise), ncthw(jax.random.normal(decode_keys(key)[0], shape))]
