@@ -134,6 +134,18 @@ def test_image_to_video_matches_diffusers(i2v):
     ours = pipe(image, PROMPTS, negative_prompt=NEGATIVES, latents=x, key=key, progress=False, **kwargs)
     assert ours.shape == (2, 9, 32, 32, 3) and pixels_off(ours, expected) <= 2
 
+    # one image per prompt (diffusers encodes each; it broadcasts one): each prompt's video starts from its own
+    images = np.stack([image, picture(5)])
+    with torch.no_grad():
+        posterior = ref.vae.encode(torch.from_numpy(images).permute(0, 3, 1, 2)[:, :, None].float() / 127.5 - 1)
+        first = ref._normalize_latents(posterior.latent_dist.mean + posterior.latent_dist.std * eps,
+                                       ref.vae.latents_mean, ref.vae.latents_std)
+        start[:, :1] = np.moveaxis(first.numpy(), 1, -1)
+        expected = ref(image=[Image.fromarray(i) for i in images], prompt=PROMPTS, negative_prompt=NEGATIVES,
+                       latents=packed(start), output_type="np", **kwargs).frames
+    each = pipe(images, PROMPTS, negative_prompt=NEGATIVES, latents=x, key=key, progress=False, **kwargs)
+    assert pixels_off(each, expected) <= 2 and pixels_off(each[1:], ours[1:] / 255) > 2
+
 
 def test_conditions_at_frame_indices_match_diffusers(ltx, monkeypatch):
     """LTXConditionPipeline with one image at frame 0 (strength 1: blended into the first latent frame, re-noised
@@ -393,6 +405,11 @@ def test_num_frames_sizes_and_inputs_are_refused_in_one_line(ltx, i2v, tmp_path)
         i2v[1](picture(0), "a cat", progress=False, **dict(VIDEO, width=64))
     with pytest.raises(InputError, match="pass image="):
         i2v[1](prompt="a cat", progress=False)
+    with pytest.raises(InputError, match=r"image holds 3 images for 2 prompts; pass one picture \(it conditions every "
+                                         r"video\) or one per prompt"):
+        i2v[1](np.stack([picture(0)] * 3), PROMPTS, progress=False, **VIDEO)
+    with pytest.raises(InputError, match=r"image holds 2 images; pass one picture"):
+        i2v[1](np.stack([picture(0)] * 2), "a cat", num_videos_per_prompt=2, progress=False, **VIDEO)
     condition = LTXConditionPipeline.from_pipe(pipe)
     with pytest.raises(InputError, match=r"strength=\[1.0, 1.5\]: give numbers in \[0, 1\]"):
         condition(image=[picture(0)] * 2, strength=[1.0, 1.5], prompt="a cat", progress=False, **VIDEO)

@@ -318,7 +318,8 @@ class LTXConditionPipeline(LTXPipeline):
                  guidance_rescale: float = 0.0, image_cond_noise_scale: float = 0.15, num_videos_per_prompt: int = 1,
                  seed: int | None = None, key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None,
                  prompt_attention_mask=None, negative_prompt_embeds=None, negative_prompt_attention_mask=None,
-                 decode_timestep: float | Sequence[float] = 0.0, decode_noise_scale: float | Sequence[float] | None = None,
+                 decode_timestep: float | Sequence[float] = 0.0,
+                 decode_noise_scale: float | Sequence[float] | None = None,
                  max_sequence_length: int = MAX_SEQUENCE_LENGTH, output_type: str = "uint8", progress: bool = True):
         """Videos with diffusers' ``LTXConditionPipeline`` arguments: uint8 ``[n, num_frames, height, width, 3]``, or
         the final latents ``[n, T, h, w, C]`` with ``output_type="latent"``.
