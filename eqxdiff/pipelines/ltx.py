@@ -13,6 +13,11 @@ cross-attention mask. ``prompt_embeds`` (``[n, seq, 4096]``) need their ``prompt
 encodes it, beside ``prompt_embeds`` too; both halves need one length (refused otherwise, where diffusers fails to
 concatenate them: pass ``max_sequence_length`` = their length). Classifier-free guidance runs when
 ``guidance_scale > 1`` (the negative prompt defaulting to ``""``), both halves in one batch, with ``guidance_rescale``.
+Each video's cross-attention mask is its own prompt's. diffusers' LTX pipelines (text-to-video, image-to-video and
+conditions) repeat the embeddings prompt by prompt (``p0, p0, p1, p1``) but tile the masks (``m0, m1, m0, m1``), so
+with several prompts of different lengths and ``num_videos_per_prompt > 1`` a video reads its prompt through another
+prompt's mask; eqxdiff does not copy that, and such calls differ from diffusers' (one prompt, or one video per prompt,
+match).
 
 **Schedule.** Flow-matching Euler over ``linspace(1, 1/N, N)`` sigmas, shifted by ``mu`` for the video's latent token
 count where the scheduler shifts dynamically (0.9.0 / 0.9.1; 0.9.5+ shift statically); ``timesteps`` replaces them

@@ -18,7 +18,9 @@ token never moves), each token from its own noise level to the next of the sched
 :class:`ConditionedEuler`). With ``image_cond_noise_scale`` (default 0.15; the model cards use 0.025 or 0) the
 strength-1 tokens are re-noised before every step to ``latents + scale * noise * (t / 1000)^2``. Tokens are
 positioned in latent-pixel units (frames after the first at ``8k - 7``, the time axis over ``frame_rate``). Every video
-of a call shares the conditions (diffusers' pipeline builds a later index's extra tokens for one video only).
+of a call shares the conditions (diffusers' pipeline builds a later index's extra tokens for one video only). Each
+video's prompt mask is its own prompt's: diffusers' mask pairing with ``num_videos_per_prompt > 1`` is not copied
+(:mod:`eqxdiff.pipelines.ltx`, Prompts).
 
 **Schedule.** ``timesteps`` (default: LTX-Video's linear-quadratic schedule of ``num_inference_steps``, times 1000;
 the distilled models' recipes give their own), shifted by the scheduler's config (0.9.5+: static, stretched to its
