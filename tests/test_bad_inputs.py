@@ -30,7 +30,7 @@ from PIL import Image
 import eqxdiff
 from eqxdiff.cli import _command, generate, train
 from eqxdiff.core import ConfigError
-from eqxdiff.loading import CheckpointError, PACKAGED_MODELS
+from eqxdiff.loading import PACKAGED_MODELS, CheckpointError
 from eqxdiff.loading import _checkpoint as checkpoint_module
 from eqxdiff.parallel import MeshError
 from eqxdiff.pipelines import (
@@ -492,6 +492,13 @@ API = [
     ("seed-float", lambda c: c.pipe("a", seed=1.5), InputTypeError, r"seed=1.5 must be an int"),
     ("seed-and-key", lambda c: c.pipe("a", seed=1, key=jax.random.key(1)), InputError, r"pass seed= or key=, not "
      r"both"),
+    ("key-batch", lambda c: c.pipe("a", key=jax.random.split(jax.random.key(0), 2)), InputError, r"key has shape "
+     r"\(2,\): a batch of 2 keys, but a call draws all its noise from one key; pass one \(key=keys\[0\]\)"),
+    ("key-raw-batch", lambda c: c.pipe("a", key=jax.random.split(jax.random.PRNGKey(0), 3)), InputError,
+     r"key has shape \(3, 2\): a batch of 3 keys"),
+    ("key-int", lambda c: c.pipe("a", key=5), InputTypeError, r"key=5 is an int; pass seed=5"),
+    ("key-float", lambda c: c.pipe("a", key=np.zeros(2, np.float32)), InputError, r"key of dtype float32 and shape "
+     r"\(2,\) is not a PRNG key"),
     ("output-type", lambda c: c.pipe("a", output_type="pil"), InputError, r"output_type='pil'; choose one of"),
     ("negative-prompts-count", lambda c: c.pipe("a", negative_prompt=["x", "y"], progress=False), InputError,
      r"negative_prompt has 2 entries but prompt has 1"),
@@ -801,6 +808,22 @@ def test_limits_from_declared_components():
     assert (ltx.size_factor, ltx.frame_factor) == (32, 8)
     assert LTXPipeline.folder_limits({"vae/config.json": {}}.get).size_factor == 32  # no transformer: 1x1 patches
     assert WanPipeline.folder_limits({}.get) == LTXPipeline.folder_limits({}.get) == CallLimits()
+
+
+def test_a_key_is_typed_or_raw_and_replaces_the_folders_seed(pipe, monkeypatch):
+    """A raw uint32 key (jax.random.PRNGKey's, also as NumPy) is the typed key of its data; a key given replaces the
+    folder's seed default (digits' call_defaults hold seed=0: key= was refused as 'pass seed= or key=, not both')."""
+    from eqxdiff.pipelines import stable_diffusion
+    from eqxdiff.pipelines._arguments import resolve_key
+
+    typed = jax.random.key_data(jax.random.key(3)).tolist()
+    for raw in (jax.random.PRNGKey(3), np.asarray(jax.random.PRNGKey(3))):
+        assert jax.random.key_data(resolve_key(None, raw)).tolist() == typed
+    assert pipe.call_defaults.get("seed") is not None
+    monkeypatch.setattr(stable_diffusion, "encode_prompt", _stop)
+    for key in (jax.random.key(1), jax.random.PRNGKey(1)):
+        with pytest.raises(_Stopped):  # past the checks and the key, at the text encoder
+            pipe("a", key=key, progress=False)
 
 
 def test_any_int_is_a_seed():

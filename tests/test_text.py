@@ -11,8 +11,8 @@ import torch
 
 from eqxdiff.data import character_tokenizer
 from eqxdiff.loading import CheckpointError
-from eqxdiff.pipelines import InputWarning
-from eqxdiff.pipelines._text import check_vocabulary, tokenize, tokens, zero_padding
+from eqxdiff.pipelines import InputError, InputWarning
+from eqxdiff.pipelines._text import check_vocabulary, prompt_pair, tokenize, tokens, zero_padding
 
 PROMPTS = ["a red cat", "two dogs"]
 
@@ -73,6 +73,29 @@ def test_zero_padding_is_diffusers_trim_and_pad_of_umt5_prompts():
     ours = zero_padding(jnp.asarray(embeds), out.mask)
     np.testing.assert_array_equal(np.asarray(ours), expected.numpy())
     assert int(seq_lens[1]) < 12 and np.all(np.asarray(ours)[1, int(seq_lens[1]):] == 0)
+
+
+def test_the_negative_prompt_is_encoded_at_max_sequence_length():
+    """diffusers' encode_prompt encodes the negative prompt at max_sequence_length, whatever the length of given
+    prompt_embeds (it was encoded at theirs: Wan's output was then up to 56/255 off diffusers'). A family that runs
+    both halves of guidance in one batch refuses different lengths, naming both shapes and the fix."""
+    lengths = []
+
+    def encode(prompts, length):
+        lengths.append(length)
+        return np.zeros((len(prompts), length, 3), np.float32)
+
+    pair = dict(prompt=None, negative_prompt="blurry", prompt_embeds=np.zeros((2, 5, 3), np.float32),
+                negative_prompt_embeds=None, guided=True, max_sequence_length=8, shape=np.shape)
+    positive, negative = prompt_pair(encode, lambda e, name: e, same_length=False, **pair)
+    assert lengths == [8] and positive.shape == (2, 5, 3) and negative.shape == (2, 8, 3)
+    with pytest.raises(InputError, match=r"negative embeddings of shape \(2, 8, 3\) \(the negative prompt encoded at "
+                                         r"max_sequence_length=8\) for prompt embeddings of shape \(2, 5, 3\) "
+                                         r"\(prompt_embeds\).*pass max_sequence_length=5"):
+        prompt_pair(encode, lambda e, name: e, **pair)
+    with pytest.raises(InputError, match=r"of shape \(1, 8, 3\).*of shape \(2, 5, 3\): pass one negative per prompt"):
+        prompt_pair(encode, lambda e, name: e, same_length=False, **{**pair, "negative_prompt": None,
+                                                                     "negative_prompt_embeds": np.zeros((1, 8, 3))})
 
 
 def test_a_very_long_prompt_warns_once_in_one_short_line(caplog, capfd):

@@ -165,6 +165,39 @@ def test_two_experts_match_diffusers(a14b):
     assert _pixels_off(offloaded, ours / 255) <= 1
 
 
+def test_halves_of_two_lengths_run_apart_as_diffusers(a14b):
+    """prompt_embeds of 512 tokens beside a negative prompt encoded at max_sequence_length=16: diffusers runs the two
+    halves of guidance as two model calls of their own lengths, and so does eqxdiff (both experts, resident or
+    offloaded); the negative was encoded at 512 before (56/255 off diffusers with one expert), then refused.
+    Slow (tests/_slow.py): guidance apart compiles its own loop."""
+    ref, pipe, _ = a14b
+    noise = _noise(SHAPE, seed=4)
+    kwargs = dict(guidance_scale=4.0, guidance_scale_2=2.5, max_sequence_length=16, **VIDEO)
+    with torch.no_grad():
+        embeds, _ = ref.encode_prompt(PROMPTS, do_classifier_free_guidance=False, max_sequence_length=512)
+    expected = _run(ref, noise, prompt_embeds=embeds, negative_prompt=NEGATIVES, **kwargs)
+    ours = pipe(prompt_embeds=embeds.numpy(), negative_prompt=NEGATIVES, latents=noise, progress=False, **kwargs)
+    assert _pixels_off(ours, expected) <= 2
+    pipe.enable_expert_offload()
+    try:
+        offloaded = pipe(prompt_embeds=embeds.numpy(), negative_prompt=NEGATIVES, latents=noise, progress=False,
+                         **kwargs)
+    finally:
+        pipe.enable_expert_offload(False)
+    assert _pixels_off(offloaded, ours / 255) <= 1
+
+
+def test_a_negative_of_another_length_is_kept_at_its_own(t2v):
+    """Wan encodes the negative prompt at max_sequence_length beside prompt_embeds of another length and keeps the
+    two lengths (the halves then run apart: the slow test above checks the frames against diffusers)."""
+    _, pipe = t2v
+    given = np.zeros((2, 7, pipe.transformer.config.text_dim), np.float32)
+    positive, negative = pipe.text_conditioning(prompt_embeds=given, negative_prompt=NEGATIVES, guided=True,
+                                                max_sequence_length=16)
+    assert positive.shape == (2, 7, given.shape[-1]) and negative.shape == (2, 16, given.shape[-1])
+    assert np.any(np.asarray(negative) != 0)
+
+
 def test_image_to_video_with_clip_tokens_matches_diffusers(i2v):
     """Wan 2.1 image-to-video: the image's VAE latents and mask as extra channels, its CLIP tokens (penultimate
     hidden state, through the folder's image processor) through added k/v; then the tokens given as image_embeds."""

@@ -3,10 +3,11 @@ arrays checked, each error naming the argument and the fix."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._checks import InputError, InputTypeError
 
-__all__ = ["as_list", "check_size", "given_array", "prompt_list", "resolve_key", "seed_key"]
+__all__ = ["as_list", "check_size", "given_array", "prompt_list", "one_key", "resolve_key", "seed_key"]
 
 
 def prompt_list(prompt, name: str = "prompt") -> list[str]:
@@ -41,10 +42,34 @@ def seed_key(seed: int) -> jax.Array:
 
 
 def resolve_key(seed: int | None, key) -> jax.Array:
-    """The PRNG key of a call: ``key`` if given, else one from ``seed`` (default 0; any int, :func:`seed_key`)."""
+    """The PRNG key of a call: ``key`` if given (:func:`one_key`), else one from ``seed`` (default 0; any int,
+    :func:`seed_key`)."""
     if key is not None and seed is not None:
         raise InputError("pass seed= or key=, not both")
-    return seed_key(0 if seed is None else int(seed)) if key is None else key
+    return seed_key(0 if seed is None else int(seed)) if key is None else one_key(key)
+
+
+def one_key(key) -> jax.Array:
+    """``key`` as one typed PRNG key: a typed key (``jax.random.key``) of shape ``()``, or the raw uint32 key data
+    of ``jax.random.PRNGKey`` (shape ``(2,)``; a JAX or NumPy array), wrapped as the typed key of that data (the same
+    draws). A batch of keys (typed ``(n, ...)``, raw ``(n, 2)``) is refused: a call draws all its noise from one key."""
+    raw_shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape  # (2,) for threefry
+    if isinstance(key, (bool, int, np.integer)):
+        raise InputTypeError(f"key={int(key)} is an int; pass seed={int(key)}, or key=jax.random.key({int(key)})")
+    if not hasattr(key, "dtype") or not hasattr(key, "shape"):
+        raise InputTypeError(f"key must be a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__}")
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    shape = tuple(key.shape)
+    if typed and shape == ():
+        return key
+    if not typed and shape == raw_shape and key.dtype == np.uint32:
+        return jax.random.wrap_key_data(jnp.asarray(key))
+    if typed or (shape[-1:] == raw_shape and key.dtype == np.uint32):
+        batch = shape if typed else shape[:-1]
+        raise InputError(f"key has shape {shape}: a batch of {'x'.join(map(str, batch))} keys, but a call draws all "
+                         "its noise from one key; pass one (key=keys[0]), or call once per key")
+    raise InputError(f"key of dtype {key.dtype} and shape {shape} is not a PRNG key: pass jax.random.key(seed) (or "
+                     f"jax.random.PRNGKey(seed), uint32 {raw_shape}), or seed=")
 
 
 def check_size(height: int, width: int, factor: int, why: str) -> None:

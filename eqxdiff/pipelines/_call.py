@@ -74,7 +74,8 @@ def checked_call(call):
         try:
             bound = signature.bind(self, *args, **kwargs)
             given = set(bound.arguments) | set(bound.arguments.get(var_keyword, {}) if var_keyword else ())
-            defaults = {k: v for k, v in getattr(self, "call_defaults", {}).items() if k not in given}
+            defaults = {k: v for k, v in getattr(self, "call_defaults", {}).items()
+                        if k not in given and not (k == "seed" and "key" in given)}  # a key replaces the seed
             if defaults:  # the folder's recommended values for what the call leaves out
                 kwargs = {**kwargs, **defaults}
                 bound = signature.bind(self, *args, **kwargs)

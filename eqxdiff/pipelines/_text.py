@@ -117,13 +117,15 @@ def check_vocabulary(ids: np.ndarray, vocab_size: int, *, tokenizer_name: str = 
 @typechecked
 def prompt_pair(encode: Callable[[Any, int], Any], given: Callable[[Any, str], Any], *, prompt, negative_prompt,
                 prompt_embeds, negative_prompt_embeds, guided: bool, max_sequence_length: int,
-                shape: Callable[[Any], tuple[int, ...]]) -> tuple[Any, Any | None]:
+                shape: Callable[[Any], tuple[int, ...]], same_length: bool = True) -> tuple[Any, Any | None]:
     """``(positive, negative)`` embeddings of one text encoder, the negative only when ``guided``, as diffusers'
     ``encode_prompt`` makes them: ``encode(prompts, length)`` of ``prompt`` at ``max_sequence_length`` or
     ``given(prompt_embeds, "prompt_embeds")`` (the embeddings checked; one of the two), then
     ``given(negative_prompt_embeds, "negative_prompt_embeds")`` or ``negative_prompt`` (default ``""`` for every
-    prompt) encoded at the positive's length. ``shape``: an embedding's array shape ``[n, seq, dim]``, the same for
-    both."""
+    prompt) encoded at ``max_sequence_length`` too (not at the length of given ``prompt_embeds``: diffusers encodes
+    both at ``max_sequence_length``). ``shape``: an embedding's array shape ``[n, seq, dim]``. The two have the same
+    rows and width; with ``same_length`` (the family runs both halves of guidance in one batch) also the same
+    length, else a mismatch is refused naming both shapes and the fix."""
     if (prompt is None) == (prompt_embeds is None):
         raise InputError("pass prompt or prompt_embeds (one of them)")
     if prompt_embeds is None:
@@ -137,12 +139,34 @@ def prompt_pair(encode: Callable[[Any, int], Any], given: Callable[[Any, str], A
             raise InputError("pass negative_prompt or negative_prompt_embeds, not both")
         negative = given(negative_prompt_embeds, "negative_prompt_embeds")
     else:
-        rows, length = shape(positive)[:2]
-        negative = encode(as_list("" if negative_prompt is None else negative_prompt, rows, "negative_prompt"), length)
-    if shape(negative) != shape(positive):
-        raise InputError(f"negative embeddings of shape {shape(negative)} for prompt embeddings of shape "
-                         f"{shape(positive)}: pass one negative per prompt, of the same length")
+        rows = shape(positive)[0]
+        negative = encode(as_list("" if negative_prompt is None else negative_prompt, rows, "negative_prompt"),
+                          max_sequence_length)
+    ours, theirs = shape(positive), shape(negative)
+    if theirs[0] != ours[0] or theirs[2:] != ours[2:]:
+        raise InputError(f"negative embeddings of shape {theirs} for prompt embeddings of shape {ours}: pass one "
+                         "negative per prompt, of the same width")
+    if same_length and theirs[1] != ours[1]:
+        raise InputError(_length_mismatch(ours, theirs, given_negative=negative_prompt_embeds is not None,
+                                          given_positive=prompt_embeds is not None,
+                                          max_sequence_length=max_sequence_length))
     return positive, negative
+
+
+def _length_mismatch(ours, theirs, *, given_negative: bool, given_positive: bool, max_sequence_length: int) -> str:
+    """The error for positive and negative embeddings of different lengths, where both halves of guidance run in
+    one batch: both shapes, where each came from, and the fix."""
+    positive = "prompt_embeds" if given_positive else f"the prompt encoded at max_sequence_length={max_sequence_length}"
+    negative = ("negative_prompt_embeds" if given_negative
+                else f"the negative prompt encoded at max_sequence_length={max_sequence_length}")
+    if given_negative:
+        fix = (f"pass negative_prompt_embeds (and negative_prompt_attention_mask, where the pipeline takes one) "
+               f"{ours[1]} tokens long, as {'prompt_embeds are' if given_positive else 'the prompt is'}")
+    else:
+        fix = (f"pass max_sequence_length={ours[1]} (the length of prompt_embeds) so that the negative prompt is "
+               f"encoded at it, or negative_prompt_embeds of that length")
+    return (f"negative embeddings of shape {theirs} ({negative}) for prompt embeddings of shape {ours} ({positive}): "
+            f"the two halves of classifier-free guidance run in one batch and need one sequence length; {fix}")
 
 
 def zero_padding(embeds: Float[Array, "batch seq embed"],

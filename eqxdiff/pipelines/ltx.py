@@ -8,10 +8,16 @@ pipelines build on: image-to-video (:mod:`eqxdiff.pipelines.ltx_i2v`), condition
 
 **Prompts.** T5 v1.1-XXL reads the prompt (``max_sequence_length`` 128 tokens, padded) **without** an attention mask,
 as diffusers does (its condition pipeline encodes with the mask: so does eqxdiff's); the mask is the transformer's
-cross-attention mask. ``prompt_embeds`` (``[n, seq, 4096]``) need
-their ``prompt_attention_mask`` (``[n, seq]``, 1 = token), ``negative_prompt_embeds`` theirs. Classifier-free guidance
-runs when ``guidance_scale > 1`` (the negative prompt defaulting to ``""``), both halves in one batch, with
-``guidance_rescale``.
+cross-attention mask. ``prompt_embeds`` (``[n, seq, 4096]``) need their ``prompt_attention_mask`` (``[n, seq]``,
+1 = token), ``negative_prompt_embeds`` theirs. The negative prompt is encoded at ``max_sequence_length`` as diffusers
+encodes it, beside ``prompt_embeds`` too; both halves need one length (refused otherwise, where diffusers fails to
+concatenate them: pass ``max_sequence_length`` = their length). Classifier-free guidance runs when
+``guidance_scale > 1`` (the negative prompt defaulting to ``""``), both halves in one batch, with ``guidance_rescale``.
+Each video's cross-attention mask is its own prompt's. diffusers' LTX pipelines (text-to-video, image-to-video and
+conditions) repeat the embeddings prompt by prompt (``p0, p0, p1, p1``) but tile the masks (``m0, m1, m0, m1``), so
+with several prompts of different lengths and ``num_videos_per_prompt > 1`` a video reads its prompt through another
+prompt's mask; eqxdiff does not copy that, and such calls differ from diffusers' (one prompt, or one video per prompt,
+match).
 
 **Schedule.** Flow-matching Euler over ``linspace(1, 1/N, N)`` sigmas, shifted by ``mu`` for the video's latent token
 count where the scheduler shifts dynamically (0.9.0 / 0.9.1; 0.9.5+ shift statically); ``timesteps`` replaces them
@@ -137,27 +143,33 @@ def decode_video(vae, latents, timestep, noise_scale, key, *, tiled: bool = Fals
 
 
 @program
-def sampled_latents(vae, video: Float[Array, "1 frames height width 3"], noise: Float[Array, "n t h w c"]
+def sampled_latents(vae, video: Float[Array, "b frames height width 3"], noise: Float[Array, "n t h w c"]
                     ) -> Float[Array, "n t h w c"]:
     """The normalised latents of ``video`` sampled from its posterior with the standard-normal ``noise`` (one draw
     per row): ``(mean + std * noise - latents_mean) / latents_std``, diffusers' ``retrieve_latents`` then
-    ``_normalize_latents``. Like diffusers' image-to-video, condition and upsample pipelines, this leaves out the
+    ``_normalize_latents``. ``video``: one clip for every row, or ``b`` clips for ``n = b k`` rows (each clip's
+    ``k`` rows in a row). Like diffusers' image-to-video, condition and upsample pipelines, this leaves out the
     VAE's ``scaling_factor`` (``_normalize_latents``' default 1.0), which the decode divides by (1.0 in every
     released LTX-Video VAE)."""
     posterior = vae.encode(video)
-    z = posterior.mean + jnp.exp(0.5 * posterior.logvar) * noise
+    mean, logvar = posterior.mean, posterior.logvar
+    if video.shape[0] > 1:  # each clip's posterior for its rows
+        mean, logvar = (jnp.repeat(a, noise.shape[0] // video.shape[0], axis=0) for a in (mean, logvar))
+    z = mean + jnp.exp(0.5 * logvar) * noise
     return (z - vae.latents_mean.astype(z.dtype)) / vae.latents_std.astype(z.dtype)
 
 
-def one_picture(image, name: str, size: tuple[int, int]) -> Array:
+def one_picture(image, name: str, size: tuple[int, int], *, prompts: int = 1) -> Array:
     """One picture (uint8 ``[H, W, 3]`` or ``[1, H, W, 3]``, PIL, floats in [0, 1]) as ``[1, H, W, 3]`` in [-1, 1],
-    checked to be the video's ``size``."""
+    or one per prompt (``[prompts, H, W, 3]``, a list of PIL images), checked to be the video's ``size``."""
     try:
         pixels = to_model_range(image)
     except ValueError as e:
         raise InputError(f"{name}: {e}") from None
-    if pixels.shape[0] != 1:
-        raise InputError(f"{name} holds {pixels.shape[0]} images; pass one picture (it conditions every video)")
+    if pixels.shape[0] not in (1, prompts):
+        per = f" for {prompts} prompts; pass one picture (it conditions every video) or one per prompt" if prompts > 1 \
+            else "; pass one picture (it conditions every video), or one per prompt with a list of prompts"
+        raise InputError(f"{name} holds {pixels.shape[0]} images{per}")
     if tuple(pixels.shape[1:3]) != tuple(size):
         raise InputError(f"{name} has {pixel_size(*pixels.shape[1:3])} pixels but the video has {pixel_size(*size)}; "
                          "resize or crop it to the video's size (eqxdiff does not resize input images), or leave "
@@ -373,7 +385,8 @@ class LTXPipeline(LatentPipeline):
                  guidance_rescale: float = 0.0, num_videos_per_prompt: int = 1, seed: int | None = None,
                  key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None, prompt_attention_mask=None,
                  negative_prompt_embeds=None, negative_prompt_attention_mask=None,
-                 decode_timestep: float | Sequence[float] = 0.0, decode_noise_scale: float | Sequence[float] | None = None,
+                 decode_timestep: float | Sequence[float] = 0.0,
+                 decode_noise_scale: float | Sequence[float] | None = None,
                  max_sequence_length: int = MAX_SEQUENCE_LENGTH, output_type: str = "uint8", progress: bool = True):
         """Videos for ``prompt`` with diffusers' ``LTXPipeline`` arguments: uint8 ``[n, num_frames, height, width,
         3]``, or the final latents ``[n, T, h, w, C]`` (channels-last, normalised) with ``output_type="latent"``.

@@ -18,7 +18,9 @@ token never moves), each token from its own noise level to the next of the sched
 :class:`ConditionedEuler`). With ``image_cond_noise_scale`` (default 0.15; the model cards use 0.025 or 0) the
 strength-1 tokens are re-noised before every step to ``latents + scale * noise * (t / 1000)^2``. Tokens are
 positioned in latent-pixel units (frames after the first at ``8k - 7``, the time axis over ``frame_rate``). Every video
-of a call shares the conditions (diffusers' pipeline builds a later index's extra tokens for one video only).
+of a call shares the conditions (diffusers' pipeline builds a later index's extra tokens for one video only). Each
+video's prompt mask is its own prompt's: diffusers' mask pairing with ``num_videos_per_prompt > 1`` is not copied
+(:mod:`eqxdiff.pipelines.ltx`, Prompts).
 
 **Schedule.** ``timesteps`` (default: LTX-Video's linear-quadratic schedule of ``num_inference_steps``, times 1000;
 the distilled models' recipes give their own), shifted by the scheduler's config (0.9.5+: static, stretched to its
@@ -318,7 +320,8 @@ class LTXConditionPipeline(LTXPipeline):
                  guidance_rescale: float = 0.0, image_cond_noise_scale: float = 0.15, num_videos_per_prompt: int = 1,
                  seed: int | None = None, key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None,
                  prompt_attention_mask=None, negative_prompt_embeds=None, negative_prompt_attention_mask=None,
-                 decode_timestep: float | Sequence[float] = 0.0, decode_noise_scale: float | Sequence[float] | None = None,
+                 decode_timestep: float | Sequence[float] = 0.0,
+                 decode_noise_scale: float | Sequence[float] | None = None,
                  max_sequence_length: int = MAX_SEQUENCE_LENGTH, output_type: str = "uint8", progress: bool = True):
         """Videos with diffusers' ``LTXConditionPipeline`` arguments: uint8 ``[n, num_frames, height, width, 3]``, or
         the final latents ``[n, T, h, w, C]`` with ``output_type="latent"``.

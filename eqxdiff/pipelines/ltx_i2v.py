@@ -6,7 +6,8 @@ frame is the image's, conditioned through per-token timesteps and a conditioning
 >>> video = pipe(image, "the cat turns its head", num_frames=121, decode_timestep=0.05)   # image: uint8 [512, 704, 3]
 
 **The image** (uint8 ``[H, W, 3]`` or ``[1, H, W, 3]``, a PIL image, floats in [0, 1]; its size is the video's:
-eqxdiff does not resize input images) is encoded by the VAE as a one-frame video and its posterior **sampled** (as
+eqxdiff does not resize input images; or one per prompt, ``[n, H, W, 3]`` or a list, each for its prompt's videos;
+another count is refused) is encoded by the VAE as a one-frame video and its posterior **sampled** (as
 diffusers' ``retrieve_latents`` samples it), each video its own draw from the call's key (``noise_draws(key,
 shape).image``'s first latent frame), then normalised as the denoised latents are. The start latents are the image's
 latents on the first latent frame and the noise after it (``latents``, if given, is that noise). At every step the
@@ -53,13 +54,13 @@ class LTXImageToVideoPipeline(LTXPipeline):
             raise InputError("pass image= (the first frame of the video)")
         super().check_arguments(arguments, limits)
 
-    def image_condition(self, image, *, shape, key: PRNGKeyArray) -> dict:
+    def image_condition(self, image, *, shape, key: PRNGKeyArray, prompts: int = 1) -> dict:
         """The image's arrays for latents of ``shape`` (:class:`~eqxdiff.pipelines.ltx.LTXDenoiser`): its sampled
-        latents on the first frame (``first_frame`` ``[n, 1, h, w, C]``), the ``frame_mask`` and the ``token_mask``
-        of the per-token timesteps."""
+        latents on the first frame (``first_frame`` ``[n, 1, h, w, C]``; one image for every video, or one per
+        prompt for its videos), the ``frame_mask`` and the ``token_mask`` of the per-token timesteps."""
         _, t, h, w, _ = shape
         f = self.vae_scale_factor
-        pixels = one_picture(image, "image", (h * f, w * f))
+        pixels = one_picture(image, "image", (h * f, w * f), prompts=prompts)
         first = sampled_latents(self.vae, pixels[:, None], noise_draws(key, shape).image[:, :1])
         mask = np.ones((1, t, h, w, 1), np.float32)
         mask[:, 0] = 0.0  # 1 on the frames the loop steps
@@ -76,7 +77,8 @@ class LTXImageToVideoPipeline(LTXPipeline):
                  guidance_rescale: float = 0.0, num_videos_per_prompt: int = 1, seed: int | None = None,
                  key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None, prompt_attention_mask=None,
                  negative_prompt_embeds=None, negative_prompt_attention_mask=None,
-                 decode_timestep: float | Sequence[float] = 0.0, decode_noise_scale: float | Sequence[float] | None = None,
+                 decode_timestep: float | Sequence[float] = 0.0,
+                 decode_noise_scale: float | Sequence[float] | None = None,
                  max_sequence_length: int = MAX_SEQUENCE_LENGTH, output_type: str = "uint8", progress: bool = True):
         """Videos starting from ``image`` with diffusers' ``LTXImageToVideoPipeline`` arguments: uint8 ``[n,
         num_frames, height, width, 3]``, or the final latents ``[n, T, h, w, C]`` with ``output_type="latent"``.
@@ -85,7 +87,7 @@ class LTXImageToVideoPipeline(LTXPipeline):
         them there too).
 
         Args:
-            image: The first frame (its size is the video's).
+            image: The first frame (its size is the video's): one picture for every video, or one per prompt.
             height: Height in pixels (default: the image's; if given, the image's).
             width: Width in pixels (default: the image's; if given, the image's).
             num_frames: Frames per video, 8k+1.
@@ -106,7 +108,8 @@ class LTXImageToVideoPipeline(LTXPipeline):
             negative_prompt_attention_mask=negative_prompt_attention_mask, max_sequence_length=max_sequence_length)
         shape = self.video_shape(positive.embeds.shape[0], num_frames, height or size[0], width or size[1])
         with self.timed("encode_image"):
-            condition = self.image_condition(image, shape=shape, key=key)
+            condition = self.image_condition(image, shape=shape, key=key,
+                                             prompts=positive.embeds.shape[0] // num_videos_per_prompt)
         return self.generate(positive, negative, shape=shape, key=key, num_inference_steps=num_inference_steps,
                              timesteps=timesteps, guidance_scale=guidance_scale, guidance_rescale=guidance_rescale,
                              frame_rate=frame_rate, decode_timestep=decode_timestep,

@@ -12,8 +12,10 @@ third of the size below the target, upsample the latents 2x, refine them with a 
 
 **Input**: ``latents`` (channels-last, normalised ``[n, T, h, w, C]``: a pipeline's ``output_type="latent"`` result)
 or a ``video`` clip (uint8 frames ``[F, H, W, 3]``, its frames cut to ``8k + 1``), encoded by the VAE with its posterior
-sampled from the call's key. The latents are un-normalised by the VAE's statistics, upsampled, optionally matched to
-the input's per-channel statistics (``adain_factor``: AdaIN, blended) and tone-mapped (``tone_map_compression_ratio``);
+sampled from the call's key. ``height`` / ``width`` are diffusers' (the size it resizes the video to; it ignores them
+beside latents): here the input's size, the default; eqxdiff does not resize the input, so another size is refused.
+The latents are un-normalised by the VAE's statistics, upsampled, optionally matched to the input's per-channel
+statistics (``adain_factor``: AdaIN, blended) and tone-mapped (``tone_map_compression_ratio``);
 ``output_type="latent"`` returns them normalised again, otherwise they are decoded as the text-to-video pipeline
 decodes (``decode_timestep``, ``decode_noise_scale``, the noise drawn from the call's key). ``adain_factor``,
 ``tone_map_compression_ratio`` and the decode values are traced: changing them compiles nothing.
@@ -30,7 +32,7 @@ from ..core import program
 from ..models.ltx_upsampler import LTXLatentUpsamplerModel
 from ._arguments import resolve_key
 from ._call import checked_call
-from ._checks import CallLimits, InputError
+from ._checks import CallLimits, InputError, pixel_size
 from ._components import Component
 from ._images import to_model_range
 from ._latents import LatentPipeline, noise_draws
@@ -111,13 +113,26 @@ class LTXLatentUpsamplePipeline(LatentPipeline):
         return decode_video(self.vae, latents, timestep, noise_scale, jax.random.key(0) if key is None else key,
                             tiled=self.vae_tiling, frame_chunk=self.vae_frame_chunk, dtype=self.vae_dtype)
 
-    def video_latents(self, video, key: PRNGKeyArray) -> Array:
+    def check_size(self, height: int | None, width: int | None, size: tuple[int, int], what: str) -> None:
+        """The call's ``height`` / ``width`` (diffusers' size the input video is resized to) are the input's ``size``
+        or left out: eqxdiff does not resize the input, so another size is refused, not ignored."""
+        if (height is None or height == size[0]) and (width is None or width == size[1]):
+            return
+        asked = pixel_size(size[0] if height is None else height, size[1] if width is None else width)
+        raise InputError(f"{asked} pixels asked, but {what} {pixel_size(*size)} pixels and eqxdiff does not resize "
+                         f"the input (diffusers resizes a video to height x width): leave height and width out (the "
+                         f"input's size; the output is twice it, {pixel_size(2 * size[0], 2 * size[1])}), or resize "
+                         "the frames first")
+
+    def video_latents(self, video, key: PRNGKeyArray, *, height: int | None = None, width: int | None = None
+                      ) -> Array:
         """A clip's normalised latents ``[1, T, h, w, C]``, its posterior sampled with ``noise_draws(key, ...).image``
-        (frames cut to ``8k + 1``, as diffusers does)."""
+        (frames cut to ``8k + 1``, as diffusers does); ``height`` / ``width``: :meth:`check_size`."""
         try:
             pixels = to_model_range(video)
         except ValueError as e:
             raise InputError(f"video: {e}") from None
+        self.check_size(height, width, pixels.shape[1:3], "the video's frames have")
         t, f = self.vae_temporal_factor, self.vae_scale_factor
         pixels = pixels[:(pixels.shape[0] - 1) // t * t + 1]
         if pixels.shape[1] % f or pixels.shape[2] % f:
@@ -127,14 +142,19 @@ class LTXLatentUpsamplePipeline(LatentPipeline):
         return sampled_latents(self.vae, pixels[None], noise_draws(key, shape).image)
 
     @checked_call
-    def __call__(self, video=None, *, latents=None, adain_factor: float = 0.0, tone_map_compression_ratio: float = 0.0,
-                 decode_timestep: float | Sequence[float] = 0.0, decode_noise_scale: float | Sequence[float] | None = None,
+    def __call__(self, video=None, *, height: int | None = None, width: int | None = None, latents=None,
+                 adain_factor: float = 0.0, tone_map_compression_ratio: float = 0.0,
+                 decode_timestep: float | Sequence[float] = 0.0,
+                 decode_noise_scale: float | Sequence[float] | None = None,
                  seed: int | None = None, key: PRNGKeyArray | None = None, output_type: str = "uint8",
                  progress: bool = True):
         """Upsampled latents or videos with diffusers' ``LTXLatentUpsamplePipeline`` arguments.
 
         Args:
             video: A clip to upsample (uint8 frames [F, H, W, 3]), instead of latents.
+            height: The input's height in pixels (default: the video's, or the latents' times the VAE's factor;
+                eqxdiff does not resize the input, so only that is accepted); the output is twice it.
+            width: The input's width in pixels (the same).
             latents: Normalised latents [n, T, h, w, C] (channels-last: a pipeline's output_type="latent" result).
             adain_factor: Match the upsampled latents' per-channel statistics to the input's (0 = off, 1 = fully).
             tone_map_compression_ratio: Compress the upsampled latents' range (0 = off, up to 1).
@@ -149,13 +169,16 @@ class LTXLatentUpsamplePipeline(LatentPipeline):
         key = resolve_key(seed, key)
         with self.timed("encode"):
             if latents is None:
-                latents = self.video_latents(video, key)
+                latents = self.video_latents(video, key, height=height, width=width)
             else:
                 latents = jnp.asarray(latents, jnp.float32)
                 c = self.vae.config.latent_channels
                 if latents.ndim != 5 or latents.shape[-1] != c:
                     raise InputError(f"latents must be [n, T, h, w, {c}] (normalised, channels-last: a pipeline's "
                                      f"output_type='latent' result), got shape {latents.shape}")
+                f = self.vae_scale_factor
+                self.check_size(height, width, (latents.shape[2] * f, latents.shape[3] * f),
+                                f"latents {latents.shape[2]}x{latents.shape[3]} (x{f}, the VAE's factor) are frames of")
         with self.timed("upsample"):
             up = jax.block_until_ready(upsampled_latents(
                 self.latent_upsampler, self.vae, latents, jnp.asarray(adain_factor, jnp.float32),

@@ -7,8 +7,11 @@ experts, Wan2.2-TI2V-5B); image-to-video builds on it in :mod:`eqxdiff.pipelines
 **Prompts.** Cleaned as diffusers does (``ftfy`` if installed, HTML entities, whitespace), tokenized to
 ``max_sequence_length`` (512) with the attention mask (:mod:`eqxdiff.pipelines._text`), encoded by UMT5 with that
 mask, and every position past a prompt's end set to zero (diffusers' trim and zero padding). Classifier-free
-guidance runs when ``guidance_scale > 1``, the negative prompt defaulting to ``""``, both halves in one batch.
-``prompt_embeds`` / ``negative_prompt_embeds`` ``[n, seq, text_dim]`` replace the encoder. The cross-attention keys
+guidance runs when ``guidance_scale > 1``, the negative prompt defaulting to ``""`` (encoded at
+``max_sequence_length``, as diffusers encodes it, beside ``prompt_embeds`` too), both halves in one batch; where the
+two differ in length (``prompt_embeds`` or ``negative_prompt_embeds`` of another length) they run apart, two model
+calls per step, as diffusers' two calls do. ``prompt_embeds`` / ``negative_prompt_embeds`` ``[n, seq, text_dim]``
+replace the encoder. The cross-attention keys
 and values of the prompts are computed once per call (``cross_attention_kv``), not at every step.
 
 **Two experts (Wan 2.2 A14B).** With ``boundary_ratio`` (the folder's, or the call's) the steps whose timestep is at
@@ -300,7 +303,7 @@ class WanPipeline(LatentPipeline):
         return prompt_pair(lambda prompts, length: self.encode_prompt(prompts, max_sequence_length=length),
                            self._given, prompt=prompt, negative_prompt=negative_prompt, prompt_embeds=prompt_embeds,
                            negative_prompt_embeds=negative_prompt_embeds, guided=guided,
-                           max_sequence_length=max_sequence_length, shape=jnp.shape)
+                           max_sequence_length=max_sequence_length, shape=jnp.shape, same_length=False)
 
     def prompts(self, num_videos_per_prompt: int, *text, **options) -> tuple[Array, Array | None]:
         """:meth:`text_conditioning` with every row repeated for its videos, timed as ``encode``."""
@@ -339,20 +342,29 @@ class WanPipeline(LatentPipeline):
         draws = noise_draws(key, shape)
         noise = draws.noise if latents is None else given_array(latents, shape, "latents", LATENTS_LAYOUT)
         extra = self.shard(dict(extra or {}))
+        # embeddings of two lengths (a negative at max_sequence_length beside prompt_embeds of another) cannot share
+        # one batch: the two halves then run apart, two model calls, as diffusers' two calls do
+        apart = negative is not None and negative.shape[1] != positive.shape[1]
+        if apart:
+            guidance = Guidance(guidance.scale, guidance.rescale, "separate", enabled=guidance.enabled)
         with self.timed("prepare"):
-            rows = 2 if guidance.enabled else 1  # batched guidance: [negative; positive]
-            text = self.shard(positive if negative is None else jnp.concatenate([negative, positive]))
+            rows = 2 if guidance.enabled and not apart else 1  # batched guidance: [negative; positive]
+            texts = ([self.shard(negative), self.shard(positive)] if apart else
+                     [self.shard(positive if negative is None else jnp.concatenate([negative, positive]))])
             image = None if image_embeds is None else self.shard(jnp.concatenate([image_embeds] * rows))
-            cond = {k: (self.shard(jnp.concatenate([v] * rows)) if k in BATCHED and rows > 1 else v)
-                    for k, v in extra.items()}
+            shared = {k: (self.shard(jnp.concatenate([v] * rows)) if k in BATCHED and rows > 1 else v)
+                      for k, v in extra.items()}
             if high is not None:
-                cond["high_noise"] = jax.device_put(high)
+                shared["high_noise"] = jax.device_put(high)
+            conds = [dict(shared) for _ in texts]
             if not self.offload_experts:  # the experts' keys and values of the prompts, once for the whole loop
-                cond["kv"] = self._kv(self.transformer, text, image)
-                if high is not None:
-                    cond["kv_2"] = self._kv(self.transformer_2, text, image)
+                for cond, text in zip(conds, texts):
+                    cond["kv"] = self._kv(self.transformer, text, image)
+                    if high is not None:
+                        cond["kv_2"] = self._kv(self.transformer_2, text, image)
             x = jax.block_until_ready(self.shard(noise))
-        x = self.denoise(schedule, x, cond, draws.loop_key, guidance=guidance, text=(text, image), progress=progress)
+        x = self.denoise(schedule, x, tuple(conds) if apart else conds[0], draws.loop_key, guidance=guidance,
+                         text=(texts, image), progress=progress)
         if "first_frame" in extra:  # TI2V: the first latent frame is the image's
             m = extra["frame_mask"]
             x = (1 - m) * extra["first_frame"] + m * x
@@ -364,26 +376,31 @@ class WanPipeline(LatentPipeline):
 
     def denoise(self, schedule, x, cond, key, *, guidance: Guidance, text, progress: bool):
         """The loop with both experts resident (or the one transformer), or, with :attr:`offload_experts`, in two
-        segments, each with only its expert on the devices (its keys and values of ``text``: the prompts' embeddings
-        and image tokens, computed when it arrives)."""
-        two = "high_noise" in cond
+        segments, each with only its expert on the devices (its keys and values of ``text``: ``(texts, image)``, the
+        prompts' embeddings, one array or, with the halves apart, ``cond``'s two, and the image tokens, computed when
+        it arrives). ``cond``: one dict, or two (negative, positive) where guidance runs its halves apart."""
+        halves = cond if isinstance(cond, tuple) else (cond,)
+        two = "high_noise" in halves[0]
         if not self.offload_experts:
             denoiser = WanDenoiser(self.transformer, self.transformer_2 if two else None, self.activations_dtype)
             return self.run_loop(denoiser, self.scheduler, schedule.state, x, cond, key, guidance=guidance,
                                  num_steps=schedule.num_steps, progress=progress)
-        high = int(np.sum(np.asarray(cond["high_noise"])[:schedule.num_steps])) if two else schedule.num_steps
-        state, cond = schedule.state, {k: v for k, v in cond.items() if k != "high_noise"}
+        high = int(np.sum(np.asarray(halves[0]["high_noise"])[:schedule.num_steps])) if two else schedule.num_steps
+        state = schedule.state
+        halves = [{k: v for k, v in c.items() if k != "high_noise"} for c in halves]
+        texts, image = text
         with self.timed("denoise"), progress_bar(schedule.num_steps, "denoising", enabled=progress):
             for name, steps in (("transformer", high), ("transformer_2", schedule.num_steps - high)):
                 if steps == 0:
                     continue
                 expert = self.on_devices(getattr(self, name))
-                cond["kv"] = self._kv(expert, *text)
+                halves = [{**c, "kv": self._kv(expert, t, image)} for c, t in zip(halves, texts)]
                 x, state, key = denoise_loop(WanDenoiser(expert, None, self.activations_dtype), self.scheduler, state,
-                                             x, cond, key, guidance=guidance, num_steps=steps, progress=progress,
-                                             return_state=True)
+                                             x, tuple(halves) if len(halves) > 1 else halves[0], key,
+                                             guidance=guidance, num_steps=steps, progress=progress, return_state=True)
                 x = jax.block_until_ready(x)
                 del expert  # its device buffers go before the next expert's arrive
+                halves = [{k: v for k, v in c.items() if k != "kv"} for c in halves]
         return x
 
     @checked_call

@@ -12,7 +12,11 @@ encoded by the VAE (its posterior's mode, normalised as the latents are) and, wi
 given frames), appended to the latents' channels: the transformer takes ``2 z + 4`` channels. Wan 2.1's transformers
 (``image_dim``) also attend to the image's CLIP tokens: the ``image_processor``'s pixels through ``image_encoder``,
 its penultimate hidden state (both images' for FLF2V, whose transformer positions them with ``pos_embed``); or
-``image_embeds`` given. Wan 2.2's (A14B, TI2V-5B) take no CLIP tokens.
+``image_embeds`` given. Wan 2.2's (A14B, TI2V-5B) take no CLIP tokens. The image tokens reach the transformer apart
+from the text, as in Wan's original code (which cuts its 257 image tokens off the front of the context), so any
+``max_sequence_length`` (or ``prompt_embeds`` length) works; diffusers' attention processor instead cuts the context
+at a hard-coded 512 text tokens, so there another length mixes text tokens into the image attention (or the reverse):
+at 512 (the default) the two match, at other lengths eqxdiff does not copy diffusers.
 
 **TI2V-5B** (``expand_timesteps``): the image alone is encoded; at every step the latents' first frame is replaced by
 the image's latents and its tokens get the timestep 0, the others the step's; the output's first frame is the
