@@ -251,10 +251,11 @@ def flow_timesteps(key: PRNGKeyArray, batch: int, scheduler: FlowMatchEulerDiscr
 
 def flow_schedule_at(scheduler: FlowMatchEulerDiscreteScheduler,
                      u: Float[Array, " batch"]) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
-    """The training schedule's ``(timesteps, sigmas)`` at ``indices = int(u * num_train_timesteps)`` (``u`` in
-    [0, 1]; an index past the end, from ``u = 1``, is clipped to the last)."""
+    """The training schedule's ``(timesteps, sigmas)`` at ``indices = int(u * n)``, ``n`` its length
+    (``num_train_timesteps``, or fewer where the scheduler keeps part of it: one expert's range); ``u`` in [0, 1], an
+    index past the end, from ``u = 1``, clipped to the last."""
     timesteps, sigmas = scheduler.training_schedule()
-    n = scheduler.config.num_train_timesteps
+    n = len(timesteps)
     indices = jnp.clip((u.astype(jnp.float32) * n).astype(jnp.int32), 0, n - 1)
     return jnp.asarray(timesteps)[indices], jnp.asarray(sigmas)[indices]
 
