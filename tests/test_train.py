@@ -115,17 +115,22 @@ def test_timestep_bias_weights_and_sampling(getkey):
     assert t.min() < 50 and t.max() > 950
 
 
-def test_noise_offset_adds_a_per_channel_constant(getkey):
-    x = jnp.zeros((2, 5, 5, 3))
+@pytest.mark.parametrize("shape", [(2, 5, 5, 3), (2, 4, 5, 5, 3)], ids=["image", "video"])
+def test_noise_offset_adds_a_per_channel_constant(getkey, shape):
+    """diffusers' ``noise_offset * randn(b, c, 1, 1)``: one constant per sample and channel, the same over space
+    and, for video latents ``[b, f, h, w, c]``, over frames (those were refused by the image-only signature)."""
+    x = jnp.zeros(shape)
     key = getkey()
     plain, offset = offset_noise(key, x, 0.0), offset_noise(key, x, 0.5)
     diff = np.asarray(offset - plain)
     _, k_off = jax.random.split(key)
-    constant = 0.5 * np.asarray(jax.random.normal(k_off, (2, 1, 1, 3)), np.float64)  # exact: 0.5 * a float32
+    per = (shape[0],) + (1,) * (len(shape) - 2) + (shape[-1],)
+    constant = 0.5 * np.asarray(jax.random.normal(k_off, per), np.float64)  # exact: 0.5 * a float32
     # (noise + c) - noise rounds twice at the noise's magnitude: NumPy's float32 does the same two roundings
     expected = (np.asarray(plain) + constant.astype(np.float32)) - np.asarray(plain)
     assert_close_to_float64(diff, expected, np.broadcast_to(constant, diff.shape), what="offset")
-    assert_close_to_float64(diff[:, 0, 0, :], constant[:, 0, 0, :].astype(np.float32), constant[:, 0, 0, :],
+    first = (slice(None),) + (0,) * (len(shape) - 2)
+    assert_close_to_float64(diff[first], constant[first].astype(np.float32), constant[first],
                             what="the offset's draws")
 
 

@@ -124,14 +124,16 @@ def sample_timesteps(key: PRNGKeyArray, batch: int, num_timesteps: int,
 
 
 @typechecked
-def offset_noise(key: PRNGKeyArray, latents: Float[Array, "batch height width channels"],
-                 noise_offset: float) -> Float[Array, "batch height width channels"]:
-    """Gaussian noise plus ``noise_offset`` times a per-sample, per-channel constant (Guttenberg's offset noise)."""
+def offset_noise(key: PRNGKeyArray, latents: Float[Array, "batch *dims channels"],
+                 noise_offset: float) -> Float[Array, "batch *dims channels"]:
+    """Gaussian noise plus ``noise_offset`` times a per-sample, per-channel constant (Guttenberg's offset noise;
+    diffusers' ``noise_offset * randn(b, c, 1, 1)``), the same over space and, for video latents ``[b, f, h, w,
+    c]``, over frames."""
     k_noise, k_off = jax.random.split(key)
     noise = jax.random.normal(k_noise, latents.shape, latents.dtype)
     if noise_offset:
-        b, _, _, c = latents.shape
-        noise = noise + noise_offset * jax.random.normal(k_off, (b, 1, 1, c), latents.dtype)
+        per = (latents.shape[0],) + (1,) * (latents.ndim - 2) + (latents.shape[-1],)
+        noise = noise + noise_offset * jax.random.normal(k_off, per, latents.dtype)
     return noise
 
 
