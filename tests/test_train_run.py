@@ -26,6 +26,7 @@ from eqxdiff.train import (
     ArrayBatches,
     CheckpointMismatchError,
     DataError,
+    Objective,
     OptimizerConfig,
     TrainConfig,
     TrainingInterrupted,
@@ -404,3 +405,23 @@ def test_run_config_errors_name_the_flag(sources, tmp_path):
         load_data(dataclasses.replace(RUN, data=str(sources["folder"]), batch_size=16), tok)
     with pytest.raises(DataError, match=r"batch_size=12 must be a multiple of 8: the mesh .* data x fsdp"):
         _run(sources, tmp_path, data="synthetic", batch_size=12)
+
+
+def test_a_v_prediction_fine_tune_exports_v_prediction(tmp_path):
+    """``objective.prediction_type`` other than the folder's (v-prediction of an epsilon folder): the run's noise
+    scheduler, samples and export predict it, with the folder's scheduler and with one ``export_scheduler`` names,
+    so the export loads back as v-prediction (it was written as the folder's epsilon)."""
+    setup = train_setup.build(TrainConfig(architecture=TINY, resolution=TINY.image_size))
+    train_setup.export_pipeline(setup.model, setup.tokenizers, setup.noise_scheduler, tmp_path / "pipe")
+    assert eqxdiff.load_pipeline(tmp_path / "pipe").scheduler.config.prediction_type == "epsilon"
+    for name in (None, "euler"):
+        config = TrainConfig(model=str(tmp_path / "pipe"), resolution=TINY.image_size, export_scheduler=name,
+                             objective=Objective(prediction_type="v_prediction"))
+        setup = train_setup.build(config)
+        assert setup.noise_scheduler.config.prediction_type == "v_prediction"
+        scheduler = train_setup.sample_scheduler(config, setup)
+        train_setup.export_pipeline(setup.model, setup.tokenizers, setup.noise_scheduler, tmp_path / "out",
+                                    scheduler=scheduler)
+        written = json.loads((tmp_path / "out" / "scheduler" / "scheduler_config.json").read_text())
+        assert written["prediction_type"] == "v_prediction", name
+        assert eqxdiff.load_pipeline(tmp_path / "out").scheduler.config.prediction_type == "v_prediction"

@@ -68,16 +68,29 @@ def family_options(given: FamilyOptions, family: type[TrainModel], what: str) ->
                      "family's preset")
 
 
+def predicting(scheduler, prediction_type: str | None):
+    """``scheduler`` with ``prediction_type`` in its config (the objective's: a v-prediction fine-tune of an epsilon
+    folder samples, and exports, as v-prediction); as it is for ``None`` (the folder's), for the velocity of flow
+    matching, or for a scheduler whose config has no prediction type (flow matching's)."""
+    current = getattr(scheduler.config, "prediction_type", None)
+    if prediction_type in (None, "flow_prediction", current) or current is None:
+        return scheduler
+    return type(scheduler).from_config(scheduler.config.to_dict(), prediction_type=prediction_type)
+
+
 def build(config: TrainConfig, mesh=None) -> Setup:
     """The run's :class:`Setup`: ``config.model`` loaded (straight onto ``mesh``'s shardings when given) and given
-    to its family's bundle (:func:`eqxdiff.train._families.train_family`), or the digits architecture built from
-    scratch (its VAE still untrained: :func:`autoencoder_stage`)."""
+    to its family's bundle (:func:`eqxdiff.train._families.train_family`), its schedulers predicting what the
+    objective trains (:func:`predicting`), or the digits architecture built from scratch (its VAE still untrained:
+    :func:`autoencoder_stage`)."""
     if config.model is not None:
         pipe = load_pipeline(config.model, mesh=mesh)
         family = train_family(pipe.CLASS_NAME)
         options = family_options(config.family, family, f"model={config.model!r} (a {pipe.CLASS_NAME})")
         model, tokenizers, noise_scheduler = family.from_pipeline(pipe, options)
-        return Setup(model, tokenizers, noise_scheduler, pipe.scheduler, dict(pipe.options))
+        trained = config.objective.prediction_type
+        return Setup(model, tokenizers, predicting(noise_scheduler, trained), predicting(pipe.scheduler, trained),
+                     dict(pipe.options))
     family_options(config.family, LatentDiffusion, "the from-scratch digits architecture")
     tokenizer = character_tokenizer(max_length=32)
     model = build_digits_model(config.architecture, tokenizer, seed=config.seed)
