@@ -33,6 +33,7 @@ from eqxdiff.train import (
     train_step,
     trainable_filter,
 )
+from eqxdiff.train._step import ema_decay_at
 
 from ._tiny_train import FSDP_DATA, KW, OBJECTIVE, OPT, SCHED, tiny_model
 from ._util import assert_close_to_float64, assert_leaves_close_to_float64, run_float64
@@ -214,7 +215,29 @@ def test_gradient_accumulation_updates_every_k_steps(tiny):
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1.ema), p0))
     s2, _ = train_step(s1, frozen, batch, optimizer=optimizer, **KW)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s2.params), p0))
-    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s2.ema), p0))
+    # the first optimizer update's EMA is the updated weights (diffusers' EMAModel: decay 0 at its first step)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s2.ema), jax.tree.leaves(s2.params)))
+
+
+def test_ema_decay_is_diffusers_ema_model():
+    """``ema_decay_at`` is diffusers' ``EMAModel`` decay at each of its steps (0 at the first: a copy; then
+    ``(1 + s) / (10 + s)`` capped at ``decay``), and the EMA it gives over a few updates is ``EMAModel``'s."""
+    import torch
+    from diffusers.training_utils import EMAModel
+
+    values = np.random.default_rng(0).standard_normal((12, 3)).astype(np.float32)
+    for decay in (0.9999, 0.5):  # 0.5 caps from the 9th update
+        param = torch.nn.Parameter(torch.zeros(3))
+        reference = EMAModel([param], decay=decay)
+        ema = np.zeros(3, np.float32)
+        for update, value in enumerate(values, start=1):
+            with torch.no_grad():
+                param.copy_(torch.from_numpy(value))
+            reference.step([param])
+            d = float(ema_decay_at(jnp.asarray(update, jnp.int32), decay))
+            assert abs(d - reference.cur_decay_value) <= 1e-6 * max(reference.cur_decay_value, 1e-30), (decay, update)
+            ema = np.float32(d) * ema + np.float32(1 - d) * value
+            np.testing.assert_allclose(ema, reference.shadow_params[0].numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_checkpoints_resume_exactly(tiny, tmp_path):
