@@ -12,7 +12,7 @@ import jax
 from ..data import ArrayBatches, character_tokenizer
 from ..loading import load, save_pretrained
 from ..pipelines import load_pipeline, save_pipeline
-from ..schedulers import DDPMScheduler, scheduler_from_config
+from ..schedulers import SCHEDULERS, DDPMScheduler, FlowMatchEulerDiscreteScheduler, scheduler_from_config
 from ._autoencoder import fit_scaling_factor, train_autoencoder
 from ._config import TrainConfig
 from ._digits import SD_NOISE_SCHEDULE, build_digits_model
@@ -141,6 +141,40 @@ def autoencoder_stage(config: TrainConfig, model: TrainModel, kind: str, data) -
     return eqx.tree_at(lambda m: m.vae, model, vae)
 
 
+def samples_flow(scheduler) -> bool:
+    """Whether ``scheduler`` samples rectified flow (flow matching, or flow sigmas / ``flow_prediction``, Wan's
+    UniPC) rather than the DDPM noise process."""
+    cfg = scheduler.config
+    return (isinstance(scheduler, FlowMatchEulerDiscreteScheduler) or bool(getattr(cfg, "use_flow_sigmas", False))
+            or getattr(cfg, "prediction_type", None) == "flow_prediction")
+
+
+def fitting_schedulers(noise_scheduler) -> list[str]:
+    """The scheduler names (``export_scheduler``) that, built on ``noise_scheduler``'s config, sample its noise
+    process: flow matching's for a flow-matching model, the DDPM-process ones for the others."""
+    names = []
+    for name in SCHEDULERS:
+        try:
+            built = scheduler_from_config(noise_scheduler.config.to_dict(), name=name)
+        except ValueError:  # a config this scheduler cannot take
+            continue
+        if samples_flow(built) == samples_flow(noise_scheduler):
+            names.append(name)
+    return names
+
+
+def check_scheduler_fits(scheduler, noise_scheduler, what: str) -> None:
+    """``ValueError`` when ``scheduler`` samples another noise process than the model trained on
+    (``noise_scheduler``'s), naming the schedulers that fit; ``what``: the scheduler, in the message."""
+    if samples_flow(scheduler) == samples_flow(noise_scheduler):
+        return
+    trained, other = ("rectified flow", "the DDPM noise process") if samples_flow(noise_scheduler) else (
+        "the DDPM noise process", "rectified flow")
+    raise ValueError(f"{what} ({type(scheduler).__name__}) samples {other}, but the model trains on {trained} "
+                     f"({type(noise_scheduler).__name__}): its export would not sample it; choose one of "
+                     f"{fitting_schedulers(noise_scheduler)} (or None: the folder's scheduler)")
+
+
 def export_pipeline(model: TrainModel, tokenizer, noise_scheduler, folder, *, scheduler: str | None = "dpm++2m",
                     dtype=None, options: dict | None = None, call_defaults: dict | None = None):
     """Save ``model`` (a family's bundle, its text encoders in place) as a diffusers pipeline folder of its family
@@ -152,7 +186,11 @@ def export_pipeline(model: TrainModel, tokenizer, noise_scheduler, folder, *, sc
     if scheduler is None:
         scheduler = noise_scheduler
     elif isinstance(scheduler, str):
-        scheduler = scheduler_from_config(noise_scheduler.config.to_dict(), name=scheduler)
+        name = scheduler
+        scheduler = scheduler_from_config(noise_scheduler.config.to_dict(), name=name)
+        check_scheduler_fits(scheduler, noise_scheduler, f"scheduler={name!r}")
+    else:
+        check_scheduler_fits(scheduler, noise_scheduler, "scheduler")
     pipe = model.pipeline(tokenizers, scheduler, options=options, call_defaults=call_defaults)
     save_pipeline(pipe, folder, dtype=dtype)
     return pipe
@@ -162,4 +200,6 @@ def sample_scheduler(config: TrainConfig, setup: Setup):
     """The scheduler of samples and of the export: ``export_scheduler`` on the noise schedule, or the folder's."""
     if config.export_scheduler is None:
         return setup.scheduler
-    return scheduler_from_config(setup.noise_scheduler.config.to_dict(), name=config.export_scheduler)
+    scheduler = scheduler_from_config(setup.noise_scheduler.config.to_dict(), name=config.export_scheduler)
+    check_scheduler_fits(scheduler, setup.noise_scheduler, f"export_scheduler={config.export_scheduler!r}")
+    return scheduler
