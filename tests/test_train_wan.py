@@ -8,6 +8,7 @@ diffusers' ``WanPipeline`` loads the export, whose experts equal ours on the sam
 serves both runs. Wan 2.2 TI2V's first-frame-conditioned samples (a tiny TI2V folder, a stand-in transformer)."""
 
 import dataclasses
+import json
 import shutil
 
 import equinox as eqx
@@ -41,6 +42,7 @@ from eqxdiff.train import (
     WanOptions,
     batch_loss,
     build,
+    export_pipeline,
     flow_timesteps,
     run,
 )
@@ -327,7 +329,7 @@ def test_export_loads_in_diffusers_and_its_experts_equal_ours(folders, single):
     assert_close(jax.device_get(routed), np.concatenate(wants), 1e-4, "denoise of a mixed batch")
 
 
-def test_expert_options_pick_the_trained_expert_and_its_timesteps(folders):
+def test_expert_options_pick_the_trained_expert_and_its_timesteps(folders, tmp_path):
     """``family.expert``: high trains ``transformer`` on t >= 875 only, low ``transformer_2`` below (the training
     schedule restricted, in order), both both on all; a one-transformer folder refuses high/low."""
     root, _ = folders
@@ -347,6 +349,13 @@ def test_expert_options_pick_the_trained_expert_and_its_timesteps(folders):
             assert timesteps.min() < 10 and timesteps.max() > 990
         np.testing.assert_allclose(sigmas * 1000, timesteps, rtol=1e-6)
     assert isinstance(setup.noise_scheduler, ExpertTimesteps) and setup.noise_scheduler.config.shift == 3.0
+    # exported with scheduler=None: diffusers' FlowMatchEulerDiscreteScheduler on its config, not ExpertTimesteps
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    export_pipeline(setup.model, setup.tokenizers, setup.noise_scheduler, tmp_path / "export", scheduler=None)
+    written = json.loads((tmp_path / "export" / "scheduler" / "scheduler_config.json").read_text())
+    assert written["_class_name"] == "FlowMatchEulerDiscreteScheduler"
+    assert FlowMatchEulerDiscreteScheduler.from_pretrained(tmp_path / "export", subfolder="scheduler").config.shift == 3
     with pytest.raises(ValueError, match="expert='sideways'; choose one of"):
         WanOptions(expert="sideways")
     one = build(_config(root, mesh=None)).model
@@ -491,7 +500,7 @@ def test_ti2v_trains_first_frame_conditioned_samples_as_its_pipeline_denoises_th
     keeps ``expand_timesteps`` and loads in diffusers."""
     from diffusers import WanPipeline
 
-    from eqxdiff.train import Objective, diffusion_loss, export_pipeline
+    from eqxdiff.train import diffusion_loss
 
     folder, setup = ti2v
     assert setup.model.expand_timesteps and setup.model.first_frame_probability == 0.5

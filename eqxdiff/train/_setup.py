@@ -12,7 +12,13 @@ import jax
 from ..data import ArrayBatches, character_tokenizer
 from ..loading import load, save_pretrained
 from ..pipelines import load_pipeline, save_pipeline
-from ..schedulers import SCHEDULERS, DDPMScheduler, FlowMatchEulerDiscreteScheduler, scheduler_from_config
+from ..schedulers import (
+    SCHEDULER_CLASSES,
+    SCHEDULERS,
+    DDPMScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    scheduler_from_config,
+)
 from ._autoencoder import fit_scaling_factor, train_autoencoder
 from ._config import TrainConfig
 from ._digits import SD_NOISE_SCHEDULE, build_digits_model
@@ -175,16 +181,25 @@ def check_scheduler_fits(scheduler, noise_scheduler, what: str) -> None:
                      f"{fitting_schedulers(noise_scheduler)} (or None: the folder's scheduler)")
 
 
+def diffusers_scheduler(scheduler):
+    """``scheduler`` as the diffusers scheduler class it is or extends, on the same config: a training subclass
+    (Wan's ``ExpertTimesteps``, which keeps one expert's part of the training schedule) exports as its parent, which
+    diffusers loads."""
+    cls = next(c for c in type(scheduler).__mro__ if SCHEDULER_CLASSES.get(c.__name__) is c)
+    return scheduler if cls is type(scheduler) else cls(scheduler.config)
+
+
 def export_pipeline(model: TrainModel, tokenizer, noise_scheduler, folder, *, scheduler: str | None = "dpm++2m",
                     dtype=None, options: dict | None = None, call_defaults: dict | None = None):
     """Save ``model`` (a family's bundle, its text encoders in place) as a diffusers pipeline folder of its family
     (``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``, ``FluxPipeline``) sampling with ``scheduler`` (a
-    name, on ``noise_scheduler``'s noise schedule; or a scheduler; ``None``: ``noise_scheduler`` itself).
+    name, on ``noise_scheduler``'s noise schedule; or a scheduler; ``None``: ``noise_scheduler``'s diffusers class,
+    :func:`diffusers_scheduler`); a scheduler of another noise process is refused (:func:`check_scheduler_fits`).
     ``tokenizer``: one, or ``{component name: tokenizer}``; ``options``: the pipeline's ``model_index.json``
     settings; ``call_defaults``: the folder's recommended call (the run's sampling steps and guidance)."""
     tokenizers = tokenizer if isinstance(tokenizer, dict) else {"tokenizer": tokenizer}
     if scheduler is None:
-        scheduler = noise_scheduler
+        scheduler = diffusers_scheduler(noise_scheduler)
     elif isinstance(scheduler, str):
         name = scheduler
         scheduler = scheduler_from_config(noise_scheduler.config.to_dict(), name=name)
