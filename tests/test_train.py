@@ -67,6 +67,25 @@ def test_min_snr_weights_by_hand():
                             elementwise=True)
 
 
+def test_min_snr_on_a_zero_terminal_snr_schedule_names_the_cause(getkey):
+    """Min-SNR of epsilon prediction on a zero-terminal-SNR schedule divides by an SNR of 0 at the last timestep (a
+    NaN loss, which the loop blamed on the learning rate): refused up front, naming the cause and the fixes;
+    v-prediction's weight there is 0, and its loss finite."""
+    sched = type(SCHED).from_config(SCHED.config.to_dict(), rescale_betas_zero_snr=True)
+    assert float(sched.alphas_cumprod[-1]) == 0.0
+    x = jnp.ones((2, 4, 4, 4))
+    with pytest.raises(ValueError, match=r"^snr_gamma \(Min-SNR weighting\) with prediction_type='epsilon' divides by "
+                                         r"the SNR, which is 0 at the last timestep .*rescale_betas_zero_snr=True.*"
+                                         r"prediction_type='v_prediction'.*or set snr_gamma=None$"):
+        diffusion_loss(lambda x, t, c: x, sched, Objective(prediction_type="epsilon", snr_gamma=5.0), x, None,
+                       getkey())
+    last = jnp.asarray([999])
+    assert float(min_snr_weights(snr(sched.alphas_cumprod, last), 5.0, "v_prediction")[0]) == 0.0
+    loss = diffusion_loss(lambda x, t, c: x, sched, Objective(prediction_type="v_prediction", snr_gamma=5.0), x,
+                          None, getkey())
+    assert np.isfinite(float(loss))
+
+
 def test_v_prediction_target_is_ddpm_velocity(getkey):
     x = jax.random.normal(getkey(), (3, 4, 4, 4))
     noise = jax.random.normal(getkey(), (3, 4, 4, 4))

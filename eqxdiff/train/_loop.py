@@ -117,7 +117,9 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
                        "samples_per_second": len(first[next(iter(first))]) / dt,
                        "tflops_per_device": None if flops is None else flops / dt / 1e12}
                 if not np.isfinite(row["loss"]):
-                    raise FloatingPointError(f"loss became {row['loss']} at step {done}; lower the learning rate")
+                    raise FloatingPointError(f"loss became {row['loss']} at step {done}: the weights diverged or a "
+                                             "loss term is not finite; lower the learning rate (or set a "
+                                             "max_grad_norm), and check the data and the objective's settings")
                 if logger is not None:
                     logger.log(done, row)
                 t_last, n_last = now, done

@@ -154,6 +154,17 @@ def min_snr_weights(snr_values: Float[Array, " batch"], gamma: float, prediction
     return clipped
 
 
+def check_min_snr(scheduler, prediction_type: str) -> None:
+    """``ValueError`` where Min-SNR weighting is undefined: epsilon prediction divides ``min(snr, gamma)`` by the SNR,
+    which is 0 at the last timestep of a zero-terminal-SNR schedule (``rescale_betas_zero_snr``), so a batch that
+    draws it would give a NaN loss."""
+    if prediction_type == "epsilon" and float(np.min(np.asarray(scheduler.alphas_cumprod))) <= 0.0:
+        raise ValueError("snr_gamma (Min-SNR weighting) with prediction_type='epsilon' divides by the SNR, which is 0 "
+                         "at the last timestep of this zero-terminal-SNR noise schedule (rescale_betas_zero_snr=True): "
+                         "the loss would be NaN there, whatever the learning rate; train prediction_type="
+                         "'v_prediction' (as zero-terminal-SNR models do) or set snr_gamma=None")
+
+
 def target(scheduler, prediction_type: str, latents, noise, timesteps):
     """What the model should output: the noise, the velocity (``scheduler.get_velocity``) or the clean latents."""
     if prediction_type == "epsilon":
@@ -214,6 +225,7 @@ def diffusion_loss(denoiser: Callable, scheduler, objective: Objective, latents:
     goal = target(scheduler, kind, latents, noise, timesteps)
     weights = None
     if objective.snr_gamma is not None:
+        check_min_snr(scheduler, kind)
         weights = min_snr_weights(snr(scheduler.alphas_cumprod, timesteps), objective.snr_gamma, kind)
     return weighted_mse(prediction, goal, _times(weights, sample_weights), mask)
 
