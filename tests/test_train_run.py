@@ -425,6 +425,11 @@ def test_a_v_prediction_fine_tune_exports_v_prediction(tmp_path):
         written = json.loads((tmp_path / "out" / "scheduler" / "scheduler_config.json").read_text())
         assert written["prediction_type"] == "v_prediction", name
         assert eqxdiff.load_pipeline(tmp_path / "out").scheduler.config.prediction_type == "v_prediction"
+    from eqxdiff.schedulers import UniPCMultistepScheduler
+
+    wan = UniPCMultistepScheduler.from_config({"prediction_type": "flow_prediction", "use_flow_sigmas": True,
+                                               "flow_shift": 3.0})
+    assert train_setup.predicting(wan, "epsilon") is wan  # rectified flow predicts the velocity (the loss refuses)
 
 
 def test_a_scheduler_of_another_noise_process_is_refused(tmp_path):

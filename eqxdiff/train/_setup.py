@@ -77,9 +77,10 @@ def family_options(given: FamilyOptions, family: type[TrainModel], what: str) ->
 def predicting(scheduler, prediction_type: str | None):
     """``scheduler`` with ``prediction_type`` in its config (the objective's: a v-prediction fine-tune of an epsilon
     folder samples, and exports, as v-prediction); as it is for ``None`` (the folder's), for the velocity of flow
-    matching, or for a scheduler whose config has no prediction type (flow matching's)."""
+    matching, or for a scheduler of rectified flow (:func:`samples_flow`: it predicts the velocity, the one target
+    flow matching trains, whose loss refuses another)."""
     current = getattr(scheduler.config, "prediction_type", None)
-    if prediction_type in (None, "flow_prediction", current) or current is None:
+    if prediction_type in (None, "flow_prediction", current) or current is None or samples_flow(scheduler):
         return scheduler
     return type(scheduler).from_config(scheduler.config.to_dict(), prediction_type=prediction_type)
 
