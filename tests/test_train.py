@@ -84,6 +84,12 @@ def test_min_snr_on_a_zero_terminal_snr_schedule_names_the_cause(getkey):
     loss = diffusion_loss(lambda x, t, c: x, sched, Objective(prediction_type="v_prediction", snr_gamma=5.0), x,
                           None, getkey())
     assert np.isfinite(float(loss))
+    from eqxdiff.train._loop import _check_finite
+
+    _check_finite(1.5, 3)
+    with pytest.raises(FloatingPointError, match=r"^loss became nan at step 3: the weights diverged or a loss term "
+                                                 r"is not finite; lower the learning rate"):
+        _check_finite(float("nan"), 3)
 
 
 def test_v_prediction_target_is_ddpm_velocity(getkey):
