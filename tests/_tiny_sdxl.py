@@ -36,8 +36,8 @@ def unet(config: dict, *, in_channels: int = 4, seed: int = 0, **overrides):
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(seed)
-    model = UNet2DConditionModel(sample_size=16, in_channels=in_channels, out_channels=4, norm_num_groups=8,
-                                 addition_embed_type="text_time", **{**config, **overrides})
+    model = UNet2DConditionModel(sample_size=16, in_channels=in_channels, out_channels=4,
+                                 addition_embed_type="text_time", **{"norm_num_groups": 8, **config, **overrides})
     randomize_(model, seed=seed)
     return model.eval()
 

@@ -33,6 +33,7 @@ from eqxdiff.train import (
     train_step,
     trainable_filter,
 )
+from eqxdiff.train._step import ema_decay_at
 
 from ._tiny_train import FSDP_DATA, KW, OBJECTIVE, OPT, SCHED, tiny_model
 from ._util import assert_close_to_float64, assert_leaves_close_to_float64, run_float64
@@ -64,6 +65,31 @@ def test_min_snr_weights_by_hand():
     a = acp[[0, 499, 999]]  # float32 values: the formula on them, in float32 and in float64
     assert_close_to_float64(snr(acp, t), a / (1 - a), a.astype(np.float64) / (1 - a.astype(np.float64)), what="snr",
                             elementwise=True)
+
+
+def test_min_snr_on_a_zero_terminal_snr_schedule_names_the_cause(getkey):
+    """Min-SNR of epsilon prediction on a zero-terminal-SNR schedule divides by an SNR of 0 at the last timestep (a
+    NaN loss, which the loop blamed on the learning rate): refused up front, naming the cause and the fixes;
+    v-prediction's weight there is 0, and its loss finite."""
+    sched = type(SCHED).from_config(SCHED.config.to_dict(), rescale_betas_zero_snr=True)
+    assert float(sched.alphas_cumprod[-1]) == 0.0
+    x = jnp.ones((2, 4, 4, 4))
+    with pytest.raises(ValueError, match=r"^snr_gamma \(Min-SNR weighting\) with prediction_type='epsilon' divides by "
+                                         r"the SNR, which is 0 at the last timestep .*rescale_betas_zero_snr=True.*"
+                                         r"prediction_type='v_prediction'.*or set snr_gamma=None$"):
+        diffusion_loss(lambda x, t, c: x, sched, Objective(prediction_type="epsilon", snr_gamma=5.0), x, None,
+                       getkey())
+    last = jnp.asarray([999])
+    assert float(min_snr_weights(snr(sched.alphas_cumprod, last), 5.0, "v_prediction")[0]) == 0.0
+    loss = diffusion_loss(lambda x, t, c: x, sched, Objective(prediction_type="v_prediction", snr_gamma=5.0), x,
+                          None, getkey())
+    assert np.isfinite(float(loss))
+    from eqxdiff.train._loop import _check_finite
+
+    _check_finite(1.5, 3)
+    with pytest.raises(FloatingPointError, match=r"^loss became nan at step 3: the weights diverged or a loss term "
+                                                 r"is not finite; lower the learning rate"):
+        _check_finite(float("nan"), 3)
 
 
 def test_v_prediction_target_is_ddpm_velocity(getkey):
@@ -115,17 +141,22 @@ def test_timestep_bias_weights_and_sampling(getkey):
     assert t.min() < 50 and t.max() > 950
 
 
-def test_noise_offset_adds_a_per_channel_constant(getkey):
-    x = jnp.zeros((2, 5, 5, 3))
+@pytest.mark.parametrize("shape", [(2, 5, 5, 3), (2, 4, 5, 5, 3)], ids=["image", "video"])
+def test_noise_offset_adds_a_per_channel_constant(getkey, shape):
+    """diffusers' ``noise_offset * randn(b, c, 1, 1)``: one constant per sample and channel, the same over space
+    and, for video latents ``[b, f, h, w, c]``, over frames (those were refused by the image-only signature)."""
+    x = jnp.zeros(shape)
     key = getkey()
     plain, offset = offset_noise(key, x, 0.0), offset_noise(key, x, 0.5)
     diff = np.asarray(offset - plain)
     _, k_off = jax.random.split(key)
-    constant = 0.5 * np.asarray(jax.random.normal(k_off, (2, 1, 1, 3)), np.float64)  # exact: 0.5 * a float32
+    per = (shape[0],) + (1,) * (len(shape) - 2) + (shape[-1],)
+    constant = 0.5 * np.asarray(jax.random.normal(k_off, per), np.float64)  # exact: 0.5 * a float32
     # (noise + c) - noise rounds twice at the noise's magnitude: NumPy's float32 does the same two roundings
     expected = (np.asarray(plain) + constant.astype(np.float32)) - np.asarray(plain)
     assert_close_to_float64(diff, expected, np.broadcast_to(constant, diff.shape), what="offset")
-    assert_close_to_float64(diff[:, 0, 0, :], constant[:, 0, 0, :].astype(np.float32), constant[:, 0, 0, :],
+    first = (slice(None),) + (0,) * (len(shape) - 2)
+    assert_close_to_float64(diff[first], constant[first].astype(np.float32), constant[first],
                             what="the offset's draws")
 
 
@@ -209,7 +240,29 @@ def test_gradient_accumulation_updates_every_k_steps(tiny):
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1.ema), p0))
     s2, _ = train_step(s1, frozen, batch, optimizer=optimizer, **KW)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s2.params), p0))
-    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s2.ema), p0))
+    # the first optimizer update's EMA is the updated weights (diffusers' EMAModel: decay 0 at its first step)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s2.ema), jax.tree.leaves(s2.params)))
+
+
+def test_ema_decay_is_diffusers_ema_model():
+    """``ema_decay_at`` is diffusers' ``EMAModel`` decay at each of its steps (0 at the first: a copy; then
+    ``(1 + s) / (10 + s)`` capped at ``decay``), and the EMA it gives over a few updates is ``EMAModel``'s."""
+    import torch
+    from diffusers.training_utils import EMAModel
+
+    values = np.random.default_rng(0).standard_normal((12, 3)).astype(np.float32)
+    for decay in (0.9999, 0.5):  # 0.5 caps from the 9th update
+        param = torch.nn.Parameter(torch.zeros(3))
+        reference = EMAModel([param], decay=decay)
+        ema = np.zeros(3, np.float32)
+        for update, value in enumerate(values, start=1):
+            with torch.no_grad():
+                param.copy_(torch.from_numpy(value))
+            reference.step([param])
+            d = float(ema_decay_at(jnp.asarray(update, jnp.int32), decay))
+            assert abs(d - reference.cur_decay_value) <= 1e-6 * max(reference.cur_decay_value, 1e-30), (decay, update)
+            ema = np.float32(d) * ema + np.float32(1 - d) * value
+            np.testing.assert_allclose(ema, reference.shadow_params[0].numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_checkpoints_resume_exactly(tiny, tmp_path):

@@ -26,6 +26,7 @@ from eqxdiff.train import (
     ArrayBatches,
     CheckpointMismatchError,
     DataError,
+    Objective,
     OptimizerConfig,
     TrainConfig,
     TrainingInterrupted,
@@ -404,3 +405,57 @@ def test_run_config_errors_name_the_flag(sources, tmp_path):
         load_data(dataclasses.replace(RUN, data=str(sources["folder"]), batch_size=16), tok)
     with pytest.raises(DataError, match=r"batch_size=12 must be a multiple of 8: the mesh .* data x fsdp"):
         _run(sources, tmp_path, data="synthetic", batch_size=12)
+
+
+def test_a_v_prediction_fine_tune_exports_v_prediction(tmp_path):
+    """``objective.prediction_type`` other than the folder's (v-prediction of an epsilon folder): the run's noise
+    scheduler, samples and export predict it, with the folder's scheduler and with one ``export_scheduler`` names,
+    so the export loads back as v-prediction (it was written as the folder's epsilon)."""
+    setup = train_setup.build(TrainConfig(architecture=TINY, resolution=TINY.image_size))
+    train_setup.export_pipeline(setup.model, setup.tokenizers, setup.noise_scheduler, tmp_path / "pipe")
+    assert eqxdiff.load_pipeline(tmp_path / "pipe").scheduler.config.prediction_type == "epsilon"
+    for name in (None, "euler"):
+        config = TrainConfig(model=str(tmp_path / "pipe"), resolution=TINY.image_size, export_scheduler=name,
+                             objective=Objective(prediction_type="v_prediction"))
+        setup = train_setup.build(config)
+        assert setup.noise_scheduler.config.prediction_type == "v_prediction"
+        scheduler = train_setup.sample_scheduler(config, setup)
+        train_setup.export_pipeline(setup.model, setup.tokenizers, setup.noise_scheduler, tmp_path / "out",
+                                    scheduler=scheduler)
+        written = json.loads((tmp_path / "out" / "scheduler" / "scheduler_config.json").read_text())
+        assert written["prediction_type"] == "v_prediction", name
+        assert eqxdiff.load_pipeline(tmp_path / "out").scheduler.config.prediction_type == "v_prediction"
+    from eqxdiff.schedulers import UniPCMultistepScheduler
+
+    wan = UniPCMultistepScheduler.from_config({"prediction_type": "flow_prediction", "use_flow_sigmas": True,
+                                               "flow_shift": 3.0})
+    assert train_setup.predicting(wan, "epsilon") is wan  # rectified flow predicts the velocity (the loss refuses)
+
+
+def test_a_scheduler_of_another_noise_process_is_refused(tmp_path):
+    """An export (or ``export_scheduler``) sampling another noise process than the model trained on: flow matching's
+    scheduler for a DDPM-process model, a DDPM-process one (the default ``dpm++2m``) for a flow-matching model; the
+    error names the schedulers that fit (``fitting_schedulers``)."""
+    import types
+
+    from eqxdiff.schedulers import FlowMatchEulerDiscreteScheduler, scheduler_from_config
+
+    setup = train_setup.build(TrainConfig(architecture=TINY, resolution=TINY.image_size))
+    assert train_setup.fitting_schedulers(setup.noise_scheduler) == [
+        "ddim", "pndm", "euler", "euler_a", "lms", "dpm++2m", "dpm++2m_karras", "ddpm", "unipc", "lcm", "tcd"]
+    ddpm_message = (r"samples rectified flow, but the model trains on the DDPM noise process \(DDPMScheduler\): its "
+                    r"export would not sample it; choose one of \['ddim', 'pndm', ")
+    for scheduler in ("flow_euler", scheduler_from_config(setup.noise_scheduler.config.to_dict(), name="flow_euler")):
+        with pytest.raises(ValueError, match=ddpm_message):
+            train_setup.export_pipeline(setup.model, setup.tokenizers, setup.noise_scheduler, tmp_path / "x",
+                                        scheduler=scheduler)
+    assert not (tmp_path / "x").exists()
+    flow = FlowMatchEulerDiscreteScheduler.from_config({"shift": 3.0})
+    flow_setup = types.SimpleNamespace(noise_scheduler=flow)
+    assert train_setup.fitting_schedulers(flow) == ["flow_euler"]
+    with pytest.raises(ValueError, match=r"^export_scheduler='dpm\+\+2m' \(DPMSolverMultistepScheduler\) samples the "
+                                         r"DDPM noise process, but the model trains on rectified flow .*choose one of "
+                                         r"\['flow_euler'\] \(or None: the folder's scheduler\)$"):
+        train_setup.sample_scheduler(TrainConfig(export_scheduler="dpm++2m"), flow_setup)
+    scheduler = train_setup.sample_scheduler(TrainConfig(export_scheduler="flow_euler"), flow_setup)
+    assert isinstance(scheduler, FlowMatchEulerDiscreteScheduler) and scheduler.config.shift == 3.0

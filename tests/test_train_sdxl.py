@@ -35,11 +35,13 @@ from . import _tiny_sdxl
 from ._util import rel_error
 
 # A one-level SDXL UNet (text_time embedding of 6 time ids x 4 + the pooled 24; cross-attention over the two
-# encoders' 32 + 48 channels): its train step compiles in seconds on the mesh.
-UNET = dict(block_out_channels=(8,), layers_per_block=1, down_block_types=("CrossAttnDownBlock2D",),
-            up_block_types=("CrossAttnUpBlock2D",), attention_head_dim=2, use_linear_projection=True,
-            addition_time_embed_dim=4, transformer_layers_per_block=1, cross_attention_dim=80,
-            projection_class_embeddings_input_dim=6 * 4 + _tiny_sdxl.POOLED)
+# encoders' 32 + 48 channels): its train step compiles in seconds on the mesh. Two channels per group norm: with one
+# (8 groups of 8 channels) the norm after each ResNet's time-embedding add takes the added constant away again, so
+# the time ids (and the timestep) could not change the output.
+UNET = dict(block_out_channels=(8,), norm_num_groups=4, layers_per_block=1,
+            down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",), attention_head_dim=2,
+            use_linear_projection=True, addition_time_embed_dim=4, transformer_layers_per_block=1,
+            cross_attention_dim=80, projection_class_embeddings_input_dim=6 * 4 + _tiny_sdxl.POOLED)
 RESOLUTION = 16
 SIZES = [(20, 28), (24, 16), (16, 16), (32, 20), (18, 30), (40, 24), (16, 22), (26, 26)]  # (height, width)
 FSDP = MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=-1)
@@ -158,7 +160,8 @@ def test_train_step_calls_the_unet_as_diffusers_script(folders, runs):
     t = np.asarray([10, 700], np.int32)
     cond = {k: jnp.asarray(cache[k]) for k in ("encoder_hidden_states", "text_embeds", "original_size",
                                                 "crop_top_left")}
-    ours = eqx.filter_jit(lambda m, x, t, c: m.denoise(x, t, c))(model, jnp.asarray(x), jnp.asarray(t), cond)
+    denoise = eqx.filter_jit(lambda m, x, t, c: m.denoise(x, t, c))
+    ours = denoise(model, jnp.asarray(x), jnp.asarray(t), cond)
     time_ids = np.concatenate([cache["original_size"], cache["crop_top_left"], np.full((2, 2), RESOLUTION)], -1)
     with torch.no_grad():
         want = pipe.unet(torch.from_numpy(np.moveaxis(x, -1, 1)), torch.from_numpy(t),
@@ -166,6 +169,10 @@ def test_train_step_calls_the_unet_as_diffusers_script(folders, runs):
                          added_cond_kwargs={"text_embeds": torch.from_numpy(cache["text_embeds"]),
                                             "time_ids": torch.from_numpy(time_ids.astype(np.float32))}).sample
     assert rel_error(ours, np.moveaxis(want.numpy(), 1, -1)) <= 1e-4
+    # the time ids count: another crop and original size move the output (so a wrong time id fails the match above)
+    moved = {**cond, "crop_top_left": cond["crop_top_left"] + 4, "original_size": cond["original_size"] * 2}
+    other = denoise(model, jnp.asarray(x), jnp.asarray(t), moved)
+    assert rel_error(other, ours) > 1e-3
 
 
 def _leaves(tree):

@@ -8,6 +8,7 @@ diffusers' ``WanPipeline`` loads the export, whose experts equal ours on the sam
 serves both runs. Wan 2.2 TI2V's first-frame-conditioned samples (a tiny TI2V folder, a stand-in transformer)."""
 
 import dataclasses
+import json
 import shutil
 
 import equinox as eqx
@@ -34,12 +35,15 @@ from eqxdiff.data import (
 from eqxdiff.parallel import MeshConfig, Remat
 from eqxdiff.pipelines import InputError, write_video
 from eqxdiff.train import (
+    Objective,
     OptimizerConfig,
     TrainConfig,
     WanFlowMatching,
     WanOptions,
     batch_loss,
     build,
+    export_pipeline,
+    flow_timesteps,
     run,
 )
 from eqxdiff.train._sources import open_source
@@ -325,7 +329,7 @@ def test_export_loads_in_diffusers_and_its_experts_equal_ours(folders, single):
     assert_close(jax.device_get(routed), np.concatenate(wants), 1e-4, "denoise of a mixed batch")
 
 
-def test_expert_options_pick_the_trained_expert_and_its_timesteps(folders):
+def test_expert_options_pick_the_trained_expert_and_its_timesteps(folders, tmp_path):
     """``family.expert``: high trains ``transformer`` on t >= 875 only, low ``transformer_2`` below (the training
     schedule restricted, in order), both both on all; a one-transformer folder refuses high/low."""
     root, _ = folders
@@ -336,7 +340,7 @@ def test_expert_options_pick_the_trained_expert_and_its_timesteps(folders):
             marked = any(jax.tree.leaves(getattr(spec, name)))
             assert marked == (trained in (None, name)), (expert, name)
         timesteps, sigmas = setup.noise_scheduler.training_schedule()
-        assert len(timesteps) == 1000 and np.all(np.diff(timesteps) <= 0)
+        assert np.all(np.diff(timesteps) <= 0)
         if expert == "high":
             assert timesteps.min() >= 875 and timesteps.max() > 990
         elif expert == "low":
@@ -345,12 +349,48 @@ def test_expert_options_pick_the_trained_expert_and_its_timesteps(folders):
             assert timesteps.min() < 10 and timesteps.max() > 990
         np.testing.assert_allclose(sigmas * 1000, timesteps, rtol=1e-6)
     assert isinstance(setup.noise_scheduler, ExpertTimesteps) and setup.noise_scheduler.config.shift == 3.0
+    # exported with scheduler=None: diffusers' FlowMatchEulerDiscreteScheduler on its config, not ExpertTimesteps
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    export_pipeline(setup.model, setup.tokenizers, setup.noise_scheduler, tmp_path / "export", scheduler=None)
+    written = json.loads((tmp_path / "export" / "scheduler" / "scheduler_config.json").read_text())
+    assert written["_class_name"] == "FlowMatchEulerDiscreteScheduler"
+    assert FlowMatchEulerDiscreteScheduler.from_pretrained(tmp_path / "export", subfolder="scheduler").config.shift == 3
     with pytest.raises(ValueError, match="expert='sideways'; choose one of"):
         WanOptions(expert="sideways")
     one = build(_config(root, mesh=None)).model
     with pytest.raises(ValueError, match="this folder has one transformer"):
         WanFlowMatching(transformer=one.transformer, transformer_2=None, text_encoder=None, vae=None,
                         null_input_ids=one.null_input_ids, options=WanOptions(expert="low"))
+
+
+def test_expert_timesteps_are_drawn_evenly_over_each_range():
+    """The experts' timestep draws (shift 3, boundary 875: ``t >= 875`` is 30% of the training schedule): training
+    both, the high expert gets that share of the draws; ``high`` / ``low`` draw each timestep of their range equally
+    often (a chi-square over the range's timesteps, bounded at 6 standard deviations of its null distribution: the
+    earlier resampling to 1000 entries drew some timesteps twice as often as others). Sampling is the whole
+    schedule's either way."""
+    config, n = {"num_train_timesteps": 1000, "shift": 3.0}, 200_000
+    whole = ExpertTimesteps.from_config(config)
+    timesteps = whole.training_schedule()[0]
+    key = jax.random.key(0)
+    for expert_range in (None, (875.0, np.inf), (-np.inf, 875.0)):
+        scheduler = ExpertTimesteps(whole.config, timestep_range=expert_range)
+        drawn = np.asarray(jax.jit(lambda k, s=scheduler: flow_timesteps(k, n, s, Objective())[0])(key))
+        if expert_range is None:
+            share = float(np.mean(timesteps >= 875.0))
+            assert abs(share - 0.3) < 0.01
+            assert abs(np.mean(drawn >= 875.0) - share) < 5 * np.sqrt(share * (1 - share) / n)
+            continue
+        low, high = expert_range
+        kept = timesteps[(timesteps >= low) & (timesteps < high)]
+        values, counts = np.unique(drawn, return_counts=True)
+        assert np.all(np.isin(values, kept)) and len(values) == len(kept), expert_range
+        df, expected = len(kept) - 1, n / len(kept)
+        chi2 = float(np.sum((counts - expected) ** 2 / expected))
+        assert chi2 < df + 6 * np.sqrt(2 * df), (expert_range, chi2, df)
+        sampling = scheduler.init(10).timesteps
+        np.testing.assert_array_equal(np.asarray(sampling), np.asarray(whole.init(10).timesteps))
 
 
 def test_eqxdiff_train_checks_the_clips_against_the_folder_before_loading(folders, tmp_path):
@@ -460,7 +500,7 @@ def test_ti2v_trains_first_frame_conditioned_samples_as_its_pipeline_denoises_th
     keeps ``expand_timesteps`` and loads in diffusers."""
     from diffusers import WanPipeline
 
-    from eqxdiff.train import Objective, diffusion_loss, export_pipeline
+    from eqxdiff.train import diffusion_loss
 
     folder, setup = ti2v
     assert setup.model.expand_timesteps and setup.model.first_frame_probability == 0.5

@@ -127,7 +127,7 @@ class FlowMatchEulerDiscreteScheduler(AbstractScheduler):
         n = next(iter(lengths.values()))
         if sigmas is None:
             if timesteps is None:
-                _, train = self.training_schedule()
+                _, train = _training_schedule(cfg)  # the whole one (a subclass may keep part of it for training)
                 grid = np.linspace(train[0].item() * big_n, train[-1].item() * big_n, n)
             else:
                 grid = timesteps

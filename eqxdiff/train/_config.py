@@ -134,8 +134,9 @@ class TrainConfig:
     export_dtype: str | None = None
     """Dtype of the exported weights (float32 if None; float16 / bfloat16 halve the folder)."""
     export_scheduler: str | None = "dpm++2m"
-    """Scheduler written to the exported pipeline (same noise schedule as training); None: the fine-tuned
-    folder's own scheduler, as it was (from scratch: ``dpm++2m``)."""
+    """Scheduler written to the exported pipeline (same noise schedule and prediction type as training; one that
+    samples another noise process, such as ``dpm++2m`` for flow matching, is refused naming those that fit); None: the
+    fine-tuned folder's own scheduler, predicting what the objective trains (from scratch: ``dpm++2m``)."""
     log_every: int = 25
     """Write the loss, learning rate and throughput to metrics.jsonl and tensorboard every this many steps."""
     checkpoint_every: int = 0

@@ -60,6 +60,14 @@ def shard_batch(batch: dict, mesh: jax.sharding.Mesh | None, rules: AxisRules = 
     return to_global_batch(batch, mesh, rules=rules)
 
 
+def _check_finite(loss: float, step: int) -> None:
+    """``FloatingPointError`` for a loss that is not finite, naming its causes."""
+    if not np.isfinite(loss):
+        raise FloatingPointError(f"loss became {loss} at step {step}: the weights diverged or a loss term is not "
+                                 "finite; lower the learning rate (or set a max_grad_norm), and check the data and "
+                                 "the objective's settings")
+
+
 def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, objective, optimizer,
         ema_decay: float = 0.9999, mesh: jax.sharding.Mesh | None = None, rules: AxisRules = DEFAULT_RULES,
         logger: MetricsLogger | None = None, log_every: int = 10, checkpointer=None,
@@ -116,8 +124,7 @@ def fit(state, frozen, batches: Iterator[dict], *, steps: int, scheduler, object
                 row = {**fetched[-1], "step_time": dt,
                        "samples_per_second": len(first[next(iter(first))]) / dt,
                        "tflops_per_device": None if flops is None else flops / dt / 1e12}
-                if not np.isfinite(row["loss"]):
-                    raise FloatingPointError(f"loss became {row['loss']} at step {done}; lower the learning rate")
+                _check_finite(row["loss"], done)
                 if logger is not None:
                     logger.log(done, row)
                 t_last, n_last = now, done

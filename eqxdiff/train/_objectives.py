@@ -124,14 +124,16 @@ def sample_timesteps(key: PRNGKeyArray, batch: int, num_timesteps: int,
 
 
 @typechecked
-def offset_noise(key: PRNGKeyArray, latents: Float[Array, "batch height width channels"],
-                 noise_offset: float) -> Float[Array, "batch height width channels"]:
-    """Gaussian noise plus ``noise_offset`` times a per-sample, per-channel constant (Guttenberg's offset noise)."""
+def offset_noise(key: PRNGKeyArray, latents: Float[Array, "batch *dims channels"],
+                 noise_offset: float) -> Float[Array, "batch *dims channels"]:
+    """Gaussian noise plus ``noise_offset`` times a per-sample, per-channel constant (Guttenberg's offset noise;
+    diffusers' ``noise_offset * randn(b, c, 1, 1)``), the same over space and, for video latents ``[b, f, h, w,
+    c]``, over frames."""
     k_noise, k_off = jax.random.split(key)
     noise = jax.random.normal(k_noise, latents.shape, latents.dtype)
     if noise_offset:
-        b, _, _, c = latents.shape
-        noise = noise + noise_offset * jax.random.normal(k_off, (b, 1, 1, c), latents.dtype)
+        per = (latents.shape[0],) + (1,) * (latents.ndim - 2) + (latents.shape[-1],)
+        noise = noise + noise_offset * jax.random.normal(k_off, per, latents.dtype)
     return noise
 
 
@@ -150,6 +152,17 @@ def min_snr_weights(snr_values: Float[Array, " batch"], gamma: float, prediction
     if prediction_type == "v_prediction":
         return clipped / (snr_values + 1.0)
     return clipped
+
+
+def check_min_snr(scheduler, prediction_type: str) -> None:
+    """``ValueError`` where Min-SNR weighting is undefined: epsilon prediction divides ``min(snr, gamma)`` by the SNR,
+    which is 0 at the last timestep of a zero-terminal-SNR schedule (``rescale_betas_zero_snr``), so a batch that
+    draws it would give a NaN loss."""
+    if prediction_type == "epsilon" and float(np.min(np.asarray(scheduler.alphas_cumprod))) <= 0.0:
+        raise ValueError("snr_gamma (Min-SNR weighting) with prediction_type='epsilon' divides by the SNR, which is 0 "
+                         "at the last timestep of this zero-terminal-SNR noise schedule (rescale_betas_zero_snr=True): "
+                         "the loss would be NaN there, whatever the learning rate; train prediction_type="
+                         "'v_prediction' (as zero-terminal-SNR models do) or set snr_gamma=None")
 
 
 def target(scheduler, prediction_type: str, latents, noise, timesteps):
@@ -212,6 +225,7 @@ def diffusion_loss(denoiser: Callable, scheduler, objective: Objective, latents:
     goal = target(scheduler, kind, latents, noise, timesteps)
     weights = None
     if objective.snr_gamma is not None:
+        check_min_snr(scheduler, kind)
         weights = min_snr_weights(snr(scheduler.alphas_cumprod, timesteps), objective.snr_gamma, kind)
     return weighted_mse(prediction, goal, _times(weights, sample_weights), mask)
 
@@ -251,10 +265,11 @@ def flow_timesteps(key: PRNGKeyArray, batch: int, scheduler: FlowMatchEulerDiscr
 
 def flow_schedule_at(scheduler: FlowMatchEulerDiscreteScheduler,
                      u: Float[Array, " batch"]) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
-    """The training schedule's ``(timesteps, sigmas)`` at ``indices = int(u * num_train_timesteps)`` (``u`` in
-    [0, 1]; an index past the end, from ``u = 1``, is clipped to the last)."""
+    """The training schedule's ``(timesteps, sigmas)`` at ``indices = int(u * n)``, ``n`` its length
+    (``num_train_timesteps``, or fewer where the scheduler keeps part of it: one expert's range); ``u`` in [0, 1], an
+    index past the end, from ``u = 1``, clipped to the last."""
     timesteps, sigmas = scheduler.training_schedule()
-    n = scheduler.config.num_train_timesteps
+    n = len(timesteps)
     indices = jnp.clip((u.astype(jnp.float32) * n).astype(jnp.int32), 0, n - 1)
     return jnp.asarray(timesteps)[indices], jnp.asarray(sigmas)[indices]
 

@@ -12,7 +12,13 @@ import jax
 from ..data import ArrayBatches, character_tokenizer
 from ..loading import load, save_pretrained
 from ..pipelines import load_pipeline, save_pipeline
-from ..schedulers import DDPMScheduler, scheduler_from_config
+from ..schedulers import (
+    SCHEDULER_CLASSES,
+    SCHEDULERS,
+    DDPMScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    scheduler_from_config,
+)
 from ._autoencoder import fit_scaling_factor, train_autoencoder
 from ._config import TrainConfig
 from ._digits import SD_NOISE_SCHEDULE, build_digits_model
@@ -68,16 +74,30 @@ def family_options(given: FamilyOptions, family: type[TrainModel], what: str) ->
                      "family's preset")
 
 
+def predicting(scheduler, prediction_type: str | None):
+    """``scheduler`` with ``prediction_type`` in its config (the objective's: a v-prediction fine-tune of an epsilon
+    folder samples, and exports, as v-prediction); as it is for ``None`` (the folder's), for the velocity of flow
+    matching, or for a scheduler of rectified flow (:func:`samples_flow`: it predicts the velocity, the one target
+    flow matching trains, whose loss refuses another)."""
+    current = getattr(scheduler.config, "prediction_type", None)
+    if prediction_type in (None, "flow_prediction", current) or current is None or samples_flow(scheduler):
+        return scheduler
+    return type(scheduler).from_config(scheduler.config.to_dict(), prediction_type=prediction_type)
+
+
 def build(config: TrainConfig, mesh=None) -> Setup:
     """The run's :class:`Setup`: ``config.model`` loaded (straight onto ``mesh``'s shardings when given) and given
-    to its family's bundle (:func:`eqxdiff.train._families.train_family`), or the digits architecture built from
-    scratch (its VAE still untrained: :func:`autoencoder_stage`)."""
+    to its family's bundle (:func:`eqxdiff.train._families.train_family`), its schedulers predicting what the
+    objective trains (:func:`predicting`), or the digits architecture built from scratch (its VAE still untrained:
+    :func:`autoencoder_stage`)."""
     if config.model is not None:
         pipe = load_pipeline(config.model, mesh=mesh)
         family = train_family(pipe.CLASS_NAME)
         options = family_options(config.family, family, f"model={config.model!r} (a {pipe.CLASS_NAME})")
         model, tokenizers, noise_scheduler = family.from_pipeline(pipe, options)
-        return Setup(model, tokenizers, noise_scheduler, pipe.scheduler, dict(pipe.options))
+        trained = config.objective.prediction_type
+        return Setup(model, tokenizers, predicting(noise_scheduler, trained), predicting(pipe.scheduler, trained),
+                     dict(pipe.options))
     family_options(config.family, LatentDiffusion, "the from-scratch digits architecture")
     tokenizer = character_tokenizer(max_length=32)
     model = build_digits_model(config.architecture, tokenizer, seed=config.seed)
@@ -128,18 +148,65 @@ def autoencoder_stage(config: TrainConfig, model: TrainModel, kind: str, data) -
     return eqx.tree_at(lambda m: m.vae, model, vae)
 
 
+def samples_flow(scheduler) -> bool:
+    """Whether ``scheduler`` samples rectified flow (flow matching, or flow sigmas / ``flow_prediction``, Wan's
+    UniPC) rather than the DDPM noise process."""
+    cfg = scheduler.config
+    return (isinstance(scheduler, FlowMatchEulerDiscreteScheduler) or bool(getattr(cfg, "use_flow_sigmas", False))
+            or getattr(cfg, "prediction_type", None) == "flow_prediction")
+
+
+def fitting_schedulers(noise_scheduler) -> list[str]:
+    """The scheduler names (``export_scheduler``) that, built on ``noise_scheduler``'s config, sample its noise
+    process: flow matching's for a flow-matching model, the DDPM-process ones for the others."""
+    names = []
+    for name in SCHEDULERS:
+        try:
+            built = scheduler_from_config(noise_scheduler.config.to_dict(), name=name)
+        except ValueError:  # a config this scheduler cannot take
+            continue
+        if samples_flow(built) == samples_flow(noise_scheduler):
+            names.append(name)
+    return names
+
+
+def check_scheduler_fits(scheduler, noise_scheduler, what: str) -> None:
+    """``ValueError`` when ``scheduler`` samples another noise process than the model trained on
+    (``noise_scheduler``'s), naming the schedulers that fit; ``what``: the scheduler, in the message."""
+    if samples_flow(scheduler) == samples_flow(noise_scheduler):
+        return
+    trained, other = ("rectified flow", "the DDPM noise process") if samples_flow(noise_scheduler) else (
+        "the DDPM noise process", "rectified flow")
+    raise ValueError(f"{what} ({type(scheduler).__name__}) samples {other}, but the model trains on {trained} "
+                     f"({type(noise_scheduler).__name__}): its export would not sample it; choose one of "
+                     f"{fitting_schedulers(noise_scheduler)} (or None: the folder's scheduler)")
+
+
+def diffusers_scheduler(scheduler):
+    """``scheduler`` as the diffusers scheduler class it is or extends, on the same config: a training subclass
+    (Wan's ``ExpertTimesteps``, which keeps one expert's part of the training schedule) exports as its parent, which
+    diffusers loads."""
+    cls = next(c for c in type(scheduler).__mro__ if SCHEDULER_CLASSES.get(c.__name__) is c)
+    return scheduler if cls is type(scheduler) else cls(scheduler.config)
+
+
 def export_pipeline(model: TrainModel, tokenizer, noise_scheduler, folder, *, scheduler: str | None = "dpm++2m",
                     dtype=None, options: dict | None = None, call_defaults: dict | None = None):
     """Save ``model`` (a family's bundle, its text encoders in place) as a diffusers pipeline folder of its family
     (``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``, ``FluxPipeline``) sampling with ``scheduler`` (a
-    name, on ``noise_scheduler``'s noise schedule; or a scheduler; ``None``: ``noise_scheduler`` itself).
+    name, on ``noise_scheduler``'s noise schedule; or a scheduler; ``None``: ``noise_scheduler``'s diffusers class,
+    :func:`diffusers_scheduler`); a scheduler of another noise process is refused (:func:`check_scheduler_fits`).
     ``tokenizer``: one, or ``{component name: tokenizer}``; ``options``: the pipeline's ``model_index.json``
     settings; ``call_defaults``: the folder's recommended call (the run's sampling steps and guidance)."""
     tokenizers = tokenizer if isinstance(tokenizer, dict) else {"tokenizer": tokenizer}
     if scheduler is None:
-        scheduler = noise_scheduler
+        scheduler = diffusers_scheduler(noise_scheduler)
     elif isinstance(scheduler, str):
-        scheduler = scheduler_from_config(noise_scheduler.config.to_dict(), name=scheduler)
+        name = scheduler
+        scheduler = scheduler_from_config(noise_scheduler.config.to_dict(), name=name)
+        check_scheduler_fits(scheduler, noise_scheduler, f"scheduler={name!r}")
+    else:
+        check_scheduler_fits(scheduler, noise_scheduler, "scheduler")
     pipe = model.pipeline(tokenizers, scheduler, options=options, call_defaults=call_defaults)
     save_pipeline(pipe, folder, dtype=dtype)
     return pipe
@@ -149,4 +216,6 @@ def sample_scheduler(config: TrainConfig, setup: Setup):
     """The scheduler of samples and of the export: ``export_scheduler`` on the noise schedule, or the folder's."""
     if config.export_scheduler is None:
         return setup.scheduler
-    return scheduler_from_config(setup.noise_scheduler.config.to_dict(), name=config.export_scheduler)
+    scheduler = scheduler_from_config(setup.noise_scheduler.config.to_dict(), name=config.export_scheduler)
+    check_scheduler_fits(scheduler, setup.noise_scheduler, f"export_scheduler={config.export_scheduler!r}")
+    return scheduler

@@ -172,9 +172,11 @@ def init_state(model, optimizer, *, key: PRNGKeyArray, filter_spec=None, ema: bo
 
 
 def ema_decay_at(update: Int[Array, ""], decay: float) -> Array:
-    """diffusers' ``EMAModel`` decay without warmup: ``min(decay, (1 + n) / (10 + n))`` after ``n`` updates."""
-    n = update.astype(jnp.float32)
-    return jnp.minimum(decay, (1.0 + n) / (10.0 + n))
+    """diffusers' ``EMAModel.get_decay`` (no warmup, ``update_after_step=0``, ``min_decay=0``) at the ``update``-th
+    optimizer update (from 1): 0 at the first (the EMA starts as the updated weights), then ``min(decay, (1 + s) /
+    (10 + s))`` with ``s = update - 1``."""
+    s = update.astype(jnp.float32) - 1.0
+    return jnp.where(s <= 0, 0.0, jnp.minimum(decay, (1.0 + s) / (10.0 + s)))
 
 
 def batch_loss(params, frozen, batch: dict, key, *, scheduler, objective: Objective):

@@ -93,8 +93,9 @@ class WanOptions(FamilyOptions):
 
 class ExpertTimesteps(FlowMatchEulerDiscreteScheduler):
     """The flow-matching scheduler whose training schedule keeps only the timesteps in ``[low, high)`` (one expert's
-    range), resampled to ``num_train_timesteps`` entries in order, so a density draw ``u`` in [0, 1] maps over that
-    range as it maps over the whole one; ``timestep_range=None``: the whole schedule. Sampling is unchanged."""
+    range), in order, so a density draw ``u`` in [0, 1] maps over that range as it maps over the whole one (a uniform
+    ``u`` gives each of the range's timesteps the same share, as the whole schedule's does);
+    ``timestep_range=None``: the whole schedule. Sampling is unchanged (``init`` reads the whole schedule)."""
 
     timestep_range: tuple[float, float] | None = eqx.field(static=True, default=None)
 
@@ -107,9 +108,7 @@ class ExpertTimesteps(FlowMatchEulerDiscreteScheduler):
         if len(keep) == 0:
             raise ValueError(f"no training timestep lies in [{low}, {high}): the expert's range is empty (check the "
                              "folder's boundary_ratio)")
-        n = len(timesteps)
-        pick = keep[(np.arange(n) * len(keep)) // n]
-        return timesteps[pick], sigmas[pick]
+        return timesteps[keep], sigmas[keep]
 
 
 def prompt_mask(ids: Int[Array, "batch seq"], eos_token_id: int) -> Int[Array, "batch seq"]:
