@@ -142,7 +142,7 @@ class FluxSingleTransformerBlock(eqx.Module):
             mlp = self.proj_mlp(h)
             attn = self.attn(h, rope=rope)
         attn = checkpoint_name(attn, "flux_attention")
-        mlp = jax.nn.gelu(mlp, approximate=True)
+        mlp = nn.gelu_tanh(mlp)
         return _clip_float16(nn.gated_residual(x, self.proj_out(jnp.concatenate([attn, mlp], axis=-1)), gate))
 
 
