@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from eqxdiff import nn
+from eqxdiff.models import flux
+from eqxdiff.models.flux import FluxTransformer2DConfig, FluxTransformer2DModel
 from eqxdiff.pipelines import Guidance, combine_guidance
+from eqxdiff.pipelines.flux import FluxDenoiser
+
+from . import _tiny_flux
 
 HALF = {"bfloat16": (jnp.bfloat16, torch.bfloat16), "float16": (jnp.float16, torch.float16)}
 
@@ -94,3 +99,28 @@ def test_guidance_combined_in_float32():
     f32 = jax.jit(combine_guidance)(jnp.asarray(uncond), jnp.asarray(cond), guidance)
     before = jax.jit(lambda u, c, s: u + s * (c - u))(uncond, cond, guidance.scale)  # the float32 formula as it was
     np.testing.assert_array_equal(np.asarray(f32), np.asarray(before))
+
+
+def test_flux_embeds_timestep_and_guidance_from_float32(monkeypatch):
+    """Flux's sinusoids get ``1000 * sigma`` and ``1000 * guidance`` computed in float32 whatever the activations'
+    dtype, from the pipeline's float32 timestep: bfloat16 spaces [512, 1024) 4 apart and [2048, 4096) 16 apart
+    (diffusers' bfloat16 run embeds 876.3 as 876 and 3500 as 3504), which turns the fast channels by radians."""
+    config = FluxTransformer2DConfig(**{**_tiny_flux.TRANSFORMER, "axes_dims_rope": (4, 4, 8), "guidance_embeds": True})
+    model = FluxTransformer2DModel(config, dtype=jnp.bfloat16, key=jax.random.key(0))
+    seen = []
+
+    def recording(t, *args, **kwargs):
+        seen.append(t)
+        return embedding(t, *args, **kwargs)
+
+    embedding = nn.timestep_embedding
+    monkeypatch.setattr(nn, "timestep_embedding", recording)
+    rope = model.rotary_embedding(flux.image_ids(2, 2), flux.text_ids(3))
+    cond = {"embeds": jnp.ones((1, 3, 32), jnp.bfloat16), "pooled": jnp.ones((1, 32), jnp.bfloat16), "rope": rope,
+            "guidance": jnp.full((1,), 3.5, jnp.float32)}
+    with jax.disable_jit():  # concrete values: what the sinusoid is computed from
+        FluxDenoiser(model)(jnp.ones((1, 4, 4), jnp.bfloat16), jnp.float32(876.3), cond, step=0)
+    (t,), (g,) = seen
+    assert t.dtype == g.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(t), [876.3], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(g), [3500.0])

@@ -27,7 +27,8 @@ def _clip_float16(x: Array) -> Array:
 class FluxTimeTextEmbedding(eqx.Module):
     """``time_text_embed``: the timestep's (and, for guidance-distilled models, the guidance scale's) sinusoidal
     embedding through an MLP, plus the pooled text embedding's projection (diffusers'
-    ``CombinedTimestep[Guidance]TextProjEmbeddings``). Timestep and guidance arrive already multiplied by 1000."""
+    ``CombinedTimestep[Guidance]TextProjEmbeddings``). Timestep and guidance arrive already multiplied by 1000 (in
+    float32: the sinusoids are float32, cast to the activations' dtype for the MLPs)."""
 
     timestep_embedder: nn.TimestepEmbedding
     guidance_embedder: nn.TimestepEmbedding | None
