@@ -3,19 +3,24 @@
 PyTorch computes its activation kernels in float32 for half-precision tensors and rounds once: the activations here
 must give those bits (where PyTorch's formula keeps its float32 accuracy), and the float32 results must not move."""
 
+import diffusers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
+import transformers
 
+import eqxdiff
 from eqxdiff import nn
+from eqxdiff.core import family_names, leaf_specs, resolve_class
 from eqxdiff.models import flux
 from eqxdiff.models.flux import FluxTransformer2DConfig, FluxTransformer2DModel
 from eqxdiff.pipelines import Guidance, combine_guidance
 from eqxdiff.pipelines.flux import FluxDenoiser
 
-from . import _tiny_flux
+from . import _tiny_flux, _tiny_wan
 
 HALF = {"bfloat16": (jnp.bfloat16, torch.bfloat16), "float16": (jnp.float16, torch.float16)}
 
@@ -124,3 +129,60 @@ def test_flux_embeds_timestep_and_guidance_from_float32(monkeypatch):
     assert t.dtype == g.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(t), [876.3], rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(g), [3500.0])
+
+
+# -- modules kept in float32 -------------------------------------------------------------------------------------
+
+
+def _reference_class(name: str):
+    return getattr(diffusers, name, None) or getattr(transformers, name, None)
+
+
+@pytest.mark.parametrize("name", [n for n in family_names("model") if _reference_class(n) is not None
+                                  and "T5" not in n])  # T5: next commit
+def test_keep_in_float32_as_the_reference(name):
+    """Each model keeps in float32 what its reference's loader keeps: diffusers' ``_keep_in_fp32_modules`` in
+    bfloat16 and float16, transformers' in float16 only (and its ``_strict`` list in both); nothing in float32."""
+    ours, ref = resolve_class(name), _reference_class(name)
+    loose = set(getattr(ref, "_keep_in_fp32_modules", None) or ())
+    strict = set(getattr(ref, "_keep_in_fp32_modules_strict", None) or ())
+    by_transformers = issubclass(ref, transformers.PreTrainedModel)
+    assert set(ours.keep_in_float32(jnp.float16)) == loose | strict
+    assert set(ours.keep_in_float32(jnp.bfloat16)) == (strict if by_transformers else loose)
+    assert ours.keep_in_float32(jnp.float32) == ()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_wan_keeps_diffusers_float32_modules(tmp_path_factory, dtype, scan_layers):
+    """Wan loaded in half precision: the leaves of diffusers' ``_keep_in_fp32_modules`` (time embedder, modulation
+    tables, the norms' weights, here the image embedder's too) are float32 and hold the checkpoint's values, every
+    other floating leaf is in ``dtype``: the names diffusers' own loader keeps (its rule run on our names)."""
+    folder = _wan_folder(tmp_path_factory)
+    model = eqxdiff.load(folder, dtype=dtype, scan_layers=scan_layers)
+    keep = diffusers.WanTransformer3DModel._keep_in_fp32_modules
+    weights = safetensors.numpy.load_file(folder / "diffusion_pytorch_model.safetensors")
+    leaves, specs, _ = leaf_specs(model)
+    kept = [s.name for x, s in zip(leaves, specs) if x.dtype == jnp.float32]
+    assert kept and len(kept) < len(leaves)
+    for leaf, spec in zip(leaves, specs):
+        in_reference = any(m in spec.name.split(".") for m in keep)  # diffusers' load_model_dict_into_meta
+        assert leaf.dtype == (jnp.float32 if in_reference else dtype), spec.name
+        if in_reference:
+            stored = np.stack([weights[n] for n in spec.names]) if spec.layers else weights[spec.name]
+            np.testing.assert_array_equal(np.asarray(leaf).reshape(stored.shape), stored)
+    assert any(".image_embedder.norm1." in n for n in kept) and any(n.endswith("scale_shift_table") for n in kept)
+
+
+_WAN: dict = {}
+
+
+def _wan_folder(tmp_path_factory):
+    """A tiny first-last-frame Wan transformer (an image embedder with norms), saved by diffusers once."""
+    if "folder" not in _WAN:
+        folder = tmp_path_factory.mktemp("wan")
+        _tiny_wan.build_transformer(dict(_tiny_wan.TRANSFORMER, image_dim=8, added_kv_proj_dim=24,
+                                         pos_embed_seq_len=10)).save_pretrained(folder)
+        _WAN["folder"] = folder
+    return _WAN["folder"]
+
