@@ -21,6 +21,8 @@ from eqxdiff.pipelines import Guidance, combine_guidance
 from eqxdiff.pipelines.flux import FluxDenoiser
 
 from . import _tiny_flux, _tiny_wan
+from ._util import randomize_torch
+from .test_t5 import CONFIGS as t5_configs
 
 HALF = {"bfloat16": (jnp.bfloat16, torch.bfloat16), "float16": (jnp.float16, torch.float16)}
 
@@ -138,8 +140,7 @@ def _reference_class(name: str):
     return getattr(diffusers, name, None) or getattr(transformers, name, None)
 
 
-@pytest.mark.parametrize("name", [n for n in family_names("model") if _reference_class(n) is not None
-                                  and "T5" not in n])  # T5: next commit
+@pytest.mark.parametrize("name", [n for n in family_names("model") if _reference_class(n) is not None])
 def test_keep_in_float32_as_the_reference(name):
     """Each model keeps in float32 what its reference's loader keeps: diffusers' ``_keep_in_fp32_modules`` in
     bfloat16 and float16, transformers' in float16 only (and its ``_strict`` list in both); nothing in float32."""
@@ -186,3 +187,38 @@ def _wan_folder(tmp_path_factory):
         _WAN["folder"] = folder
     return _WAN["folder"]
 
+
+@pytest.mark.parametrize("name, scan_layers", [("gated-gelu", False), ("umt5", True)])
+def test_t5_in_float16_keeps_wo_and_the_stream_in_float32(tmp_path, name, scan_layers):
+    """T5 / UMT5 loaded in float16: ``wo`` float32 (transformers' ``_keep_in_fp32_modules``), the rest float16, and
+    the residual stream float32 as transformers' turns it: feed-forward outputs beyond float16's range (here
+    ``wo`` scaled so they pass 1e5, as T5 v1.1 XXL's do) stay finite, as transformers' float16 run does, and
+    near the float32 result (float16 overflowed to inf and NaN before)."""
+    config = dict(t5_configs[name])
+    reference_class = transformers.UMT5EncoderModel if name.startswith("umt5") else transformers.T5EncoderModel
+    torch.manual_seed(0)
+    reference = reference_class(reference_class.config_class(**config)).eval()
+    randomize_torch(reference, seed=3)
+    with torch.no_grad():
+        for key, p in reference.named_parameters():
+            if key.endswith("wo.weight"):
+                p.mul_(1e5)
+    reference.save_pretrained(tmp_path)
+    ids = np.random.default_rng(0).integers(0, config["vocab_size"], (2, 9)).astype(np.int32)
+    with torch.no_grad():
+        want = reference(input_ids=torch.from_numpy(ids).long()).last_hidden_state.numpy()
+        stream = reference(input_ids=torch.from_numpy(ids).long(), output_hidden_states=True).hidden_states[1]
+    assert np.abs(stream.numpy()).max() > 65504  # the float32 run's residual stream is beyond float16's range
+    model = eqxdiff.load(tmp_path, dtype=jnp.float16, scan_layers=scan_layers)
+    leaves, specs, _ = leaf_specs(model)
+    assert {(s.name, x.dtype) for x, s in zip(leaves, specs)} == {
+        (s.name, jnp.dtype(jnp.float32 if s.name.endswith(".wo.weight") else jnp.float16)) for s in specs}
+    got = model(jnp.asarray(ids)).last_hidden_state
+    assert got.dtype == jnp.float16
+    got = np.asarray(got, np.float32)
+    assert np.all(np.isfinite(got))
+    assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
+    # wo in float16 too (a model cast whole): a float16 stream, clipped into range after each layer as transformers'
+    # T5Block does (its all-float16 run is finite too, and as far from float32), not inf, then NaN from the norms
+    cast = jax.tree.map(lambda x: x.astype(jnp.float16) if x.dtype == jnp.float32 else x, model)
+    assert np.all(np.isfinite(np.asarray(cast(jnp.asarray(ids)).last_hidden_state, np.float32)))
