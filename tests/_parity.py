@@ -74,7 +74,7 @@ import transformers
 
 import eqxdiff
 from eqxdiff.core import leaf_specs, resolve_class
-from eqxdiff.loading import CheckpointError, SafetensorsFile, state_dict, weight_files, write_safetensors
+from eqxdiff.loading import CheckpointError, SafetensorsFile, keeps_float32, state_dict, weight_files, write_safetensors
 
 from ._util import assert_close, randomize_torch, rel_error, run_float64
 
@@ -275,7 +275,10 @@ class ModelParity:
 
     def test_bfloat16_run(self, case):
         model = eqxdiff.load(case.folder, dtype=jnp.bfloat16)
-        assert {x.dtype for x in jax.tree.leaves(model)} == {jnp.dtype(jnp.bfloat16)}
+        keep = self.model_class.keep_in_float32(jnp.bfloat16)  # the reference's _keep_in_fp32_modules
+        leaves, specs, _ = leaf_specs(model)
+        assert {(s.name, x.dtype) for x, s in zip(leaves, specs)} == {
+            (s.name, jnp.dtype(jnp.float32 if keeps_float32(s.name, keep) else jnp.bfloat16)) for s in specs}
         out = self.run(model, self.bf16_inputs(case.inputs))
         for name, expected in case.expected.items():
             got = np.asarray(out[name].astype(jnp.float32))

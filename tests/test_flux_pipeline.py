@@ -229,9 +229,9 @@ def test_bfloat16_dev_pipeline_runs_close_to_float32(dev):
 
     The bound is loose and documented: bfloat16 keeps 8 mantissa bits (2**-8 = 0.4% per rounding), and this
     pipeline chains four bfloat16 models (CLIP, T5, the transformer three steps running, the VAE). The final latents
-    measured 5.2% (max |difference| over max |latents|) and the images 8 levels at most, 1.0 on average, on the
-    machine that wrote this; the bounds are twice the latents' figure (the parity base's per-model bfloat16 sanity
-    bound is 5%) and three times the images'."""
+    measured 0.76% (max |difference| over max |latents|) and the images 2 levels at most, 0.44 on average, on the
+    machine that wrote this (5.2%, 8 and 1.1 before activations, guidance and Flux's timestep embedding were computed
+    in float32: tests/test_dtypes.py); the bounds are about twice the latents' figure and three times the images'."""
     pipe = eqxdiff.load_pipeline(dev.folder, dtype="bfloat16")
     assert pipe.activations_dtype == jnp.bfloat16
     floats = [x for x in jax.tree.leaves(pipe.transformer) if jnp.issubdtype(x.dtype, jnp.floating)]
@@ -240,10 +240,10 @@ def test_bfloat16_dev_pipeline_runs_close_to_float32(dev):
     latents = {name: p(PROMPTS, latents=dev.noise, output_type="latent", progress=False, **kwargs)
                for name, p in (("float32", dev.pipe), ("bfloat16", pipe))}
     assert latents["bfloat16"].dtype == jnp.bfloat16 and latents["float32"].dtype == jnp.float32
-    assert rel_error(np.asarray(latents["bfloat16"], np.float32), latents["float32"]) <= 0.1
+    assert rel_error(np.asarray(latents["bfloat16"], np.float32), latents["float32"]) <= 0.02
     images = pipe(PROMPTS, latents=dev.noise, progress=False, **kwargs)  # NaN or inf would raise NonFiniteError
     off = np.abs(images.astype(int) - dev.pipe(PROMPTS, latents=dev.noise, progress=False, **kwargs).astype(int))
-    assert images.shape == (2, 8, 8, 3) and np.std(images) > 1 and off.max() <= 24 and off.mean() <= 3
+    assert images.shape == (2, 8, 8, 3) and np.std(images) > 1 and off.max() <= 6 and off.mean() <= 1.5
 
     state = pipe.scheduler.init(3, sample_shape=dev.shape, **pipe.schedule_keywords(3, None, 16))
     assert state.sigmas.dtype == state.timesteps.dtype == jnp.float32

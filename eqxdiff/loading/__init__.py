@@ -39,6 +39,7 @@ from ._errors import pickle_error as pickle_error
 from ._fast_tokenizer import file_tokenizer as file_tokenizer
 from ._fill import AdaptersNotSavedWarning as AdaptersNotSavedWarning
 from ._fill import fill_module as fill_module
+from ._fill import keeps_float32 as keeps_float32
 from ._fill import state_dict as state_dict
 from ._fill import without_adapters as without_adapters
 from ._safetensors import SafetensorsFile as SafetensorsFile

@@ -315,8 +315,9 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
     hint = ("Check that the config and the conversion rules fit this file." if conversion or lone.is_file()
             else "Check that config.json belongs to these weights.")
     checkpoint = convert(checkpoint, fusion_rules(abstract), where=where)
+    keep = cls.keep_in_float32(dt) if hasattr(cls, "keep_in_float32") else ()
     return fill_module(abstract, checkpoint, dtype=dt, sharding=sharding,
-                       ignore=getattr(cls, "CHECKPOINT_IGNORE", ()), where=where, hint=hint)
+                       ignore=getattr(cls, "CHECKPOINT_IGNORE", ()), where=where, hint=hint, keep_float32=keep)
 
 
 def _config_source(config, subfolder: str | None, revision: str | None) -> ModelConfig | Mapping:

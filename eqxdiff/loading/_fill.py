@@ -26,17 +26,25 @@ def _short(names: Iterable[str], limit: int = 12) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def keeps_float32(name: str, modules: Iterable[str]) -> bool:
+    """Whether checkpoint name ``name`` belongs to one of ``modules``: one of its dot-separated parts is one of them
+    (diffusers' and transformers' rule for ``_keep_in_fp32_modules``)."""
+    return not set(name.split(".")).isdisjoint(modules)
+
+
 def fill_module(abstract, checkpoint, *, dtype=None, sharding: Callable | None = None,
                 ignore: Iterable[str] = (), where: str = "checkpoint",
-                hint: str = "Check that config.json belongs to these weights."):
+                hint: str = "Check that config.json belongs to these weights.",
+                keep_float32: Iterable[str] = ()):
     """Fill ``abstract`` (a module of ``ShapeDtypeStruct`` leaves) from ``checkpoint``.
 
     ``checkpoint`` offers ``names()``, ``shape(name)`` and ``get(name) -> numpy array``. Floating leaves take
-    ``dtype`` (default: the abstract leaf's dtype). ``sharding(spec, shape)`` (``spec`` the leaf's
-    :class:`~eqxdiff.core.LeafSpec`: name and logical axes) may return a ``jax.sharding.Sharding`` for a leaf, in
-    which case each device reads only its own slice (a stacked leaf is asked for with its ``*`` name and stacked
-    shape, and each device reads only its layers' slices). Tensors whose
-    names fully match a regex in ``ignore`` may be present without being used. Every leaf must be found and,
+    ``dtype`` (default: the abstract leaf's dtype), except those of the modules named in ``keep_float32``
+    (:func:`keeps_float32`; a model's :meth:`~eqxdiff.models.PretrainedModel.keep_in_float32`), which take float32.
+    ``sharding(spec, shape)`` (``spec`` the leaf's :class:`~eqxdiff.core.LeafSpec`: name and logical axes) may
+    return a ``jax.sharding.Sharding`` for a leaf, in which case each device reads only its own slice (a stacked
+    leaf is asked for with its ``*`` name and stacked shape, and each device reads only its layers' slices). Tensors
+    whose names fully match a regex in ``ignore`` may be present without being used. Every leaf must be found and,
     apart from those, every tensor used; otherwise a :class:`CheckpointError` names them, then says ``hint``.
     """
     leaves, specs, treedef = leaf_specs(abstract)
@@ -59,11 +67,13 @@ def fill_module(abstract, checkpoint, *, dtype=None, sharding: Callable | None =
     if problems:
         raise CheckpointError("; ".join(problems) + ". " + hint)
 
-    out = []
+    out, keep = [], frozenset(keep_float32)
     for leaf, spec in zip(leaves, specs):
         target = leaf.dtype
         if dtype is not None and jnp.issubdtype(leaf.dtype, jnp.floating):
             target = jnp.dtype(dtype)
+        if keep and jnp.issubdtype(leaf.dtype, jnp.floating) and keeps_float32(spec.name, keep):
+            target = jnp.dtype(jnp.float32)
         out.append(_load_leaf(checkpoint, spec, leaf.shape, target, sharding))
     return jax.tree_util.tree_unflatten(treedef, out)
 

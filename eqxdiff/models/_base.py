@@ -3,6 +3,7 @@
 from typing import ClassVar
 
 import equinox as eqx
+import jax.numpy as jnp
 
 from ..core import ModelConfig
 
@@ -14,6 +15,10 @@ class PretrainedModel(eqx.Module):
     config_class: ClassVar[type]
     CHECKPOINT_FORMAT: ClassVar[str] = "diffusers"  # or "transformers"
     CHECKPOINT_IGNORE: ClassVar[tuple[str, ...]] = ()  # regexes of checkpoint tensors that carry no weights
+    # Modules whose weights stay float32 when the model loads in half precision (bfloat16, float16): names matched
+    # against the parts of each checkpoint name ("norm2" keeps "blocks.0.norm2.weight"), as diffusers'
+    # ``_keep_in_fp32_modules`` (see :meth:`keep_in_float32`)
+    KEEP_IN_FLOAT32: ClassVar[tuple[str, ...]] = ()
 
     def fused_tensors(self) -> tuple[tuple[tuple[str, ...], str, tuple[int, ...] | None], ...]:
         """Tensors this model holds fused that checkpoints store apart, as ``(sources, target, sizes)``: name
@@ -21,6 +26,14 @@ class PretrainedModel(eqx.Module):
         (``None``: equal). ``eqxdiff.load`` concatenates the sources into the target, ``save_pretrained`` splits
         it back. Default: none."""
         return ()
+
+    @classmethod
+    def keep_in_float32(cls, dtype) -> tuple[str, ...]:
+        """The module names whose floating weights ``eqxdiff.load`` reads in float32 when the rest loads in
+        ``dtype``: :attr:`KEEP_IN_FLOAT32` for a half-precision ``dtype`` (diffusers keeps its
+        ``_keep_in_fp32_modules`` for bfloat16 and float16 alike), none otherwise. A model whose reference keeps some
+        for float16 only (transformers' ``_keep_in_fp32_modules``) overrides this."""
+        return cls.KEEP_IN_FLOAT32 if jnp.finfo(dtype).bits < 32 else ()
 
     @classmethod
     def with_input_width(cls, config, layer: str, width: int):

@@ -27,7 +27,8 @@ def _clip_float16(x: Array) -> Array:
 class FluxTimeTextEmbedding(eqx.Module):
     """``time_text_embed``: the timestep's (and, for guidance-distilled models, the guidance scale's) sinusoidal
     embedding through an MLP, plus the pooled text embedding's projection (diffusers'
-    ``CombinedTimestep[Guidance]TextProjEmbeddings``). Timestep and guidance arrive already multiplied by 1000."""
+    ``CombinedTimestep[Guidance]TextProjEmbeddings``). Timestep and guidance arrive already multiplied by 1000 (in
+    float32: the sinusoids are float32, cast to the activations' dtype for the MLPs)."""
 
     timestep_embedder: nn.TimestepEmbedding
     guidance_embedder: nn.TimestepEmbedding | None
@@ -142,7 +143,7 @@ class FluxSingleTransformerBlock(eqx.Module):
             mlp = self.proj_mlp(h)
             attn = self.attn(h, rope=rope)
         attn = checkpoint_name(attn, "flux_attention")
-        mlp = jax.nn.gelu(mlp, approximate=True)
+        mlp = nn.gelu_tanh(mlp)
         return _clip_float16(nn.gated_residual(x, self.proj_out(jnp.concatenate([attn, mlp], axis=-1)), gate))
 
 

@@ -91,7 +91,7 @@ class LTXTimeEmbedding(eqx.Module):
         """``(temb, embedded_timestep)`` of timesteps ``[batch]`` or per token ``[batch, seq]``, in ``dtype``."""
         sinusoid = nn.timestep_embedding(timestep, self.FREQ_DIM, flip_sin_to_cos=True, freq_shift=0)
         embedded = self.timestep_embedder(sinusoid.astype(dtype))
-        return self.linear(jax.nn.silu(embedded)), embedded
+        return self.linear(nn.silu(embedded)), embedded
 
 
 # -- transformer block ------------------------------------------------------------------------------------------------

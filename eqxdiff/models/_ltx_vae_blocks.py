@@ -109,12 +109,12 @@ class LTXVideoResnetBlock3d(eqx.Module):
         mods = None if self.scale_shift_table is None else self.scale_shift_table(temb)
         if mods is not None:
             h = nn.modulate(h, mods[0], mods[1])
-        h = self.conv1(jax.nn.silu(h))
+        h = self.conv1(nn.silu(h))
         n = 2 * (self.noise_index or 0)
         h = self.norm2(self._inject(h, self.per_channel_scale1, n, key))
         if mods is not None:
             h = nn.modulate(h, mods[2], mods[3])
-        h = self._inject(self.conv2(jax.nn.silu(h)), self.per_channel_scale2, n + 1, key)
+        h = self._inject(self.conv2(nn.silu(h)), self.per_channel_scale2, n + 1, key)
         if self.norm3 is not None:
             x = self.norm3(x)
         if self.conv_shortcut is not None:

@@ -96,7 +96,7 @@ class WanTimeTextImageEmbedding(eqx.Module):
         """``(temb, timestep_proj)`` of timesteps ``[batch]`` or per token ``[batch, seq]``, in ``dtype``."""
         sinusoid = nn.timestep_embedding(timestep, self.freq_dim, flip_sin_to_cos=True, freq_shift=0)
         temb = self.time_embedder(sinusoid.astype(self.time_embedder.linear_1.weight.dtype)).astype(dtype)
-        return temb, self.time_proj(jax.nn.silu(temb))
+        return temb, self.time_proj(nn.silu(temb))
 
 
 def _heads(attn: nn.AbstractAttention, y: Array) -> Array:

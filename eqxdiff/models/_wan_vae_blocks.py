@@ -108,8 +108,8 @@ class WanResidualBlock(eqx.Module):
     def __call__(self, x, cache=None):
         c1, c2 = (None, None) if cache is None else cache
         h = x if self.conv_shortcut is None else self.conv_shortcut(x)
-        x, c1 = causal(self.conv1, jax.nn.silu(self.norm1(x)), c1)
-        x, c2 = causal(self.conv2, jax.nn.silu(self.norm2(x)), c2)
+        x, c1 = causal(self.conv1, nn.silu(self.norm1(x)), c1)
+        x, c2 = causal(self.conv2, nn.silu(self.norm2(x)), c2)
         return x + h, (c1, c2)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
 from ..core import ConfigError, Plan, constrain
-from ..nn import Conv2d, TimestepEmbedding, build_abstract
+from ..nn import Conv2d, TimestepEmbedding, build_abstract, silu
 from ._base import PretrainedModel
 from ._unet_blocks import DownBlock, MidBlock
 from .unet2d import (
@@ -162,9 +162,9 @@ class ControlNetConditioningEmbedding(eqx.Module):
 
     @typechecked
     def __call__(self, x: Float[Array, "batch height width cin"]) -> Float[Array, "batch h w cout"]:
-        x = jax.nn.silu(self.conv_in(x))
+        x = silu(self.conv_in(x))
         for conv in self.blocks:
-            x = jax.nn.silu(conv(x))
+            x = silu(conv(x))
         return self.conv_out(x)
 
 

@@ -276,9 +276,12 @@ class FluxTransformer2DModel(PretrainedModel):
         dtype = hidden_states.dtype
         tokens = ("batch", "seq", "embed")
         x = constrain(self.x_embedder(hidden_states), self.plan, tokens)
-        # diffusers multiplies in the activations' dtype (bf16 rounds 1000 * sigma as BFL's reference does too)
-        t = jnp.broadcast_to(jnp.asarray(timestep, dtype), (b,)) * 1000
-        g = None if guidance is None else jnp.broadcast_to(jnp.asarray(guidance, dtype), (b,)) * 1000
+        # 1000 * sigma and 1000 * guidance in float32, whatever the activations' dtype: diffusers multiplies in the
+        # activations' dtype, and bfloat16 spaces values in [512, 1024) 4 apart and in [2048, 4096) 16 apart (sigma
+        # 0.875 -> 876, guidance 3.5 -> 3504), which moves the sinusoid's fast channels by radians; the embedding is
+        # then float32 sinusoids of these float32 values (diffusers' get_timestep_embedding casts to float32 too)
+        t = jnp.broadcast_to(jnp.asarray(timestep, jnp.float32), (b,)) * 1000
+        g = None if guidance is None else jnp.broadcast_to(jnp.asarray(guidance, jnp.float32), (b,)) * 1000
         temb = self.time_text_embed(t, pooled_projections.astype(dtype), g)
         context = constrain(self.context_embedder(encoder_hidden_states.astype(dtype)), self.plan, tokens)
 

@@ -80,8 +80,8 @@ class LTXUpsamplerResBlock(eqx.Module):
         self.norm2 = nn.GroupNorm(GROUPS, channels, dtype=dtype)
 
     def __call__(self, x: Array) -> Array:
-        h = self.norm2(self.conv2(jax.nn.silu(self.norm1(self.conv1(x)))))
-        return jax.nn.silu(h + x)
+        h = self.norm2(self.conv2(nn.silu(self.norm1(self.conv1(x)))))
+        return nn.silu(h + x)
 
 
 class PixelShuffleUpsampler(eqx.Module):
@@ -147,7 +147,7 @@ class LTXLatentUpsamplerModel(PretrainedModel):
                              f"{c.in_channels}] (channels last), got shape {latents.shape}")
 
         def before(x):
-            x = jax.nn.silu(self.initial_norm(self.initial_conv(x)))
+            x = nn.silu(self.initial_norm(self.initial_conv(x)))
             return self._stage(x, self.res_blocks)
 
         def after(x):

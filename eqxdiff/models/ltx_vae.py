@@ -102,7 +102,7 @@ class LTXVideoEncoder3d(eqx.Module):
         x = self.conv_in(x)
         for block in self.down_blocks:
             x = block(x)
-        return self.conv_out(jax.nn.silu(self.norm_out(self.mid_block(x))))
+        return self.conv_out(nn.silu(self.norm_out(self.mid_block(x))))
 
 
 class LTXVideoDecoder3d(eqx.Module):
@@ -163,7 +163,7 @@ class LTXVideoDecoder3d(eqx.Module):
         if self.time_embedder is not None:
             shift, scale = self.scale_shift_table(self.time_embedder(timestep, x.dtype))
             x = nn.modulate(x, shift, scale)
-        return self.conv_out(jax.nn.silu(x))
+        return self.conv_out(nn.silu(x))
 
 
 class LTXLatentDistribution(eqx.Module):

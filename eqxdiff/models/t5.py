@@ -135,6 +135,24 @@ def _position_bias(table: nn.Embedding, buckets) -> Float[Array, "1 heads q_seq 
     return jnp.transpose(table(buckets), (2, 0, 1))[None]
 
 
+def _clamp_float16(x: Array) -> Array:
+    """transformers' T5Block after each layer in float16: clip to float16's range, to 1000 inside it if any value
+    overflowed (a float32 residual stream, which :class:`T5Stack` keeps in float16, has nothing to clip)."""
+    if x.dtype != jnp.float16:
+        return x
+    big = float(jnp.finfo(jnp.float16).max)
+    limit = jnp.where(jnp.isinf(x).any(), big - 1000, big).astype(x.dtype)
+    return jnp.clip(x, -limit, limit)
+
+
+def _normed(layer_norm: nn.RMSNorm, x: Array) -> Array:
+    """``layer_norm(x)`` in the norm's weight dtype where that is half precision (transformers' T5LayerNorm): a
+    float32 residual stream feeds float16 layers."""
+    y = layer_norm(x)
+    weight = layer_norm.weight
+    return y.astype(weight.dtype) if weight is not None and jnp.finfo(weight.dtype).bits < 32 else y
+
+
 def _bias_table(config: T5Config, dtype, key) -> nn.Embedding:
     return nn.Embedding(config.relative_attention_num_buckets, config.num_heads, axes=("position", "heads"),
                         dtype=dtype, key=key)
@@ -154,7 +172,7 @@ class T5DenseActDense(eqx.Module):
         self.act = config.dense_act_fn
 
     def __call__(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
-        return self.wo(nn.activation(self.act)(self.wi(x)))
+        return self.wo(nn.activation(self.act)(self.wi(x)).astype(self.wo.weight.dtype))  # float32 if kept
 
 
 class T5DenseGatedActDense(eqx.Module):
@@ -174,7 +192,7 @@ class T5DenseGatedActDense(eqx.Module):
         self.act = config.dense_act_fn
 
     def __call__(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
-        return self.wo(nn.activation(self.act)(self.wi_0(x)) * self.wi_1(x))
+        return self.wo((nn.activation(self.act)(self.wi_0(x)) * self.wi_1(x)).astype(self.wo.weight.dtype))
 
 
 class T5LayerFF(eqx.Module):
@@ -191,7 +209,7 @@ class T5LayerFF(eqx.Module):
         self.layer_norm = nn.RMSNorm(config.d_model, eps=config.layer_norm_epsilon, dtype=dtype)
 
     def __call__(self, x):
-        return x + self.mlp(self.layer_norm(x))
+        return x + self.mlp(_normed(self.layer_norm, x))
 
 
 class T5LayerSelfAttention(eqx.Module):
@@ -218,7 +236,7 @@ class T5LayerSelfAttention(eqx.Module):
     def __call__(self, x, mask, bias, buckets):
         if self.relative_attention_bias is not None:
             bias = _position_bias(self.relative_attention_bias, buckets)
-        return x + self.attention(self.layer_norm(x), mask=mask, bias=bias)
+        return x + self.attention(_normed(self.layer_norm, x), mask=mask, bias=bias)
 
 
 class T5Block(eqx.Module):
@@ -235,7 +253,7 @@ class T5Block(eqx.Module):
         self.feed_forward = T5LayerFF(config, dtype=dtype, key=kf)
 
     def __call__(self, x, mask, bias, buckets):
-        return self.feed_forward(self.self_attention(x, mask, bias, buckets))
+        return _clamp_float16(self.feed_forward(_clamp_float16(self.self_attention(x, mask, bias, buckets))))
 
 
 class T5Stack(eqx.Module):
@@ -277,8 +295,12 @@ class T5Stack(eqx.Module):
             return checkpoint_name(h, "t5_block")
 
         embeddings = x
+        # the residual stream in float32 where the feed-forwards' wo is (float16 models, transformers'
+        # _keep_in_fp32_modules): transformers' turns float32 at block 0's feed-forward, whose float32 output it adds
+        blocks = self.block.layers if isinstance(self.block, nn.Stacked) else self.block[0]
+        x = x.astype(jnp.promote_types(x.dtype, blocks.feed_forward.mlp.wo.weight.dtype))
         x, outputs = nn.run_layers(self.block, step, x, collect=output_hidden_states)
-        last = self.final_layer_norm(x)
+        last = _normed(self.final_layer_norm, x)
         hidden = (embeddings, *outputs[:-1], last) if output_hidden_states else None
         return last, hidden
 
@@ -302,9 +324,19 @@ class _T5EncoderBase(PretrainedModel):
     CHECKPOINT_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"shared.weight": ("encoder.embed_tokens.weight",)}
     CHECKPOINT_IGNORE: ClassVar[tuple[str, ...]] = (r"encoder\.embed_tokens\.weight",)
 
+    # transformers' _keep_in_fp32_modules, for float16 only (keep_in_float32): float16 T5 activations overflow in
+    # the feed-forward's output projection and the residual stream
+    KEEP_IN_FLOAT32: ClassVar[tuple[str, ...]] = ("wo",)
+
     shared: nn.Embedding
     encoder: T5Stack
     config: T5Config = eqx.field(static=True)
+
+    @classmethod
+    def keep_in_float32(cls, dtype) -> tuple[str, ...]:
+        """``("wo",)`` for float16 (then the residual stream is float32 too, as transformers'), none otherwise:
+        transformers keeps its ``_keep_in_fp32_modules`` for float16 only (bfloat16 has float32's range)."""
+        return cls.KEEP_IN_FLOAT32 if jnp.dtype(dtype) == jnp.float16 else ()
 
     def __init__(self, config: T5Config, *, dtype=jnp.float32, key: PRNGKeyArray):
         ke, ks = jax.random.split(key)

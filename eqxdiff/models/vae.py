@@ -29,6 +29,7 @@ from ..nn import (
     ResnetBlock2D,
     SelfAttention,
     Upsample2D,
+    silu,
 )
 from ._base import PretrainedModel, check_channels_last
 from ._tiling import blend_tiles
@@ -218,7 +219,7 @@ class Encoder(eqx.Module):
         x = constrain(self.conv_in(constrain(x, plan, _IMAGE)), plan, _IMAGE)
         for block in (*self.down_blocks, self.mid_block):  # block boundaries: sharding constraints and remat
             x = constrain(checkpoint_block(block, plan)(x), plan, _IMAGE)
-        x = self.conv_out(jax.nn.silu(self.conv_norm_out(x)))  # diffusers' conv_act is SiLU whatever act_fn
+        x = self.conv_out(silu(self.conv_norm_out(x)))  # diffusers' conv_act is SiLU whatever act_fn
         return constrain(x, plan, _IMAGE)
 
 
@@ -249,7 +250,7 @@ class Decoder(eqx.Module):
         x = constrain(self.conv_in(constrain(z, plan, _IMAGE)), plan, _IMAGE)
         for block in (self.mid_block, *self.up_blocks):  # block boundaries: sharding constraints and remat
             x = constrain(checkpoint_block(block, plan)(x), plan, _IMAGE)
-        return constrain(self.conv_out(jax.nn.silu(self.conv_norm_out(x))), plan, _IMAGE)
+        return constrain(self.conv_out(silu(self.conv_norm_out(x))), plan, _IMAGE)
 
 
 class DiagonalGaussian(eqx.Module):

@@ -130,6 +130,11 @@ class WanTransformer3DModel(PretrainedModel):
     # Some checkpoints hold an unused ``norm_added_q`` in the image-to-video blocks (diffusers'
     # ``_keys_to_ignore_on_load_unexpected``).
     CHECKPOINT_IGNORE: ClassVar[tuple[str, ...]] = (r"blocks\.\d+\.attn2\.norm_added_q\.(weight|bias)",)
+    # diffusers' _keep_in_fp32_modules: loaded in bfloat16 or float16, the time embedder, the modulation tables and
+    # the norms' weights (the cross-attention norm2, the image embedder's norm1 / norm2) stay float32 ("rope" holds
+    # no weights); they run in float32 whatever the activations' dtype
+    KEEP_IN_FLOAT32: ClassVar[tuple[str, ...]] = (
+        "rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
 
     patch_embedding: nn.Conv3d
     condition_embedder: WanTimeTextImageEmbedding

@@ -191,7 +191,7 @@ class WanEncoder3d(eqx.Module):
     def __call__(self, x: Array) -> Array:
         x, _ = causal(self.conv_in, x, None)
         x, _ = run((*self.down_blocks, self.mid_block), x, None, self.plan)
-        x, _ = causal(self.conv_out, jax.nn.silu(self.norm_out(x)), None)
+        x, _ = causal(self.conv_out, nn.silu(self.norm_out(x)), None)
         return x
 
 
@@ -231,7 +231,7 @@ class WanDecoder3d(eqx.Module):
         c_in, c_blocks, c_out = (None, None, None) if cache is None else cache
         x, c_in = causal(self.conv_in, z, c_in)
         x, c_blocks = run((self.mid_block, *self.up_blocks), x, c_blocks, self.plan)
-        x, c_out = causal(self.conv_out, jax.nn.silu(self.norm_out(x)), c_out)
+        x, c_out = causal(self.conv_out, nn.silu(self.norm_out(x)), c_out)
         return x, (c_in, c_blocks, c_out)
 
 

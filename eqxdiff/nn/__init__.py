@@ -1,5 +1,10 @@
 """Channels-last layers that load from PyTorch checkpoints."""
 
+from ._activations import activation as activation
+from ._activations import gelu as gelu
+from ._activations import gelu_tanh as gelu_tanh
+from ._activations import in_float32 as in_float32
+from ._activations import silu as silu
 from ._adapted import Site as Site
 from ._adapted import adapter_sites as adapter_sites
 from ._adapted import adapters_at as adapters_at
@@ -55,7 +60,6 @@ from ._layers import GroupNorm as GroupNorm
 from ._layers import LayerNorm as LayerNorm
 from ._layers import Linear as Linear
 from ._layers import RMSNorm as RMSNorm
-from ._layers import activation as activation
 from ._modulation import AdaLayerNormContinuous as AdaLayerNormContinuous
 from ._modulation import AdaLayerNormZero as AdaLayerNormZero
 from ._modulation import ScaleShiftTable as ScaleShiftTable

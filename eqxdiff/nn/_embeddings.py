@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
-from ._layers import Linear, activation
+from ._activations import activation, gelu_tanh, silu
+from ._layers import Linear
 
 
 def timestep_frequencies(dim: int, *, freq_shift: float | int, max_period: float | int = 10000.0) -> np.ndarray:
@@ -90,9 +91,9 @@ class TimestepEmbedding(eqx.Module):
 
 
 _TEXT_PROJECTION_ACTIVATIONS = {
-    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "silu": jax.nn.silu,
-    "silu_fp32": lambda x: jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype),
+    "gelu_tanh": gelu_tanh,
+    "silu": silu,
+    "silu_fp32": silu,  # diffusers' FP32SiLU: float32, then the input's dtype, as every activation here
 }
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ..core import Plan, constrain
+from ._activations import gelu, gelu_tanh
 from ._layers import Linear
 
 FEEDFORWARD_ACTIVATIONS = ("geglu", "gelu", "gelu-approximate")
@@ -45,9 +46,9 @@ class FeedForward(eqx.Module):
         h = self.proj_in(x)
         if self.activation == "geglu":
             h, gate = jnp.split(h, 2, axis=-1)
-            h = h * jax.nn.gelu(gate, approximate=False)
+            h = h * gelu(gate)
         else:
-            h = jax.nn.gelu(h, approximate=self.activation == "gelu-approximate")
+            h = gelu_tanh(h) if self.activation == "gelu-approximate" else gelu(h)
         return self.proj_out(constrain(h, self.plan, ("batch", "seq", "mlp")))
 
 

@@ -217,20 +217,3 @@ class Embedding(eqx.Module):
 
     def __call__(self, ids: Array) -> Array:
         return jnp.take(self.weight, ids, axis=0)
-
-
-def activation(name: str):
-    """Return the activation function PyTorch configs name ``name`` (``silu``, ``gelu``, ``quick_gelu`` ...)."""
-    table = {
-        "silu": jax.nn.silu,
-        "swish": jax.nn.silu,
-        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-        "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
-        "relu": jax.nn.relu,
-        "mish": lambda x: x * jnp.tanh(jax.nn.softplus(x)),
-    }
-    if name not in table:
-        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(table)}")
-    return table[name]

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
+from ._activations import silu
 from ._adapters import Adapters, adapted_parameters
 from ._init import init_normal
 from ._layers import LayerNorm, Linear, RMSNorm
@@ -72,7 +72,7 @@ class AdaLayerNormZero(eqx.Module):
     @typechecked
     def __call__(self, x: Float[Array, "batch *tokens dim"],
                  emb: Float[Array, "batch *#tokens cond"]) -> tuple[Float[Array, "batch *#tokens dim"], ...]:
-        chunks = jnp.split(self.linear(jax.nn.silu(emb)), self.num_chunks, axis=-1)
+        chunks = jnp.split(self.linear(silu(emb)), self.num_chunks, axis=-1)
         shift, scale = chunks[:2]
         return (modulate(self.norm(x), shift, scale), *chunks[2:])
 
@@ -98,7 +98,7 @@ class AdaLayerNormContinuous(eqx.Module):
     @typechecked
     def __call__(self, x: Float[Array, "batch *tokens dim"],
                  cond: Float[Array, "batch *#tokens cond"]) -> Float[Array, "batch *tokens dim"]:
-        scale, shift = jnp.split(self.linear(jax.nn.silu(cond).astype(x.dtype)), 2, axis=-1)
+        scale, shift = jnp.split(self.linear(silu(cond).astype(x.dtype)), 2, axis=-1)
         return modulate(self.norm(x), shift, scale)
 
 

@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
-from ._layers import Conv2d, GroupNorm, Linear, activation
+from ._activations import activation
+from ._layers import Conv2d, GroupNorm, Linear
 
 
 class ResnetBlock2D(eqx.Module):

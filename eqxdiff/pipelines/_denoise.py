@@ -87,11 +87,17 @@ def rescale_noise_cfg(noise_cfg, noise_text, guidance_rescale):
 
 def combine_guidance(uncond, cond, guidance: Guidance, step=0):
     """``uncond + scale * (cond - uncond)`` at the step index ``step``, rescaled where ``guidance.rescale > 0``
-    (a traced choice: the rescaled output is computed every step and selected, never mixed in at 0)."""
-    scale = guidance.at(step).astype(uncond.dtype)
-    out = uncond + scale * (cond - uncond)
-    rescale = guidance.rescale.astype(out.dtype)
-    return jnp.where(rescale > 0, rescale_noise_cfg(out, cond, rescale), out)
+    (a traced choice: the rescaled output is computed every step and selected, never mixed in at 0).
+
+    Computed in float32 (or wider) and rounded once to the model outputs' dtype: in bfloat16 the scale itself (3.14
+    becomes 3.140625), the difference, the product and the sum would each be rounded, and a guidance scale of 7.5
+    multiplies the difference's rounding error 7.5 times. Float32 outputs give the same bits as before."""
+    dtype = uncond.dtype
+    compute = jnp.promote_types(dtype, jnp.float32)
+    uncond, cond = uncond.astype(compute), cond.astype(compute)
+    out = uncond + guidance.at(step).astype(compute) * (cond - uncond)
+    rescale = guidance.rescale.astype(compute)
+    return jnp.where(rescale > 0, rescale_noise_cfg(out, cond, rescale), out).astype(dtype)
 
 
 class Denoiser(eqx.Module):

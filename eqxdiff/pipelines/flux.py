@@ -96,7 +96,8 @@ class FluxDenoiser(Denoiser):
     the loop from concrete ids), ``guidance`` (``[b]``, distilled models only); for Kontext ``reference`` (the
     reference image's packed latents, appended to the tokens; the output keeps the noisy tokens only); for the
     control pipeline ``control`` (the control image's packed latents, appended to each token's channels). The
-    model gets ``timestep / 1000`` (it multiplies by 1000 again, as diffusers' pipeline and model do)."""
+    model gets ``timestep / 1000`` in float32 (it multiplies by 1000 again, as diffusers' pipeline and model do;
+    diffusers rounds both to the latents' dtype, eqxdiff keeps the scheduler's float32 timestep)."""
 
     transformer: flux.FluxTransformer2DModel
 
@@ -104,7 +105,7 @@ class FluxDenoiser(Denoiser):
         tokens = x if "control" not in cond else jnp.concatenate([x, cond["control"].astype(x.dtype)], axis=-1)
         if "reference" in cond:
             tokens = jnp.concatenate([tokens, cond["reference"].astype(x.dtype)], axis=1)
-        sigma = jnp.broadcast_to(t, (x.shape[0],)).astype(x.dtype) / 1000
+        sigma = jnp.broadcast_to(t, (x.shape[0],)).astype(jnp.float32) / 1000  # the model embeds it from float32
         out = self.transformer(tokens, cond["embeds"], cond["pooled"], sigma, rope=cond["rope"],
                                guidance=cond.get("guidance"))
         return out[:, :x.shape[1]]

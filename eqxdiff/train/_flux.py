@@ -78,7 +78,8 @@ class FluxFlowMatching(TrainModel):
         rope = self.transformer.rotary_embedding(image_ids(h // 2, w // 2), text_ids(text.shape[1]))
         guidance = None
         if self.transformer.config.guidance_embeds:
-            guidance = jnp.full((b,), self.options.guidance_scale, x.dtype)
-        velocity = self.transformer(pack_latents(x), text, cond["pooled_projections"], t.astype(x.dtype) / 1000,
+            guidance = jnp.full((b,), self.options.guidance_scale, jnp.float32)
+        velocity = self.transformer(pack_latents(x), text, cond["pooled_projections"],
+                                    t.astype(jnp.float32) / 1000,
                                     rope=rope, guidance=guidance)
         return unpack_latents(velocity, h, w)
