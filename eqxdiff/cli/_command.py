@@ -148,6 +148,12 @@ def is_out_of_memory(error: BaseException) -> bool:
         s in str(error) for s in _OUT_OF_MEMORY)
 
 
+def python_flag(name: str) -> str:
+    """The flag of the Python argument ``name``: dashes for underscores, diffusers' underscore-led names without the
+    underscore (Kontext's ``_auto_resize``: ``--auto-resize``)."""
+    return "--" + name.lstrip("_").replace("_", "-")
+
+
 def as_flags(message: str, names, flags: Mapping[str, str] | None = None, python_only=()) -> str:
     """``message`` (about a call's arguments or a config's fields: ``height=0``, ``pass image=``, ``needs
     remat_names``) in the command's words (``--height 0``, ``pass --image``, ``needs --remat-names``); ``flags``
@@ -158,7 +164,7 @@ def as_flags(message: str, names, flags: Mapping[str, str] | None = None, python
     for name in python_only:
         message = re.sub(rf",? or {re.escape(name)}=(?: \([^()]*\))?", "", message)
     for name in sorted({*names, *flags}, key=len, reverse=True):
-        flag = flags.get(name) or "--" + name.lstrip("_").replace("_", "-")  # _auto_resize: --auto-resize
+        flag = flags.get(name) or python_flag(name)
         word = rf"(?<![\w.-]){re.escape(name)}"
         message = re.sub(rf"{word}=(?=[^\s,;)])", flag + " ", message)
         message = re.sub(rf"{word}=", flag, message)

@@ -21,7 +21,7 @@ from ..loading import CheckpointError, is_hub_id, read_config, read_json, resolv
 from ..parallel import MeshConfig
 from ..pipelines import DiffusionPipeline, InputError, pipeline_class_for, single_file_class
 from ..schedulers import SCHEDULERS
-from ._command import DEBUG_HELP, CacheOptions, FlagError, config_errors_raise
+from ._command import DEBUG_HELP, CacheOptions, FlagError, config_errors_raise, python_flag
 from ._compose import ControlNetOptions, excluded_arguments, net_class, run_class
 from ._lora import LoraOptions
 from ._numbers import field_types, number_error
@@ -243,14 +243,12 @@ def build_parser(family: FamilyOptions) -> type:
 def flag_types(family: FamilyOptions) -> dict[str, Any]:
     """``{flag: annotation}`` of every flag of :func:`build_parser`'s command line (short forms and ``--mesh.*``
     included), for :func:`~eqxdiff.cli._numbers.number_error`."""
-    types = {"--" + k.lstrip("_").replace("_", "-"): v
-             for k, v in field_types(build_parser(family), dotted=False).items()}
+    types = {python_flag(k): v for k, v in field_types(build_parser(family), dotted=False).items()}
     types |= {"--mesh." + k.replace("_", "-"): v for k, v in field_types(MeshConfig).items()}
     # a repeatable flag takes one value each time it is given
-    types |= {(flag := "--" + name.lstrip("_").replace("_", "-")): typing.get_args(types[flag])[0]
-              for name in family.several}
+    types |= {(flag := python_flag(name)): typing.get_args(types[flag])[0] for name in family.several}
     return types | {short: types[long] for name, shorts in ALIASES.items() for short in shorts
-                    if (long := "--" + name.replace("_", "-")) in types}
+                    if (long := python_flag(name)) in types}
 
 
 def recommended_help(folder_class: type[DiffusionPipeline], early: argparse.Namespace) -> str:

@@ -38,7 +38,7 @@ import tyro
 from PIL import Image
 
 from ..pipelines import InputError, read_image, read_video
-from ._command import FlagError
+from ._command import FlagError, python_flag
 from ._numbers import is_flag
 
 # Short flags kept from eqxdiff's first generate script, so its commands still work.
@@ -292,7 +292,7 @@ def family_options(pipeline_class: type, defaults: Mapping[str, Any] | None = No
             tp, default, extra = tuple[item, ...], (), (tyro.conf.UseAppendAction,)
         else:
             hint = None
-        renamed = {"name": _flag(name)[2:]} if name.startswith("_") else {}  # tyro would keep the underscore
+        renamed = {"name": python_flag(name)[2:]} if name.startswith("_") else {}  # tyro would keep the underscore
         marker = tyro.conf.arg(help=help_text, aliases=ALIASES.get(name), help_behavior_hint=hint, **renamed)
         field = (dataclasses.field() if default is inspect.Parameter.empty
                  else dataclasses.field(default=default))
@@ -324,12 +324,6 @@ def _annotation(name: str, param: inspect.Parameter, hints: Sequence[Mapping[str
 
 # -- what a command line gives ------------------------------------------------------------------------------------
 
-def _flag(name: str) -> str:
-    """The flag of argument ``name``: diffusers' underscore-led names lose the underscore (Kontext's
-    ``_auto_resize``: ``--auto-resize``)."""
-    return "--" + name.lstrip("_").replace("_", "-")
-
-
 def _flag_of(token: str) -> str | None:
     """The flag a command-line token names (``--num_inference_steps=4``: ``--num-inference-steps``), else ``None``."""
     return token.partition("=")[0].replace("_", "-") if token.startswith("--") and token != "--" else None
@@ -346,7 +340,7 @@ def check_short_forms(argv: Sequence[str]) -> None:
     """A short form (:data:`ALIASES`: ``--steps``, ``--num-images``, ``--mask``) and its long form given with
     different values: :class:`~eqxdiff.cli._command.FlagError` naming both (the last one would win unsaid). The same
     value twice (``--steps 4 --num-inference-steps 4.0`` too) is fine."""
-    names = {form: name for name, shorts in ALIASES.items() for form in (_flag(name), *shorts)}
+    names = {form: name for name, shorts in ALIASES.items() for form in (python_flag(name), *shorts)}
     seen: dict[str, list[tuple[str, str, str]]] = {}  # name -> (form, as typed, value)
     for i, token in enumerate(argv):
         if token == "--":
@@ -363,9 +357,9 @@ def check_short_forms(argv: Sequence[str]) -> None:
         typed = token.partition("=")[0]
         for other_form, other, before in seen.get(name, ()):
             if other_form != form and not _same(before, value):
-                short = form if form != _flag(name) else other_form
-                raise FlagError(f"{other} {before} and {typed} {value} disagree ({short} is short for {_flag(name)}); "
-                                "give one of them")
+                short = form if form != python_flag(name) else other_form
+                raise FlagError(f"{other} {before} and {typed} {value} disagree ({short} is short for "
+                                f"{python_flag(name)}); give one of them")
         seen.setdefault(name, []).append((form, typed, value))
 
 
@@ -376,7 +370,7 @@ def given_options(argv: Sequence[str], options: type) -> set[str]:
     (its ``call_defaults``) applies to every argument the user left out."""
     flags = {}
     for field in dataclasses.fields(options):
-        for form in (_flag(field.name), "--no-" + _flag(field.name)[2:], *ALIASES.get(field.name, ())):
+        for form in (python_flag(field.name), "--no-" + python_flag(field.name)[2:], *ALIASES.get(field.name, ())):
             flags[form] = field.name
     given = set()
     for token in argv:

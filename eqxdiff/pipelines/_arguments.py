@@ -1,6 +1,8 @@
 """Argument handling every family's ``__call__`` shares: prompts as lists, seeds as PRNG keys, sizes and given
 arrays checked, each error naming the argument and the fix."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,11 +51,17 @@ def resolve_key(seed: int | None, key) -> jax.Array:
     return seed_key(0 if seed is None else int(seed)) if key is None else one_key(key)
 
 
+@functools.cache
+def _raw_key_shape() -> tuple[int, ...]:
+    """The shape of the default PRNG implementation's raw key data ((2,) for threefry), traced once per process."""
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
 def one_key(key) -> jax.Array:
     """``key`` as one typed PRNG key: a typed key (``jax.random.key``) of shape ``()``, or the raw uint32 key data
     of ``jax.random.PRNGKey`` (shape ``(2,)``; a JAX or NumPy array), wrapped as the typed key of that data (the same
     draws). A batch of keys (typed ``(n, ...)``, raw ``(n, 2)``) is refused: a call draws all its noise from one key."""
-    raw_shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape  # (2,) for threefry
+    raw_shape = _raw_key_shape()
     if isinstance(key, (bool, int, np.integer)):
         raise InputTypeError(f"key={int(key)} is an int; pass seed={int(key)}, or key=jax.random.key({int(key)})")
     if not hasattr(key, "dtype") or not hasattr(key, "shape"):

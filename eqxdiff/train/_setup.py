@@ -182,6 +182,14 @@ def check_scheduler_fits(scheduler, noise_scheduler, what: str) -> None:
                      f"{fitting_schedulers(noise_scheduler)} (or None: the folder's scheduler)")
 
 
+def named_scheduler(name: str, noise_scheduler, option: str):
+    """Scheduler ``name`` built on ``noise_scheduler``'s noise schedule, refused where it samples another noise
+    process (:func:`check_scheduler_fits`; ``option``: the argument that named it, in the message)."""
+    scheduler = scheduler_from_config(noise_scheduler.config.to_dict(), name=name)
+    check_scheduler_fits(scheduler, noise_scheduler, f"{option}={name!r}")
+    return scheduler
+
+
 def diffusers_scheduler(scheduler):
     """``scheduler`` as the diffusers scheduler class it is or extends, on the same config: a training subclass
     (Wan's ``ExpertTimesteps``, which keeps one expert's part of the training schedule) exports as its parent, which
@@ -202,9 +210,7 @@ def export_pipeline(model: TrainModel, tokenizer, noise_scheduler, folder, *, sc
     if scheduler is None:
         scheduler = diffusers_scheduler(noise_scheduler)
     elif isinstance(scheduler, str):
-        name = scheduler
-        scheduler = scheduler_from_config(noise_scheduler.config.to_dict(), name=name)
-        check_scheduler_fits(scheduler, noise_scheduler, f"scheduler={name!r}")
+        scheduler = named_scheduler(scheduler, noise_scheduler, "scheduler")
     else:
         check_scheduler_fits(scheduler, noise_scheduler, "scheduler")
     pipe = model.pipeline(tokenizers, scheduler, options=options, call_defaults=call_defaults)
@@ -216,6 +222,4 @@ def sample_scheduler(config: TrainConfig, setup: Setup):
     """The scheduler of samples and of the export: ``export_scheduler`` on the noise schedule, or the folder's."""
     if config.export_scheduler is None:
         return setup.scheduler
-    scheduler = scheduler_from_config(setup.noise_scheduler.config.to_dict(), name=config.export_scheduler)
-    check_scheduler_fits(scheduler, setup.noise_scheduler, f"export_scheduler={config.export_scheduler!r}")
-    return scheduler
+    return named_scheduler(config.export_scheduler, setup.noise_scheduler, "export_scheduler")
