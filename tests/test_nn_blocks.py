@@ -336,8 +336,11 @@ def test_flux_rope_tables(axes_dim, grid):
         nn.flux_rope(np.zeros((5, 2)), axes_dim)
 
 
-@pytest.mark.parametrize("head_dim,grid", [(12, (2, 3, 4)), (128, (9, 30, 52))])
+@pytest.mark.parametrize("head_dim,grid", [(12, (2, 3, 4)), (128, (9, 30, 52)), (10, (1, 3, 2)), (22, (5, 4, 1)),
+                                           (4, (3, 2, 5)), (2, (2, 1, 3))])
 def test_wan_rope_tables(head_dim, grid):
+    """Channels split t / h / w as ``d - 4 * (d // 6)`` / ``2 * (d // 6)`` / ``2 * (d // 6)``: 10 -> 6/2/2, 22 ->
+    10/6/6, and below 6 the rows and columns get none (diffusers builds such models)."""
     f, h, w = grid
     make = lambda: WanRotaryPosEmbed(head_dim, (1, 2, 2), max_seq_len=1024)  # noqa: E731
     cos, sin = make()(torch.zeros(1, 1, f, 2 * h, 2 * w))

@@ -306,6 +306,12 @@ def test_config_errors(change, match):
         WanTransformer3DConfig(**{**tiny.TRANSFORMER, **change})
 
 
+def test_head_dims_below_six_are_accepted():
+    """diffusers builds heads of 2 or 4 channels (all rotary channels on frames); the config used to reject them."""
+    for d in (2, 4):
+        assert WanTransformer3DConfig(**{**tiny.TRANSFORMER, "attention_head_dim": d}).inner_dim == 2 * d
+
+
 def test_call_errors(t2v, prepended):
     model, i = t2v.model, {k: jnp.asarray(v) for k, v in t2v.inputs.items()}
     x, t, text = i["hidden_states"], i["timestep"], i["encoder_hidden_states"]

@@ -94,8 +94,8 @@ class WanTransformer3DConfig(TransformerConfig):
                     "rope_max_seq_len"):
             self.check(getattr(self, key) > 0, key, "must be a positive integer")
         self.check(self.num_layers >= 0, "num_layers", "must be a non-negative integer")
-        self.check(self.attention_head_dim % 2 == 0 and self.attention_head_dim >= 6, "attention_head_dim",
-                   "must be even and at least 6 (rotary channels pair up over frames, rows and columns)")
+        self.check(self.attention_head_dim % 2 == 0, "attention_head_dim",
+                   "must be even (rotary channels pair up; below 6 the rows and columns get none, as in diffusers)")
         self.check(self.freq_dim % 2 == 0, "freq_dim", "must be even (cosines and sines of freq_dim // 2)")
         for key in ("out_channels", "image_dim", "pos_embed_seq_len"):
             self.check(getattr(self, key) is None or getattr(self, key) > 0, key, "must be a positive integer or null")
