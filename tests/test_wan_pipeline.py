@@ -13,6 +13,7 @@ call 3 steps, so calls of one pipeline share their compiled programs.
 import types
 
 import diffusers
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
@@ -236,6 +237,30 @@ def test_vae_tiling_encodes_the_condition_video_in_tiles(i2v, monkeypatch):
         pipe.enable_vae_tiling(False)
     pipe.image_condition(_picture(1), None, shape=SHAPE, num_frames=9)
     assert seen == [True, False]
+
+
+def test_condition_mask_has_the_vae_temporal_factor_channels(i2v, tmp_path):
+    """The mask beside the image latents has one channel per frame of a latent frame, the VAE's temporal factor
+    (diffusers' ``mask_lat_size``): a VAE halving time once (factor 2) makes a 2-channel mask, a 34-channel
+    transformer. The channel check assumed 4 (36) and refused such folders; the condition equals diffusers'."""
+    ref, pipe = i2v
+    torch.manual_seed(0)
+    vae = tiny.vae(dict(tiny.VAE_21, temperal_downsample=[False, False, True], scale_factor_temporal=2), seed=12)
+    vae.save_pretrained(tmp_path / "vae", safe_serialization=True)
+    config = eqxdiff.models.wan.WanTransformer3DConfig(**{**tiny.I2V_PIPELINE, "in_channels": 34})
+    shapes = eqx.filter_eval_shape(eqxdiff.models.wan.WanTransformer3DModel, config, key=jax.random.key(0))
+    transformer = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)  # its channels are what is checked
+    ours = WanImageToVideoPipeline.from_pipe(pipe, vae=eqxdiff.load(tmp_path / "vae"), transformer=transformer)
+    ours._check_channels()
+    image = _picture(7)
+    condition = ours.image_condition(image, None, shape=(1, 3, 4, 4, 16), num_frames=5)["condition"]
+    ref = type(ref)(**{**ref.components, "vae": vae})
+    pixels = ref.video_processor.preprocess(Image.fromarray(image), height=32, width=32)
+    with torch.no_grad():
+        _, expected = ref.prepare_latents(pixels, 1, 16, 32, 32, 5, torch.float32, "cpu", latents=torch.zeros(
+            1, 16, 3, 4, 4))
+    assert condition.shape == (1, 3, 4, 4, 18)
+    assert_close(condition, np.moveaxis(expected.numpy(), 1, -1), 1e-4, "condition (mask, image latents)")
 
 
 def test_first_last_frame_matches_diffusers(i2v, tmp_path):

@@ -8,8 +8,9 @@ image's latents with the timestep 0 on its tokens.
 **The image** (``image``, and ``last_image``) is one picture (uint8 ``[H, W, 3]`` or ``[1, H, W, 3]``, a PIL image,
 floats in [0, 1]) for every video; its size is the video's (eqxdiff does not resize input images: ``height`` /
 ``width``, if given, must be its size). The condition video, the image then zero frames (then ``last_image``), is
-encoded by the VAE (its posterior's mode, normalised as the latents are) and, with a mask of 4 channels (1 on the
-given frames), appended to the latents' channels: the transformer takes ``2 z + 4`` channels. Wan 2.1's transformers
+encoded by the VAE (its posterior's mode, normalised as the latents are) and, with a mask of ``t`` channels (1 on
+the given frames; ``t`` the VAE's temporal factor, 4 for Wan's: each latent frame's frames), appended to the
+latents' channels: the transformer takes ``2 z + t`` channels. Wan 2.1's transformers
 (``image_dim``) also attend to the image's CLIP tokens: the ``image_processor``'s pixels through ``image_encoder``,
 its penultimate hidden state (both images' for FLF2V, whose transformer positions them with ``pos_embed``); or
 ``image_embeds`` given. Wan 2.2's (A14B, TI2V-5B) take no CLIP tokens. The image tokens reach the transformer apart
@@ -39,8 +40,6 @@ from ._images import to_model_range
 from .wan import DEFAULT_FRAMES, MAX_SEQUENCE_LENGTH, WanPipeline, token_mask
 
 __all__ = ["WanImageToVideoPipeline", "clip_image_embeds", "condition_latents", "frame_mask"]
-
-MASK_CHANNELS = 4  # the mask's channels: one per frame of the first latent frame's 4 (diffusers' repeat of frame 0)
 
 
 @program
@@ -170,9 +169,11 @@ class WanImageToVideoPipeline(WanPipeline):
 
     def _check_channels(self) -> None:
         c, want = self.latent_channels, self.transformer.config.in_channels
-        expected = c if self.expand_timesteps else 2 * c + MASK_CHANNELS
+        # the mask has one channel per frame of a latent frame: the VAE's temporal factor (diffusers' mask_lat_size)
+        t = self.vae_temporal_factor
+        expected = c if self.expand_timesteps else 2 * c + t
         if want != expected:
-            parts = "" if self.expand_timesteps else ", a 4-channel mask and the image latents"
+            parts = "" if self.expand_timesteps else f", a {t}-channel mask and the image latents"
             raise InputError(f"the transformer takes {want} input channels but image-to-video gives it {expected} "
                              f"(the VAE's {c} latents{parts}): this folder is not an image-to-video one")
 
