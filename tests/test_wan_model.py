@@ -100,10 +100,11 @@ class TestWanT2V(WanParity):
 
 class TestWanI2VPrepended(WanParity):
     """Image-to-video without added k/v (diffusers' tiny I2V tests): CLIP tokens embedded and prepended to the text;
-    3 layers, patch (2, 1, 2), in 9 / out 5 channels, no cross-attention norm, eps 1e-5."""
+    3 layers, patch (2, 1, 2), in 9 / out 5 channels, no cross-attention norm, eps 1e-5, 3 heads of 10 (rotary
+    channels 6/2/2: not a multiple of 6)."""
 
     config = dict(tiny.TRANSFORMER, in_channels=9, out_channels=5, image_dim=4, patch_size=(2, 1, 2), num_layers=3,
-                  cross_attn_norm=False, eps=1e-5)
+                  cross_attn_norm=False, eps=1e-5, num_attention_heads=3, attention_head_dim=10)
     full_size = {"wan2.1-t2v-14b": tiny.WAN21_T2V_14B}
     video, image = (4, 3, 4), (1, 5)
 
@@ -120,10 +121,10 @@ class TestWanFLF2VAddedKV(WanParity):
 
 class TestWanTI2VPerToken(WanParity):
     """Wan 2.2 TI2V: one timestep per video token (``expand_timesteps``; the first frame's near 0), 3 heads of 8
-    (rotary channels 4/2/2), in/out 12."""
+    (rotary channels 4/2/2), in/out 12, an odd freq_dim (33: the sinusoid zero-padded, as diffusers')."""
 
     config = dict(tiny.TRANSFORMER, in_channels=12, out_channels=12, num_attention_heads=3, attention_head_dim=8,
-                  ffn_dim=20)
+                  ffn_dim=20, freq_dim=33)
     full_size = {"wan2.2-ti2v-5b": tiny.WAN22_TI2V_5B}
     per_token = True
 
@@ -180,7 +181,7 @@ def test_cached_kv_without_added_projections(prepended):
         return kv, m(i["hidden_states"], i["timestep"], cross_kv=kv)
 
     kv, out = run_jitted(cached, model, inputs)
-    assert kv.k.shape == (3, 2, 5 + 7, 2, 12) and kv.k_img is None and kv.v_img is None
+    assert kv.k.shape == (3, 2, 5 + 7, 3, 10) and kv.k_img is None and kv.v_img is None
     assert_close(out, prepended.expected["sample"], 1e-4, "cached vs diffusers")
 
 
@@ -306,10 +307,12 @@ def test_config_errors(change, match):
         WanTransformer3DConfig(**{**tiny.TRANSFORMER, **change})
 
 
-def test_head_dims_below_six_are_accepted():
-    """diffusers builds heads of 2 or 4 channels (all rotary channels on frames); the config used to reject them."""
+def test_configs_diffusers_builds_are_accepted():
+    """diffusers builds heads of 2 or 4 channels (all rotary channels on frames) and odd freq_dims (the sinusoid
+    zero-padded); the config used to reject both (TestWanTI2VPerToken runs freq_dim 33 against diffusers)."""
     for d in (2, 4):
         assert WanTransformer3DConfig(**{**tiny.TRANSFORMER, "attention_head_dim": d}).inner_dim == 2 * d
+    assert WanTransformer3DConfig(**{**tiny.TRANSFORMER, "freq_dim": 33}).freq_dim == 33
 
 
 def test_call_errors(t2v, prepended):

@@ -96,7 +96,6 @@ class WanTransformer3DConfig(TransformerConfig):
         self.check(self.num_layers >= 0, "num_layers", "must be a non-negative integer")
         self.check(self.attention_head_dim % 2 == 0, "attention_head_dim",
                    "must be even (rotary channels pair up; below 6 the rows and columns get none, as in diffusers)")
-        self.check(self.freq_dim % 2 == 0, "freq_dim", "must be even (cosines and sines of freq_dim // 2)")
         for key in ("out_channels", "image_dim", "pos_embed_seq_len"):
             self.check(getattr(self, key) is None or getattr(self, key) > 0, key, "must be a positive integer or null")
         self.check(self.added_kv_proj_dim is None or self.added_kv_proj_dim == self.inner_dim, "added_kv_proj_dim",
