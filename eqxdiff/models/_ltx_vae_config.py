@@ -84,9 +84,10 @@ class AutoencoderKLLTXVideoConfig(ModelConfig):
         super().__post_init__()
         for key in ("in_channels", "out_channels", "latent_channels", "patch_size"):
             self.check(getattr(self, key) > 0, key, "must be a positive integer")
-        for key in ("block_out_channels", "decoder_block_out_channels", "layers_per_block",
-                    "decoder_layers_per_block", "upsample_factor"):
+        for key in ("block_out_channels", "decoder_block_out_channels", "upsample_factor"):
             self.check(all(v > 0 for v in getattr(self, key)), key, "must hold positive integers")
+        for key in ("layers_per_block", "decoder_layers_per_block"):  # 0: a block of no ResNet blocks, as diffusers
+            self.check(all(v >= 0 for v in getattr(self, key)), key, "must hold non-negative integers")
         self.check(all(t in BLOCK_TYPES for t in self.down_block_types), "down_block_types",
                    f"entries must be one of {BLOCK_TYPES}")
         self.check(all(t in DOWNSAMPLE_STRIDES for t in self.downsample_type), "downsample_type",
@@ -215,8 +216,10 @@ class AutoencoderKLLTXVideoConfig(ModelConfig):
 
     @property
     def injects_noise(self) -> bool:
-        """Whether a decode draws noise (``decoder_inject_noise`` on the mid block or an up block)."""
-        return self.decoder_inject_noise[-1] or any(b.inject for b in self.decoder_blocks())
+        """Whether a decode draws noise (``decoder_inject_noise`` on the mid block or an up block that has ResNet
+        blocks)."""
+        mid = self.decoder_inject_noise[-1] and self.decoder_layers_per_block[-1] > 0
+        return mid or any(b.inject and b.layers > 0 for b in self.decoder_blocks())
 
     @property
     def decoder_upsamplings(self) -> int:
