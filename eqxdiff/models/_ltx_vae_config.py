@@ -117,8 +117,11 @@ class AutoencoderKLLTXVideoConfig(ModelConfig):
         self.check(n >= 1, "block_out_channels", "must give at least one block's width (two for 0.9.5 blocks)")
         for key in ("down_block_types", "spatio_temporal_scaling", "downsample_type"):
             self.check(len(getattr(self, key)) >= n, key, f"must have an entry for each of the {n} encoder blocks")
-        self.check(len(self.layers_per_block) >= n + 1, "layers_per_block",
-                   f"must have {n + 1} entries: one per encoder block and the mid block's last")
+        # diffusers reads entry i for encoder block i and the last for the mid block: n entries run (the last block's
+        # count shared with the mid block), n + 1 as the released configs give them
+        self.check(len(self.layers_per_block) >= n, "layers_per_block",
+                   f"must have an entry for each of the {n} encoder blocks (and the mid block's last; the last "
+                   f"block's serves both when there are only {n})")
 
     def encoder_blocks(self) -> tuple[EncoderBlock, ...]:
         """The encoder's blocks in order (the mid block, of ``layers_per_block[-1]`` ResNet blocks, follows)."""
