@@ -278,7 +278,7 @@ def test_original_names_equal_diffusers_converter(patched, tmp_path):
     (dict(patch_size=3), "in_channels=8 must be a multiple of patch_size_t \\* patch_size \\*\\* 2 = 9"),
     (dict(out_channels=7, patch_size_t=2), "out_channels=7 must be a multiple of .* = 2"),
     (dict(qk_norm="rms_norm"), "unsupported config value qk_norm='rms_norm'"),
-    (dict(activation_fn="swiglu"), "unsupported config value activation_fn='swiglu'"),
+    (dict(activation_fn="relu"), "unsupported config value activation_fn='relu'"),
     (dict(num_attention_heads=1, attention_head_dim=4, cross_attention_dim=4), "attention_head_dim=4 must make"),
     (dict(num_attention_heads=3, attention_head_dim=5, cross_attention_dim=15), "attention_head_dim=5 must make .* "
                                                                                 "\\(now 15\\) even"),
@@ -318,3 +318,20 @@ def test_patches_must_divide_the_latents(patched):
     i = {k: jnp.asarray(v) for k, v in patched.inputs.items()}
     with pytest.raises(ValueError, match=r"latents of 3 frames x 4 x 6 do not divide into patches of \(2, 2, 2\)"):
         eqx.filter_eval_shape(patched.model, i["hidden_states"][:, :3], i["encoder_hidden_states"], 1.0)
+
+
+def test_every_diffusers_feedforward_activation(tmp_path):
+    """diffusers' LTX transformer takes any of its FeedForward's ``activation_fn`` values; eqxdiff refused all but three
+    (a clear error, for configs diffusers runs). One block with the gated SwiGLU equals diffusers'."""
+    for name in ("swiglu", "geglu-approximate", "linear-silu", "geglu", "gelu"):
+        LTXVideoTransformer3DConfig(**{**tiny.TRANSFORMER, "activation_fn": name})
+    reference = tiny.transformer(dict(tiny.TRANSFORMER, activation_fn="swiglu", num_layers=1), seed=3)
+    reference.save_pretrained(tmp_path)
+    rng = np.random.default_rng(0)
+    x, text = rng.standard_normal((2, 1, 2, 3, 8), np.float32), rng.standard_normal((2, 5, 16), np.float32)
+    t, mask = np.array([999.0, 10.0], np.float32), np.array([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], np.float32)
+    inputs = dict(hidden_states=x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=mask)
+    with torch.no_grad():
+        expected = _reference(reference, x, text, t, mask, rope_interpolation_scale=SCALE)
+    got = run_jitted(LTXParity.outputs, eqxdiff.load(tmp_path), inputs)["sample"]
+    assert_close(got, expected, 1e-4, "swiglu transformer vs diffusers")

@@ -296,6 +296,31 @@ def test_each_video_reads_its_prompt_through_its_own_mask(ltx):
     np.testing.assert_array_equal(ref_mask.int().numpy(), np.asarray(ours.mask)[[0, 2, 0, 2]])
 
 
+def test_vae_tiling_chunks_frames_as_diffusers_at_any_temporal_factor(ltx, tmp_path):
+    """enable_vae_tiling()'s default frame windows are diffusers' framewise decoding's: 16 output frames every 8, in
+    latent frames at the VAE's temporal factor (2 every 1 at the released 8; a fixed 2 decoded a VAE of factor 4 in
+    other windows than diffusers' 4 every 2). A 0.9.0-style VAE of factor 4 (patches of 4: 16x spatial): the
+    pipeline's decode equals diffusers' tiled, framewise decode."""
+    _, pipe, _ = ltx
+    reference = tiny.vae(dict(tiny.VAE_090, patch_size=4, spatio_temporal_scaling=(True, True, False, False),
+                              decoder_spatio_temporal_scaling=(True, True, False, False), scaling_factor=0.8))
+    reference.save_pretrained(tmp_path)
+    tiled = LTXPipeline.from_pipe(pipe, vae=eqxdiff.load(tmp_path))
+    assert pipe.default_frame_chunk == 2 and tiled.default_frame_chunk == 4
+    tiled.enable_vae_tiling()
+    assert tiled.vae_frame_chunk == 4
+    z = noise((1, 6, 2, 2, 8), seed=12)  # 21 frames: windows of 4 + 1 latent frames at 0, 2, 4
+    ours = tiled.decode(z, key=jax.random.key(0))
+    reference.enable_tiling()
+    reference.use_framewise_decoding = True
+    with torch.no_grad():
+        unscaled = diffusers.LTXPipeline._denormalize_latents(ncthw(z), reference.latents_mean, reference.latents_std,
+                                                               0.8)
+        expected = reference.decode(unscaled).sample.permute(0, 2, 3, 4, 1).numpy()
+    assert ours.shape == expected.shape == (1, 21, 32, 32, 3)
+    assert_close(ours, expected, 1e-4, "frame-chunked decode vs diffusers' framewise decode")
+
+
 # -- files, flags, errors -------------------------------------------------------------------------------------------
 
 

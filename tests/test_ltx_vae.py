@@ -25,7 +25,7 @@ from eqxdiff.models.ltx_vae import AutoencoderKLLTXVideo, AutoencoderKLLTXVideoC
 from . import _tiny_ltx as tiny
 from . import test_ltx_model
 from ._parity import ModelParity, run_jitted
-from ._util import assert_close, nchw_to_nhwc, nhwc_to_nchw
+from ._util import assert_close, nchw_to_nhwc, nhwc_to_nchw, randomize_torch
 
 
 @contextlib.contextmanager
@@ -278,7 +278,7 @@ def test_original_vae_file_loads_as_diffusers_converts_it(which, request, tmp_pa
     ("VAE_090", dict(decoder_inject_noise=(False, True, True, True, True)), "decoder_inject_noise=.* up block 2 "
                                                                             "changes the width"),
     ("VAE_090", dict(patch_size_t=2), "unsupported config value patch_size_t=2"),
-    ("VAE_090", dict(layers_per_block=(1, 1, 1, 1)), "layers_per_block=.* must have 5 entries"),
+    ("VAE_090", dict(layers_per_block=(1, 1, 1)), "layers_per_block=.* must have an entry for each of the 4 encoder"),
     ("VAE_091", dict(upsample_residual=(True, True)), "upsample_residual=.* at least 3 entries for 3 decoder blocks"),
     ("VAE_090", dict(timestep_conditioning=True), "timestep_conditioning=True up block 2 changes the width"),
     ("VAE_095", dict(block_out_channels=(8, 16, 24, 32, 64)), "block_out_channels=.* LTXVideo095DownBlock3D 1 a "
@@ -325,3 +325,23 @@ def test_call_errors(vae090, vae091):
         shape_of(old.encode, jnp.zeros((1, 9, 16, 24, 3)))
     with pytest.raises(ValueError, match="sample_posterior=True needs a PRNG key"):
         shape_of(old, jnp.zeros((1, 9, 16, 16, 3)), sample_posterior=True)
+
+
+def test_blocks_of_no_resnet_blocks_match_diffusers(tmp_path):
+    """diffusers builds blocks of 0 ResNet blocks (``layers_per_block`` / ``decoder_layers_per_block`` entries of 0,
+    the mid blocks' too): an encoder block of only its downsampler, an up block of only its upsampler, a noise-injecting
+    mid block with nothing to inject into (no draws: the decode needs no key); and reads the encoder's mid block's
+    count from the last entry, so one per block (4 here, the last block's 2 shared with the mid block) runs too.
+    Encoded and decoded as diffusers."""
+    config = dict(tiny.VAE_091, layers_per_block=(1, 0, 1, 2), decoder_layers_per_block=(1, 0, 1, 0),
+                  decoder_inject_noise=(False, False, False, True))
+    assert not AutoencoderKLLTXVideoConfig(**config).injects_noise
+    reference = LTXVaeParity.make_reference(config).eval()
+    randomize_torch(reference, seed=3)
+    reference.save_pretrained(tmp_path)
+    inputs = dict(LTXVaeParity().inputs(reference), video=np.random.default_rng(1).uniform(-1, 1, (1, 9, 32, 32, 3))
+                  .astype(np.float32))
+    expected = LTXVaeParity().reference_outputs(reference, inputs)
+    got = run_jitted(LTXVaeParity.outputs, eqxdiff.load(tmp_path), inputs)
+    for name in ("mean", "logvar", "sample"):
+        assert_close(got[name], expected[name], 1e-4, name)

@@ -84,9 +84,10 @@ class AutoencoderKLLTXVideoConfig(ModelConfig):
         super().__post_init__()
         for key in ("in_channels", "out_channels", "latent_channels", "patch_size"):
             self.check(getattr(self, key) > 0, key, "must be a positive integer")
-        for key in ("block_out_channels", "decoder_block_out_channels", "layers_per_block",
-                    "decoder_layers_per_block", "upsample_factor"):
+        for key in ("block_out_channels", "decoder_block_out_channels", "upsample_factor"):
             self.check(all(v > 0 for v in getattr(self, key)), key, "must hold positive integers")
+        for key in ("layers_per_block", "decoder_layers_per_block"):  # 0: a block of no ResNet blocks, as diffusers
+            self.check(all(v >= 0 for v in getattr(self, key)), key, "must hold non-negative integers")
         self.check(all(t in BLOCK_TYPES for t in self.down_block_types), "down_block_types",
                    f"entries must be one of {BLOCK_TYPES}")
         self.check(all(t in DOWNSAMPLE_STRIDES for t in self.downsample_type), "downsample_type",
@@ -116,8 +117,11 @@ class AutoencoderKLLTXVideoConfig(ModelConfig):
         self.check(n >= 1, "block_out_channels", "must give at least one block's width (two for 0.9.5 blocks)")
         for key in ("down_block_types", "spatio_temporal_scaling", "downsample_type"):
             self.check(len(getattr(self, key)) >= n, key, f"must have an entry for each of the {n} encoder blocks")
-        self.check(len(self.layers_per_block) >= n + 1, "layers_per_block",
-                   f"must have {n + 1} entries: one per encoder block and the mid block's last")
+        # diffusers reads entry i for encoder block i and the last for the mid block: n entries run (the last block's
+        # count shared with the mid block), n + 1 as the released configs give them
+        self.check(len(self.layers_per_block) >= n, "layers_per_block",
+                   f"must have an entry for each of the {n} encoder blocks (and the mid block's last; the last "
+                   f"block's serves both when there are only {n})")
 
     def encoder_blocks(self) -> tuple[EncoderBlock, ...]:
         """The encoder's blocks in order (the mid block, of ``layers_per_block[-1]`` ResNet blocks, follows)."""
@@ -215,8 +219,10 @@ class AutoencoderKLLTXVideoConfig(ModelConfig):
 
     @property
     def injects_noise(self) -> bool:
-        """Whether a decode draws noise (``decoder_inject_noise`` on the mid block or an up block)."""
-        return self.decoder_inject_noise[-1] or any(b.inject for b in self.decoder_blocks())
+        """Whether a decode draws noise (``decoder_inject_noise`` on the mid block or an up block that has ResNet
+        blocks)."""
+        mid = self.decoder_inject_noise[-1] and self.decoder_layers_per_block[-1] > 0
+        return mid or any(b.inject and b.layers > 0 for b in self.decoder_blocks())
 
     @property
     def decoder_upsamplings(self) -> int:

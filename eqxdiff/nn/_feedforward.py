@@ -10,18 +10,24 @@ import jax.numpy as jnp
 
 from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ..core import Plan, constrain
-from ._activations import gelu, gelu_tanh
+from ._activations import activation as named_activation
+from ._activations import gelu, gelu_tanh, silu
 from ._layers import Linear
 
-FEEDFORWARD_ACTIVATIONS = ("geglu", "gelu", "gelu-approximate")
+# diffusers' FeedForward activation_fn values: gated ones (proj_in twice as wide, [h, gate]) and plain ones
+_GATED = {"geglu": gelu, "swiglu": silu}
+_PLAIN = {"gelu": gelu, "gelu-approximate": gelu_tanh, "geglu-approximate": named_activation("quick_gelu"),
+          "linear-silu": silu}
+FEEDFORWARD_ACTIVATIONS = (*_GATED, *_PLAIN)
 
 
 class FeedForward(eqx.Module):
     """``proj_out(act(proj_in(x)))`` with diffusers' names (``net.0.proj``, ``net.2``).
 
-    ``activation`` (diffusers' ``activation_fn``): ``"geglu"`` (``h * gelu(gate)`` with ``[h, gate] =
-    proj_in(x)``, so ``proj_in`` is twice as wide), ``"gelu"`` (exact) or ``"gelu-approximate"`` (tanh). The hidden
-    width is ``inner_dim`` (default ``dim * mult``)."""
+    ``activation`` (diffusers' ``activation_fn``): ``"geglu"`` / ``"swiglu"`` (``h * gelu(gate)`` / ``h *
+    silu(gate)`` with ``[h, gate] = proj_in(x)``, so ``proj_in`` is twice as wide), ``"gelu"`` (exact),
+    ``"gelu-approximate"`` (tanh), ``"geglu-approximate"`` (diffusers' ``ApproximateGELU``, not gated: ``x *
+    sigmoid(1.702 x)``) or ``"linear-silu"``. The hidden width is ``inner_dim`` (default ``dim * mult``)."""
 
     TORCH_RENAMES: ClassVar[dict[str, str]] = {"proj_in": "net.0.proj", "proj_out": "net.2"}
 
@@ -36,7 +42,7 @@ class FeedForward(eqx.Module):
             raise ValueError(f"FeedForward: activation={activation!r}; choose one of {FEEDFORWARD_ACTIVATIONS}")
         k1, k2 = jax.random.split(key)
         inner = inner_dim or dim * mult
-        width = 2 * inner if activation == "geglu" else inner
+        width = 2 * inner if activation in _GATED else inner
         self.proj_in = Linear(dim, width, use_bias=bias, axes=("mlp", "embed"), dtype=dtype, key=k1)
         self.proj_out = Linear(inner, dim_out or dim, use_bias=bias, axes=("embed", "mlp"), dtype=dtype, key=k2)
         self.activation = activation
@@ -44,11 +50,11 @@ class FeedForward(eqx.Module):
     @typechecked
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim_out"]:
         h = self.proj_in(x)
-        if self.activation == "geglu":
+        if self.activation in _GATED:
             h, gate = jnp.split(h, 2, axis=-1)
-            h = h * gelu(gate)
+            h = h * _GATED[self.activation](gate)
         else:
-            h = gelu_tanh(h) if self.activation == "gelu-approximate" else gelu(h)
+            h = _PLAIN[self.activation](h)
         return self.proj_out(constrain(h, self.plan, ("batch", "seq", "mlp")))
 
 

@@ -86,18 +86,30 @@ class LatentPipeline(DiffusionPipeline):
     vae_frame_chunk: int | None = None
     SETTINGS: ClassVar[tuple[str, ...]] = ("vae_tiling", "vae_frame_chunk")
     DEFAULT_FRAME_CHUNK: ClassVar[int] = 1  # diffusers' video VAEs decode one latent frame at a time
+    # A family whose diffusers VAE decodes windows of a number of output frames (its tile_sample_min_num_frames, every
+    # half of it) sets that number: the default chunk is then that many output frames in latent frames (at least 1)
+    FRAME_CHUNK_SAMPLE_FRAMES: ClassVar[int | None] = None
 
     def enable_vae_tiling(self, enabled: bool = True, *, frame_chunk: int | None = None) -> None:
         """Bound the VAE's memory at large sizes (diffusers' ``enable_vae_tiling()``): encode and decode in
         overlapping tiles of the VAE's tile size (seams blended) and decode videos ``frame_chunk`` latent frames at a
-        time (default 1, diffusers' chunk: each ``temporal factor`` output frames; the same numbers as one pass, the
-        activations of one chunk). ``enable_vae_tiling(False)`` turns both off."""
+        time (default :attr:`default_frame_chunk`, diffusers' chunk; the same numbers as one pass, the activations of
+        one chunk). ``enable_vae_tiling(False)`` turns both off."""
         if frame_chunk is not None and (isinstance(frame_chunk, bool) or not isinstance(frame_chunk, int)
                                         or frame_chunk < 1):
             raise ValueError(f"enable_vae_tiling: frame_chunk={frame_chunk!r} must be a positive int (latent frames "
-                             "decoded at a time) or None (the default, 1)")
+                             f"decoded at a time) or None (the default, {self.default_frame_chunk})")
         self.vae_tiling = bool(enabled)
-        self.vae_frame_chunk = (frame_chunk or self.DEFAULT_FRAME_CHUNK) if enabled else None
+        self.vae_frame_chunk = (frame_chunk or self.default_frame_chunk) if enabled else None
+
+    @property
+    def default_frame_chunk(self) -> int:
+        """Latent frames decoded at a time under :meth:`enable_vae_tiling` by default: diffusers' framewise decoding
+        of this VAE (``FRAME_CHUNK_SAMPLE_FRAMES`` output frames over the VAE's temporal factor, or
+        ``DEFAULT_FRAME_CHUNK``)."""
+        if self.FRAME_CHUNK_SAMPLE_FRAMES is None:
+            return self.DEFAULT_FRAME_CHUNK
+        return max(1, self.FRAME_CHUNK_SAMPLE_FRAMES // self.vae_temporal_factor)
 
     @property
     def vae_scale_factor(self) -> int:

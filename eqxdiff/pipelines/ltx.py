@@ -35,7 +35,8 @@ at ``decode_timestep`` (default 0; the model cards use 0.03-0.05) after mixing f
 ``(1 - s) z + s noise`` with ``s = decode_noise_scale`` (default ``decode_timestep``); both are one value or one per
 prompt. That noise, and the noise 0.9.1's decoder injects, are drawn from the call's key after the loop
 (:func:`decode_keys`), as diffusers draws them from its generator after the loop. ``enable_vae_tiling()`` decodes in
-spatial tiles and windows of two latent frames (diffusers' framewise decoding: 16 frames every 8).
+spatial tiles and windows of 16 frames every 8 (diffusers' framewise decoding: two latent frames every one at the
+released VAEs' temporal factor of 8).
 ``decode_timestep`` and ``decode_noise_scale`` are traced values: changing them compiles nothing, as guidance and
 the step count do not.
 """
@@ -225,7 +226,8 @@ class LTXPipeline(LatentPipeline):
     )
     INIT_IMAGE: ClassVar[str | None] = None  # text-to-video: no image argument
     T5_MASK: ClassVar[bool] = False  # whether T5 encodes the prompts with their attention mask
-    DEFAULT_FRAME_CHUNK: ClassVar[int] = 2  # diffusers' LTX VAE decodes 16 frames (2 latent frames) every 8
+    FRAME_CHUNK_SAMPLE_FRAMES: ClassVar[int | None] = 16  # diffusers' LTX VAE decodes 16 frames every 8 (2 latent
+    # frames every 1 at the released VAEs' temporal factor 8, 4 every 2 at a factor of 4)
     LORA_FORMAT: ClassVar[str | None] = "eqxdiff.pipelines._lora_ltx:LTX"
 
     # -- sizes and limits ----------------------------------------------------------------------------------------

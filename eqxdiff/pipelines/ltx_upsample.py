@@ -78,7 +78,8 @@ class LTXLatentUpsamplePipeline(LatentPipeline):
         Component("latent_upsampler", "diffusers", classes=("LTXLatentUpsamplerModel",), scan=False),
     )
     INIT_IMAGE: ClassVar[str | None] = None
-    DEFAULT_FRAME_CHUNK: ClassVar[int] = 2  # as LTXPipeline's: diffusers decodes 16 frames every 8
+    FRAME_CHUNK_SAMPLE_FRAMES: ClassVar[int | None] = 16  # diffusers' LTX VAE decodes 16 frames every 8 (2 latent
+    # frames every 1 at the released VAEs' temporal factor 8, 4 every 2 at a factor of 4)
     latent_upsampler: LTXLatentUpsamplerModel
 
     @property
