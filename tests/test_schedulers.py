@@ -457,6 +457,27 @@ def test_config_errors_name_key_and_value(raw, match):
         scheduler_from_config(raw)
 
 
+@pytest.mark.parametrize("class_name,config", [
+    ("DDIMScheduler", {"clip_sample": False}), ("DDPMScheduler", {"thresholding": True}), ("LCMScheduler", {}),
+    ("TCDScheduler", {"clip_sample": True}),  # TCD never clips
+])
+def test_zero_snr_epsilon_start_is_refused_where_diffusers_gives_nan(class_name, config):
+    """Zero terminal SNR with an epsilon model: the first step's clean-sample estimate is x / 0; without a clip that
+    bounds it diffusers' sample is NaN, and eqxdiff refuses the schedule at init, naming the fixes (it returned NaN)."""
+    raw = _raw(class_name, **SD, rescale_betas_zero_snr=True, timestep_spacing="trailing", **config)
+    ref = getattr(diffusers, class_name).from_config(raw)
+    ref.set_timesteps(4)
+    x = torch.ones(1, 2, 3, 3)
+    assert not torch.isfinite(ref.step(0.5 * x, ref.timesteps[0], x, generator=torch.Generator()).prev_sample).all()
+    sched = scheduler_from_config(raw)
+    with pytest.raises(ConfigError, match="rescale_betas_zero_snr=True with prediction_type='epsilon' steps from "
+                                          "timestep 999.*v_prediction"):
+        sched.init(4, sample_shape=SHAPE)
+    sched.init(4, sample_shape=SHAPE, strength=0.5)  # starting below t = 999 is fine
+    if class_name != "TCDScheduler":  # as is a clip that bounds the estimate (diffusers' result is finite)
+        scheduler_from_config({**raw, "clip_sample": True, "thresholding": False}).init(4, sample_shape=SHAPE)
+
+
 def test_usage_errors():
     with pytest.raises(ValueError, match="unknown scheduler name 'heun'.*dpm\\+\\+2m_karras"):
         scheduler_from_config(SD15_RAW, name="heun")

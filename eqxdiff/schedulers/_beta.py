@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray, Shaped, typechecked
+from ..core import ConfigError
 from ._base import BOOLS, AbstractScheduler, AbstractSchedulerState, SchedulerConfig, per_sample
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
@@ -196,6 +197,21 @@ def check_train_indices(name: str, indices: np.ndarray, config: BetaScheduleConf
     if indices.size and (indices.min() < 0 or indices.max() >= config.num_train_timesteps):
         raise ValueError(f"{name} {indices.tolist()} fall outside [0, num_train_timesteps="
                          f"{config.num_train_timesteps}); lower steps_offset or change timestep_spacing")
+
+
+def check_zero_snr_start(name: str, config: BetaScheduleConfig, timesteps: np.ndarray, acp: np.ndarray, *,
+                         clips: bool) -> None:
+    """Refuse a schedule that would step from a timestep of zero SNR (``alphas_cumprod == 0``: the last one under
+    ``rescale_betas_zero_snr``) with an epsilon model: its predicted clean sample is ``x / 0``, and unless a clip
+    bounds it (``clips``: ``clip_sample`` without ``thresholding``) diffusers' result is NaN, so is ours."""
+    if config.prediction_type != "epsilon" or clips or not timesteps.size or not np.any(acp[timesteps] == 0):
+        return
+    t = int(timesteps[np.flatnonzero(acp[timesteps] == 0)[0]])
+    raise ConfigError(f"{name}: rescale_betas_zero_snr=True with prediction_type='epsilon' steps from timestep {t}, "
+                      "where alphas_cumprod is 0 and an epsilon model's clean-sample estimate is x / 0 (NaN, in "
+                      "diffusers too): use prediction_type='v_prediction' (what zero-SNR models are trained for), "
+                      "or a schedule that starts below it (timestep_spacing='leading', strength < 1)"
+                      + ("" if name.startswith("TCD") else ", or clip_sample=True with thresholding=False"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
