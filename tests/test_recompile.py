@@ -77,6 +77,8 @@ def _run(scheduler, *, steps=None, strength=None, guidance=Guidance(3.0), **sche
 
 
 def _max_steps(scheduler) -> int:
+    if isinstance(scheduler, S.UniPCMultistepScheduler):  # 1000 linspace steps repeat a sigma: refused (diffusers: NaN)
+        return scheduler.config.num_train_timesteps - 1
     return getattr(scheduler.config, "original_inference_steps", scheduler.config.num_train_timesteps)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from .._typing import Array, Bool, Float, Int, typechecked
+from ..core import ConfigError
 from ._base import (
     BOOLS,
     AbstractSigmaState,
@@ -203,6 +204,7 @@ class UniPCMultistepScheduler(AbstractBetaScheduler):
         begin = resolve_begin_index(n, len(timesteps), self.order, strength, begin_index)
         zeros = jnp.zeros(tuple(sample_shape), jnp.float32)
         predictor_coeffs, corrector_coeffs = self._coefficient_tables(sigmas)
+        self._check_defined(sigmas, predictor_coeffs, corrector_coeffs, corrector, begin)
         return UniPCState(timesteps=to_device(timesteps, np.int32), sigmas=to_device(sigmas),
                           corrector=to_device(corrector), predictor_coeffs=to_device(predictor_coeffs, np.float32),
                           corrector_coeffs=to_device(corrector_coeffs, np.float32),
@@ -239,6 +241,30 @@ class UniPCMultistepScheduler(AbstractBetaScheduler):
                 if i >= p:
                     corr[i, p - 1] = self._row(alpha, sig, lam, i - 1, i, p, corrector=True)
         return pred, corr
+
+    def _check_defined(self, sigmas, predictor, corrector, corrects, begin: int) -> None:
+        """Refuse a schedule with an update whose weights are not finite where ``step`` will use them (diffusers'
+        sample is NaN or inf there, or its ``linalg.solve`` fails): an order >= 2 update into sigma 0 (``h = inf``)
+        or between equal sigmas (``h = 0``: Karras / flow schedules ending at ``sigma_min``) without
+        ``lower_order_final``, and every ``predict_x0=False`` update into sigma 0 (``0 * inf``)."""
+        cfg, n = self.config, len(sigmas) - 1
+        done, previous = 0, 0
+        for i in range(begin, n):
+            order = min(cfg.solver_order, n - i) if cfg.lower_order_final else cfg.solver_order
+            order = min(order, done + 1)
+            bad = None if np.isfinite(predictor[i, order - 1]).all() else (order, i, i + 1)
+            if i > begin and corrects[i] and not np.isfinite(corrector[i, previous - 1]).all():
+                bad = (previous, i - 1, i)
+            if bad is not None:
+                p, s0, t = bad
+                fix = ("predict_x0=True or final_sigmas_type='sigma_min'" if not cfg.predict_x0 and sigmas[t] == 0
+                       else "lower_order_final=True" if p > 1 and not cfg.lower_order_final and t == n
+                       else "a schedule without repeated sigmas (fewer steps or another spacing: 1000 linspace "
+                       "steps repeat a timestep)")
+                raise ConfigError(f"UniPCMultistepScheduler: the order-{p} update from sigma {sigmas[s0]:g} to "
+                                  f"{sigmas[t]:g} (step {s0} of {n}) is undefined (diffusers' sample is NaN or inf "
+                                  f"there, or its solve fails); use {fix}")
+            done, previous = min(done + 1, cfg.solver_order), order
 
     def _row(self, alpha, sig, lam, s0: int, t: int, order: int, corrector: bool) -> np.ndarray:
         """diffusers' ``multistep_uni_p_bh_update`` / ``multistep_uni_c_bh_update`` from ``s0`` to ``t``, as the
