@@ -478,6 +478,25 @@ def test_zero_snr_epsilon_start_is_refused_where_diffusers_gives_nan(class_name,
         scheduler_from_config({**raw, "clip_sample": True, "thresholding": False}).init(4, sample_shape=SHAPE)
 
 
+def test_dpm_solver_zero_step_is_refused_where_diffusers_is_not_finite():
+    """A second-order update across a repeated sigma divides by a zero step: heun's (e^-h - 1) / h at a Karras
+    schedule's last step into the equal sigma_min, the repeated timestep of 1000 linspace steps. diffusers' sample
+    is NaN / inf; eqxdiff refuses the schedule at init (it returned NaN)."""
+    raw = _raw("DPMSolverMultistepScheduler", **SD, solver_type="heun", lower_order_final=False,
+               final_sigmas_type="sigma_min", use_karras_sigmas=True)
+    ref = diffusers.DPMSolverMultistepScheduler.from_config(raw)
+    ref.set_timesteps(7)
+    x = torch.ones(1, 2, 3, 3)
+    for t in ref.timesteps:
+        x = ref.step(0.3 * x + 0.1, t, x).prev_sample
+    assert not torch.isfinite(x).all()
+    with pytest.raises(ConfigError, match="second-order update of step 6 of 7 .* divides by a zero step"):
+        scheduler_from_config(raw).init(7, sample_shape=SHAPE)
+    scheduler_from_config(raw, euler_at_final=True).init(7, sample_shape=SHAPE)  # the fix it names
+    with pytest.raises(ConfigError, match=r"step 500 of 1000 .* \(1000 'linspace' steps repeat a timestep\)"):
+        scheduler_from_config(_raw("DPMSolverMultistepScheduler", **SD)).init(1000, sample_shape=SHAPE)
+
+
 def test_usage_errors():
     with pytest.raises(ValueError, match="unknown scheduler name 'heun'.*dpm\\+\\+2m_karras"):
         scheduler_from_config(SD15_RAW, name="heun")
