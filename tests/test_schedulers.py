@@ -180,6 +180,10 @@ CASES = [
     ("LMSDiscreteScheduler", dict(SD, timestep_spacing="leading", steps_offset=1), 25),
     ("LMSDiscreteScheduler", dict(SD, prediction_type="v_prediction", use_karras_sigmas=True), 10),
     ("LMSDiscreteScheduler", dict(prediction_type="sample", timestep_spacing="trailing"), 1),
+    # 'trailing' overshoots to timestep -1 at 61 steps: 62 timesteps (diffusers' too), LMS had 61 steps' coefficients
+    # and Euler 62 Karras levels (diffusers: 61)
+    ("LMSDiscreteScheduler", dict(SD, timestep_spacing="trailing"), 61),
+    ("EulerDiscreteScheduler", dict(SD, timestep_spacing="trailing", use_karras_sigmas=True), 61),
     # DPM-Solver++
     ("DPMSolverMultistepScheduler", dict(SD, timestep_spacing="leading", steps_offset=1), 25),
     ("DPMSolverMultistepScheduler", dict(SD, use_karras_sigmas=True), 10),
@@ -514,6 +518,8 @@ def test_usage_errors():
         euler_a.init(0)
     with pytest.raises(ValueError, match="outside"):
         S.DDIMScheduler.from_config({"steps_offset": 200}).init(5)
+    with pytest.raises(ValueError, match=r"timesteps \[-1\] fall outside .*'trailing' overshoots to -1"):
+        S.DDIMScheduler.from_config({"timestep_spacing": "trailing"}).init(61)
     assert euler_a.remaining_steps(euler_a.init(10, begin_index=3)) == 7
     # Shapes are checked (jaxtyping + beartype, at trace time).
     with pytest.raises(Exception, match="dims"):
