@@ -196,14 +196,15 @@ def sigma_to_t(sigma: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:
 def check_train_indices(name: str, indices: np.ndarray, config: BetaScheduleConfig) -> None:
     """Refuse training-timestep indices outside ``[0, num_train_timesteps)``. 'trailing' spacing ends at -1 for some
     step counts (61, 103, 121, ... of 1000: ``np.arange(1000, 0, -1000 / n)`` overshoots by one entry); diffusers
-    then reads ``alphas_cumprod[-1]`` (the noisiest value) at its extra last step."""
+    runs an extra last step at timestep -1 (DDIM, DDPM and PNDM read ``alphas_cumprod[-1]`` there, the noisiest
+    value; DPM-Solver and UniPC clamp its sigma; Euler-type schedulers, which do too, run it as diffusers does)."""
     big_n = config.num_train_timesteps
     if indices.size and (indices.min() < 0 or indices.max() >= big_n):
         outside = sorted({int(t) for t in indices.ravel() if not 0 <= t < big_n})
         fix = "lower steps_offset or change timestep_spacing"
         if outside == [-1] and config.timestep_spacing == "trailing":
             fix = ("timestep_spacing='trailing' overshoots to -1 at this number of steps (NumPy's arange; diffusers "
-                   "then reads alphas_cumprod[-1], the noisiest value): use one step more or fewer, or 'linspace'")
+                   "runs an extra last step at timestep -1): use one step more or fewer, or 'linspace'")
         raise ValueError(f"{name} {outside} fall outside [0, num_train_timesteps={big_n}): {fix}")
 
 
