@@ -77,6 +77,8 @@ def _run(scheduler, *, steps=None, strength=None, guidance=Guidance(3.0), **sche
 
 
 def _max_steps(scheduler) -> int:
+    if isinstance(scheduler, (S.UniPCMultistepScheduler, S.DPMSolverMultistepScheduler)):
+        return scheduler.config.num_train_timesteps - 1  # 1000 linspace steps repeat a sigma: refused (diffusers: NaN)
     return getattr(scheduler.config, "original_inference_steps", scheduler.config.num_train_timesteps)
 
 
@@ -101,8 +103,7 @@ def test_every_scheduler_runs_any_step_count_and_start_in_one_program(name):
         sched = run.pop("scheduler", scheduler)
         with no_compile(f"{name} {run}"):
             out = _run(sched, **run)
-        # (at 1000 linspace steps DPM-Solver repeats a timestep and divides by a zero step, as diffusers' does)
-        assert np.all(np.isfinite(out)) or run.get("steps") == 1000
+        assert np.all(np.isfinite(out))
         assert not any(np.array_equal(out, s) for s in seen), f"{name} {run} gave an earlier run's output"
         seen.append(out)
 

@@ -180,6 +180,10 @@ CASES = [
     ("LMSDiscreteScheduler", dict(SD, timestep_spacing="leading", steps_offset=1), 25),
     ("LMSDiscreteScheduler", dict(SD, prediction_type="v_prediction", use_karras_sigmas=True), 10),
     ("LMSDiscreteScheduler", dict(prediction_type="sample", timestep_spacing="trailing"), 1),
+    # 'trailing' overshoots to timestep -1 at 61 steps: 62 timesteps (diffusers' too), LMS had 61 steps' coefficients
+    # and Euler 62 Karras levels (diffusers: 61)
+    ("LMSDiscreteScheduler", dict(SD, timestep_spacing="trailing"), 61),
+    ("EulerDiscreteScheduler", dict(SD, timestep_spacing="trailing", use_karras_sigmas=True), 61),
     # DPM-Solver++
     ("DPMSolverMultistepScheduler", dict(SD, timestep_spacing="leading", steps_offset=1), 25),
     ("DPMSolverMultistepScheduler", dict(SD, use_karras_sigmas=True), 10),
@@ -457,6 +461,46 @@ def test_config_errors_name_key_and_value(raw, match):
         scheduler_from_config(raw)
 
 
+@pytest.mark.parametrize("class_name,config", [
+    ("DDIMScheduler", {"clip_sample": False}), ("DDPMScheduler", {"thresholding": True}), ("LCMScheduler", {}),
+    ("TCDScheduler", {"clip_sample": True}),  # TCD never clips
+])
+def test_zero_snr_epsilon_start_is_refused_where_diffusers_gives_nan(class_name, config):
+    """Zero terminal SNR with an epsilon model: the first step's clean-sample estimate is x / 0; without a clip that
+    bounds it diffusers' sample is NaN, and eqxdiff refuses the schedule at init, naming the fixes (it returned NaN)."""
+    raw = _raw(class_name, **SD, rescale_betas_zero_snr=True, timestep_spacing="trailing", **config)
+    ref = getattr(diffusers, class_name).from_config(raw)
+    ref.set_timesteps(4)
+    x = torch.ones(1, 2, 3, 3)
+    assert not torch.isfinite(ref.step(0.5 * x, ref.timesteps[0], x, generator=torch.Generator()).prev_sample).all()
+    sched = scheduler_from_config(raw)
+    with pytest.raises(ConfigError, match="rescale_betas_zero_snr=True with prediction_type='epsilon' steps from "
+                                          "timestep 999.*v_prediction"):
+        sched.init(4, sample_shape=SHAPE)
+    sched.init(4, sample_shape=SHAPE, strength=0.5)  # starting below t = 999 is fine
+    if class_name != "TCDScheduler":  # as is a clip that bounds the estimate (diffusers' result is finite)
+        scheduler_from_config({**raw, "clip_sample": True, "thresholding": False}).init(4, sample_shape=SHAPE)
+
+
+def test_dpm_solver_zero_step_is_refused_where_diffusers_is_not_finite():
+    """A second-order update across a repeated sigma divides by a zero step: heun's (e^-h - 1) / h at a Karras
+    schedule's last step into the equal sigma_min, the repeated timestep of 1000 linspace steps. diffusers' sample
+    is NaN / inf; eqxdiff refuses the schedule at init (it returned NaN)."""
+    raw = _raw("DPMSolverMultistepScheduler", **SD, solver_type="heun", lower_order_final=False,
+               final_sigmas_type="sigma_min", use_karras_sigmas=True)
+    ref = diffusers.DPMSolverMultistepScheduler.from_config(raw)
+    ref.set_timesteps(7)
+    x = torch.ones(1, 2, 3, 3)
+    for t in ref.timesteps:
+        x = ref.step(0.3 * x + 0.1, t, x).prev_sample
+    assert not torch.isfinite(x).all()
+    with pytest.raises(ConfigError, match="second-order update of step 6 of 7 .* divides by a zero step"):
+        scheduler_from_config(raw).init(7, sample_shape=SHAPE)
+    scheduler_from_config(raw, euler_at_final=True).init(7, sample_shape=SHAPE)  # the fix it names
+    with pytest.raises(ConfigError, match=r"step 500 of 1000 .* \(1000 'linspace' steps repeat a timestep\)"):
+        scheduler_from_config(_raw("DPMSolverMultistepScheduler", **SD)).init(1000, sample_shape=SHAPE)
+
+
 def test_usage_errors():
     with pytest.raises(ValueError, match="unknown scheduler name 'heun'.*dpm\\+\\+2m_karras"):
         scheduler_from_config(SD15_RAW, name="heun")
@@ -474,6 +518,8 @@ def test_usage_errors():
         euler_a.init(0)
     with pytest.raises(ValueError, match="outside"):
         S.DDIMScheduler.from_config({"steps_offset": 200}).init(5)
+    with pytest.raises(ValueError, match=r"timesteps \[-1\] fall outside .*'trailing' overshoots to -1"):
+        S.DDIMScheduler.from_config({"timestep_spacing": "trailing"}).init(61)
     assert euler_a.remaining_steps(euler_a.init(10, begin_index=3)) == 7
     # Shapes are checked (jaxtyping + beartype, at trace time).
     with pytest.raises(Exception, match="dims"):

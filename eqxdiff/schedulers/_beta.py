@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray, Shaped, typechecked
+from ..core import ConfigError
 from ._base import BOOLS, AbstractScheduler, AbstractSchedulerState, SchedulerConfig, per_sample
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
@@ -193,9 +194,33 @@ def sigma_to_t(sigma: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:
 
 
 def check_train_indices(name: str, indices: np.ndarray, config: BetaScheduleConfig) -> None:
-    if indices.size and (indices.min() < 0 or indices.max() >= config.num_train_timesteps):
-        raise ValueError(f"{name} {indices.tolist()} fall outside [0, num_train_timesteps="
-                         f"{config.num_train_timesteps}); lower steps_offset or change timestep_spacing")
+    """Refuse training-timestep indices outside ``[0, num_train_timesteps)``. 'trailing' spacing ends at -1 for some
+    step counts (61, 103, 121, ... of 1000: ``np.arange(1000, 0, -1000 / n)`` overshoots by one entry); diffusers
+    runs an extra last step at timestep -1 (DDIM, DDPM and PNDM read ``alphas_cumprod[-1]`` there, the noisiest
+    value; DPM-Solver and UniPC clamp its sigma; Euler-type schedulers, which do too, run it as diffusers does)."""
+    big_n = config.num_train_timesteps
+    if indices.size and (indices.min() < 0 or indices.max() >= big_n):
+        outside = sorted({int(t) for t in indices.ravel() if not 0 <= t < big_n})
+        fix = "lower steps_offset or change timestep_spacing"
+        if outside == [-1] and config.timestep_spacing == "trailing":
+            fix = ("timestep_spacing='trailing' overshoots to -1 at this number of steps (NumPy's arange; diffusers "
+                   "runs an extra last step at timestep -1): use one step more or fewer, or 'linspace'")
+        raise ValueError(f"{name} {outside} fall outside [0, num_train_timesteps={big_n}): {fix}")
+
+
+def check_zero_snr_start(name: str, config: BetaScheduleConfig, timesteps: np.ndarray, acp: np.ndarray, *,
+                         clips: bool) -> None:
+    """Refuse a schedule that would step from a timestep of zero SNR (``alphas_cumprod == 0``: the last one under
+    ``rescale_betas_zero_snr``) with an epsilon model: its predicted clean sample is ``x / 0``, and unless a clip
+    bounds it (``clips``: ``clip_sample`` without ``thresholding``) diffusers' result is NaN, so is ours."""
+    if config.prediction_type != "epsilon" or clips or not timesteps.size or not np.any(acp[timesteps] == 0):
+        return
+    t = int(timesteps[np.flatnonzero(acp[timesteps] == 0)[0]])
+    raise ConfigError(f"{name}: rescale_betas_zero_snr=True with prediction_type='epsilon' steps from timestep {t}, "
+                      "where alphas_cumprod is 0 and an epsilon model's clean-sample estimate is x / 0 (NaN, in "
+                      "diffusers too): use prediction_type='v_prediction' (what zero-SNR models are trained for), "
+                      "or a schedule that starts below it (timestep_spacing='leading', strength < 1)"
+                      + ("" if name.startswith("TCD") else ", or clip_sample=True with thresholding=False"))
 
 
 # ----------------------------------------------------------------------------------------------------------------

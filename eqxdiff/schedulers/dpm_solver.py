@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax
 
 from .._typing import Array, Float, Int, typechecked
+from ..core import ConfigError
 from ._base import (
     BOOLS,
     AbstractSchedulerState,
@@ -139,9 +140,32 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
         last = np.sqrt((np.float32(1) - acp[0]) / acp[0]) if cfg.final_sigmas_type == "sigma_min" else 0.0
         sigmas = np.concatenate([sigmas, [last]]).astype(np.float32)
         begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
+        self._check_defined(sigmas, begin)
         return DPMSolverState(timesteps=to_device(timesteps, np.int32), sigmas=to_device(sigmas),
                               model_outputs=jnp.zeros((cfg.solver_order, *sample_shape), jnp.float32),
                               lower_order_nums=jnp.zeros((), jnp.int32), **counters(len(timesteps), begin))
+
+    def _check_defined(self, sigmas: np.ndarray, begin: int) -> None:
+        """Refuse a schedule whose second-order update divides by a zero step (float64 on the float32 sigmas):
+        repeated timesteps make ``h_0 = 0`` (and ``1 / r0 = h / h_0`` infinite), and heun's ``(e^-h - 1) / h`` is
+        ``0 / 0`` at ``h = 0``. diffusers' sample is NaN or inf from that step on; so was ours."""
+        cfg, n = self.config, len(sigmas) - 1
+        if cfg.solver_order == 1:
+            return
+        s = sigmas.astype(np.float64)
+        with np.errstate(all="ignore"):
+            lam = -np.log(s)  # log(alpha) - log(sigma) with alpha = 1 / sqrt(s^2 + 1), sigma = s * alpha
+            final_first = cfg.euler_at_final or (cfg.lower_order_final and n < 15) or cfg.final_sigmas_type == "zero"
+            for i in range(begin + 1, n - 1 if final_first else n):
+                h, h_0 = lam[i + 1] - lam[i], lam[i] - lam[i - 1]
+                phi = np.expm1(-h)
+                weight = -0.5 * phi if cfg.solver_type == "midpoint" else phi / h + 1.0
+                if not np.isfinite(weight * (h / h_0)):
+                    raise ConfigError(
+                        f"DPMSolverMultistepScheduler: the second-order update of step {i} of {n} (sigmas "
+                        f"{s[i - 1]:g}, {s[i]:g} -> {s[i + 1]:g}) divides by a zero step (a repeated sigma; diffusers' "
+                        "sample is NaN or inf from there): use fewer steps (1000 'linspace' steps repeat a timestep),"
+                        " another timestep_spacing, euler_at_final=True (at the last step) or solver_order=1")
 
     def _data_prediction(self, state: DPMSolverState, out, x):
         cfg = self.config

@@ -135,7 +135,9 @@ class EulerDiscreteScheduler(AbstractSigmaScheduler):
                 lo = cfg.sigma_min if cfg.sigma_min is not None else sigmas[-1].item()
                 hi = cfg.sigma_max if cfg.sigma_max is not None else sigmas[0].item()
                 convert = karras_sigmas if cfg.use_karras_sigmas else exponential_sigmas
-                sigmas = convert(lo, hi, len(timesteps))
+                # num_inference_steps levels, as diffusers: not len(timesteps), which 'trailing' spacing makes one
+                # longer for some step counts (NumPy's arange overshoots to -1)
+                sigmas = convert(lo, hi, num_inference_steps)
                 timesteps = sigma_to_t(sigmas, log_sigmas)
             acp0 = self.alphas_cumprod[0]
             last = np.sqrt((np.float32(1) - acp0) / acp0) if cfg.final_sigmas_type == "sigma_min" else 0.0

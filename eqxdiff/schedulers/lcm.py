@@ -28,7 +28,7 @@ from ._base import (
     step_noise,
     to_device,
 )
-from ._beta import AbstractBetaScheduler, ClipSampleConfig, clip_or_threshold, x0_and_eps
+from ._beta import AbstractBetaScheduler, ClipSampleConfig, check_zero_snr_start, clip_or_threshold, x0_and_eps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +114,7 @@ class _ConsistencyScheduler(AbstractBetaScheduler):
         nxt = np.concatenate([timesteps[1:], [self._after_last(timesteps[-1])]])
         alpha_prev, aux = self._per_step(timesteps, nxt, acp)
         begin = resolve_begin_index(n, n, self.order, strength, begin_index)
+        check_zero_snr_start(type(self).__name__, self.config, timesteps[begin:], acp, clips=self._clips())
         return LCMState(timesteps=to_device(timesteps, np.int32), alpha_prod=to_device(acp[timesteps]),
                         alpha_prod_prev=to_device(alpha_prev, np.float32), aux=to_device(aux, np.float32),
                         renoise=to_device(np.arange(n) != n - 1), **counters(n, begin))
@@ -125,6 +126,10 @@ class _ConsistencyScheduler(AbstractBetaScheduler):
     @abc.abstractmethod
     def _per_step(self, timesteps: np.ndarray, nxt: np.ndarray, acp: np.ndarray):
         """``(alphas_cumprod at the step's target, aux[steps, 2])`` on the host."""
+
+    def _clips(self) -> bool:
+        """Whether the step bounds its clean-sample estimate (LCM: ``clip_sample`` without ``thresholding``)."""
+        return self.config.clip_sample and not self.config.thresholding
 
     def _final_alpha(self, acp: np.ndarray) -> np.float32:
         return np.float32(1.0) if self.config.set_alpha_to_one else acp[0]
@@ -182,6 +187,9 @@ class TCDScheduler(_ConsistencyScheduler):
 
     def _after_last(self, last: int) -> int:
         return 0
+
+    def _clips(self) -> bool:
+        return False  # diffusers' TCD never clips (clip_sample and thresholding are inert there)
 
     def _per_step(self, timesteps, nxt, acp):
         # torch computes (1 - eta) * t_prev in float32 before the floor.

@@ -71,9 +71,10 @@ class LMSDiscreteScheduler(AbstractSigmaScheduler):
             timesteps = sigma_to_t(sigmas, log_sigmas)
         sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
         begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
+        # (one per timestep: 'trailing' spacing gives one more than num_inference_steps for some step counts)
         return LMSState(timesteps=to_device(timesteps, np.float32), sigmas=to_device(sigmas),
                         **counters(len(timesteps), begin),
-                        coeffs=to_device(lms_coefficients(sigmas, num_inference_steps)),
+                        coeffs=to_device(lms_coefficients(sigmas, len(timesteps))),
                         derivatives=jnp.zeros((LMS_ORDER, *sample_shape), jnp.float32))
 
     def update(self, state: LMSState, out, x, *, key=None, noise=None):

@@ -4,8 +4,9 @@
 
 Each step first corrects the sample the previous step predicted, using the model output at it (unless that step
 is in ``disable_corrector``), then predicts the next sample from the last ``order`` data (or noise) predictions.
-The order is warmed up from 1 and, with ``lower_order_final``, lowered over the last steps. Both updates are a
-``lax.switch`` over the order, so the whole loop stays one jitted ``fori_loop``.
+The order is warmed up from 1 and, with ``lower_order_final``, lowered over the last steps. Each update is a
+weighted sum of the sample and the model outputs whose weights (per step and order) ``init`` computes on the host
+in float64, so the whole loop stays one jitted ``fori_loop`` and the weights keep the digits float32 would lose.
 """
 
 import dataclasses
@@ -18,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from .._typing import Array, Bool, Float, Int, typechecked
+from ..core import ConfigError
 from ._base import (
     BOOLS,
     AbstractSigmaState,
@@ -55,7 +57,7 @@ class UniPCConfig(BetaScheduleConfig):
 
     SCHEDULE_ONLY: ClassVar[frozenset[str]] = BetaScheduleConfig.SCHEDULE_ONLY | {
         *SPACINGS, "flow_shift", "use_dynamic_shifting", "time_shift_type", "sigma_min", "sigma_max",
-        "shift_terminal", "final_sigmas_type", "disable_corrector"}
+        "shift_terminal", "final_sigmas_type", "disable_corrector", "solver_type"}
 
     solver_order: int = 2
     thresholding: bool = False
@@ -102,11 +104,14 @@ class UniPCState(AbstractSigmaState):
     """``model_outputs``: the last ``solver_order`` converted model outputs, oldest first; ``last_sample``: the
     sample the last predictor started from (the corrector's base); ``this_order``: that predictor's order;
     ``lower_order_nums``: steps taken since ``begin_index`` (capped at ``solver_order``); ``corrector[i]``: whether
-    step ``i`` may correct the previous prediction (not for ``i - 1`` in ``disable_corrector``)."""
+    step ``i`` may correct the previous prediction (not for ``i - 1`` in ``disable_corrector``); ``predictor_coeffs`` /
+    ``corrector_coeffs``: per step and order, the weights of that update (float64 on the host, then float32)."""
 
     timesteps: Int[Array, " steps"]
     sigmas: Float[Array, " steps_plus_one"]
     corrector: Bool[Array, " steps"]
+    predictor_coeffs: Float[Array, "steps order 4"]
+    corrector_coeffs: Float[Array, "steps order 5"]
     model_outputs: Float[Array, "order *dims"]
     last_sample: Float[Array, "*dims"]
     this_order: Int[Array, ""]
@@ -198,8 +203,12 @@ class UniPCMultistepScheduler(AbstractBetaScheduler):
         corrector = (steps > 0) & ~np.isin(steps - 1, np.asarray(cfg.disable_corrector, np.int64))
         begin = resolve_begin_index(n, len(timesteps), self.order, strength, begin_index)
         zeros = jnp.zeros(tuple(sample_shape), jnp.float32)
+        predictor_coeffs, corrector_coeffs = self._coefficient_tables(sigmas)
+        self._check_defined(sigmas, predictor_coeffs, corrector_coeffs, corrector, begin)
         return UniPCState(timesteps=to_device(timesteps, np.int32), sigmas=to_device(sigmas),
-                          corrector=to_device(corrector), model_outputs=jnp.zeros((cfg.solver_order, *sample_shape)),
+                          corrector=to_device(corrector), predictor_coeffs=to_device(predictor_coeffs, np.float32),
+                          corrector_coeffs=to_device(corrector_coeffs, np.float32),
+                          model_outputs=jnp.zeros((cfg.solver_order, *sample_shape)),
                           last_sample=zeros, this_order=jnp.zeros((), jnp.int32),
                           lower_order_nums=jnp.zeros((), jnp.int32), **counters(len(timesteps), begin))
 
@@ -211,9 +220,86 @@ class UniPCMultistepScheduler(AbstractBetaScheduler):
         alpha = 1 / jnp.sqrt(sigma * sigma + 1)
         return alpha, sigma * alpha
 
-    def _lambda(self, sigma):
-        alpha, sigma_t = self._alpha_sigma(sigma)
-        return jnp.log(alpha) - jnp.log(sigma_t)
+    # -- host: the per-step coefficients (float64) ----------------------------------------------------------
+
+    def _coefficient_tables(self, sigmas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(predictor[steps, order, 4], corrector[steps, order, 5])``: per step and order, the weights of the
+        sample, of the newest model output ``m0``, of the differences ``m_k - m0`` (k = 1, 2) and (corrector) of
+        ``model_t - m0`` (see :meth:`_combine`). Computed here in float64 from the float32 sigmas: the B(h) weights
+        come from a recursion that cancels catastrophically in float32 (the order-3 one loses ~``1/h^2`` of its
+        digits; diffusers' float32 run carries that error, and a less accurate ``expm1`` amplifies it further)."""
+        s = sigmas.astype(np.float64)
+        alpha, sig = (1 - s, s) if self.config.use_flow_sigmas else (1 / np.sqrt(s * s + 1), s / np.sqrt(s * s + 1))
+        with np.errstate(all="ignore"):
+            lam = np.log(alpha) - np.log(sig)
+        order, n = self.config.solver_order, len(s) - 1
+        pred, corr = np.zeros((n, order, 4)), np.zeros((n, order, 5))
+        for i in range(n):
+            for p in range(1, order + 1):
+                if i >= p - 1:  # a predictor of order p needs p - 1 earlier outputs
+                    pred[i, p - 1] = self._row(alpha, sig, lam, i, i + 1, p, corrector=False)[:4]
+                if i >= p:
+                    corr[i, p - 1] = self._row(alpha, sig, lam, i - 1, i, p, corrector=True)
+        return pred, corr
+
+    def _check_defined(self, sigmas, predictor, corrector, corrects, begin: int) -> None:
+        """Refuse a schedule with an update whose weights are not finite where ``step`` will use them (diffusers'
+        sample is NaN or inf there, or its ``linalg.solve`` fails): an order >= 2 update into sigma 0 (``h = inf``)
+        or between equal sigmas (``h = 0``: Karras / flow schedules ending at ``sigma_min``) without
+        ``lower_order_final``, and every ``predict_x0=False`` update into sigma 0 (``0 * inf``)."""
+        cfg, n = self.config, len(sigmas) - 1
+        done, previous = 0, 0
+        for i in range(begin, n):
+            order = min(cfg.solver_order, n - i) if cfg.lower_order_final else cfg.solver_order
+            order = min(order, done + 1)
+            bad = None if np.isfinite(predictor[i, order - 1]).all() else (order, i, i + 1)
+            if i > begin and corrects[i] and not np.isfinite(corrector[i, previous - 1]).all():
+                bad = (previous, i - 1, i)
+            if bad is not None:
+                p, s0, t = bad
+                fix = ("predict_x0=True or final_sigmas_type='sigma_min'" if not cfg.predict_x0 and sigmas[t] == 0
+                       else "lower_order_final=True" if p > 1 and not cfg.lower_order_final and t == n
+                       else "a schedule without repeated sigmas (fewer steps or another spacing: 1000 linspace "
+                       "steps repeat a timestep)")
+                raise ConfigError(f"UniPCMultistepScheduler: the order-{p} update from sigma {sigmas[s0]:g} to "
+                                  f"{sigmas[t]:g} (step {s0} of {n}) is undefined (diffusers' sample is NaN or inf "
+                                  f"there, or its solve fails); use {fix}")
+            done, previous = min(done + 1, cfg.solver_order), order
+
+    def _row(self, alpha, sig, lam, s0: int, t: int, order: int, corrector: bool) -> np.ndarray:
+        """diffusers' ``multistep_uni_p_bh_update`` / ``multistep_uni_c_bh_update`` from ``s0`` to ``t``, as the
+        weights of :meth:`_combine` (float64; infinities and NaN propagate as in diffusers)."""
+        cfg = self.config
+        with np.errstate(all="ignore"):
+            h = lam[t] - lam[s0]
+            rks = np.array([(lam[s0 - k] - lam[s0]) / h for k in range(1, order)] + [1.0])
+            hh = -h if cfg.predict_x0 else h
+            h_phi_1 = np.expm1(hh)
+            h_phi_k = h_phi_1 / hh - 1
+            b_h = hh if cfg.solver_type == "bh1" else np.expm1(hh)
+            factorial, rows, b = 1, [], []
+            for i in range(1, order + 1):
+                rows.append(rks ** (i - 1))
+                b.append(h_phi_k * factorial / b_h)
+                factorial *= i + 1
+                h_phi_k = h_phi_k / hh - 1 / factorial
+            r, b = np.stack(rows), np.array(b)
+            if corrector:
+                rhos = np.array([0.5]) if order == 1 else _solve(r, b)
+            else:
+                rhos = np.zeros(0) if order == 1 else np.array([0.5]) if order == 2 else _solve(r[:-1, :-1], b[:-1])
+            if cfg.predict_x0:
+                cx, c0, scale = sig[t] / sig[s0], -alpha[t] * h_phi_1, alpha[t]
+            else:
+                cx, c0, scale = alpha[t] / alpha[s0], -sig[t] * h_phi_1, sig[t]
+            row = np.array([cx, c0, 0.0, 0.0, 0.0])
+            for k in range(order - 1):
+                row[2 + k] = -scale * b_h * rhos[k] / rks[k]
+            if corrector:
+                row[4] = -scale * b_h * rhos[-1]
+        return row
+
+    # -- device: the step ------------------------------------------------------------------------------------
 
     def _convert(self, state: UniPCState, out, x):
         """The data prediction (``predict_x0``) or noise prediction the solver works on."""
@@ -239,68 +325,24 @@ class UniPCMultistepScheduler(AbstractBetaScheduler):
             return (x - alpha_t * out) / sigma_t
         return alpha_t * out + sigma_t * x
 
-    def _coefficients(self, rks, h, order: int, corrector: bool):
-        """``(h_phi_1, B_h, rhos)``: UniPC's B(h) weights for ``order`` from the ratios ``rks`` (last one 1)."""
-        hh = -h if self.config.predict_x0 else h
-        h_phi_1 = jnp.expm1(hh)
-        h_phi_k = h_phi_1 / hh - 1
-        b_h = hh if self.config.solver_type == "bh1" else jnp.expm1(hh)
-        factorial, rows, b = 1, [], []
-        for i in range(1, order + 1):
-            rows.append(rks ** (i - 1))
-            b.append(h_phi_k * factorial / b_h)
-            factorial *= i + 1
-            h_phi_k = h_phi_k / hh - 1 / factorial
-        r, b = jnp.stack(rows), jnp.stack(b)
-        if corrector:
-            rhos = jnp.full((1,), 0.5) if order == 1 else jnp.linalg.solve(r, b)
-        elif order == 1:
-            rhos = jnp.zeros((0,))
-        else:
-            rhos = jnp.full((1,), 0.5) if order == 2 else jnp.linalg.solve(r[:-1, :-1], b[:-1])
-        return h_phi_1, b_h, rhos
-
-    def _update(self, state: UniPCState, m, x, s0: Array, t: Array, order: int, corrector_output=None):
-        """UniP (``corrector_output=None``: from ``sigmas[s0]`` to ``sigmas[t]``, history ``m`` newest last) or UniC
-        (the correction of the step that went from ``s0`` to ``t`` given the model output there)."""
-        sigma_t, sigma_s0 = state.sigmas[t], state.sigmas[s0]
-        alpha_t, sig_t = self._alpha_sigma(sigma_t)
-        alpha_s0, sig_s0 = self._alpha_sigma(sigma_s0)
-        lambda_s0 = self._lambda(sigma_s0)
-        h = self._lambda(sigma_t) - lambda_s0
+    def _combine(self, row, m, x, model_t=None):
+        """UniP (``model_t=None``) or UniC from the weights ``row`` of one step and order: ``row[0] * x + row[1] *
+        m0 + row[2] * (m1 - m0) + row[3] * (m2 - m0) [+ row[4] * (model_t - m0)]``, ``m`` newest last (a lower order
+        has zero weights for the older outputs)."""
         m0 = m[-1]
-        rks, d1s = [], []
-        for i in range(1, order):
-            rk = (self._lambda(state.sigmas[s0 - i]) - lambda_s0) / h
-            rks.append(rk)
-            d1s.append((m[-(i + 1)] - m0) / rk)
-        rks = jnp.stack([*rks, jnp.ones((), jnp.float32)])
-        h_phi_1, b_h, rhos = self._coefficients(rks, h, order, corrector_output is not None)
-        if self.config.predict_x0:
-            scale, base = alpha_t, sig_t / sig_s0 * x - alpha_t * h_phi_1 * m0
-        else:
-            scale, base = sig_t, alpha_t / alpha_s0 * x - sig_t * h_phi_1 * m0
-        res = None
-        for k, d1 in enumerate(d1s):
-            res = rhos[k] * d1 if res is None else res + rhos[k] * d1
-        if corrector_output is not None:
-            d1_t = rhos[-1] * (corrector_output - m0)
-            return base - scale * b_h * (d1_t if res is None else res + d1_t)
-        # An order-1 prediction has no residual; diffusers multiplies a zero by B(h), which is -inf at a final
-        # sigma of 0 under bh1 (its result is then NaN).
-        return base if res is None else base - scale * b_h * res
+        out = row[0] * x + row[1] * m0
+        for k in range(self.config.solver_order - 1):
+            out = out + row[2 + k] * (m[-(k + 2)] - m0)
+        return out if model_t is None else out + row[4] * (model_t - m0)
 
     def update(self, state: UniPCState, out, x, *, key=None, noise=None):
         cfg = self.config
         i = state.step_index
         converted = self._convert(state, out, x)
-        orders = range(1, cfg.solver_order + 1)
 
         def corrected(x):
-            branches = [lambda m, xl, xt, p=p: self._update(state, m, xl, i - 1, i, p, corrector_output=converted)
-                        for p in orders]
-            return lax.switch(jnp.clip(state.this_order - 1, 0, cfg.solver_order - 1), branches,
-                              state.model_outputs, state.last_sample, x)
+            order = jnp.clip(state.this_order - 1, 0, cfg.solver_order - 1)
+            return self._combine(state.corrector_coeffs[i, order], state.model_outputs, state.last_sample, converted)
 
         use_corrector = state.corrector[i] & (i > state.begin_index)
         x = lax.cond(use_corrector, corrected, lambda x: x, x)
@@ -309,8 +351,7 @@ class UniPCMultistepScheduler(AbstractBetaScheduler):
         if cfg.lower_order_final:
             this_order = jnp.minimum(this_order, state.num_timesteps - i)
         this_order = jnp.minimum(this_order, state.lower_order_nums + 1)
-        branches = [lambda m, x, p=p: self._update(state, m, x, i, i + 1, p) for p in orders]
-        prev = lax.switch(this_order - 1, branches, m, x)
+        prev = self._combine(state.predictor_coeffs[i, this_order - 1], m, x)
         new = dataclasses.replace(state, model_outputs=m, last_sample=x, this_order=this_order,
                                   lower_order_nums=jnp.minimum(state.lower_order_nums + 1, cfg.solver_order))
         return prev, new
@@ -322,3 +363,11 @@ class UniPCMultistepScheduler(AbstractBetaScheduler):
         flow sigmas ``(1 - sigma) * original + sigma * noise``."""
         alpha_t, sigma_t = self._alpha_sigma(state.sigmas[state.step_index])
         return (alpha_t * original + sigma_t * noise).astype(original.dtype)
+
+
+def _solve(r: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``solve(r, b)``, NaN where ``r`` is singular (a repeated sigma: diffusers' result is NaN or an error)."""
+    try:
+        return np.linalg.solve(r, b)
+    except np.linalg.LinAlgError:
+        return np.full(b.shape, np.nan)
