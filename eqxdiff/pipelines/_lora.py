@@ -443,8 +443,8 @@ class LoraMixin:
                   adapter_names: Sequence[str] | None = None, safe_fusing: bool = False) -> None:
         """Merge adapters into the weights: ``W + lora_scale * change`` at their current strengths, summed in float32
         and cast back to each weight's dtype; the layers then compute as plain layers (the models' structure without
-        adapters, if all are fused). ``adapter_names``: which (default: the active ones, if enabled);
-        ``components``: where (default: all); ``safe_fusing``: refuse weights that come out non-finite.
+        adapters, if all are fused). ``adapter_names``: which, active or not, as diffusers (default: the active ones,
+        if enabled); ``components``: where (default: all); ``safe_fusing``: refuse weights that come out non-finite.
         :meth:`unfuse_lora` restores the models exactly."""
         state = self._lora()
         if state.fused:
@@ -480,7 +480,7 @@ class LoraMixin:
             sub = nn.entries_kept(adapters, fuse)
             if sub is not None:
                 scales = nn.place_like(np.asarray(sub.scales) * np.float32(lora_scale), sub.scales)
-                sub = nn.Adapters(sub.entries, scales, sub.enabled)
+                sub = nn.Adapters(sub.entries, scales, np.ones(np.shape(sub.enabled), np.float32))  # named: fused
             to_fuse[path], to_keep[path] = sub, nn.entries_kept(adapters, keep)
         fused = nn.fuse_adapters(nn.with_adapters(model, to_fuse), how="host" if self.mesh is None else "jit")
         return nn.with_adapters(fused, {p: a for p, a in to_keep.items() if a is not None})
