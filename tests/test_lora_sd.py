@@ -281,6 +281,39 @@ def test_fuse_lora_fuses_named_adapters_active_or_not(sd):
     assert sum(not np.array_equal(v, before[k]) for k, v in ours.items()) > 20, "b was not fused"
 
 
+def test_deleting_the_active_adapter_activates_the_first_left(sd):
+    """Deleting a model's only active adapter makes the first one it still holds active (at its strength), with a
+    warning, as diffusers' ``delete_adapters`` (PEFT's ``delete_adapter``). Found by the lorasweep: none was left
+    active (255/255 from diffusers). Fused, in weight space against diffusers', no compile."""
+    ref, pipe, base, folder = sd
+    a = peft_file(ref, folder / "deleted_a.safetensors", seed=42, bias=False)
+    b = peft_file(ref, folder / "deleted_b.safetensors", seed=43, bias=False)
+    for p in (ref, pipe):
+        p.load_lora_weights(a if p is pipe else str(a), adapter_name="a")
+        p.load_lora_weights(b if p is pipe else str(b), adapter_name="b")
+        p.set_adapters(["a", "b"], [0.7, 1.0])
+        p.set_adapters("b")
+    try:
+        ref.delete_adapters("b")
+        assert ref.get_active_adapters() == ["a"]
+        ref.fuse_lora()
+        expected = {k.replace(".base_layer", ""): v.detach().numpy().copy() for k, v in ref.unet.state_dict().items()
+                    if "lora_" not in k}
+    finally:
+        ref.unfuse_lora()
+        ref.unload_lora_weights()
+    try:
+        with pytest.warns(LoraWarning, match=r"'a' in text_encoder, unet"):
+            pipe.delete_adapters("b")
+        assert pipe.get_active_adapters() == ["a"]
+        pipe.fuse_lora()
+        ours = state_dict(pipe.unet)
+    finally:
+        pipe.unload_lora_weights()
+    bad = {k: rel_error(v, expected[k]) for k, v in ours.items() if rel_error(v, expected[k]) > 1e-4}
+    assert not bad, f"fused weights differ from diffusers': {bad}"
+
+
 # -- refusals ----------------------------------------------------------------------------------------------------------
 
 

@@ -29,7 +29,7 @@ from .. import nn
 from ..loading import AdaptersNotSavedWarning, CheckpointError, without_adapters
 from ..loading.lora import Matcher, match_models, parse, read_lora, same_structure, site_adapters
 from ..parallel import shard_params
-from ._lora_check import LoraWarning, check_coverage, check_lora_file, lora_format
+from ._lora_check import LoraWarning, active_after_delete, check_coverage, check_lora_file, lora_format
 from ._lora_check import listed as _listed
 from ._lora_format import LoraFormat, load_format
 
@@ -406,7 +406,8 @@ class LoraMixin:
     # -- removing ----------------------------------------------------------------------------------------------
 
     def delete_adapters(self, adapter_names: str | Sequence[str]) -> None:
-        """Remove adapters (their entries leave every layer: the models' structure changes)."""
+        """Remove adapters (their entries leave every layer: the models' structure changes); a model left without
+        an active adapter makes its first one active, as diffusers (:func:`active_after_delete`)."""
         names = self._check_names(adapter_names, "delete_adapters")
         state = self._lora()
         if state.fused:
@@ -423,11 +424,10 @@ class LoraMixin:
                 if not slots[path]:
                     del slots[path]
             setattr(self, component, nn.with_adapters(model, changes))
+        state.active = active_after_delete(state.adapters, state.active, names)
         for n in names:
             del state.adapters[n]
-        state.active = [n for n in state.active if n not in names]
-        if not state.adapters:
-            self.unload_lora_weights()
+        self.unload_lora_weights() if not state.adapters else self._refresh_lora()
 
     def unload_lora_weights(self) -> None:
         """Remove every adapter: each model is again the very object it was before the first load (fused weights
