@@ -142,6 +142,44 @@ def test_each_kind_matches_lycoris_unfused_and_fused(layer_kind, kind):
         assert_close(fused(jnp.asarray(x)), expected, what=f"{kind} on a {layer_kind}, fused ({how})")
 
 
+OWN = [("linear", "LokrModule", dict(factor=16, decompose_both=True), "lokr_w1_a"),  # both factors low rank
+       ("conv", "LokrModule", dict(factor=16, decompose_both=True, use_tucker=True), "lokr_t2"),
+       ("linear", "LokrModule", dict(factor=-1, weight_decompose=True, wd_on_out=False), "dora_scale"),  # [1, in]
+       ("conv", "LohaModule", dict(use_tucker=True, weight_decompose=True), "hada_t1"),
+       ("conv", "LoConModule", dict(use_tucker=True, weight_decompose=True, wd_on_out=False), "lora_mid.weight")]
+
+
+@pytest.mark.parametrize("layer_kind,module,options,role", OWN)
+def test_lycoris_own_modules_read_back(layer_kind, module, options, role):
+    """Files as LyCORIS itself lays them out (its module built with each option, randomised, ``custom_state_dict``),
+    where the hand-made tensors above do not reach: LoKr with both factors low rank (``decompose_both``) and its
+    Tucker core on a 3x3 convolution (LyCORIS' reader mis-ranks that file, so the module is built, not read),
+    ``dora_scale`` over input columns (``wd_on_out=False``) and on LoHa / LoKr / Tucker LoCon; against the module's
+    own forward, unfused and fused."""
+    import lycoris.modules
+
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(256, 128) if layer_kind == "linear" else torch.nn.Conv2d(256, 128, 3, padding=1)
+    lyco = getattr(lycoris.modules, module)("m", layer, 1.0, 4, 2.0, **options)
+    with torch.no_grad():
+        for name, p in lyco.named_parameters():
+            if not name.startswith("org_"):
+                p.normal_(0, 0.2)
+    tensors = {f"m.{k}": v.detach().clone() for k, v in lyco.custom_state_dict().items()}
+    assert f"m.{role}" in tensors, sorted(tensors)
+    ours, _ = _adapted(layer, tensors)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 4, 256) if layer_kind == "linear" else (1, 6, 6, 256)).astype(np.float32)
+    lyco.apply_to()
+    try:
+        expected = _torch_out(layer, x)
+    finally:
+        lyco.restore()
+    assert not np.allclose(expected, _torch_out(layer, x), atol=1e-3), "the reference adapter changed nothing"
+    assert_close(ours(jnp.asarray(x)), expected, what=f"LyCORIS {module} {options}, unfused")
+    assert_close(nn.fuse_adapters(ours)(jnp.asarray(x)), expected, what=f"LyCORIS {module} {options}, fused")
+
+
 def test_strengths_and_switches_are_values():
     """A strength scales a LoRA's change, a switch removes it; LyCORIS' DoRA at strength s is ``W + s (W' - W)``
     (ComfyUI's ``weight_decompose`` in comfy/weight_adapter/base.py: ``weight += strength * (weight_calc -

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import eqxdiff
-from eqxdiff.loading import CheckpointError
+from eqxdiff.loading import AdaptersNotSavedWarning, CheckpointError, state_dict
 from eqxdiff.pipelines._lora import LoraWarning
 
 from . import _lora_files as files
 from . import _tiny_sd
-from ._util import nhwc_to_nchw
+from ._util import nhwc_to_nchw, rel_error
 from .test_recompile import no_compile
 
 CALL = dict(prompt="a red cat", negative_prompt="blurry", height=32, width=32, num_inference_steps=3,
@@ -245,6 +245,73 @@ def test_unfused_values_compile_nothing(sd):
         pipe.unload_lora_weights()
     with no_compile("unloaded"):
         np.testing.assert_array_equal(_ours(pipe), base)
+
+
+def test_fuse_lora_fuses_named_adapters_active_or_not(sd):
+    """``fuse_lora(adapter_names=["b"])`` fuses ``b`` at its strength although ``set_adapters`` left it inactive, as
+    diffusers does (PEFT merges a named adapter whatever the active set); the active ``a`` stays unfused. Found by
+    the lorasweep: the inactive adapter's switch (0) was fused with it, so nothing of it was, silently. Weight space
+    against diffusers' fused UNet, no compile."""
+    ref, pipe, base, folder = sd
+    a = peft_file(ref, folder / "named_a.safetensors", seed=40, bias=False)
+    b = peft_file(ref, folder / "named_b.safetensors", seed=41, bias=False)
+    ref.load_lora_weights(str(a), adapter_name="a")
+    ref.load_lora_weights(str(b), adapter_name="b")
+    try:
+        ref.set_adapters("a", 0.5)
+        ref.fuse_lora(adapter_names=["b"])
+        expected = {k.replace(".base_layer", ""): v.detach().numpy().copy() for k, v in ref.unet.state_dict().items()
+                    if "lora_" not in k}
+    finally:
+        ref.unfuse_lora()
+        ref.unload_lora_weights()
+    before = state_dict(pipe.unet)
+    pipe.load_lora_weights(a, adapter_name="a")
+    pipe.load_lora_weights(b, adapter_name="b")
+    try:
+        pipe.set_adapters("a", 0.5)
+        pipe.fuse_lora(adapter_names=["b"])
+        assert pipe.get_active_adapters() == ["a"]
+        with pytest.warns(AdaptersNotSavedWarning):  # a, unfused, is left out: the weights hold b
+            ours = state_dict(pipe.unet)
+    finally:
+        pipe.unload_lora_weights()
+    bad = {k: rel_error(v, expected[k]) for k, v in ours.items() if rel_error(v, expected[k]) > 1e-4}
+    assert not bad, f"fused weights differ from diffusers': {bad}"
+    assert sum(not np.array_equal(v, before[k]) for k, v in ours.items()) > 20, "b was not fused"
+
+
+def test_deleting_the_active_adapter_activates_the_first_left(sd):
+    """Deleting a model's only active adapter makes the first one it still holds active (at its strength), with a
+    warning, as diffusers' ``delete_adapters`` (PEFT's ``delete_adapter``). Found by the lorasweep: none was left
+    active (255/255 from diffusers). Fused, in weight space against diffusers', no compile."""
+    ref, pipe, base, folder = sd
+    a = peft_file(ref, folder / "deleted_a.safetensors", seed=42, bias=False)
+    b = peft_file(ref, folder / "deleted_b.safetensors", seed=43, bias=False)
+    for p in (ref, pipe):
+        p.load_lora_weights(a if p is pipe else str(a), adapter_name="a")
+        p.load_lora_weights(b if p is pipe else str(b), adapter_name="b")
+        p.set_adapters(["a", "b"], [0.7, 1.0])
+        p.set_adapters("b")
+    try:
+        ref.delete_adapters("b")
+        assert ref.get_active_adapters() == ["a"]
+        ref.fuse_lora()
+        expected = {k.replace(".base_layer", ""): v.detach().numpy().copy() for k, v in ref.unet.state_dict().items()
+                    if "lora_" not in k}
+    finally:
+        ref.unfuse_lora()
+        ref.unload_lora_weights()
+    try:
+        with pytest.warns(LoraWarning, match=r"'a' in text_encoder, unet"):
+            pipe.delete_adapters("b")
+        assert pipe.get_active_adapters() == ["a"]
+        pipe.fuse_lora()
+        ours = state_dict(pipe.unet)
+    finally:
+        pipe.unload_lora_weights()
+    bad = {k: rel_error(v, expected[k]) for k, v in ours.items() if rel_error(v, expected[k]) > 1e-4}
+    assert not bad, f"fused weights differ from diffusers': {bad}"
 
 
 # -- refusals ----------------------------------------------------------------------------------------------------------

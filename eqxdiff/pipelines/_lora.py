@@ -29,7 +29,7 @@ from .. import nn
 from ..loading import AdaptersNotSavedWarning, CheckpointError, without_adapters
 from ..loading.lora import Matcher, match_models, parse, read_lora, same_structure, site_adapters
 from ..parallel import shard_params
-from ._lora_check import LoraWarning, check_coverage, check_lora_file, lora_format
+from ._lora_check import LoraWarning, active_after_delete, check_coverage, check_lora_file, lora_format
 from ._lora_check import listed as _listed
 from ._lora_format import LoraFormat, load_format
 
@@ -406,7 +406,8 @@ class LoraMixin:
     # -- removing ----------------------------------------------------------------------------------------------
 
     def delete_adapters(self, adapter_names: str | Sequence[str]) -> None:
-        """Remove adapters (their entries leave every layer: the models' structure changes)."""
+        """Remove adapters (their entries leave every layer: the models' structure changes); a model left without
+        an active adapter makes its first one active, as diffusers (:func:`active_after_delete`)."""
         names = self._check_names(adapter_names, "delete_adapters")
         state = self._lora()
         if state.fused:
@@ -423,11 +424,10 @@ class LoraMixin:
                 if not slots[path]:
                     del slots[path]
             setattr(self, component, nn.with_adapters(model, changes))
+        state.active = active_after_delete(state.adapters, state.active, names)
         for n in names:
             del state.adapters[n]
-        state.active = [n for n in state.active if n not in names]
-        if not state.adapters:
-            self.unload_lora_weights()
+        self.unload_lora_weights() if not state.adapters else self._refresh_lora()
 
     def unload_lora_weights(self) -> None:
         """Remove every adapter: each model is again the very object it was before the first load (fused weights
@@ -443,8 +443,8 @@ class LoraMixin:
                   adapter_names: Sequence[str] | None = None, safe_fusing: bool = False) -> None:
         """Merge adapters into the weights: ``W + lora_scale * change`` at their current strengths, summed in float32
         and cast back to each weight's dtype; the layers then compute as plain layers (the models' structure without
-        adapters, if all are fused). ``adapter_names``: which (default: the active ones, if enabled);
-        ``components``: where (default: all); ``safe_fusing``: refuse weights that come out non-finite.
+        adapters, if all are fused). ``adapter_names``: which, active or not, as diffusers (default: the active ones,
+        if enabled); ``components``: where (default: all); ``safe_fusing``: refuse weights that come out non-finite.
         :meth:`unfuse_lora` restores the models exactly."""
         state = self._lora()
         if state.fused:
@@ -480,7 +480,7 @@ class LoraMixin:
             sub = nn.entries_kept(adapters, fuse)
             if sub is not None:
                 scales = nn.place_like(np.asarray(sub.scales) * np.float32(lora_scale), sub.scales)
-                sub = nn.Adapters(sub.entries, scales, sub.enabled)
+                sub = nn.Adapters(sub.entries, scales, np.ones(np.shape(sub.enabled), np.float32))  # named: fused
             to_fuse[path], to_keep[path] = sub, nn.entries_kept(adapters, keep)
         fused = nn.fuse_adapters(nn.with_adapters(model, to_fuse), how="host" if self.mesh is None else "jit")
         return nn.with_adapters(fused, {p: a for p, a in to_keep.items() if a is not None})
