@@ -499,7 +499,8 @@ API = [
     ("key-int", lambda c: c.pipe("a", key=5), InputTypeError, r"key=5 is an int; pass seed=5"),
     ("key-float", lambda c: c.pipe("a", key=np.zeros(2, np.float32)), InputError, r"key of dtype float32 and shape "
      r"\(2,\) is not a PRNG key"),
-    ("output-type", lambda c: c.pipe("a", output_type="pil"), InputError, r"output_type='pil'; choose one of"),
+    ("output-type", lambda c: c.pipe("a", output_type="pt"), InputError, r"output_type='pt'; choose one of \('uint8', "
+     r"'np', 'pil', 'latent'\)"),
     ("negative-prompts-count", lambda c: c.pipe("a", negative_prompt=["x", "y"], progress=False), InputError,
      r"negative_prompt has 2 entries but prompt has 1"),
     ("timesteps-empty", lambda c: c.pipe("a", timesteps=[]), InputError, r"timesteps must be a non-empty list"),

@@ -59,6 +59,18 @@ def test_text_to_image_matches_diffusers(tmp_path, scheduler, prediction, sd2, k
     assert ours.dtype == np.uint8 and ours.shape == (2, 32, 32, 3)
     assert _max_pixel_diff(ours, expected) <= 2
     assert np.std(ours) > 1  # a real image, not a constant
+    # diffusers' other output types from the same loop: "np" the float32 pixels in [0, 1] before quantisation (as
+    # diffusers' to float32 precision, not 1/255), "pil" the uint8 pixels as a list of PIL images
+    floats = pipe(PROMPTS, negative_prompt, latents=latents, height=32, width=32, output_type="np", progress=False,
+                  **kwargs)
+    assert floats.dtype == np.float32 and floats.shape == expected.shape
+    assert pipe.timings["denoise_compile"] == 0.0  # the same loop program; only the post-processing is new
+    assert_close(floats, expected, 2e-5, "output_type='np' vs diffusers'")  # measured <= 5e-6; 1/510 if quantised
+    assert np.array_equal((floats * 255).round().astype(np.uint8), ours)  # the uint8 output quantises these
+    pil = pipe(PROMPTS, negative_prompt, latents=latents, height=32, width=32, output_type="pil", progress=False,
+               **kwargs)
+    assert isinstance(pil, list) and [(im.mode, im.size) for im in pil] == [("RGB", (32, 32))] * 2
+    assert np.array_equal(np.stack([np.asarray(im) for im in pil]), ours)
 
     # diffusers' own text embeddings (and its negative ones under guidance) given instead of the prompts: the same
     # images from the same compiled loop

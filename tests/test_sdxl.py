@@ -312,8 +312,8 @@ def test_errors_name_the_fix(base, refiner, tmp_path):
         pipe(PROMPTS, prompt_2=["x"])
     with pytest.raises(ValueError, match="needs image="):
         refiner_pipe("a cat")
-    with pytest.raises(ValueError, match="output_type='pil'; choose one of"):
-        pipe("a cat", output_type="pil")
+    with pytest.raises(ValueError, match="output_type='PIL'; choose one of"):
+        pipe("a cat", output_type="PIL")
     with pytest.raises(ValueError, match="got 3 images for 2 outputs"):
         refiner_pipe(PROMPTS, image=np.zeros((3, 32, 32, 3), np.uint8))
     with pytest.raises(ValueError, match="needs image= and mask_image="):

@@ -120,6 +120,17 @@ def test_text_to_video_matches_diffusers(t2v):
     ours = pipe(PROMPTS, negative_prompt=NEGATIVES, latents=noise, progress=False, **kwargs)
     assert ours.shape == (2, 9, 32, 32, 3) and ours.dtype == np.uint8
     assert _pixels_off(ours, expected) <= 2 and np.std(ours) > 1
+    # diffusers' other output types from the same loop: "np" the float32 frames in [0, 1] before quantisation (as
+    # diffusers' to float32 precision, not 1/255), "pil" the uint8 frames as a list per video of PIL images
+    floats = pipe(PROMPTS, negative_prompt=NEGATIVES, latents=noise, output_type="np", progress=False, **kwargs)
+    assert floats.dtype == np.float32 and floats.shape == expected.shape == (2, 9, 32, 32, 3)
+    assert pipe.timings["denoise_compile"] == 0.0  # the same loop program; only the post-processing is new
+    assert_close(floats, expected, 2e-5, "output_type='np' vs diffusers'")  # measured <= 5e-6; 1/510 if quantised
+    assert np.array_equal((floats * 255).round().astype(np.uint8), ours)  # the uint8 output quantises these
+    pil = pipe(PROMPTS, negative_prompt=NEGATIVES, latents=noise, output_type="pil", progress=False, **kwargs)
+    assert isinstance(pil, list) and all(isinstance(video, list) and len(video) == 9 for video in pil) and len(pil) == 2
+    assert {(im.mode, im.size) for video in pil for im in video} == {("RGB", (32, 32))}
+    assert np.array_equal(np.stack([np.stack([np.asarray(im) for im in video]) for video in pil]), ours)
 
     assert clean_prompt(" two  dogs &amp;amp; a\tball ") == "two dogs & a ball"
     with torch.no_grad():

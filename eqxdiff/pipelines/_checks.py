@@ -19,7 +19,10 @@ import jax
 import numpy as np
 from PIL import Image
 
-OUTPUT_TYPES = ("uint8", "latent")
+# What a call returns: uint8 pixels (the default), float32 pixels in [0, 1] ("np", diffusers' values before
+# quantisation), PIL images ("pil", as diffusers': a list, or for videos a list per video of its frames), or the final
+# latents (channels-last).
+OUTPUT_TYPES = ("uint8", "np", "pil", "latent")
 # A requested output above this many times the model's native pixel count, and this many latent tokens, gets an
 # InputWarning (the attention's cost grows with the square of the tokens).
 LARGE_OUTPUT_RATIO, LARGE_OUTPUT_TOKENS = 4, 4096
@@ -205,8 +208,9 @@ FINITE_HINTS = {
 
 def check_output_type(output_type: str) -> None:
     if output_type not in OUTPUT_TYPES:
-        raise InputError(f"output_type={output_type!r}; choose one of {OUTPUT_TYPES} (uint8 images, or the final "
-                         "latents channels-last, e.g. for a refiner)")
+        raise InputError(f"output_type={output_type!r}; choose one of {OUTPUT_TYPES} (uint8 images, float32 images in "
+                         "[0, 1], PIL images, or the final latents channels-last, e.g. for a refiner; 'pt' tensors "
+                         "are not offered: convert the 'np' arrays)")
 
 
 def _non_finite(name: str, value) -> str | None:

@@ -20,13 +20,33 @@ def to_uint8(images) -> np.ndarray:
     return (x * 255).round().astype(np.uint8)
 
 
+def _unit(images):
+    """Whether each ``[-1, 1]`` image is finite (``bool [n]``) and the images in ``[0, 1]``, in float32."""
+    x = images.astype(jnp.float32)
+    return jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1), jnp.clip(x / 2 + 0.5, 0.0, 1.0)
+
+
 @program
 def uint8_on_device(images):
     """:func:`to_uint8` where ``images`` lie (the same float32 arithmetic), and whether each image is finite
     (``bool [n]``): a pipeline's output crosses to the host as uint8."""
-    x = images.astype(jnp.float32)
-    finite = jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1)
-    return finite, (jnp.clip(x / 2 + 0.5, 0.0, 1.0) * 255).round().astype(jnp.uint8)
+    finite, x = _unit(images)
+    return finite, (x * 255).round().astype(jnp.uint8)
+
+
+@program
+def unit_on_device(images):
+    """``[-1, 1]`` images as float32 in ``[0, 1]`` where they lie (diffusers' ``denormalize``, ``(x / 2 +
+    0.5).clamp(0, 1)``: its ``output_type="np"`` values), and whether each image is finite (``bool [n]``)."""
+    return _unit(images)
+
+
+def to_pil(pixels: np.ndarray) -> list:
+    """uint8 images ``[n, H, W, 3]`` as a list of PIL images, videos ``[n, F, H, W, 3]`` as a list per video of its
+    frames (diffusers' ``output_type="pil"``, from ``VaeImageProcessor`` / ``VideoProcessor.postprocess_video``)."""
+    if pixels.ndim == 5:
+        return [to_pil(video) for video in pixels]
+    return [Image.fromarray(image) for image in pixels]
 
 
 def pil_to_array(images, mode: str = "RGB"):

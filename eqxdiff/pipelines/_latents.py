@@ -1,7 +1,8 @@
 """What every pipeline that diffuses in a VAE's latent space shares (the UNet families, Flux, the video families):
 the Gaussian draws of a call, the VAE's way in and out (optionally in tiles and, for videos, frame chunks), the
-denoising loop's run with its timing and progress bar, and the output: the final latents, or uint8 images
-``[n, H, W, 3]`` / videos ``[n, F, H, W, 3]``, checked for NaN with a hint that fits the call.
+denoising loop's run with its timing and progress bar, and the output: the final latents, or images
+``[n, H, W, 3]`` / videos ``[n, F, H, W, 3]`` (uint8, float32 in ``[0, 1]`` or PIL images: ``output_type``),
+checked for NaN with a hint that fits the call.
 
 **The VAE protocol.** A pipeline reads its ``vae`` through these names only, so an image VAE (``AutoencoderKL``) and
 a video VAE (``AutoencoderKLWan``, ``AutoencoderKLLTXVideo``) serve alike. The config: ``downsample_factor`` (pixels
@@ -26,7 +27,7 @@ from ..core import program
 from ._base import DiffusionPipeline
 from ._checks import check_finite_output
 from ._denoise import Guidance, denoise_loop
-from ._images import uint8_on_device
+from ._images import to_pil, uint8_on_device, unit_on_device
 from ._progress import progress_bar
 
 
@@ -144,10 +145,12 @@ class LatentPipeline(DiffusionPipeline):
 
     def finish(self, latents, output_type: str, *, guided_by: str | None = None, **decode_options):
         """The call's result from the final (unpacked, channels-last) latents: the latents themselves for
-        ``output_type="latent"``, else the decoded uint8 images ``[n, H, W, 3]`` or videos ``[n, F, H, W, 3]``
-        (:meth:`decode`, given ``decode_options``: the call's own decoder inputs, for a family whose :meth:`decode`
-        takes them). Either is checked for NaN/inf, with a hint naming the float32 settings and, if the call guided,
-        the guidance setting (``guided_by``, e.g. ``"guidance_scale (now 7.5)"``) that usually cure it."""
+        ``output_type="latent"``, else the decoded images ``[n, H, W, 3]`` or videos ``[n, F, H, W, 3]``: uint8
+        (``"uint8"``), float32 in ``[0, 1]`` (``"np"``, as diffusers') or PIL images (``"pil"``: a list of images,
+        or for videos a list per video of its frames, as diffusers'), through :meth:`decode`, given
+        ``decode_options`` (the call's own decoder inputs, for a family whose :meth:`decode` takes them). Either is
+        checked for NaN/inf, with a hint naming the float32 settings and, if the call guided, the guidance setting
+        (``guided_by``, e.g. ``"guidance_scale (now 7.5)"``) that usually cure it."""
         dtype = jnp.dtype(self.activations_dtype)
         hint = (f"the {dtype.name} activations may have overflowed: run in float32 (activations_dtype, "
                 "--activations-dtype/--weights-dtype float32)" if dtype.itemsize < 4 else
@@ -160,9 +163,11 @@ class LatentPipeline(DiffusionPipeline):
             return latents
         with self.timed("decode"):
             images = self.gather(self.decode(latents, **decode_options))
-            finite, pixels = uint8_on_device(images)  # a quarter of float32's bytes cross to the host
+            # uint8 (and PIL): a quarter of float32's bytes cross to the host; "np": the floats before quantisation
+            finite, pixels = (unit_on_device if output_type == "np" else uint8_on_device)(images)
             check_finite_output(images, what="videos" if images.ndim == 5 else "images", hint=hint, finite=finite)
-            return np.asarray(pixels)
+            pixels = np.asarray(pixels)
+            return to_pil(pixels) if output_type == "pil" else pixels
 
     @property
     def vae_dtype(self):

@@ -414,7 +414,8 @@ class FluxPipeline(LatentPipeline):
             negative_prompt_embeds: T5 embeddings of the negative prompt (true CFG).
             negative_pooled_prompt_embeds: CLIP's pooled embeddings of the negative prompt (true CFG).
             max_sequence_length: T5's prompt length in tokens (padded to it; at most 512).
-            output_type: ``"uint8"`` images or ``"latent"`` (unpacked, channels-last latents).
+            output_type: ``"uint8"`` images, ``"np"`` (float32 in [0, 1]), ``"pil"`` (a list of PIL
+                images) or ``"latent"`` (unpacked, channels-last latents).
             progress: Show a progress bar.
         """
         key = resolve_key(seed, key)

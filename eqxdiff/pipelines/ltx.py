@@ -417,7 +417,8 @@ class LTXPipeline(LatentPipeline):
             decode_noise_scale: How much fresh noise is mixed into the latents before decoding (default:
                 decode_timestep).
             max_sequence_length: T5's prompt length in tokens (padded to it).
-            output_type: ``"uint8"`` frames or ``"latent"`` (channels-last latents).
+            output_type: ``"uint8"`` frames, ``"np"`` (float32 in [0, 1]), ``"pil"`` (per video a list of PIL
+                frames) or ``"latent"`` (channels-last latents).
             progress: Show a progress bar.
         """
         key = resolve_key(seed, key)

@@ -163,7 +163,8 @@ class LTXLatentUpsamplePipeline(LatentPipeline):
             decode_noise_scale: How much fresh noise is mixed into the latents before decoding (default:
                 decode_timestep).
             seed: Random seed (the video's posterior sample and the decode noise).
-            output_type: ``"uint8"`` frames or ``"latent"`` (normalised, channels-last latents: the refine stage's
+            output_type: ``"uint8"`` frames, ``"np"`` (float32 in [0, 1]), ``"pil"`` (per video a list of PIL
+                frames) or ``"latent"`` (normalised, channels-last latents: the refine stage's
                 input).
             progress: Unused (no loop); accepted as the other pipelines accept it.
         """

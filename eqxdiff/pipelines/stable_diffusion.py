@@ -118,7 +118,8 @@ class StableDiffusionPipeline(UNetPipeline):
             eta: Noise of the DDIM / TCD steps.
             timesteps: A custom descending timestep schedule (replaces ``num_inference_steps``).
             sigmas: A custom noise-level schedule (replaces ``num_inference_steps``).
-            output_type: ``"uint8"`` images or ``"latent"`` (channels-last latents).
+            output_type: ``"uint8"`` images, ``"np"`` (float32 in [0, 1]), ``"pil"`` (a list of PIL
+                images) or ``"latent"`` (channels-last latents).
         """
         self.check_inputs(image=image, mask_image=mask_image)
         if num_images_per_prompt < 1:

@@ -246,7 +246,8 @@ class StableDiffusionXLPipeline(UNetPipeline):
             negative_target_size: The negative conditioning's ``target_size``.
             aesthetic_score: The refiner's aesthetic score (with ``requires_aesthetics_score``).
             negative_aesthetic_score: The refiner's negative aesthetic score.
-            output_type: ``"uint8"`` images or ``"latent"`` (channels-last latents).
+            output_type: ``"uint8"`` images, ``"np"`` (float32 in [0, 1]), ``"pil"`` (a list of PIL
+                images) or ``"latent"`` (channels-last latents).
         """
         self.check_inputs(image=image, mask_image=mask_image)
         if num_images_per_prompt < 1:

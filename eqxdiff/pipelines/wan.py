@@ -432,7 +432,8 @@ class WanPipeline(LatentPipeline):
             prompt_embeds: UMT5 embeddings ``[n, seq, text_dim]`` instead of ``prompt``.
             negative_prompt_embeds: UMT5 embeddings of the negative prompt.
             max_sequence_length: UMT5's prompt length in tokens (padded to it).
-            output_type: ``"uint8"`` frames or ``"latent"`` (channels-last latents).
+            output_type: ``"uint8"`` frames, ``"np"`` (float32 in [0, 1]), ``"pil"`` (per video a list of PIL
+                frames) or ``"latent"`` (channels-last latents).
             progress: Show a progress bar.
         """
         key = resolve_key(seed, key)
