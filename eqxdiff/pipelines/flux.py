@@ -137,8 +137,9 @@ def image_size_error(height: int, width: int, factor: int) -> InputError:
 class FluxPipeline(LatentPipeline):
     """Flux.1 text-to-image (diffusers' ``FluxPipeline`` folders: FLUX.1-dev, FLUX.1-schnell and their fine-tunes).
 
-    Call it with diffusers' argument names; it returns uint8 images ``[n, height, width, 3]`` (or, with
-    ``output_type="latent"``, the final latents unpacked and channels-last). See the module docstring for the
+    Call it with diffusers' argument names; it returns uint8 images ``[n, height, width, 3]`` (``"np"``
+    floats, ``"pil"`` images, or with ``output_type="latent"`` the final latents unpacked and
+    channels-last). See the module docstring for the
     prompts, guidance and latents, and :class:`~eqxdiff.pipelines.DiffusionPipeline` for ``attention``,
     ``activations_dtype``, ``mesh``, ``rules`` and ``offload_encoders``.
     """

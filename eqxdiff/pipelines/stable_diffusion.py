@@ -42,8 +42,9 @@ def encode_prompt(text_encoder, input_ids: Int[Array, "batch seq"], *,
 class StableDiffusionPipeline(UNetPipeline):
     """Text-to-image, image-to-image and inpainting with a CLIP text encoder, a UNet, a VAE and a scheduler.
 
-    Call it with diffusers' argument names; it returns uint8 images ``[n, height, width, 3]`` (or the final latents
-    with ``output_type="latent"``). See :class:`~eqxdiff.pipelines.DiffusionPipeline` for ``attention``,
+    Call it with diffusers' argument names; it returns uint8 images ``[n, height, width, 3]`` (``"np"``
+    floats, ``"pil"`` images, or the final latents with ``output_type="latent"``). See
+    :class:`~eqxdiff.pipelines.DiffusionPipeline` for ``attention``,
     ``activations_dtype``, ``mesh``, ``rules`` and ``offload_encoders``.
     """
 

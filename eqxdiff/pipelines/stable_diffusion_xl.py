@@ -56,8 +56,9 @@ class StableDiffusionXLPipeline(UNetPipeline):
     """SDXL text-to-image (and image-to-image / inpainting with ``image`` / ``mask_image``, under the
     text-to-image micro-conditioning; the Img2Img and Inpaint classes follow diffusers' for those tasks).
 
-    Returns uint8 images ``[n, height, width, 3]``, or with ``output_type="latent"`` the final latents
-    channels-last (a refiner's ``image``). ``force_zeros_for_empty_prompt`` (``model_index.json``; default true):
+    Returns uint8 images ``[n, height, width, 3]`` (``output_type``: ``"np"`` floats, ``"pil"`` images), or
+    with ``output_type="latent"`` the final latents channels-last (a refiner's ``image``).
+    ``force_zeros_for_empty_prompt`` (``model_index.json``; default true):
     without a ``negative_prompt`` the negative embeddings are zeros rather than the encoded empty prompt.
     """
 
