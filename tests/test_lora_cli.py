@@ -94,6 +94,7 @@ def _api(pipe, adapters, *, fuse=False) -> np.ndarray:
             pipe.fuse_lora()
         return np.asarray(pipe(DIGITS_PROMPT, num_inference_steps=2, seed=3, progress=False))[0]
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
 
 
@@ -201,6 +202,7 @@ def test_no_lora_strict_loads_the_rest_with_a_warning(pipe, files, monkeypatch):
             records = _lora.apply_loras(pipe, checked.loras, checked.args.lora)
         assert [r["name"] for r in records] == ["partly"] and pipe.get_active_adapters() == ["partly"]
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
 
 
@@ -265,6 +267,7 @@ def test_from_pipe_and_with_scheduler_carry_the_adapters(pipe, files):
             fresh.set_adapters("style")
         assert StableDiffusionPipeline.from_pipe(pipe, unet=pipe.unet).get_list_adapters() == {"unet": ["style"]}
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
 
 
@@ -299,6 +302,7 @@ def test_saving_leaves_unfused_adapters_out_with_one_warning(pipe, files, tmp_pa
         assert all(np.array_equal(a, b) for a, b in zip(saved, fused, strict=True))
         assert not all(np.array_equal(a, b) for a, b in zip(saved, plain, strict=True))
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
 
 

@@ -67,6 +67,7 @@ def _fused(pipe, path) -> np.ndarray:
         with no_compile("a fused Flux LoRA"):
             return _ours(pipe)
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
 
 
@@ -257,6 +258,7 @@ def test_peft_unfused_and_fused(flux):
         with no_compile("fused"):
             _close(_ours(pipe), fused_ref, "PEFT fused")
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
 
 
@@ -301,5 +303,6 @@ def test_fused_projections_and_scanned_stacks_take_the_same_files(flux):
         assert_close(got[1], want[1], what="scanned CLIP")
         assert not np.allclose(want[0], plain[0], atol=1e-3) and not np.allclose(want[1], plain[1], atol=1e-3)
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
         other.unload_lora_weights()

@@ -128,6 +128,7 @@ def test_control_lora_matches_diffusers_and_unloads(flux):
             control.unload_lora_weights()
             assert control.transformer is base and pipe.get_active_adapters() == ["control"]
         finally:
+            pipe.unfuse_lora()
             pipe.unload_lora_weights()
         assert pipe.transformer is base and base.config.in_channels == 4
 
@@ -184,6 +185,7 @@ def test_control_lora_pipeline_matches_diffusers(flux, monkeypatch):
         ours = FluxControlPipeline.from_pipe(pipe)(PROMPTS, control_image=images, latents=noise, seed=7,
                                                    progress=False, **kwargs)
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
     assert _pixels_off(ours, expected) <= 2 and np.std(ours) > 1
 

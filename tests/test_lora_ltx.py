@@ -62,6 +62,7 @@ def _check(pipe, path, expected: dict, what: str, layers: int) -> None:
         pipe.fuse_lora()
         ours = state_dict(pipe.transformer)
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
     assert set(ours) == set(expected)
     bad = {k: rel_error(ours[k], expected[k]) for k in ours if rel_error(ours[k], expected[k]) > 1e-4}

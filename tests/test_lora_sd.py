@@ -10,6 +10,8 @@ tests/test_lora_nn.py). Fused formats share the pipeline's compiled program (a f
 plain one); unfused ones compile once per adapter structure, after which strengths, switches, another file of the
 same shapes and a hotswap under ``max_rank`` compile nothing (counted as tests/test_recompile.py counts)."""
 
+import warnings
+
 import jax
 import numpy as np
 import pytest
@@ -174,6 +176,7 @@ def test_format_fused_matches_diffusers(sd, fmt):
         for c, leaves in originals.items():  # unfusing gives back the very bytes
             assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(leaves, _leaves(getattr(pipe, c))))
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
 
 
@@ -195,6 +198,7 @@ def test_lycoris_kinds_match_lycoris_fused(sd):
         _close(got, expected, "LyCORIS kinds, fused")
         _moved(got, base, "LyCORIS kinds")
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
 
 
@@ -242,6 +246,7 @@ def test_unfused_values_compile_nothing(sd):
         assert pipe.get_list_adapters() == {"unet": ["b"], "text_encoder": ["b"]}
         _close(swapped, _diffusers(ref, c, fuse=False), "hotswapped")
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
     with no_compile("unloaded"):
         np.testing.assert_array_equal(_ours(pipe), base)
@@ -265,7 +270,7 @@ def test_fuse_lora_fuses_named_adapters_active_or_not(sd):
     finally:
         ref.unfuse_lora()
         ref.unload_lora_weights()
-    before = state_dict(pipe.unet)
+    before, models = state_dict(pipe.unet), (pipe.unet, pipe.text_encoder)
     pipe.load_lora_weights(a, adapter_name="a")
     pipe.load_lora_weights(b, adapter_name="b")
     try:
@@ -274,11 +279,18 @@ def test_fuse_lora_fuses_named_adapters_active_or_not(sd):
         assert pipe.get_active_adapters() == ["a"]
         with pytest.warns(AdaptersNotSavedWarning):  # a, unfused, is left out: the weights hold b
             ours = state_dict(pipe.unet)
+        pipe.unload_lora_weights()  # as diffusers: b stays fused (how a LoRA is baked in before saving), a goes
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", AdaptersNotSavedWarning)  # no adapter is left
+            unloaded = state_dict(pipe.unet)
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
+        pipe.unet, pipe.text_encoder = models
     bad = {k: rel_error(v, expected[k]) for k, v in ours.items() if rel_error(v, expected[k]) > 1e-4}
     assert not bad, f"fused weights differ from diffusers': {bad}"
     assert sum(not np.array_equal(v, before[k]) for k, v in ours.items()) > 20, "b was not fused"
+    assert all(np.array_equal(v, ours[k]) for k, v in unloaded.items()), "unloading undid the fused weights"
 
 
 def test_deleting_the_active_adapter_activates_the_first_left(sd):
@@ -309,6 +321,7 @@ def test_deleting_the_active_adapter_activates_the_first_left(sd):
         pipe.fuse_lora()
         ours = state_dict(pipe.unet)
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
     bad = {k: rel_error(v, expected[k]) for k, v in ours.items() if rel_error(v, expected[k]) > 1e-4}
     assert not bad, f"fused weights differ from diffusers': {bad}"
@@ -337,6 +350,7 @@ def test_strict_errors_and_warnings(sd):
         with pytest.raises(ValueError, match="hotswap=True replaces a loaded adapter"):
             pipe.load_lora_weights(path, adapter_name="other", hotswap=True)
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
     nothing = files.save({"some.random.tensor": torch.ones(3)}, folder / "nothing.safetensors")
     with pytest.raises(CheckpointError, match="Nothing in the file applies"):

@@ -64,6 +64,7 @@ def _fused(pipe, path):
         with no_compile("a fused SDXL LoRA"):
             return _ours(pipe)
     finally:
+        pipe.unfuse_lora()
         pipe.unload_lora_weights()
 
 

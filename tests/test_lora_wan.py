@@ -125,6 +125,7 @@ class Case:
             with no_compile(f"{what} fused"):
                 self.check(fused, f"{what} fused")
         finally:
+            self.pipe.unfuse_lora()
             self.pipe.unload_lora_weights()
 
 
@@ -217,6 +218,7 @@ def test_peft_unfused_fused_strength_and_hotswap(t2v):
         with no_compile("a hotswapped Wan LoRA"):
             case.check(expected_other, "original names hotswapped")
     finally:
+        case.pipe.unfuse_lora()
         case.pipe.unload_lora_weights()
 
 

@@ -11,8 +11,9 @@ Every family's models hold the adapters in their layers' ``adapters`` slots (:mo
 at call time with traced strengths: a new strength, switching adapters on or off, or another file of the same ranks
 and targets (``hotswap=True``; ranks padded to ``max_rank=``) reuses the compiled denoising loop. ``fuse_lora``
 merges them into the weights (float32 sums cast back) and ``unfuse_lora`` gives back the models as they were, byte
-for byte. Which models a family's files adapt and how their keys name them is the family's ``LORA_FORMAT``
-(:class:`~eqxdiff.pipelines._lora_format.LoraFormat`); this mixin names no family.
+for byte (``unload_lora_weights`` keeps them merged, as diffusers). Which models a family's files adapt and how
+their keys name them is the family's ``LORA_FORMAT`` (:class:`~eqxdiff.pipelines._lora_format.LoraFormat`); this
+mixin names no family.
 """
 
 import copy
@@ -430,11 +431,13 @@ class LoraMixin:
         self.unload_lora_weights() if not state.adapters else self._refresh_lora()
 
     def unload_lora_weights(self) -> None:
-        """Remove every adapter: each model is again the very object it was before the first load (fused weights
-        included: their originals come back)."""
+        """Remove every adapter, as diffusers: each model is again the very object it was before the first load, but
+        one :meth:`fuse_lora` merged adapters into keeps those weights, its other adapters gone (how a LoRA is baked
+        in before saving; ``unfuse_lora()`` first gives the originals back)."""
         state = self._lora()
         for component, model in state.original.items():
-            setattr(self, component, model)
+            setattr(self, component, without_adapters(getattr(self, component))[0] if component in state.unfused
+                    else model)
         self.__dict__["_lora_state"] = LoraState()
 
     # -- fusing ------------------------------------------------------------------------------------------------
@@ -459,8 +462,7 @@ class LoraMixin:
             raise ValueError(f"fuse_lora: components {unknown} hold no adapters; those that do: {list(state.slots)}")
         fused_models = {}
         for component in comps:
-            model = getattr(self, component)
-            fused_models[component] = self._fuse_one(component, model, names, lora_scale)
+            fused_models[component] = self._fuse_one(component, getattr(self, component), names, lora_scale)
             if safe_fusing and not all(bool(np.all(np.isfinite(np.asarray(x))))
                                        for x in jax.tree.leaves(eqx.filter(fused_models[component], eqx.is_array))):
                 raise ValueError(f"fuse_lora(safe_fusing=True): {component} has non-finite weights once fused; "
@@ -488,10 +490,8 @@ class LoraMixin:
     def unfuse_lora(self, components: Sequence[str] | None = None) -> None:
         """Give back the models :meth:`fuse_lora` replaced, exactly (their original arrays)."""
         state = self._lora()
-        comps = list(state.unfused) if components is None else list(components)
-        for component in comps:
-            if component in state.unfused:
-                setattr(self, component, state.unfused.pop(component))
+        for component in [c for c in (state.unfused if components is None else components) if c in state.unfused]:
+            setattr(self, component, state.unfused.pop(component))
         if not state.unfused:
             state.fused = []
 
