@@ -13,6 +13,7 @@ are Wan's published ones). Only weights are compared here (no program compiles):
 """
 
 import json
+import re
 
 import diffusers
 import numpy as np
@@ -215,18 +216,41 @@ def test_load_pipeline_from_a_vae_file(i2v, tmp_path):
     _assert_weights(pipe.vae, vae, "the file's VAE")
 
 
-def test_a_cut_file_names_what_it_lacks(i2v, tmp_path):
+@pytest.mark.parametrize("cut", ["blocks.1.ffn.2.weight", "head.modulation"])
+def test_a_cut_file_names_what_it_lacks(i2v, cut, tmp_path):
     """A file missing a tensor is read through the Wan part it fits best, so the error names the one missing
-    tensor (not every name of another layout)."""
+    tensor in the file's names (not every name of another layout), be it one of a repeated block's or a single
+    tensor such as head.modulation (which used to fail as a rule that matched nothing)."""
     folder, state = i2v
     original = _original(state)
-    del original["blocks.1.ffn.2.weight"]
+    del original[cut]
     path = _write(original, tmp_path / "cut.safetensors")
-    missing = r"1 tensor\(s\) missing from the file .*: blocks\.1\.ffn\.net\.2\.weight\."
+    missing = rf"WanTransformer3DModel in file .*: 1 tensor\(s\) missing: '{re.escape(cut)}'\. The file is incomplete"
     with pytest.raises(CheckpointError, match=missing):
         eqxdiff.load(path, config=folder / "transformer")
-    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) missing: 'blocks\.1\.ffn\.2\.weight'"):
-        eqxdiff.load_pipeline(path, config=folder)
+    if cut != "head.modulation":  # a layout's signature: without it the file is no Wan layout
+        with pytest.raises(CheckpointError, match=rf"1 tensor\(s\) missing: '{re.escape(cut)}'"):
+            eqxdiff.load_pipeline(path, config=folder)
+
+
+def test_a_scaled_float8_file_is_refused_by_name(i2v, tmp_path):
+    """ComfyUI's *_fp8_scaled files store each float8 weight divided by a per-layer scale_weight (and a scaled_fp8
+    marker): read without the scales the weights would be wrong (diffusers' from_single_file drops them with a
+    warning), so eqxdiff refuses the file and says what it is and what to load instead. A plain float8_e4m3fn file
+    is cast, as diffusers casts it."""
+    import ml_dtypes
+
+    folder, state = i2v
+    original = _original(state, formats.WAN_DIFFUSION_MODEL)
+    plain = {k: v.astype(ml_dtypes.float8_e4m3fn) if v.ndim == 2 else v for k, v in original.items()}
+    got = state_dict(eqxdiff.load(_write(plain, tmp_path / "fp8.safetensors"), config=folder / "transformer"))
+    name = "blocks.0.attn1.to_q.weight"
+    np.testing.assert_array_equal(got[name], state[name].astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    scaled = {**plain, formats.WAN_DIFFUSION_MODEL + "scaled_fp8": np.zeros((0,), ml_dtypes.float8_e4m3fn),
+              formats.WAN_DIFFUSION_MODEL + "blocks.0.self_attn.q.scale_weight": np.ones((1,), np.float32)}
+    with pytest.raises(CheckpointError, match=r"2 unexpected tensor.*the per-layer scales of a ComfyUI scaled float8 "
+                                              r"file.*load a bfloat16 / float16 release"):
+        eqxdiff.load(_write(scaled, tmp_path / "fp8_scaled.safetensors"), config=folder / "transformer")
 
 
 def test_another_familys_config_is_named(i2v, tmp_path):
