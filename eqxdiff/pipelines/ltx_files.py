@@ -2,8 +2,8 @@
 ``ltx-video-2b-v0.9.x.safetensors`` and ``ltxv-13b-0.9.x-*.safetensors`` hold the transformer below
 ``model.diffusion_model.`` and the VAE below ``vae.`` in the original names
 (:func:`eqxdiff.loading.formats.ltx_transformer`, :func:`~eqxdiff.loading.formats.ltx_vae`); a transformer file in
-those names without the prefix is a layout too. Their configs, the T5 encoder, the tokenizer and the scheduler come
-from ``config=``, the matching diffusers folder (the files carry no config a loader could trust):
+those names without the prefix, and a VAE file alone, are layouts too. Their configs, the T5 encoder, the tokenizer
+and the scheduler come from ``config=``, the matching diffusers folder (the files carry no config a loader could trust):
 
 >>> pipe = eqxdiff.load_pipeline("ltx-video-2b-v0.9.5.safetensors", config="Lightricks/LTX-Video-0.9.5")
 >>> pipe = eqxdiff.load_pipeline("ltxv-13b-0.9.7-dev.safetensors", config="Lightricks/LTX-Video-0.9.7-dev",
@@ -53,12 +53,14 @@ class LightricksVae(Part):
 _SINGLE_FILE = dict(family="LTX-Video", pipelines=("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline"),
                     tokenizers={"tokenizer": "text_encoder"}, hub_id="Lightricks/LTX-Video")
 # Lightricks' files (the transformer below model.diffusion_model., the VAE below vae.), then a transformer file in
-# the same names without the prefix (as diffusers' from_single_file reads too: its LTX keys include the bare
-# patchify_proj.weight); written files take the first.
+# the same names without the prefix and a VAE file alone (below vae.), as diffusers' from_single_file reads them too
+# (its LTX keys include the bare patchify_proj.weight and vae.decoder.*); written files take the first.
 SINGLE_FILE_LAYOUTS = (
     Layout(name="ltx_lightricks", signature=(formats.LTX_DIFFUSION_MODEL + "patchify_proj.weight",
                                              formats.LTX_DIFFUSION_MODEL + "adaln_single."),
            parts=(LightricksTransformer(), LightricksVae(optional=True)), **_SINGLE_FILE),
     Layout(name="ltx_transformer", signature=("patchify_proj.weight", "adaln_single."),
            parts=(LightricksTransformer(prefix=""),), **_SINGLE_FILE),
+    Layout(name="ltx_vae", signature=(formats.LTX_VAE + formats.LTX_STATISTICS, formats.LTX_VAE + "decoder."),
+           parts=(LightricksVae(),), **_SINGLE_FILE),
 )
