@@ -13,7 +13,7 @@ and the scheduler come from ``config=``, the matching diffusers folder (the file
 import dataclasses
 
 from ..loading import formats
-from ..loading.single_file import Layout, Part
+from ..loading.single_file import Layout, Part, Sized
 
 __all__ = ["SINGLE_FILE_LAYOUTS", "LightricksTransformer", "LightricksVae"]
 
@@ -52,13 +52,29 @@ class LightricksVae(Part):
 
 _SINGLE_FILE = dict(family="LTX-Video", pipelines=("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline"),
                     tokenizers={"tokenizer": "text_encoder"}, hub_id="Lightricks/LTX-Video")
-# Lightricks' files (the transformer below model.diffusion_model., the VAE below vae.), then a transformer file in
+_LIGHTRICKS = (formats.LTX_DIFFUSION_MODEL + "patchify_proj.weight", formats.LTX_DIFFUSION_MODEL + "adaln_single.")
+
+
+def _lightricks(name: str, signature: tuple, hub_id: str) -> Layout:
+    """Lightricks' file of one release, told as diffusers' ``infer_diffusers_model_type`` tells it, so that the
+    ``config=`` a message suggests is the one diffusers' ``from_single_file`` fetches for it."""
+    return Layout(name=name, signature=(*_LIGHTRICKS, *signature), parts=(LightricksTransformer(),
+                  LightricksVae(optional=True)), **{**_SINGLE_FILE, "hub_id": hub_id})
+
+
+# Lightricks' files (the transformer below model.diffusion_model., the VAE below vae.): first the releases diffusers
+# tells apart by their tensors (the 13B's 48 blocks: 0.9.7; an encoder 2048 wide: the 0.9.5 VAE; a timestep-conditioned
+# decoder: 0.9.1), which differ only in the config= their messages suggest, then any other; then a transformer file in
 # the same names without the prefix and a VAE file alone (below vae.), as diffusers' from_single_file reads them too
-# (its LTX keys include the bare patchify_proj.weight and vae.decoder.*); written files take the first.
+# (its LTX keys include the bare patchify_proj.weight and vae.decoder.*). Written files take the first that fits.
 SINGLE_FILE_LAYOUTS = (
-    Layout(name="ltx_lightricks", signature=(formats.LTX_DIFFUSION_MODEL + "patchify_proj.weight",
-                                             formats.LTX_DIFFUSION_MODEL + "adaln_single."),
-           parts=(LightricksTransformer(), LightricksVae(optional=True)), **_SINGLE_FILE),
+    _lightricks("ltx_lightricks_0.9.7", (formats.LTX_DIFFUSION_MODEL + "transformer_blocks.47.",),
+                "Lightricks/LTX-Video-0.9.7-dev"),
+    _lightricks("ltx_lightricks_0.9.5", (Sized(formats.LTX_VAE + "encoder.conv_out.conv.weight", 1, 2048),),
+                "Lightricks/LTX-Video-0.9.5"),
+    _lightricks("ltx_lightricks_0.9.1", (formats.LTX_VAE + "decoder.last_time_embedder.",),
+                "diffusers/LTX-Video-0.9.1"),
+    _lightricks("ltx_lightricks", (), "diffusers/LTX-Video-0.9.0"),
     Layout(name="ltx_transformer", signature=("patchify_proj.weight", "adaln_single."),
            parts=(LightricksTransformer(prefix=""),), **_SINGLE_FILE),
     Layout(name="ltx_vae", signature=(formats.LTX_VAE + formats.LTX_STATISTICS, formats.LTX_VAE + "decoder."),
