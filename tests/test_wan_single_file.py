@@ -231,6 +231,12 @@ def test_a_cut_file_names_what_it_lacks(i2v, cut, tmp_path):
     if cut != "head.modulation":  # a layout's signature: without it the file is no Wan layout
         with pytest.raises(CheckpointError, match=rf"1 tensor\(s\) missing: '{re.escape(cut)}'"):
             eqxdiff.load_pipeline(path, config=folder)
+        # a whole file with the config of another Wan model (text-to-video: no added k/v) says so, not 'rules'
+        t2v = {k: v for k, v in json.loads((folder / "transformer" / "config.json").read_text()).items()
+               if k not in ("added_kv_proj_dim", "image_dim")}
+        with pytest.raises(CheckpointError, match=r"unexpected tensor.*add_k_proj.*original names, but its tensors "
+                                                  r"are not those of the config passed: pass config="):
+            eqxdiff.load(_write(_original(state), tmp_path / "whole.safetensors"), config=t2v)
 
 
 def test_a_scaled_float8_file_is_refused_by_name(i2v, tmp_path):
