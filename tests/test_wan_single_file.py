@@ -25,6 +25,7 @@ import eqxdiff
 from eqxdiff.loading import (
     CheckpointError,
     SafetensorsFile,
+    convert,
     convert_tensors,
     formats,
     inverse,
@@ -289,3 +290,29 @@ def test_another_familys_config_is_named(i2v, tmp_path):
         eqxdiff.load(vae, config=ltx_vae)
     with pytest.raises(CheckpointError, match=r"no file .*typo\.safetensors'; check its path"):
         eqxdiff.load_pipeline(tmp_path / "typo.safetensors", config=folder)
+
+
+@pytest.mark.parametrize("release, hub_id", [
+    ("WAN21_T2V_1_3B", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"), ("WAN21_T2V_14B", "Wan-AI/Wan2.1-T2V-14B-Diffusers"),
+    ("WAN21_I2V_14B", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"),
+    ("WAN21_FLF2V_14B", "Wan-AI/Wan2.1-FLF2V-14B-720P-Diffusers"),
+    ("WAN22_TI2V_5B", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"), ("WAN21_VAE", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
+    ("WAN22_VAE", "Wan-AI/Wan2.2-TI2V-5B-Diffusers")])
+def test_released_files_suggest_their_own_hub_folder(release, hub_id):
+    """A released model's original file (on the meta device: names and shapes; bare and below ComfyUI's prefix) is
+    told apart by its tensors, so the config= eqxdiff's messages suggest is its own Hub folder (they used to suggest
+    the 1.3B text-to-video folder for every file; diffusers' from_single_file fetches that, 14B T2V or 14B I2V, by
+    width). Which layout reads the file changes nothing else: every release's part is the same."""
+    from eqxdiff.core import single_file_layouts
+    from eqxdiff.loading.single_file import Shapes, detect_in
+
+    config = getattr(tiny, release)
+    vae = release.endswith("VAE")
+    with torch.device("meta"):
+        model = (diffusers.AutoencoderKLWan if vae else diffusers.WanTransformer3DModel)(**config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    rules = formats.wan_vae(residual=bool(config.get("is_residual"))) if vae else formats.wan_transformer()
+    for prefix in ("",) if vae else ("", formats.WAN_DIFFUSION_MODEL):
+        view = convert(Shapes(shapes), inverse(rules))
+        file = Shapes({prefix + n: tuple(view.shape(n)) for n in view.names()})
+        assert detect_in(file, "file", single_file_layouts()).hub_id == hub_id, prefix
