@@ -255,9 +255,18 @@ def test_a_scaled_float8_file_is_refused_by_name(i2v, tmp_path):
     np.testing.assert_array_equal(got[name], state[name].astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
     scaled = {**plain, formats.WAN_DIFFUSION_MODEL + "scaled_fp8": np.zeros((0,), ml_dtypes.float8_e4m3fn),
               formats.WAN_DIFFUSION_MODEL + "blocks.0.self_attn.q.scale_weight": np.ones((1,), np.float32)}
-    with pytest.raises(CheckpointError, match=r"2 unexpected tensor.*the per-layer scales of a ComfyUI scaled float8 "
-                                              r"file.*load a bfloat16 / float16 release"):
+    refused = r"is a ComfyUI scaled float8 file .*'model.diffusion_model.blocks.0.self_attn.q.scale_weight'.*" \
+              r"load a bfloat16 / float16 release"
+    with pytest.raises(CheckpointError, match=refused):
         eqxdiff.load(_write(scaled, tmp_path / "fp8_scaled.safetensors"), config=folder / "transformer")
+    # a Flux file's fused qkv scale used to fail its Split rule ('1 along axis 0 does not cut into 3 equal parts')
+    from . import _tiny_flux
+
+    flux = _tiny_flux.build_transformer(_tiny_flux.TRANSFORMER)
+    flux.save_pretrained(tmp_path / "flux")
+    bfl = {**_tiny_flux.bfl_tensors(flux), "double_blocks.0.img_attn.qkv.scale_weight": np.ones((1,), np.float32)}
+    with pytest.raises(CheckpointError, match=r"is a ComfyUI scaled float8 file .*img_attn\.qkv\.scale_weight"):
+        eqxdiff.load(_write(bfl, tmp_path / "flux_fp8_scaled.safetensors"), config=tmp_path / "flux")
 
 
 def test_another_familys_config_is_named(i2v, tmp_path):

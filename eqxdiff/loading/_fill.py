@@ -32,20 +32,6 @@ def keeps_float32(name: str, modules: Iterable[str]) -> bool:
     return not set(name.split(".")).isdisjoint(modules)
 
 
-_SCALES = ("scaled_fp8", "scale_weight", "scale_input")  # ComfyUI's scaled float8 files: a marker, per-layer scales
-
-
-def _scaled_float8(unexpected: set[str]) -> str:
-    """What to say if ``unexpected`` holds the per-layer scales of a ComfyUI "scaled" float8 file
-    (``*_fp8_scaled.safetensors``): its weights are stored divided by those scales, so read without them they would
-    be wrong (diffusers' ``from_single_file`` drops the scales with a warning); eqxdiff refuses the file."""
-    if not any(n.rsplit(".", 1)[-1] in _SCALES for n in unexpected):
-        return ""
-    return (" (the per-layer scales of a ComfyUI scaled float8 file, *_fp8_scaled: its float8 weights are stored "
-            "divided by them, which eqxdiff does not undo; load a bfloat16 / float16 release of the model, or a plain "
-            "float8_e4m3fn one, which eqxdiff casts to dtype=)")
-
-
 def fill_module(abstract, checkpoint, *, dtype=None, sharding: Callable | None = None,
                 ignore: Iterable[str] = (), where: str = "checkpoint",
                 hint: str = "Check that config.json belongs to these weights.",
@@ -71,7 +57,7 @@ def fill_module(abstract, checkpoint, *, dtype=None, sharding: Callable | None =
         problems.append(f"{len(missing)} tensor(s) missing from the {where}: {_short(missing)}")
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensor(s) in the {where} that the model does not use: "
-                        f"{_short(unexpected)}{_scaled_float8(unexpected)}")
+                        f"{_short(unexpected)}")
     for leaf, spec in zip(leaves, specs):
         want = spec.torch_shape(leaf.shape)
         for name in spec.names:
