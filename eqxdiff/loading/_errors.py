@@ -35,7 +35,6 @@ def pickle_folder_error(folder: str | os.PathLike, names: list[str]) -> Checkpoi
         f"safe_serialization=True)`, or {_SAFETENSORS_ONE_LINER}")
 
 
-
 _SCALES = ("scaled_fp8", "scale_weight", "scale_input")  # ComfyUI's scaled float8 files: a marker, per-layer scales
 
 
