@@ -8,6 +8,7 @@ Every extra program is compiled at XLA -O0 (``run_jitted``), once. A program tha
 (scanned, rematerialised, on a mesh) must be as accurate as the plain run is against its float64 run
 (``ModelParity.actual64``)."""
 
+import diffusers
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -268,6 +269,25 @@ def test_original_names_equal_diffusers_converter(patched, tmp_path):
     assert set(back) == set(original) == set(CheckpointFiles([path]).names()) - {"vae.decoder.conv_in.conv.bias"}
     for name, t in original.items():
         np.testing.assert_array_equal(back[name], t, err_msg=name)
+
+
+
+def test_a_transformer_file_without_the_prefix_loads_as_diffusers_reads_it(patched, tmp_path):
+    """A transformer file in Lightricks' names without ``model.diffusion_model.`` (diffusers' from_single_file reads
+    it: its LTX keys include the bare ``patchify_proj.weight``) is a layout too: eqxdiff.load(file, config=) reads it
+    without conversion= (it used to report every tensor missing), bfloat16 tensors exactly as stored."""
+    import ml_dtypes
+
+    original = {k: v.astype(ml_dtypes.bfloat16) for k, v in original_transformer(patched.reference).items()}
+    path = tmp_path / "ltx-transformer-bare.safetensors"
+    write_safetensors(original, path)
+    theirs = diffusers.LTXVideoTransformer3DModel.from_single_file(str(path), config=str(patched.folder),
+                                                                   torch_dtype=torch.float32)
+    got = state_dict(eqxdiff.load(path, config=patched.folder))
+    expected = {k: v.numpy() for k, v in theirs.state_dict().items()}
+    assert set(got) == set(expected)
+    for name, t in expected.items():
+        np.testing.assert_array_equal(got[name], t, err_msg=name)
 
 
 # -- errors ---------------------------------------------------------------------------------------------------------

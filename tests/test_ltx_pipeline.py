@@ -381,6 +381,19 @@ def test_lightricks_single_file_loads_as_diffusers_from_single_file(ltx, tmp_pat
     again = eqxdiff.load_pipeline(written_path, config=folder, pipeline_class=LTXConditionPipeline)
     assert_same_models(ours, from_single_file(written_path))
     assert_same_models(again, from_single_file(written_path))
+    # the transformer alone without its prefix, and the VAE alone below vae., are layouts too (diffusers' model
+    # from_single_file reads both): load_pipeline takes the model from the file, the rest from config=
+    bare = {k[len(formats.LTX_DIFFUSION_MODEL):]: v for k, v in tensors.items() if k.startswith("model.")}
+    vae_only = {k: v for k, v in tensors.items() if k.startswith(formats.LTX_VAE)}
+    for name, part in (("transformer", bare), ("vae", vae_only)):
+        one = tmp_path / f"{name}-only.safetensors"
+        write_safetensors(part, one)
+        cls = getattr(diffusers, type(getattr(ref, name)).__name__)
+        theirs = cls.from_single_file(str(one), config=str(folder / name)).state_dict()
+        got = state_dict(getattr(eqxdiff.load_pipeline(one, config=folder), name))
+        assert set(got) == set(theirs), name
+        for key, value in theirs.items():
+            np.testing.assert_array_equal(got[key], value.numpy(), err_msg=f"{name}-only file: {key}")
 
 
 def test_generate_writes_an_mp4_with_its_parameters(ltx, tmp_path, capsys):

@@ -224,6 +224,33 @@ def test_original_vae_names_equal_diffusers_converter_at_full_size(config):
     assert all(converted[n].shape == state[n].shape for n in state if n != "encoder.conv_out.conv.weight")
 
 
+
+@pytest.mark.parametrize("transformer, vae", [("LTX_2B", "REAL_VAE_090"), ("LTX_2B", "REAL_VAE_091"),
+                                              ("LTX_2B", "REAL_VAE_095"), ("LTX_13B", "REAL_VAE_095")])
+def test_full_size_files_suggest_the_config_diffusers_fetches(transformer, vae):
+    """A Lightricks file of each release (on the meta device: names and shapes) is told apart as diffusers'
+    infer_diffusers_model_type tells it (0.9.7: 48 blocks; 0.9.5: an encoder 2048 wide; 0.9.1: a timestep-conditioned
+    decoder; else 0.9.0), so the config= eqxdiff's messages suggest is the Hub folder diffusers' from_single_file
+    fetches for it (they used to suggest Lightricks/LTX-Video for every release)."""
+    from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS, infer_diffusers_model_type
+
+    from eqxdiff.core import single_file_layouts
+    from eqxdiff.loading.single_file import detect_in
+
+    tensors = {}
+    with torch.device("meta"):
+        for cls, config, prefix, rules in (
+                (tiny.LTXVideoTransformer3DModel, tiny.LTX_2B if transformer == "LTX_2B" else tiny.LTX_13B,
+                 formats.LTX_DIFFUSION_MODEL, formats.ltx_transformer),
+                (tiny.AutoencoderKLLTXVideo, getattr(tiny, vae), formats.LTX_VAE, None)):
+            state = cls(**config).state_dict()
+            view = convert(_Names(state), inverse(rules(prefix=prefix) if rules else formats.ltx_vae(config,
+                                                                                                     prefix=prefix)))
+            tensors.update({n: torch.empty(view.shape(n), device="meta") for n in view.names()})
+    expected = DIFFUSERS_DEFAULT_PIPELINE_PATHS[infer_diffusers_model_type(tensors)]["pretrained_model_name_or_path"]
+    assert detect_in(_Names(tensors), "file", single_file_layouts()).hub_id == expected
+
+
 @pytest.mark.parametrize("which", ["vae090", "vae091"])
 def test_original_vae_file_loads_as_diffusers_converts_it(which, request, tmp_path_factory, tmp_path):
     """Lightricks' single file: the transformer below ``model.diffusion_model.`` and the VAE below ``vae.`` (with the

@@ -13,6 +13,7 @@ are Wan's published ones). Only weights are compared here (no program compiles):
 """
 
 import json
+import re
 
 import diffusers
 import numpy as np
@@ -24,6 +25,7 @@ import eqxdiff
 from eqxdiff.loading import (
     CheckpointError,
     SafetensorsFile,
+    convert,
     convert_tensors,
     formats,
     inverse,
@@ -215,18 +217,56 @@ def test_load_pipeline_from_a_vae_file(i2v, tmp_path):
     _assert_weights(pipe.vae, vae, "the file's VAE")
 
 
-def test_a_cut_file_names_what_it_lacks(i2v, tmp_path):
+@pytest.mark.parametrize("cut", ["blocks.1.ffn.2.weight", "head.modulation"])
+def test_a_cut_file_names_what_it_lacks(i2v, cut, tmp_path):
     """A file missing a tensor is read through the Wan part it fits best, so the error names the one missing
-    tensor (not every name of another layout)."""
+    tensor in the file's names (not every name of another layout), be it one of a repeated block's or a single
+    tensor such as head.modulation (which used to fail as a rule that matched nothing)."""
     folder, state = i2v
     original = _original(state)
-    del original["blocks.1.ffn.2.weight"]
+    del original[cut]
     path = _write(original, tmp_path / "cut.safetensors")
-    missing = r"1 tensor\(s\) missing from the file .*: blocks\.1\.ffn\.net\.2\.weight\."
+    missing = rf"WanTransformer3DModel in file .*: 1 tensor\(s\) missing: '{re.escape(cut)}'\. The file is incomplete"
     with pytest.raises(CheckpointError, match=missing):
         eqxdiff.load(path, config=folder / "transformer")
-    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) missing: 'blocks\.1\.ffn\.2\.weight'"):
-        eqxdiff.load_pipeline(path, config=folder)
+    if cut != "head.modulation":  # a layout's signature: without it the file is no Wan layout
+        with pytest.raises(CheckpointError, match=rf"1 tensor\(s\) missing: '{re.escape(cut)}'"):
+            eqxdiff.load_pipeline(path, config=folder)
+        # a whole file with the config of another Wan model (text-to-video: no added k/v) says so, not 'rules'
+        t2v = {k: v for k, v in json.loads((folder / "transformer" / "config.json").read_text()).items()
+               if k not in ("added_kv_proj_dim", "image_dim")}
+        with pytest.raises(CheckpointError, match=r"unexpected tensor.*add_k_proj.*original names, but its tensors "
+                                                  r"are not those of the config passed: pass config="):
+            eqxdiff.load(_write(_original(state), tmp_path / "whole.safetensors"), config=t2v)
+
+
+def test_a_scaled_float8_file_is_refused_by_name(i2v, tmp_path):
+    """ComfyUI's *_fp8_scaled files store each float8 weight divided by a per-layer scale_weight (and a scaled_fp8
+    marker): read without the scales the weights would be wrong (diffusers' from_single_file drops them with a
+    warning), so eqxdiff refuses the file and says what it is and what to load instead. A plain float8_e4m3fn file
+    is cast, as diffusers casts it."""
+    import ml_dtypes
+
+    folder, state = i2v
+    original = _original(state, formats.WAN_DIFFUSION_MODEL)
+    plain = {k: v.astype(ml_dtypes.float8_e4m3fn) if v.ndim == 2 else v for k, v in original.items()}
+    got = state_dict(eqxdiff.load(_write(plain, tmp_path / "fp8.safetensors"), config=folder / "transformer"))
+    name = "blocks.0.attn1.to_q.weight"
+    np.testing.assert_array_equal(got[name], state[name].astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    scaled = {**plain, formats.WAN_DIFFUSION_MODEL + "scaled_fp8": np.zeros((0,), ml_dtypes.float8_e4m3fn),
+              formats.WAN_DIFFUSION_MODEL + "blocks.0.self_attn.q.scale_weight": np.ones((1,), np.float32)}
+    refused = r"is a ComfyUI scaled float8 file .*'model.diffusion_model.blocks.0.self_attn.q.scale_weight'.*" \
+              r"load a bfloat16 / float16 release"
+    with pytest.raises(CheckpointError, match=refused):
+        eqxdiff.load(_write(scaled, tmp_path / "fp8_scaled.safetensors"), config=folder / "transformer")
+    # a Flux file's fused qkv scale used to fail its Split rule ('1 along axis 0 does not cut into 3 equal parts')
+    from . import _tiny_flux
+
+    flux = _tiny_flux.build_transformer(_tiny_flux.TRANSFORMER)
+    flux.save_pretrained(tmp_path / "flux")
+    bfl = {**_tiny_flux.bfl_tensors(flux), "double_blocks.0.img_attn.qkv.scale_weight": np.ones((1,), np.float32)}
+    with pytest.raises(CheckpointError, match=r"is a ComfyUI scaled float8 file .*img_attn\.qkv\.scale_weight"):
+        eqxdiff.load(_write(bfl, tmp_path / "flux_fp8_scaled.safetensors"), config=tmp_path / "flux")
 
 
 def test_another_familys_config_is_named(i2v, tmp_path):
@@ -259,3 +299,29 @@ def test_another_familys_config_is_named(i2v, tmp_path):
         eqxdiff.load(vae, config=ltx_vae)
     with pytest.raises(CheckpointError, match=r"no file .*typo\.safetensors'; check its path"):
         eqxdiff.load_pipeline(tmp_path / "typo.safetensors", config=folder)
+
+
+@pytest.mark.parametrize("release, hub_id", [
+    ("WAN21_T2V_1_3B", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"), ("WAN21_T2V_14B", "Wan-AI/Wan2.1-T2V-14B-Diffusers"),
+    ("WAN21_I2V_14B", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"),
+    ("WAN21_FLF2V_14B", "Wan-AI/Wan2.1-FLF2V-14B-720P-Diffusers"),
+    ("WAN22_TI2V_5B", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"), ("WAN21_VAE", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
+    ("WAN22_VAE", "Wan-AI/Wan2.2-TI2V-5B-Diffusers")])
+def test_released_files_suggest_their_own_hub_folder(release, hub_id):
+    """A released model's original file (on the meta device: names and shapes; bare and below ComfyUI's prefix) is
+    told apart by its tensors, so the config= eqxdiff's messages suggest is its own Hub folder (they used to suggest
+    the 1.3B text-to-video folder for every file; diffusers' from_single_file fetches that, 14B T2V or 14B I2V, by
+    width). Which layout reads the file changes nothing else: every release's part is the same."""
+    from eqxdiff.core import single_file_layouts
+    from eqxdiff.loading.single_file import Shapes, detect_in
+
+    config = getattr(tiny, release)
+    vae = release.endswith("VAE")
+    with torch.device("meta"):
+        model = (diffusers.AutoencoderKLWan if vae else diffusers.WanTransformer3DModel)(**config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    rules = formats.wan_vae(residual=bool(config.get("is_residual"))) if vae else formats.wan_transformer()
+    for prefix in ("",) if vae else ("", formats.WAN_DIFFUSION_MODEL):
+        view = convert(Shapes(shapes), inverse(rules))
+        file = Shapes({prefix + n: tuple(view.shape(n)) for n in view.names()})
+        assert detect_in(file, "file", single_file_layouts()).hub_id == hub_id, prefix

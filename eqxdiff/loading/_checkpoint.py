@@ -24,7 +24,7 @@ from ._convert import (
     convert_tensors,
     inverse,
 )
-from ._errors import PICKLE_SUFFIXES, CheckpointError, pickle_error, pickle_folder_error
+from ._errors import PICKLE_SUFFIXES, CheckpointError, check_not_scaled_float8, pickle_error, pickle_folder_error
 from ._fill import fill_module, state_dict
 from ._lone import part_rules
 from ._safetensors import SafetensorsFile, write_safetensors
@@ -306,13 +306,18 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
             raise CheckpointError(f"scan_layers=True: {e}") from None
 
     abstract = nn.build_abstract(build)
+    check_not_scaled_float8(CheckpointFiles(files).names(), where)
+    found = False  # the rules of a family's single-file part, found by the tensors (not passed)
     if not conversion and (named or lone.is_file()):
         conversion = part_rules(CheckpointFiles(files), abstract, config, cls, where=where)
+        found = bool(conversion)
     rules = (*conversion, *key_map_rules(getattr(cls, "CHECKPOINT_KEY_MAP", ())))
     checkpoint = convert(CheckpointFiles(files), rules, where=where)
     checkpoint = convert(checkpoint, alias_rules(getattr(cls, "CHECKPOINT_ALIASES", {}), checkpoint.names()),
                          where=where)
-    hint = ("Check that the config and the conversion rules fit this file." if conversion or lone.is_file()
+    hint = ("The file is in a family's original names, but its tensors are not those of the config passed: pass "
+            "config= the config of the model it holds." if found
+            else "Check that the config and the conversion rules fit this file." if conversion or lone.is_file()
             else "Check that config.json belongs to these weights.")
     checkpoint = convert(checkpoint, fusion_rules(abstract), where=where)
     keep = cls.keep_in_float32(dt) if hasattr(cls, "keep_in_float32") else ()

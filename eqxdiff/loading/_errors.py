@@ -35,6 +35,23 @@ def pickle_folder_error(folder: str | os.PathLike, names: list[str]) -> Checkpoi
         f"safe_serialization=True)`, or {_SAFETENSORS_ONE_LINER}")
 
 
+_SCALES = ("scaled_fp8", "scale_weight", "scale_input")  # ComfyUI's scaled float8 files: a marker, per-layer scales
+
+
+def check_not_scaled_float8(names, where: str) -> None:
+    """Raise a :class:`CheckpointError` if ``names`` (a checkpoint's tensor names) are those of a ComfyUI "scaled"
+    float8 file (``*_fp8_scaled.safetensors``: a ``scaled_fp8`` marker, a ``scale_weight`` per layer): its float8
+    weights are stored divided by those scales, so read without them they would be wrong (diffusers'
+    ``from_single_file`` drops the scales with a warning), and a fused tensor's scale fails its conversion rule with
+    a message about shapes. Checked on the file's names before any rule runs."""
+    scales = [n for n in names if n.rsplit(".", 1)[-1] in _SCALES]
+    if scales:
+        raise CheckpointError(
+            f"{where} is a ComfyUI scaled float8 file (*_fp8_scaled: {len(scales)} tensors such as {scales[0]!r} hold "
+            "per-layer scales its float8 weights are stored divided by), which eqxdiff does not read; load a "
+            "bfloat16 / float16 release of the model, or a plain float8_e4m3fn one (cast to dtype=)")
+
+
 _REFUSAL = "eqxdiff reads only .safetensors files (a pickle can run code when loaded)."
 _SAFETENSORS_ONE_LINER = (
     "with safetensors: `sd = torch.load(path, map_location='cpu', weights_only=True); sd = sd.get('state_dict', sd); "

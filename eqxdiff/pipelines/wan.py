@@ -55,7 +55,7 @@ import numpy as np
 from .._typing import Array, Float, Int, PRNGKeyArray
 from ..core import program
 from ..loading import formats
-from ..loading.single_file import Layout
+from ..loading.single_file import Layout, Sized
 from ..models.wan import WanTransformer3DModel
 from ..parallel import shard_params
 from ._arguments import given_array, prompt_list, resolve_key
@@ -459,13 +459,28 @@ _SINGLE_FILE = dict(family="Wan", pipelines=("WanPipeline", "WanImageToVideoPipe
 # The layouts eqxdiff.load_pipeline(file, config=WAN_FOLDER) reads (listed in eqxdiff.core.SINGLE_FILE_LAYOUTS): a
 # transformer in the original names, bare (the Wan-AI repositories; Kijai's repackagings) or below ComfyUI's
 # model.diffusion_model., or an original VAE; each config read from the tensors unless config= holds its
-# config.json. The rest of the pipeline comes from config= (its model_index.json says T2V or I2V).
+# config.json. The rest of the pipeline comes from config= (its model_index.json says T2V or I2V). The released
+# models are told apart by their tensors (width and input channels, CLIP image embedder, first-last-frame positions;
+# 2.2's VAE by its 48 latent channels) only for the Hub folder messages suggest as config=; any other size reads too.
+_RELEASES = (("flf2v_14b", 5120, 36, ("img_emb.emb_pos",), "Wan-AI/Wan2.1-FLF2V-14B-720P-Diffusers"),
+             ("i2v_14b", 5120, 36, ("img_emb.proj.",), "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"),
+             ("i2v_a14b", 5120, 36, (), "Wan-AI/Wan2.2-I2V-A14B-Diffusers"),
+             ("t2v_14b", 5120, 16, (), "Wan-AI/Wan2.1-T2V-14B-Diffusers"),
+             ("ti2v_5b", 3072, 48, (), "Wan-AI/Wan2.2-TI2V-5B-Diffusers"), ("", None, None, (), _SINGLE_FILE["hub_id"]))
+
+
+def _transformer_layouts(name: str, prefix: str) -> tuple[Layout, ...]:
+    patch = prefix + "patch_embedding.weight"
+    return tuple(Layout(name=f"{name}_{release}".rstrip("_"), parts=(formats.WanTransformer(prefix=prefix),),
+                        signature=(patch, prefix + "head.modulation", *(prefix + n for n in names),
+                                   *((Sized(patch, 0, width), Sized(patch, 1, channels)) if width else ())),
+                        **{**_SINGLE_FILE, "hub_id": hub_id}) for release, width, channels, names, hub_id in _RELEASES)
+
+
+_VAE = ("encoder.conv1.weight", "decoder.middle.0.residual.0.gamma")
 SINGLE_FILE_LAYOUTS = (
-    Layout(name="wan", signature=("patch_embedding.weight", "head.modulation"),
-           parts=(formats.WanTransformer(prefix=""),), **_SINGLE_FILE),
-    Layout(name="wan_comfyui", signature=(formats.WAN_DIFFUSION_MODEL + "patch_embedding.weight",
-                                            formats.WAN_DIFFUSION_MODEL + "head.modulation"),
-           parts=(formats.WanTransformer(prefix=formats.WAN_DIFFUSION_MODEL),), **_SINGLE_FILE),
-    Layout(name="wan_vae", signature=("encoder.conv1.weight", "decoder.middle.0.residual.0.gamma"),
-           parts=(formats.WanVae(prefix=""),), **_SINGLE_FILE),
+    *_transformer_layouts("wan", ""), *_transformer_layouts("wan_comfyui", formats.WAN_DIFFUSION_MODEL),
+    Layout(name="wan_vae_2.2", signature=(*_VAE, Sized("conv2.weight", 0, 48)), parts=(formats.WanVae(prefix=""),),
+           **{**_SINGLE_FILE, "hub_id": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"}),
+    Layout(name="wan_vae", signature=_VAE, parts=(formats.WanVae(prefix=""),), **_SINGLE_FILE),
 )
