@@ -123,8 +123,9 @@ class TestUNetSDXL(UNetParity):
 
 
 class TestUNetLists(UNetParity):
-    """Per-block lists, only_cross_attention, LCM's time_cond_proj_dim, the other time-embedding knobs, no mid
-    block, padding-0 downsampling, 1x1 conv_in, an odd-sized sample, float timesteps and ControlNet residuals."""
+    """Per-block lists, only_cross_attention, LCM's time_cond_proj_dim, the other time-embedding knobs (the time
+    embedding as the ResNets' scale and shift too), no mid block, padding-0 downsampling, 1x1 conv_in, an odd-sized
+    sample, float timesteps and ControlNet residuals."""
 
     config = dict(block_out_channels=(16, 32), norm_num_groups=8, in_channels=5, out_channels=3,
                   down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
@@ -132,7 +133,8 @@ class TestUNetLists(UNetParity):
                   cross_attention_dim=(24, 24), only_cross_attention=(True, False), attention_head_dim=2,
                   transformer_layers_per_block=(2, 1), time_cond_proj_dim=6, timestep_post_act="silu",
                   time_embedding_act_fn="silu", time_embedding_dim=48, center_input_sample=True,
-                  mid_block_type=None, downsample_padding=0, conv_in_kernel=1, mid_block_scale_factor=1.5)
+                  mid_block_type=None, downsample_padding=0, conv_in_kernel=1, mid_block_scale_factor=1.5,
+                  resnet_time_scale_shift="scale_shift")
     full_size = {"lcm-sd15": LCM_SD15}
     size = (15, 13)
 

@@ -42,7 +42,7 @@ class UNet2DConditionConfig(ModelConfig):
     diffusers for these blocks; ``dropout`` is ignored (inference)."""
 
     SUPPORTED_VALUES: ClassVar = {
-        "resnet_time_scale_shift": ("default",),
+        "resnet_time_scale_shift": ("default", "scale_shift"),
         "time_embedding_type": ("positional",),
         "class_embed_type": (None,),
         "num_class_embeds": (None,),
@@ -188,7 +188,8 @@ class UNet2DConditionConfig(ModelConfig):
 
     @property
     def resnet_spec(self) -> ResnetSpec:
-        return ResnetSpec(self.time_embed_dim, self.norm_num_groups, self.norm_eps, self.act_fn)
+        return ResnetSpec(self.time_embed_dim, self.norm_num_groups, self.norm_eps, self.act_fn,
+                          time_embedding_norm=self.resnet_time_scale_shift)
 
     def _attention(self, i: int, has_attention: bool, layers) -> AttentionSpec | None:
         if not has_attention:
