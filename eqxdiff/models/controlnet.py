@@ -68,6 +68,8 @@ class ControlNetConfig(UNet2DConditionConfig):
         **UNet2DConditionConfig.SUPPORTED_VALUES,
         "mid_block_type": tuple(t for t in MID_BLOCK_TYPES if t is not None),
         "controlnet_conditioning_channel_order": ("rgb", "bgr"),
+        "class_embed_type": (None,),  # eqxdiff's ControlNetModel builds no class embedding
+        "num_class_embeds": (None,),
     }
 
     up_block_types: tuple[str, ...] | None = None  # derived: the mirror of down_block_types (_DERIVED)
