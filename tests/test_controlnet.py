@@ -207,6 +207,7 @@ def test_checkpoint_names_and_remat(sd_case):
     ("cross_attention_dim", [32, 32], r"cross_attention_dim=\(32, 32\) must be one number"),
     ("time_cond_proj_dim", 4, "time_cond_proj_dim=4 is not a ControlNet setting"),
     ("class_embed_type", "timestep", "class_embed_type='timestep'"),
+    ("encoder_hid_dim", 12, "encoder_hid_dim_type=.text_proj."),  # diffusers' default type for it
     ("conditioning_embedding_out_channels", [], "must list at least one width"),
 ])
 def test_bad_configs_raise(key, value, match):

@@ -49,6 +49,7 @@ class UNetParity(ModelParity):
         rng = np.random.default_rng(1)
         c, b = reference.config, 2
         cross = c.cross_attention_dim if isinstance(c.cross_attention_dim, int) else c.cross_attention_dim[0]
+        cross = c.encoder_hid_dim or cross  # projected to cross_attention_dim first
         return dict(sample=rng.standard_normal((b, *self.size, c.in_channels), np.float32),
                     timestep=np.array([3, 817], np.int32),
                     encoder_hidden_states=rng.standard_normal((b, 7, cross), np.float32))
@@ -109,13 +110,13 @@ class TestUNetSD2(UNetParity):
 
 class TestUNetSDXL(UNetParity):
     """SDXL: text_time embedding, no attention in the first block, deeper transformers per block; a scalar timestep
-    broadcast over the batch."""
+    broadcast over the batch; text states of another width projected first (encoder_hid_dim)."""
 
     config = dict(_SMALL, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
                   up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), layers_per_block=1, attention_head_dim=(2, 4),
                   transformer_layers_per_block=(1, 2), cross_attention_dim=32, use_linear_projection=True,
                   addition_embed_type="text_time", addition_time_embed_dim=8,
-                  projection_class_embeddings_input_dim=20 + 6 * 8)
+                  projection_class_embeddings_input_dim=20 + 6 * 8, encoder_hid_dim=12)
     full_size = {"sdxl": SDXL, "sdxl-refiner": SDXL_REFINER}
 
     def inputs(self, reference):
@@ -196,7 +197,7 @@ def test_per_sample_timesteps_and_mask_matter(sd2):
 
 @pytest.mark.parametrize("key,value", [
     ("resnet_time_scale_shift", "spatial"), ("class_embed_type", "projection"), ("addition_embed_type", "text"),
-    ("mid_block_type", "UNetMidBlock2DSimpleCrossAttn"), ("encoder_hid_dim", 768), ("dual_cross_attention", True),
+    ("mid_block_type", "UNetMidBlock2DSimpleCrossAttn"), ("encoder_hid_dim_type", "image_proj"), ("dual_cross_attention", True),
     ("time_embedding_type", "fourier"), ("down_block_types", ["AttnDownBlock2D", "DownBlock2D"]),
     ("norm_num_groups", 12), ("layers_per_block", [1, 2, 3]), ("act_fn", "tanh"),
 ])
@@ -236,7 +237,9 @@ def test_bad_inputs_are_rejected_readably(sd1):
 
 def test_sdxl_inputs_are_required_and_sized(sdxl):
     unet = sdxl.model
-    x, ctx = jnp.zeros((1, 16, 16, 4)), jnp.zeros((1, 7, 32))
+    x, ctx = jnp.zeros((1, 16, 16, 4)), jnp.zeros((1, 7, 12))
+    with pytest.raises(ValueError, match=r"encoder_hidden_states must be \[batch, seq, 12\]"):
+        unet(x, 1, jnp.zeros((1, 7, 32)), text_embeds=jnp.zeros((1, 20)), time_ids=jnp.zeros((1, 6)))
     with pytest.raises(ValueError, match="needs text_embeds"):
         unet(x, 1, ctx, time_ids=jnp.zeros((1, 6)))
     with pytest.raises(ValueError, match=r"20 \+ 5 \* 8 = 60 features"):

@@ -43,14 +43,15 @@ class UNet2DConditionConfig(ModelConfig):
     diffusers for these blocks; ``dropout`` is ignored (inference). A class embedding (``num_class_embeds``: a
     table, e.g. the x4 upscaler's noise level; ``class_embed_type``: ``"timestep"`` sinusoid + MLP, ``"identity"``,
     ``"projection"`` MLP or ``"simple_projection"`` linear of ``projection_class_embeddings_input_dim`` features)
-    is added to the time embedding (concatenated with ``class_embeddings_concat``) from ``class_labels``."""
+    is added to the time embedding (concatenated with ``class_embeddings_concat``) from ``class_labels``.
+    ``encoder_hid_dim`` (``encoder_hid_dim_type="text_proj"``, its default then, as in diffusers): the text states
+    of that width are first projected to ``cross_attention_dim`` (``encoder_hid_proj``)."""
 
     SUPPORTED_VALUES: ClassVar = {
         "resnet_time_scale_shift": ("default", "scale_shift"),
         "time_embedding_type": ("positional",),
         "class_embed_type": CLASS_EMBED_TYPES,
-        "encoder_hid_dim": (None,),
-        "encoder_hid_dim_type": (None,),
+        "encoder_hid_dim_type": (None, "text_proj"),
         "addition_embed_type": (None, "text_time"),
         "dual_cross_attention": (False,),
         "attention_type": ("default",),
@@ -107,8 +108,14 @@ class UNet2DConditionConfig(ModelConfig):
     addition_embed_type_num_heads: int = 64
 
     def __post_init__(self):
+        if self.encoder_hid_dim is not None and self.encoder_hid_dim_type is None:
+            object.__setattr__(self, "encoder_hid_dim_type", "text_proj")  # diffusers' default, written back
         super().__post_init__()
         n = self.num_blocks
+        self.check(self.encoder_hid_dim_type is None or self.encoder_hid_dim is not None, "encoder_hid_dim",
+                   f"must be set when encoder_hid_dim_type={self.encoder_hid_dim_type!r}")
+        self.check(self.encoder_hid_dim is None or isinstance(self.cross_attention_dim, int), "cross_attention_dim",
+                   "must be one number with encoder_hid_dim (diffusers projects the text states to it)")
         for key, names, allowed in (("down_block_types", self.down_block_types, DOWN_BLOCK_TYPES),
                                     ("up_block_types", self.up_block_types, UP_BLOCK_TYPES)):
             for name in names:
@@ -188,6 +195,8 @@ class UNet2DConditionConfig(ModelConfig):
     @property
     def context_dim(self) -> int | None:
         """The last axis of ``encoder_hidden_states`` (``None`` for a UNet without any attention)."""
+        if self.encoder_hid_dim is not None:  # projected to cross_attention_dim first
+            return self.encoder_hid_dim
         dims = [s.cross_attention_dim for s in self.attention_specs]
         return dims[0] if dims else None
 
@@ -264,6 +273,7 @@ class UNet2DConditionModel(PretrainedModel):
     time_embedding: TimestepEmbedding
     add_embedding: TimestepEmbedding | None
     class_embedding: TimestepEmbedding | Embedding | Linear | None
+    encoder_hid_proj: Linear | None
     down_blocks: list[DownBlock]
     mid_block: MidBlock | None
     up_blocks: list[UpBlock]
@@ -281,6 +291,8 @@ class UNet2DConditionModel(PretrainedModel):
         self.up_blocks = [UpBlock(s, c.resnet_spec, dtype=dtype, key=k)
                           for s, k in zip(c.up_blocks, jax.random.split(ku, c.num_blocks))]
         self.class_embedding = _class_embedding(c, dtype, jax.random.fold_in(key, 7))
+        self.encoder_hid_proj = None if c.encoder_hid_dim is None else Linear(
+            c.encoder_hid_dim, c.cross_attention_dim, dtype=dtype, key=jax.random.fold_in(key, 8))
         self.conv_norm_out = GroupNorm(c.norm_num_groups, ch0, eps=c.norm_eps, dtype=dtype)
         self.conv_out = Conv2d(ch0, c.out_channels, c.conv_out_kernel, padding=c.conv_out_kernel // 2, dtype=dtype,
                                key=kout)
@@ -321,6 +333,7 @@ class UNet2DConditionModel(PretrainedModel):
         emb = embed_time(self, timestep, b, dtype, text_embeds=text_embeds, time_ids=time_ids,
                          timestep_cond=timestep_cond, class_emb=self._class_emb(class_labels, b))
         context = encoder_hidden_states.astype(dtype)
+        context = context if self.encoder_hid_proj is None else self.encoder_hid_proj(context)
         mask = encoder_attention_mask
 
         plan, image = self.plan, IMAGE
