@@ -21,8 +21,9 @@ def randomize_(module: torch.nn.Module, std: float = 0.05, seed: int = 0) -> Non
 
 
 def build_pipeline(folder, *, scheduler: str = "pndm", prediction_type: str = "epsilon", seed: int = 0,
-                   sd2: bool = False):
-    """Save a tiny StableDiffusionPipeline in ``folder`` and return the diffusers pipeline."""
+                   sd2: bool = False, vae_stats: bool = False):
+    """Save a tiny StableDiffusionPipeline in ``folder`` and return the diffusers pipeline (``vae_stats``: the VAE
+    config sets a shift_factor, latents_mean and latents_std, which diffusers' SD pipeline does not read)."""
     from diffusers import (
         AutoencoderKL,
         DDIMScheduler,
@@ -46,7 +47,9 @@ def build_pipeline(folder, *, scheduler: str = "pndm", prediction_type: str = "e
         use_linear_projection=sd2, upcast_attention=sd2)
     vae = AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(16, 32), layers_per_block=1,
                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                        latent_channels=4, norm_num_groups=8, sample_size=16)
+                        latent_channels=4, norm_num_groups=8, sample_size=16,
+                        **(dict(shift_factor=0.3, latents_mean=[0.5, -0.2, 0.1, 0.0], latents_std=[2.0, 0.5, 1.0, 1.5])
+                           if vae_stats else {}))
     for i, m in enumerate((text_encoder, unet, vae)):
         randomize_(m, seed=seed + i)
     common = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,

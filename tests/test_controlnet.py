@@ -115,15 +115,17 @@ class TestControlNetSDXL(ControlNetParity):
 
 
 class ControlNetVariant(ControlNetParity):
-    """bgr, spatially pooled residuals (guess mode then scales nothing), the mid block without attention, per-block
-    heads, a 1-channel control image embedded by three widths (4x downsampling), padding-0 downsampling. Not
-    collected: :func:`test_variant_matches_diffusers` checks its forward only."""
+    """bgr, spatially pooled residuals (guess mode then scales nothing), the mid block without attention (its
+    ResNets taking the time embedding as scale and shift), per-block heads, a 1-channel control image embedded by
+    three widths (4x downsampling), padding-0 downsampling. Not collected: :func:`test_variant_matches_diffusers`
+    checks its forward only."""
 
     config = dict(block_out_channels=(8, 16), layers_per_block=1, in_channels=4, norm_num_groups=4,
                   down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), attention_head_dim=(2, 4),
                   cross_attention_dim=24, conditioning_embedding_out_channels=(8, 16, 16), conditioning_channels=1,
                   controlnet_conditioning_channel_order="bgr", global_pool_conditions=True,
-                  mid_block_type="UNetMidBlock2D", downsample_padding=0, flip_sin_to_cos=False, freq_shift=1)
+                  mid_block_type="UNetMidBlock2D", downsample_padding=0, flip_sin_to_cos=False, freq_shift=1,
+                  resnet_time_scale_shift="scale_shift")
 
 
 # -- what the parity base does not check -------------------------------------------------------------------------
@@ -205,6 +207,7 @@ def test_checkpoint_names_and_remat(sd_case):
     ("cross_attention_dim", [32, 32], r"cross_attention_dim=\(32, 32\) must be one number"),
     ("time_cond_proj_dim", 4, "time_cond_proj_dim=4 is not a ControlNet setting"),
     ("class_embed_type", "timestep", "class_embed_type='timestep'"),
+    ("encoder_hid_dim", 12, "encoder_hid_dim_type=.text_proj."),  # diffusers' default type for it
     ("conditioning_embedding_out_channels", [], "must list at least one width"),
 ])
 def test_bad_configs_raise(key, value, match):

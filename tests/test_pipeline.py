@@ -47,10 +47,13 @@ def _max_pixel_diff(ours_uint8, ref_float):
     ("pndm", "epsilon", False, dict(num_inference_steps=4, guidance_scale=7.5)),
     ("ddim", "v_prediction", True, dict(num_inference_steps=3, guidance_scale=5.0, guidance_rescale=0.7,
                                         negative_prompt=["blurry", "ugly"])),
-    ("euler", "epsilon", False, dict(num_inference_steps=3, guidance_scale=1.0)),
+    # VAE latent statistics (shift_factor, latents_mean / latents_std), which diffusers' SD pipeline does not read
+    ("euler", "epsilon", False, dict(num_inference_steps=3, guidance_scale=1.0, vae_stats=True)),
 ])
 def test_text_to_image_matches_diffusers(tmp_path, scheduler, prediction, sd2, kwargs):
-    ref = build_pipeline(tmp_path, scheduler=scheduler, prediction_type=prediction, sd2=sd2)
+    kwargs = dict(kwargs)
+    ref = build_pipeline(tmp_path, scheduler=scheduler, prediction_type=prediction, sd2=sd2,
+                         vae_stats=kwargs.pop("vae_stats", False))
     pipe = eqxdiff.load_pipeline(tmp_path)
     latents = np.random.default_rng(0).standard_normal((2, 16, 16, 4)).astype(np.float32)
     expected = _reference_images(ref, latents, **kwargs)

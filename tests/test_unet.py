@@ -49,6 +49,7 @@ class UNetParity(ModelParity):
         rng = np.random.default_rng(1)
         c, b = reference.config, 2
         cross = c.cross_attention_dim if isinstance(c.cross_attention_dim, int) else c.cross_attention_dim[0]
+        cross = c.encoder_hid_dim or cross  # projected to cross_attention_dim first
         return dict(sample=rng.standard_normal((b, *self.size, c.in_channels), np.float32),
                     timestep=np.array([3, 817], np.int32),
                     encoder_hidden_states=rng.standard_normal((b, 7, cross), np.float32))
@@ -61,6 +62,8 @@ class UNetParity(ModelParity):
         if "text_embeds" in inputs:
             kw["added_cond_kwargs"] = dict(text_embeds=_torch(inputs["text_embeds"]),
                                            time_ids=_torch(inputs["time_ids"]))
+        if "class_labels" in inputs:
+            kw["class_labels"] = _torch(inputs["class_labels"])
         if "timestep_cond" in inputs:
             kw["timestep_cond"] = _torch(inputs["timestep_cond"])
         if "down_block_additional_residuals" in inputs:
@@ -91,28 +94,29 @@ class TestUNetSD1(UNetParity):
 
 
 class TestUNetSD2(UNetParity):
-    """SD 2.x: per-block heads, linear projections, upcast_attention, the other sinusoid; an encoder_attention_mask."""
+    """SD 2.x: per-block heads, linear projections, upcast_attention, the other sinusoid; an encoder_attention_mask;
+    a table of class embeddings (the x4 upscaler's noise-level classes)."""
 
     config = dict(_SMALL, down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
                   up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), layers_per_block=1,
                   attention_head_dim=(2, 4), cross_attention_dim=40, use_linear_projection=True,
-                  upcast_attention=True, flip_sin_to_cos=False, freq_shift=1)
+                  upcast_attention=True, flip_sin_to_cos=False, freq_shift=1, num_class_embeds=5)
     full_size = {"sd21": SD21}
 
     def inputs(self, reference):
         mask = np.array([[True] * 7, [True, True, False, True, False, False, True]])
-        return {**super().inputs(reference), "encoder_attention_mask": mask}
+        return {**super().inputs(reference), "encoder_attention_mask": mask, "class_labels": np.array([4, 1])}
 
 
 class TestUNetSDXL(UNetParity):
     """SDXL: text_time embedding, no attention in the first block, deeper transformers per block; a scalar timestep
-    broadcast over the batch."""
+    broadcast over the batch; text states of another width projected first (encoder_hid_dim)."""
 
     config = dict(_SMALL, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
                   up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), layers_per_block=1, attention_head_dim=(2, 4),
                   transformer_layers_per_block=(1, 2), cross_attention_dim=32, use_linear_projection=True,
                   addition_embed_type="text_time", addition_time_embed_dim=8,
-                  projection_class_embeddings_input_dim=20 + 6 * 8)
+                  projection_class_embeddings_input_dim=20 + 6 * 8, encoder_hid_dim=12)
     full_size = {"sdxl": SDXL, "sdxl-refiner": SDXL_REFINER}
 
     def inputs(self, reference):
@@ -123,8 +127,9 @@ class TestUNetSDXL(UNetParity):
 
 
 class TestUNetLists(UNetParity):
-    """Per-block lists, only_cross_attention, LCM's time_cond_proj_dim, the other time-embedding knobs, no mid
-    block, padding-0 downsampling, 1x1 conv_in, an odd-sized sample, float timesteps and ControlNet residuals."""
+    """Per-block lists, only_cross_attention, LCM's time_cond_proj_dim, the other time-embedding knobs (the time
+    embedding as the ResNets' scale and shift too; a "timestep" class embedding concatenated), no mid block,
+    padding-0 downsampling, 1x1 conv_in, an odd-sized sample, float timesteps and ControlNet residuals."""
 
     config = dict(block_out_channels=(16, 32), norm_num_groups=8, in_channels=5, out_channels=3,
                   down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
@@ -132,14 +137,16 @@ class TestUNetLists(UNetParity):
                   cross_attention_dim=(24, 24), only_cross_attention=(True, False), attention_head_dim=2,
                   transformer_layers_per_block=(2, 1), time_cond_proj_dim=6, timestep_post_act="silu",
                   time_embedding_act_fn="silu", time_embedding_dim=48, center_input_sample=True,
-                  mid_block_type=None, downsample_padding=0, conv_in_kernel=1, mid_block_scale_factor=1.5)
+                  mid_block_type=None, downsample_padding=0, conv_in_kernel=1, mid_block_scale_factor=1.5,
+                  resnet_time_scale_shift="scale_shift", class_embed_type="timestep", class_embeddings_concat=True)
     full_size = {"lcm-sd15": LCM_SD15}
     size = (15, 13)
 
     def inputs(self, reference):
         rng = np.random.default_rng(3)
         inputs = {**super().inputs(reference), "timestep": np.array([0.5, 999.0], np.float32),
-                  "timestep_cond": rng.standard_normal((2, 6), np.float32)}
+                  "timestep_cond": rng.standard_normal((2, 6), np.float32),
+                  "class_labels": np.array([250.0, 3.5], np.float32)}
         # ControlNet residuals shaped like the skips, found by running diffusers' down path with a hook
         shapes = []
         hooks = [blk.register_forward_hook(lambda m, i, o: shapes.extend(r.shape for r in o[1]))
@@ -189,8 +196,8 @@ def test_per_sample_timesteps_and_mask_matter(sd2):
 # -- errors ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key,value", [
-    ("resnet_time_scale_shift", "scale_shift"), ("class_embed_type", "timestep"), ("addition_embed_type", "text"),
-    ("mid_block_type", "UNetMidBlock2DSimpleCrossAttn"), ("encoder_hid_dim", 768), ("dual_cross_attention", True),
+    ("resnet_time_scale_shift", "spatial"), ("class_embed_type", "projection"), ("addition_embed_type", "text"),
+    ("mid_block_type", "UNetMidBlock2DSimpleCrossAttn"), ("encoder_hid_dim_type", "image_proj"), ("dual_cross_attention", True),
     ("time_embedding_type", "fourier"), ("down_block_types", ["AttnDownBlock2D", "DownBlock2D"]),
     ("norm_num_groups", 12), ("layers_per_block", [1, 2, 3]), ("act_fn", "tanh"),
 ])
@@ -203,8 +210,8 @@ def test_unsupported_config_values_raise(key, value):
 def test_unsupported_config_raises_on_load(sd1, tmp_path):
     raw = json.loads((sd1.folder / "config.json").read_text())
     shutil.copy(sd1.folder / "diffusion_pytorch_model.safetensors", tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({**raw, "resnet_time_scale_shift": "scale_shift"}))
-    with pytest.raises(ConfigError, match="resnet_time_scale_shift='scale_shift'"):
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "resnet_time_scale_shift": "spatial"}))
+    with pytest.raises(ConfigError, match="resnet_time_scale_shift='spatial'"):
         eqxdiff.load(tmp_path)
 
 
@@ -230,8 +237,18 @@ def test_bad_inputs_are_rejected_readably(sd1):
 
 def test_sdxl_inputs_are_required_and_sized(sdxl):
     unet = sdxl.model
-    x, ctx = jnp.zeros((1, 16, 16, 4)), jnp.zeros((1, 7, 32))
+    x, ctx = jnp.zeros((1, 16, 16, 4)), jnp.zeros((1, 7, 12))
+    with pytest.raises(ValueError, match=r"encoder_hidden_states must be \[batch, seq, 12\]"):
+        unet(x, 1, jnp.zeros((1, 7, 32)), text_embeds=jnp.zeros((1, 20)), time_ids=jnp.zeros((1, 6)))
     with pytest.raises(ValueError, match="needs text_embeds"):
         unet(x, 1, ctx, time_ids=jnp.zeros((1, 6)))
     with pytest.raises(ValueError, match=r"20 \+ 5 \* 8 = 60 features"):
         unet(x, 1, ctx, text_embeds=jnp.zeros((1, 20)), time_ids=jnp.zeros((1, 5)))
+
+
+def test_class_labels_are_checked(sd1, sd2):
+    x = jnp.zeros((1, 16, 16, 4))
+    with pytest.raises(ValueError, match="class_labels given, but this model has no class embedding"):
+        sd1.model(x, 1, jnp.zeros((1, 7, 24)), class_labels=jnp.array([1]))
+    with pytest.raises(ValueError, match="num_class_embeds=5 needs class_labels"):
+        sd2.model(x, 1, jnp.zeros((1, 7, 40)))

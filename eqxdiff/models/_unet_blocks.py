@@ -27,6 +27,7 @@ class ResnetSpec:
     eps: float
     act_fn: str
     output_scale_factor: float = 1.0
+    time_embedding_norm: str = "default"  # diffusers' resnet_time_scale_shift
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,8 @@ class UpBlockSpec:
 
 def _resnet(cin: int, cout: int, spec: ResnetSpec, *, dtype, key) -> ResnetBlock2D:
     return ResnetBlock2D(cin, cout, temb_channels=spec.temb_channels, groups=spec.groups, eps=spec.eps,
-                         act_fn=spec.act_fn, output_scale_factor=spec.output_scale_factor, dtype=dtype, key=key)
+                         act_fn=spec.act_fn, output_scale_factor=spec.output_scale_factor,
+                         time_embedding_norm=spec.time_embedding_norm, dtype=dtype, key=key)
 
 
 def _transformers(channels: int, spec: AttentionSpec | None, groups: int, *, dtype, key):

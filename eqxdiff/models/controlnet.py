@@ -68,6 +68,10 @@ class ControlNetConfig(UNet2DConditionConfig):
         **UNet2DConditionConfig.SUPPORTED_VALUES,
         "mid_block_type": tuple(t for t in MID_BLOCK_TYPES if t is not None),
         "controlnet_conditioning_channel_order": ("rgb", "bgr"),
+        "class_embed_type": (None,),  # eqxdiff's ControlNetModel builds no class embedding, no encoder_hid_proj
+        "num_class_embeds": (None,),
+        "encoder_hid_dim": (None,),
+        "encoder_hid_dim_type": (None,),
     }
 
     up_block_types: tuple[str, ...] | None = None  # derived: the mirror of down_block_types (_DERIVED)

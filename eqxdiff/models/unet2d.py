@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .._typing import Array, Bool, Float, Int, PRNGKeyArray, typechecked
 from ..core import ConfigError, ModelConfig, Plan, checkpoint_block, constrain
-from ..nn import Conv2d, GroupNorm, TimestepEmbedding, activation, timestep_embedding
+from ..nn import Conv2d, Embedding, GroupNorm, Linear, TimestepEmbedding, activation, timestep_embedding
 from ._base import PretrainedModel
 from ._unet_blocks import (
     AttentionSpec,
@@ -29,6 +29,7 @@ from ._unet_blocks import (
 DOWN_BLOCK_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")
 UP_BLOCK_TYPES = ("CrossAttnUpBlock2D", "UpBlock2D")
 MID_BLOCK_TYPES = ("UNetMidBlock2DCrossAttn", "UNetMidBlock2D", None)  # UNetMidBlock2D: one ResNet
+CLASS_EMBED_TYPES = (None, "timestep", "identity", "projection", "simple_projection")
 _ACTIVATIONS = ("silu", "swish", "mish", "gelu", "relu")  # what diffusers' get_activation knows
 
 
@@ -39,16 +40,18 @@ class UNet2DConditionConfig(ModelConfig):
     ``num_attention_heads`` is set; the head size is ``channels // heads``. Keys that only matter for block types
     eqxdiff does not build (``resnet_skip_time_act``, ``resnet_out_scale_factor``, ``cross_attention_norm``,
     ``mid_block_only_cross_attention``, ``addition_embed_type_num_heads``) are kept but have no effect, as in
-    diffusers for these blocks; ``dropout`` is ignored (inference)."""
+    diffusers for these blocks; ``dropout`` is ignored (inference). A class embedding (``num_class_embeds``: a
+    table, e.g. the x4 upscaler's noise level; ``class_embed_type``: ``"timestep"`` sinusoid + MLP, ``"identity"``,
+    ``"projection"`` MLP or ``"simple_projection"`` linear of ``projection_class_embeddings_input_dim`` features)
+    is added to the time embedding (concatenated with ``class_embeddings_concat``) from ``class_labels``.
+    ``encoder_hid_dim`` (``encoder_hid_dim_type="text_proj"``, its default then, as in diffusers): the text states
+    of that width are first projected to ``cross_attention_dim`` (``encoder_hid_proj``)."""
 
     SUPPORTED_VALUES: ClassVar = {
-        "resnet_time_scale_shift": ("default",),
+        "resnet_time_scale_shift": ("default", "scale_shift"),
         "time_embedding_type": ("positional",),
-        "class_embed_type": (None,),
-        "num_class_embeds": (None,),
-        "class_embeddings_concat": (False,),
-        "encoder_hid_dim": (None,),
-        "encoder_hid_dim_type": (None,),
+        "class_embed_type": CLASS_EMBED_TYPES,
+        "encoder_hid_dim_type": (None, "text_proj"),
         "addition_embed_type": (None, "text_time"),
         "dual_cross_attention": (False,),
         "attention_type": ("default",),
@@ -105,8 +108,14 @@ class UNet2DConditionConfig(ModelConfig):
     addition_embed_type_num_heads: int = 64
 
     def __post_init__(self):
+        if self.encoder_hid_dim is not None and self.encoder_hid_dim_type is None:
+            object.__setattr__(self, "encoder_hid_dim_type", "text_proj")  # diffusers' default, written back
         super().__post_init__()
         n = self.num_blocks
+        self.check(self.encoder_hid_dim_type is None or self.encoder_hid_dim is not None, "encoder_hid_dim",
+                   f"must be set when encoder_hid_dim_type={self.encoder_hid_dim_type!r}")
+        self.check(self.encoder_hid_dim is None or isinstance(self.cross_attention_dim, int), "cross_attention_dim",
+                   "must be one number with encoder_hid_dim (diffusers projects the text states to it)")
         for key, names, allowed in (("down_block_types", self.down_block_types, DOWN_BLOCK_TYPES),
                                     ("up_block_types", self.up_block_types, UP_BLOCK_TYPES)):
             for name in names:
@@ -142,6 +151,9 @@ class UNet2DConditionConfig(ModelConfig):
                 self.check(not isinstance(t, tuple) or len(t) >= layers[i], key,
                            f"gives {len(t) if isinstance(t, tuple) else t} transformer depths for block {i}, which "
                            f"has {layers[i]} layers")
+        if self.class_embed_type in ("projection", "simple_projection"):
+            self.check(self.projection_class_embeddings_input_dim is not None, "projection_class_embeddings_input_dim",
+                       f"must be set when class_embed_type={self.class_embed_type!r}")
         if self.addition_embed_type == "text_time":
             for key in ("addition_time_embed_dim", "projection_class_embeddings_input_dim"):
                 self.check(getattr(self, key) is not None, key, "must be set when addition_embed_type='text_time'")
@@ -177,8 +189,14 @@ class UNet2DConditionConfig(ModelConfig):
         return self.time_embedding_dim or 4 * self.block_out_channels[0]
 
     @property
+    def has_class_embedding(self) -> bool:
+        return self.class_embed_type is not None or self.num_class_embeds is not None
+
+    @property
     def context_dim(self) -> int | None:
         """The last axis of ``encoder_hidden_states`` (``None`` for a UNet without any attention)."""
+        if self.encoder_hid_dim is not None:  # projected to cross_attention_dim first
+            return self.encoder_hid_dim
         dims = [s.cross_attention_dim for s in self.attention_specs]
         return dims[0] if dims else None
 
@@ -188,7 +206,10 @@ class UNet2DConditionConfig(ModelConfig):
 
     @property
     def resnet_spec(self) -> ResnetSpec:
-        return ResnetSpec(self.time_embed_dim, self.norm_num_groups, self.norm_eps, self.act_fn)
+        # diffusers widens the blocks' time embedding for class_embeddings_concat, class embedding or not
+        temb = self.time_embed_dim * (2 if self.class_embeddings_concat else 1)
+        return ResnetSpec(temb, self.norm_num_groups, self.norm_eps, self.act_fn,
+                          time_embedding_norm=self.resnet_time_scale_shift)
 
     def _attention(self, i: int, has_attention: bool, layers) -> AttentionSpec | None:
         if not has_attention:
@@ -251,6 +272,8 @@ class UNet2DConditionModel(PretrainedModel):
     conv_in: Conv2d
     time_embedding: TimestepEmbedding
     add_embedding: TimestepEmbedding | None
+    class_embedding: TimestepEmbedding | Embedding | Linear | None
+    encoder_hid_proj: Linear | None
     down_blocks: list[DownBlock]
     mid_block: MidBlock | None
     up_blocks: list[UpBlock]
@@ -267,6 +290,9 @@ class UNet2DConditionModel(PretrainedModel):
             c, dtype=dtype, keys=(kin, kt, ka, kd, km))
         self.up_blocks = [UpBlock(s, c.resnet_spec, dtype=dtype, key=k)
                           for s, k in zip(c.up_blocks, jax.random.split(ku, c.num_blocks))]
+        self.class_embedding = _class_embedding(c, dtype, jax.random.fold_in(key, 7))
+        self.encoder_hid_proj = None if c.encoder_hid_dim is None else Linear(
+            c.encoder_hid_dim, c.cross_attention_dim, dtype=dtype, key=jax.random.fold_in(key, 8))
         self.conv_norm_out = GroupNorm(c.norm_num_groups, ch0, eps=c.norm_eps, dtype=dtype)
         self.conv_out = Conv2d(ch0, c.out_channels, c.conv_out_kernel, padding=c.conv_out_kernel // 2, dtype=dtype,
                                key=kout)
@@ -282,6 +308,7 @@ class UNet2DConditionModel(PretrainedModel):
         text_embeds: Float[Array, "batch text_embed"] | None = None,
         time_ids: Float[Array, "batch num_time_ids"] | Int[Array, "batch num_time_ids"] | None = None,
         timestep_cond: Float[Array, "batch cond_dim"] | None = None,
+        class_labels: Float[Array, "..."] | Int[Array, "..."] | None = None,
         encoder_attention_mask: Bool[Array, "batch seq"] | None = None,
         down_block_additional_residuals: tuple[Float[Array, "batch _ _ _"], ...] | None = None,
         mid_block_additional_residual: Float[Array, "batch _ _ _"] | None = None,
@@ -289,9 +316,11 @@ class UNet2DConditionModel(PretrainedModel):
         """Predict the model output (noise, v or sample, as trained) for ``sample`` at ``timestep``.
 
         ``timestep`` is a number or a ``[batch]`` (or ``[1]``) array. SDXL-style models (``text_time``) also need
-        the pooled ``text_embeds`` and the ``time_ids`` (original size, crop, target size). ``encoder_attention_mask``
-        (``True`` = attend) masks text tokens in cross-attention. ControlNet residuals, channels-last, are added to
-        the skips (one per skip, in the order the down path makes them) and to the mid-block output.
+        the pooled ``text_embeds`` and the ``time_ids`` (original size, crop, target size); a model with a class
+        embedding its ``class_labels`` (``[batch]`` ids or timesteps, or ``[batch, features]``).
+        ``encoder_attention_mask`` (``True`` = attend) masks text tokens in cross-attention. ControlNet residuals,
+        channels-last, are added to the skips (one per skip, in the order the down path makes them) and to the
+        mid-block output.
         """
         c = self.config
         b, height, width, channels = sample.shape
@@ -302,8 +331,9 @@ class UNet2DConditionModel(PretrainedModel):
             sample = 2 * sample - 1.0
 
         emb = embed_time(self, timestep, b, dtype, text_embeds=text_embeds, time_ids=time_ids,
-                         timestep_cond=timestep_cond)
+                         timestep_cond=timestep_cond, class_emb=self._class_emb(class_labels, b))
         context = encoder_hidden_states.astype(dtype)
+        context = context if self.encoder_hid_proj is None else self.encoder_hid_proj(context)
         mask = encoder_attention_mask
 
         plan, image = self.plan, IMAGE
@@ -324,6 +354,27 @@ class UNet2DConditionModel(PretrainedModel):
 
         h = activation(c.act_fn)(self.conv_norm_out(h))
         return constrain(self.conv_out(h), plan, image)
+
+    def _class_emb(self, labels, batch: int):
+        """The class embedding of ``labels`` in float32 (``None`` for a model without one), as diffusers'
+        ``get_class_embed``."""
+        c, name = self.config, type(self).__name__
+        if not c.has_class_embedding:
+            if labels is not None:
+                raise ValueError(f"{name}: class_labels given, but this model has no class embedding "
+                                 "(class_embed_type=None, num_class_embeds=None)")
+            return None
+        if labels is None:
+            raise ValueError(f"{name}: class_embed_type={c.class_embed_type!r}, num_class_embeds={c.num_class_embeds}"
+                             " needs class_labels")
+        if c.class_embed_type == "timestep":
+            t = jnp.broadcast_to(jnp.asarray(labels).reshape(-1), (batch,))
+            labels = timestep_embedding(t, c.block_out_channels[0], flip_sin_to_cos=c.flip_sin_to_cos,
+                                        freq_shift=c.freq_shift)
+        elif c.class_embed_type is None:  # a table of num_class_embeds rows
+            return self.class_embedding(jnp.asarray(labels).reshape(-1).astype(jnp.int32)).astype(jnp.float32)
+        labels = labels.astype(jnp.float32)
+        return labels if self.class_embedding is None else self.class_embedding(labels)
 
     def _check_inputs(self, sample, context, text_embeds, time_ids, down_res, mid_res):
         check_conditioning(self, sample, context, text_embeds, time_ids)
@@ -355,14 +406,17 @@ def build_encoder(c: UNet2DConditionConfig, *, dtype, keys) -> tuple:
     return conv_in, time_embedding, add_embedding, down_blocks, mid_block
 
 
-def embed_time(model, timestep, batch: int, dtype, *, text_embeds=None, time_ids=None, timestep_cond=None):
-    """``model``'s time embedding ``[batch, time_embed_dim]`` in ``dtype`` (plus SDXL's ``text_time`` embedding),
-    computed in float32 (the weights are upcast)."""
+def embed_time(model, timestep, batch: int, dtype, *, text_embeds=None, time_ids=None, timestep_cond=None,
+               class_emb=None):
+    """``model``'s time embedding ``[batch, time_embed_dim]`` in ``dtype`` (plus ``class_emb``, added or concatenated,
+    and SDXL's ``text_time`` embedding), computed in float32 (the weights are upcast)."""
     c = model.config
     t = jnp.broadcast_to(jnp.asarray(timestep).reshape(-1), (batch,))
     emb = model.time_embedding(
         timestep_embedding(t, c.block_out_channels[0], flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift),
         None if timestep_cond is None else timestep_cond.astype(jnp.float32))
+    if class_emb is not None:
+        emb = jnp.concatenate([emb, class_emb], axis=-1) if c.class_embeddings_concat else emb + class_emb
     if model.add_embedding is not None:
         time_embeds = timestep_embedding(time_ids.reshape(-1), c.addition_time_embed_dim,
                                          flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift)
@@ -371,6 +425,19 @@ def embed_time(model, timestep, batch: int, dtype, *, text_embeds=None, time_ids
     if c.time_embedding_act_fn is not None:
         emb = activation(c.time_embedding_act_fn)(emb)
     return emb.astype(dtype)
+
+
+def _class_embedding(c: UNet2DConditionConfig, dtype, key):
+    """diffusers' ``class_embedding`` of config ``c`` (``None``: none, or ``"identity"``)."""
+    if c.class_embed_type == "timestep":
+        return TimestepEmbedding(c.block_out_channels[0], c.time_embed_dim, act_fn=c.act_fn, dtype=dtype, key=key)
+    if c.class_embed_type == "projection":
+        return TimestepEmbedding(c.projection_class_embeddings_input_dim, c.time_embed_dim, dtype=dtype, key=key)
+    if c.class_embed_type == "simple_projection":
+        return Linear(c.projection_class_embeddings_input_dim, c.time_embed_dim, dtype=dtype, key=key)
+    if c.class_embed_type is None and c.num_class_embeds is not None:
+        return Embedding(c.num_class_embeds, c.time_embed_dim, axes=(None, "embed"), dtype=dtype, key=key)
+    return None
 
 
 def run_encoder(model, h, emb, context, mask):

@@ -406,25 +406,31 @@ class AutoencoderKL(PretrainedModel):
         return self.decode(posterior.sample(key=key) if sample_posterior else posterior.mode())
 
     # -- latent normalisation ----------------------------------------------------------------------------------
-    def _latent_stats(self, z):
+    def _latent_stats(self, z, norm: str):
         """``(mean, std)`` such that the diffusion model sees ``(z - mean) * scaling_factor / std``."""
         c = self.config
-        if c.latents_mean is not None and c.latents_std is not None:
+        if norm not in LATENT_NORMS:
+            raise ValueError(f"AutoencoderKL: norm={norm!r}; use one of {list(LATENT_NORMS)}")
+        if norm in ("full", "mean_std") and c.latents_mean is not None and c.latents_std is not None:
             return jnp.asarray(c.latents_mean, z.dtype), jnp.asarray(c.latents_std, z.dtype)
-        return (c.shift_factor or 0.0), 1.0
+        return (c.shift_factor or 0.0) if norm in ("full", "shift") else 0.0, 1.0
 
     @typechecked
-    def scale_latents(self, z: Float[Array, "*batch latent"]) -> Float[Array, "*batch latent"]:
+    def scale_latents(self, z: Float[Array, "*batch latent"], *, norm: str = "full") -> Float[Array, "*batch latent"]:
         """VAE latents -> diffusion latents: ``(z - shift_factor) * scaling_factor`` (per-channel ``latents_mean``
-        and ``latents_std``, when the config sets both, take the place of the shift: ``(z - mean) * scale / std``)."""
-        mean, std = self._latent_stats(z)
+        and ``latents_std``, when the config sets both, take the place of the shift: ``(z - mean) * scale / std``).
+        ``norm`` keeps what a pipeline family's diffusers code reads (:data:`LATENT_NORMS`): ``"full"`` both,
+        ``"shift"`` the shift only (Flux), ``"mean_std"`` the statistics only (SDXL), ``"scale"`` neither (SD)."""
+        mean, std = self._latent_stats(z, norm)
         return (z - mean) * self.config.scaling_factor / std
 
     @typechecked
-    def unscale_latents(self, z: Float[Array, "*batch latent"]) -> Float[Array, "*batch latent"]:
+    def unscale_latents(self, z: Float[Array, "*batch latent"], *, norm: str = "full") -> Float[Array, "*batch latent"]:
         """The inverse of :meth:`scale_latents`: ``z / scaling_factor + shift_factor``, ready for :meth:`decode`."""
-        mean, std = self._latent_stats(z)
+        mean, std = self._latent_stats(z, norm)
         return z * std / self.config.scaling_factor + mean
 
 
-__all__ = ["AutoencoderKL", "AutoencoderKLConfig", "DiagonalGaussian", "ConfigError"]
+LATENT_NORMS = ("full", "shift", "mean_std", "scale")
+
+__all__ = ["AutoencoderKL", "AutoencoderKLConfig", "DiagonalGaussian", "ConfigError", "LATENT_NORMS"]

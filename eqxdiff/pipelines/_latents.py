@@ -57,22 +57,29 @@ def _draws(key, shape):
 
 @program
 def encode_image_latents(vae, image: Float[Array, "batch height width 3"],
-                         posterior_noise: Float[Array, "batch h w latent"], *, tiled: bool = False):
-    """VAE latents of ``[-1, 1]`` images, sampled with the given standard-normal noise, then scaled; ``tiled``
-    encodes in overlapping tiles (``AutoencoderKL.encode_tiled``: bounded memory for large images)."""
+                         posterior_noise: Float[Array, "batch h w latent"], *, tiled: bool = False,
+                         latent_norm: str | None = None):
+    """VAE latents of ``[-1, 1]`` images, sampled with the given standard-normal noise, then scaled (``latent_norm``:
+    :attr:`LatentPipeline.LATENT_NORM`); ``tiled`` encodes in overlapping tiles (``AutoencoderKL.encode_tiled``:
+    bounded memory for large images)."""
     dist = vae.encode_tiled(image) if tiled else vae.encode(image)
-    return vae.scale_latents(dist.mean + dist.std * posterior_noise)
+    return vae.scale_latents(dist.mean + dist.std * posterior_noise, **_norm(latent_norm))
+
+
+def _norm(latent_norm: str | None) -> dict:
+    return {} if latent_norm is None else {"norm": latent_norm}
 
 
 @program
 def decode_latents(vae, latents: Float[Array, "batch *spatial latent"], *, tiled: bool = False,
-                   frame_chunk: int | None = None, dtype=jnp.float32) -> Float[Array, "batch *pixels 3"]:
+                   frame_chunk: int | None = None, dtype=jnp.float32,
+                   latent_norm: str | None = None) -> Float[Array, "batch *pixels 3"]:
     """Scaled latents back to ``[-1, 1]`` images ``[b, H, W, 3]`` or videos ``[b, F, H, W, 3]`` (from video latents
     ``[b, T, h, w, C]``). ``tiled`` decodes in overlapping spatial tiles (as diffusers' ``enable_vae_tiling()``);
     video latents are decoded ``frame_chunk`` latent frames at a time (``None``: all at once). The latents are
     un-scaled in float32, then the VAE runs in ``dtype`` (a pipeline's activations dtype: diffusers decodes in the
     VAE's dtype too)."""
-    z = vae.unscale_latents(latents.astype(jnp.float32)).astype(dtype)
+    z = vae.unscale_latents(latents.astype(jnp.float32), **_norm(latent_norm)).astype(dtype)
     if z.ndim == 5:  # a video VAE (the module docstring's protocol)
         return vae.decode(z, tiled=tiled, frame_chunk=frame_chunk)
     return vae.decode_tiled(z) if tiled else vae.decode(z)
@@ -85,6 +92,9 @@ class LatentPipeline(DiffusionPipeline):
     # decoded at a time.
     vae_tiling: bool = False
     vae_frame_chunk: int | None = None
+    # Which of the VAE config's latent statistics the family's diffusers pipeline reads (an image VAE's
+    # scale_latents(norm=...): "shift", "mean_std" or "scale"); None: all the VAE's (its scale_latents' default).
+    LATENT_NORM: ClassVar[str | None] = None
     SETTINGS: ClassVar[tuple[str, ...]] = ("vae_tiling", "vae_frame_chunk")
     DEFAULT_FRAME_CHUNK: ClassVar[int] = 1  # diffusers' video VAEs decode one latent frame at a time
     # A family whose diffusers VAE decodes windows of a number of output frames (its tile_sample_min_num_frames, every
@@ -182,4 +192,5 @@ class LatentPipeline(DiffusionPipeline):
         (:meth:`enable_vae_tiling`). A family whose VAE decodes with more inputs overrides this and takes them as
         keywords, which its calls hand to :meth:`finish` (LTX-Video: the decode timestep, noise scale and key)."""
         return decode_latents(self.vae, latents, tiled=self.vae_tiling, dtype=self.vae_dtype,
-                              frame_chunk=self.vae_frame_chunk if latents.ndim == 5 else None)
+                              frame_chunk=self.vae_frame_chunk if latents.ndim == 5 else None,
+                              latent_norm=self.LATENT_NORM)

@@ -145,6 +145,7 @@ class FluxPipeline(LatentPipeline):
     """
 
     CLASS_NAME: ClassVar[str] = "FluxPipeline"
+    LATENT_NORM: ClassVar[str] = "shift"  # diffusers' Flux pipelines read shift_factor, never latents_mean / std
     LORA_FORMAT: ClassVar[str] = "eqxdiff.pipelines._lora_flux:FLUX"
     COMPONENTS: ClassVar[tuple[Component, ...]] = (
         Component("scheduler", "diffusers", "scheduler"),

@@ -65,7 +65,8 @@ class FluxControlPipeline(FluxPipeline):
         pixels = per_output(pixels, batch, num_images_per_prompt)
         f = self.vae_scale_factor
         noise = jax.random.normal(key, (batch, height // f, width // f, self.vae.config.latent_channels))
-        return encode_image_latents(self.vae, jnp.asarray(pixels * 2.0 - 1.0), noise, tiled=self.vae_tiling)
+        return encode_image_latents(self.vae, jnp.asarray(pixels * 2.0 - 1.0), noise, tiled=self.vae_tiling,
+                                    latent_norm=self.LATENT_NORM)
 
     @checked_call
     def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,

@@ -106,7 +106,7 @@ class _FluxFromImage(FluxPipeline):
         shape = (batch, height // self.vae_scale_factor, width // self.vae_scale_factor,
                  self.vae.config.latent_channels)
         noise = jax.random.normal(key, shape) if sample else jnp.zeros(shape, jnp.float32)
-        return encode_image_latents(self.vae, pixels, noise, tiled=self.vae_tiling)
+        return encode_image_latents(self.vae, pixels, noise, tiled=self.vae_tiling, latent_norm=self.LATENT_NORM)
 
 
 class FluxImg2ImgPipeline(_FluxFromImage):

@@ -49,6 +49,7 @@ class StableDiffusionPipeline(UNetPipeline):
     """
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionPipeline"
+    LATENT_NORM: ClassVar[str] = "scale"  # diffusers' SD pipelines read scaling_factor only
     LORA_FORMAT: ClassVar[str] = "eqxdiff.pipelines._lora_unet:SD"
     COMPONENTS: ClassVar[tuple[Component, ...]] = (
         Component("tokenizer", "transformers", "tokenizer"),

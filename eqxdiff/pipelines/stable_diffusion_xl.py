@@ -63,6 +63,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
     """
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionXLPipeline"
+    LATENT_NORM: ClassVar[str] = "mean_std"  # diffusers' SDXL: latents_mean / latents_std if set, no shift_factor
     LORA_FORMAT: ClassVar[str] = "eqxdiff.pipelines._lora_unet:SDXL"
     COMPONENTS: ClassVar[tuple[Component, ...]] = (
         Component("tokenizer", "transformers", "tokenizer", optional=True),
