@@ -2,6 +2,8 @@
 exactly (without recompiling), FSDP and FSDP + data meshes of the 8 simulated CPU devices equal to one device, and
 the errors of its parts (``train.run`` end to end: tests/test_train_run.py)."""
 
+import types
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -13,9 +15,13 @@ from eqxdiff.train import (
     ArrayBatches,
     Checkpointer,
     DataError,
+    FluxFlowMatching,
+    LatentDiffusion,
     Objective,
     OptimizerConfig,
+    SDXLLatentDiffusion,
     TimestepBias,
+    WanFlowMatching,
     batch_loss,
     check_batch,
     data_parallel_mesh,
@@ -411,3 +417,24 @@ def test_array_batches_cover_each_epoch_and_resume():
     later = [next(b)["x"].tolist() for _ in range(4)]
     again = ArrayBatches(arrays, 3, seed=5, position=3)
     assert [next(again)["x"].tolist() for _ in range(4)] == later
+
+
+class _RecordingVAE:
+    """Stands in for a VAE: records the statistics ``scale_latents`` is asked for."""
+
+    def scale_latents(self, z, *, norm: str = "full"):
+        self.norm = norm
+        return z
+
+
+@pytest.mark.parametrize("bundle, norm", [(LatentDiffusion, "scale"), (SDXLLatentDiffusion, "mean_std"),
+                                          (FluxFlowMatching, "shift"), (WanFlowMatching, "full")])
+def test_training_latents_use_the_statistics_the_family_pipeline_decodes_with(bundle, norm):
+    """Training scales latents with the VAE statistics its family's pipeline unscales them with (diffusers' SD
+    pipeline reads scaling_factor only, SDXL's latents_mean / latents_std, Flux's shift_factor; Wan's VAE all of its
+    own): a model trained on one latent space samples in the same one."""
+    vae = _RecordingVAE()
+    fake = types.SimpleNamespace(vae=vae, pipeline_class=bundle.pipeline_class)
+    zeros = jnp.zeros((1, 2, 2, 4))
+    bundle.latents(fake, {"latent_mean": zeros, "latent_std": zeros}, jax.random.key(0))
+    assert vae.norm == norm == (bundle.pipeline_class().LATENT_NORM or "full")

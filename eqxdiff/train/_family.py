@@ -231,13 +231,15 @@ class TrainModel(eqx.Module):
 
     def latents(self, batch: Mapping[str, Array], key: PRNGKeyArray) -> Array:
         """Scaled latents ``[batch, h, w, c]``: a sample of the VAE posterior (cached or encoded now), through the
-        VAE's ``scale_latents`` (``(z - shift) * scale``)."""
+        VAE's ``scale_latents`` with the statistics the family's pipeline reads (its ``LATENT_NORM``), so that
+        training and sampling share one latent space."""
         if CACHED_LATENTS[0] in batch:
             mean, std = batch["latent_mean"], batch["latent_std"]
             z = mean + std * jax.random.normal(key, mean.shape, mean.dtype)
         else:
             z = self.vae.encode(batch["pixel_values"]).sample(key=key)
-        return self.vae.scale_latents(z)
+        norm = self.pipeline_class().LATENT_NORM
+        return self.vae.scale_latents(z) if norm is None else self.vae.scale_latents(z, norm=norm)
 
     def condition(self, batch: Mapping[str, Array], key: PRNGKeyArray, caption_dropout: float) -> dict[str, Array]:
         """The denoiser's conditioning for ``batch``: cached or encoded text (the empty prompt's for a
