@@ -212,6 +212,22 @@ class UNetPipeline(LatentPipeline):
         and control images)."""
         return UNetDenoiser(self.unet), cond
 
+    def _check_unet_inputs(self, image, mask_image, denoising_start) -> bool:
+        """Refuse inputs this UNet cannot take; whether it is an inpainting UNet (``2 * latent + 1`` channels)."""
+        c, unet_channels = self.latent_channels, self.unet.config.in_channels
+        inpainting_unet = unet_channels == 2 * c + 1
+        if unet_channels not in (c, 2 * c + 1):
+            raise ValueError(f"the UNet takes {unet_channels} input channels; this pipeline drives UNets of {c} "
+                             f"(the VAE's latent channels) or {2 * c + 1} (inpainting) channels")
+        if mask_image is not None and image is None:
+            raise ValueError("mask_image needs image= (the picture to inpaint)")
+        if inpainting_unet and mask_image is None:
+            raise ValueError(f"this UNet takes {unet_channels} input channels (an inpainting UNet: latents, mask and "
+                             "masked-image latents); pass image= and mask_image=")
+        if image is None and denoising_start is not None:
+            raise ValueError("denoising_start needs image= (the latents the first pipeline handed over)")
+        return inpainting_unet
+
     def generate(self, cond: dict, *, guidance: Guidance, guidance_scale: float, batch: int, height: int,
                  width: int, num_inference_steps: int | None, key: PRNGKeyArray, latents=None,
                  image: ImageInput | None = None, mask_image=None, strength: float | None = None,
@@ -232,18 +248,7 @@ class UNetPipeline(LatentPipeline):
         """
         check_output_type(output_type)
         f, c = self.vae_scale_factor, self.latent_channels
-        unet_channels = self.unet.config.in_channels
-        inpainting_unet = unet_channels == 2 * c + 1
-        if unet_channels not in (c, 2 * c + 1):
-            raise ValueError(f"the UNet takes {unet_channels} input channels; this pipeline drives UNets of {c} "
-                             f"(the VAE's latent channels) or {2 * c + 1} (inpainting) channels")
-        if mask_image is not None and image is None:
-            raise ValueError("mask_image needs image= (the picture to inpaint)")
-        if inpainting_unet and mask_image is None:
-            raise ValueError(f"this UNet takes {unet_channels} input channels (an inpainting UNet: latents, mask and "
-                             "masked-image latents); pass image= and mask_image=")
-        if image is None and denoising_start is not None:
-            raise ValueError("denoising_start needs image= (the latents the first pipeline handed over)")
+        inpainting_unet = self._check_unet_inputs(image, mask_image, denoising_start)
         shape = (batch, height // f, width // f, c)
         scheduler = self.scheduler
         if "eta" in {field.name for field in dataclasses.fields(scheduler)}:
