@@ -187,6 +187,18 @@ class LatentPipeline(DiffusionPipeline):
             return jnp.dtype(jnp.float32)
         return self.activations_dtype
 
+    def encode_pixels(self, pixels, noise) -> Array:
+        """Scaled latents of ``[-1, 1]`` images ``[b, H, W, 3]``, sampled with ``noise``, through the VAE with the
+        pipeline's tiling setting and the family's ``LATENT_NORM`` (:func:`encode_image_latents`): the way in that
+        :meth:`decode` is the way out of."""
+        return encode_image_latents(self.vae, pixels, noise, tiled=self.vae_tiling, latent_norm=self.LATENT_NORM)
+
+    @classmethod
+    def scale_latents(cls, vae, z) -> Array:
+        """VAE latents ``z`` as the family's denoiser sees them: ``vae.scale_latents`` with the statistics its
+        diffusers pipeline reads (``LATENT_NORM``); training scales its latents here too."""
+        return vae.scale_latents(z, **_norm(cls.LATENT_NORM))
+
     def decode(self, latents) -> Array:
         """The final latents as ``[-1, 1]`` pixels through the VAE, with the pipeline's tiling settings
         (:meth:`enable_vae_tiling`). A family whose VAE decodes with more inputs overrides this and takes them as

@@ -35,7 +35,7 @@ from ._inpaint import (
     prepare_mask,
     with_mask_channels,
 )
-from ._latents import LatentPipeline, encode_image_latents, noise_draws
+from ._latents import LatentPipeline, noise_draws
 
 LATENTS_LAYOUT = "[n, height/f, width/f, channels] (channels-last; f = the VAE's downsampling)"
 
@@ -267,8 +267,7 @@ class UNetPipeline(LatentPipeline):
                 from_noise = mask_image is not None and strength == 1.0 and schedule.adds_noise
                 clean = image.latents
                 if clean is None:  # at strength 1 too: a new strength then runs what this call ran (no compile)
-                    clean = encode_image_latents(self.vae, image.pixels, draws.image, tiled=self.vae_tiling,
-                                                 latent_norm=self.LATENT_NORM)
+                    clean = self.encode_pixels(image.pixels, draws.image)
                 if schedule.adds_noise:
                     noised = scheduler.add_noise_at_step(state, clean, noise)
                     x = x if from_noise else noised
@@ -281,9 +280,8 @@ class UNetPipeline(LatentPipeline):
                         if image.pixels is None:
                             raise ValueError("an inpainting UNet needs image= as pixels (its masked image is "
                                              "encoded), not latents")
-                        extra[MASKED_IMAGE_LATENTS] = encode_image_latents(
-                            self.vae, masked_pixels(image.pixels, mask), draws.masked_image, tiled=self.vae_tiling,
-                            latent_norm=self.LATENT_NORM)
+                        extra[MASKED_IMAGE_LATENTS] = self.encode_pixels(masked_pixels(image.pixels, mask),
+                                                                         draws.masked_image)
                     else:
                         extra[IMAGE_LATENTS], extra[NOISE] = clean, noise
             if self.unet.config.time_cond_proj_dim is not None:

@@ -30,7 +30,6 @@ from ._arguments import resolve_key
 from ._call import checked_call
 from ._checks import CallLimits, InputError
 from ._controlnet import per_output, prepare_control_image
-from ._latents import encode_image_latents
 from .flux import MAX_SEQUENCE_LENGTH, FluxPipeline
 
 __all__ = ["FluxControlPipeline"]
@@ -65,8 +64,7 @@ class FluxControlPipeline(FluxPipeline):
         pixels = per_output(pixels, batch, num_images_per_prompt)
         f = self.vae_scale_factor
         noise = jax.random.normal(key, (batch, height // f, width // f, self.vae.config.latent_channels))
-        return encode_image_latents(self.vae, jnp.asarray(pixels * 2.0 - 1.0), noise, tiled=self.vae_tiling,
-                                    latent_norm=self.LATENT_NORM)
+        return self.encode_pixels(jnp.asarray(pixels * 2.0 - 1.0), noise)
 
     @checked_call
     def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,

@@ -25,7 +25,6 @@ from ._arguments import resolve_key
 from ._call import checked_call
 from ._checks import CallLimits, InputError, InputWarning, image_size, pixel_size
 from ._images import resize_nearest, to_model_range
-from ._latents import encode_image_latents
 from .flux import MAX_SEQUENCE_LENGTH, FluxPipeline, image_size_error
 
 __all__ = ["KONTEXT_RESOLUTIONS", "FluxImg2ImgPipeline", "FluxKontextPipeline", "kontext_size"]
@@ -106,7 +105,7 @@ class _FluxFromImage(FluxPipeline):
         shape = (batch, height // self.vae_scale_factor, width // self.vae_scale_factor,
                  self.vae.config.latent_channels)
         noise = jax.random.normal(key, shape) if sample else jnp.zeros(shape, jnp.float32)
-        return encode_image_latents(self.vae, pixels, noise, tiled=self.vae_tiling, latent_norm=self.LATENT_NORM)
+        return self.encode_pixels(pixels, noise)
 
 
 class FluxImg2ImgPipeline(_FluxFromImage):

@@ -36,7 +36,7 @@ from ._checks import CallLimits, InputError, pixel_size
 from ._components import Component
 from ._images import to_model_range
 from ._latents import LatentPipeline, noise_draws
-from .ltx import DEFAULT_FRAME_RATE, decode_options, decode_video, sampled_latents
+from .ltx import DEFAULT_FRAME_RATE, LTXPipeline, decode_options, decode_video, sampled_latents
 
 __all__ = ["LTXLatentUpsamplePipeline", "adain", "tone_map", "upsampled_latents"]
 
@@ -78,8 +78,7 @@ class LTXLatentUpsamplePipeline(LatentPipeline):
         Component("latent_upsampler", "diffusers", classes=("LTXLatentUpsamplerModel",), scan=False),
     )
     INIT_IMAGE: ClassVar[str | None] = None
-    FRAME_CHUNK_SAMPLE_FRAMES: ClassVar[int | None] = 16  # diffusers' LTX VAE decodes 16 frames every 8 (2 latent
-    # frames every 1 at the released VAEs' temporal factor 8, 4 every 2 at a factor of 4)
+    FRAME_CHUNK_SAMPLE_FRAMES: ClassVar[int | None] = LTXPipeline.FRAME_CHUNK_SAMPLE_FRAMES  # the same VAE windows
     latent_upsampler: LTXLatentUpsamplerModel
 
     @property

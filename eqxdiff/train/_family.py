@@ -238,8 +238,7 @@ class TrainModel(eqx.Module):
             z = mean + std * jax.random.normal(key, mean.shape, mean.dtype)
         else:
             z = self.vae.encode(batch["pixel_values"]).sample(key=key)
-        norm = self.pipeline_class().LATENT_NORM
-        return self.vae.scale_latents(z) if norm is None else self.vae.scale_latents(z, norm=norm)
+        return self.pipeline_class().scale_latents(self.vae, z)
 
     def condition(self, batch: Mapping[str, Array], key: PRNGKeyArray, caption_dropout: float) -> dict[str, Array]:
         """The denoiser's conditioning for ``batch``: cached or encoded text (the empty prompt's for a
