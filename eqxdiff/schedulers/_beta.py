@@ -208,11 +208,15 @@ def check_train_indices(name: str, indices: np.ndarray, config: BetaScheduleConf
         raise ValueError(f"{name} {outside} fall outside [0, num_train_timesteps={big_n}): {fix}")
 
 
-def check_zero_snr_start(name: str, config: BetaScheduleConfig, timesteps: np.ndarray, acp: np.ndarray, *,
-                         clips: bool) -> None:
+def check_zero_snr_start(name: str, config: ClipSampleConfig, timesteps: np.ndarray, acp: np.ndarray, *,
+                         clips: bool | None = None) -> None:
     """Refuse a schedule that would step from a timestep of zero SNR (``alphas_cumprod == 0``: the last one under
     ``rescale_betas_zero_snr``) with an epsilon model: its predicted clean sample is ``x / 0``, and unless a clip
-    bounds it (``clips``: ``clip_sample`` without ``thresholding``) diffusers' result is NaN, so is ours."""
+    bounds it (``clips``; default: ``clip_sample`` without ``thresholding``, as :func:`clip_or_threshold` clips)
+    diffusers' result is NaN, so is ours."""
+    configurable = clips is None  # then clip_sample is also a fix
+    if configurable:
+        clips = config.clip_sample and not config.thresholding
     if config.prediction_type != "epsilon" or clips or not timesteps.size or not np.any(acp[timesteps] == 0):
         return
     t = int(timesteps[np.flatnonzero(acp[timesteps] == 0)[0]])
@@ -220,7 +224,7 @@ def check_zero_snr_start(name: str, config: BetaScheduleConfig, timesteps: np.nd
                       "where alphas_cumprod is 0 and an epsilon model's clean-sample estimate is x / 0 (NaN, in "
                       "diffusers too): use prediction_type='v_prediction' (what zero-SNR models are trained for), "
                       "or a schedule that starts below it (timestep_spacing='leading', strength < 1)"
-                      + ("" if name.startswith("TCD") else ", or clip_sample=True with thresholding=False"))
+                      + (", or clip_sample=True with thresholding=False" if configurable else ""))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -55,8 +55,7 @@ class DDIMScheduler(AbstractBetaScheduler):
         prev = timesteps - cfg.num_train_timesteps // num_inference_steps
         alpha_prev = np.where(prev >= 0, acp[np.clip(prev, 0, None)], final)
         begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
-        clips = cfg.clip_sample and not cfg.thresholding
-        check_zero_snr_start("DDIMScheduler", cfg, timesteps[begin:], acp, clips=clips)
+        check_zero_snr_start("DDIMScheduler", cfg, timesteps[begin:], acp)
         return DDIMState(timesteps=to_device(timesteps, np.int32), alpha_prod=to_device(acp[timesteps]),
                          alpha_prod_prev=to_device(alpha_prev, np.float32), **counters(len(timesteps), begin))
 

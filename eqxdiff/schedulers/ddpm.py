@@ -68,8 +68,7 @@ class DDPMScheduler(AbstractLearnedVarianceScheduler):
         # The previous timestep is the next entry of the schedule; past the last one alpha_prod is 1.
         alpha_prev = np.concatenate([acp[timesteps[1:]], np.ones(1, np.float32)])
         begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
-        clips = cfg.clip_sample and not cfg.thresholding
-        check_zero_snr_start("DDPMScheduler", cfg, timesteps[begin:], acp, clips=clips)
+        check_zero_snr_start("DDPMScheduler", cfg, timesteps[begin:], acp)
         return DDPMState(timesteps=to_device(timesteps, np.int32), alpha_prod=to_device(acp[timesteps]),
                          alpha_prod_prev=to_device(alpha_prev), **counters(len(timesteps), begin))
 

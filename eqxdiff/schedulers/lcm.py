@@ -127,9 +127,9 @@ class _ConsistencyScheduler(AbstractBetaScheduler):
     def _per_step(self, timesteps: np.ndarray, nxt: np.ndarray, acp: np.ndarray):
         """``(alphas_cumprod at the step's target, aux[steps, 2])`` on the host."""
 
-    def _clips(self) -> bool:
-        """Whether the step bounds its clean-sample estimate (LCM: ``clip_sample`` without ``thresholding``)."""
-        return self.config.clip_sample and not self.config.thresholding
+    def _clips(self) -> bool | None:
+        """Whether the step bounds its clean-sample estimate (``None``: as its config says, LCM's case)."""
+        return None
 
     def _final_alpha(self, acp: np.ndarray) -> np.float32:
         return np.float32(1.0) if self.config.set_alpha_to_one else acp[0]
