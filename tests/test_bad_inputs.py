@@ -569,10 +569,10 @@ API = [
 
 @pytest.mark.parametrize(("call", "error", "match"), [c[1:] for c in API], ids=[c[0] for c in API])
 def test_python_api_refuses_before_compiling(call, error, match, pipe, ws, unchanged, monkeypatch):
-    from eqxdiff.pipelines import _latents, _unet, stable_diffusion
+    from eqxdiff.pipelines import _latents, stable_diffusion
 
     for module, name in ((stable_diffusion, "encode_prompt"), (_latents, "denoise_loop"),
-                         (_unet, "encode_image_latents"), (_latents, "decode_latents")):
+                         (_latents, "encode_image_latents"), (_latents, "decode_latents")):
         monkeypatch.setattr(module, name, _must_not_compile)
     ctx = types.SimpleNamespace(pipe=pipe, ws=ws, monkeypatch=monkeypatch)
     with warnings.catch_warnings():
