@@ -170,6 +170,9 @@ CASES = [
                  steps_offset=1), 7, {}, None),
     (UNIPC, dict(SD, prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing"),
      6, {}, None),
+    # 'trailing' at 61 steps ends at timestep -1 (62 steps, the last sigma clamped to timestep 0's): was refused
+    (UNIPC, dict(SD, timestep_spacing="trailing", solver_order=3, solver_type="bh1", final_sigmas_type="sigma_min"),
+     61, {}, None),
     # UniPC on flow sigmas (Wan: timesteps truncated to integers)
     (UNIPC, WAN, 10, {}, None),
     (UNIPC, dict(WAN, use_dynamic_shifting=True, solver_order=3), None,

@@ -127,6 +127,17 @@ def test_numeric_scheduler_options_share_the_loop(name, options):
         assert not np.array_equal(out, first)
 
 
+@pytest.mark.parametrize("name", ["DPMSolverMultistepScheduler", "UniPCMultistepScheduler"])
+def test_trailing_overshoot_runs_in_the_same_program(name):
+    """'trailing' spacing overshoots to timestep -1 at 61 steps (62 steps, as in diffusers, whose sigma
+    interpolation clamps it): it runs in the loop program of any other step count."""
+    scheduler = S.SCHEDULER_CLASSES[name].from_config({"timestep_spacing": "trailing"})
+    first = _run(scheduler, steps=60)
+    with no_compile(f"{name} trailing, 61 steps"):
+        out = _run(scheduler, steps=61)
+    assert np.all(np.isfinite(out)) and not np.array_equal(out, first)
+
+
 def test_per_step_guidance_is_one_program_for_any_values():
     """A per-step scale (``[steps]``: Wan 2.2's guidance_scale_2) is a new shape once, then values only."""
     scheduler = S.EulerDiscreteScheduler()

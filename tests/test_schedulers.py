@@ -197,6 +197,9 @@ CASES = [
                                          sample_max_value=1.2, timestep_spacing="trailing"), 10),
     ("DPMSolverMultistepScheduler", dict(SD, euler_at_final=True, use_exponential_sigmas=True), 20),
     ("DPMSolverMultistepScheduler", dict(SD, solver_order=1), 1),
+    # 'trailing' at 61 steps ends at timestep -1: 62 steps, the last one's sigma clamped to timestep 0's (diffusers
+    # interpolates); with sigma_min the last step is from that sigma to itself (h = 0). It was refused.
+    ("DPMSolverMultistepScheduler", dict(SD, timestep_spacing="trailing", final_sigmas_type="sigma_min"), 61),
     # DDPM
     ("DDPMScheduler", dict(), 10),
     ("DDPMScheduler", dict(SD, prediction_type="v_prediction", timestep_spacing="trailing",
@@ -518,8 +521,11 @@ def test_usage_errors():
         euler_a.init(0)
     with pytest.raises(ValueError, match="outside"):
         S.DDIMScheduler.from_config({"steps_offset": 200}).init(5)
-    with pytest.raises(ValueError, match=r"timesteps \[-1\] fall outside .*'trailing' overshoots to -1"):
-        S.DDIMScheduler.from_config({"timestep_spacing": "trailing"}).init(61)
+    # (DDIM, DDPM, PNDM: diffusers' extra step at timestep -1 reads alphas_cumprod[-1]; DPM-Solver and UniPC run it)
+    for cls, n in ((S.DDIMScheduler, 61), (S.DDPMScheduler, 103), (S.PNDMScheduler, 121)):
+        with pytest.raises(ValueError, match=r"timesteps \[-1\] fall outside .*'trailing' overshoots to -1 .*"
+                                             r"reads alphas_cumprod\[-1\], the noisiest value"):
+            cls.from_config({"timestep_spacing": "trailing"}).init(n, sample_shape=SHAPE)
     assert euler_a.remaining_steps(euler_a.init(10, begin_index=3)) == 7
     # Shapes are checked (jaxtyping + beartype, at trace time).
     with pytest.raises(Exception, match="dims"):

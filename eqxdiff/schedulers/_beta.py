@@ -193,18 +193,27 @@ def sigma_to_t(sigma: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:
     return ((1 - w) * low_idx + w * high_idx).reshape(sigma.shape)
 
 
-def check_train_indices(name: str, indices: np.ndarray, config: BetaScheduleConfig) -> None:
-    """Refuse training-timestep indices outside ``[0, num_train_timesteps)``. 'trailing' spacing ends at -1 for some
-    step counts (61, 103, 121, ... of 1000: ``np.arange(1000, 0, -1000 / n)`` overshoots by one entry); diffusers
-    runs an extra last step at timestep -1 (DDIM, DDPM and PNDM read ``alphas_cumprod[-1]`` there, the noisiest
-    value; DPM-Solver and UniPC clamp its sigma; Euler-type schedulers, which do too, run it as diffusers does)."""
+def check_train_indices(name: str, indices: np.ndarray, config: BetaScheduleConfig, *,
+                        sigma_clamped: bool = False) -> None:
+    """Refuse training-timestep indices outside ``[0, num_train_timesteps)``.
+
+    'trailing' spacing ends at -1 for some step counts (61, 103, 121, ... of 1000: ``np.arange(1000, 0, -1000 / n)``
+    overshoots by one entry), and diffusers then runs one extra last step at timestep -1. Schedulers that interpolate
+    their sigmas at the timesteps (``sigma_clamped``: DPM-Solver, UniPC; Euler-type ones do too and never call this)
+    clamp it to the sigma of timestep 0, a sane last step that they run as diffusers does. DDIM, DDPM and PNDM would
+    read ``alphas_cumprod[-1]`` there, the noisiest value, for a sample that is already clean: that step (a diffusers
+    bug) spoils the result, so it is refused with that reason."""
     big_n = config.num_train_timesteps
+    overshoot = config.timestep_spacing == "trailing" and indices.size and int(indices.ravel()[-1]) == -1
+    if sigma_clamped and overshoot:
+        indices = indices.ravel()[:-1]
     if indices.size and (indices.min() < 0 or indices.max() >= big_n):
         outside = sorted({int(t) for t in indices.ravel() if not 0 <= t < big_n})
         fix = "lower steps_offset or change timestep_spacing"
-        if outside == [-1] and config.timestep_spacing == "trailing":
-            fix = ("timestep_spacing='trailing' overshoots to -1 at this number of steps (NumPy's arange; diffusers "
-                   "runs an extra last step at timestep -1): use one step more or fewer, or 'linspace'")
+        if outside == [-1] and overshoot:
+            fix = ("timestep_spacing='trailing' overshoots to -1 at this number of steps (NumPy's arange), where "
+                   "diffusers runs an extra last step that reads alphas_cumprod[-1], the noisiest value, on the "
+                   "already denoised sample and spoils it: use one step more or fewer, or 'linspace'")
         raise ValueError(f"{name} {outside} fall outside [0, num_train_timesteps={big_n}): {fix}")
 
 

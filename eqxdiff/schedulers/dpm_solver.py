@@ -136,7 +136,7 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
             timesteps = timesteps.astype(np.int64)  # torch's .to(int64) truncates
         else:
             sigmas = np.interp(timesteps, np.arange(0, len(sigmas)), sigmas)
-        check_train_indices("timesteps", timesteps, cfg)
+        check_train_indices("timesteps", timesteps, cfg, sigma_clamped=True)
         last = np.sqrt((np.float32(1) - acp[0]) / acp[0]) if cfg.final_sigmas_type == "sigma_min" else 0.0
         sigmas = np.concatenate([sigmas, [last]]).astype(np.float32)
         begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)

@@ -198,7 +198,7 @@ class UniPCMultistepScheduler(AbstractBetaScheduler):
         sigmas = np.concatenate([sigmas, [last]]).astype(np.float32)
         timesteps = np.asarray(timesteps).astype(np.int64)  # torch's .to(int64) truncates
         if not cfg.use_flow_sigmas:
-            check_train_indices("timesteps", timesteps, cfg)
+            check_train_indices("timesteps", timesteps, cfg, sigma_clamped=True)
         steps = np.arange(len(timesteps))
         corrector = (steps > 0) & ~np.isin(steps - 1, np.asarray(cfg.disable_corrector, np.int64))
         begin = resolve_begin_index(n, len(timesteps), self.order, strength, begin_index)
