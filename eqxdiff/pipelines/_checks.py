@@ -258,12 +258,15 @@ def check_image_size(name: str, image, factor: int, why: str | None = None) -> N
 
 
 def check_arguments(arguments: Mapping[str, Any], limits: CallLimits = CallLimits(), *,
-                    init_image: str | None = "image") -> None:
-    """Check a call's arguments by their diffusers names (``None`` values are skipped): types and ranges of the
-    shared ones (:data:`CHECKS`), finite numbers and arrays everywhere (NaN initial latents would give a black
-    image), ``strength`` only with an input image, a hand-off's ``denoising_start < denoising_end``; sizes (and
-    the pixel input named ``init_image``) against ``limits``. Warns when the output is far above the native size.
+                    init_image: str | None = "image", required_image: str | None = None) -> None:
+    """Check a call's arguments by their diffusers names (``None`` values are skipped): first, with
+    ``required_image`` (what the picture is), that ``init_image`` is given; types and ranges of the shared ones
+    (:data:`CHECKS`), finite numbers and arrays everywhere (NaN initial latents would give a black image),
+    ``strength`` only with an input image, a hand-off's ``denoising_start < denoising_end``; sizes (and the pixel
+    input named ``init_image``) against ``limits``. Warns when the output is far above the native size.
     """
+    if required_image is not None and init_image in arguments and arguments[init_image] is None:
+        raise InputError(f"pass {init_image}= ({required_image})")
     for name, value in arguments.items():
         if value is None:
             continue

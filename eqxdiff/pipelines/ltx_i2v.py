@@ -46,13 +46,7 @@ class LTXImageToVideoPipeline(LTXPipeline):
 
     CLASS_NAME: ClassVar[str] = "LTXImageToVideoPipeline"
     INIT_IMAGE: ClassVar[str | None] = "image"
-
-    @classmethod
-    def check_arguments(cls, arguments, limits=None) -> None:
-        """The first frame is required (checked before loading too), then the shared checks."""
-        if "image" in arguments and arguments["image"] is None:
-            raise InputError("pass image= (the first frame of the video)")
-        super().check_arguments(arguments, limits)
+    REQUIRED_IMAGE: ClassVar[str | None] = "the first frame of the video"
 
     def image_condition(self, image, *, shape, key: PRNGKeyArray, prompts: int = 1) -> dict:
         """The image's arrays for latents of ``shape`` (:class:`~eqxdiff.pipelines.ltx.LTXDenoiser`): its sampled

@@ -84,13 +84,7 @@ class WanImageToVideoPipeline(WanPipeline):
         *WanPipeline.COMPONENTS[4:],
     )
     INIT_IMAGE: ClassVar[str | None] = "image"
-
-    @classmethod
-    def check_arguments(cls, arguments, limits=None) -> None:
-        """The first frame is required (checked before loading too), then the shared checks."""
-        if "image" in arguments and arguments["image"] is None:
-            raise InputError("pass image= (the first frame of the video)")
-        super().check_arguments(arguments, limits)
+    REQUIRED_IMAGE: ClassVar[str | None] = "the first frame of the video"
 
     @property
     def latent_channels(self) -> int:
