@@ -70,6 +70,17 @@ class CallLimits:
         """Why sizes are multiples of :attr:`size_factor`."""
         return self.size_why or f"the VAE downsamples by {self.size_factor}"
 
+    @classmethod
+    def of_patches(cls, vae, patch: tuple[int, int], *, native_size: tuple[int, int]) -> "CallLimits":
+        """The limits of a video transformer taking ``patch`` (height, width) patches of ``vae``'s latents (its
+        config; ``None``: nothing known): sizes in multiples of the VAE's factor times the larger side, frames of the
+        VAE's temporal factor."""
+        if vae is None:
+            return cls()
+        f, (ph, pw) = vae.downsample_factor, patch
+        return cls(size_factor=f * max(ph, pw), native_size=native_size, frame_factor=vae.temporal_factor,
+                   size_why=f"the VAE downsamples by {f} and the transformer takes {ph}x{pw} patches")
+
 
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
