@@ -251,6 +251,15 @@ def image_size(image) -> tuple[int, int] | None:
     return None
 
 
+def picture_size(image) -> tuple[int, int]:
+    """:func:`image_size` of a call's ``image``, which must be pixels (:class:`InputError` naming the forms if not)."""
+    size = image_size(image)
+    if size is None:
+        raise InputError("image must be a picture: uint8 [H, W, 3] or [1, H, W, 3], floats in [0, 1], or a PIL "
+                         "image")
+    return size
+
+
 def pixel_size(height: int, width: int) -> str:
     """A size as errors and warnings print it, ``width 17, height 23``: ``23x17`` (height first, as arrays are) was
     read as 23 pixels wide."""
