@@ -48,6 +48,7 @@ from ._ltx_vae_blocks import (
     causal_conv,
 )
 from ._ltx_vae_config import DOWNSAMPLE_STRIDES, AutoencoderKLLTXVideoConfig
+from ._posterior import DiagonalGaussian
 from ._tiling import blend, blend_tiles
 
 TimestepLike = int | float | Float[Array, ""] | Float[Array, " videos"] | Int[Array, " videos"]  # checked by decode
@@ -166,23 +167,9 @@ class LTXVideoDecoder3d(eqx.Module):
         return self.conv_out(nn.silu(x))
 
 
-class LTXLatentDistribution(eqx.Module):
+class LTXLatentDistribution(DiagonalGaussian):
     """The posterior ``N(mean, exp(logvar))`` over video latents ``[batch, frames, h, w, latent]`` (diffusers'
     ``DiagonalGaussianDistribution``; ``logvar`` clipped to ``[-30, 20]``, one value shared by the channels)."""
-
-    mean: Float[Array, "batch frames height width latent"]
-    logvar: Float[Array, "batch frames height width latent"]
-
-    def mode(self) -> Float[Array, "batch frames height width latent"]:
-        return self.mean
-
-    def sample(self, *, key: PRNGKeyArray) -> Float[Array, "batch frames height width latent"]:
-        return self.mean + jnp.exp(0.5 * self.logvar) * jax.random.normal(key, self.mean.shape, self.mean.dtype)
-
-    def kl(self) -> Float[Array, " batch"]:
-        """KL to the standard normal, summed over each video."""
-        terms = jnp.square(self.mean) + jnp.exp(self.logvar) - 1.0 - self.logvar
-        return 0.5 * jnp.sum(terms, axis=(1, 2, 3, 4))
 
 
 def blend_windows(fn, z: Array, *, window: int, stride: int, out_stride: int, blend_extent: int,

@@ -32,6 +32,7 @@ from ..nn import (
     silu,
 )
 from ._base import PretrainedModel, check_channels_last
+from ._posterior import DiagonalGaussian
 from ._tiling import blend_tiles
 
 _EPS = 1e-6  # every norm in diffusers' VAE
@@ -251,42 +252,6 @@ class Decoder(eqx.Module):
         for block in (self.mid_block, *self.up_blocks):  # block boundaries: sharding constraints and remat
             x = constrain(checkpoint_block(block, plan)(x), plan, _IMAGE)
         return constrain(self.conv_out(silu(self.conv_norm_out(x))), plan, _IMAGE)
-
-
-class DiagonalGaussian(eqx.Module):
-    """The posterior ``N(mean, exp(logvar))`` per latent element, as diffusers' ``DiagonalGaussianDistribution``."""
-
-    mean: Float[Array, "batch height width latent"]
-    logvar: Float[Array, "batch height width latent"]
-
-    @classmethod
-    def from_moments(cls, moments: Float[Array, "batch height width channels"]) -> "DiagonalGaussian":
-        """Split ``[mean, logvar]`` along channels; ``logvar`` is clipped to ``[-30, 20]`` as in diffusers."""
-        mean, logvar = jnp.split(moments, 2, axis=-1)
-        return cls(mean, jnp.clip(logvar, -30.0, 20.0))
-
-    @property
-    def std(self) -> Array:
-        return jnp.exp(0.5 * self.logvar)
-
-    @property
-    def var(self) -> Array:
-        return jnp.exp(self.logvar)
-
-    def sample(self, *, key: PRNGKeyArray) -> Float[Array, "batch height width latent"]:
-        return self.mean + self.std * jax.random.normal(key, self.mean.shape, self.mean.dtype)
-
-    def mode(self) -> Float[Array, "batch height width latent"]:
-        return self.mean
-
-    def kl(self, other: "DiagonalGaussian | None" = None) -> Float[Array, " batch"]:
-        """KL(self || other) summed over each sample; ``other=None`` is the standard normal."""
-        if other is None:
-            terms = jnp.square(self.mean) + self.var - 1.0 - self.logvar
-        else:
-            terms = (jnp.square(self.mean - other.mean) / other.var + self.var / other.var - 1.0 - self.logvar
-                     + other.logvar)
-        return 0.5 * jnp.sum(terms, axis=(1, 2, 3))
 
 
 def _batch_sliced(fn: Callable, x, size: int | None):

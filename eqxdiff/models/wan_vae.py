@@ -34,6 +34,7 @@ from .. import nn
 from .._typing import Array, Float, PRNGKeyArray, typechecked
 from ..core import ModelConfig, Plan
 from ._base import PretrainedModel, check_channels_last
+from ._posterior import DiagonalGaussian
 from ._tiling import blend_tiles
 from ._wan_vae_blocks import (
     WanAttentionBlock,
@@ -235,28 +236,9 @@ class WanDecoder3d(eqx.Module):
         return x, (c_in, c_blocks, c_out)
 
 
-class WanLatentDistribution(eqx.Module):
+class WanLatentDistribution(DiagonalGaussian):
     """The posterior ``N(mean, exp(logvar))`` over video latents ``[batch, frames, h, w, z]`` (diffusers'
     ``DiagonalGaussianDistribution``; ``logvar`` clipped to ``[-30, 20]``). Pipelines take its ``mode()``."""
-
-    mean: Float[Array, "batch frames height width latent"]
-    logvar: Float[Array, "batch frames height width latent"]
-
-    def mode(self) -> Float[Array, "batch frames height width latent"]:
-        return self.mean
-
-    @property
-    def std(self) -> Float[Array, "batch frames height width latent"]:
-        """``exp(logvar / 2)``: what the train stack caches beside :attr:`mean` (``latent_std``)."""
-        return jnp.exp(0.5 * self.logvar)
-
-    def sample(self, *, key: PRNGKeyArray) -> Float[Array, "batch frames height width latent"]:
-        return self.mean + self.std * jax.random.normal(key, self.mean.shape, self.mean.dtype)
-
-    def kl(self) -> Float[Array, " batch"]:
-        """KL to the standard normal, summed over each video."""
-        terms = jnp.square(self.mean) + jnp.exp(self.logvar) - 1.0 - self.logvar
-        return 0.5 * jnp.sum(terms, axis=(1, 2, 3, 4))
 
 
 class AutoencoderKLWan(PretrainedModel):
@@ -316,8 +298,7 @@ class AutoencoderKLWan(PretrainedModel):
             moments = moments[:, :, :x.shape[2] // e, :x.shape[3] // e]
         else:
             moments = fn(x)
-        mean, logvar = jnp.split(moments, 2, axis=-1)
-        return WanLatentDistribution(mean, jnp.clip(logvar, -30.0, 20.0))
+        return WanLatentDistribution.from_moments(moments)
 
     # -- decode ------------------------------------------------------------------------------------------------
     def _decode_frames(self, z, frame_chunk: int | None):

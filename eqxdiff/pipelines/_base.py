@@ -20,14 +20,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from ..core import (
-    DEFAULT_RULES,
-    ConfigError,
-    ModelConfig,
-    Plan,
-    family_names,
-    resolve_class,
-)
+from ..core import DEFAULT_RULES, ConfigError, ModelConfig, Plan, family_names, resolve_class
 from ..loading import (
     CheckpointError,
     check_dtype,
@@ -77,6 +70,9 @@ class DiffusionPipeline(LoraMixin):
     # The call argument holding the picture an image-to-image call starts from (diffusers' names), or None where the
     # class's image argument is no such start (a ControlNet text-to-image pipeline's image is its control image).
     INIT_IMAGE: ClassVar[str | None] = "image"
+    # What that picture is where a call cannot run without it ("the first frame of the video"; None: optional):
+    # check_arguments refuses a call leaving it out first, asking "pass image= (what it is)", before loading too.
+    REQUIRED_IMAGE: ClassVar[str | None] = None
     # What a user sets on a pipeline after building it (enable_vae_tiling's vae_tiling ...), carried by from_pipe and
     # with_scheduler to the pipeline they build.
     SETTINGS: ClassVar[tuple[str, ...]] = ()
@@ -232,7 +228,7 @@ class DiffusionPipeline(LoraMixin):
         loads the pipeline. Raises :class:`~eqxdiff.pipelines.InputError` naming the argument and the fix. The
         shared diffusers names are checked by :func:`eqxdiff.pipelines.check_arguments`; a family with arguments
         of its own overrides this and calls ``super()``."""
-        check_arguments(arguments, limits or CallLimits(), init_image=cls.INIT_IMAGE)
+        check_arguments(arguments, limits or CallLimits(), init_image=cls.INIT_IMAGE, required_image=cls.REQUIRED_IMAGE)
 
     # The components whose configs decide a call's limits, handed in this order to limits_from (which call_limits
     # and folder_limits use: the loaded models' configs, a folder's).

@@ -70,6 +70,17 @@ class CallLimits:
         """Why sizes are multiples of :attr:`size_factor`."""
         return self.size_why or f"the VAE downsamples by {self.size_factor}"
 
+    @classmethod
+    def of_patches(cls, vae, patch: tuple[int, int], *, native_size: tuple[int, int]) -> "CallLimits":
+        """The limits of a video transformer taking ``patch`` (height, width) patches of ``vae``'s latents (its
+        config; ``None``: nothing known): sizes in multiples of the VAE's factor times the larger side, frames of the
+        VAE's temporal factor."""
+        if vae is None:
+            return cls()
+        f, (ph, pw) = vae.downsample_factor, patch
+        return cls(size_factor=f * max(ph, pw), native_size=native_size, frame_factor=vae.temporal_factor,
+                   size_why=f"the VAE downsamples by {f} and the transformer takes {ph}x{pw} patches")
+
 
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
@@ -240,6 +251,15 @@ def image_size(image) -> tuple[int, int] | None:
     return None
 
 
+def picture_size(image) -> tuple[int, int]:
+    """:func:`image_size` of a call's ``image``, which must be pixels (:class:`InputError` naming the forms if not)."""
+    size = image_size(image)
+    if size is None:
+        raise InputError("image must be a picture: uint8 [H, W, 3] or [1, H, W, 3], floats in [0, 1], or a PIL "
+                         "image")
+    return size
+
+
 def pixel_size(height: int, width: int) -> str:
     """A size as errors and warnings print it, ``width 17, height 23``: ``23x17`` (height first, as arrays are) was
     read as 23 pixels wide."""
@@ -258,12 +278,15 @@ def check_image_size(name: str, image, factor: int, why: str | None = None) -> N
 
 
 def check_arguments(arguments: Mapping[str, Any], limits: CallLimits = CallLimits(), *,
-                    init_image: str | None = "image") -> None:
-    """Check a call's arguments by their diffusers names (``None`` values are skipped): types and ranges of the
-    shared ones (:data:`CHECKS`), finite numbers and arrays everywhere (NaN initial latents would give a black
-    image), ``strength`` only with an input image, a hand-off's ``denoising_start < denoising_end``; sizes (and
-    the pixel input named ``init_image``) against ``limits``. Warns when the output is far above the native size.
+                    init_image: str | None = "image", required_image: str | None = None) -> None:
+    """Check a call's arguments by their diffusers names (``None`` values are skipped): first, with
+    ``required_image`` (what the picture is), that ``init_image`` is given; types and ranges of the shared ones
+    (:data:`CHECKS`), finite numbers and arrays everywhere (NaN initial latents would give a black image),
+    ``strength`` only with an input image, a hand-off's ``denoising_start < denoising_end``; sizes (and the pixel
+    input named ``init_image``) against ``limits``. Warns when the output is far above the native size.
     """
+    if required_image is not None and init_image in arguments and arguments[init_image] is None:
+        raise InputError(f"pass {init_image}= ({required_image})")
     for name, value in arguments.items():
         if value is None:
             continue

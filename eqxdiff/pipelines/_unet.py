@@ -199,6 +199,18 @@ class UNetPipeline(LatentPipeline):
         check_size(height, width, f, f"the VAE downsamples by {f}")
         return height, width
 
+    def image_inputs(self, embeds, guidance: Guidance, image, mask_image, height, width, strength) -> tuple:
+        """What a call's image input decides: ``(batch, image, height, width, strength)``, the outputs (``embeds``'
+        rows, halved with guidance), the image input (:meth:`image_input`), the output size (:meth:`output_size`)
+        and the ``strength`` (:attr:`DEFAULT_STRENGTH`'s image-to-image or inpainting one where the call gives none).
+        """
+        n = embeds.shape[0] // (2 if guidance.enabled else 1)
+        source = None if image is None else self.image_input(image, n, height, width)
+        height, width = self.output_size(height, width, source)
+        if strength is None:
+            strength = self.DEFAULT_STRENGTH[mask_image is not None]
+        return n, source, height, width, strength
+
     def check_inputs(self, **given) -> None:
         """The class's :attr:`REQUIRED_INPUTS` are among ``given`` (name -> value or ``None``)."""
         missing = [k for k in self.REQUIRED_INPUTS if given.get(k) is None]

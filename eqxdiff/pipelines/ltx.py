@@ -246,11 +246,8 @@ class LTXPipeline(LatentPipeline):
 
     @classmethod
     def limits_from(cls, vae, transformer) -> CallLimits:
-        if vae is None:
-            return CallLimits()
-        f, patch = vae.downsample_factor, 1 if transformer is None else transformer.patch_size
-        return CallLimits(size_factor=f * patch, native_size=DEFAULT_SIZE, frame_factor=vae.temporal_factor,
-                          size_why=f"the VAE downsamples by {f} and the transformer takes {patch}x{patch} patches")
+        patch = 1 if transformer is None else transformer.patch_size
+        return CallLimits.of_patches(vae, (patch, patch), native_size=DEFAULT_SIZE)
 
     def check_call(self, arguments) -> None:
         """The schedule exists for the steps (or ``timesteps``) asked for (once loaded: ``eqxdiff-generate`` checks it

@@ -25,7 +25,7 @@ from .._typing import PRNGKeyArray
 from ..schedulers import to_device
 from ._arguments import resolve_key
 from ._call import checked_call
-from ._checks import InputError, image_size
+from ._checks import picture_size
 from ._latents import noise_draws
 from .ltx import (
     DEFAULT_FRAME_RATE,
@@ -46,13 +46,7 @@ class LTXImageToVideoPipeline(LTXPipeline):
 
     CLASS_NAME: ClassVar[str] = "LTXImageToVideoPipeline"
     INIT_IMAGE: ClassVar[str | None] = "image"
-
-    @classmethod
-    def check_arguments(cls, arguments, limits=None) -> None:
-        """The first frame is required (checked before loading too), then the shared checks."""
-        if "image" in arguments and arguments["image"] is None:
-            raise InputError("pass image= (the first frame of the video)")
-        super().check_arguments(arguments, limits)
+    REQUIRED_IMAGE: ClassVar[str | None] = "the first frame of the video"
 
     def image_condition(self, image, *, shape, key: PRNGKeyArray, prompts: int = 1) -> dict:
         """The image's arrays for latents of ``shape`` (:class:`~eqxdiff.pipelines.ltx.LTXDenoiser`): its sampled
@@ -96,10 +90,7 @@ class LTXImageToVideoPipeline(LTXPipeline):
             latents: The initial noise ``[n, T, h, w, C]``, channels-last (its first frame is replaced by the
                 image's latents).
         """
-        size = image_size(image)
-        if size is None:
-            raise InputError("image must be a picture: uint8 [H, W, 3] or [1, H, W, 3], floats in [0, 1], or a PIL "
-                             "image")
+        size = picture_size(image)
         key = resolve_key(seed, key)
         positive, negative = self.prompts(
             num_videos_per_prompt, prompt=prompt, negative_prompt=negative_prompt, guided=guidance_scale > 1,

@@ -124,19 +124,14 @@ class StableDiffusionPipeline(UNetPipeline):
                 images) or ``"latent"`` (channels-last latents).
         """
         self.check_inputs(image=image, mask_image=mask_image)
-        if num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt must be >= 1, got {num_images_per_prompt}")
         key = resolve_key(seed, key)
         guidance = self.guidance(guidance_scale, guidance_rescale)
         with self.timed("encode"):
             embeds = self._embeddings(prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, guidance,
                                       clip_skip)
             embeds = jnp.repeat(embeds, num_images_per_prompt, axis=0)
-        n = embeds.shape[0] // (2 if guidance.enabled else 1)
-        source = None if image is None else self.image_input(image, n, height, width)
-        height, width = self.output_size(height, width, source)
-        if strength is None:
-            strength = self.DEFAULT_STRENGTH[mask_image is not None]
+        n, source, height, width, strength = self.image_inputs(embeds, guidance, image, mask_image, height, width,
+                                                             strength)
         return self.generate({"encoder_hidden_states": embeds}, guidance=guidance, guidance_scale=guidance_scale,
                              batch=n, height=height, width=width, num_inference_steps=num_inference_steps, key=key,
                              latents=latents, image=source, mask_image=mask_image, strength=strength, eta=eta,

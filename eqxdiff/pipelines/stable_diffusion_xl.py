@@ -252,8 +252,6 @@ class StableDiffusionXLPipeline(UNetPipeline):
                 images) or ``"latent"`` (channels-last latents).
         """
         self.check_inputs(image=image, mask_image=mask_image)
-        if num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt must be >= 1, got {num_images_per_prompt}")
         key = resolve_key(seed, key)
         scale = self.DEFAULT_GUIDANCE if guidance_scale is None else float(guidance_scale)
         guidance = self.guidance(scale, guidance_rescale)
@@ -264,9 +262,8 @@ class StableDiffusionXLPipeline(UNetPipeline):
                 pooled_prompt_embeds=pooled_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
             embeds = jnp.repeat(embeds, num_images_per_prompt, axis=0)
             pooled = jnp.repeat(pooled, num_images_per_prompt, axis=0)
-        n = embeds.shape[0] // (2 if guidance.enabled else 1)
-        source = None if image is None else self.image_input(image, n, height, width)
-        height, width = self.output_size(height, width, source)
+        n, source, height, width, strength = self.image_inputs(embeds, guidance, image, mask_image, height, width,
+                                                             strength)
         positive, negative = self.add_time_ids(
             height=height, width=width, original_size=original_size, crops_coords_top_left=crops_coords_top_left,
             target_size=target_size, negative_original_size=negative_original_size,
@@ -275,8 +272,6 @@ class StableDiffusionXLPipeline(UNetPipeline):
             pooled_dim=pooled.shape[-1])
         ids = np.stack([negative] * n + [positive] * n) if guidance.enabled else np.stack([positive] * n)
         cond = {"encoder_hidden_states": embeds, "text_embeds": pooled, "time_ids": jnp.asarray(ids)}
-        if strength is None:
-            strength = self.DEFAULT_STRENGTH[mask_image is not None]
         return self.generate(cond, guidance=guidance, guidance_scale=scale, batch=n, height=height, width=width,
                              num_inference_steps=num_inference_steps, key=key, latents=latents, image=source,
                              mask_image=mask_image, strength=strength, denoising_start=denoising_start,

@@ -236,13 +236,8 @@ class WanPipeline(LatentPipeline):
 
     @classmethod
     def limits_from(cls, vae, transformer) -> CallLimits:
-        if vae is None:
-            return CallLimits()
-        f, patch = vae.downsample_factor, (1, 1, 1) if transformer is None else transformer.patch_size
-        ph, pw = patch[1:]
-        return CallLimits(size_factor=f * max(ph, pw), native_size=DEFAULT_SIZE,
-                          frame_factor=vae.temporal_factor,
-                          size_why=f"the VAE downsamples by {f} and the transformer takes {ph}x{pw} patches")
+        patch = (1, 1, 1) if transformer is None else transformer.patch_size
+        return CallLimits.of_patches(vae, patch[1:], native_size=DEFAULT_SIZE)
 
     def check_call(self, arguments) -> None:
         """The schedule exists for the steps asked for, and the experts' arguments fit the folder: ``boundary_ratio``

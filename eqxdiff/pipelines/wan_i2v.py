@@ -34,7 +34,7 @@ from .._typing import Array, Float, PRNGKeyArray
 from ..core import program
 from ._arguments import resolve_key
 from ._call import checked_call
-from ._checks import InputError, image_size, pixel_size
+from ._checks import InputError, picture_size, pixel_size
 from ._components import Component
 from ._images import to_model_range
 from .wan import DEFAULT_FRAMES, MAX_SEQUENCE_LENGTH, WanPipeline, token_mask
@@ -84,13 +84,7 @@ class WanImageToVideoPipeline(WanPipeline):
         *WanPipeline.COMPONENTS[4:],
     )
     INIT_IMAGE: ClassVar[str | None] = "image"
-
-    @classmethod
-    def check_arguments(cls, arguments, limits=None) -> None:
-        """The first frame is required (checked before loading too), then the shared checks."""
-        if "image" in arguments and arguments["image"] is None:
-            raise InputError("pass image= (the first frame of the video)")
-        super().check_arguments(arguments, limits)
+    REQUIRED_IMAGE: ClassVar[str | None] = "the first frame of the video"
 
     @property
     def latent_channels(self) -> int:
@@ -204,11 +198,9 @@ class WanImageToVideoPipeline(WanPipeline):
         """
         self._check_channels()
         key = resolve_key(seed, key)
-        size = image_size(image)
-        height, width = height or (size[0] if size else None), width or (size[1] if size else None)
-        if height is None or width is None:
-            raise InputError("image must be a picture: uint8 [H, W, 3] or [1, H, W, 3], floats in [0, 1], or a PIL "
-                             "image")
+        if not (height and width):  # the image's size fills in
+            size = picture_size(image)
+            height, width = height or size[0], width or size[1]
         positive, negative = self.prompts(
             num_videos_per_prompt, prompt, negative_prompt, guided=guidance_scale > 1, prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=max_sequence_length)
