@@ -32,7 +32,8 @@ class CLIPTextConfig(ModelConfig):
     encoders run as transformers' do in eval mode, so ``attention_dropout`` is kept only to be written back.
     """
 
-    SUPPORTED_VALUES: ClassVar = {"hidden_act": ("quick_gelu", "gelu"), "model_type": ("clip_text_model",)}
+    # hidden_act: any of transformers' activations eqxdiff computes (CLIPMLP takes ACT2FN[hidden_act])
+    SUPPORTED_VALUES: ClassVar = {"hidden_act": nn.ACTIVATIONS, "model_type": ("clip_text_model",)}
     model_type: ClassVar[str] = "clip_text_model"
 
     vocab_size: int = 49408
