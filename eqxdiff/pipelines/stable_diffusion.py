@@ -29,14 +29,19 @@ __all__ = ["Guidance", "StableDiffusionInpaintPipeline", "StableDiffusionPipelin
 
 @program
 @typechecked
-def encode_prompt(text_encoder, input_ids: Int[Array, "batch seq"], *,
-                  clip_skip: int | None = None) -> Float[Array, "batch seq embed"]:
+def encode_prompt(text_encoder, input_ids: Int[Array, "batch seq"], *, clip_skip: int | None = None,
+                  unskipped: int = 0) -> Float[Array, "batch seq embed"]:
     """Text embeddings for the UNet: the last hidden state, or with ``clip_skip`` the hidden state that
-    many layers from the end passed through the final layer norm (diffusers' convention)."""
+    many layers from the end passed through the final layer norm (diffusers' convention). The first ``unskipped``
+    rows (the negative prompts of a guided batch) take the last hidden state whatever ``clip_skip``: diffusers'
+    ``encode_prompt`` applies ``clip_skip`` to the prompts only."""
     if clip_skip is None:
         return text_encoder(input_ids).last_hidden_state
     out = text_encoder(input_ids, output_hidden_states=True)
-    return text_encoder.text_model.final_layer_norm(out.hidden_states[-(clip_skip + 1)])
+    skipped = text_encoder.text_model.final_layer_norm(out.hidden_states[-(clip_skip + 1)])
+    if not unskipped:
+        return skipped
+    return jnp.concatenate([out.last_hidden_state[:unskipped], skipped[unskipped:]])
 
 
 class StableDiffusionPipeline(UNetPipeline):
@@ -63,10 +68,12 @@ class StableDiffusionPipeline(UNetPipeline):
 
     def embed(self, prompts: Sequence[str], negative: Sequence[str], *, guidance: Guidance,
               clip_skip: int | None = None):
-        """Text embeddings ``[negative; positive]`` with guidance, else ``positive``."""
+        """Text embeddings ``[negative; positive]`` with guidance, else ``positive``; ``clip_skip`` for the
+        positive prompts only, as diffusers' (its negative prompts take the last hidden state)."""
         ids = tokenize(self.tokenizer, list(negative) + list(prompts) if guidance.enabled else prompts,
                        vocab_size=self.text_encoder.config.vocab_size)
-        return encode_prompt(self.encoder("text_encoder"), self.shard(jnp.asarray(ids)), clip_skip=clip_skip)
+        return encode_prompt(self.encoder("text_encoder"), self.shard(jnp.asarray(ids)), clip_skip=clip_skip,
+                             unskipped=len(negative) if guidance.enabled else 0)
 
     def _embeddings(self, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, guidance, clip_skip):
         """``[negative; positive]`` (with guidance) or positive embeddings from prompts or given embeddings."""
@@ -90,8 +97,7 @@ class StableDiffusionPipeline(UNetPipeline):
             if negative_prompt_embeds is None:
                 n = positive.shape[0]
                 negative = [""] * n if negative_prompt is None else as_list(negative_prompt, n, "negative_prompt")
-                return jnp.concatenate([self.embed(negative, [], guidance=Guidance(1.0), clip_skip=clip_skip),
-                                        positive])
+                return jnp.concatenate([self.embed(negative, [], guidance=Guidance(1.0)), positive])
         if not guidance.enabled:
             return positive
         negative_embeds = given_array(negative_prompt_embeds, positive.shape, "negative_prompt_embeds",
