@@ -169,6 +169,10 @@ def test_config_round_trip_and_unsupported_values(sd1):
     config = CLIPTextConfig.from_dict({**CONFIGS["sd1"], "dropout": 0.0, "transformers_version": "4.22.0"})
     assert CLIPTextConfig.from_dict(config.to_dict()) == config
     assert config.to_dict()["model_type"] == "clip_text_model" and config.legacy_pooling and config.head_dim == 8
+    # diffusers' SD reads use_attention_mask from the text encoder's config: kept, and written back only if set
+    assert "use_attention_mask" not in config.to_dict() and not config.use_attention_mask
+    masked = CLIPTextConfig.from_dict({**CONFIGS["sd1"], "use_attention_mask": True})
+    assert masked.use_attention_mask and CLIPTextConfig.from_dict(masked.to_dict()) == masked
     with pytest.raises(ConfigError, match=r"hidden_act='tanh'"):  # an ACT2FN name eqxdiff does not compute
         CLIPTextConfig.from_dict({**CONFIGS["sd1"], "hidden_act": "tanh"})
     with pytest.raises(ConfigError, match=r"hidden_act='gelu_10'"):

@@ -19,7 +19,7 @@ from ._components import Component
 from ._denoise import Guidance, rescale_noise_cfg
 from ._images import to_model_range, to_uint8
 from ._latents import decode_latents, encode_image_latents
-from ._text import tokenize
+from ._text import tokenize, tokens
 from ._unet import UNetDenoiser, UNetPipeline, denoise, prepare_latents
 
 __all__ = ["Guidance", "StableDiffusionInpaintPipeline", "StableDiffusionPipeline", "UNetDenoiser", "decode_latents",
@@ -30,14 +30,16 @@ __all__ = ["Guidance", "StableDiffusionInpaintPipeline", "StableDiffusionPipelin
 @program
 @typechecked
 def encode_prompt(text_encoder, input_ids: Int[Array, "batch seq"], *, clip_skip: int | None = None,
-                  unskipped: int = 0) -> Float[Array, "batch seq embed"]:
+                  unskipped: int = 0, attention_mask: Int[Array, "batch seq"] | None = None
+                  ) -> Float[Array, "batch seq embed"]:
     """Text embeddings for the UNet: the last hidden state, or with ``clip_skip`` the hidden state that
     many layers from the end passed through the final layer norm (diffusers' convention). The first ``unskipped``
     rows (the negative prompts of a guided batch) take the last hidden state whatever ``clip_skip``: diffusers'
-    ``encode_prompt`` applies ``clip_skip`` to the prompts only."""
+    ``encode_prompt`` applies ``clip_skip`` to the prompts only. ``attention_mask``: the tokenizer's, for a text
+    encoder whose config says ``use_attention_mask`` (diffusers passes it then, and none otherwise)."""
     if clip_skip is None:
-        return text_encoder(input_ids).last_hidden_state
-    out = text_encoder(input_ids, output_hidden_states=True)
+        return text_encoder(input_ids, attention_mask=attention_mask).last_hidden_state
+    out = text_encoder(input_ids, attention_mask=attention_mask, output_hidden_states=True)
     skipped = text_encoder.text_model.final_layer_norm(out.hidden_states[-(clip_skip + 1)])
     if not unskipped:
         return skipped
@@ -70,10 +72,12 @@ class StableDiffusionPipeline(UNetPipeline):
               clip_skip: int | None = None):
         """Text embeddings ``[negative; positive]`` with guidance, else ``positive``; ``clip_skip`` for the
         positive prompts only, as diffusers' (its negative prompts take the last hidden state)."""
-        ids = tokenize(self.tokenizer, list(negative) + list(prompts) if guidance.enabled else prompts,
-                       vocab_size=self.text_encoder.config.vocab_size)
-        return encode_prompt(self.encoder("text_encoder"), self.shard(jnp.asarray(ids)), clip_skip=clip_skip,
-                             unskipped=len(negative) if guidance.enabled else 0)
+        config = self.text_encoder.config
+        ids = tokens(self.tokenizer, list(negative) + list(prompts) if guidance.enabled else prompts,
+                     vocab_size=config.vocab_size)
+        mask = self.shard(jnp.asarray(ids.mask)) if config.use_attention_mask else None
+        return encode_prompt(self.encoder("text_encoder"), self.shard(jnp.asarray(ids.ids)), clip_skip=clip_skip,
+                             unskipped=len(negative) if guidance.enabled else 0, attention_mask=mask)
 
     def _embeddings(self, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, guidance, clip_skip):
         """``[negative; positive]`` (with guidance) or positive embeddings from prompts or given embeddings."""
