@@ -16,6 +16,7 @@ from eqxdiff.core import ConfigError
 from eqxdiff.models.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 from ._parity import ModelParity
+from ._util import assert_close, randomize_torch
 
 # SD1-like (quick_gelu, legacy eos_token_id=2), SD2-like (gelu, a real eos_token_id), SDXL-like (gelu, legacy).
 CONFIGS = {
@@ -168,10 +169,14 @@ def test_config_round_trip_and_unsupported_values(sd1):
     config = CLIPTextConfig.from_dict({**CONFIGS["sd1"], "dropout": 0.0, "transformers_version": "4.22.0"})
     assert CLIPTextConfig.from_dict(config.to_dict()) == config
     assert config.to_dict()["model_type"] == "clip_text_model" and config.legacy_pooling and config.head_dim == 8
-    with pytest.raises(ConfigError, match=r"hidden_act='relu'"):
-        CLIPTextConfig.from_dict({**CONFIGS["sd1"], "hidden_act": "relu"})
-    with pytest.raises(ConfigError, match=r"hidden_act='silu'"):
-        CLIPTextConfig(hidden_act="silu")
+    # diffusers' SD reads use_attention_mask from the text encoder's config: kept, and written back only if set
+    assert "use_attention_mask" not in config.to_dict() and not config.use_attention_mask
+    masked = CLIPTextConfig.from_dict({**CONFIGS["sd1"], "use_attention_mask": True})
+    assert masked.use_attention_mask and CLIPTextConfig.from_dict(masked.to_dict()) == masked
+    with pytest.raises(ConfigError, match=r"hidden_act='tanh'"):  # an ACT2FN name eqxdiff does not compute
+        CLIPTextConfig.from_dict({**CONFIGS["sd1"], "hidden_act": "tanh"})
+    with pytest.raises(ConfigError, match=r"hidden_act='gelu_10'"):
+        CLIPTextConfig(hidden_act="gelu_10")
     with pytest.raises(ConfigError, match=r"hidden_size=30 must be divisible by num_attention_heads=4"):
         CLIPTextConfig.from_dict({**CONFIGS["sd1"], "hidden_size": 30})
     with pytest.raises(ConfigError, match=r"eos_token_id=\(2, 3\)"):
@@ -180,8 +185,25 @@ def test_config_round_trip_and_unsupported_values(sd1):
         CLIPTextConfig.from_dict({**CONFIGS["sd1"], "model_type": "clip"})
     with pytest.raises(ConfigError, match=r"projection_dim=None must be set"):
         CLIPTextModelWithProjection(CLIPTextConfig(projection_dim=None, num_hidden_layers=1), key=jax.random.key(0))
-    with pytest.raises(ConfigError, match=r"hidden_act='gelu_fast'"):
-        eqxdiff.load(sd1.folder, config_overrides={"hidden_act": "gelu_fast"})
+    with pytest.raises(ConfigError, match=r"hidden_act='sigmoid'"):
+        eqxdiff.load(sd1.folder, config_overrides={"hidden_act": "sigmoid"})
+
+
+@pytest.mark.parametrize("act", ["gelu_new", "silu"])
+def test_other_hidden_activations_match_transformers(act, tmp_path):
+    """CLIPMLP is ``ACT2FN[hidden_act]``: transformers builds CLIP with any of its activations (not only quick_gelu
+    and gelu, which eqxdiff once refused). One layer, every weight random, pooled at a real eos id, at 1e-4."""
+    config = dict(CONFIGS["sd2"], num_hidden_layers=1, hidden_act=act)
+    ref = transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(**config)).eval()
+    randomize_torch(ref, seed=5)
+    ref.save_pretrained(tmp_path)
+    ours = eqxdiff.load(tmp_path)
+    ids, mask = _inputs(config, [10, 4], 10)
+    with torch.no_grad():
+        theirs = ref(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask))
+    got = ours(jnp.asarray(ids), attention_mask=jnp.asarray(mask, jnp.int32))
+    assert_close(got.last_hidden_state, theirs.last_hidden_state.numpy(), 1e-4)
+    assert_close(got.text_embeds, theirs.text_embeds.numpy(), 1e-4)
 
 
 def test_wrong_input_shapes_are_named():

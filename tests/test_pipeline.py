@@ -160,6 +160,33 @@ def test_clip_skip_takes_an_earlier_layer_through_the_final_norm(tmp_path):
     assert_close(ours, expected, 1e-4)
     assert rel_error(ours, sd.encode_prompt(pipe.text_encoder, jnp.asarray(ids))) > 1e-2
 
+    # diffusers' encode_prompt applies clip_skip to the prompts only: its negative prompts (given or the empty
+    # default) take the last hidden state (eqxdiff once skipped layers for both). transformers 5's CLIPTextModel has no
+    # text_model, which diffusers' clip_skip path reads: the model itself holds final_layer_norm.
+    if not hasattr(ref.text_encoder, "text_model"):
+        object.__setattr__(ref.text_encoder, "text_model", ref.text_encoder)
+    for negative in (["blurry", "ugly"], None):
+        with torch.no_grad():
+            embeds, negative_embeds = ref.encode_prompt(PROMPTS, "cpu", 1, True, negative, clip_skip=1)
+        ours = pipe._embeddings(PROMPTS, negative, None, None, sd.Guidance(7.5), 1)
+        assert_close(ours, torch.cat([negative_embeds, embeds]).numpy(), 1e-4, f"negative_prompt={negative}")
+    ours = pipe._embeddings(None, ["blurry", "ugly"], embeds.numpy(), None, sd.Guidance(7.5), 1)
+    with torch.no_grad():
+        _, negative_embeds = ref.encode_prompt(PROMPTS, "cpu", 1, True, ["blurry", "ugly"], clip_skip=1)
+    assert_close(ours[:2], negative_embeds.numpy(), 1e-4, "negative of given prompt_embeds")
+
+    # a text encoder whose config.json says use_attention_mask=true: diffusers passes the tokenizer's mask (padding
+    # masked), eqxdiff once dropped the key and encoded without it
+    config_path = tmp_path / "text_encoder" / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "use_attention_mask": True}))
+    ref.text_encoder.config.use_attention_mask = True
+    masked = eqxdiff.load_pipeline(tmp_path, attention="xla")
+    assert masked.text_encoder.config.use_attention_mask
+    with torch.no_grad():
+        embeds, negative_embeds = ref.encode_prompt(PROMPTS, "cpu", 1, True, None, clip_skip=1)
+    ours = masked._embeddings(PROMPTS, None, None, None, sd.Guidance(7.5), 1)
+    assert_close(ours, torch.cat([negative_embeds, embeds]).numpy(), 1e-4, "use_attention_mask")
+
 
 def test_load_pipeline_errors(tmp_path):
     build_pipeline(tmp_path / "ok")

@@ -242,7 +242,7 @@ def test_wrong_inputs_are_named():
         run(jnp.zeros((2, 7), jnp.int32), attention_mask=jnp.ones((2, 6), jnp.int32))
 
 
-@pytest.mark.parametrize("proj", ["gated-silu", "gelu", "gated-gelu_new"])
+@pytest.mark.parametrize("proj", ["gated-silu", "gelu", "gated-gelu_new", "gelu_fast"])
 def test_other_feed_forward_activations_match_transformers(proj, tmp_path):
     """transformers reads ``feed_forward_proj`` as ``[gated-]ACT`` (ACT any of its activations; only "gated-gelu"
     alone means the tanh GELU): one block each, every weight random, last hidden state at 1e-4."""

@@ -112,3 +112,14 @@ def test_a_very_long_prompt_warns_once_in_one_short_line(caplog, capfd):
         assert all(len(str(w.message)) < 300 for w in record)
         assert cut[0].startswith("the prompt ") and "token(s) were cut off, starting" in cut[0]
     assert "indexing errors" not in caplog.text + "".join(capfd.readouterr())
+
+
+def test_a_length_below_the_special_tokens_is_refused():
+    """A CLIP-style tokenizer adds two special tokens to every text and truncation cannot cut below them: asked for
+    one token it returned longer rows (a Flux T5 side with max_sequence_length=1 gave 9 tokens, not 1) or failed on
+    a ragged batch with transformers' padding message. Two tokens are the least, bos and eos."""
+    tokenizer = character_tokenizer(16)
+    with pytest.raises(ValueError, match=r"token length of 1 is too short: the tokenizer adds 2 special token\(s\)"):
+        tokens(tokenizer, ["a red cat", "a"], max_length=1)
+    out = tokens(tokenizer, ["a red cat", ""], max_length=2)
+    assert out.ids.tolist() == [[0, 1], [0, 1]] and out.mask.tolist() == [[1, 1], [1, 1]]

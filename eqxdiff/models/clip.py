@@ -32,7 +32,8 @@ class CLIPTextConfig(ModelConfig):
     encoders run as transformers' do in eval mode, so ``attention_dropout`` is kept only to be written back.
     """
 
-    SUPPORTED_VALUES: ClassVar = {"hidden_act": ("quick_gelu", "gelu"), "model_type": ("clip_text_model",)}
+    # hidden_act: any of transformers' activations eqxdiff computes (CLIPMLP takes ACT2FN[hidden_act])
+    SUPPORTED_VALUES: ClassVar = {"hidden_act": nn.ACTIVATIONS, "model_type": ("clip_text_model",)}
     model_type: ClassVar[str] = "clip_text_model"
 
     vocab_size: int = 49408
@@ -50,6 +51,9 @@ class CLIPTextConfig(ModelConfig):
     pad_token_id: int | None = 1
     bos_token_id: int | None = 49406
     eos_token_id: int = 49407
+    # not transformers' (its config keeps any key): diffusers' Stable Diffusion pipelines pass the tokenizer's
+    # attention mask to a text encoder whose config.json says use_attention_mask=true; the model ignores it
+    use_attention_mask: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -75,7 +79,10 @@ class CLIPTextConfig(ModelConfig):
         return self.eos_token_id == 2
 
     def to_dict(self) -> dict:
-        return {**super().to_dict(), "model_type": self.model_type}
+        out = {**super().to_dict(), "model_type": self.model_type}
+        if not out["use_attention_mask"]:  # written only where a config.json said it
+            del out["use_attention_mask"]
+        return out
 
 
 def _is_int(x) -> bool:

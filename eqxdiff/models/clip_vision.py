@@ -34,7 +34,7 @@ class CLIPVisionConfig(ModelConfig):
     (defaults are transformers'). ``attention_dropout`` is never applied (eval mode); it is kept to be written
     back."""
 
-    SUPPORTED_VALUES: ClassVar = {"hidden_act": ("quick_gelu", "gelu"), "model_type": ("clip_vision_model",)}
+    SUPPORTED_VALUES: ClassVar = {"hidden_act": nn.ACTIVATIONS, "model_type": ("clip_vision_model",)}
     model_type: ClassVar[str] = "clip_vision_model"
 
     hidden_size: int = 768

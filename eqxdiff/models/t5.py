@@ -40,8 +40,9 @@ from ._base import PretrainedModel
 
 
 # transformers' feed_forward_proj: "ACT" (wo(act(wi x))) or "gated-ACT" (wo(act(wi_0 x) * wi_1 x)), ACT one of its
-# activation names; "gated-gelu" alone means the tanh GELU (gelu_new), as transformers reads it.
-FEED_FORWARD_ACTIVATIONS = ("relu", "gelu", "gelu_new", "gelu_pytorch_tanh", "quick_gelu", "silu", "swish", "mish")
+# activation names (those eqxdiff computes); "gated-gelu" alone means the tanh GELU (gelu_new), as transformers
+# reads it.
+FEED_FORWARD_ACTIVATIONS = ("relu", "gelu", *(a for a in nn.ACTIVATIONS if a not in ("relu", "gelu")))
 FEED_FORWARD_PROJ = (*FEED_FORWARD_ACTIVATIONS, *(f"gated-{act}" for act in FEED_FORWARD_ACTIVATIONS))
 
 

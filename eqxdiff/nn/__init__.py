@@ -1,5 +1,6 @@
 """Channels-last layers that load from PyTorch checkpoints."""
 
+from ._activations import ACTIVATIONS as ACTIVATIONS
 from ._activations import activation as activation
 from ._activations import gelu as gelu
 from ._activations import gelu_tanh as gelu_tanh

@@ -59,6 +59,11 @@ _ACTIVATIONS = {
     "swish": silu,
     "gelu": gelu,
     "gelu_pytorch_tanh": gelu_tanh,
+    # transformers' FastGELUActivation and AccurateGELUActivation: the tanh GELU again, in other float32 orders; and
+    # GELUActivation(use_gelu_python=True): the erf GELU
+    "gelu_fast": gelu_tanh,
+    "gelu_accurate": gelu_tanh,
+    "gelu_python": gelu,
     # transformers' NewGELUActivation and QuickGELUActivation run op by op (rounding after each in half precision);
     # one rounding of the float32 result is closer to the float32 model
     "gelu_new": gelu_tanh,
@@ -66,6 +71,11 @@ _ACTIVATIONS = {
     "relu": jax.nn.relu,  # exact in any dtype
     "mish": in_float32(_mish),
 }
+
+
+# The names :func:`activation` takes, as configs spell them (transformers' ``ACT2FN`` keys): what a config's activation
+# key may say (CLIP's ``hidden_act``, T5's ``feed_forward_proj``)
+ACTIVATIONS: tuple[str, ...] = tuple(_ACTIVATIONS)
 
 
 def activation(name: str) -> Callable[[Array], Array]:
@@ -76,4 +86,4 @@ def activation(name: str) -> Callable[[Array], Array]:
     return _ACTIVATIONS[name]
 
 
-__all__ = ["activation", "gelu", "gelu_tanh", "in_float32", "silu"]
+__all__ = ["ACTIVATIONS", "activation", "gelu", "gelu_tanh", "in_float32", "silu"]

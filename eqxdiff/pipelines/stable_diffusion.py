@@ -19,7 +19,7 @@ from ._components import Component
 from ._denoise import Guidance, rescale_noise_cfg
 from ._images import to_model_range, to_uint8
 from ._latents import decode_latents, encode_image_latents
-from ._text import tokenize
+from ._text import tokenize, tokens
 from ._unet import UNetDenoiser, UNetPipeline, denoise, prepare_latents
 
 __all__ = ["Guidance", "StableDiffusionInpaintPipeline", "StableDiffusionPipeline", "UNetDenoiser", "decode_latents",
@@ -29,14 +29,21 @@ __all__ = ["Guidance", "StableDiffusionInpaintPipeline", "StableDiffusionPipelin
 
 @program
 @typechecked
-def encode_prompt(text_encoder, input_ids: Int[Array, "batch seq"], *,
-                  clip_skip: int | None = None) -> Float[Array, "batch seq embed"]:
+def encode_prompt(text_encoder, input_ids: Int[Array, "batch seq"], *, clip_skip: int | None = None,
+                  unskipped: int = 0, attention_mask: Int[Array, "batch seq"] | None = None
+                  ) -> Float[Array, "batch seq embed"]:
     """Text embeddings for the UNet: the last hidden state, or with ``clip_skip`` the hidden state that
-    many layers from the end passed through the final layer norm (diffusers' convention)."""
+    many layers from the end passed through the final layer norm (diffusers' convention). The first ``unskipped``
+    rows (the negative prompts of a guided batch) take the last hidden state whatever ``clip_skip``: diffusers'
+    ``encode_prompt`` applies ``clip_skip`` to the prompts only. ``attention_mask``: the tokenizer's, for a text
+    encoder whose config says ``use_attention_mask`` (diffusers passes it then, and none otherwise)."""
     if clip_skip is None:
-        return text_encoder(input_ids).last_hidden_state
-    out = text_encoder(input_ids, output_hidden_states=True)
-    return text_encoder.text_model.final_layer_norm(out.hidden_states[-(clip_skip + 1)])
+        return text_encoder(input_ids, attention_mask=attention_mask).last_hidden_state
+    out = text_encoder(input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    skipped = text_encoder.text_model.final_layer_norm(out.hidden_states[-(clip_skip + 1)])
+    if not unskipped:
+        return skipped
+    return jnp.concatenate([out.last_hidden_state[:unskipped], skipped[unskipped:]])
 
 
 class StableDiffusionPipeline(UNetPipeline):
@@ -63,10 +70,14 @@ class StableDiffusionPipeline(UNetPipeline):
 
     def embed(self, prompts: Sequence[str], negative: Sequence[str], *, guidance: Guidance,
               clip_skip: int | None = None):
-        """Text embeddings ``[negative; positive]`` with guidance, else ``positive``."""
-        ids = tokenize(self.tokenizer, list(negative) + list(prompts) if guidance.enabled else prompts,
-                       vocab_size=self.text_encoder.config.vocab_size)
-        return encode_prompt(self.encoder("text_encoder"), self.shard(jnp.asarray(ids)), clip_skip=clip_skip)
+        """Text embeddings ``[negative; positive]`` with guidance, else ``positive``; ``clip_skip`` for the
+        positive prompts only, as diffusers' (its negative prompts take the last hidden state)."""
+        config = self.text_encoder.config
+        ids = tokens(self.tokenizer, list(negative) + list(prompts) if guidance.enabled else prompts,
+                     vocab_size=config.vocab_size)
+        mask = self.shard(jnp.asarray(ids.mask)) if config.use_attention_mask else None
+        return encode_prompt(self.encoder("text_encoder"), self.shard(jnp.asarray(ids.ids)), clip_skip=clip_skip,
+                             unskipped=len(negative) if guidance.enabled else 0, attention_mask=mask)
 
     def _embeddings(self, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, guidance, clip_skip):
         """``[negative; positive]`` (with guidance) or positive embeddings from prompts or given embeddings."""
@@ -90,8 +101,7 @@ class StableDiffusionPipeline(UNetPipeline):
             if negative_prompt_embeds is None:
                 n = positive.shape[0]
                 negative = [""] * n if negative_prompt is None else as_list(negative_prompt, n, "negative_prompt")
-                return jnp.concatenate([self.embed(negative, [], guidance=Guidance(1.0), clip_skip=clip_skip),
-                                        positive])
+                return jnp.concatenate([self.embed(negative, [], guidance=Guidance(1.0)), positive])
         if not guidance.enabled:
             return positive
         negative_embeds = given_array(negative_prompt_embeds, positive.shape, "negative_prompt_embeds",
