@@ -14,7 +14,7 @@ import jax
 from ._checks import InputTypeError
 from ._lora_scale import call_lora_scale
 
-__all__ = ["COMPILE_SUFFIX", "call_argument_names", "check_call_class", "checked_call", "compile_seconds",
+__all__ = ["COMPILE_SUFFIX", "NOT_TAKEN", "call_argument_names", "check_call_class", "checked_call", "compile_seconds",
            "is_checked"]
 
 COMPILE_SUFFIX = "_compile"  # timings[stage + COMPILE_SUFFIX]: the compile seconds within timings[stage]
@@ -51,19 +51,43 @@ def compile_seconds() -> float:
 _IN_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("eqxdiff_pipeline_call", default=False)
 
 
+_CALLBACKS = ("the denoising loop is one compiled program, so no Python runs between its steps: pass "
+              "output_type='latent' to get the final latents, or progress=True for a progress bar")
+_NO_IP_ADAPTER = "eqxdiff has no IP-Adapter: describe the image in the prompt, or use image-to-image (image=)"
+
+# diffusers' call arguments eqxdiff does not take by design, with what to do instead: the unexpected-keyword error of a
+# call that passes one says it.
+NOT_TAKEN: dict[str, str] = {
+    "generator": "eqxdiff draws its noise from seed= (an int) or key= (a jax.random key), not a torch.Generator",
+    "return_dict": "eqxdiff returns the images (or videos) themselves, not an output object: drop it",
+    "callback_on_step_end": _CALLBACKS,
+    "callback_on_step_end_tensor_inputs": _CALLBACKS,
+    "callback": _CALLBACKS,
+    "callback_steps": _CALLBACKS,
+    "ip_adapter_image": _NO_IP_ADAPTER,
+    "ip_adapter_image_embeds": _NO_IP_ADAPTER,
+    "negative_ip_adapter_image": _NO_IP_ADAPTER,
+    "negative_ip_adapter_image_embeds": _NO_IP_ADAPTER,
+    "masked_image_latents": "pass image= and mask_image=: eqxdiff encodes the masked image itself",
+    "padding_mask_crop": "eqxdiff does not crop around the mask: crop image= and mask_image= to the region yourself "
+                         "and paste the result back",
+}
 # diffusers' arguments that carry a call's LoRA scale, one per family ({"scale": s}).
 LORA_SCALE_ARGUMENTS = ("cross_attention_kwargs", "joint_attention_kwargs", "attention_kwargs")
 
 
 def _hint(error: TypeError, signature: inspect.Signature, cls: type) -> str:
     """What to pass instead of an unexpected keyword: the call's own underscore-led name of it (Kontext's
-    ``_auto_resize``) or this family's LoRA-scale argument; else ``""``."""
+    ``_auto_resize``), the way eqxdiff does what a diffusers argument does (:data:`NOT_TAKEN`), or this family's
+    LoRA-scale argument; else ``""``."""
     match = re.search(r"unexpected keyword argument '(\w+)'", str(error))
     name = match.group(1) if match else None
     if name is None:
         return ""
     if "_" + name in signature.parameters:
         return f" (diffusers' name, which this call takes: _{name}=)"
+    if name in NOT_TAKEN:
+        return f" ({NOT_TAKEN[name]})"
     if name in LORA_SCALE_ARGUMENTS:
         own = getattr(cls, "LORA_SCALE_ARGUMENT", None)
         return (f" (a {cls.__name__} takes the call's LoRA scale as {own}={{'scale': s}})" if own else
