@@ -489,6 +489,25 @@ API = [
      r"mask_image needs image="),
     ("unknown-argument", lambda c: c.pipe("a", guidance=3), InputTypeError, r"unexpected keyword argument "
      r"'guidance'"),
+    # diffusers' arguments eqxdiff does not take by design: the error says what to do instead
+    ("diffusers-generator", lambda c: c.pipe("a", generator=object()), InputTypeError, r"unexpected keyword "
+     r"argument 'generator' \(eqxdiff draws its noise from seed= \(an int\) or key= \(a jax.random key\)"),
+    ("diffusers-return-dict", lambda c: c.pipe("a", return_dict=False), InputTypeError, r"'return_dict' \(eqxdiff "
+     r"returns the images \(or videos\) themselves"),
+    ("diffusers-callback", lambda c: c.pipe("a", callback_on_step_end=print), InputTypeError,
+     r"'callback_on_step_end' \(the denoising loop is one compiled program.*output_type='latent'"),
+    ("diffusers-ip-adapter", lambda c: c.pipe("a", ip_adapter_image=np.zeros((16, 16, 3), np.uint8)),
+     InputTypeError, r"'ip_adapter_image' \(eqxdiff has no IP-Adapter"),
+    ("diffusers-masked-image-latents", lambda c: c.pipe("a", masked_image_latents=np.zeros((1, 4, 4, 4))),
+     InputTypeError, r"'masked_image_latents' \(pass image= and mask_image=: eqxdiff encodes the masked image"),
+    ("lora-scale-other-key", lambda c: c.pipe("a", cross_attention_kwargs={"scale": 0.5, "heads": 2}), InputError,
+     r"cross_attention_kwargs holds \['heads'\]: eqxdiff takes only 'scale' there .* attention processors, which "
+     r"eqxdiff does not have"),
+    ("lora-scale-not-a-number", lambda c: c.pipe("a", cross_attention_kwargs={"scale": "high"}), InputTypeError,
+     r"cross_attention_kwargs=\{'scale': 'high'\}: the scale must be a finite number"),
+    ("lora-scale-other-family", lambda c: c.pipe("a", joint_attention_kwargs={"scale": 0.5}), InputTypeError,
+     r"'joint_attention_kwargs' \(a StableDiffusionPipeline takes the call's LoRA scale as "
+     r"cross_attention_kwargs=\{'scale': s\}\)"),
     ("seed-float", lambda c: c.pipe("a", seed=1.5), InputTypeError, r"seed=1.5 must be an int"),
     ("seed-and-key", lambda c: c.pipe("a", seed=1, key=jax.random.key(1)), InputError, r"pass seed= or key=, not "
      r"both"),

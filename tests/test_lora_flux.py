@@ -50,14 +50,15 @@ def flux(tmp_path_factory):
     return ref, pipe, _ours(pipe), tmp_path_factory.mktemp("flux_loras"), folder
 
 
-def _ours(pipe) -> np.ndarray:
-    return np.asarray(pipe(**CALL, latents=LATENTS, progress=False))
+def _ours(pipe, **extra) -> np.ndarray:
+    return np.asarray(pipe(**CALL, latents=LATENTS, progress=False, **extra))
 
 
-def _theirs(ref) -> np.ndarray:
+def _theirs(ref, **extra) -> np.ndarray:
     n, h, w, c = LATENTS.shape
     with torch.no_grad():
-        return ref(**CALL, latents=ref._pack_latents(nhwc_to_nchw(LATENTS), n, c, h, w), output_type="np").images
+        return ref(**CALL, latents=ref._pack_latents(nhwc_to_nchw(LATENTS), n, c, h, w), output_type="np",
+                   **extra).images
 
 
 def _fused(pipe, path) -> np.ndarray:
@@ -240,6 +241,7 @@ def test_peft_unfused_and_fused(flux):
         ref.load_lora_weights(str(path))
         try:
             unfused_ref = _theirs(ref)
+            scaled_ref = _theirs(ref, joint_attention_kwargs={"scale": 0.5})
             ref.fuse_lora()
             fused_ref = _theirs(ref)
         finally:
@@ -250,6 +252,10 @@ def test_peft_unfused_and_fused(flux):
         got = _ours(pipe)
         _close(got, unfused_ref, "PEFT unfused")
         _moved(got, base, "PEFT")
+        with no_compile("joint_attention_kwargs scale 0.5"):  # the transformer, CLIP and T5 at half strength
+            scaled = _ours(pipe, joint_attention_kwargs={"scale": 0.5})
+        _close(scaled, scaled_ref, "PEFT, LoRA scale 0.5")
+        _moved(scaled, got, "LoRA scale 0.5")
         pipe.set_adapters("p", 0.0)
         with no_compile("strength 0"):
             assert np.max(np.abs(_ours(pipe).astype(int) - base.astype(int))) <= 1

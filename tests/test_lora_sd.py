@@ -42,13 +42,13 @@ def sd(tmp_path_factory):
     return ref, pipe, base, tmp_path_factory.mktemp("loras")
 
 
-def _ours(pipe) -> np.ndarray:
-    return np.asarray(pipe(**CALL, latents=LATENTS, progress=False))
+def _ours(pipe, **extra) -> np.ndarray:
+    return np.asarray(pipe(**CALL, latents=LATENTS, progress=False, **extra))
 
 
-def _theirs(ref) -> np.ndarray:
+def _theirs(ref, **extra) -> np.ndarray:
     with torch.no_grad():
-        return ref(**CALL, latents=nhwc_to_nchw(LATENTS), output_type="np").images
+        return ref(**CALL, latents=nhwc_to_nchw(LATENTS), output_type="np", **extra).images
 
 
 def text_modules(ref, pattern: str) -> dict:
@@ -250,6 +250,46 @@ def test_unfused_values_compile_nothing(sd):
         pipe.unload_lora_weights()
     with no_compile("unloaded"):
         np.testing.assert_array_equal(_ours(pipe), base)
+
+
+def test_call_lora_scale_matches_diffusers(sd):
+    """``cross_attention_kwargs={"scale": s}`` multiplies the adapters' strengths for that call only, in the UNet and
+    the text encoder (diffusers' ``scale_lora_layers`` in the UNet's forward and ``encode_prompt``), on top of
+    ``set_adapters``' weight; a new scale compiles nothing, the next call is back at full strength, and adapters fused
+    into the weights keep theirs. The adapter structure is test_unfused_values_compile_nothing's (one program)."""
+    ref, pipe, base, folder = sd
+    path = peft_file(ref, folder / "scaled.safetensors", seed=13)
+    ref.load_lora_weights(str(path), adapter_name="s")
+    try:
+        half = _theirs(ref, cross_attention_kwargs={"scale": 0.5})
+        ref.set_adapters("s", 0.8)
+        weighted = _theirs(ref, cross_attention_kwargs={"scale": 1.5})
+    finally:
+        ref.unload_lora_weights()
+    pipe.load_lora_weights(path, adapter_name="s", max_rank=8)
+    try:
+        full = _ours(pipe)
+        with no_compile("cross_attention_kwargs scale 0.5"):
+            got = _ours(pipe, cross_attention_kwargs={"scale": 0.5})
+        _close(got, half, "LoRA scale 0.5")
+        assert np.max(np.abs(got.astype(int) - full.astype(int))) > 8, "the scale did not move the output"
+        with no_compile("the next call"):
+            np.testing.assert_array_equal(_ours(pipe), full)
+        pipe.set_adapters("s", 0.8)
+        with no_compile("weight 0.8, scale 1.5"):
+            _close(_ours(pipe, cross_attention_kwargs={"scale": 1.5}), weighted, "weight 0.8 x scale 1.5")
+    finally:
+        pipe.unload_lora_weights()
+    pipe.load_lora_weights(peft_file(ref, folder / "scaled_fused.safetensors", seed=14, bias=False))
+    try:
+        pipe.fuse_lora()
+        with no_compile("fused (the plain program)"):
+            fused = _ours(pipe)
+            np.testing.assert_array_equal(_ours(pipe, cross_attention_kwargs={"scale": 0.5}), fused)
+        _moved(fused, base, "fused")
+    finally:
+        pipe.unfuse_lora()
+        pipe.unload_lora_weights()
 
 
 def test_fuse_lora_fuses_named_adapters_active_or_not(sd):

@@ -23,7 +23,7 @@ from eqxdiff.pipelines import (
     save_pipeline,
     save_single_file,
 )
-from eqxdiff.pipelines._call import is_checked
+from eqxdiff.pipelines._call import NOT_TAKEN, call_argument_names, is_checked
 from eqxdiff.pipelines.flux import FluxPipeline
 from eqxdiff.pipelines import stable_diffusion as sd
 
@@ -289,6 +289,20 @@ def test_every_served_pipeline_checks_and_times_its_call():
             return prompt
 
     assert is_checked(Remembers.__call__)
+
+
+def test_every_diffusers_call_argument_is_taken_or_says_what_to_do_instead():
+    """Each served pipeline class takes the call arguments of its diffusers namesake (the LoRA-scale argument too,
+    in its signature), but those it leaves out by design (``generator``, ``return_dict``, callbacks, IP-Adapter
+    images ...), whose unexpected-keyword error says what to do instead (``_call.NOT_TAKEN``)."""
+    import diffusers
+
+    for name in family_names("pipeline"):
+        theirs = inspect.signature(getattr(diffusers, name).__call__).parameters
+        left = set(theirs) - {"self", "kwargs"} - call_argument_names(resolve_class(name))
+        assert left <= set(NOT_TAKEN), (name, sorted(left - set(NOT_TAKEN)))
+        lora = resolve_class(name).LORA_SCALE_ARGUMENT
+        assert lora is None or lora in inspect.signature(resolve_class(name).__call__).parameters, name
 
 
 def test_every_pipeline_declares_its_image_to_image_argument():

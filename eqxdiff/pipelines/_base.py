@@ -34,7 +34,7 @@ from ..loading import (
 )
 from ..nn import with_attention_implementation
 from ..parallel import shard_batch, shard_params, sharding_fn, with_plan
-from ._call import COMPILE_SUFFIX, call_argument_names, compile_seconds, is_checked
+from ._call import COMPILE_SUFFIX, call_argument_names, check_call_class, compile_seconds
 from ._checks import CallLimits, check_arguments
 from ._components import Component, build_scheduler, load_processor, load_tokenizer, pipeline_class_for
 from ._lora import LoraMixin
@@ -79,11 +79,7 @@ class DiffusionPipeline(LoraMixin):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        call = cls.__dict__.get("__call__")
-        if call is not None and not is_checked(call):
-            raise TypeError(f"{cls.__name__}.__call__ must be decorated with @checked_call (from "
-                            "eqxdiff.pipelines): it checks the call's arguments before anything compiles and records "
-                            "the pipeline's timings")
+        check_call_class(cls)  # its __call__ wrapped by checked_call, its LoRA-scale argument in the signature
 
     def __init__(self, *, attention: str | None = None, activations_dtype=jnp.float32, mesh=None, rules=None,
                  offload_encoders: bool = False, scheduler_extras: Mapping[str, Any] | None = None,

@@ -7,12 +7,15 @@ import contextvars
 import functools
 import inspect
 import re
+from collections.abc import Mapping
 
 import jax
 
 from ._checks import InputTypeError
+from ._lora_scale import call_lora_scale
 
-__all__ = ["COMPILE_SUFFIX", "call_argument_names", "checked_call", "compile_seconds", "is_checked"]
+__all__ = ["COMPILE_SUFFIX", "NOT_TAKEN", "call_argument_names", "check_call_class", "checked_call", "compile_seconds",
+           "is_checked"]
 
 COMPILE_SUFFIX = "_compile"  # timings[stage + COMPILE_SUFFIX]: the compile seconds within timings[stage]
 CHECKED = "__checks_arguments__"  # the attribute checked_call sets on the functions it returns
@@ -48,13 +51,69 @@ def compile_seconds() -> float:
 _IN_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("eqxdiff_pipeline_call", default=False)
 
 
-def _underscored(error: TypeError, signature: inspect.Signature) -> str:
-    """A hint for an unexpected keyword that the call takes under diffusers' underscore-led name (Kontext's
-    ``_auto_resize``), else ``""``."""
+_CALLBACKS = ("the denoising loop is one compiled program, so no Python runs between its steps: pass "
+              "output_type='latent' to get the final latents, or progress=True for a progress bar")
+_NO_IP_ADAPTER = "eqxdiff has no IP-Adapter: describe the image in the prompt, or use image-to-image (image=)"
+
+# diffusers' call arguments eqxdiff does not take by design, with what to do instead: the unexpected-keyword error of a
+# call that passes one says it.
+NOT_TAKEN: dict[str, str] = {
+    "generator": "eqxdiff draws its noise from seed= (an int) or key= (a jax.random key), not a torch.Generator",
+    "return_dict": "eqxdiff returns the images (or videos) themselves, not an output object: drop it",
+    "callback_on_step_end": _CALLBACKS,
+    "callback_on_step_end_tensor_inputs": _CALLBACKS,
+    "callback": _CALLBACKS,
+    "callback_steps": _CALLBACKS,
+    "ip_adapter_image": _NO_IP_ADAPTER,
+    "ip_adapter_image_embeds": _NO_IP_ADAPTER,
+    "negative_ip_adapter_image": _NO_IP_ADAPTER,
+    "negative_ip_adapter_image_embeds": _NO_IP_ADAPTER,
+    "masked_image_latents": "pass image= and mask_image=: eqxdiff encodes the masked image itself",
+    "padding_mask_crop": "eqxdiff does not crop around the mask: crop image= and mask_image= to the region yourself "
+                         "and paste the result back",
+}
+# diffusers' arguments that carry a call's LoRA scale, one per family ({"scale": s}).
+LORA_SCALE_ARGUMENTS = ("cross_attention_kwargs", "joint_attention_kwargs", "attention_kwargs")
+
+
+def _hint(error: TypeError, signature: inspect.Signature, cls: type) -> str:
+    """What to pass instead of an unexpected keyword: the call's own underscore-led name of it (Kontext's
+    ``_auto_resize``), the way eqxdiff does what a diffusers argument does (:data:`NOT_TAKEN`), or this family's
+    LoRA-scale argument; else ``""``."""
     match = re.search(r"unexpected keyword argument '(\w+)'", str(error))
-    if match and "_" + match.group(1) in signature.parameters:
-        return f" (diffusers' name, which this call takes: _{match.group(1)}=)"
+    name = match.group(1) if match else None
+    if name is None:
+        return ""
+    if "_" + name in signature.parameters:
+        return f" (diffusers' name, which this call takes: _{name}=)"
+    if name in NOT_TAKEN:
+        return f" ({NOT_TAKEN[name]})"
+    if name in LORA_SCALE_ARGUMENTS:
+        own = getattr(cls, "LORA_SCALE_ARGUMENT", None)
+        return (f" (a {cls.__name__} takes the call's LoRA scale as {own}={{'scale': s}})" if own else
+                f" (a {cls.__name__} runs no LoRA adapters)")
     return ""
+
+
+def check_call_class(cls: type) -> None:
+    """Run when a pipeline class is defined: its own ``__call__`` must be wrapped by :func:`checked_call`, and a
+    family that takes a LoRA scale (``LORA_SCALE_ARGUMENT``) shows that argument in the call's signature (what
+    ``inspect.signature`` and ``eqxdiff-generate`` read; the wrapper takes it off before the call)."""
+    call = cls.__dict__.get("__call__")
+    if call is None:
+        return
+    if not is_checked(call):
+        raise TypeError(f"{cls.__name__}.__call__ must be decorated with @checked_call (from eqxdiff.pipelines): "
+                        "it checks the call's arguments before anything compiles and records the pipeline's timings")
+    name = getattr(cls, "LORA_SCALE_ARGUMENT", None)
+    signature = inspect.signature(call)
+    if name is None or name in signature.parameters:
+        return
+    params = list(signature.parameters.values())
+    at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
+    added = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                              annotation=Mapping[str, float] | None)
+    call.__signature__ = signature.replace(parameters=[*params[:at], added, *params[at:]])
 
 
 def checked_call(call):
@@ -64,39 +123,53 @@ def checked_call(call):
     :meth:`~eqxdiff.pipelines.DiffusionPipeline.call_limits`, then its ``check_call``), and the call is timed: the
     outermost call starts :attr:`~eqxdiff.pipelines.DiffusionPipeline.timings` afresh and records itself as
     ``"call"``; a call made inside it (a ControlNet pipeline passing its arguments on to its family's call) adds its
-    stages. The signature and docstring stay ``call``'s (``eqxdiff-generate`` reads them). A pipeline class whose own
+    stages. The family's LoRA-scale argument (``LORA_SCALE_ARGUMENT``: ``cross_attention_kwargs={"scale": s}`` ...)
+    is taken off here and the outermost call runs with the adapters at ``s`` times their strength
+    (:meth:`~eqxdiff.pipelines._lora_scale.LoraScaleMixin.lora_scaled`). The signature and docstring stay ``call``'s
+    (``eqxdiff-generate`` reads them), plus that argument (:func:`check_call_class`). A pipeline class whose own
     ``__call__`` lacks it is refused when the class is defined."""
     signature = inspect.signature(call)
     params = list(signature.parameters.values())
     var_keyword = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
 
-    def run(self, args, kwargs):
+    def run(self, args, kwargs, outer: bool):
+        cls, lora = type(self), getattr(self, "LORA_SCALE_ARGUMENT", None)
+        kwargs = dict(kwargs)
+        lora_given = lora in kwargs
+        lora_value = kwargs.pop(lora) if lora_given else None  # the wrapper's: the call runs at its scale
         try:
             bound = signature.bind(self, *args, **kwargs)
-            given = set(bound.arguments) | set(bound.arguments.get(var_keyword, {}) if var_keyword else ())
+            passed = set(bound.arguments.get(var_keyword, {}) if var_keyword else ())
+            unknown = sorted(passed - call_argument_names(cls))  # what a call passing **kwargs on would refuse
+            if unknown:
+                raise TypeError(f"got an unexpected keyword argument '{unknown[0]}'")
+            given = set(bound.arguments) | passed | ({lora} if lora_given else set())
             defaults = {k: v for k, v in getattr(self, "call_defaults", {}).items()
                         if k not in given and not (k == "seed" and "key" in given)}  # a key replaces the seed
+            lora_value = defaults.pop(lora, lora_value) if lora else None
             if defaults:  # the folder's recommended values for what the call leaves out
                 kwargs = {**kwargs, **defaults}
                 bound = signature.bind(self, *args, **kwargs)
         except TypeError as e:
-            raise InputTypeError(f"{type(self).__name__}(...): {e}{_underscored(e, signature)}") from None
+            raise InputTypeError(f"{cls.__name__}(...): {e}{_hint(e, signature, cls)}") from None
+        scale = call_lora_scale(lora, lora_value) if lora and outer else 1.0  # (a call inside has it already)
         bound.apply_defaults()
         arguments = {k: v for k, v in bound.arguments.items() if k != params[0].name and k != var_keyword}
         arguments.update(bound.arguments.get(var_keyword, {}) if var_keyword else {})
         self.check_arguments(arguments, self.call_limits())
         self.check_call(arguments)
-        return call(self, *args, **kwargs)
+        with self.lora_scaled(scale):
+            return call(self, *args, **kwargs)
 
     @functools.wraps(call)
     def checked(self, *args, **kwargs):
         if _IN_CALL.get():
-            return run(self, args, kwargs)
+            return run(self, args, kwargs, outer=False)
         token = _IN_CALL.set(True)
         self.timings.clear()  # in place: a call's shallow copies of the pipeline share the dict
         try:
             with self.timed("call"):
-                return run(self, args, kwargs)
+                return run(self, args, kwargs, outer=True)
         finally:
             _IN_CALL.reset(token)
 

@@ -33,6 +33,7 @@ from ..parallel import shard_params
 from ._lora_check import LoraWarning, active_after_delete, check_coverage, check_lora_file, lora_format
 from ._lora_check import listed as _listed
 from ._lora_format import LoraFormat, load_format
+from ._lora_scale import LoraScaleMixin
 
 
 @dataclasses.dataclass
@@ -63,7 +64,7 @@ class LoraState:
     fused: list[str] = dataclasses.field(default_factory=list)
 
 
-class LoraMixin:
+class LoraMixin(LoraScaleMixin):
     """LoRA methods of :class:`~eqxdiff.pipelines.DiffusionPipeline` (see the module docstring)."""
 
     # "module:NAME" of the family's LoraFormat (None: the family reads no LoRA files)

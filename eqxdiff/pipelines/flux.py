@@ -147,6 +147,7 @@ class FluxPipeline(LatentPipeline):
     CLASS_NAME: ClassVar[str] = "FluxPipeline"
     LATENT_NORM: ClassVar[str] = "shift"  # diffusers' Flux pipelines read shift_factor, never latents_mean / std
     LORA_FORMAT: ClassVar[str] = "eqxdiff.pipelines._lora_flux:FLUX"
+    LORA_SCALE_ARGUMENT: ClassVar[str | None] = "joint_attention_kwargs"  # {"scale": s} (diffusers)
     COMPONENTS: ClassVar[tuple[Component, ...]] = (
         Component("scheduler", "diffusers", "scheduler"),
         Component("vae", "diffusers", classes=("AutoencoderKL",), scan=False),

@@ -229,6 +229,7 @@ class LTXPipeline(LatentPipeline):
     FRAME_CHUNK_SAMPLE_FRAMES: ClassVar[int | None] = 16  # diffusers' LTX VAE decodes 16 frames every 8 (2 latent
     # frames every 1 at the released VAEs' temporal factor 8, 4 every 2 at a factor of 4)
     LORA_FORMAT: ClassVar[str | None] = "eqxdiff.pipelines._lora_ltx:LTX"
+    LORA_SCALE_ARGUMENT: ClassVar[str | None] = "attention_kwargs"  # {"scale": s} (diffusers)
 
     # -- sizes and limits ----------------------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ class StableDiffusionPipeline(UNetPipeline):
     CLASS_NAME: ClassVar[str] = "StableDiffusionPipeline"
     LATENT_NORM: ClassVar[str] = "scale"  # diffusers' SD pipelines read scaling_factor only
     LORA_FORMAT: ClassVar[str] = "eqxdiff.pipelines._lora_unet:SD"
+    LORA_SCALE_ARGUMENT: ClassVar[str | None] = "cross_attention_kwargs"  # {"scale": s} (diffusers)
     COMPONENTS: ClassVar[tuple[Component, ...]] = (
         Component("tokenizer", "transformers", "tokenizer"),
         Component("text_encoder", "transformers", classes=("CLIPTextModel",), encoder=True),

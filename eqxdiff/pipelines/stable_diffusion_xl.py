@@ -65,6 +65,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
     CLASS_NAME: ClassVar[str] = "StableDiffusionXLPipeline"
     LATENT_NORM: ClassVar[str] = "mean_std"  # diffusers' SDXL: latents_mean / latents_std if set, no shift_factor
     LORA_FORMAT: ClassVar[str] = "eqxdiff.pipelines._lora_unet:SDXL"
+    LORA_SCALE_ARGUMENT: ClassVar[str | None] = "cross_attention_kwargs"  # {"scale": s} (diffusers)
     COMPONENTS: ClassVar[tuple[Component, ...]] = (
         Component("tokenizer", "transformers", "tokenizer", optional=True),
         Component("tokenizer_2", "transformers", "tokenizer"),

@@ -178,6 +178,7 @@ class WanPipeline(LatentPipeline):
     SETTINGS: ClassVar[tuple[str, ...]] = (*LatentPipeline.SETTINGS, "offload_experts")
     INIT_IMAGE: ClassVar[str | None] = None  # text-to-video: no image argument
     LORA_FORMAT: ClassVar[str | None] = "eqxdiff.pipelines._lora_wan:WAN"
+    LORA_SCALE_ARGUMENT: ClassVar[str | None] = "attention_kwargs"  # {"scale": s} (diffusers)
 
     def __init__(self, *, offload_experts: bool = False, **components_and_options):
         super().__init__(**components_and_options)
