@@ -165,6 +165,8 @@ def test_mask_inputs_and_errors():
         prepare_mask(box.astype(np.float32), batch=1, height=32, width=32)
     with pytest.raises(ValueError, match="one channel"):
         prepare_mask(np.zeros((1, 32, 32, 3), np.uint8), batch=1, height=32, width=32)
+    with pytest.raises(ValueError, match=r"mask_image of shape \(32, 32, 3\) looks like an RGB\(A\) picture"):
+        prepare_mask(np.zeros((32, 32, 3), np.uint8), batch=1, height=32, width=32)
 
 
 def test_inpainting_errors(sd):

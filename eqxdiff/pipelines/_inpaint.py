@@ -34,6 +34,10 @@ def prepare_mask(mask_image, *, batch: int, height: int, width: int) -> Float[Ar
     or ``[n, H, W, 1]``: uint8 (0-255), bool, or floats in ``[0, 1]``. ``n`` is 1 or ``batch``; the size must be
     the image's (resize the mask, not the other way round)."""
     arr = np.asarray(pil_to_array(mask_image, "L"))
+    if arr.ndim == 3 and arr.shape[-1] in (3, 4) and arr.shape[:2] == (height, width):
+        # [H, W, 3] would otherwise read as H masks of width 3 (diffusers reads it so too, and fails later)
+        raise ValueError(f"mask_image of shape {arr.shape} looks like an RGB(A) picture; pass one channel: "
+                         "[height, width] (e.g. mask[..., 0]) or a PIL image (converted to grayscale)")
     if arr.ndim == 2:
         arr = arr[None, :, :, None]
     elif arr.ndim == 3:
