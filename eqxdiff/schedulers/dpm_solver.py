@@ -1,5 +1,7 @@
 """Multistep DPM-Solver++ (Lu et al. 2022), orders 1 and 2 (``2M``), matching
-``diffusers.DPMSolverMultistepScheduler`` with ``algorithm_type="dpmsolver++"``."""
+``diffusers.DPMSolverMultistepScheduler`` with ``algorithm_type="dpmsolver++"``: on beta schedules, and on flow
+sigmas (``use_flow_sigmas`` with ``flow_shift``, ``prediction_type="flow_prediction"``: the DPM++ sampler Wan's
+folders may swap in, ``alpha = 1 - sigma``)."""
 
 import dataclasses
 import math
@@ -23,6 +25,7 @@ from ._base import (
     to_device,
 )
 from ._beta import (
+    PREDICTION_TYPES,
     AbstractLearnedVarianceScheduler,
     SigmaSpacingConfig,
     check_train_indices,
@@ -32,17 +35,20 @@ from ._beta import (
 )
 from ._sigmas import exponential_sigmas, karras_sigmas
 
+UNIPC_SOLVER_TYPES = ("logrho", "bh1", "bh2")
+
 
 @dataclasses.dataclass(frozen=True)
 class DPMSolverConfig(SigmaSpacingConfig):
     SUPPORTED_VALUES: ClassVar = {
         **SigmaSpacingConfig.SUPPORTED_VALUES, "algorithm_type": ("dpmsolver++",), "solver_order": (1, 2),
         "solver_type": ("midpoint", "heun"), "lower_order_final": BOOLS, "euler_at_final": BOOLS,
-        "use_lu_lambdas": (False,), "use_flow_sigmas": (False,), "use_dynamic_shifting": (False,),
+        "use_lu_lambdas": (False,), "use_flow_sigmas": BOOLS, "use_dynamic_shifting": (False,),
+        "prediction_type": (*PREDICTION_TYPES, "flow_prediction"),
         "final_sigmas_type": ("zero", "sigma_min"), "variance_type": (None, "learned", "learned_range"),
         "thresholding": BOOLS, "rescale_betas_zero_snr": BOOLS}
 
-    SCHEDULE_ONLY: ClassVar = SigmaSpacingConfig.SCHEDULE_ONLY | {"lambda_min_clipped"}
+    SCHEDULE_ONLY: ClassVar = SigmaSpacingConfig.SCHEDULE_ONLY | {"lambda_min_clipped", "flow_shift"}
 
     timestep_spacing: str = "linspace"
     solver_order: int = 2
@@ -52,6 +58,7 @@ class DPMSolverConfig(SigmaSpacingConfig):
     euler_at_final: bool = False
     use_lu_lambdas: bool = False
     use_flow_sigmas: bool = False
+    flow_shift: float = 1.0
     use_dynamic_shifting: bool = False
     final_sigmas_type: str = "zero"
     lambda_min_clipped: float = -math.inf
@@ -60,6 +67,19 @@ class DPMSolverConfig(SigmaSpacingConfig):
     dynamic_thresholding_ratio: float = 0.995
     sample_max_value: float = 1.0
     rescale_betas_zero_snr: bool = False
+
+    def __post_init__(self):
+        if self.solver_type in UNIPC_SOLVER_TYPES:  # diffusers maps a UniPC config's (Wan's bh2) to midpoint
+            object.__setattr__(self, "solver_type", "midpoint")
+        super().__post_init__()
+        # diffusers' flow sigmas pair only with flow predictions (and its Karras / exponential spacing would replace
+        # them by the beta schedule's sigmas, above 1: every step NaN)
+        self.check(self.use_flow_sigmas == (self.prediction_type == "flow_prediction"), "prediction_type",
+                   "'flow_prediction' goes with use_flow_sigmas=True (and use_flow_sigmas with it)")
+        spacing = [k for k in ("use_karras_sigmas", "use_exponential_sigmas") if getattr(self, k)]
+        if self.use_flow_sigmas and spacing:
+            self.check(False, spacing[0], "cannot be combined with use_flow_sigmas=True (diffusers then steps the "
+                       "beta schedule's sigmas as flow sigmas: NaN)")
 
 
 class DPMSolverState(AbstractSchedulerState):
@@ -75,8 +95,11 @@ class DPMSolverState(AbstractSchedulerState):
     num_timesteps: Int[Array, ""]
 
 
-def _alpha_sigma(sigma):
-    alpha_t = 1 / jnp.sqrt(sigma * sigma + 1)
+def _alpha_sigma(sigma, flow: bool = False, xp=jnp):
+    """``(alpha_t, sigma_t)`` of a sigma: the variance-preserving pair, or flow matching's ``(1 - sigma, sigma)``."""
+    if flow:
+        return 1 - sigma, sigma
+    alpha_t = 1 / xp.sqrt(sigma * sigma + 1)
     return alpha_t, sigma * alpha_t
 
 
@@ -107,16 +130,16 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
               mu=None) -> DPMSolverState:
         cfg = self.config
         if mu is not None:
-            raise ValueError("DPMSolverMultistepScheduler.init: mu= shifts flow sigmas (use_dynamic_shifting=True, "
-                             "use_flow_sigmas=True), which eqxdiff's DPM-Solver does not implement; use "
-                             "FlowMatchEulerDiscreteScheduler or UniPCMultistepScheduler for flow models")
+            raise ValueError("DPMSolverMultistepScheduler.init: mu= shifts flow sigmas dynamically "
+                             "(use_dynamic_shifting=True), which eqxdiff's DPM-Solver does not implement; use its "
+                             "static flow_shift, or UniPCMultistepScheduler / FlowMatchEulerDiscreteScheduler")
         if sample_shape is None:
             raise ValueError("DPMSolverMultistepScheduler.init needs sample_shape= (the latents' shape) for its "
                              "history buffer")
         one_of_steps_or("DPMSolverMultistepScheduler", num_inference_steps, timesteps=timesteps)
         if timesteps is not None:
-            spacing = [k for k in ("use_karras_sigmas", "use_exponential_sigmas") if getattr(cfg, k)]
-            if spacing:
+            spacing = [k for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_flow_sigmas") if getattr(cfg, k)]
+            if spacing:  # (diffusers replaces given timesteps by the flow schedule's)
                 raise ValueError(f"DPMSolverMultistepScheduler.init: timesteps= cannot be used with {spacing[0]}=True")
             timesteps = custom_schedule("DPMSolverMultistepScheduler", "timesteps", timesteps, np.int64)
             num_inference_steps = len(timesteps)
@@ -134,6 +157,10 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
             if cfg.use_karras_sigmas and cfg.beta_schedule != "squaredcos_cap_v2":
                 timesteps = timesteps.round()
             timesteps = timesteps.astype(np.int64)  # torch's .to(int64) truncates
+        elif cfg.use_flow_sigmas:  # diffusers: 1 - linspace(1, 1/T, n+1), shifted, from the top, without the 0
+            flow = 1.0 - np.linspace(1, 1 / cfg.num_train_timesteps, num_inference_steps + 1)
+            sigmas = np.flip(cfg.flow_shift * flow / (1 + (cfg.flow_shift - 1) * flow))[:-1].copy()
+            timesteps = (sigmas * cfg.num_train_timesteps).astype(np.int64)  # torch's .to(int64) truncates
         else:
             sigmas = np.interp(timesteps, np.arange(0, len(sigmas)), sigmas)
         check_train_indices("timesteps", timesteps, cfg, sigma_clamped=True)
@@ -154,7 +181,8 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
             return
         s = sigmas.astype(np.float64)
         with np.errstate(all="ignore"):
-            lam = -np.log(s)  # log(alpha) - log(sigma) with alpha = 1 / sqrt(s^2 + 1), sigma = s * alpha
+            alpha, sig = _alpha_sigma(s, cfg.use_flow_sigmas, xp=np)
+            lam = np.log(alpha) - np.log(sig)
             final_first = cfg.euler_at_final or (cfg.lower_order_final and n < 15) or cfg.final_sigmas_type == "zero"
             for i in range(begin + 1, n - 1 if final_first else n):
                 h, h_0 = lam[i + 1] - lam[i], lam[i] - lam[i - 1]
@@ -172,27 +200,32 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
         if cfg.prediction_type == "sample":
             x0 = out
         else:
-            alpha_t, sigma_t = _alpha_sigma(state.sigmas[state.step_index])
+            alpha_t, sigma_t = self._alpha_sigma(state.sigmas[state.step_index])
             if cfg.prediction_type == "epsilon":
                 x0 = (x - sigma_t * out) / alpha_t
+            elif cfg.prediction_type == "flow_prediction":
+                x0 = x - sigma_t * out
             else:
                 x0 = alpha_t * x - sigma_t * out
         if cfg.thresholding:
             x0 = threshold_sample(x0, cfg.dynamic_thresholding_ratio, cfg.sample_max_value)
         return x0
 
+    def _alpha_sigma(self, sigma):
+        return _alpha_sigma(sigma, self.config.use_flow_sigmas)
+
     def _first_order(self, state: DPMSolverState, m, x):
         i = state.step_index
-        alpha_t, sigma_t = _alpha_sigma(state.sigmas[i + 1])
-        alpha_s, sigma_s = _alpha_sigma(state.sigmas[i])
+        alpha_t, sigma_t = self._alpha_sigma(state.sigmas[i + 1])
+        alpha_s, sigma_s = self._alpha_sigma(state.sigmas[i])
         h = _lambda(alpha_t, sigma_t) - _lambda(alpha_s, sigma_s)
         return (sigma_t / sigma_s) * x - (alpha_t * (jnp.exp(-h) - 1.0)) * m[-1]
 
     def _second_order(self, state: DPMSolverState, m, x):
         i = state.step_index
-        alpha_t, sigma_t = _alpha_sigma(state.sigmas[i + 1])
-        alpha_s0, sigma_s0 = _alpha_sigma(state.sigmas[i])
-        alpha_s1, sigma_s1 = _alpha_sigma(state.sigmas[jnp.maximum(i - 1, 0)])
+        alpha_t, sigma_t = self._alpha_sigma(state.sigmas[i + 1])
+        alpha_s0, sigma_s0 = self._alpha_sigma(state.sigmas[i])
+        alpha_s1, sigma_s1 = self._alpha_sigma(state.sigmas[jnp.maximum(i - 1, 0)])
         lambda_t, lambda_s0 = _lambda(alpha_t, sigma_t), _lambda(alpha_s0, sigma_s0)
         lambda_s1 = _lambda(alpha_s1, sigma_s1)
         m0, m1 = m[-1], m[-2]
@@ -229,6 +262,7 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
     @typechecked
     def add_noise_at_step(self, state: DPMSolverState, original: Float[Array, "*dims"],
                           noise: Float[Array, "*dims"]) -> Float[Array, "*dims"]:
-        """``alpha_t * original + sigma_t * noise`` at ``sigmas[step]`` (diffusers after ``set_begin_index``)."""
-        alpha_t, sigma_t = _alpha_sigma(state.sigmas[state.step_index])
+        """``alpha_t * original + sigma_t * noise`` at ``sigmas[step]`` (diffusers after ``set_begin_index``; flow
+        sigmas: ``(1 - sigma) * original + sigma * noise``)."""
+        alpha_t, sigma_t = self._alpha_sigma(state.sigmas[state.step_index])
         return (alpha_t * original + sigma_t * noise).astype(original.dtype)
