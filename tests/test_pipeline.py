@@ -4,6 +4,7 @@ import inspect
 import json
 import re
 import shutil
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +24,18 @@ from eqxdiff.pipelines import (
     save_pipeline,
     save_single_file,
 )
+from eqxdiff.pipelines import stable_diffusion as sd
 from eqxdiff.pipelines._call import NOT_TAKEN, call_argument_names, is_checked
 from eqxdiff.pipelines.flux import FluxPipeline
-from eqxdiff.pipelines import stable_diffusion as sd
 
 from ._tiny_sd import build_pipeline
-from ._util import assert_close, assert_close_to_float64, nhwc_to_nchw, rel_error, run_float64
+from ._util import (
+    assert_close,
+    assert_close_to_float64,
+    nhwc_to_nchw,
+    rel_error,
+    run_float64,
+)
 
 PROMPTS = ["a red cat", "two dogs"]
 
@@ -86,7 +93,9 @@ def test_text_to_image_matches_diffusers(tmp_path, scheduler, prediction, sd2, k
 
 
 def test_image_to_image_matches_diffusers(tmp_path, monkeypatch):
-    from diffusers.pipelines.stable_diffusion import pipeline_stable_diffusion_img2img as img2img_module
+    from diffusers.pipelines.stable_diffusion import (
+        pipeline_stable_diffusion_img2img as img2img_module,
+    )
 
     ref = build_pipeline(tmp_path, scheduler="ddim")
     ref_img2img = img2img_module.StableDiffusionImg2ImgPipeline(**ref.components)
@@ -416,3 +425,45 @@ def test_a_folder_carries_its_recommended_call(tmp_path):
         eqxdiff.load_pipeline(tmp_path / "sd")
     assert eqxdiff.load_pipeline("digits").call_defaults == {"num_inference_steps": 20, "guidance_scale": 4.0,
                                                              "seed": 0}
+
+
+@pytest.mark.parametrize("cls_name, scheduler", [
+    ("StableDiffusionPipeline", {"_class_name": "DDIMScheduler", "clip_sample": True}),
+    ("StableDiffusionInpaintPipeline", {"_class_name": "PNDMScheduler", "skip_prk_steps": False}),
+    ("StableDiffusionControlNetPipeline", {"_class_name": "DDIMScheduler", "clip_sample": True}),
+])
+def test_an_outdated_scheduler_config_is_read_as_diffusers_pipeline_reads_it(tmp_path, cls_name, scheduler):
+    """diffusers' SD pipelines (text-to-image, image-to-image, inpainting; not ControlNet) rewrite an outdated
+    scheduler config when built: steps_offset 1, clip_sample False, the inpainting pipeline's PNDM skip_prk_steps True
+    (a deprecation warning). A folder whose scheduler config leaves steps_offset out (0 by default) samples with
+    the same config in both (a warning naming each key here)."""
+    import diffusers
+
+    build_pipeline(tmp_path)
+    config_file = tmp_path / "scheduler" / "scheduler_config.json"
+    raw = json.loads(config_file.read_text())
+    raw.pop("steps_offset")
+    raw.update(scheduler, timestep_spacing="leading")
+    config_file.write_text(json.dumps(raw))
+    kwargs = {}
+    if cls_name.startswith("StableDiffusionControlNet"):
+        kwargs["controlnet"] = diffusers.ControlNetModel(
+            block_out_channels=(32, 64), layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            cross_attention_dim=32, attention_head_dim=4, norm_num_groups=8, conditioning_embedding_out_channels=(8,))
+    reference = getattr(diffusers, cls_name).from_pretrained(tmp_path, safety_checker=None, **kwargs).scheduler.config
+    expected = {k: reference[k] for k in ("steps_offset", "clip_sample", "skip_prk_steps") if k in reference}
+    fixes = {k for k, v in expected.items() if v != raw.get(k, {"steps_offset": 0}.get(k))}
+    assert fixes == (set() if "ControlNet" in cls_name else {"steps_offset", *scheduler} - {"_class_name"})
+    if kwargs:
+        kwargs["controlnet"].save_pretrained(tmp_path / "controlnet", safe_serialization=True)
+        index = json.loads((tmp_path / "model_index.json").read_text())
+        index.update(controlnet=["diffusers", "ControlNetModel"], _class_name=cls_name)
+        (tmp_path / "model_index.json").write_text(json.dumps(index))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = eqxdiff.load_pipeline(tmp_path, pipeline_class=resolve_class(cls_name))
+    named = sorted(re.findall(r"config's (\w+)=", " ".join(str(w.message) for w in caught
+                                                           if "scheduler config" in str(w.message))))
+    assert named == sorted(fixes)
+    read = {k: getattr(pipe.scheduler.config, k) for k in expected if hasattr(pipe.scheduler.config, k)}
+    assert read == {k: expected[k] for k in read} and "steps_offset" in read

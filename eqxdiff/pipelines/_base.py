@@ -73,6 +73,8 @@ class DiffusionPipeline(LoraMixin):
     # What that picture is where a call cannot run without it ("the first frame of the video"; None: optional):
     # check_arguments refuses a call leaving it out first, asking "pass image= (what it is)", before loading too.
     REQUIRED_IMAGE: ClassVar[str | None] = None
+    # Scheduler config values the class's diffusers namesake forces on a folder's outdated config (key -> value).
+    SCHEDULER_FIXES: ClassVar[Mapping[str, Any]] = {}
     # What a user sets on a pipeline after building it (enable_vae_tiling's vae_tiling ...), carried by from_pipe and
     # with_scheduler to the pipeline they build.
     SETTINGS: ClassVar[tuple[str, ...]] = ()
@@ -411,7 +413,7 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
             components[c.name] = load_processor(folder / c.name, index[c.name])
         else:
             raw = read_config(folder / c.name, "scheduler_config.json")
-            components[c.name], extras = build_scheduler(raw, scheduler, scheduler_options)
+            components[c.name], extras = build_scheduler(raw, scheduler, scheduler_options, fixes=cls.SCHEDULER_FIXES)
     options = {k: index[k] for k in cls.OPTIONS if k in index}
     where = f"model_index.json in {os.fspath(folder)!r}"
     defaults = cls.check_call_defaults(_eqxdiff_entry(index, where).get("call_defaults"),

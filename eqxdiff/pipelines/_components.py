@@ -4,6 +4,7 @@ options, and which class a checkpoint loads as when a caller asks for another.""
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,8 +12,8 @@ from ..core import ConfigError
 from ..loading import CheckpointError, file_tokenizer, tokenizer_class
 from ..schedulers import scheduler_from_config
 
-__all__ = ["COMPONENT_KINDS", "LIBRARIES", "Component", "build_scheduler", "load_processor", "load_tokenizer",
-           "pipeline_class_for"]
+__all__ = ["COMPONENT_KINDS", "LIBRARIES", "Component", "SchedulerConfigWarning", "build_scheduler",
+           "fixed_scheduler_config", "load_processor", "load_tokenizer", "pipeline_class_for"]
 
 COMPONENT_KINDS = ("model", "tokenizer", "processor", "scheduler")
 LIBRARIES = ("diffusers", "transformers")
@@ -77,11 +78,39 @@ def load_processor(folder, entry):
     return cls.from_pretrained(os.fspath(folder))
 
 
-def build_scheduler(raw: Mapping[str, Any], name: str | None = None, options: Mapping[str, Any] | None = None):
+class SchedulerConfigWarning(UserWarning):
+    """A folder's scheduler config value that its pipeline class reads as another, as diffusers' does."""
+
+
+def fixed_scheduler_config(raw: Mapping[str, Any], fixes: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` with the values of ``fixes`` (key -> value) where the folder's own scheduler class has the key at
+    another value (its config's default counting where ``raw`` leaves the key out): what diffusers' SD pipelines'
+    constructors do to an outdated scheduler config (``steps_offset`` 1, ``clip_sample`` False, the inpainting
+    pipeline's PNDM ``skip_prk_steps`` True), each with a :class:`SchedulerConfigWarning` as diffusers'
+    deprecation warning. Keys the class does not have are left alone, as diffusers' ``getattr`` default does."""
+    out = dict(raw)
+    if not fixes:
+        return out
+    config = scheduler_from_config(raw).config
+    for key, value in fixes.items():
+        current = getattr(config, key, value)
+        if current != value:
+            warnings.warn(f"the scheduler config's {key}={current!r} is read as {key}={value!r}, as diffusers' "
+                          f"pipeline does with an outdated config; set {key}={value!r} in scheduler_config.json to "
+                          "silence this", SchedulerConfigWarning, stacklevel=3)
+            out[key] = value
+    return out
+
+
+def build_scheduler(raw: Mapping[str, Any], name: str | None = None, options: Mapping[str, Any] | None = None, *,
+                    fixes: Mapping[str, Any] | None = None):
     """``(scheduler, extras)``: the scheduler ``raw`` (a ``scheduler_config.json`` dict) describes, or the one
     ``name`` swaps in (:func:`eqxdiff.schedulers.scheduler_from_config`), with config keys ``options`` set last; and
-    the keys of ``raw`` that its class does not read (kept for a later swap and for saving). An option the class
-    does not have raises :class:`~eqxdiff.core.ConfigError` naming the ones it has."""
+    the keys of ``raw`` that its class does not read (kept for a later swap and for saving). ``fixes``: the
+    pipeline class's :attr:`~eqxdiff.pipelines.DiffusionPipeline.SCHEDULER_FIXES`, applied to the folder's config
+    first (:func:`fixed_scheduler_config`). An option the class does not have raises
+    :class:`~eqxdiff.core.ConfigError` naming the ones it has."""
+    raw = fixed_scheduler_config(raw, fixes or {})
     options = dict(options or {})
     scheduler = scheduler_from_config(raw, name=name, **options)
     fields = {f.name for f in dataclasses.fields(scheduler.config)}

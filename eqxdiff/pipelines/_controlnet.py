@@ -225,6 +225,7 @@ class ControlNetPipelineMixin:
 
     NET_CLASS: ClassVar[type] = ControlNetModel  # the nets this pipeline runs
     MULTI_CLASS: ClassVar[type] = MultiControlNetModel  # several of them (its name is model_index.json's)
+    SCHEDULER_FIXES: ClassVar = {}  # diffusers' ControlNet pipelines take the scheduler config as it is
     _control: ControlInput | None = None
 
     def __init__(self, *, controlnet, **kwargs):

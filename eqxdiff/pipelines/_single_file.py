@@ -115,7 +115,8 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
     extras: dict = {}
     for c in cls.COMPONENTS:
         if c.kind == "scheduler":
-            components[c.name], extras = build_scheduler(raw, scheduler, scheduler_options)
+            components[c.name], extras = build_scheduler(raw, scheduler, scheduler_options,
+                                                         fixes=cls.SCHEDULER_FIXES)
     options = {k: source.index.get(k, layout.options.get(k, default)) for k, default in cls.OPTIONS.items()}
     return SingleFile(cls, components, options, extras)
 

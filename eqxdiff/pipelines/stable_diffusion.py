@@ -59,6 +59,8 @@ class StableDiffusionPipeline(UNetPipeline):
     LATENT_NORM: ClassVar[str] = "scale"  # diffusers' SD pipelines read scaling_factor only
     LORA_FORMAT: ClassVar[str] = "eqxdiff.pipelines._lora_unet:SD"
     LORA_SCALE_ARGUMENT: ClassVar[str | None] = "cross_attention_kwargs"  # {"scale": s} (diffusers)
+    # diffusers' SD pipelines' constructors rewrite an outdated scheduler config (a deprecation warning there)
+    SCHEDULER_FIXES: ClassVar = {"steps_offset": 1, "clip_sample": False}
     COMPONENTS: ClassVar[tuple[Component, ...]] = (
         Component("tokenizer", "transformers", "tokenizer"),
         Component("text_encoder", "transformers", classes=("CLIPTextModel",), encoder=True),
@@ -156,3 +158,4 @@ class StableDiffusionInpaintPipeline(StableDiffusionPipeline):
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionInpaintPipeline"
     REQUIRED_INPUTS: ClassVar = ("image", "mask_image")
+    SCHEDULER_FIXES: ClassVar = {"steps_offset": 1, "clip_sample": False, "skip_prk_steps": True}  # (diffusers')
