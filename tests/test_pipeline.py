@@ -314,6 +314,57 @@ def test_every_diffusers_call_argument_is_taken_or_says_what_to_do_instead():
         assert lora is None or lora in inspect.signature(resolve_class(name).__call__).parameters, name
 
 
+def test_set_progress_bar_config_sets_the_calls_progress_default(tmp_path, monkeypatch):
+    """``set_progress_bar_config(disable=True)`` (diffusers' call) turns the calls' progress bar off by default, is
+    carried by ``from_pipe`` and is not saved; a pipeline still copies, deep-copies and pickles."""
+    import copy
+    import pickle
+
+    from eqxdiff.pipelines import _latents
+
+    build_pipeline(tmp_path / "a")
+    pipe = eqxdiff.load_pipeline(tmp_path / "a")
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.call_defaults == {"progress": False}
+    assert type(pipe).from_pipe(pipe).call_defaults == {"progress": False}
+    bars = []
+
+    def progress_bar(*args, enabled=True):  # records what the call asks for, then stops it before the loop compiles
+        bars.append(enabled)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_latents, "progress_bar", progress_bar)
+    for progress in ({}, {"progress": True}):
+        with pytest.raises(KeyboardInterrupt):
+            pipe("a cat", num_inference_steps=1, height=32, width=32, **progress)
+    assert bars == [False, True]
+    pipe.set_progress_bar_config(disable=False)
+    assert pipe.call_defaults == {"progress": True}
+    save_pipeline(pipe, tmp_path / "b")
+    assert "_eqxdiff" not in json.loads((tmp_path / "b" / "model_index.json").read_text())
+    with pytest.raises(TypeError, match=r"takes only disable= .* not \['leave'\]"):
+        pipe.set_progress_bar_config(leave=False)
+    for again in (copy.copy(pipe), copy.deepcopy(pipe), pickle.loads(pickle.dumps(pipe))):
+        assert type(again) is type(pipe) and again.call_defaults == pipe.call_defaults
+
+
+def test_from_single_file_loads_a_file_as_its_class(tmp_path):
+    """``Cls.from_single_file(file, config=folder)`` (diffusers' name) is ``load_pipeline(file, config=folder,
+    pipeline_class=Cls)``; a folder is refused, pointing to ``from_pretrained``."""
+    import equinox as eqx
+
+    img2img = resolve_class("StableDiffusionImg2ImgPipeline")
+    build_pipeline(tmp_path / "sd")
+    file = save_single_file(eqxdiff.load_pipeline(tmp_path / "sd"), tmp_path / "sd.safetensors")
+    pipe = img2img.from_single_file(str(file), config=tmp_path / "sd", dtype="bfloat16")
+    assert type(pipe) is img2img and pipe.activations_dtype == jnp.bfloat16
+    ours = eqxdiff.load_pipeline(tmp_path / "sd", dtype="bfloat16")
+    leaves = [jax.tree.leaves(eqx.filter(p.unet, eqx.is_array)) for p in (pipe, ours)]
+    assert all(a.dtype == jnp.bfloat16 and bool((a == b).all()) for a, b in zip(*leaves, strict=True))
+    with pytest.raises(eqxdiff.loading.CheckpointError, match="a folder or Hub id is from_pretrained's"):
+        StableDiffusionPipeline.from_single_file(tmp_path / "sd")
+
+
 def test_every_pipeline_declares_its_image_to_image_argument():
     """``INIT_IMAGE`` names a real argument of the call, or is None; a ControlNet pipeline without a
     ``control_image`` argument takes its control image as ``image`` (diffusers' names), which is then no

@@ -37,12 +37,13 @@ from ..parallel import shard_batch, shard_params, sharding_fn, with_plan
 from ._call import COMPILE_SUFFIX, call_argument_names, check_call_class, compile_seconds
 from ._checks import CallLimits, check_arguments
 from ._components import Component, build_scheduler, load_processor, load_tokenizer, pipeline_class_for
+from ._diffusers_api import DiffusersApiMixin
 from ._lora import LoraMixin
 
 EQXDIFF_KEY = "_eqxdiff"  # model_index.json's entry for eqxdiff's own settings (the recommended call)
 
 
-class DiffusionPipeline(LoraMixin):
+class DiffusionPipeline(LoraMixin, DiffusersApiMixin):
     """Base of eqxdiff's pipelines. Subclasses set :attr:`CLASS_NAME` (their ``model_index.json``
     ``_class_name``), :attr:`COMPONENTS` and write ``__call__``, decorated with
     :func:`~eqxdiff.pipelines.checked_call`; components become attributes of the same name.
@@ -488,7 +489,8 @@ def save_pipeline(pipe: DiffusionPipeline, folder, *, dtype=None) -> Path:
                 config = {**pipe.scheduler_extras, **config, "_class_name": type(value).__name__}
                 (tmp / c.name / "scheduler_config.json").write_text(json.dumps(config, indent=2))
                 index[c.name] = ["diffusers", config["_class_name"]]
-        if pipe.call_defaults:
-            index[EQXDIFF_KEY] = {"call_defaults": pipe.call_defaults}
+        defaults = {k: v for k, v in pipe.call_defaults.items() if k != "progress"}  # set_progress_bar_config's
+        if defaults:
+            index[EQXDIFF_KEY] = {"call_defaults": defaults}
         (tmp / "model_index.json").write_text(json.dumps(index, indent=2))
     return Path(folder)
