@@ -26,6 +26,7 @@ from eqxdiff.pipelines import (
 )
 from eqxdiff.pipelines import stable_diffusion as sd
 from eqxdiff.pipelines._call import NOT_TAKEN, call_argument_names, is_checked
+from eqxdiff.pipelines._diffusers_api import NOT_OFFERED, UnsupportedPipelineAttribute
 from eqxdiff.pipelines.flux import FluxPipeline
 
 from ._tiny_sd import build_pipeline
@@ -314,9 +315,34 @@ def test_every_diffusers_call_argument_is_taken_or_says_what_to_do_instead():
         assert lora is None or lora in inspect.signature(resolve_class(name).__call__).parameters, name
 
 
+def test_every_diffusers_pipeline_attribute_is_there_or_says_what_to_do_instead():
+    """Each public method and attribute of a served class's diffusers namesake is the eqxdiff class's too, or in
+    ``_diffusers_api.NOT_OFFERED``, whose entry an instance's lookup raises (an ``AttributeError``, so ``hasattr`` is
+    False) with what to do instead; every entry is a name some namesake has. Other names fail as Python's own."""
+    import diffusers
+
+    theirs = set()
+    for name in family_names("pipeline"):
+        public = {a for a in dir(getattr(diffusers, name)) if not a.startswith("_")}
+        theirs |= public
+        left = {a for a in public if not hasattr(resolve_class(name), a)}
+        assert left <= set(NOT_OFFERED), (name, sorted(left - set(NOT_OFFERED)))
+    assert set(NOT_OFFERED) <= theirs, sorted(set(NOT_OFFERED) - theirs)
+    pipe = object.__new__(StableDiffusionPipeline)  # (the lookup reads nothing of the instance)
+    with pytest.raises(UnsupportedPipelineAttribute, match=r"StableDiffusionPipeline has no 'enable_model_cpu_offload' "
+                                                           r"\(a diffusers pipeline's\): pass offload_encoders=True"):
+        pipe.enable_model_cpu_offload()
+    with pytest.raises(AttributeError, match=r"load_pipeline\(\.\.\., attention='chunked'\)"):
+        pipe.enable_xformers_memory_efficient_attention()
+    assert not hasattr(pipe, "to") and not hasattr(pipe, "no_such_thing")
+    with pytest.raises(AttributeError, match="^'StableDiffusionPipeline' object has no attribute 'no_such_thing'$"):
+        pipe.no_such_thing
+
+
 def test_set_progress_bar_config_sets_the_calls_progress_default(tmp_path, monkeypatch):
     """``set_progress_bar_config(disable=True)`` (diffusers' call) turns the calls' progress bar off by default, is
-    carried by ``from_pipe`` and is not saved; a pipeline still copies, deep-copies and pickles."""
+    carried by ``from_pipe`` and is not saved; a pipeline still copies, deep-copies and pickles (the mixin's
+    ``__getattr__`` leaves the dunder look-ups alone)."""
     import copy
     import pickle
 
@@ -346,6 +372,7 @@ def test_set_progress_bar_config_sets_the_calls_progress_default(tmp_path, monke
         pipe.set_progress_bar_config(leave=False)
     for again in (copy.copy(pipe), copy.deepcopy(pipe), pickle.loads(pickle.dumps(pipe))):
         assert type(again) is type(pipe) and again.call_defaults == pipe.call_defaults
+        assert not hasattr(again, "to")
 
 
 def test_from_single_file_loads_a_file_as_its_class(tmp_path):

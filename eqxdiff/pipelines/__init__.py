@@ -28,6 +28,7 @@ from ._denoise import combine_guidance as combine_guidance
 from ._denoise import denoise_loop as denoise_loop
 from ._denoise import plan_schedule as plan_schedule
 from ._denoise import rescale_noise_cfg as rescale_noise_cfg
+from ._diffusers_api import UnsupportedPipelineAttribute as UnsupportedPipelineAttribute
 from ._images import save_images as save_images
 from ._media import read_image as read_image
 from ._media import read_parameters as read_parameters
