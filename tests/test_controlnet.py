@@ -13,6 +13,7 @@ import dataclasses
 import json
 
 import diffusers
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,6 +198,16 @@ def test_from_unet_is_diffusers_from_unet(tmp_path):
         ControlNetConfig.from_unet_config(type(config)(**{**config.__dict__, "time_cond_proj_dim": 8}))
     with pytest.raises(ConfigError, match="class_embeddings_concat=True"):  # diffusers cannot copy its ResNets
         ControlNetConfig.from_unet_config(type(config)(**{**config.__dict__, "class_embeddings_concat": True}))
+
+
+def test_simple_projection_builds_no_class_embedding():
+    """diffusers' ControlNetModel builds no class embedding for class_embed_type="simple_projection" (and needs no
+    projection_class_embeddings_input_dim for it); neither does eqxdiff's."""
+    config = ControlNetConfig.from_dict({**tiny.SD_CONTROLNET, "class_embed_type": "simple_projection"})
+    with torch.device("meta"):
+        ref = diffusers.ControlNetModel(**tiny.SD_CONTROLNET, class_embed_type="simple_projection")
+    model = eqx.filter_eval_shape(ControlNetModel, config, key=jax.random.key(0))
+    assert ref.class_embedding is None and model.class_embedding is None and not config.has_class_embedding
 
 
 def test_checkpoint_names_and_remat(sd_case):

@@ -152,7 +152,7 @@ class UNet2DConditionConfig(ModelConfig):
                 self.check(not isinstance(t, tuple) or len(t) >= layers[i], key,
                            f"gives {len(t) if isinstance(t, tuple) else t} transformer depths for block {i}, which "
                            f"has {layers[i]} layers")
-        if self.class_embed_type in ("projection", "simple_projection"):
+        if self.class_embed_type in ("projection", "simple_projection") and self.has_class_embedding:
             self.check(self.projection_class_embeddings_input_dim is not None, "projection_class_embeddings_input_dim",
                        f"must be set when class_embed_type={self.class_embed_type!r}")
         if self.addition_embed_type == "text_time":
