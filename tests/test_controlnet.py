@@ -1,10 +1,10 @@
-"""ControlNet: the model on the parity base (:mod:`tests._parity`) at diffusers' tiny SD and SDXL ControlNet
-configs (plain and guess-mode residuals) against full-size layouts, a variant's forward (bgr, pooled residuals,
-UNetMidBlock2D, a 1-channel control image downsampled 4x), from_unet, remat, config and input errors; then the
-pipelines against diffusers' (every pixel within 2/255 from the same initial latents): SD with one net (scale,
-start/end) and two (bgr, pooled, guess mode), a pooled net forcing guess mode (alone, not as the second of two), SD
-image-to-image, SDXL with one net and two in guess mode; the multi-ControlNet folder layout, control-image
-preparation, the per-step scales and the errors.
+"""ControlNet: the model on the parity base (:mod:`tests._parity`) at diffusers' tiny SD and SDXL ControlNet configs
+(plain and guess-mode residuals) against full-size layouts, a variant's forward (bgr, pooled residuals,
+UNetMidBlock2D, a 1-channel control image downsampled 4x, a class embedding, encoder_hid_dim), from_unet, remat,
+config and input errors; then the pipelines against diffusers' (every pixel within 2/255 from the same initial
+latents): SD with one net (scale, start/end) and two (bgr, pooled, guess mode), a pooled net forcing guess mode
+(alone, not as the second of two), SD image-to-image, SDXL with one net and two in guess mode; the multi-ControlNet
+folder layout, control-image preparation, the per-step scales and the errors.
 
 Pipeline folders are built once per module and share their compiled programs (the scales are a traced table: a
 new scale or window reuses the loop)."""
@@ -13,6 +13,7 @@ import dataclasses
 import json
 
 import diffusers
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +74,8 @@ class ControlNetParity(ModelParity):
             text = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
             out["text_embeds"] = rng.standard_normal((b, text), np.float32)
             out["time_ids"] = np.array([[32, 32, 0, 0, 32, 32], [24, 20, 2, 1, 16, 16]], np.float32)
+        if c.class_embed_type == "timestep":
+            out["class_labels"] = np.array([250, 4], np.int32)
         return out
 
     def reference_outputs(self, reference, inputs):
@@ -80,6 +83,8 @@ class ControlNetParity(ModelParity):
                   encoder_hidden_states=_torch(inputs["encoder_hidden_states"]),
                   controlnet_cond=nhwc_to_nchw(inputs["controlnet_cond"]), conditioning_scale=SCALE,
                   return_dict=False)
+        if "class_labels" in inputs:
+            kw["class_labels"] = _torch(inputs["class_labels"])
         if "text_embeds" in inputs:
             kw["added_cond_kwargs"] = dict(text_embeds=_torch(inputs["text_embeds"]),
                                            time_ids=_torch(inputs["time_ids"]))
@@ -117,7 +122,9 @@ class TestControlNetSDXL(ControlNetParity):
 class ControlNetVariant(ControlNetParity):
     """bgr, spatially pooled residuals (guess mode then scales nothing), the mid block without attention (its
     ResNets taking the time embedding as scale and shift), per-block heads, a 1-channel control image embedded by
-    three widths (4x downsampling), padding-0 downsampling. Not collected: :func:`test_variant_matches_diffusers`
+    three widths (4x downsampling), padding-0 downsampling, GELU, a "timestep" class embedding (SiLU whatever
+    act_fn, added to the time embedding, as diffusers' ControlNet builds it) and an encoder_hid_proj (loaded, never
+    applied: the text states are cross_attention_dim wide). Not collected: :func:`test_variant_matches_diffusers`
     checks its forward only."""
 
     config = dict(block_out_channels=(8, 16), layers_per_block=1, in_channels=4, norm_num_groups=4,
@@ -125,7 +132,8 @@ class ControlNetVariant(ControlNetParity):
                   cross_attention_dim=24, conditioning_embedding_out_channels=(8, 16, 16), conditioning_channels=1,
                   controlnet_conditioning_channel_order="bgr", global_pool_conditions=True,
                   mid_block_type="UNetMidBlock2D", downsample_padding=0, flip_sin_to_cos=False, freq_shift=1,
-                  resnet_time_scale_shift="scale_shift")
+                  resnet_time_scale_shift="scale_shift", act_fn="gelu", class_embed_type="timestep",
+                  encoder_hid_dim=20)
 
 
 # -- what the parity base does not check -------------------------------------------------------------------------
@@ -142,6 +150,10 @@ def test_variant_matches_diffusers(tmp_path_factory):
     assert case.model.mid_block.attentions is None and len(case.model.mid_block.resnets) == 1
     assert all(case.actual[k].shape[1:3] == (1, 1) for k in case.actual)  # pooled
     assert len([k for k in case.actual if k.startswith("down_")]) == case.model.config.num_residuals == 4
+    assert case.model.class_embedding is not None and case.model.encoder_hid_proj.weight.shape == (24, 20)
+    # the class labels steer the residuals (the parity could not see them ignored on both sides otherwise)
+    relabelled = ControlNetParity.run(case.model, dict(case.inputs, class_labels=case.inputs["class_labels"][::-1]))
+    assert np.max(np.abs(relabelled["mid"] - case.actual["mid"])) > 1e-3 * np.max(np.abs(case.actual["mid"]))
     x = case.inputs  # the control image's one channel, and "bgr" reverses channels: a no-op to check by flipping
     flipped = ControlNetParity.run(case.model, dict(x, controlnet_cond=x["controlnet_cond"][:, ::-1]))
     assert np.max(np.abs(flipped["mid"] - case.actual["mid"])) > 1e-3 * np.max(np.abs(case.actual["mid"]))
@@ -163,9 +175,11 @@ def test_every_input_steers_the_residuals(sd_case):
 
 
 def test_from_unet_is_diffusers_from_unet(tmp_path):
-    """Config, names and shapes as diffusers' from_unet; the encoder is the UNet's, the control convs start at zero."""
+    """Config, names and shapes as diffusers' from_unet; the encoder is the UNet's (its class embedding too), the
+    control convs start at zero. diffusers leaves the (never applied) encoder_hid_proj as initialised; ours is the
+    UNet's."""
     torch.manual_seed(0)
-    unet_ref = diffusers.UNet2DConditionModel(**tiny.SDXL_UNET)
+    unet_ref = diffusers.UNet2DConditionModel(**tiny.SDXL_UNET, class_embed_type="timestep", encoder_hid_dim=48)
     tiny.randomize_torch(unet_ref, seed=4)
     unet_ref.save_pretrained(tmp_path)
     ref = diffusers.ControlNetModel.from_unet(unet_ref, conditioning_embedding_out_channels=(16, 32))
@@ -177,11 +191,23 @@ def test_from_unet_is_diffusers_from_unet(tmp_path):
     for name, value in expected.items():
         if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding.conv_out")):
             assert not np.any(tensors[name]) and not value.any(), name
-        elif not name.startswith("controlnet_cond_embedding"):  # the UNet's weights, as diffusers copies them
+        elif not name.startswith(("controlnet_cond_embedding", "encoder_hid_proj")):  # the UNet's, as diffusers'
             np.testing.assert_array_equal(tensors[name], value.numpy(), err_msg=name)
     config = unet.config
     with pytest.raises(ConfigError, match="time_cond_proj_dim=8"):
         ControlNetConfig.from_unet_config(type(config)(**{**config.__dict__, "time_cond_proj_dim": 8}))
+    with pytest.raises(ConfigError, match="class_embeddings_concat=True"):  # diffusers cannot copy its ResNets
+        ControlNetConfig.from_unet_config(type(config)(**{**config.__dict__, "class_embeddings_concat": True}))
+
+
+def test_simple_projection_builds_no_class_embedding():
+    """diffusers' ControlNetModel builds no class embedding for class_embed_type="simple_projection" (and needs no
+    projection_class_embeddings_input_dim for it); neither does eqxdiff's."""
+    config = ControlNetConfig.from_dict({**tiny.SD_CONTROLNET, "class_embed_type": "simple_projection"})
+    with torch.device("meta"):
+        ref = diffusers.ControlNetModel(**tiny.SD_CONTROLNET, class_embed_type="simple_projection")
+    model = eqx.filter_eval_shape(ControlNetModel, config, key=jax.random.key(0))
+    assert ref.class_embedding is None and model.class_embedding is None and not config.has_class_embedding
 
 
 def test_checkpoint_names_and_remat(sd_case):
@@ -206,8 +232,8 @@ def test_checkpoint_names_and_remat(sd_case):
     ("layers_per_block", [1, 2], r"layers_per_block=\(1, 2\) must be one number"),
     ("cross_attention_dim", [32, 32], r"cross_attention_dim=\(32, 32\) must be one number"),
     ("time_cond_proj_dim", 4, "time_cond_proj_dim=4 is not a ControlNet setting"),
-    ("class_embed_type", "timestep", "class_embed_type='timestep'"),
-    ("encoder_hid_dim", 12, "encoder_hid_dim_type=.text_proj."),  # diffusers' default type for it
+    ("class_embeddings_concat", True, "class_embeddings_concat=True is not a ControlNet setting"),
+    ("encoder_hid_dim_type", "text_image_proj", "encoder_hid_dim_type='text_image_proj'"),
     ("conditioning_embedding_out_channels", [], "must list at least one width"),
 ])
 def test_bad_configs_raise(key, value, match):

@@ -1,8 +1,9 @@
 """ControlNet-Union: the model on the parity base (:mod:`tests._parity`) at two tiny configs (SDXL-style with
-``text_time``, two token layers and four control types; SD-style without ``text_time``, a one-channel control
-image downsampled 4x, other sinusoid flags) against full-size layouts, each run with one control image, with two at
-different scales (plain and guess mode) and as a member of a multi-net (``from_multi``, guess mode); config and
-input errors. Then the SDXL pipeline against diffusers' (every pixel within 2/255 from the same initial latents).
+``text_time``, two token layers and four control types; SD-style without ``text_time``, a one-channel control image
+downsampled 4x, other sinusoid flags, a class table, an unused encoder_hid_dim) against full-size layouts, each run
+with one control image, with two at different scales (plain and guess mode) and as a member of a multi-net
+(``from_multi``, guess mode); config and input errors. Then the SDXL pipeline against diffusers' (every pixel within
+2/255 from the same initial latents).
 
 The reference's token attention runs across the batch (see :mod:`eqxdiff.models.controlnet_union`): the inputs
 use a batch of two different samples so that the quirk is exercised."""
@@ -78,6 +79,8 @@ class ControlNetUnionParity(ModelParity):
             text = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
             out["text_embeds"] = rng.standard_normal((b, text), np.float32)
             out["time_ids"] = np.array([[32, 32, 0, 0, 32, 32], [24, 20, 2, 1, 16, 16]], np.float32)
+        if c.num_class_embeds is not None:
+            out["class_labels"] = np.array([4, 1], np.int32)
         return out
 
     def reference_outputs(self, reference, inputs):
@@ -86,6 +89,8 @@ class ControlNetUnionParity(ModelParity):
         if "text_embeds" in inputs:
             kw["added_cond_kwargs"] = dict(text_embeds=_torch(inputs["text_embeds"]),
                                            time_ids=_torch(inputs["time_ids"]))
+        if "class_labels" in inputs:
+            kw["class_labels"] = _torch(inputs["class_labels"])
         out = {}
         for name, (n, modes, scales, multi, guess) in VARIANTS.items():
             down, mid = reference(**kw, controlnet_cond=[nhwc_to_nchw(im) for im in inputs["images"][:n]],
@@ -120,11 +125,15 @@ class TestControlNetUnionSDXL(ControlNetUnionParity):
 
 
 class TestControlNetUnionSmall(ControlNetUnionParity):
+    """Also a class table (``class_labels``) and an ``encoder_hid_dim``, which diffusers' union keeps unused (no
+    ``encoder_hid_proj``, no default ``encoder_hid_dim_type``)."""
+
     config = dict(block_out_channels=(16, 32), layers_per_block=1, in_channels=4, norm_num_groups=4,
                   down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), attention_head_dim=2,
                   cross_attention_dim=24, addition_time_embed_dim=4, conditioning_embedding_out_channels=(8, 8, 16),
                   conditioning_channels=1, flip_sin_to_cos=False, freq_shift=1, num_control_type=3,
-                  num_trans_channel=16, num_trans_head=2, num_trans_layer=1, num_proj_channel=16)
+                  num_trans_channel=16, num_trans_head=2, num_trans_layer=1, num_proj_channel=16, num_class_embeds=5,
+                  encoder_hid_dim=20)
     full_size = {"union-sdxl": UNION_SDXL}
 
 
@@ -151,6 +160,7 @@ def test_every_input_steers_the_residuals(sdxl_case):
     ("addition_time_embed_dim", None, "addition_time_embed_dim=None must be set"),
     ("controlnet_conditioning_channel_order", "bgr", "controlnet_conditioning_channel_order='bgr'"),
     ("num_control_type", 0, "num_control_type=0 must be at least 1"),
+    ("encoder_hid_dim_type", "text_proj", "encoder_hid_dim_type='text_proj'"),  # diffusers' union refuses it
 ])
 def test_bad_configs_raise(key, value, match):
     with pytest.raises(ConfigError, match=match):

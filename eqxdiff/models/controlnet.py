@@ -18,7 +18,7 @@ import numpy as np
 
 from .._typing import Array, Float, Int, PRNGKeyArray, typechecked
 from ..core import ConfigError, Plan, constrain
-from ..nn import Conv2d, TimestepEmbedding, build_abstract, silu
+from ..nn import Conv2d, Embedding, Linear, TimestepEmbedding, build_abstract, silu
 from ._base import PretrainedModel
 from ._unet_blocks import DownBlock, MidBlock
 from .unet2d import (
@@ -27,8 +27,10 @@ from .unet2d import (
     TimestepLike,
     UNet2DConditionConfig,
     UNet2DConditionModel,
+    build_class_embedding,
     build_encoder,
     check_conditioning,
+    embed_class,
     embed_time,
     run_encoder,
 )
@@ -46,7 +48,8 @@ _UNET_ONLY = ("sample_size", "out_channels", "center_input_sample", "up_block_ty
 _DERIVED = ("up_block_types", "reverse_transformer_layers_per_block")  # set from the down path, never read
 # Of those, the ones a UNet's encoder depends on: from_unet refuses a UNet that sets them.
 _ENCODER_KEYS = ("center_input_sample", "time_embedding_type", "time_embedding_dim", "time_embedding_act_fn",
-                 "timestep_post_act", "time_cond_proj_dim", "conv_in_kernel", "dual_cross_attention")
+                 "timestep_post_act", "time_cond_proj_dim", "conv_in_kernel", "dual_cross_attention",
+                 "class_embeddings_concat")
 
 
 def _mirror(down_block_types: tuple[str, ...]) -> tuple[str, ...]:
@@ -62,16 +65,17 @@ class ControlNetConfig(UNet2DConditionConfig):
     ``conditioning_embedding_out_channels``: widths of the control image's embedding, which downsamples by
     ``2 ** (len - 1)`` (the VAE's factor, 8 for the default ``(16, 32, 96, 256)``).
     ``controlnet_conditioning_channel_order="bgr"``: the control image's channels are reversed first.
-    ``global_pool_conditions``: residuals are spatial means (the "shuffle" ControlNets)."""
+    ``global_pool_conditions``: residuals are spatial means (the "shuffle" ControlNets).
+
+    As diffusers' ``ControlNetModel``: the class embedding (``class_labels``) is always added, a ``"timestep"`` one
+    uses SiLU whatever ``act_fn``, and ``"simple_projection"`` builds none (no class embedding);
+    ``encoder_hid_dim`` builds ``encoder_hid_proj`` but the forward never applies it, so the text states are
+    ``cross_attention_dim`` wide."""
 
     SUPPORTED_VALUES: ClassVar = {
         **UNet2DConditionConfig.SUPPORTED_VALUES,
         "mid_block_type": tuple(t for t in MID_BLOCK_TYPES if t is not None),
         "controlnet_conditioning_channel_order": ("rgb", "bgr"),
-        "class_embed_type": (None,),  # eqxdiff's ControlNetModel builds no class embedding, no encoder_hid_proj
-        "num_class_embeds": (None,),
-        "encoder_hid_dim": (None,),
-        "encoder_hid_dim_type": (None,),
     }
 
     up_block_types: tuple[str, ...] | None = None  # derived: the mirror of down_block_types (_DERIVED)
@@ -117,6 +121,15 @@ class ControlNetConfig(UNet2DConditionConfig):
 
     def to_dict(self) -> dict:
         return {k: v for k, v in super().to_dict().items() if k not in _UNET_ONLY}
+
+    @property
+    def has_class_embedding(self) -> bool:
+        return super().has_class_embedding and self.class_embed_type != "simple_projection"
+
+    @property
+    def context_dim(self) -> int | None:
+        """The text states' width: ``cross_attention_dim`` (``encoder_hid_proj`` is never applied)."""
+        return self.cross_attention_dim if self.attention_specs else None
 
     @property
     def conditioning_downscale(self) -> int:
@@ -185,6 +198,8 @@ class ControlNetModel(PretrainedModel):
     conv_in: Conv2d
     time_embedding: TimestepEmbedding
     add_embedding: TimestepEmbedding | None
+    class_embedding: TimestepEmbedding | Embedding | None
+    encoder_hid_proj: Linear | None  # built and loaded, never applied (as diffusers)
     controlnet_cond_embedding: ControlNetConditioningEmbedding
     down_blocks: list[DownBlock]
     controlnet_down_blocks: list[Conv2d]
@@ -198,6 +213,10 @@ class ControlNetModel(PretrainedModel):
         kin, kt, ka, kd, km, kc = jax.random.split(key, 6)
         self.conv_in, self.time_embedding, self.add_embedding, self.down_blocks, self.mid_block = build_encoder(
             c, dtype=dtype, keys=(kin, kt, ka, kd, km))
+        self.class_embedding = build_class_embedding(c, dtype, jax.random.fold_in(key, 7), act_fn="silu") \
+            if c.has_class_embedding else None
+        self.encoder_hid_proj = Linear(c.encoder_hid_dim, c.cross_attention_dim, dtype=dtype, key=jax.random.fold_in(
+            key, 8)) if c.encoder_hid_dim_type == "text_proj" else None
         self.controlnet_cond_embedding = ControlNetConditioningEmbedding(
             c.block_out_channels[0], conditioning_channels=c.conditioning_channels,
             block_out_channels=c.conditioning_embedding_out_channels, dtype=dtype, key=kc)
@@ -228,8 +247,12 @@ class ControlNetModel(PretrainedModel):
             config.block_out_channels[0], conditioning_channels=conditioning_channels,
             block_out_channels=config.conditioning_embedding_out_channels, dtype=dtype, key=key)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), fresh(model)[1:])
-        shared = lambda m: (m.conv_in, m.time_embedding, m.add_embedding, m.down_blocks, m.mid_block)
-        model = eqx.tree_at(shared, model, shared(unet), is_leaf=lambda x: x is None)
+        shared = lambda m: (m.conv_in, m.time_embedding, m.add_embedding, m.class_embedding, m.encoder_hid_proj,
+                            m.down_blocks, m.mid_block)
+        parts = shared(unet)
+        if model.class_embedding is None:  # "simple_projection": diffusers' ControlNet builds (and copies) none
+            parts = (*parts[:3], None, *parts[4:])
+        model = eqx.tree_at(shared, model, parts, is_leaf=lambda x: x is None)
         return eqx.tree_at(fresh, model, (embedding, *zeros))
 
     @typechecked
@@ -244,6 +267,7 @@ class ControlNetModel(PretrainedModel):
         guess_mode: bool = False,
         text_embeds: Float[Array, "batch text_embed"] | None = None,
         time_ids: Float[Array, "batch num_time_ids"] | Int[Array, "batch num_time_ids"] | None = None,
+        class_labels: Float[Array, "..."] | Int[Array, "..."] | None = None,
     ) -> ControlNetOutput:
         """Residuals for a UNet denoising ``sample`` at ``timestep``, steered by ``controlnet_cond`` (the control
         image, channels-last, ``conditioning_downscale`` times the latents' size, in ``[0, 1]`` as the pipelines
@@ -252,7 +276,8 @@ class ControlNetModel(PretrainedModel):
         ``conditioning_scale`` multiplies every residual (a number, or a traced scalar: the pipelines turn a
         ControlNet off outside its ``control_guidance_start/end`` with it). ``guess_mode`` scales the residuals from
         0.1 (first skip) to 1 (mid block) on a log scale, unless the config has ``global_pool_conditions``. SDXL
-        ControlNets (``text_time``) also need the pooled ``text_embeds`` and the ``time_ids``.
+        ControlNets (``text_time``) also need the pooled ``text_embeds`` and the ``time_ids``; one with a class
+        embedding its ``class_labels`` (as :class:`~eqxdiff.models.unet2d.UNet2DConditionModel`).
         """
         c = self.config
         check_conditioning(self, sample, encoder_hidden_states, text_embeds, time_ids)
@@ -261,7 +286,8 @@ class ControlNetModel(PretrainedModel):
         dtype = sample.dtype
         if c.controlnet_conditioning_channel_order == "bgr":
             controlnet_cond = jnp.flip(controlnet_cond, axis=-1)
-        emb = embed_time(self, timestep, b, dtype, text_embeds=text_embeds, time_ids=time_ids)
+        emb = embed_time(self, timestep, b, dtype, text_embeds=text_embeds, time_ids=time_ids,
+                         class_emb=embed_class(self, class_labels, b))
         context = encoder_hidden_states.astype(dtype)
 
         plan = self.plan
@@ -318,7 +344,7 @@ class MultiControlNetModel(eqx.Module):
             raise TypeError(f"MultiControlNetModel takes ControlNetModels, got {[type(n).__name__ for n in nets]}")
 
     def __call__(self, sample, timestep, encoder_hidden_states, controlnet_cond, *, conditioning_scale,
-                 guess_mode: bool = False, text_embeds=None, time_ids=None) -> ControlNetOutput:
+                 guess_mode: bool = False, text_embeds=None, time_ids=None, class_labels=None) -> ControlNetOutput:
         """As :meth:`ControlNetModel.__call__`, with one control image and one scale (numbers or a ``[nets]``
         array) per net."""
         if len(controlnet_cond) != len(self.nets) or len(conditioning_scale) != len(self.nets):
@@ -327,6 +353,6 @@ class MultiControlNetModel(eqx.Module):
         down = mid = None
         for net, image, scale in zip(self.nets, controlnet_cond, conditioning_scale):
             d, m = net(sample, timestep, encoder_hidden_states, image, conditioning_scale=scale,
-                       guess_mode=guess_mode, text_embeds=text_embeds, time_ids=time_ids)
+                       guess_mode=guess_mode, text_embeds=text_embeds, time_ids=time_ids, class_labels=class_labels)
             down, mid = (d, m) if down is None else (tuple(a + b for a, b in zip(down, d)), mid + m)
         return ControlNetOutput(down, mid)

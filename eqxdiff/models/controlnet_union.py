@@ -43,7 +43,7 @@ from ..nn import (
 )
 from ._base import PretrainedModel
 from .controlnet import ControlNetConfig, ControlNetModel, ControlNetOutput
-from .unet2d import IMAGE, TimestepLike, check_conditioning, embed_time
+from .unet2d import IMAGE, TimestepLike, check_conditioning, embed_class, embed_time
 
 __all__ = ["ControlNetUnionConfig", "ControlNetUnionModel", "MultiControlNetUnionModel", "ResidualAttentionBlock",
            "SequenceFirstSelfAttention", "control_type_vector"]
@@ -60,12 +60,16 @@ class ControlNetUnionConfig(ControlNetConfig):
     ``num_trans_channel`` / ``num_trans_head`` / ``num_trans_layer``: width, heads and depth of the token
     transformer; ``num_proj_channel``: the width ``spatial_ch_projs`` maps a token to. Both widths are
     ``block_out_channels[0]`` (the tokens are spatial means of ``conv_in``-wide maps, added back to them).
-    ``addition_time_embed_dim`` sizes each entry's sinusoidal embedding of ``control_type`` (so it is required)."""
+    ``addition_time_embed_dim`` sizes each entry's sinusoidal embedding of ``control_type`` (so it is required).
+    diffusers' union takes no ``encoder_hid_dim_type`` and builds no ``encoder_hid_proj`` (``encoder_hid_dim`` is
+    kept, unused)."""
 
+    HID_DIM_DEFAULT_TYPE: ClassVar = None
     SUPPORTED_VALUES: ClassVar = {
         **ControlNetConfig.SUPPORTED_VALUES,
         "mid_block_type": ("UNetMidBlock2DCrossAttn",),
         "controlnet_conditioning_channel_order": ("rgb",),
+        "encoder_hid_dim_type": (None,),
     }
 
     conditioning_embedding_out_channels: tuple[int, ...] = (48, 96, 192, 384)
@@ -237,6 +241,7 @@ class ControlNetUnionModel(PretrainedModel):
         guess_mode: bool = False,
         text_embeds: Float[Array, "batch text_embed"] | None = None,
         time_ids: Float[Array, "batch num_time_ids"] | Int[Array, "batch num_time_ids"] | None = None,
+        class_labels: Float[Array, "..."] | Int[Array, "..."] | None = None,
     ) -> ControlNetOutput:
         """Residuals for a UNet denoising ``sample`` at ``timestep``, steered by the control images
         ``controlnet_cond`` (a list, channels-last, each as :meth:`ControlNetModel.__call__` takes one) of the
@@ -247,7 +252,8 @@ class ControlNetUnionModel(PretrainedModel):
         image, or ``from_multi`` (a :class:`MultiControlNetUnionModel` passes it), the first scale multiplies the
         residuals; with several images each scales its own image's contribution to the fusion and the residuals
         are left unscaled. ``guess_mode`` scales the residuals from 0.1 to 1 as a ControlNet's (times that first
-        scale where it applies). SDXL nets (``text_time``) also need ``text_embeds`` and ``time_ids``."""
+        scale where it applies). SDXL nets (``text_time``) also need ``text_embeds`` and ``time_ids``; a net with a
+        class embedding its ``class_labels``."""
         net, c, plan = self.controlnet, self.config, self.plan
         check_conditioning(self, sample, encoder_hidden_states, text_embeds, time_ids)
         n = len(controlnet_cond)
@@ -271,7 +277,8 @@ class ControlNetUnionModel(PretrainedModel):
         joint = from_multi or n == 1  # diffusers: the first scale on the residuals, else each on its image
         dtype = sample.dtype
 
-        emb = embed_time(net, timestep, b, jnp.float32, text_embeds=text_embeds, time_ids=time_ids)
+        emb = embed_time(net, timestep, b, jnp.float32, text_embeds=text_embeds, time_ids=time_ids,
+                         class_emb=embed_class(net, class_labels, b))
         control = timestep_embedding(control_type.reshape(-1), c.addition_time_embed_dim,
                                      flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift)
         emb = (emb + self.control_add_embedding(control.reshape(b, -1))).astype(dtype)
@@ -317,7 +324,8 @@ class MultiControlNetUnionModel(eqx.Module):
                             f"{[type(n).__name__ for n in nets]}")
 
     def __call__(self, sample, timestep, encoder_hidden_states, controlnet_cond, control_type, control_type_idx, *,
-                 conditioning_scale, guess_mode: bool = False, text_embeds=None, time_ids=None) -> ControlNetOutput:
+                 conditioning_scale, guess_mode: bool = False, text_embeds=None, time_ids=None,
+                 class_labels=None) -> ControlNetOutput:
         """As :meth:`ControlNetUnionModel.__call__`, with per net: a list of control images, a ``control_type``,
         a list of modes and one scale."""
         n = len(self.nets)
@@ -329,6 +337,7 @@ class MultiControlNetUnionModel(eqx.Module):
         for net, images, ctype, modes, scale in zip(self.nets, controlnet_cond, control_type, control_type_idx,
                                                     conditioning_scale):
             d, m = net(sample, timestep, encoder_hidden_states, images, ctype, modes, conditioning_scale=scale,
-                       from_multi=True, guess_mode=guess_mode, text_embeds=text_embeds, time_ids=time_ids)
+                       from_multi=True, guess_mode=guess_mode, text_embeds=text_embeds, time_ids=time_ids,
+                       class_labels=class_labels)
             down, mid = (d, m) if down is None else (tuple(a + b for a, b in zip(down, d)), mid + m)
         return ControlNetOutput(down, mid)

@@ -47,6 +47,7 @@ class UNet2DConditionConfig(ModelConfig):
     ``encoder_hid_dim`` (``encoder_hid_dim_type="text_proj"``, its default then, as in diffusers): the text states
     of that width are first projected to ``cross_attention_dim`` (``encoder_hid_proj``)."""
 
+    HID_DIM_DEFAULT_TYPE: ClassVar = "text_proj"  # encoder_hid_dim_type when only encoder_hid_dim is set
     SUPPORTED_VALUES: ClassVar = {
         "resnet_time_scale_shift": ("default", "scale_shift"),
         "time_embedding_type": ("positional",),
@@ -108,8 +109,8 @@ class UNet2DConditionConfig(ModelConfig):
     addition_embed_type_num_heads: int = 64
 
     def __post_init__(self):
-        if self.encoder_hid_dim is not None and self.encoder_hid_dim_type is None:
-            object.__setattr__(self, "encoder_hid_dim_type", "text_proj")  # diffusers' default, written back
+        if self.encoder_hid_dim is not None and self.encoder_hid_dim_type is None:  # diffusers' default, written back
+            object.__setattr__(self, "encoder_hid_dim_type", self.HID_DIM_DEFAULT_TYPE)
         super().__post_init__()
         n = self.num_blocks
         self.check(self.encoder_hid_dim_type is None or self.encoder_hid_dim is not None, "encoder_hid_dim",
@@ -151,7 +152,7 @@ class UNet2DConditionConfig(ModelConfig):
                 self.check(not isinstance(t, tuple) or len(t) >= layers[i], key,
                            f"gives {len(t) if isinstance(t, tuple) else t} transformer depths for block {i}, which "
                            f"has {layers[i]} layers")
-        if self.class_embed_type in ("projection", "simple_projection"):
+        if self.class_embed_type in ("projection", "simple_projection") and self.has_class_embedding:
             self.check(self.projection_class_embeddings_input_dim is not None, "projection_class_embeddings_input_dim",
                        f"must be set when class_embed_type={self.class_embed_type!r}")
         if self.addition_embed_type == "text_time":
@@ -290,7 +291,7 @@ class UNet2DConditionModel(PretrainedModel):
             c, dtype=dtype, keys=(kin, kt, ka, kd, km))
         self.up_blocks = [UpBlock(s, c.resnet_spec, dtype=dtype, key=k)
                           for s, k in zip(c.up_blocks, jax.random.split(ku, c.num_blocks))]
-        self.class_embedding = _class_embedding(c, dtype, jax.random.fold_in(key, 7))
+        self.class_embedding = build_class_embedding(c, dtype, jax.random.fold_in(key, 7))
         self.encoder_hid_proj = None if c.encoder_hid_dim is None else Linear(
             c.encoder_hid_dim, c.cross_attention_dim, dtype=dtype, key=jax.random.fold_in(key, 8))
         self.conv_norm_out = GroupNorm(c.norm_num_groups, ch0, eps=c.norm_eps, dtype=dtype)
@@ -331,7 +332,7 @@ class UNet2DConditionModel(PretrainedModel):
             sample = 2 * sample - 1.0
 
         emb = embed_time(self, timestep, b, dtype, text_embeds=text_embeds, time_ids=time_ids,
-                         timestep_cond=timestep_cond, class_emb=self._class_emb(class_labels, b))
+                         timestep_cond=timestep_cond, class_emb=embed_class(self, class_labels, b))
         context = encoder_hidden_states.astype(dtype)
         context = context if self.encoder_hid_proj is None else self.encoder_hid_proj(context)
         mask = encoder_attention_mask
@@ -354,27 +355,6 @@ class UNet2DConditionModel(PretrainedModel):
 
         h = activation(c.act_fn)(self.conv_norm_out(h))
         return constrain(self.conv_out(h), plan, image)
-
-    def _class_emb(self, labels, batch: int):
-        """The class embedding of ``labels`` in float32 (``None`` for a model without one), as diffusers'
-        ``get_class_embed``."""
-        c, name = self.config, type(self).__name__
-        if not c.has_class_embedding:
-            if labels is not None:
-                raise ValueError(f"{name}: class_labels given, but this model has no class embedding "
-                                 "(class_embed_type=None, num_class_embeds=None)")
-            return None
-        if labels is None:
-            raise ValueError(f"{name}: class_embed_type={c.class_embed_type!r}, num_class_embeds={c.num_class_embeds}"
-                             " needs class_labels")
-        if c.class_embed_type == "timestep":
-            t = jnp.broadcast_to(jnp.asarray(labels).reshape(-1), (batch,))
-            labels = timestep_embedding(t, c.block_out_channels[0], flip_sin_to_cos=c.flip_sin_to_cos,
-                                        freq_shift=c.freq_shift)
-        elif c.class_embed_type is None:  # a table of num_class_embeds rows
-            return self.class_embedding(jnp.asarray(labels).reshape(-1).astype(jnp.int32)).astype(jnp.float32)
-        labels = labels.astype(jnp.float32)
-        return labels if self.class_embedding is None else self.class_embedding(labels)
 
     def _check_inputs(self, sample, context, text_embeds, time_ids, down_res, mid_res):
         check_conditioning(self, sample, context, text_embeds, time_ids)
@@ -427,10 +407,12 @@ def embed_time(model, timestep, batch: int, dtype, *, text_embeds=None, time_ids
     return emb.astype(dtype)
 
 
-def _class_embedding(c: UNet2DConditionConfig, dtype, key):
-    """diffusers' ``class_embedding`` of config ``c`` (``None``: none, or ``"identity"``)."""
+def build_class_embedding(c: UNet2DConditionConfig, dtype, key, act_fn: str | None = None):
+    """diffusers' ``class_embedding`` of config ``c`` (``None``: none, or ``"identity"``); ``act_fn`` that of a
+    ``"timestep"`` one (default ``c.act_fn``)."""
     if c.class_embed_type == "timestep":
-        return TimestepEmbedding(c.block_out_channels[0], c.time_embed_dim, act_fn=c.act_fn, dtype=dtype, key=key)
+        return TimestepEmbedding(c.block_out_channels[0], c.time_embed_dim, act_fn=act_fn or c.act_fn, dtype=dtype,
+                                 key=key)
     if c.class_embed_type == "projection":
         return TimestepEmbedding(c.projection_class_embeddings_input_dim, c.time_embed_dim, dtype=dtype, key=key)
     if c.class_embed_type == "simple_projection":
@@ -438,6 +420,28 @@ def _class_embedding(c: UNet2DConditionConfig, dtype, key):
     if c.class_embed_type is None and c.num_class_embeds is not None:
         return Embedding(c.num_class_embeds, c.time_embed_dim, axes=(None, "embed"), dtype=dtype, key=key)
     return None
+
+
+def embed_class(model, labels, batch: int):
+    """The class embedding of ``labels`` in float32 (``None`` for a model without one), as diffusers'
+    ``get_class_embed``."""
+    c, name = model.config, type(model).__name__
+    if not c.has_class_embedding:
+        if labels is not None:
+            raise ValueError(f"{name}: class_labels given, but this model has no class embedding "
+                             f"(class_embed_type={c.class_embed_type!r}, num_class_embeds={c.num_class_embeds})")
+        return None
+    if labels is None:
+        raise ValueError(f"{name}: class_embed_type={c.class_embed_type!r}, num_class_embeds={c.num_class_embeds}"
+                         " needs class_labels")
+    if c.class_embed_type == "timestep":
+        t = jnp.broadcast_to(jnp.asarray(labels).reshape(-1), (batch,))
+        labels = timestep_embedding(t, c.block_out_channels[0], flip_sin_to_cos=c.flip_sin_to_cos,
+                                    freq_shift=c.freq_shift)
+    elif c.class_embed_type is None:  # a table of num_class_embeds rows
+        return model.class_embedding(jnp.asarray(labels).reshape(-1).astype(jnp.int32)).astype(jnp.float32)
+    labels = labels.astype(jnp.float32)
+    return labels if model.class_embedding is None else model.class_embedding(labels)
 
 
 def run_encoder(model, h, emb, context, mask):
@@ -470,7 +474,7 @@ def check_conditioning(model, sample, context, text_embeds, time_ids) -> None:
         if text_embeds is None or time_ids is None:
             raise ValueError(f"{name}: addition_embed_type='text_time' (SDXL) needs text_embeds (the pooled text "
                              "embedding) and time_ids (original size, crop, target size); got text_embeds="
-                             f"{_shape(text_embeds)}, time_ids={_shape(time_ids)}")
+                             f"{getattr(text_embeds, 'shape', None)}, time_ids={getattr(time_ids, 'shape', None)}")
         got = text_embeds.shape[-1] + time_ids.shape[-1] * c.addition_time_embed_dim
         if got != c.projection_class_embeddings_input_dim:
             raise ValueError(f"{name}: text_embeds {text_embeds.shape} and time_ids {time_ids.shape} give "
@@ -490,10 +494,6 @@ def _add_residuals(skips, residuals):
         raise ValueError(f"UNet2DConditionModel: down_block_additional_residuals must be {len(shapes)} arrays of "
                          f"shapes {shapes} (one per skip, channels-last; or [batch, 1, 1, channels]), got {got}")
     return [s + r.astype(s.dtype) for s, r in zip(skips, residuals)]
-
-
-def _shape(x):
-    return None if x is None else tuple(x.shape)
 
 
 __all__ = ["UNet2DConditionConfig", "UNet2DConditionModel", "ConfigError"]
