@@ -13,12 +13,19 @@ def token_ids(tokenizer, texts: Sequence[str], length: int | None = None, *,
     to ``length`` (keeping its end token) and padded; with ``mask=True`` also the attention mask (int32: 1 for a
     text's tokens, 0 for padding). Silent: the pipelines warn about cut prompts themselves."""
     length = tokenizer.model_max_length if length is None else int(length)
-    specials = len(tokenizer("", verbose=False).input_ids)  # what every text gets: bos and/or eos
-    if length < max(specials, 1):
-        # truncation cannot cut below them: the tokenizer would return longer rows (or fail on a ragged batch)
-        raise ValueError(f"a token length of {length} is too short: the tokenizer adds {specials} special token(s) "
-                         f"to every text; ask for at least {max(specials, 1)} (max_sequence_length)")
-    out = tokenizer(list(texts), padding="max_length", max_length=length, truncation=True,
-                    return_attention_mask=mask, return_tensors="np")
+    call = dict(padding="max_length", max_length=length, truncation=True)  # one setting for every call: the
+    # tokenizer's backend keeps it as state, and grain's threads tokenize captions with one tokenizer at once
+    try:
+        out = tokenizer(list(texts), **call, return_attention_mask=mask, return_tensors="np")
+        fits = np.shape(out.input_ids)[-1] == length
+    except ValueError:  # a ragged batch: rows that truncation could not cut to length
+        fits = False
+    if not fits:
+        # truncation cannot cut below the special tokens every text gets (bos and/or eos)
+        specials = int(np.sum(tokenizer([""], **call, return_attention_mask=True).attention_mask[0]))
+        if length < max(specials, 1):
+            raise ValueError(f"a token length of {length} is too short: the tokenizer adds {specials} special "
+                             f"token(s) to every text; ask for at least {max(specials, 1)} (max_sequence_length)")
+        out = tokenizer(list(texts), **call, return_attention_mask=mask, return_tensors="np")  # its own error
     ids = np.asarray(out.input_ids, np.int32)
     return (ids, np.asarray(out.attention_mask, np.int32)) if mask else ids
