@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..loading import CheckpointError
+from ._call import NOT_TAKEN
 
 __all__ = ["NOT_OFFERED", "DiffusersApiMixin", "UnsupportedPipelineAttribute"]
 
@@ -36,7 +37,7 @@ _IN_CALL = ("a value of the running call, read by diffusers' step callbacks; eqx
             "compiled program without callbacks: the call's own arguments are what it uses")
 _STEP = ("one of diffusers' internal call steps; eqxdiff's call does it itself: pass the call's arguments "
          "(output_type='latent' returns the final latents, pipe.decode(latents) decodes them)")
-_NO_IP_ADAPTER = "eqxdiff has no IP-Adapter: describe the image in the prompt, or use image-to-image (image=)"
+_NO_IP_ADAPTER = NOT_TAKEN["ip_adapter_image"]  # the call argument's wording
 _NO_TEXTUAL_INVERSION = ("eqxdiff has no textual inversion: put the concept in the prompt, or load a LoRA "
                          "(pipe.load_lora_weights)")
 _LORA = ("eqxdiff's LoRA methods are load_lora_weights (into every model the file adapts; hotswap=True swaps an "
