@@ -17,6 +17,7 @@ from eqxdiff.cli import generate
 from eqxdiff.core import ConfigError, family_names, resolve_class
 from eqxdiff.pipelines import (
     DiffusionPipeline,
+    InputError,
     StableDiffusionPipeline,
     checked_call,
     read_parameters,
@@ -545,3 +546,10 @@ def test_an_outdated_scheduler_config_is_read_as_diffusers_pipeline_reads_it(tmp
     assert named == sorted(fixes)
     read = {k: getattr(pipe.scheduler.config, k) for k in expected if hasattr(pipe.scheduler.config, k)}
     assert read == {k: expected[k] for k in read} and "steps_offset" in read
+    if cls_name == "StableDiffusionPipeline":  # eqxdiff-generate checks the steps on the schedule the load reads:
+        steps = str(raw["num_train_timesteps"])  # 'leading' with steps_offset 1 ends past the training timesteps
+        with warnings.catch_warnings(record=True) as caught, pytest.raises(InputError, match=r"steps_offset"):
+            warnings.simplefilter("always")
+            generate.validate(["--model", str(tmp_path), "--num-inference-steps", steps])
+        assert not caught  # the load warns, not the check before it
+        generate.validate(["--model", str(tmp_path), "--num-inference-steps", str(int(steps) - 1)])

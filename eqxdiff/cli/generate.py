@@ -44,6 +44,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ import jax
 
 from ..core import ConfigError
 from ..parallel import MeshConfig, MeshError, initialize_distributed, make_mesh
-from ..pipelines import InputError, build_scheduler, load_pipeline, save_outputs, video_fps
+from ..pipelines import InputError, SchedulerConfigWarning, build_scheduler, load_pipeline, save_outputs, video_fps
 from ..schedulers import SCHEDULERS
 from ._command import as_flags, check_output_folder, run_command, split_cache_flags
 from ._compose import (
@@ -144,7 +145,7 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, pars
     if run.unet is not None:
         check_unet(family.pipeline_class, run.unet, config_reader, read)
     options = scheduler_options(run.scheduler_option)
-    scheduler = _scheduler(read, run.scheduler, options, run.scheduler_option)
+    scheduler = _scheduler(read, run.scheduler, options, run.scheduler_option, family.pipeline_class.SCHEDULER_FIXES)
     kwargs = family.call_kwargs(args.pipeline)  # input files are read (or found missing) before loading too
     cls = family.pipeline_class
     nets = len(control.controlnet) or (folder_nets(read) if is_controlnet(cls) else 0)
@@ -172,7 +173,8 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, pars
         arguments = refiner_kwargs(_flags(refiner), kwargs, HANDED_LATENTS)
         try:
             rcls.check_arguments(arguments, rcls.folder_limits(rread))
-            check_schedule(rcls, _scheduler(rread, run.scheduler, options, run.scheduler_option), arguments, rread)
+            check_schedule(rcls, _scheduler(rread, run.scheduler, options, run.scheduler_option, rcls.SCHEDULER_FIXES),
+                           arguments, rread)
         except InputError as e:
             raise type(e)(f"--refiner: {as_flags(str(e), arguments, {'denoising_start': '--denoising-end'})}"
                           ) from None
@@ -226,25 +228,29 @@ def _flags(family: FamilyOptions) -> list[str]:
     return [f.name for f in dataclasses.fields(family.options)]
 
 
-def _scheduler(read, name: str | None, options: Mapping[str, Any], items: Sequence[str] = ()):
-    """The scheduler the pipeline will sample with (the folder's ``scheduler_config.json``, swapped to ``name`` and
-    with ``options`` set, as :func:`~eqxdiff.pipelines.load_pipeline` builds it), or ``None`` without one. An option
-    its class does not have is refused naming the class, the options it has and the ``--scheduler`` names that have
-    it (``items``: the ``--scheduler-option`` flags as typed)."""
+def _scheduler(read, name: str | None, options: Mapping[str, Any], items: Sequence[str] = (),
+               fixes: Mapping[str, Any] | None = None):
+    """The scheduler the pipeline will sample with (the folder's ``scheduler_config.json``, read with the pipeline
+    class's ``fixes`` (its :attr:`~eqxdiff.pipelines.DiffusionPipeline.SCHEDULER_FIXES`; their warnings are left to
+    the load), swapped to ``name`` and with ``options`` set, as :func:`~eqxdiff.pipelines.load_pipeline` builds it),
+    or ``None`` without one. An option its class does not have is refused naming the class, the options it has and
+    the ``--scheduler`` names that have it (``items``: the ``--scheduler-option`` flags as typed)."""
     raw = read("scheduler/scheduler_config.json")
     if raw is None:
         return None
-    try:
-        chosen = build_scheduler(raw, name)[0]
-    except ConfigError as e:
-        raise ConfigError(f"--scheduler {name}: {e}" if name else str(e)) from None
-    if not options:
-        return chosen
-    _check_options(chosen, name, options, items)
-    try:
-        return build_scheduler(raw, name, options)[0]
-    except ConfigError as e:
-        raise ConfigError(f"--scheduler-option: {e}") from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SchedulerConfigWarning)
+        try:
+            chosen = build_scheduler(raw, name, fixes=fixes)[0]
+        except ConfigError as e:
+            raise ConfigError(f"--scheduler {name}: {e}" if name else str(e)) from None
+        if not options:
+            return chosen
+        _check_options(chosen, name, options, items)
+        try:
+            return build_scheduler(raw, name, options, fixes=fixes)[0]
+        except ConfigError as e:
+            raise ConfigError(f"--scheduler-option: {e}") from None
 
 
 def _check_options(scheduler, name: str | None, options: Mapping[str, Any], items: Sequence[str]) -> None:

@@ -18,6 +18,7 @@ from ._checks import InputWarning as InputWarning
 from ._checks import NonFiniteError as NonFiniteError
 from ._checks import check_arguments as check_arguments
 from ._components import Component as Component
+from ._components import SchedulerConfigWarning as SchedulerConfigWarning
 from ._components import build_scheduler as build_scheduler
 from ._components import load_tokenizer as load_tokenizer
 from ._components import pipeline_class_for as pipeline_class_for
