@@ -338,6 +338,11 @@ def test_every_diffusers_pipeline_attribute_is_there_or_says_what_to_do_instead(
     assert not hasattr(pipe, "to") and not hasattr(pipe, "no_such_thing")
     with pytest.raises(AttributeError, match="^'StableDiffusionPipeline' object has no attribute 'no_such_thing'$"):
         pipe.no_such_thing
+    with pytest.raises(UnsupportedPipelineAttribute, match=r"^FluxPipeline has no 'from_config' \(a diffusers "
+                                                           r"pipeline's\): "):
+        FluxPipeline.from_config  # a class-level lookup says it too
+    with pytest.raises(AttributeError, match="^type object 'FluxPipeline' has no attribute 'no_such_thing'$"):
+        FluxPipeline.no_such_thing
 
 
 def test_set_progress_bar_config_sets_the_calls_progress_default(tmp_path, monkeypatch):

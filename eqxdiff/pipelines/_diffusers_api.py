@@ -5,7 +5,8 @@ the few eqxdiff does as diffusers does (:meth:`DiffusersApiMixin.from_single_fil
 (:data:`NOT_OFFERED`), so that a notebook ported from diffusers learns the eqxdiff way at the line that fails.
 
 The table covers every public name of the diffusers namesake of each class eqxdiff serves that eqxdiff's class lacks
-(tests/test_pipeline.py checks it). Only a failed lookup reaches it (``__getattr__``): real attributes, ``hasattr``
+(tests/test_pipeline.py checks it), on an instance and on the class (``StableDiffusionPipeline.from_config``, through
+the pipelines' metaclass). Only a failed lookup reaches it (``__getattr__``): real attributes, ``hasattr``
 (False for these names), copying and pickling (whose dunder look-ups get the plain ``AttributeError``) are untouched.
 """
 
@@ -132,7 +133,24 @@ NOT_OFFERED: dict[str, str] = {
 }
 
 
-class DiffusersApiMixin:
+def _unsupported(owner: str, name: str, obj) -> AttributeError:
+    """The error for a diffusers pipeline name eqxdiff's ``owner`` lacks: what to do instead, or Python's own."""
+    if name in NOT_OFFERED:
+        return UnsupportedPipelineAttribute(f"{owner} has no {name!r} (a diffusers pipeline's): {NOT_OFFERED[name]}",
+                                            name=name, obj=obj)
+    what = f"type object {owner!r}" if isinstance(obj, type) else f"{owner!r} object"
+    return AttributeError(f"{what} has no attribute {name!r}", name=name, obj=obj)
+
+
+class _DiffusersApiType(type):
+    """The pipelines' metaclass: a class-level lookup of a diffusers name (``StableDiffusionPipeline.from_config``)
+    says what to do instead, as an instance's does."""
+
+    def __getattr__(cls, name: str) -> Any:  # only reached when the normal lookup fails
+        raise _unsupported(cls.__name__, name, cls)
+
+
+class DiffusersApiMixin(metaclass=_DiffusersApiType):
     """diffusers' pipeline methods beyond the call (see the module docstring)."""
 
     @classmethod
@@ -162,7 +180,4 @@ class DiffusersApiMixin:
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when the normal lookup fails; reads nothing of self (no recursion while unpickling).
-        if name in NOT_OFFERED:
-            raise UnsupportedPipelineAttribute(f"{type(self).__name__} has no {name!r} (a diffusers pipeline's): "
-                                               f"{NOT_OFFERED[name]}", name=name, obj=self)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
+        raise _unsupported(type(self).__name__, name, self)
