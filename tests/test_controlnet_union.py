@@ -11,6 +11,8 @@ use a batch of two different samples so that the quirk is exercised."""
 import json
 
 import diffusers
+import equinox as eqx
+import jax
 import numpy as np
 import pytest
 import torch
@@ -172,6 +174,48 @@ def test_config_json_is_diffusers_union_only(sdxl_case):
     assert written["_class_name"] == "ControlNetUnionModel"
     assert "mid_block_type" not in written and "up_block_types" not in written
     assert set(written) - {"_class_name"} <= set(dict(sdxl_case.reference.config))
+
+
+def test_from_unet_is_diffusers_from_unet(tmp_path):
+    """Config, names and shapes as diffusers' from_unet, but for the token widths, which follow the UNet's first
+    width (diffusers writes 320, which only a UNet that wide runs); the encoder is the UNet's (add_embedding too,
+    which diffusers' union leaves new), the zero layers zero; a UNet of another mid block is refused with its
+    weights and built without them."""
+    from eqxdiff.loading import state_dict
+
+    from ._util import randomize_torch
+
+    unet_ref = diffusers.UNet2DConditionModel(**tiny_cn.SDXL_UNET, class_embed_type="timestep")
+    randomize_torch(unet_ref, seed=4)
+    unet_ref.save_pretrained(tmp_path)
+    ref = diffusers.ControlNetUnionModel.from_unet(unet_ref, conditioning_embedding_out_channels=(16, 32))
+    unet = eqxdiff.load(tmp_path)
+    ours = ControlNetUnionModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32), key=jax.random.key(2))
+    width = tiny_cn.SDXL_UNET["block_out_channels"][0]
+    ref_config = {**ref.config, "num_trans_channel": width, "num_proj_channel": width}
+    assert ours.config == ControlNetUnionConfig.from_dict(ref_config)
+    with torch.device("meta"):
+        shaped = diffusers.ControlNetUnionModel(**{k: v for k, v in ref_config.items() if not k.startswith("_")})
+    tensors, unet_tensors = state_dict(ours), unet_ref.state_dict()
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {k: tuple(v.shape) for k, v in
+                                                             shaped.state_dict().items()}
+    for name, value in ref.state_dict().items():
+        if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding.conv_out",
+                            "spatial_ch_projs")):
+            assert not np.any(tensors[name]) and not value.any(), name
+        elif name.startswith(("conv_in", "time_embedding", "class_embedding", "add_embedding", "down_blocks",
+                              "mid_block")):
+            np.testing.assert_array_equal(tensors[name], unet_tensors[name].numpy(), err_msg=name)
+            if not name.startswith("add_embedding"):
+                np.testing.assert_array_equal(tensors[name], value.numpy(), err_msg=name)
+    three = eqx.filter_eval_shape(lambda: ControlNetUnionModel.from_unet(unet, num_control_type=3))
+    assert three.task_embedding.shape == (3, width)
+    other = type(unet.config)(**{**unet.config.__dict__, "mid_block_type": "UNetMidBlock2D"})
+    plain = eqx.filter_eval_shape(type(unet), other, key=jax.random.key(0))
+    with pytest.raises(ConfigError, match="mid block is UNetMidBlock2D, a union's is UNetMidBlock2DCrossAttn"):
+        ControlNetUnionModel.from_unet(plain)
+    built = eqx.filter_eval_shape(lambda: ControlNetUnionModel.from_unet(plain, load_weights_from_unet=False))
+    assert built.config.mid_block_type == "UNetMidBlock2DCrossAttn"
 
 
 def test_bad_inputs_are_rejected_readably(sdxl_case):

@@ -240,11 +240,19 @@ class ControlNetModel(PretrainedModel):
         dtype, key = unet.conv_in.weight.dtype, jax.random.key(0) if key is None else key
         if not load_weights_from_unet:
             return cls(config, dtype=dtype, key=key)
-        # Built abstractly; only the control image's embedding is new (the residual convolutions are zeros).
-        model = build_abstract(cls, config, dtype=dtype, key=key)
+        return cls.with_unet_encoder(config, unet, key=key)
+
+    @classmethod
+    def with_unet_encoder(cls, config: ControlNetConfig, unet: UNet2DConditionModel, *,
+                          key: PRNGKeyArray) -> "ControlNetModel":
+        """A ControlNet of ``config`` (made from ``unet``'s: :meth:`ControlNetConfig.from_unet_config`) holding
+        ``unet``'s encoder weights (``conv_in``, the time, added and class embeddings, ``encoder_hid_proj``, the down
+        and mid blocks); the control image's embedding is new (``key``), the residual convolutions zeros."""
+        dtype = unet.conv_in.weight.dtype
+        model = build_abstract(cls, config, dtype=dtype, key=key)  # built abstractly: nothing random is overwritten
         fresh = lambda m: (m.controlnet_cond_embedding, m.controlnet_down_blocks, m.controlnet_mid_block)
         embedding = ControlNetConditioningEmbedding(
-            config.block_out_channels[0], conditioning_channels=conditioning_channels,
+            config.block_out_channels[0], conditioning_channels=config.conditioning_channels,
             block_out_channels=config.conditioning_embedding_out_channels, dtype=dtype, key=key)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), fresh(model)[1:])
         shared = lambda m: (m.conv_in, m.time_embedding, m.add_embedding, m.class_embedding, m.encoder_hid_proj,

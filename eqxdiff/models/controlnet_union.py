@@ -37,13 +37,14 @@ from ..nn import (
     ProjectedAttention,
     TimestepEmbedding,
     activation,
+    build_abstract,
     init_normal,
     init_uniform,
     timestep_embedding,
 )
 from ._base import PretrainedModel
 from .controlnet import ControlNetConfig, ControlNetModel, ControlNetOutput
-from .unet2d import IMAGE, TimestepLike, check_conditioning, embed_class, embed_time
+from .unet2d import IMAGE, TimestepLike, UNet2DConditionModel, check_conditioning, embed_class, embed_time
 
 __all__ = ["ControlNetUnionConfig", "ControlNetUnionModel", "MultiControlNetUnionModel", "ResidualAttentionBlock",
            "SequenceFirstSelfAttention", "control_type_vector"]
@@ -212,19 +213,45 @@ class ControlNetUnionModel(PretrainedModel):
     def __init__(self, config: ControlNetUnionConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         if not isinstance(config, ControlNetUnionConfig):
             raise ConfigError(f"ControlNetUnionModel takes a ControlNetUnionConfig, got {type(config).__name__}")
-        c = config
-        kc, kt, kl, ke = jax.random.split(key, 4)
-        self.controlnet = ControlNetModel(c, dtype=dtype, key=kc)
-        width = c.num_trans_channel
-        task = init_normal(kt, (c.num_control_type, width), jnp.float32)
-        self.task_embedding = (math.sqrt(width) * task).astype(dtype)
-        self.transformer_layes = [ResidualAttentionBlock(width, c.num_trans_head, dtype=dtype, key=k)
-                                  for k in jax.random.split(kl, c.num_trans_layer)]
-        shapes = eqx.filter_eval_shape(Linear, width, c.num_proj_channel, dtype=dtype, key=kl)
-        self.spatial_ch_projs = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # zero_module
-        self.control_add_embedding = TimestepEmbedding(c.addition_time_embed_dim * c.num_control_type,
-                                                       c.time_embed_dim, dtype=dtype, key=ke)
+        kc, ku = jax.random.split(key)
+        self.controlnet = ControlNetModel(config, dtype=dtype, key=kc)
+        (self.task_embedding, self.transformer_layes, self.spatial_ch_projs,
+         self.control_add_embedding) = _union_parts(config, dtype, ku)
         self.config = config
+
+    @classmethod
+    def from_unet(cls, unet: UNet2DConditionModel, *, controlnet_conditioning_channel_order: str = "rgb",
+                  conditioning_embedding_out_channels=(16, 32, 96, 256), load_weights_from_unet: bool = True,
+                  key: PRNGKeyArray | None = None, **union_keys) -> "ControlNetUnionModel":
+        """A new ControlNet-Union for ``unet`` (diffusers' ``ControlNetUnionModel.from_unet``): its config, and with
+        ``load_weights_from_unet`` its encoder's weights; the union's layers and the control image's embedding are
+        new (``key``), the residual convolutions and ``spatial_ch_projs`` zero. ``union_keys`` set
+        ``num_control_type``, ``num_trans_head``, ``num_trans_layer`` ...; the token widths ``num_trans_channel`` /
+        ``num_proj_channel`` default to ``block_out_channels[0]`` (diffusers writes 320: the same for SDXL's UNets,
+        while at another width its union cannot run). Two differences from diffusers': ``add_embedding`` is copied
+        from the UNet, as :meth:`ControlNetModel.from_unet` does (diffusers' union leaves it at its random init), and
+        a UNet whose mid block is not ``UNetMidBlock2DCrossAttn`` (the union's) is refused when its weights are
+        copied (diffusers fails on their shapes)."""
+        unet_config, width = unet.config, unet.config.block_out_channels[0]
+        if unet_config.mid_block_type != "UNetMidBlock2DCrossAttn":
+            if load_weights_from_unet:
+                raise ConfigError("ControlNetUnionModel.from_unet: the UNet's mid block is "
+                                  f"{unet_config.mid_block_type}, a union's is UNetMidBlock2DCrossAttn, so its "
+                                  "weights cannot be copied; pass load_weights_from_unet=False for a new union of "
+                                  "this UNet's shape")
+            unet_config = dataclasses.replace(unet_config, mid_block_type="UNetMidBlock2DCrossAttn")
+        config = ControlNetUnionConfig.from_unet_config(
+            unet_config, conditioning_embedding_out_channels=tuple(conditioning_embedding_out_channels),
+            controlnet_conditioning_channel_order=controlnet_conditioning_channel_order,
+            **{"num_trans_channel": width, "num_proj_channel": width, **union_keys})
+        dtype, key = unet.conv_in.weight.dtype, jax.random.key(0) if key is None else key
+        if not load_weights_from_unet:
+            return cls(config, dtype=dtype, key=key)
+        kc, ku = jax.random.split(key)
+        model = build_abstract(cls, config, dtype=dtype, key=key)
+        parts = (ControlNetModel.with_unet_encoder(config, unet, key=kc), *_union_parts(config, dtype, ku))
+        return eqx.tree_at(lambda m: (m.controlnet, m.task_embedding, m.transformer_layes, m.spatial_ch_projs,
+                                      m.control_add_embedding), model, parts)
 
     @typechecked
     def __call__(
@@ -304,6 +331,20 @@ class ControlNetUnionModel(PretrainedModel):
             fused = term if fused is None else fused + term
         return net.residuals(h + fused, emb, context, conditioning_scale=scales[0] if joint else 1.0,
                              guess_mode=guess_mode)
+
+
+def _union_parts(c: ControlNetUnionConfig, dtype, key: PRNGKeyArray) -> tuple:
+    """The union's own layers, new (diffusers' init): ``task_embedding``, ``transformer_layes``,
+    ``spatial_ch_projs`` (zeros) and ``control_add_embedding``."""
+    kt, kl, ke = jax.random.split(key, 3)
+    width = c.num_trans_channel
+    task = (math.sqrt(width) * init_normal(kt, (c.num_control_type, width), jnp.float32)).astype(dtype)
+    layers = [ResidualAttentionBlock(width, c.num_trans_head, dtype=dtype, key=k)
+              for k in jax.random.split(kl, c.num_trans_layer)]
+    shapes = eqx.filter_eval_shape(Linear, width, c.num_proj_channel, dtype=dtype, key=kl)
+    projection = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # zero_module
+    add = TimestepEmbedding(c.addition_time_embed_dim * c.num_control_type, c.time_embed_dim, dtype=dtype, key=ke)
+    return task, layers, projection, add
 
 
 def _spatial_mean(x: Array) -> Array:
