@@ -10,8 +10,9 @@ to transformers (:func:`file_tokenizer` returns ``None``).
 
 The interface is what eqxdiff uses: ``__call__`` (``padding="max_length"``, ``max_length``, ``truncation``,
 ``add_special_tokens``, ``return_attention_mask``, ``return_tensors="np"``), ``decode``, the special tokens and their
-ids, ``model_max_length``, ``len()``, ``vocab_size`` and ``save_pretrained``; ``transformers_class`` names the class
-transformers reads the folder with (a saved pipeline's ``model_index.json`` entry)."""
+ids, ``model_max_length``, ``len()``, ``vocab_size``, ``save_pretrained`` and, for textual inversion, ``tokenize``,
+``get_vocab``, ``added_tokens_encoder``, ``add_tokens`` and ``convert_tokens_to_ids``; ``transformers_class`` names the
+class transformers reads the folder with (a saved pipeline's ``model_index.json`` entry)."""
 
 import json
 from pathlib import Path
@@ -131,13 +132,40 @@ class FileTokenizer:
                 text = text.replace(old, new)
         return text
 
+    # what textual inversion uses (transformers' names)
+
+    def tokenize(self, text: str) -> list[str]:
+        """The tokens of ``text``, no special tokens added."""
+        return [self._backend.id_to_token(i) for i in self(text, add_special_tokens=False).input_ids]
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._backend.get_vocab(with_added_tokens=True)
+
+    @property
+    def added_tokens_encoder(self) -> dict[str, int]:
+        return {t.content: i for i, t in self._backend.get_added_tokens_decoder().items()}
+
+    def add_tokens(self, tokens) -> int:
+        """Add ``tokens`` (normal, not special, as transformers' ``add_tokens``); how many were new."""
+        return self._backend.add_tokens(list(tokens))
+
+    def convert_tokens_to_ids(self, tokens):
+        return self._backend.token_to_id(tokens) if isinstance(tokens, str) else [self._backend.token_to_id(t)
+                                                                                   for t in tokens]
+
     def save_pretrained(self, folder) -> tuple[str, ...]:
-        """Write the files it was read from into ``folder``: transformers reads them back as the same tokenizer."""
+        """Write the files it was read from into ``folder`` (``tokenizer.json`` with the tokens added since):
+        transformers reads them back as the same tokenizer."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        for name, data in self._files.items():
+        files = dict(self._files)
+        saved = json.loads(files["tokenizer.json"])
+        added = json.loads(self._backend.to_str())["added_tokens"]
+        if added != saved.get("added_tokens"):  # the file's padding and truncation kept, not the last call's
+            files["tokenizer.json"] = json.dumps({**saved, "added_tokens": added}, ensure_ascii=False).encode()
+        for name, data in files.items():
             (folder / name).write_bytes(data)
-        return tuple(str(folder / name) for name in self._files)
+        return tuple(str(folder / name) for name in files)
 
     def __repr__(self) -> str:
         return (f"FileTokenizer(vocab={len(self)}, model_max_length={self.model_max_length}, "

@@ -89,9 +89,16 @@ class LoraFile:
 
 
 def lora_path(path_or_hub_id, *, weight_name: str | None = None, revision: str | None = None) -> Path:
-    """The ``.safetensors`` file ``path_or_hub_id`` names: a file; a folder holding ``weight_name`` (default: its only
-    ``.safetensors`` file, or diffusers' ``pytorch_lora_weights.safetensors``); or a Hub repository's
-    ``weight_name`` (fetched with ``huggingface_hub``)."""
+    """The ``.safetensors`` LoRA file ``path_or_hub_id`` names (:func:`safetensors_path`; diffusers' name
+    ``pytorch_lora_weights.safetensors`` by default)."""
+    return safetensors_path(path_or_hub_id, weight_name=weight_name, revision=revision)
+
+
+def safetensors_path(path_or_hub_id, *, weight_name: str | None = None, revision: str | None = None,
+                     default_name: str = DEFAULT_WEIGHT_NAME, what: str = "LoRA") -> Path:
+    """The ``.safetensors`` file (of a ``what``: messages) ``path_or_hub_id`` names: a file; a folder holding
+    ``weight_name`` (default: its only ``.safetensors`` file, or ``default_name``); or a Hub repository's
+    ``weight_name`` (default ``default_name``; fetched with ``huggingface_hub``)."""
     p = os.fspath(path_or_hub_id)
     local = Path(p).expanduser()
     if local.is_dir():
@@ -99,7 +106,7 @@ def lora_path(path_or_hub_id, *, weight_name: str | None = None, revision: str |
             found = sorted(local.glob("*.safetensors"))
             if len(found) == 1:
                 return found[0]
-            weight_name = DEFAULT_WEIGHT_NAME
+            weight_name = default_name
             if not (local / weight_name).is_file():
                 names = [f.name for f in found]
                 raise CheckpointError(f"{p!r} holds {len(found)} .safetensors files {names}; say which with "
@@ -109,19 +116,26 @@ def lora_path(path_or_hub_id, *, weight_name: str | None = None, revision: str |
         from huggingface_hub import hf_hub_download
 
         try:
-            local = Path(hf_hub_download(p, weight_name or DEFAULT_WEIGHT_NAME, revision=revision))
+            local = Path(hf_hub_download(p, weight_name or default_name, revision=revision))
         except Exception as e:  # network, auth, offline, missing file
-            raise CheckpointError(f"could not fetch {weight_name or DEFAULT_WEIGHT_NAME!r} of {p!r} from the Hugging "
+            raise CheckpointError(f"could not fetch {weight_name or default_name!r} of {p!r} from the Hugging "
                                   f"Face Hub ({type(e).__name__}: {e}); download it and pass the file instead, or "
                                   "give weight_name=") from e
     if local.suffix.lower() in PICKLE_SUFFIXES:
         raise pickle_error(local)
     if not local.is_file():
-        raise CheckpointError(f"LoRA file {os.fspath(local)!r} not found; pass a .safetensors file, a folder holding "
-                              "one, or a Hugging Face Hub id (with weight_name=)")
+        raise CheckpointError(f"{what} file {os.fspath(local)!r} not found; pass a .safetensors file, a folder "
+                              "holding one, or a Hugging Face Hub id (with weight_name=)")
     if local.suffix.lower() != ".safetensors":
-        raise CheckpointError(f"{os.fspath(local)!r} is not a .safetensors file; eqxdiff reads LoRAs in safetensors")
+        raise CheckpointError(f"{os.fspath(local)!r} is not a .safetensors file; eqxdiff reads "
+                              f"{'LoRAs' if what == 'LoRA' else what + ' files'} in safetensors")
     return local
+
+
+def read_safetensors_file(path_or_hub_id, **kwargs) -> dict[str, np.ndarray]:
+    """The tensors of the ``.safetensors`` file :func:`safetensors_path` finds (``kwargs``: its keywords)."""
+    f = SafetensorsFile(safetensors_path(path_or_hub_id, **kwargs))
+    return {n: f.get(n) for n in f.names()}
 
 
 def read_lora(path_or_hub_id, *, weight_name: str | None = None, revision: str | None = None) -> LoraFile:

@@ -19,6 +19,8 @@ class PretrainedModel(eqx.Module):
     # against the parts of each checkpoint name ("norm2" keeps "blocks.0.norm2.weight"), as diffusers'
     # ``_keep_in_fp32_modules`` (see :meth:`keep_in_float32`)
     KEEP_IN_FLOAT32: ClassVar[tuple[str, ...]] = ()
+    # a text encoder's token table (an nn.Embedding; dotted attribute path), which textual inversion grows; None: none
+    INPUT_EMBEDDINGS: ClassVar[str | None] = None
 
     def fused_tensors(self) -> tuple[tuple[tuple[str, ...], str, tuple[int, ...] | None], ...]:
         """Tensors this model holds fused that checkpoints store apart, as ``(sources, target, sizes)``: name

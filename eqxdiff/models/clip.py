@@ -203,6 +203,8 @@ class CLIPTextModel(PretrainedModel):
     CHECKPOINT_KEY_MAP: ClassVar[tuple] = ((r"^(?=(embeddings|encoder|final_layer_norm)\.)", "text_model."),)
     CHECKPOINT_IGNORE: ClassVar[tuple[str, ...]] = (r"text_model\.embeddings\.position_ids",)
 
+    INPUT_EMBEDDINGS: ClassVar[str] = "text_model.token_embedding"
+
     text_model: CLIPTextTransformer
     config: CLIPTextConfig = eqx.field(static=True)
 
@@ -227,6 +229,8 @@ class CLIPTextModelWithProjection(PretrainedModel):
     config_class: ClassVar[type] = CLIPTextConfig
     CHECKPOINT_FORMAT: ClassVar[str] = "transformers"
     CHECKPOINT_IGNORE: ClassVar[tuple[str, ...]] = (r"text_model\.embeddings\.position_ids",)
+
+    INPUT_EMBEDDINGS: ClassVar[str] = "text_model.token_embedding"
 
     text_model: CLIPTextTransformer
     text_projection: nn.Linear

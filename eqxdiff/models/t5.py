@@ -329,6 +329,8 @@ class _T5EncoderBase(PretrainedModel):
     # the feed-forward's output projection and the residual stream
     KEEP_IN_FLOAT32: ClassVar[tuple[str, ...]] = ("wo",)
 
+    INPUT_EMBEDDINGS: ClassVar[str] = "shared"
+
     shared: nn.Embedding
     encoder: T5Stack
     config: T5Config = eqx.field(static=True)

@@ -39,8 +39,6 @@ _IN_CALL = ("a value of the running call, read by diffusers' step callbacks; eqx
 _STEP = ("one of diffusers' internal call steps; eqxdiff's call does it itself: pass the call's arguments "
          "(output_type='latent' returns the final latents, pipe.decode(latents) decodes them)")
 _NO_IP_ADAPTER = NOT_TAKEN["ip_adapter_image"]  # the call argument's wording
-_NO_TEXTUAL_INVERSION = ("eqxdiff has no textual inversion: put the concept in the prompt, or load a LoRA "
-                         "(pipe.load_lora_weights)")
 _LORA = ("eqxdiff's LoRA methods are load_lora_weights (into every model the file adapts; hotswap=True swaps an "
          "adapter's weights in place), set_adapters, get_active_adapters, get_list_adapters, lora_adapters, "
          "enable_lora / disable_lora, fuse_lora / unfuse_lora, delete_adapters and unload_lora_weights")
@@ -113,11 +111,9 @@ NOT_OFFERED: dict[str, str] = {
     "run_safety_checker": "eqxdiff runs no safety checker (a folder's safety_checker is ignored)",
     "numpy_to_pil": ("eqxdiff returns uint8 arrays: PIL.Image.fromarray(image) for each, or "
                      "eqxdiff.pipelines.save_images"),
-    # IP-Adapter, textual inversion
+    # IP-Adapter
     **dict.fromkeys(("load_ip_adapter", "unload_ip_adapter", "set_ip_adapter_scale", "encode_image",
                      "prepare_ip_adapter_image_embeds"), _NO_IP_ADAPTER),
-    **dict.fromkeys(("load_textual_inversion", "unload_textual_inversion", "maybe_convert_prompt"),
-                    _NO_TEXTUAL_INVERSION),
     # LoRA methods beyond eqxdiff's
     **dict.fromkeys(("enable_lora_hotswap", "load_lora_into_text_encoder", "load_lora_into_transformer",
                      "load_lora_into_unet", "lora_state_dict", "pack_weights", "text_encoder_name", "transformer_name",

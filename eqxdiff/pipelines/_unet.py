@@ -36,6 +36,7 @@ from ._inpaint import (
     with_mask_channels,
 )
 from ._latents import LatentPipeline, noise_draws
+from ._textual_inversion import TextualInversionMixin
 
 LATENTS_LAYOUT = "[n, height/f, width/f, channels] (channels-last; f = the VAE's downsampling)"
 
@@ -96,7 +97,7 @@ class ImageInput:
     width: int
 
 
-class UNetPipeline(LatentPipeline):
+class UNetPipeline(TextualInversionMixin, LatentPipeline):
     """Base of the UNet pipelines: ``unet``, ``vae`` and ``scheduler`` components, and :meth:`generate`.
 
     ``DEFAULT_STRENGTH`` is the family's default ``strength`` for image-to-image and for inpainting."""

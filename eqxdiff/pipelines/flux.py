@@ -48,6 +48,7 @@ from ._components import Component
 from ._denoise import Denoiser, Guidance, plan_schedule
 from ._latents import LatentPipeline, noise_draws
 from ._text import tokenize
+from ._textual_inversion import TextualInversionMixin
 
 __all__ = ["MAX_SEQUENCE_LENGTH", "FluxDenoiser", "FluxPipeline", "TextConditioning", "clip_pooled", "image_size_error",
            "t5_embeddings"]
@@ -134,7 +135,7 @@ def image_size_error(height: int, width: int, factor: int) -> InputError:
 # -- the pipelines ------------------------------------------------------------------------------------------------
 
 
-class FluxPipeline(LatentPipeline):
+class FluxPipeline(TextualInversionMixin, LatentPipeline):
     """Flux.1 text-to-image (diffusers' ``FluxPipeline`` folders: FLUX.1-dev, FLUX.1-schnell and their fine-tunes).
 
     Call it with diffusers' argument names; it returns uint8 images ``[n, height, width, 3]`` (``"np"``
@@ -240,12 +241,13 @@ class FluxPipeline(LatentPipeline):
                 raise InputError(f"this pipeline has no {name}; pass prompt_embeds and pooled_prompt_embeds")
         prompts = prompt_list(prompt)
         prompts_2 = prompts if not prompt_2 else as_list(prompt_2, len(prompts), "prompt_2")  # diffusers: `or`
-        ids = tokenize(self.tokenizer, prompts, vocab_size=self.text_encoder.config.vocab_size)
+        ids = tokenize(self.tokenizer, self.maybe_convert_prompt(prompts, self.tokenizer),
+                       vocab_size=self.text_encoder.config.vocab_size)
         pooled = clip_pooled(self.encoder("text_encoder"), self.shard(jnp.asarray(ids)))
-        ids_2 = tokenize(self.tokenizer_2, prompts_2, max_length=max_sequence_length,
-                         vocab_size=self.text_encoder_2.config.vocab_size, tokenizer_name="tokenizer_2",
-                         encoder_name="text_encoder_2", fix=f"Shorten the prompt or raise max_sequence_length (at "
-                         f"most {MAX_SEQUENCE_LENGTH})")
+        ids_2 = tokenize(self.tokenizer_2, self.maybe_convert_prompt(prompts_2, self.tokenizer_2),
+                         max_length=max_sequence_length, vocab_size=self.text_encoder_2.config.vocab_size,
+                         tokenizer_name="tokenizer_2", encoder_name="text_encoder_2",
+                         fix=f"Shorten the prompt or raise max_sequence_length (at most {MAX_SEQUENCE_LENGTH})")
         embeds = t5_embeddings(self.encoder("text_encoder_2"), self.shard(jnp.asarray(ids_2)))
         return TextConditioning(embeds, pooled)
 

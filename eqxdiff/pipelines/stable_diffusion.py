@@ -76,7 +76,8 @@ class StableDiffusionPipeline(UNetPipeline):
         """Text embeddings ``[negative; positive]`` with guidance, else ``positive``; ``clip_skip`` for the
         positive prompts only, as diffusers' (its negative prompts take the last hidden state)."""
         config = self.text_encoder.config
-        ids = tokens(self.tokenizer, list(negative) + list(prompts) if guidance.enabled else prompts,
+        texts = list(negative) + list(prompts) if guidance.enabled else prompts
+        ids = tokens(self.tokenizer, self.maybe_convert_prompt(texts, self.tokenizer),
                      vocab_size=config.vocab_size)
         mask = self.shard(jnp.asarray(ids.mask)) if config.use_attention_mask else None
         return encode_prompt(self.encoder("text_encoder"), self.shard(jnp.asarray(ids.ids)), clip_skip=clip_skip,

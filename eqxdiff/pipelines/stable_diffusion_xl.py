@@ -107,6 +107,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
         states, pooled = [], None
         # As diffusers zips [prompts, prompts_2] with the encoders present: a refiner's one encoder gets prompts.
         for (tokenizer, encoder), texts in zip(self._encoders(), [prompts, prompts_2]):
+            texts = self.maybe_convert_prompt(texts, getattr(self, tokenizer))
             ids = tokenize(getattr(self, tokenizer), texts, vocab_size=getattr(self, encoder).config.vocab_size)
             ids = self.shard(jnp.asarray(ids))
             hidden, pooled = encode_prompt(self.encoder(encoder), ids, layer=layer)
