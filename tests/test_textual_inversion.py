@@ -123,3 +123,22 @@ def test_sdxl_takes_each_encoders_embedding_as_diffusers(tmp_path):
     with pytest.raises(ValueError, match="tokenizer does not go with text_encoder_2"):
         pipe.load_textual_inversion(tensors["clip_g"], token="<y>", tokenizer=pipe.tokenizer,
                                     text_encoder=pipe.text_encoder_2)
+
+
+def test_flux_converts_the_prompts_of_both_encoders_as_diffusers(tmp_path):
+    from . import _tiny_flux_pipeline
+
+    ref = _tiny_flux_pipeline.build(tmp_path / "flux", "schnell")
+    pipe = eqxdiff.load_pipeline(tmp_path / "flux")
+    rng = np.random.default_rng(2)
+    clip, t5 = rng.normal(size=(2, 32)).astype(np.float32), rng.normal(size=(3, 32)).astype(np.float32)
+    for p in (ref, pipe):
+        wrap = np.asarray if p is pipe else torch.from_numpy
+        p.load_textual_inversion(wrap(clip), token="<v>")
+        p.load_textual_inversion(wrap(t5), token="<v>", tokenizer=p.tokenizer_2, text_encoder=p.text_encoder_2)
+    prompts = ["a <v> b", "cd"]
+    with torch.no_grad():
+        embeds, pooled, _ = ref.encode_prompt(prompts, None, max_sequence_length=16)
+    ours = pipe.encode_prompt(prompts, max_sequence_length=16)
+    np.testing.assert_allclose(np.asarray(ours.embeds), embeds.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ours.pooled), pooled.numpy(), rtol=1e-4, atol=1e-5)
