@@ -55,7 +55,7 @@ def _max_pixel_diff(ours_uint8, ref_float):
 @pytest.mark.parametrize("scheduler,prediction,sd2,kwargs", [
     ("pndm", "epsilon", False, dict(num_inference_steps=4, guidance_scale=7.5)),
     ("ddim", "v_prediction", True, dict(num_inference_steps=3, guidance_scale=5.0, guidance_rescale=0.7,
-                                        negative_prompt=["blurry", "ugly"])),
+                                        negative_prompt=["blurry", "ugly"], freeu=(0.9, 0.2, 1.2, 1.4))),
     # VAE latent statistics (shift_factor, latents_mean / latents_std), which diffusers' SD pipeline does not read
     ("euler", "epsilon", False, dict(num_inference_steps=3, guidance_scale=1.0, vae_stats=True)),
 ])
@@ -64,6 +64,9 @@ def test_text_to_image_matches_diffusers(tmp_path, scheduler, prediction, sd2, k
     ref = build_pipeline(tmp_path, scheduler=scheduler, prediction_type=prediction, sd2=sd2,
                          vae_stats=kwargs.pop("vae_stats", False))
     pipe = eqxdiff.load_pipeline(tmp_path)
+    if "freeu" in kwargs:  # FreeU on both (diffusers' enable_freeu)
+        ref.enable_freeu(*kwargs["freeu"])
+        pipe.enable_freeu(*kwargs.pop("freeu"))
     latents = np.random.default_rng(0).standard_normal((2, 16, 16, 4)).astype(np.float32)
     expected = _reference_images(ref, latents, **kwargs)
     negative_prompt = kwargs.pop("negative_prompt", None)

@@ -1,7 +1,7 @@
 """Core v2: values are traced, shapes compile. After a pipeline's first call, a call that changes only values (guidance,
 steps, strength, eta, hand-off fractions, ControlNet scales and intervals, custom schedules of any length, seeds,
 prompts of the same token length, numeric scheduler options, Wan 2.2's expert boundary and low-noise guidance,
-LTX-Video's decode timestep and noise scale, frame rate and condition strengths) compiles nothing.
+LTX-Video's decode timestep and noise scale, frame rate and condition strengths, FreeU's factors) compiles nothing.
 
 Compiles are counted with JAX's own monitoring events (every backend compile, the small eager programs included), not
 only ``pipe.timings``. Each sweep also checks that the value took effect (the output moved), so a value that was
@@ -195,6 +195,12 @@ def _sd(sd):
         karras(**SD_BASE, progress=False)
     # 3 steps: strength 0.6 runs the last step, 0.9 the last two, 1.0 all three
     sweep(sd, dict(SD_BASE, image=IMAGE, strength=0.6), [dict(strength=0.9), dict(strength=1.0), *IMAGE_STEPS])
+    freeu = type(sd).from_pipe(sd)  # FreeU's values are conditioning arrays: new values compile nothing
+    freeu.enable_freeu(0.9, 0.2, 1.2, 1.4)
+    first = np.asarray(freeu(**SD_BASE, progress=False))
+    freeu.enable_freeu(0.6, 0.4, 1.1, 1.6)
+    with no_compile("enable_freeu with other values"):
+        assert not np.array_equal(np.asarray(freeu(**SD_BASE, progress=False)), first)
 
 
 def _sd_inpaint(sd):

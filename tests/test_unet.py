@@ -193,6 +193,22 @@ def test_per_sample_timesteps_and_mask_matter(sd2):
     assert float(jnp.max(jnp.abs(no_mask[1] - ours[1]))) > 1e-3
 
 
+def test_freeu_is_diffusers_enable_freeu(sd1):
+    """FreeU's (s1, s2, b1, b2) as diffusers' UNet runs them after enable_freeu (at 10x14 latents: maps of 5x7 and
+    10x14, odd and not powers of 2; the pipeline test runs 8x8 and 16x16), and they change its output."""
+    ref, model = sd1.reference, sd1.model
+    inputs = {**sd1.inputs, "sample": np.random.default_rng(3).standard_normal((2, 10, 14, 4), np.float32)}
+    values = (0.6, 0.3, 1.3, 1.5)
+    ref.enable_freeu(*values)
+    try:
+        expected = TestUNetSD1().reference_outputs(ref, inputs)["sample"]
+    finally:
+        ref.disable_freeu()
+    ours = TestUNetSD1.run(model, {**inputs, "freeu": np.tile(np.float32(values), (2, 1))})["sample"]
+    np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    assert np.abs(TestUNetSD1().reference_outputs(ref, inputs)["sample"] - expected).max() > 1e-2
+
+
 # -- errors ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key,value", [

@@ -11,6 +11,7 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from .._typing import Array, Bool, Float, PRNGKeyArray
@@ -171,12 +172,45 @@ class UpBlock(eqx.Module):
         self.attentions = _transformers(cout, spec.attention, resnet.groups, dtype=dtype, key=ka)
         self.upsampler = Upsample2D(cout, cout, dtype=dtype, key=ku) if spec.upsample else None
 
-    def __call__(self, x, skips, temb, context: Context, mask: Mask, upsample_size: tuple[int, int] | None = None):
-        """``skips`` in the order the down path produced them; the last one is used first."""
+    def __call__(self, x, skips, temb, context: Context, mask: Mask, upsample_size: tuple[int, int] | None = None,
+                 freeu: tuple[Array, Array] | None = None):
+        """``skips`` in the order the down path produced them; the last one is used first. ``freeu``: this block's
+        FreeU ``(s, b)`` (each ``[batch]``), applied before each concatenation (:func:`apply_freeu`)."""
         for i, resnet in enumerate(self.resnets):
-            x = checkpoint_name(resnet(jnp.concatenate([x, skips[-1 - i]], axis=-1), temb), "resnet")
+            h, skip = (x, skips[-1 - i]) if freeu is None else apply_freeu(x, skips[-1 - i], *freeu)
+            x = checkpoint_name(resnet(jnp.concatenate([h, skip], axis=-1), temb), "resnet")
             if self.attentions is not None:
                 x = checkpoint_name(self.attentions[i](x, context, mask=mask), "transformer")
         if self.upsampler is not None:
             x = self.upsampler(x, upsample_size)
         return x
+
+
+def apply_freeu(x: Array, skip: Array, s: Array, b: Array) -> tuple[Array, Array]:
+    """FreeU (Si et al. 2023; diffusers' ``apply_freeu``): the first half of the backbone's channels times ``b``, and
+    the skip's lowest frequencies times ``s`` (:func:`fourier_filter`); ``s`` and ``b`` are ``[batch]``."""
+    half = x.shape[-1] // 2
+    x = jnp.concatenate([x[..., :half] * b[:, None, None, None].astype(x.dtype), x[..., half:]], axis=-1)
+    return x, fourier_filter(skip, s)
+
+
+def fourier_filter(x: Float[Array, "batch height width channels"], scale: Float[Array, " batch"]) -> Array:
+    """diffusers' ``fourier_filter`` at threshold 1: the centred 2x2 (or fewer, on a side under 2) lowest spatial
+    frequencies of each channel times ``scale``, in float32 (a 2-D FFT over height and width)."""
+    h, w = x.shape[1:3]
+    low = np.zeros((h, w), bool)
+    low[h // 2 - 1:h // 2 + 1, w // 2 - 1:w // 2 + 1] = True  # torch's slice of the shifted spectrum
+    freq = jnp.fft.fftshift(jnp.fft.fft2(x.astype(jnp.float32), axes=(1, 2)), axes=(1, 2))
+    freq = jnp.where(low[None, :, :, None], freq * scale.astype(jnp.float32)[:, None, None, None], freq)
+    return jnp.fft.ifft2(jnp.fft.ifftshift(freq, axes=(1, 2)), axes=(1, 2)).real.astype(x.dtype)
+
+
+def add_residuals(skips, residuals):
+    """ControlNet residuals added to the UNet's skips (checked: one per skip, its shape or a spatial mean's)."""
+    shapes = [tuple(s.shape) for s in skips]
+    got = [tuple(r.shape) for r in residuals]
+    pooled = [(s[0], 1, 1, s[3]) for s in shapes]  # spatial means (global_pool_conditions ControlNets)
+    if len(got) != len(shapes) or any(g not in (s, p) for g, s, p in zip(got, shapes, pooled)):
+        raise ValueError(f"UNet2DConditionModel: down_block_additional_residuals must be {len(shapes)} arrays of "
+                         f"shapes {shapes} (one per skip, channels-last; or [batch, 1, 1, channels]), got {got}")
+    return [s + r.astype(s.dtype) for s, r in zip(skips, residuals)]

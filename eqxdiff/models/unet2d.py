@@ -24,6 +24,7 @@ from ._unet_blocks import (
     ResnetSpec,
     UpBlock,
     UpBlockSpec,
+    add_residuals,
 )
 
 DOWN_BLOCK_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")
@@ -313,6 +314,7 @@ class UNet2DConditionModel(PretrainedModel):
         encoder_attention_mask: Bool[Array, "batch seq"] | None = None,
         down_block_additional_residuals: tuple[Float[Array, "batch _ _ _"], ...] | None = None,
         mid_block_additional_residual: Float[Array, "batch _ _ _"] | None = None,
+        freeu: Float[Array, "batch 4"] | None = None,
     ) -> Float[Array, "batch height width out_channels"]:
         """Predict the model output (noise, v or sample, as trained) for ``sample`` at ``timestep``.
 
@@ -321,7 +323,7 @@ class UNet2DConditionModel(PretrainedModel):
         embedding its ``class_labels`` (``[batch]`` ids or timesteps, or ``[batch, features]``).
         ``encoder_attention_mask`` (``True`` = attend) masks text tokens in cross-attention. ControlNet residuals,
         channels-last, are added to the skips (one per skip, in the order the down path makes them) and to the
-        mid-block output.
+        mid-block output. ``freeu``: FreeU's ``(s1, s2, b1, b2)`` per row, for the first two up blocks.
         """
         c = self.config
         b, height, width, channels = sample.shape
@@ -341,7 +343,7 @@ class UNet2DConditionModel(PretrainedModel):
         h = constrain(self.conv_in(constrain(sample, plan, image)), plan, image)
         h, skips = run_encoder(self, h, emb, context, mask)
         if down_block_additional_residuals is not None:
-            skips = _add_residuals(skips, down_block_additional_residuals)
+            skips = add_residuals(skips, down_block_additional_residuals)
         if mid_block_additional_residual is not None:
             h = h + mid_block_additional_residual.astype(dtype)
 
@@ -351,7 +353,8 @@ class UNet2DConditionModel(PretrainedModel):
             n = len(block.resnets)
             block_skips, skips = skips[-n:], skips[:-n]
             size = tuple(skips[-1].shape[1:3]) if forward_size and i < len(self.up_blocks) - 1 else None
-            h = constrain(checkpoint_block(block, plan)(h, block_skips, emb, context, mask, size), plan, image)
+            fu = None if freeu is None or i > 1 else (freeu[:, i], freeu[:, 2 + i])  # resolution index i
+            h = constrain(checkpoint_block(block, plan)(h, block_skips, emb, context, mask, size, fu), plan, image)
 
         h = activation(c.act_fn)(self.conv_norm_out(h))
         return constrain(self.conv_out(h), plan, image)
@@ -484,16 +487,6 @@ def check_conditioning(model, sample, context, text_embeds, time_ids) -> None:
     elif text_embeds is not None or time_ids is not None:
         raise ValueError(f"{name}: text_embeds/time_ids are only used with addition_embed_type='text_time'; "
                          f"this model has addition_embed_type={c.addition_embed_type!r}")
-
-
-def _add_residuals(skips, residuals):
-    shapes = [tuple(s.shape) for s in skips]
-    got = [tuple(r.shape) for r in residuals]
-    pooled = [(s[0], 1, 1, s[3]) for s in shapes]  # spatial means (global_pool_conditions ControlNets)
-    if len(got) != len(shapes) or any(g not in (s, p) for g, s, p in zip(got, shapes, pooled)):
-        raise ValueError(f"UNet2DConditionModel: down_block_additional_residuals must be {len(shapes)} arrays of "
-                         f"shapes {shapes} (one per skip, channels-last; or [batch, 1, 1, channels]), got {got}")
-    return [s + r.astype(s.dtype) for s, r in zip(skips, residuals)]
 
 
 __all__ = ["UNet2DConditionConfig", "UNet2DConditionModel", "ConfigError"]

@@ -71,8 +71,6 @@ NOT_OFFERED: dict[str, str] = {
     "set_use_memory_efficient_attention_xformers": _ATTENTION,
     "fuse_qkv_projections": _FUSED_QKV,
     "unfuse_qkv_projections": _FUSED_QKV,
-    "enable_freeu": "eqxdiff has no FreeU: the UNet runs as trained",
-    "disable_freeu": "eqxdiff has no FreeU: the UNet runs as trained (there is nothing to disable)",
     "upcast_vae": ("the VAE runs in float32 where its config asks (force_upcast) under float16 activations; or load "
                    "with activations_dtype='float32'"),
     # configuration, saving, the Hub

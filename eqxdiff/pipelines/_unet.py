@@ -8,6 +8,7 @@ functions too (``encode_image_latents``, ``decode_latents``, ``prepare_latents``
 """
 
 import dataclasses
+import math
 from typing import Any, ClassVar
 
 import jax
@@ -108,6 +109,22 @@ class UNetPipeline(TextualInversionMixin, LatentPipeline):
     # Layers from the end that the default text embedding already skips: clip_skip may go up to the text encoders'
     # layer count minus this (SD takes the last layer's output: 0; SDXL the penultimate: 1).
     CLIP_SKIP_OFFSET: ClassVar[int] = 0
+    SETTINGS: ClassVar[tuple[str, ...]] = (*LatentPipeline.SETTINGS, "freeu")
+    freeu: tuple[float, float, float, float] | None = None  # enable_freeu's (s1, s2, b1, b2)
+
+    def enable_freeu(self, s1: float, s2: float, b1: float, b2: float) -> None:
+        """FreeU (diffusers' ``enable_freeu``): in the UNet's first two up blocks, the skips' lowest frequencies
+        scaled by ``s1`` / ``s2`` and the first half of the backbone's channels by ``b1`` / ``b2``. The values are
+        traced (changing them compiles nothing); as diffusers, FreeU is off while any of them is 0. Carried by
+        :meth:`from_pipe` (diffusers sets it on the shared UNet)."""
+        values = tuple(float(v) for v in (s1, s2, b1, b2))
+        if not all(math.isfinite(v) for v in values):
+            raise ValueError(f"enable_freeu: s1, s2, b1, b2 = {values} must be finite numbers")
+        self.freeu = values if all(values) else None
+
+    def disable_freeu(self) -> None:
+        """Turn FreeU off (diffusers' ``disable_freeu``)."""
+        self.freeu = None
 
     def call_limits(self) -> CallLimits:
         layers = [getattr(getattr(self, c.name).config, "num_hidden_layers", None) for c in self.COMPONENTS
@@ -297,8 +314,10 @@ class UNetPipeline(TextualInversionMixin, LatentPipeline):
                                                                          draws.masked_image)
                     else:
                         extra[IMAGE_LATENTS], extra[NOISE] = clean, noise
+            rows = cond["encoder_hidden_states"].shape[0]
+            if self.freeu is not None:
+                extra["freeu"] = jnp.broadcast_to(jnp.asarray(self.freeu, jnp.float32), (rows, 4))
             if self.unet.config.time_cond_proj_dim is not None:
-                rows = cond["encoder_hidden_states"].shape[0]
                 extra["timestep_cond"] = guidance_embedding(guidance_scale, self.unet.config.time_cond_proj_dim, rows)
             denoiser, cond = self.denoiser({**cond, **extra}, guidance=guidance, schedule=schedule, batch=batch,
                                            height=height, width=width)
