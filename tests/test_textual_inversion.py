@@ -120,6 +120,13 @@ def test_sdxl_takes_each_encoders_embedding_as_diffusers(tmp_path):
     ours, ours_pooled = pipe.encode(prompts, prompts)
     np.testing.assert_allclose(np.asarray(ours), embeds.numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ours_pooled), pooled.numpy(), rtol=1e-4, atol=1e-5)
+    pipe.unload_textual_inversion()  # the file in one call: each embedding into its encoder (diffusers needs two)
+    pipe.unload_textual_inversion(tokenizer=pipe.tokenizer_2, text_encoder=pipe.text_encoder_2)
+    save_file(tensors, tmp_path / "xl.safetensors")
+    pipe.load_textual_inversion(str(tmp_path / "xl.safetensors"), token="<x>")
+    again, again_pooled = pipe.encode(prompts, prompts)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(ours))
+    np.testing.assert_array_equal(np.asarray(again_pooled), np.asarray(ours_pooled))
     with pytest.raises(ValueError, match="tokenizer does not go with text_encoder_2"):
         pipe.load_textual_inversion(tensors["clip_g"], token="<y>", tokenizer=pipe.tokenizer,
                                     text_encoder=pipe.text_encoder_2)

@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -87,6 +87,10 @@ class _Loaded:
 class TextualInversionMixin:
     """diffusers' textual-inversion methods (see the module docstring)."""
 
+    # A file key -> the (tokenizer, text encoder) pair it is for, in files holding one embedding per text encoder
+    # (SDXL's clip_l / clip_g), loaded into each pair by one call when no pair is named (diffusers needs a call each)
+    TEXTUAL_INVERSION_FILE_KEYS: ClassVar[Mapping[str, tuple[str, str]]] = {}
+
     def maybe_convert_prompt(self, prompt: str | Sequence[str], tokenizer) -> str | list[str]:
         """``prompt`` (one or a list) with each multi-vector token ``tokenizer`` holds spelled out
         (:func:`expand_multi_vector_tokens`); the pipelines call it before tokenizing, as diffusers'."""
@@ -126,6 +130,12 @@ class TextualInversionMixin:
         ``string_to_param``) or an array (with ``token=``); or a list of these with a list of tokens. ``token``
         names the new token (default: the file's one key). An embedding of ``n > 1`` vectors becomes the tokens
         ``token``, ``token_1``, ..., ``token_{n-1}``, which prompts spell out (:meth:`maybe_convert_prompt`)."""
+        if tokenizer is None and text_encoder is None and not isinstance(pretrained_model_name_or_path, list):
+            state = _read(pretrained_model_name_or_path, weight_name=weight_name, revision=revision,
+                          subfolder=subfolder)
+            if self._load_per_encoder(state, token):
+                return
+            pretrained_model_name_or_path = state
         tok_name, enc_name = self._pair(tokenizer, text_encoder)
         sources = list(pretrained_model_name_or_path) if isinstance(pretrained_model_name_or_path, list) \
             else [pretrained_model_name_or_path]
@@ -157,6 +167,23 @@ class TextualInversionMixin:
         loads = self.__dict__.setdefault("_textual_inversion", {})
         state = loads.setdefault(tok_name, _Loaded(tok, _table(encoder).weight))
         self._set_tokens(tok_name, enc_name, state, {**state.rows, **new})
+
+    def _load_per_encoder(self, state, token) -> bool:
+        """Load a file of :attr:`TEXTUAL_INVERSION_FILE_KEYS` into the pairs this pipeline has; whether it was one."""
+        keys = self.TEXTUAL_INVERSION_FILE_KEYS
+        if not isinstance(state, Mapping) or len(state) < 2 or not set(state) <= set(keys):
+            return False
+        if not isinstance(token, str):
+            raise ValueError(f"load_textual_inversion: the file holds one embedding per text encoder {sorted(state)} "
+                             "and no token; pass token=")
+        pairs = [(key, *keys[key]) for key in state if getattr(self, keys[key][1], None) is not None]
+        if not pairs:
+            raise ValueError(f"load_textual_inversion: the file's embeddings {sorted(state)} are for text encoders "
+                             "this pipeline lacks")
+        for key, tok, enc in pairs:
+            self.load_textual_inversion(state[key], token=token, tokenizer=getattr(self, tok),
+                                        text_encoder=getattr(self, enc))
+        return True
 
     def unload_textual_inversion(self, tokens: str | Sequence[str] | None = None, tokenizer=None,
                                  text_encoder=None) -> None:
@@ -222,8 +249,9 @@ def _token_and_embedding(token: str | None, state) -> tuple[str, np.ndarray]:
         return token or name, _array(embedding)
     if "string_to_param" in state:
         return token or state["name"], _array(state["string_to_param"]["*"])
-    hint = (" An SDXL file: load tensors['clip_l'] into the pipeline's first text encoder and tensors['clip_g'] with "
-            "tokenizer=pipe.tokenizer_2, text_encoder=pipe.text_encoder_2, each with token=.")
+    hint = (" An SDXL file: load it into an SDXL pipeline (both encoders at once), or tensors['clip_l'] into the "
+            "first text encoder and tensors['clip_g'] with tokenizer=pipe.tokenizer_2, "
+            "text_encoder=pipe.text_encoder_2, each with token=.")
     raise ValueError(f"load_textual_inversion: the file holds {sorted(state)}, not one embedding."
                      + (hint if {"clip_l", "clip_g"} <= set(state) else ""))
 

@@ -80,6 +80,8 @@ class StableDiffusionXLPipeline(UNetPipeline):
     DEFAULT_STRENGTH: ClassVar = (0.3, 0.9999)
     DEFAULT_GUIDANCE: ClassVar[float] = 5.0
     CLIP_SKIP_OFFSET: ClassVar[int] = 1  # the penultimate layer by default
+    TEXTUAL_INVERSION_FILE_KEYS: ClassVar = {"clip_l": ("tokenizer", "text_encoder"),
+                                             "clip_g": ("tokenizer_2", "text_encoder_2")}
     # The image-to-image classes' micro-conditioning (negative sizes default to the positive ones; the aesthetic
     # score with requires_aesthetics_score).
     IMAGE_TO_IMAGE_IDS: ClassVar[bool] = False
