@@ -149,3 +149,35 @@ def test_flux_converts_the_prompts_of_both_encoders_as_diffusers(tmp_path):
     ours = pipe.encode_prompt(prompts, max_sequence_length=16)
     np.testing.assert_allclose(np.asarray(ours.embeds), embeds.numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ours.pooled), pooled.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_generate_takes_embeddings_and_freeu(sd, files, tmp_path):
+    """eqxdiff-generate's --textual-inversion SOURCE[=TOKEN] and --freeu S1 S2 B1 B2: the Python API's image,
+    recorded in the PNG; bad values are refused before loading."""
+    from PIL import Image
+
+    from eqxdiff.cli import generate
+    from eqxdiff.pipelines import InputError, read_parameters
+
+    _, folder = sd
+    root, _ = files
+    style = f"{root / 'style.safetensors'}=<style>"
+    argv = ["--model", str(folder), "--prompt", "a <cat> and <style>", "--num-inference-steps", "2", "--seed", "0",
+            "--textual-inversion", str(root / "cat"), "--textual-inversion", style]
+    paths = generate.main([*argv, "--freeu", "0.9", "0.2", "1.2", "1.4", "--output-dir", str(tmp_path)])
+    params = read_parameters(paths[0])
+    assert params["textual_inversion"] == [str(root / "cat"), style] and params["freeu"] == [0.9, 0.2, 1.2, 1.4]
+    pipe = eqxdiff.load_pipeline(folder)
+    pipe.load_textual_inversion(root / "cat")
+    pipe.load_textual_inversion(root / "style.safetensors", token="<style>")
+    pipe.enable_freeu(0.9, 0.2, 1.2, 1.4)
+    expected = pipe("a <cat> and <style>", num_inference_steps=2, seed=0, progress=False)
+    np.testing.assert_array_equal(np.asarray(Image.open(paths[0]).convert("RGB")), expected[0])
+    for extra, error, match in [
+        (["--freeu", "nan", "0.2", "1.2", "1.4"], InputError, "give four finite numbers"),
+        (["--textual-inversion", "=<x>"], InputError, "give SOURCE or SOURCE=TOKEN"),
+        (["--textual-inversion", str(tmp_path / "none.safetensors")], CheckpointError, "not found"),
+        (["--textual-inversion", str(tmp_path / "old.pt")], CheckpointError, "pickle"),
+    ]:
+        with pytest.raises(error, match=match):
+            generate.validate([*argv[:2], *extra])

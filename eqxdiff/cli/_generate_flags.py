@@ -85,6 +85,13 @@ class RunOptions:
     vae_tiling: bool = False
     """Encode and decode with the VAE in overlapping tiles (bounded memory at large sizes), as diffusers'
     enable_vae_tiling()."""
+    textual_inversion: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """A textual-inversion embedding for the --model pipeline (SD, SDXL, Flux): a .safetensors file, or a folder or
+    Hub id holding learned_embeds.safetensors, with =TOKEN the token prompts use (default: the file's own key; an
+    A1111 file needs one: charturner.safetensors=<charturner>); repeat the flag for several."""
+    freeu: tuple[float, float, float, float] | None = None
+    """FreeU's s1 s2 b1 b2 on the --model pipeline's UNet (SD, SDXL), as diffusers' enable_freeu (SD 1.5: 0.9 0.2
+    1.2 1.4; SDXL: 0.6 0.4 1.1 1.2)."""
     output_dir: Path = Path("outputs")
     """Where image_{i}.png / video_{i}.mp4 go (numbered on after the files already there)."""
     overwrite: bool = False

@@ -43,6 +43,7 @@ from ._fill import keeps_float32 as keeps_float32
 from ._fill import state_dict as state_dict
 from ._fill import without_adapters as without_adapters
 from ._lora_file import read_safetensors_file as read_safetensors_file
+from ._lora_file import safetensors_path as safetensors_path
 from ._safetensors import SafetensorsFile as SafetensorsFile
 from ._safetensors import write_safetensors as write_safetensors
 from ._token_ids import token_ids as token_ids

@@ -39,6 +39,7 @@ from ._media import save_videos as save_videos
 from ._media import video_fps as video_fps
 from ._media import write_video as write_video
 from . import _lora_inspect as lora  # eqxdiff.lora: inspect(file), LoraReport, LoraWarning
+from ._textual_inversion import embedding_path as embedding_path
 from ._unet import UNetDenoiser as UNetDenoiser
 from ._unet import UNetPipeline as UNetPipeline
 from .stable_diffusion import StableDiffusionInpaintPipeline as StableDiffusionInpaintPipeline

@@ -34,9 +34,9 @@ import numpy as np
 
 from .. import nn
 from ..core import has_field, map_modules, replace_static
-from ..loading import read_safetensors_file
+from ..loading import read_safetensors_file, safetensors_path
 
-__all__ = ["TextualInversionMixin", "expand_multi_vector_tokens"]
+__all__ = ["TextualInversionMixin", "embedding_path", "expand_multi_vector_tokens"]
 
 DEFAULT_WEIGHT_NAME = "learned_embeds.safetensors"  # diffusers' name for the trained embedding
 
@@ -233,8 +233,14 @@ def _read(source, *, weight_name, revision, subfolder):
         raise TypeError(f"load_textual_inversion: expected a file, folder, Hub id, state dict or array, got "
                         f"{type(source).__name__}")
     name = weight_name if subfolder is None else f"{subfolder}/{weight_name or DEFAULT_WEIGHT_NAME}"
-    return read_safetensors_file(source, weight_name=name, revision=revision, default_name=DEFAULT_WEIGHT_NAME,
-                                 what="textual inversion")
+    return read_safetensors_file(embedding_path(source, weight_name=name, revision=revision))
+
+
+def embedding_path(source, *, weight_name: str | None = None, revision: str | None = None):
+    """The ``.safetensors`` embedding file ``source`` names: a file, a folder or Hub id holding ``weight_name``
+    (default ``learned_embeds.safetensors``); a pickle (``.pt`` / ``.bin``) or a missing file is refused."""
+    return safetensors_path(source, weight_name=weight_name, revision=revision, default_name=DEFAULT_WEIGHT_NAME,
+                            what="textual inversion")
 
 
 def _token_and_embedding(token: str | None, state) -> tuple[str, np.ndarray]:
