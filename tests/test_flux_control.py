@@ -113,6 +113,6 @@ def test_errors_name_the_problem_and_the_fix(control):
     with pytest.raises(InputError, match="control_image must be RGB"):
         pipe(PROMPTS, control_image=np.zeros((1, 8, 8, 1), np.uint8), progress=False, **COMMON)
     with pytest.raises(CheckpointError, match="the transformer takes 8 input channels .* FluxPipeline drives Flux "
-                                              "transformers taking 4. Canny and Depth transformers .* run as "
-                                              "FluxControlPipeline"):
+                                              "transformers taking 4. .* Canny and Depth ones \\(8: the control "
+                                              "image's latents too\\) as FluxControlPipeline"):
         FluxPipeline.from_pipe(pipe)("a cat", progress=False, **COMMON)

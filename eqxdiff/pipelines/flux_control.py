@@ -100,5 +100,5 @@ class FluxControlPipeline(FluxPipeline):
                 key=jax.random.split(key, 3)[1])
         return self.generate(positive, None, batch=n, height=height, width=width,
                              num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
-                             true_cfg_scale=1.0, key=key, latents=latents, control=control, output_type=output_type,
+                             true_cfg_scale=1.0, key=key, latents=latents, control=(control,), output_type=output_type,
                              progress=progress)
