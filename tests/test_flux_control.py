@@ -116,3 +116,18 @@ def test_errors_name_the_problem_and_the_fix(control):
                                               "transformers taking 4. .* Canny and Depth ones \\(8: the control "
                                               "image's latents too\\) as FluxControlPipeline"):
         FluxPipeline.from_pipe(pipe)("a cat", progress=False, **COMMON)
+
+
+def test_saved_folder_lists_the_components_diffusers_takes(control, tmp_path):
+    """A saved FluxControlPipeline's model_index.json names the components diffusers' FluxControlPipeline takes (no
+    image_encoder / feature_extractor entries, which diffusers warns about and ignores)."""
+    import inspect
+    import json
+
+    import diffusers
+
+    from eqxdiff.pipelines import save_pipeline
+
+    index = json.loads((save_pipeline(control.pipe, tmp_path / "saved") / "model_index.json").read_text())
+    takes = set(inspect.signature(diffusers.FluxControlPipeline.__init__).parameters) - {"self"}
+    assert set(index) - {"_class_name", "_diffusers_version"} == takes

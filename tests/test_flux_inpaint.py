@@ -8,8 +8,11 @@ the same initial noise and the same VAE posterior noise. Then a Black Forest Lab
 One tiny folder per variant, built once for the module; calls of one variant share their compiled programs.
 """
 
+import inspect
 import itertools
+import json
 
+import diffusers
 import jax
 import numpy as np
 import pytest
@@ -20,7 +23,7 @@ from PIL import Image
 import eqxdiff
 from eqxdiff.cli import generate
 from eqxdiff.loading import CheckpointError, state_dict, write_safetensors
-from eqxdiff.pipelines import InputError, InputTypeError
+from eqxdiff.pipelines import InputError, InputTypeError, save_pipeline
 from eqxdiff.pipelines._latents import noise_draws
 from eqxdiff.pipelines.flux import FluxPipeline
 from eqxdiff.pipelines.flux_inpaint import FluxFillPipeline, FluxInpaintPipeline
@@ -117,10 +120,11 @@ def test_fill_matches_diffusers(fill, monkeypatch):
     assert _pixels_off(other, expected) > 2  # the mask steers the transformer
 
 
-def test_fill_bfl_file_and_generate(fill, tmp_path):
+def test_fill_bfl_file_saved_folder_and_generate(fill, tmp_path):
     """A Black Forest Labs Fill file (img_in reading 32 = 8 + 8 + 16 channels, final_layer writing 8) loads with
-    config= the Fill folder as FluxFillPipeline with the folder's weights; eqxdiff-generate runs the folder with
-    --image and --mask files and gives the pipeline's images."""
+    config= the Fill folder as FluxFillPipeline with the folder's weights; the pipeline saved lists the components
+    diffusers' FluxFillPipeline takes (no image_encoder) and loads in diffusers; eqxdiff-generate runs the folder
+    with --image and --mask files and gives the pipeline's images."""
     path = tmp_path / "flux1-fill-tiny.safetensors"
     write_safetensors(_tiny_flux.bfl_tensors(fill.ref.transformer), path)
     pipe = eqxdiff.load_pipeline(path, config=fill.folder)
@@ -129,6 +133,11 @@ def test_fill_bfl_file_and_generate(fill, tmp_path):
     assert (config.in_channels, config.out_channels) == (32, 8)
     for key, value in state_dict(fill.pipe.transformer).items():
         np.testing.assert_array_equal(state_dict(pipe.transformer)[key], value, err_msg=key)
+    saved = save_pipeline(pipe, tmp_path / "saved")
+    index = json.loads((saved / "model_index.json").read_text())
+    takes = set(inspect.signature(diffusers.FluxFillPipeline.__init__).parameters) - {"self"}
+    assert index["_class_name"] == "FluxFillPipeline" and set(index) - {"_class_name", "_diffusers_version"} == takes
+    assert type(diffusers.DiffusionPipeline.from_pretrained(saved)) is diffusers.FluxFillPipeline
 
     Image.fromarray(IMAGE[0]).save(tmp_path / "photo.png")
     Image.fromarray(MASK[0]).save(tmp_path / "mask.png")

@@ -40,6 +40,7 @@ class FluxControlPipeline(FluxPipeline):
     noisy latents' channels at every step, for transformers trained so (FLUX.1-Canny-dev, FLUX.1-Depth-dev)."""
 
     CLASS_NAME: ClassVar[str] = "FluxControlPipeline"
+    INDEX_EXTRAS: ClassVar = {}  # diffusers' class takes no image_encoder / feature_extractor (no IP-Adapter)
     PACKED_INPUTS: ClassVar[int] = 2
 
     @classmethod

@@ -104,6 +104,7 @@ class FluxFillPipeline(_FluxMasked):
     the mask's pixel patches, packed, are appended to the noisy latents' channels at every step."""
 
     CLASS_NAME: ClassVar[str] = "FluxFillPipeline"
+    INDEX_EXTRAS: ClassVar = {}  # diffusers' class takes no image_encoder / feature_extractor (no IP-Adapter)
 
     @property
     def latent_channels(self) -> int:
