@@ -100,6 +100,9 @@ def test_inpaint_matches_diffusers(schnell, monkeypatch):
     known = MASK[0, ::2, ::2] < 128
     np.testing.assert_allclose(latents[:, known], clean[:, known], atol=1e-6)
     assert np.abs(latents[:, ~known] - clean[:, ~known]).max() > 0.1
+    handed = pipe(PROMPTS, image=clean, mask_image=mask, latents=NOISE, seed=3, output_type="latent", progress=False,
+                  **kwargs)  # the image as latents handed over (channels-last): the same run
+    np.testing.assert_allclose(np.asarray(handed), latents, atol=1e-6)
 
 
 def test_fill_matches_diffusers(fill, monkeypatch):
