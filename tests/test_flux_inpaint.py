@@ -22,6 +22,7 @@ from PIL import Image
 
 import eqxdiff
 from eqxdiff.cli import generate
+from eqxdiff.cli._command import FlagError
 from eqxdiff.loading import CheckpointError, state_dict, write_safetensors
 from eqxdiff.pipelines import InputError, InputTypeError, save_pipeline
 from eqxdiff.pipelines._latents import noise_draws
@@ -153,7 +154,16 @@ def test_fill_bfl_file_saved_folder_and_generate(fill, tmp_path):
     np.testing.assert_array_equal(saved, expected)
 
 
-def test_errors_name_the_problem_and_the_fix(schnell, fill):
+def test_errors_name_the_problem_and_the_fix(schnell, fill, tmp_path):
+    # eqxdiff-generate on a text-to-image folder with --image: the hint names the classes that drive its transformer
+    Image.fromarray(IMAGE[0]).save(tmp_path / "photo.png")
+    with pytest.raises(FlagError, match=r"--image is an option of FluxImg2ImgPipeline and FluxInpaintPipeline and "
+                                        r"FluxKontextPipeline: add --pipeline-class FluxImg2ImgPipeline \(or another"):
+        generate.main(["--model", str(schnell.folder), "--image", str(tmp_path / "photo.png"), "--prompt", "a cat"])
+    with pytest.raises(FlagError, match="--image is an option of FluxFillPipeline: add --pipeline-class "
+                                        "FluxFillPipeline to run the --model folder's FluxFillPipeline as one"):
+        generate.main(["--model", str(fill.folder), "--pipeline-class", "FluxPipeline", "--image",
+                       str(tmp_path / "photo.png"), "--prompt", "a cat"])
     inpaint = FluxInpaintPipeline.from_pipe(schnell.pipe)
     for pipe in (inpaint, fill.pipe):
         name = type(pipe).__name__

@@ -178,9 +178,19 @@ class FluxPipeline(LatentPipeline):
         packed inputs it concatenates, :attr:`PACKED_INPUTS`)."""
         return self.transformer.config.in_channels // (4 * self.PACKED_INPUTS)
 
-    def transformer_in_channels(self, latent_channels: int) -> int:
-        """The transformer's ``in_channels`` this class drives, for the VAE's ``latent_channels``."""
-        return 4 * latent_channels * self.PACKED_INPUTS
+    @classmethod
+    def transformer_in_channels(cls, latent_channels: int, vae_scale_factor: int) -> int:
+        """The transformer's ``in_channels`` this class drives, for the VAE's ``latent_channels`` and factor."""
+        return 4 * latent_channels * cls.PACKED_INPUTS
+
+    @classmethod
+    def runs_folder(cls, read_json) -> bool:
+        """Whether the folder's transformer takes the input width this class gives it (Flux's tasks differ by it:
+        text-to-image, control, Fill)."""
+        transformer, vae = (cls.folder_config(read_json, name) for name in ("transformer", "vae"))
+        if transformer is None or vae is None:
+            return True
+        return transformer.in_channels == cls.transformer_in_channels(vae.latent_channels, vae.downsample_factor)
 
     def default_size(self) -> tuple[int, int]:
         """diffusers' default ``(height, width)``: ``128 * f`` pixels each (1024 for FLUX.1)."""
@@ -224,12 +234,13 @@ class FluxPipeline(LatentPipeline):
         """The components fit together: the VAE's latents packed are the transformer's input, T5's and CLIP's
         widths its text and pooled widths."""
         config, vae = self.transformer.config, self.vae.config.latent_channels
-        if config.in_channels != self.transformer_in_channels(vae):
+        takes = self.transformer_in_channels(vae, self.vae_scale_factor)
+        if config.in_channels != takes:
             f2 = self.vae_scale_factor ** 2
             raise CheckpointError(
                 f"the transformer takes {config.in_channels} input channels but the VAE's latents have {vae} (x4 "
                 f"packed = {4 * vae}): {type(self).__name__} drives Flux transformers taking "
-                f"{self.transformer_in_channels(vae)}. Text-to-image ones ({4 * vae}) run as FluxPipeline (or "
+                f"{takes}. Text-to-image ones ({4 * vae}) run as FluxPipeline (or "
                 f"FluxImg2ImgPipeline, FluxInpaintPipeline, FluxKontextPipeline), Canny and Depth ones ({8 * vae}: the "
                 f"control image's latents too) as FluxControlPipeline, Fill ones ({8 * vae + 4 * f2}: the masked "
                 f"image's latents and the {f2}-pixel mask patches too) as FluxFillPipeline")

@@ -113,10 +113,11 @@ class FluxFillPipeline(_FluxMasked):
         config = self.transformer.config
         return (config.out_channels or config.in_channels) // 4
 
-    def transformer_in_channels(self, latent_channels: int) -> int:
+    @classmethod
+    def transformer_in_channels(cls, latent_channels: int, vae_scale_factor: int) -> int:
         """``4 * (2 * C + f * f)``: the noisy and the masked image's latents, and the ``f x f`` mask pixels of each
         latent pixel, all packed 2x2 (384 for FLUX.1: 64 + 64 + 256)."""
-        return 4 * (2 * latent_channels + self.vae_scale_factor ** 2)
+        return 4 * (2 * latent_channels + vae_scale_factor ** 2)
 
     @checked_call
     def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,
