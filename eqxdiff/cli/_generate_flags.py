@@ -199,7 +199,8 @@ def other_tasks_hint(folder_class: type, cls: type, message: str, read=None) -> 
 
 
 def _runs(cls: type, read) -> bool:
-    """``cls.runs_folder(read)``; True when the folder's configs do not read (loading will say why)."""
+    """``cls.runs_folder(read)`` (a latent pipeline's); True for other classes and when the folder's configs do not
+    read (loading will say why)."""
     try:
         return cls.runs_folder(read)
     except Exception:  # noqa: BLE001 - a bad or unfetchable config: the hint is no place to refuse it

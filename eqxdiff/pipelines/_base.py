@@ -248,13 +248,6 @@ class DiffusionPipeline(LoraMixin, DiffusersApiMixin):
         steps ...), run after :meth:`check_arguments` and before anything is encoded or compiled."""
 
     @classmethod
-    def runs_folder(cls, read_json: Callable[[str], Mapping | None]) -> bool:
-        """Whether this class drives the models of a pipeline folder (``read_json`` as for :meth:`folder_limits`)
-        beyond having its components (:func:`~eqxdiff.pipelines.pipeline_class_for`): a family whose tasks need
-        other models of the same classes says so here. True by default and when the folder does not say."""
-        return True
-
-    @classmethod
     def folder_limits(cls, read_json: Callable[[str], Mapping | None]) -> CallLimits:
         """:meth:`call_limits` from the configs of a pipeline folder, before loading it: ``read_json(path)`` reads
         ``path`` (``"vae/config.json"``) relative to the folder, ``None`` if it is missing. Read the configs with
