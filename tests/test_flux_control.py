@@ -113,6 +113,21 @@ def test_errors_name_the_problem_and_the_fix(control):
     with pytest.raises(InputError, match="control_image must be RGB"):
         pipe(PROMPTS, control_image=np.zeros((1, 8, 8, 1), np.uint8), progress=False, **COMMON)
     with pytest.raises(CheckpointError, match="the transformer takes 8 input channels .* FluxPipeline drives Flux "
-                                              "transformers taking 4. Canny and Depth transformers .* run as "
-                                              "FluxControlPipeline"):
+                                              "transformers taking 4. .* Canny and Depth ones \\(8: the control "
+                                              "image's latents too\\) as FluxControlPipeline"):
         FluxPipeline.from_pipe(pipe)("a cat", progress=False, **COMMON)
+
+
+def test_saved_folder_lists_the_components_diffusers_takes(control, tmp_path):
+    """A saved FluxControlPipeline's model_index.json names the components diffusers' FluxControlPipeline takes (no
+    image_encoder / feature_extractor entries, which diffusers warns about and ignores)."""
+    import inspect
+    import json
+
+    import diffusers
+
+    from eqxdiff.pipelines import save_pipeline
+
+    index = json.loads((save_pipeline(control.pipe, tmp_path / "saved") / "model_index.json").read_text())
+    takes = set(inspect.signature(diffusers.FluxControlPipeline.__init__).parameters) - {"self"}
+    assert set(index) - {"_class_name", "_diffusers_version"} == takes

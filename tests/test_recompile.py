@@ -310,6 +310,25 @@ def _flux_control(flux_control):
           [dict(guidance_scale=6.0), *STEPS, dict(seed=4), dict(control_image=255 - control)])
 
 
+def _flux_inpaint(flux):
+    pipe = resolve_class("FluxInpaintPipeline").from_pipe(flux)
+    sweep(pipe, dict(FLUX_BASE, image=IMAGE[:, :8, :8], mask_image=MASK[:, 8:16, 8:16], strength=0.6),
+          [dict(strength=0.9), dict(strength=1.0), dict(guidance_scale=6.0), *IMAGE_STEPS])
+
+
+@pytest.fixture(scope="module")
+def flux_fill(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("flux_fill")
+    tiny_flux.build(folder, "fill")
+    return eqxdiff.load_pipeline(folder)
+
+
+def _flux_fill(flux_fill):
+    mask = MASK[:, 4:20, 4:20]  # the fill folder's VAE halves: 16 pixels make 8x8 latents, as the dev folder's 8
+    sweep(flux_fill, dict(FLUX_BASE, image=IMAGE[:, :16, :16], mask_image=mask, height=16, width=16),
+          [dict(guidance_scale=6.0), dict(strength=0.6), *STEPS, dict(seed=4), dict(mask_image=255 - mask)])
+
+
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wan")
@@ -402,6 +421,8 @@ SWEEPS = {
     "FluxImg2ImgPipeline": (_flux_img2img, "flux"),
     "FluxKontextPipeline": (_flux_kontext, "flux"),
     "FluxControlPipeline": (_flux_control, "flux_control"),
+    "FluxInpaintPipeline": (_flux_inpaint, "flux"),
+    "FluxFillPipeline": (_flux_fill, "flux_fill"),
     "WanPipeline": (_wan, "wan"),
     "WanImageToVideoPipeline": (_wan_i2v, "wan_ti2v"),
     "LTXPipeline": (_ltx, "ltx"),

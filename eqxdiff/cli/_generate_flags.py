@@ -188,19 +188,30 @@ def task_class(folder_class: type, name: str | None) -> type:
     return chosen
 
 
-def other_tasks_hint(folder_class: type, cls: type, message: str) -> str:
+def other_tasks_hint(folder_class: type, cls: type, message: str, read=None) -> str:
     """``message`` (an unrecognized-flags error) with, for each unknown flag that another task of the folder takes
-    (``--image`` on a text-to-video folder), the ``--pipeline-class`` that takes it."""
+    (``--image`` on a text-to-video folder), the ``--pipeline-class`` that takes it; with ``read`` (the folder's JSON
+    files, :func:`config_reader`) only the tasks that drive the folder's models (``runs_folder``)."""
     flags = re.findall(r"(?<![\w-])--([a-z][\w-]*)", message.split(";")[0])
+    tasks = [c for c in task_classes(folder_class) if c is not cls and (read is None or _runs(c, read))]
     hints = []
     for flag in dict.fromkeys(flags):
-        takers = [c.__name__ for c in task_classes(folder_class) if c is not cls and flag.replace("-", "_") in
+        takers = [c.__name__ for c in tasks if flag.replace("-", "_") in
                   {f.name for f in dataclasses.fields(family_options(c, exclude=excluded_arguments(c)).options)}]
         if takers:
             hints.append(f"--{flag} is an option of {' and '.join(takers)}: add --pipeline-class {takers[0]}"
                          + (" (or another of them)" if len(takers) > 1 else "")
                          + f" to run the --model folder's {folder_class.__name__} as one")
     return message if not hints else f"{message}; {'; '.join(hints)}"
+
+
+def _runs(cls: type, read) -> bool:
+    """``cls.runs_folder(read)`` (a latent pipeline's); True for other classes and when the folder's configs do not
+    read (loading will say why)."""
+    try:
+        return cls.runs_folder(read)
+    except Exception:  # noqa: BLE001 - a bad or unfetchable config: the hint is no place to refuse it
+        return True
 
 
 def config_reader(model: str, revision: str | None = None, config: str | None = None):
@@ -309,7 +320,8 @@ def parse_command(argv: Sequence[str], *, prog: str | None = None) -> Parsed:
             args = tyro.cli(build_parser(family), args=argv, prog=prog, description=description)
     except FlagError as e:
         if str(e).startswith("unrecognized argument"):
-            raise FlagError(other_tasks_hint(folder_class, cls, str(e))) from None
+            read = config_reader(early.model, early.revision, early.config)
+            raise FlagError(other_tasks_hint(folder_class, cls, str(e), read)) from None
         raise
     except ValueError as e:  # a number that does not parse: in the flag's words (tyro's names neither)
         message = number_error(argv, flag_types(family))

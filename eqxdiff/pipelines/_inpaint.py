@@ -5,13 +5,16 @@ them, as diffusers' inpainting pipelines do.
   under black, and the latent mask is the pixel mask sampled at every ``factor``-th pixel (``F.interpolate``'s
   nearest neighbour for an integer factor).
 - An inpainting model (SD's 9-channel UNets) sees ``[latents, mask, masked-image latents]`` on its channels:
-  :func:`with_mask_channels`.
+  :func:`with_mask_channels`. A model may instead see the pixel mask itself, each latent pixel's ``factor x factor``
+  pixels on the channels: :func:`mask_patches`.
 - An ordinary model keeps the known region by blending after every step: the image latents noised to the next
   timestep outside the mask (the clean latents after the last step), the model's latents inside:
   :func:`blend_known_region`.
 
 The denoiser reads these arrays from its ``cond`` under the keys in :data:`INPAINT_KEYS`, at the latents' batch
-(not doubled for guidance: they are the same for both halves).
+(not doubled for guidance: they are the same for both halves; with guidance in two passes, ``cond`` is the pair of
+halves' dicts and either half's arrays serve). They are elementwise to the latents: a family that reshapes its
+latents (packed patches) hands them over reshaped alike.
 """
 
 
@@ -72,6 +75,14 @@ def latent_mask(mask: Float[Array, "batch height width 1"], factor: int) -> Floa
     return mask[:, ::factor, ::factor, :]
 
 
+def mask_patches(mask: Float[Array, "batch height width 1"], factor: int) -> Float[Array, "batch h w factor2"]:
+    """The pixel mask at the latents' size with each latent pixel's ``factor x factor`` pixels on the channels,
+    channel ``dy * factor + dx`` (row-major within the patch), as diffusers' Flux Fill pipeline folds its mask."""
+    b, height, width, _ = mask.shape
+    patches = mask.reshape(b, height // factor, factor, width // factor, factor).transpose(0, 1, 3, 2, 4)
+    return patches.reshape(b, height // factor, width // factor, factor * factor)
+
+
 def _tile(a, batch: int):
     return a if a.shape[0] == batch else jnp.concatenate([a] * (batch // a.shape[0]))
 
@@ -87,7 +98,10 @@ def with_mask_channels(x: Float[Array, "batch h w c"], cond) -> Float[Array, "ba
 
 def blend_known_region(x: Float[Array, "batch h w c"], cond, *, scheduler, state, last) -> Float[Array, "batch h w c"]:
     """After a step: outside the mask, the image latents noised (with the call's initial noise) to the state's
-    current timestep, or clean after the last step; inside, ``x`` (unchanged when ``cond`` has no image latents)."""
+    current timestep, or clean after the last step; inside, ``x`` (unchanged when ``cond`` has no image latents).
+    ``cond`` may be the pair of halves' dicts of guidance in two passes (their arrays are the same)."""
+    if isinstance(cond, tuple):
+        cond = cond[-1]
     if IMAGE_LATENTS not in cond:
         return x
     clean = cond[IMAGE_LATENTS].astype(jnp.float32)

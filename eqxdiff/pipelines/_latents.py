@@ -101,6 +101,14 @@ class LatentPipeline(DiffusionPipeline):
     # half of it) sets that number: the default chunk is then that many output frames in latent frames (at least 1)
     FRAME_CHUNK_SAMPLE_FRAMES: ClassVar[int | None] = None
 
+    @classmethod
+    def runs_folder(cls, read_json) -> bool:
+        """Whether this class drives the models of a pipeline folder (``read_json`` as for
+        :meth:`~eqxdiff.pipelines.DiffusionPipeline.folder_limits`) beyond having its components
+        (:func:`~eqxdiff.pipelines.pipeline_class_for`): a family whose tasks need other models of the same classes
+        (another denoiser input width) says so here. True by default and when the folder does not say."""
+        return True
+
     def enable_vae_tiling(self, enabled: bool = True, *, frame_chunk: int | None = None) -> None:
         """Bound the VAE's memory at large sizes (diffusers' ``enable_vae_tiling()``): encode and decode in
         overlapping tiles of the VAE's tile size (seams blended) and decode videos ``frame_chunk`` latent frames at a

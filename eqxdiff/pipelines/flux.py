@@ -46,6 +46,7 @@ from ._call import checked_call
 from ._checks import CallLimits, InputError, InputWarning, check_output_type, image_size, pixel_size
 from ._components import Component
 from ._denoise import Denoiser, Guidance, plan_schedule
+from ._inpaint import IMAGE_LATENTS, MASK, NOISE, blend_known_region
 from ._latents import LatentPipeline, noise_draws
 from ._text import tokenize
 from ._textual_inversion import TextualInversionMixin
@@ -96,7 +97,9 @@ class FluxDenoiser(Denoiser):
     ``cond``: ``embeds`` (T5), ``pooled`` (CLIP), ``rope`` (the rotary tables of ``[text, image]``, built outside
     the loop from concrete ids), ``guidance`` (``[b]``, distilled models only); for Kontext ``reference`` (the
     reference image's packed latents, appended to the tokens; the output keeps the noisy tokens only); for the
-    control pipeline ``control`` (the control image's packed latents, appended to each token's channels). The
+    control and Fill pipelines ``control`` (the control image's, or the masked image's and the mask's, packed
+    latents, appended to each token's channels); for inpainting the known region's arrays
+    (:mod:`eqxdiff.pipelines._inpaint`, packed), blended back after each step. The
     model gets ``timestep / 1000`` in float32 (it multiplies by 1000 again, as diffusers' pipeline and model do;
     diffusers rounds both to the latents' dtype, eqxdiff keeps the scheduler's float32 timestep)."""
 
@@ -110,6 +113,9 @@ class FluxDenoiser(Denoiser):
         out = self.transformer(tokens, cond["embeds"], cond["pooled"], sigma, rope=cond["rope"],
                                guidance=cond.get("guidance"))
         return out[:, :x.shape[1]]
+
+    def after_step(self, x, t, cond, *, step, scheduler, state, last):
+        return blend_known_region(x, cond, scheduler=scheduler, state=state, last=last)
 
 
 # -- sizes --------------------------------------------------------------------------------------------------------
@@ -163,7 +169,7 @@ class FluxPipeline(TextualInversionMixin, LatentPipeline):
     RESCALES_SIZE: ClassVar[bool] = False
     INIT_IMAGE: ClassVar[str | None] = None  # text-to-image: no image argument
     # How many packed latents the transformer's input holds along its channels: the noisy ones (1), and a control
-    # image's after them (2: FLUX.1-Canny-dev, -Depth-dev).
+    # image's after them (2: FLUX.1-Canny-dev, -Depth-dev). (FLUX.1-Fill-dev's also hold the mask: its class says.)
     PACKED_INPUTS: ClassVar[int] = 1
     # -- sizes and limits ----------------------------------------------------------------------------------------
 
@@ -172,6 +178,20 @@ class FluxPipeline(TextualInversionMixin, LatentPipeline):
         """Channels of the unpacked latents: the transformer's input channels over the 2x2 packing (and over the
         packed inputs it concatenates, :attr:`PACKED_INPUTS`)."""
         return self.transformer.config.in_channels // (4 * self.PACKED_INPUTS)
+
+    @classmethod
+    def transformer_in_channels(cls, latent_channels: int, vae_scale_factor: int) -> int:
+        """The transformer's ``in_channels`` this class drives, for the VAE's ``latent_channels`` and factor."""
+        return 4 * latent_channels * cls.PACKED_INPUTS
+
+    @classmethod
+    def runs_folder(cls, read_json) -> bool:
+        """Whether the folder's transformer takes the input width this class gives it (Flux's tasks differ by it:
+        text-to-image, control, Fill)."""
+        transformer, vae = (cls.folder_config(read_json, name) for name in ("transformer", "vae"))
+        if transformer is None or vae is None:
+            return True
+        return transformer.in_channels == cls.transformer_in_channels(vae.latent_channels, vae.downsample_factor)
 
     def default_size(self) -> tuple[int, int]:
         """diffusers' default ``(height, width)``: ``128 * f`` pixels each (1024 for FLUX.1)."""
@@ -214,14 +234,17 @@ class FluxPipeline(TextualInversionMixin, LatentPipeline):
     def _check_model(self) -> None:
         """The components fit together: the VAE's latents packed are the transformer's input, T5's and CLIP's
         widths its text and pooled widths."""
-        config, vae, inputs = self.transformer.config, self.vae.config.latent_channels, self.PACKED_INPUTS
-        if config.in_channels != 4 * vae * inputs:
-            what = "" if inputs == 1 else f" for {inputs} packed inputs"
+        config, vae = self.transformer.config, self.vae.config.latent_channels
+        takes = self.transformer_in_channels(vae, self.vae_scale_factor)
+        if config.in_channels != takes:
+            f2 = self.vae_scale_factor ** 2
             raise CheckpointError(
                 f"the transformer takes {config.in_channels} input channels but the VAE's latents have {vae} (x4 "
-                f"packed = {4 * vae}{what}): {type(self).__name__} drives Flux transformers taking "
-                f"{4 * vae * inputs}. Canny and Depth transformers (2x) run as FluxControlPipeline, text-to-image ones "
-                "(1x) as FluxPipeline; Fill transformers are not served")
+                f"packed = {4 * vae}): {type(self).__name__} drives Flux transformers taking "
+                f"{takes}. Text-to-image ones ({4 * vae}) run as FluxPipeline (or "
+                f"FluxImg2ImgPipeline, FluxInpaintPipeline, FluxKontextPipeline), Canny and Depth ones ({8 * vae}: the "
+                f"control image's latents too) as FluxControlPipeline, Fill ones ({8 * vae + 4 * f2}: the masked "
+                f"image's latents and the {f2}-pixel mask patches too) as FluxFillPipeline")
         for name, width, field in (("text_encoder_2", "d_model", "joint_attention_dim"),
                                    ("text_encoder", "hidden_size", "pooled_projection_dim")):
             want = getattr(config, field)
@@ -323,12 +346,15 @@ class FluxPipeline(TextualInversionMixin, LatentPipeline):
     def generate(self, positive: TextConditioning, negative: TextConditioning | None, *, batch: int, height: int,
                  width: int, num_inference_steps: int, sigmas, guidance_scale: float, true_cfg_scale: float,
                  key: PRNGKeyArray, latents=None, image=None, strength: float | None = None, reference=None,
-                 control=None, output_type: str = "uint8", progress: bool = True):
+                 control=(), mask=None, output_type: str = "uint8", progress: bool = True):
         """Everything after the text encoders. ``positive`` / ``negative``: the text conditioning of ``batch``
         rows (``negative`` only under true CFG). ``latents``: the initial noise (:data:`LATENTS_LAYOUT`), else drawn
         from ``key``. ``image`` (image-to-image): the input's latents ``[batch, h, w, C]``, noised to ``strength``
         with that noise. ``reference`` (Kontext): the reference image's latents, appended as tokens. ``control``
-        (the control pipeline): the control image's latents ``[batch, h, w, C]``, appended to the channels."""
+        (the control and Fill pipelines): arrays ``[batch, h, w, *]`` (the control image's latents; the masked
+        image's latents and the mask's pixel patches), each packed and appended to the channels in turn. ``mask``
+        (inpainting, with ``image``): the latent mask ``[batch, h, w, 1]`` (1 = repaint); outside it ``image``
+        noised to the next step (clean after the last) is blended back after every step."""
         check_output_type(output_type)
         self._check_model()
         f, c = self.vae_scale_factor, self.latent_channels
@@ -354,8 +380,11 @@ class FluxPipeline(TextualInversionMixin, LatentPipeline):
                 reference_ids = flux.image_ids(reference.shape[1] // 2, reference.shape[2] // 2)
                 reference_ids[:, 0] = 1  # Kontext: the reference image's tokens sit at time index 1
                 ids = np.concatenate([ids, reference_ids])
-            if control is not None:
-                extra["control"] = flux.pack_latents(control).astype(dtype)
+            if len(control):
+                extra["control"] = jnp.concatenate([flux.pack_latents(c) for c in control], -1).astype(dtype)
+            if mask is not None:
+                arrays = (jnp.broadcast_to(mask, shape), image, noise)
+                extra.update(zip((MASK, IMAGE_LATENTS, NOISE), (flux.pack_latents(a).astype(dtype) for a in arrays)))
 
             def half(text: TextConditioning) -> dict:
                 rope = self.transformer.rotary_embedding(ids, flux.text_ids(text.embeds.shape[1]))
@@ -440,7 +469,7 @@ class FluxPipeline(TextualInversionMixin, LatentPipeline):
 # -- single files: Black Forest Labs' transformer files and ComfyUI's all-in-one files, as layouts ------------------
 
 _SINGLE_FILE = dict(family="Flux", pipelines=("FluxPipeline", "FluxImg2ImgPipeline", "FluxKontextPipeline",
-                                              "FluxControlPipeline"),
+                                              "FluxControlPipeline", "FluxInpaintPipeline", "FluxFillPipeline"),
                     tokenizers={"tokenizer": "text_encoder", "tokenizer_2": "text_encoder_2"},
                     hub_id="black-forest-labs/FLUX.1-schnell")
 # The layouts eqxdiff.load_pipeline(file, config=FLUX_FOLDER) reads (listed in eqxdiff.core.SINGLE_FILE_LAYOUTS): the

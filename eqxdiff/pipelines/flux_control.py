@@ -40,6 +40,7 @@ class FluxControlPipeline(FluxPipeline):
     noisy latents' channels at every step, for transformers trained so (FLUX.1-Canny-dev, FLUX.1-Depth-dev)."""
 
     CLASS_NAME: ClassVar[str] = "FluxControlPipeline"
+    INDEX_EXTRAS: ClassVar = {}  # diffusers' class takes no image_encoder / feature_extractor (no IP-Adapter)
     PACKED_INPUTS: ClassVar[int] = 2
 
     @classmethod
@@ -100,5 +101,5 @@ class FluxControlPipeline(FluxPipeline):
                 key=jax.random.split(key, 3)[1])
         return self.generate(positive, None, batch=n, height=height, width=width,
                              num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
-                             true_cfg_scale=1.0, key=key, latents=latents, control=control, output_type=output_type,
+                             true_cfg_scale=1.0, key=key, latents=latents, control=(control,), output_type=output_type,
                              progress=progress)

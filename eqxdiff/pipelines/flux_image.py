@@ -84,6 +84,29 @@ class _FluxFromImage(FluxPipeline):
         return (isinstance(image, (jax.Array, np.ndarray)) and np.issubdtype(image.dtype, np.floating)
                 and image.ndim == 4 and image.shape[-1] == c and c != 3)
 
+    def _start_size(self, image, height: int | None, width: int | None) -> tuple[int, int]:
+        """The output's ``(height, width)``: the image's (pixels, or latents times the VAE's factor); ``height`` /
+        ``width`` if given must equal it (eqxdiff does not resize input images)."""
+        f = self.vae_scale_factor
+        size = (image.shape[1] * f, image.shape[2] * f) if self._given_latents(image) else _image_size(image)
+        for name, want, have in (("height", height, size[0]), ("width", width, size[1])):
+            if want is not None and want != have:
+                raise InputError(f"{name}={want} but the image's {name} is {have}; resize the image (eqxdiff does not "
+                                 f"resize) or leave {name} unset")
+        return size
+
+    def _pixels(self, image, batch: int):
+        """``image`` (uint8 ``[n, H, W, 3]``, PIL, floats in [0, 1]) in ``[-1, 1]``, one per output ``[batch, H, W,
+        3]``."""
+        f = 2 * self.vae_scale_factor
+        height, width = _image_size(image)
+        if height % f or width % f:
+            raise image_size_error(height, width, f)
+        pixels = to_model_range(image)
+        if pixels.shape[0] not in (1, batch):
+            raise InputError(f"got {pixels.shape[0]} images for {batch} outputs; pass one image or one per output")
+        return jnp.broadcast_to(pixels, (batch, *pixels.shape[1:]))
+
     def _image_latents(self, image, batch: int, key, *, sample: bool):
         """``image`` as VAE latents ``[batch, h, w, C]`` (channels-last, scaled): pixels (uint8 ``[n, H, W, 3]``,
         PIL, floats in [0, 1]) encoded, sampled with the posterior noise drawn from ``key`` (``sample``) or its
@@ -94,15 +117,8 @@ class _FluxFromImage(FluxPipeline):
                 raise InputError(f"got {latents.shape[0]} image latents for {batch} outputs; pass one or one per "
                                  "output")
             return jnp.broadcast_to(latents, (batch, *latents.shape[1:]))
-        f = 2 * self.vae_scale_factor
-        height, width = _image_size(image)
-        if height % f or width % f:
-            raise image_size_error(height, width, f)
-        pixels = to_model_range(image)
-        if pixels.shape[0] not in (1, batch):
-            raise InputError(f"got {pixels.shape[0]} images for {batch} outputs; pass one image or one per output")
-        pixels = jnp.broadcast_to(pixels, (batch, *pixels.shape[1:]))
-        shape = (batch, height // self.vae_scale_factor, width // self.vae_scale_factor,
+        pixels = self._pixels(image, batch)
+        shape = (batch, pixels.shape[1] // self.vae_scale_factor, pixels.shape[2] // self.vae_scale_factor,
                  self.vae.config.latent_channels)
         noise = jax.random.normal(key, shape) if sample else jnp.zeros(shape, jnp.float32)
         return self.encode_pixels(pixels, noise)
@@ -137,12 +153,7 @@ class FluxImg2ImgPipeline(_FluxFromImage):
             latents: The noise added to the image's latents ``[n, height/f, width/f, C]`` (channels-last).
         """
         key = resolve_key(seed, key)
-        f = self.vae_scale_factor
-        size = (image.shape[1] * f, image.shape[2] * f) if self._given_latents(image) else _image_size(image)
-        for name, want, have in (("height", height, size[0]), ("width", width, size[1])):
-            if want is not None and want != have:
-                raise InputError(f"{name}={want} but the image's {name} is {have}; resize the image (eqxdiff does not "
-                                 f"resize) or leave {name} unset")
+        size = self._start_size(image, height, width)
         positive, negative, n = self._prepare(
             prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
             num_images_per_prompt=num_images_per_prompt, max_sequence_length=max_sequence_length,

@@ -1,0 +1,164 @@
+"""Flux.1 inpainting: any Flux.1 transformer with the known region blended back (:class:`FluxInpaintPipeline`), and
+FLUX.1-Fill-dev, whose transformer sees the masked image and the mask (:class:`FluxFillPipeline`), on
+:class:`~eqxdiff.pipelines.flux.FluxPipeline`'s prompts, guidance and loop.
+
+>>> fill = eqxdiff.load_pipeline("black-forest-labs/FLUX.1-Fill-dev", dtype="bfloat16")
+>>> images = fill("a white paper cup", image=photo, mask_image=mask)   # guidance_scale 30, as diffusers
+
+The mask is white (``>= 0.5``) where the image is repainted and has the image's size (eqxdiff resizes neither; the
+output has the image's size, sides multiples of 16). **Inpaint** noises the image's VAE latents to ``strength`` and,
+after every step, puts back outside the mask the image's latents noised to the next step (clean after the last), as
+diffusers' ``FluxInpaintPipeline`` does. **Fill** appends to each token's channels the packed latents of the masked
+image (the repainted region grey) and the mask's pixels (each latent pixel's ``f x f`` pixels: the transformer's
+``in_channels`` are ``4 * (2 * C + f * f)``, 384 for FLUX.1); ``strength`` below 1 starts from the noised image as
+diffusers' ``FluxFillPipeline`` does. Both take ``latents`` as the noise (added to the image's latents at
+``strength < 1``; diffusers would start from them as given there). Pass ``image=`` and ``mask_image=``: diffusers'
+``masked_image_latents`` and ``padding_mask_crop`` are not taken (crop around the mask yourself).
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import jax
+
+from .._typing import PRNGKeyArray
+from ._arguments import resolve_key
+from ._call import checked_call
+from ._checks import CallLimits, InputError
+from ._inpaint import latent_mask, mask_patches, masked_pixels, prepare_mask
+from ._latents import noise_draws
+from .flux import MAX_SEQUENCE_LENGTH
+from .flux_image import _FluxFromImage
+
+__all__ = ["FluxFillPipeline", "FluxInpaintPipeline"]
+
+
+class _FluxMasked(_FluxFromImage):
+    """What the Flux pipelines taking an ``image`` and a ``mask_image`` share."""
+
+    INIT_IMAGE: ClassVar[str | None] = "image"
+
+    @classmethod
+    def check_arguments(cls, arguments: Mapping[str, Any], limits: CallLimits | None = None) -> None:
+        for name, what in (("image", "the picture to repaint"), ("mask_image", "white where the image is repainted, "
+                                                                              "black where it is kept")):
+            if name in arguments and arguments[name] is None:
+                raise InputError(f"{cls.__name__} needs {name}= ({what}); for text-to-image use FluxPipeline")
+        super().check_arguments(arguments, limits)
+
+    def _mask(self, mask_image, batch: int, size: tuple[int, int]):
+        """The binary pixel mask ``[batch, H, W, 1]`` (1 = repaint) at the image's size."""
+        try:
+            return prepare_mask(mask_image, batch=batch, height=size[0], width=size[1])
+        except ValueError as e:
+            raise InputError(str(e)) from None
+
+
+class FluxInpaintPipeline(_FluxMasked):
+    """Flux inpainting with any Flux.1 text-to-image transformer (diffusers' ``FluxInpaintPipeline``): the image's
+    latents noised to ``strength``, the known region (outside the mask) blended back after every step."""
+
+    CLASS_NAME: ClassVar[str] = "FluxInpaintPipeline"
+
+    @checked_call
+    def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,
+                 image=None, mask_image=None, strength: float = 0.6, negative_prompt: str | Sequence[str] | None = None,
+                 negative_prompt_2: str | Sequence[str] | None = None, true_cfg_scale: float = 1.0,
+                 height: int | None = None, width: int | None = None, num_inference_steps: int = 28,
+                 sigmas: Sequence[float] | None = None, guidance_scale: float = 7.0, num_images_per_prompt: int = 1,
+                 seed: int | None = None, key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None,
+                 pooled_prompt_embeds=None, negative_prompt_embeds=None, negative_pooled_prompt_embeds=None,
+                 max_sequence_length: int = MAX_SEQUENCE_LENGTH, output_type: str = "uint8", progress: bool = True):
+        """Repaint ``image`` under ``mask_image`` toward ``prompt``, with diffusers' ``FluxInpaintPipeline``
+        arguments (see :meth:`FluxPipeline.__call__` for the shared ones).
+
+        Args:
+            image: The picture to repaint: uint8 ``[n, H, W, 3]``, PIL, floats in [0, 1] (sides multiples of 16), or
+                latents ``[n, h, w, C]`` channels-last.
+            mask_image: White (>= 0.5) where the image is repainted: PIL, or ``[H, W]`` / ``[n, H, W]`` uint8, bool
+                or floats in [0, 1], at the image's size.
+            strength: How much of the schedule to run (1.0 repaints from pure noise).
+            height: Must equal the image's height if given (eqxdiff does not resize).
+            width: Must equal the image's width if given (eqxdiff does not resize).
+            guidance_scale: The distilled guidance (models with guidance_embeds).
+            latents: The noise added to the image's latents ``[n, height/f, width/f, C]`` (channels-last).
+        """
+        key = resolve_key(seed, key)
+        size = self._start_size(image, height, width)
+        positive, negative, n = self._prepare(
+            prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
+            num_images_per_prompt=num_images_per_prompt, max_sequence_length=max_sequence_length,
+            prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
+        mask = latent_mask(self._mask(mask_image, n, size), self.vae_scale_factor)
+        with self.timed("encode_image"):  # the posterior sample draws from noise_draws(key, shape).image's key
+            clean = self._image_latents(image, n, jax.random.split(key, 3)[1], sample=True)
+        return self.generate(positive, negative, batch=n, height=size[0], width=size[1],
+                             num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
+                             true_cfg_scale=true_cfg_scale, key=key, latents=latents, image=clean, strength=strength,
+                             mask=mask, output_type=output_type, progress=progress)
+
+
+class FluxFillPipeline(_FluxMasked):
+    """FLUX.1-Fill-dev inpainting and outpainting (diffusers' ``FluxFillPipeline``): the masked image's latents and
+    the mask's pixel patches, packed, are appended to the noisy latents' channels at every step."""
+
+    CLASS_NAME: ClassVar[str] = "FluxFillPipeline"
+    INDEX_EXTRAS: ClassVar = {}  # diffusers' class takes no image_encoder / feature_extractor (no IP-Adapter)
+
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the unpacked latents: the transformer's output channels over the 2x2 packing (its input
+        holds the masked image's latents and the mask too)."""
+        config = self.transformer.config
+        return (config.out_channels or config.in_channels) // 4
+
+    @classmethod
+    def transformer_in_channels(cls, latent_channels: int, vae_scale_factor: int) -> int:
+        """``4 * (2 * C + f * f)``: the noisy and the masked image's latents, and the ``f x f`` mask pixels of each
+        latent pixel, all packed 2x2 (384 for FLUX.1: 64 + 64 + 256)."""
+        return 4 * (2 * latent_channels + vae_scale_factor ** 2)
+
+    @checked_call
+    def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,
+                 image=None, mask_image=None, strength: float = 1.0, height: int | None = None,
+                 width: int | None = None, num_inference_steps: int = 50, sigmas: Sequence[float] | None = None,
+                 guidance_scale: float = 30.0, num_images_per_prompt: int = 1, seed: int | None = None,
+                 key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None, pooled_prompt_embeds=None,
+                 max_sequence_length: int = MAX_SEQUENCE_LENGTH, output_type: str = "uint8", progress: bool = True):
+        """Fill ``image`` under ``mask_image`` toward ``prompt``, with diffusers' ``FluxFillPipeline`` arguments
+        (see :meth:`FluxPipeline.__call__` for the shared ones; like diffusers', no true CFG).
+
+        Args:
+            image: The picture to fill: uint8 ``[n, H, W, 3]``, PIL or floats in [0, 1] (sides multiples of 16).
+            mask_image: White (>= 0.5) where the image is filled: PIL, or ``[H, W]`` / ``[n, H, W]`` uint8, bool or
+                floats in [0, 1], at the image's size.
+            strength: How much of the schedule to run: 1.0 (diffusers' default) starts from pure noise, less from
+                the image's latents noised so far.
+            height: Must equal the image's height if given (eqxdiff does not resize).
+            width: Must equal the image's width if given (eqxdiff does not resize).
+            num_inference_steps: Number of denoising steps (diffusers' default 50).
+            guidance_scale: The distilled guidance (diffusers' default 30 for FLUX.1-Fill-dev).
+            latents: The noise ``[n, height/f, width/f, C]`` (channels-last), added to the image's latents at
+                ``strength < 1``.
+        """
+        if self._given_latents(image):
+            raise InputError("FluxFillPipeline needs image= as pixels (its masked image is encoded), not latents")
+        key = resolve_key(seed, key)
+        size = self._start_size(image, height, width)
+        positive, _, n = self._prepare(
+            prompt, prompt_2, None, None, true_cfg_scale=1.0, num_images_per_prompt=num_images_per_prompt,
+            max_sequence_length=max_sequence_length, prompt_embeds=prompt_embeds,
+            pooled_prompt_embeds=pooled_prompt_embeds, negative_prompt_embeds=None,
+            negative_pooled_prompt_embeds=None)
+        f = self.vae_scale_factor
+        mask = self._mask(mask_image, n, size)
+        with self.timed("encode_image"):  # the posterior samples: noise_draws(key, shape).image and .masked_image
+            pixels = self._pixels(image, n)
+            draws = noise_draws(key, (n, size[0] // f, size[1] // f, self.vae.config.latent_channels))
+            clean = self.encode_pixels(pixels, draws.image)
+            masked = self.encode_pixels(masked_pixels(pixels, mask), draws.masked_image)
+        return self.generate(positive, None, batch=n, height=size[0], width=size[1],
+                             num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
+                             true_cfg_scale=1.0, key=key, latents=latents, image=clean, strength=strength,
+                             control=(masked, mask_patches(mask, f)), output_type=output_type, progress=progress)
