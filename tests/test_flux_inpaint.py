@@ -57,7 +57,8 @@ def _expected(module, reference, monkeypatch, *, seed: int, **kwargs):
                         out.latent_dist.mean + out.latent_dist.std * nhwc_to_nchw(np.array(next(posteriors))))
     reference.set_progress_bar_config(disable=True)
     with torch.no_grad():
-        return reference(output_type="np", **kwargs).images
+        images = reference(**{"output_type": "np", **kwargs}).images
+    return np.stack([np.asarray(im) for im in images]) if kwargs.get("output_type") == "pil" else images
 
 
 class Folder:
@@ -104,6 +105,17 @@ def test_inpaint_matches_diffusers(schnell, monkeypatch):
     handed = pipe(PROMPTS, image=clean, mask_image=mask, latents=NOISE, seed=3, output_type="latent", progress=False,
                   **kwargs)  # the image as latents handed over (channels-last): the same run
     np.testing.assert_allclose(np.asarray(handed), latents, atol=1e-6)
+
+    # padding_mask_crop: a 24x20 picture's box around its mask inpainted at 16x16 and pasted back (the same program)
+    picture = Image.fromarray(rng.integers(0, 256, (24, 20, 3), dtype=np.uint8))
+    box = np.zeros((24, 20), np.uint8)
+    box[6:13, 9:15] = 255
+    box = Image.fromarray(box)
+    expected = _expected(pipeline_flux_inpaint, reference, monkeypatch, seed=3, prompt=PROMPTS, image=picture,
+                         mask_image=box, padding_mask_crop=2, output_type="pil", **kwargs)  # (diffusers asks for pil)
+    ours = pipe(PROMPTS, image=picture, mask_image=box, latents=NOISE, seed=3, padding_mask_crop=2, progress=False,
+                **kwargs)
+    assert ours.shape == (2, 24, 20, 3) and np.abs(ours.astype(int) - expected).max() <= 2
 
 
 def test_fill_matches_diffusers(fill, monkeypatch):

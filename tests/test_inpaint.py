@@ -83,6 +83,53 @@ def test_sd_inpainting_unet_matches_diffusers(sd, monkeypatch):
     assert _pixels_off(ours, expected) <= 2
 
 
+def _mask_crop_matches_diffusers(pipe, ref, module, monkeypatch, *, seed, posterior_calls, **kwargs):
+    """padding_mask_crop: a 40x56 PIL picture's box around its mask (padded, widened to 32x32's aspect) inpainted
+    at 32x32 and pasted back at 40x56 over the kept pixels, as diffusers' (the same compiled loop as at 32x32)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    picture = Image.fromarray(rng.integers(0, 256, (40, 56, 3), dtype=np.uint8))
+    mask = np.zeros((40, 56), np.uint8)
+    mask[12:20, 30:41] = 255
+    mask = Image.fromarray(mask)
+    kwargs = dict(height=32, width=32, padding_mask_crop=3, **kwargs)
+    draws = noise_draws(jax.random.key(seed), SHAPE)
+    posterior = iter([{"image": draws.image, "masked": draws.masked_image}[k] for k in posterior_calls])
+    monkeypatch.setattr(module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(draws.noise))
+    monkeypatch.setattr(module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
+                        out.latent_dist.mean + out.latent_dist.std * nhwc_to_nchw(next(posterior)))
+    ref.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        expected = np.stack([np.asarray(im) for im in ref(PROMPTS, image=picture, mask_image=mask,
+                                                            output_type="pil", **kwargs).images])
+    ours = pipe(PROMPTS, image=picture, mask_image=mask, seed=seed, progress=False, **kwargs)
+    assert ours.shape == (2, 40, 56, 3) and ours.dtype == np.uint8
+    assert np.abs(ours.astype(int) - expected).max() <= 2
+    keep = np.asarray(mask) == 0
+    assert np.array_equal(ours[:, keep], np.broadcast_to(np.asarray(picture)[keep], ours[:, keep].shape))
+    return picture, mask, kwargs, ours
+
+
+def test_padding_mask_crop_inpaints_the_box_around_the_mask_as_diffusers(sd, monkeypatch):
+    from diffusers.pipelines.stable_diffusion import pipeline_stable_diffusion_inpaint as module
+    from PIL import Image
+
+    root, _, ref = sd
+    pipe = eqxdiff.load_pipeline(root / "inpaint")
+    picture, mask, kwargs, ours = _mask_crop_matches_diffusers(
+        pipe, ref, module, monkeypatch, seed=4, posterior_calls=["masked"], num_inference_steps=3, guidance_scale=6.0)
+    pil = pipe(PROMPTS, image=picture, mask_image=mask, seed=4, progress=False, output_type="pil", **kwargs)
+    assert np.array_equal(np.stack([np.asarray(im) for im in pil]), ours)
+    for bad, match in [(dict(mask_image=None), "padding_mask_crop is for inpainting"),
+                       (dict(image=np.asarray(picture)), "needs image= and mask_image= as PIL images"),
+                       (dict(output_type="latent"), "output_type must be 'uint8' or 'pil'"),
+                       (dict(padding_mask_crop=-1), "must be a number of pixels"),
+                       (dict(mask_image=Image.new("L", (56, 40))), "black everywhere")]:
+        with pytest.raises(ValueError, match=match):
+            pipe(PROMPTS, **{**dict(image=picture, mask_image=mask, progress=False, **kwargs), **bad})
+
+
 def test_sd_ordinary_unet_blends_the_known_region(sd, monkeypatch):
     """4-channel UNet at strength 0.75: the image's latents noised to the start, the known region re-noised to each
     next timestep (DDIM's alphas) and clean after the last step."""
@@ -144,6 +191,8 @@ def test_sdxl_ordinary_unet_matches_diffusers(sdxl, monkeypatch):
                           posterior_calls=["image", "masked"], **kwargs)
     ours = pipe(PROMPTS, image=image, mask_image=mask, seed=4, progress=False, **kwargs)
     assert _pixels_off(ours, expected) <= 2
+    _mask_crop_matches_diffusers(pipe, ref, module, monkeypatch, seed=4, posterior_calls=["image", "masked"],
+                                 **kwargs)
 
 
 def test_mask_inputs_and_errors():

@@ -69,8 +69,8 @@ NOT_TAKEN: dict[str, str] = {
     "negative_ip_adapter_image": _NO_IP_ADAPTER,
     "negative_ip_adapter_image_embeds": _NO_IP_ADAPTER,
     "masked_image_latents": "pass image= and mask_image=: eqxdiff encodes the masked image itself",
-    "padding_mask_crop": "eqxdiff does not crop around the mask: crop image= and mask_image= to the region yourself "
-                         "and paste the result back",
+    "padding_mask_crop": "this pipeline does not crop around the mask (diffusers' namesake neither); the inpainting "
+                         "pipelines take padding_mask_crop=",
 }
 # diffusers' arguments that carry a call's LoRA scale, one per family ({"scale": s}).
 LORA_SCALE_ARGUMENTS = ("cross_attention_kwargs", "joint_attention_kwargs", "attention_kwargs")

@@ -27,6 +27,7 @@ from ._call import checked_call
 from ._checks import CallLimits, InputError
 from ._inpaint import latent_mask, mask_patches, masked_pixels, prepare_mask
 from ._latents import noise_draws
+from ._mask_crop import mask_cropped
 from .flux import MAX_SEQUENCE_LENGTH
 from .flux_image import _FluxFromImage
 
@@ -61,6 +62,7 @@ class FluxInpaintPipeline(_FluxMasked):
     CLASS_NAME: ClassVar[str] = "FluxInpaintPipeline"
 
     @checked_call
+    @mask_cropped
     def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,
                  image=None, mask_image=None, strength: float = 0.6, negative_prompt: str | Sequence[str] | None = None,
                  negative_prompt_2: str | Sequence[str] | None = None, true_cfg_scale: float = 1.0,
@@ -68,7 +70,8 @@ class FluxInpaintPipeline(_FluxMasked):
                  sigmas: Sequence[float] | None = None, guidance_scale: float = 7.0, num_images_per_prompt: int = 1,
                  seed: int | None = None, key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None,
                  pooled_prompt_embeds=None, negative_prompt_embeds=None, negative_pooled_prompt_embeds=None,
-                 max_sequence_length: int = MAX_SEQUENCE_LENGTH, output_type: str = "uint8", progress: bool = True):
+                 max_sequence_length: int = MAX_SEQUENCE_LENGTH, padding_mask_crop: int | None = None,
+                 output_type: str = "uint8", progress: bool = True):
         """Repaint ``image`` under ``mask_image`` toward ``prompt``, with diffusers' ``FluxInpaintPipeline``
         arguments (see :meth:`FluxPipeline.__call__` for the shared ones).
 

@@ -19,6 +19,7 @@ from ._components import Component
 from ._denoise import Guidance, rescale_noise_cfg
 from ._images import to_model_range, to_uint8
 from ._latents import decode_latents, encode_image_latents
+from ._mask_crop import mask_cropped
 from ._text import tokenize, tokens
 from ._unet import UNetDenoiser, UNetPipeline, denoise, prepare_latents
 
@@ -113,13 +114,15 @@ class StableDiffusionPipeline(UNetPipeline):
         return jnp.concatenate([negative_embeds, positive])
 
     @checked_call
+    @mask_cropped
     def __call__(self, prompt: str | Sequence[str] | None = None, negative_prompt: str | Sequence[str] | None = None,
                  *, num_inference_steps: int = 50, guidance_scale: float = 7.5, guidance_rescale: float = 0.0,
                  height: int | None = None, width: int | None = None, num_images_per_prompt: int = 1,
                  latents=None, image=None, mask_image=None, strength: float | None = None, eta: float = 0.0,
                  timesteps: Sequence[int] | None = None, sigmas: Sequence[float] | None = None,
                  seed: int | None = None, key: PRNGKeyArray | None = None, clip_skip: int | None = None,
-                 prompt_embeds=None, negative_prompt_embeds=None, output_type: str = "uint8", progress: bool = True):
+                 prompt_embeds=None, negative_prompt_embeds=None, padding_mask_crop: int | None = None,
+                 output_type: str = "uint8", progress: bool = True):
         """Images for ``prompt`` (or ``prompt_embeds`` ``[n, seq, embed]``, with optional
         ``negative_prompt_embeds``): uint8 ``[n, height, width, 3]``, or the final latents channels-last with
         ``output_type="latent"``. See :meth:`~eqxdiff.pipelines._unet.UNetPipeline.generate`.
@@ -134,6 +137,8 @@ class StableDiffusionPipeline(UNetPipeline):
             eta: Noise of the DDIM / TCD steps.
             timesteps: A custom descending timestep schedule (replaces ``num_inference_steps``).
             sigmas: A custom noise-level schedule (replaces ``num_inference_steps``).
+            padding_mask_crop: Inpaint only the box around the mask, padded by this many pixels, at the output size,
+                pasted back into the picture (PIL ``image`` and ``mask_image``; :mod:`~eqxdiff.pipelines._mask_crop`).
             output_type: ``"uint8"`` images, ``"np"`` (float32 in [0, 1]), ``"pil"`` (a list of PIL
                 images) or ``"latent"`` (channels-last latents).
         """

@@ -27,6 +27,7 @@ from ._arguments import as_list, given_array, prompt_list, resolve_key
 from ._call import checked_call
 from ._components import Component
 from ._denoise import Guidance
+from ._mask_crop import mask_cropped
 from ._text import tokenize
 from ._unet import UNetPipeline
 
@@ -210,6 +211,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
     # -- the call ------------------------------------------------------------------------------------------------
 
     @checked_call
+    @mask_cropped
     def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,
                  negative_prompt: str | Sequence[str] | None = None,
                  negative_prompt_2: str | Sequence[str] | None = None, num_inference_steps: int = 50,
@@ -223,7 +225,8 @@ class StableDiffusionXLPipeline(UNetPipeline):
                  crops_coords_top_left: Size = (0, 0), target_size: Size | None = None,
                  negative_original_size: Size | None = None, negative_crops_coords_top_left: Size = (0, 0),
                  negative_target_size: Size | None = None, aesthetic_score: float = 6.0,
-                 negative_aesthetic_score: float = 2.5, output_type: str = "uint8", progress: bool = True):
+                 negative_aesthetic_score: float = 2.5, padding_mask_crop: int | None = None,
+                 output_type: str = "uint8", progress: bool = True):
         """Images for ``prompt`` with diffusers' SDXL arguments: uint8 ``[n, height, width, 3]``, or the final
         latents channels-last with ``output_type="latent"``.
 
