@@ -177,16 +177,18 @@ def checked_call(call):
     return checked
 
 
-def call_argument_names(cls: type) -> set[str]:
+@functools.cache
+def call_argument_names(cls: type) -> frozenset[str]:
     """The argument names a pipeline class's calls take: its ``__call__``'s and, through ``**kwargs``, those of the
-    ``__call__`` s it inherits (a ControlNet pipeline passes the rest on to its family's call)."""
+    ``__call__`` s it inherits (a ControlNet pipeline passes the rest on to its family's call); computed once per
+    class (every call checks against it)."""
     names = set()
     for klass in cls.__mro__:
         call = klass.__dict__.get("__call__")
         if call is not None:
             params = list(inspect.signature(call).parameters.values())[1:]
             names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    return names
+    return frozenset(names)
 
 
 def is_checked(call) -> bool:
