@@ -26,6 +26,10 @@ from ._base import BOOLS, AbstractScheduler, AbstractSchedulerState, SchedulerCo
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+# None is what other schedulers' configs carry (DPM-Solver writes variance_type=None); diffusers' DDPM then
+# takes none of _get_variance's branches, which leaves the clamped fixed_small variance. ("fixed_large_log" is
+# refused: diffusers' DDPM takes the square root of its log variance, NaN.)
+VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large", "learned", "learned_range", None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ from ._base import (
 )
 from ._beta import (
     PREDICTION_TYPES,
+    VARIANCE_TYPES,
     AbstractLearnedVarianceScheduler,
     SigmaSpacingConfig,
     check_train_indices,
@@ -45,7 +46,7 @@ class DPMSolverConfig(SigmaSpacingConfig):
         "solver_type": ("midpoint", "heun"), "lower_order_final": BOOLS, "euler_at_final": BOOLS,
         "use_lu_lambdas": (False,), "use_flow_sigmas": BOOLS, "use_dynamic_shifting": (False,),
         "prediction_type": (*PREDICTION_TYPES, "flow_prediction"),
-        "final_sigmas_type": ("zero", "sigma_min"), "variance_type": (None, "learned", "learned_range"),
+        "final_sigmas_type": ("zero", "sigma_min"), "variance_type": (*VARIANCE_TYPES, "fixed_large_log"),
         "thresholding": BOOLS, "rescale_betas_zero_snr": BOOLS}
 
     SCHEDULE_ONLY: ClassVar = SigmaSpacingConfig.SCHEDULE_ONLY | {"lambda_min_clipped", "flow_shift"}
@@ -239,7 +240,8 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
 
     def update(self, state: DPMSolverState, out, x, *, key=None, noise=None):
         cfg = self.config
-        if cfg.variance_type is not None and cfg.prediction_type == "epsilon" and out.shape[-1] == 2 * x.shape[-1]:
+        learned = cfg.variance_type in ("learned", "learned_range")  # diffusers ignores the fixed_* types
+        if learned and cfg.prediction_type == "epsilon" and out.shape[-1] == 2 * x.shape[-1]:
             out = out[..., :x.shape[-1]]  # drop the predicted variance (the channels' second half)
         if out.shape != x.shape:
             raise ValueError(f"model_output shape {out.shape} must equal the sample shape {x.shape}")
