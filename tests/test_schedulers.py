@@ -160,7 +160,10 @@ CASES = [
     ("PNDMScheduler", dict(SD, skip_prk_steps=False, prediction_type="v_prediction", timestep_spacing="linspace"), 25),
     ("PNDMScheduler", dict(skip_prk_steps=False, beta_schedule="squaredcos_cap_v2", timestep_spacing="trailing"), 25),
     # Euler
-    ("EulerDiscreteScheduler", dict(SD, timestep_spacing="leading", steps_offset=1), 25),
+    # log_linear: n + 1 levels evenly spaced in log sigma, and diffusers' one more after them (refused before)
+    ("EulerDiscreteScheduler", dict(SD, timestep_spacing="leading", steps_offset=1, interpolation_type="log_linear"),
+     25),
+    ("EulerDiscreteScheduler", dict(SD, interpolation_type="log_linear", use_beta_sigmas=True, sigma_max=10.0), 7),
     ("EulerDiscreteScheduler", dict(SD, prediction_type="v_prediction", use_karras_sigmas=True), 10),
     ("EulerDiscreteScheduler", dict(SD, rescale_betas_zero_snr=True, prediction_type="v_prediction",
                                     timestep_spacing="trailing"), 25),
@@ -179,6 +182,7 @@ CASES = [
     # LMS
     ("LMSDiscreteScheduler", dict(SD, timestep_spacing="leading", steps_offset=1), 25),
     ("LMSDiscreteScheduler", dict(SD, prediction_type="v_prediction", use_karras_sigmas=True), 10),
+    ("LMSDiscreteScheduler", dict(SD, use_beta_sigmas=True), 10),  # (beta sigmas were refused here, and below)
     ("LMSDiscreteScheduler", dict(prediction_type="sample", timestep_spacing="trailing"), 1),
     # 'trailing' overshoots to timestep -1 at 61 steps: 62 timesteps (diffusers' too), LMS had 61 steps' coefficients
     # and Euler 62 Karras levels (diffusers: 61)
@@ -192,7 +196,8 @@ CASES = [
     ("DPMSolverMultistepScheduler", dict(SD, prediction_type="v_prediction", rescale_betas_zero_snr=True,
                                          timestep_spacing="trailing"), 25),
     ("DPMSolverMultistepScheduler", dict(lower_order_final=False, final_sigmas_type="sigma_min",
-                                         prediction_type="v_prediction"), 10),
+                                         prediction_type="v_prediction", use_lu_lambdas=True), 10),
+    ("DPMSolverMultistepScheduler", dict(SD, use_beta_sigmas=True, solver_type="heun"), 10),
     ("DPMSolverMultistepScheduler", dict(prediction_type="sample", thresholding=True, solver_type="heun",
                                          sample_max_value=1.2, timestep_spacing="trailing"), 10),
     ("DPMSolverMultistepScheduler", dict(SD, euler_at_final=True, use_exponential_sigmas=True), 20),
@@ -222,7 +227,10 @@ def test_trajectory_matches_diffusers(case):
     class_name, config, n = case
     raw = _raw(class_name, **config)
     ref, sched, state = _pair(raw, n)
-    _check_schedule(ref, sched, state, _float64(raw, n))
+    ref64 = _float64(raw, n)
+    if config.get("interpolation_type") == "log_linear":  # diffusers keeps one level more than its steps reach
+        ref.sigmas, ref64.sigmas = ref.sigmas[:len(state.timesteps) + 1], ref64.sigmas[:len(state.timesteps) + 1]
+    _check_schedule(ref, sched, state, ref64)
     x = np.random.default_rng(n).standard_normal(SHAPE).astype(np.float32) * float(ref.init_noise_sigma)
     expected, noises = _reference(ref, raw, n, nhwc_to_nchw(x))
     ours, final = _trajectory(sched, state, jnp.asarray(x), noises, _learned(raw))
@@ -448,12 +456,14 @@ def test_config_covers_every_diffusers_key(class_name):
     (_raw("DDIMScheduler", prediction_type="flow_prediction"), "prediction_type='flow_prediction'"),
     (_raw("PNDMScheduler", prediction_type="sample"), "prediction_type='sample'"),
     (_raw("EulerAncestralDiscreteScheduler", prediction_type="sample"), "prediction_type='sample'"),
-    (_raw("EulerDiscreteScheduler", use_beta_sigmas=True), "use_beta_sigmas=True"),
-    (_raw("EulerDiscreteScheduler", interpolation_type="log_linear"), "interpolation_type='log_linear'"),
+    (_raw("LMSDiscreteScheduler", use_exponential_sigmas=True, use_beta_sigmas=True),
+     "use_exponential_sigmas=True cannot be combined with use_beta_sigmas=True"),
+    (_raw("EulerDiscreteScheduler", interpolation_type="cubic"), "interpolation_type='cubic'"),
     (_raw("EulerDiscreteScheduler", use_karras_sigmas=True, use_exponential_sigmas=True), "use_karras_sigmas"),
     (_raw("DPMSolverMultistepScheduler", algorithm_type="sde-dpmsolver++"), "algorithm_type='sde-dpmsolver\\+\\+'"),
     (_raw("DPMSolverMultistepScheduler", solver_order=3), "solver_order=3"),
-    (_raw("DPMSolverMultistepScheduler", use_lu_lambdas=True), "use_lu_lambdas=True"),
+    (_raw("DPMSolverMultistepScheduler", use_lu_lambdas=True, use_flow_sigmas=True,
+          prediction_type="flow_prediction"), "use_lu_lambdas=True cannot be combined with use_flow_sigmas"),
     (_raw("DDPMScheduler", variance_type="fixed_large_log"), "variance_type='fixed_large_log' gives NaN"),
     (_raw("DDPMScheduler", trained_betas=[0.1, 0.2]), "trained_betas"),
     (_raw("DDIMScheduler", clip_sample=1), "clip_sample=1"),

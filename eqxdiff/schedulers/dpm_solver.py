@@ -26,6 +26,7 @@ from ._base import (
 )
 from ._beta import (
     PREDICTION_TYPES,
+    SIGMA_SPACINGS,
     VARIANCE_TYPES,
     AbstractLearnedVarianceScheduler,
     SigmaSpacingConfig,
@@ -34,7 +35,7 @@ from ._beta import (
     threshold_sample,
     train_sigmas,
 )
-from ._sigmas import exponential_sigmas, karras_sigmas
+from ._sigmas import respace
 
 UNIPC_SOLVER_TYPES = ("logrho", "bh1", "bh2")
 
@@ -44,7 +45,7 @@ class DPMSolverConfig(SigmaSpacingConfig):
     SUPPORTED_VALUES: ClassVar = {
         **SigmaSpacingConfig.SUPPORTED_VALUES, "algorithm_type": ("dpmsolver++",), "solver_order": (1, 2),
         "solver_type": ("midpoint", "heun"), "lower_order_final": BOOLS, "euler_at_final": BOOLS,
-        "use_lu_lambdas": (False,), "use_flow_sigmas": BOOLS, "use_dynamic_shifting": (False,),
+        "use_lu_lambdas": BOOLS, "use_flow_sigmas": BOOLS, "use_dynamic_shifting": (False,),
         "prediction_type": (*PREDICTION_TYPES, "flow_prediction"),
         "final_sigmas_type": ("zero", "sigma_min"), "variance_type": (*VARIANCE_TYPES, "fixed_large_log"),
         "thresholding": BOOLS, "rescale_betas_zero_snr": BOOLS}
@@ -77,10 +78,18 @@ class DPMSolverConfig(SigmaSpacingConfig):
         # them by the beta schedule's sigmas, above 1: every step NaN)
         self.check(self.use_flow_sigmas == (self.prediction_type == "flow_prediction"), "prediction_type",
                    "'flow_prediction' goes with use_flow_sigmas=True (and use_flow_sigmas with it)")
-        spacing = [k for k in ("use_karras_sigmas", "use_exponential_sigmas") if getattr(self, k)]
+        spacing = [k for k in (*SIGMA_SPACINGS, "use_lu_lambdas") if getattr(self, k)]
         if self.use_flow_sigmas and spacing:
             self.check(False, spacing[0], "cannot be combined with use_flow_sigmas=True (diffusers then steps the "
                        "beta schedule's sigmas as flow sigmas: NaN)")
+
+    @property
+    def spacing(self) -> str | None:
+        """The respacing of the sigmas, in diffusers' order of precedence: Karras, then Lu's evenly spaced log
+        sigmas (``use_lu_lambdas``, which diffusers lets any other spacing be set with), exponential, beta."""
+        if self.use_lu_lambdas and not self.use_karras_sigmas:
+            return "lu"
+        return self.sigma_spacing
 
 
 class DPMSolverState(AbstractSchedulerState):
@@ -139,8 +148,8 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
                              "history buffer")
         one_of_steps_or("DPMSolverMultistepScheduler", num_inference_steps, timesteps=timesteps)
         if timesteps is not None:
-            spacing = [k for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_flow_sigmas") if getattr(cfg, k)]
-            if spacing:  # (diffusers replaces given timesteps by the flow schedule's)
+            spacing = [k for k in (*SIGMA_SPACINGS, "use_lu_lambdas", "use_flow_sigmas") if getattr(cfg, k)]
+            if spacing:  # (diffusers replaces given timesteps by the respaced or flow schedule's)
                 raise ValueError(f"DPMSolverMultistepScheduler.init: timesteps= cannot be used with {spacing[0]}=True")
             timesteps = custom_schedule("DPMSolverMultistepScheduler", "timesteps", timesteps, np.int64)
             num_inference_steps = len(timesteps)
@@ -150,12 +159,15 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
         acp = self.alphas_cumprod
         sigmas = train_sigmas(acp)
         log_sigmas = np.log(sigmas)
-        if cfg.use_karras_sigmas or cfg.use_exponential_sigmas:
-            flipped = sigmas[::-1]
-            convert = karras_sigmas if cfg.use_karras_sigmas else exponential_sigmas
-            sigmas = convert(flipped[-1].item(), flipped[0].item(), num_inference_steps)
+        spacing = cfg.spacing
+        if spacing == "lu":  # diffusers' _convert_to_lu: log sigmas (float32) evenly spaced, from the largest
+            low, high = log_sigmas[0].item(), log_sigmas[-1].item()
+            sigmas = np.exp(high + np.linspace(0, 1, num_inference_steps) * (low - high))
+        elif spacing:
+            sigmas = respace(spacing, sigmas[::-1], num_inference_steps)
+        if spacing:
             timesteps = sigma_to_t(sigmas, log_sigmas)
-            if cfg.use_karras_sigmas and cfg.beta_schedule != "squaredcos_cap_v2":
+            if spacing in ("karras", "lu") and cfg.beta_schedule != "squaredcos_cap_v2":
                 timesteps = timesteps.round()
             timesteps = timesteps.astype(np.int64)  # torch's .to(int64) truncates
         elif cfg.use_flow_sigmas:  # diffusers: 1 - linspace(1, 1/T, n+1), shifted, from the top, without the 0
