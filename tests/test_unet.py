@@ -199,7 +199,7 @@ def test_per_sample_timesteps_and_mask_matter(sd2):
 
 @pytest.mark.parametrize("key,value", [
     ("resnet_time_scale_shift", "spatial"), ("class_embed_type", "projection"), ("addition_embed_type", "text"),
-    ("mid_block_type", "UNetMidBlock2DSimpleCrossAttn"), ("encoder_hid_dim_type", "image_proj"), ("dual_cross_attention", True),
+    ("mid_block_type", "UNetMidBlock2DSimpleCrossAttn"), ("encoder_hid_dim_type", "image_proj"),
     ("time_embedding_type", "learned"), ("down_block_types", ["AttnDownBlock2D", "DownBlock2D"]),
     ("norm_num_groups", 12), ("layers_per_block", [1, 2, 3]), ("act_fn", "tanh"),
 ])
@@ -207,6 +207,15 @@ def test_unsupported_config_values_raise(key, value):
     raw = {**TestUNetSD1.config, key: value}
     with pytest.raises(ConfigError, match=rf"\b{key}="):
         UNet2DConditionConfig.from_dict(raw)
+
+
+def test_dual_cross_attention_is_refused_as_diffusers_cannot_run_it():
+    """diffusers builds DualTransformer2DModel blocks but its forward fails; without attention blocks it is a no-op."""
+    with pytest.raises(ConfigError, match=r"dual_cross_attention=True .*cannot run them"):
+        UNet2DConditionConfig.from_dict({**TestUNetSD1.config, "dual_cross_attention": True})
+    plain = dict(TestUNetSD1.config, down_block_types=["DownBlock2D"] * 2, up_block_types=["UpBlock2D"] * 2,
+                 mid_block_type="UNetMidBlock2D")
+    assert UNet2DConditionConfig.from_dict({**plain, "dual_cross_attention": True}).dual_cross_attention
 
 
 def test_unsupported_config_raises_on_load(sd1, tmp_path):

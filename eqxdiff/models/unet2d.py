@@ -65,7 +65,6 @@ class UNet2DConditionConfig(ModelConfig):
         "class_embed_type": CLASS_EMBED_TYPES,
         "encoder_hid_dim_type": (None, "text_proj"),
         "addition_embed_type": (None, "text_time"),
-        "dual_cross_attention": (False,),
         "attention_type": ("default",),
         "mid_block_type": MID_BLOCK_TYPES,
     }
@@ -171,6 +170,9 @@ class UNet2DConditionConfig(ModelConfig):
         if self.addition_embed_type == "text_time":
             for key in ("addition_time_embed_dim", "projection_class_embeddings_input_dim"):
                 self.check(getattr(self, key) is not None, key, "must be set when addition_embed_type='text_time'")
+        self.check(not (self.dual_cross_attention and self.attention_specs), "dual_cross_attention", "is not "
+                   "supported: diffusers builds DualTransformer2DModel blocks for it but cannot run them (its blocks "
+                   "pass encoder_attention_mask, which DualTransformer2DModel.forward does not take: TypeError)")
         for spec in self.attention_specs:
             self.check(spec.heads is not None and spec.heads > 0, "attention_head_dim",
                        "must give a number of heads for every block with attention")
