@@ -76,8 +76,9 @@ class DPMSolverConfig(SigmaSpacingConfig):
         super().__post_init__()
         # diffusers' flow sigmas pair only with flow predictions (and its Karras / exponential spacing would replace
         # them by the beta schedule's sigmas, above 1: every step NaN)
-        self.check(self.use_flow_sigmas == (self.prediction_type == "flow_prediction"), "prediction_type",
-                   "'flow_prediction' goes with use_flow_sigmas=True (and use_flow_sigmas with it)")
+        self.check(self.use_flow_sigmas or self.prediction_type != "flow_prediction", "prediction_type",
+                   "needs use_flow_sigmas=True (diffusers would read the beta schedule's sigmas, up to ~15, as flow "
+                   "ones in x0 = x - sigma * v: no model predicts that)")
         spacing = [k for k in (*SIGMA_SPACINGS, "use_lu_lambdas") if getattr(self, k)]
         if self.use_flow_sigmas and spacing:
             self.check(False, spacing[0], "cannot be combined with use_flow_sigmas=True (diffusers then steps the "
@@ -216,7 +217,7 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
             alpha_t, sigma_t = self._alpha_sigma(state.sigmas[state.step_index])
             if cfg.prediction_type == "epsilon":
                 x0 = (x - sigma_t * out) / alpha_t
-            elif cfg.prediction_type == "flow_prediction":
+            elif cfg.prediction_type == "flow_prediction":  # (only with flow sigmas, where sigma_t is the sigma)
                 x0 = x - sigma_t * out
             else:
                 x0 = alpha_t * x - sigma_t * out
