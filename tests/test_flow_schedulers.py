@@ -182,6 +182,8 @@ CASES = [
     # DPM-Solver++ on flow sigmas (Wan's DPM++: 1 - sigma, sigma; the shifted schedule from 1 - 1/T; refused before),
     # from a UniPC config (Wan's folders) whose solver_type bh2 diffusers reads as midpoint (refused before too)
     ("DPMSolverMultistepScheduler", dict(WAN, flow_shift=5.0, solver_type="bh2"), 8, {}, None),
+    # dynamic shifting: mu sets the flow shift to exp(mu) (refused before)
+    ("DPMSolverMultistepScheduler", dict(WAN, use_dynamic_shifting=True), 5, {"mu": 1.2}, None),
     # (a v-prediction on flow sigmas: alpha = 1 - sigma; diffusers runs it, it was refused)
     ("DPMSolverMultistepScheduler", dict(WAN, solver_type="heun", lower_order_final=False,
                                          prediction_type="v_prediction"), 6, {}, None),
@@ -496,7 +498,7 @@ def test_init_errors_name_the_argument():
         build("TCDScheduler").init(timesteps=[1000, 500])
     with pytest.raises(ValueError, match="eta=1.5"):
         S.TCDScheduler(eta=1.5)
-    with pytest.raises(ValueError, match="mu= shifts flow sigmas"):
+    with pytest.raises(ValueError, match="mu= needs use_dynamic_shifting=True and time_shift_type='exponential'"):
         build("DPMSolverMultistepScheduler").init(10, mu=0.7, sample_shape=SHAPE)
     with pytest.raises(ValueError, match="timesteps= cannot be used with use_karras_sigmas=True"):
         build("EulerDiscreteScheduler", use_karras_sigmas=True).init(timesteps=[999.0, 500.0])

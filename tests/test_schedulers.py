@@ -440,7 +440,7 @@ def test_options_set_last_over_the_names_own_keys():
 @pytest.mark.parametrize("class_name", list(S.SCHEDULER_CLASSES))
 def test_config_covers_every_diffusers_key(class_name):
     """Each diffusers ``__init__`` argument is a config field, or one whose only values eqxdiff ignores."""
-    ignored = {"flow_shift", "time_shift_type"}  # only read with use_flow_sigmas / use_dynamic_shifting
+    ignored = {"flow_shift", "time_shift_type"}  # (LCM/TCD and others: keys their diffusers class only stores)
     params = set(inspect.signature(getattr(diffusers, class_name).__init__).parameters) - {"self"}
     fields = set(S.SCHEDULER_CLASSES[class_name].CONFIG().to_dict())
     assert params - fields <= ignored, params - fields - ignored

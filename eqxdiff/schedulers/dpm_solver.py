@@ -35,7 +35,7 @@ from ._beta import (
     threshold_sample,
     train_sigmas,
 )
-from ._sigmas import respace
+from ._sigmas import SHIFT_TYPES, respace
 
 UNIPC_SOLVER_TYPES = ("logrho", "bh1", "bh2")
 
@@ -45,12 +45,14 @@ class DPMSolverConfig(SigmaSpacingConfig):
     SUPPORTED_VALUES: ClassVar = {
         **SigmaSpacingConfig.SUPPORTED_VALUES, "algorithm_type": ("dpmsolver++",), "solver_order": (1, 2),
         "solver_type": ("midpoint", "heun"), "lower_order_final": BOOLS, "euler_at_final": BOOLS,
-        "use_lu_lambdas": BOOLS, "use_flow_sigmas": BOOLS, "use_dynamic_shifting": (False,),
+        "use_lu_lambdas": BOOLS, "use_flow_sigmas": BOOLS, "use_dynamic_shifting": BOOLS,
+        "time_shift_type": SHIFT_TYPES,
         "prediction_type": (*PREDICTION_TYPES, "flow_prediction"),
         "final_sigmas_type": ("zero", "sigma_min"), "variance_type": (*VARIANCE_TYPES, "fixed_large_log"),
         "thresholding": BOOLS, "rescale_betas_zero_snr": BOOLS}
 
-    SCHEDULE_ONLY: ClassVar = SigmaSpacingConfig.SCHEDULE_ONLY | {"lambda_min_clipped", "flow_shift"}
+    SCHEDULE_ONLY: ClassVar = SigmaSpacingConfig.SCHEDULE_ONLY | {"lambda_min_clipped", "flow_shift",
+                                                                  "use_dynamic_shifting", "time_shift_type"}
 
     timestep_spacing: str = "linspace"
     solver_order: int = 2
@@ -61,7 +63,8 @@ class DPMSolverConfig(SigmaSpacingConfig):
     use_lu_lambdas: bool = False
     use_flow_sigmas: bool = False
     flow_shift: float = 1.0
-    use_dynamic_shifting: bool = False
+    use_dynamic_shifting: bool = False  # init(mu=...) then sets the flow shift to exp(mu), as diffusers
+    time_shift_type: str = "exponential"  # (the only one diffusers' DPM-Solver takes mu with)
     final_sigmas_type: str = "zero"
     lambda_min_clipped: float = -math.inf
     variance_type: str | None = None
@@ -140,10 +143,13 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
     def _init(self, num_inference_steps: int | None, *, sample_shape, strength, begin_index, timesteps=None,
               mu=None) -> DPMSolverState:
         cfg = self.config
-        if mu is not None:
-            raise ValueError("DPMSolverMultistepScheduler.init: mu= shifts flow sigmas dynamically "
-                             "(use_dynamic_shifting=True), which eqxdiff's DPM-Solver does not implement; use its "
-                             "static flow_shift, or UniPCMultistepScheduler / FlowMatchEulerDiscreteScheduler")
+        flow_shift = cfg.flow_shift
+        if mu is not None:  # diffusers: flow_shift = exp(mu) (the exponential time shift of the flow sigmas)
+            if not (cfg.use_dynamic_shifting and cfg.time_shift_type == "exponential"):
+                raise ValueError("DPMSolverMultistepScheduler.init: mu= needs use_dynamic_shifting=True and "
+                                 f"time_shift_type='exponential' (got use_dynamic_shifting={cfg.use_dynamic_shifting}"
+                                 f", time_shift_type={cfg.time_shift_type!r})")
+            flow_shift = math.exp(mu)
         if sample_shape is None:
             raise ValueError("DPMSolverMultistepScheduler.init needs sample_shape= (the latents' shape) for its "
                              "history buffer")
@@ -173,7 +179,7 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
             timesteps = timesteps.astype(np.int64)  # torch's .to(int64) truncates
         elif cfg.use_flow_sigmas:  # diffusers: 1 - linspace(1, 1/T, n+1), shifted, from the top, without the 0
             flow = 1.0 - np.linspace(1, 1 / cfg.num_train_timesteps, num_inference_steps + 1)
-            sigmas = np.flip(cfg.flow_shift * flow / (1 + (cfg.flow_shift - 1) * flow))[:-1].copy()
+            sigmas = np.flip(flow_shift * flow / (1 + (flow_shift - 1) * flow))[:-1].copy()
             timesteps = (sigmas * cfg.num_train_timesteps).astype(np.int64)  # torch's .to(int64) truncates
         else:
             sigmas = np.interp(timesteps, np.arange(0, len(sigmas)), sigmas)
