@@ -1,5 +1,6 @@
 """Multistep DPM-Solver++ (Lu et al. 2022), orders 1 and 2 (``2M``), matching
-``diffusers.DPMSolverMultistepScheduler`` with ``algorithm_type="dpmsolver++"``: on beta schedules, and on flow
+``diffusers.DPMSolverMultistepScheduler`` with ``algorithm_type="dpmsolver++"`` or ``"sde-dpmsolver++"`` (the
+stochastic ``2M SDE``: its step takes ``key=``): on beta schedules, and on flow
 sigmas (``use_flow_sigmas`` with ``flow_shift``, ``prediction_type="flow_prediction"``: the DPM++ sampler Wan's
 folders may swap in, ``alpha = 1 - sigma``)."""
 
@@ -22,6 +23,7 @@ from ._base import (
     custom_schedule,
     one_of_steps_or,
     resolve_begin_index,
+    step_noise,
     to_device,
 )
 from ._beta import (
@@ -43,7 +45,8 @@ UNIPC_SOLVER_TYPES = ("logrho", "bh1", "bh2")
 @dataclasses.dataclass(frozen=True)
 class DPMSolverConfig(SigmaSpacingConfig):
     SUPPORTED_VALUES: ClassVar = {
-        **SigmaSpacingConfig.SUPPORTED_VALUES, "algorithm_type": ("dpmsolver++",), "solver_order": (1, 2),
+        **SigmaSpacingConfig.SUPPORTED_VALUES, "algorithm_type": ("dpmsolver++", "sde-dpmsolver++"),
+        "solver_order": (1, 2),
         "solver_type": ("midpoint", "heun"), "lower_order_final": BOOLS, "euler_at_final": BOOLS,
         "use_lu_lambdas": BOOLS, "use_flow_sigmas": BOOLS, "use_dynamic_shifting": BOOLS,
         "time_shift_type": SHIFT_TYPES,
@@ -86,6 +89,11 @@ class DPMSolverConfig(SigmaSpacingConfig):
         if self.use_flow_sigmas and spacing:
             self.check(False, spacing[0], "cannot be combined with use_flow_sigmas=True (diffusers then steps the "
                        "beta schedule's sigmas as flow sigmas: NaN)")
+
+    @property
+    def sde(self) -> bool:
+        """``algorithm_type="sde-dpmsolver++"``: the stochastic solver (DPM++ 2M SDE), which adds noise each step."""
+        return self.algorithm_type == "sde-dpmsolver++"
 
     @property
     def spacing(self) -> str | None:
@@ -206,8 +214,9 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
             final_first = cfg.euler_at_final or (cfg.lower_order_final and n < 15) or cfg.final_sigmas_type == "zero"
             for i in range(begin + 1, n - 1 if final_first else n):
                 h, h_0 = lam[i + 1] - lam[i], lam[i] - lam[i - 1]
-                phi = np.expm1(-h)
-                weight = -0.5 * phi if cfg.solver_type == "midpoint" else phi / h + 1.0
+                k = 2.0 if cfg.sde else 1.0  # (the SDE solver's weights are the ODE one's at 2h, over 2h)
+                phi = np.expm1(-k * h)
+                weight = -0.5 * phi if cfg.solver_type == "midpoint" else phi / (k * h) + 1.0
                 if not np.isfinite(weight * (h / h_0)):
                     raise ConfigError(
                         f"DPMSolverMultistepScheduler: the second-order update of step {i} of {n} (sigmas "
@@ -239,6 +248,8 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
         alpha_t, sigma_t = self._alpha_sigma(state.sigmas[i + 1])
         alpha_s, sigma_s = self._alpha_sigma(state.sigmas[i])
         h = _lambda(alpha_t, sigma_t) - _lambda(alpha_s, sigma_s)
+        if self.config.sde:  # (the noise term is added by update)
+            return (sigma_t / sigma_s * jnp.exp(-h)) * x + (alpha_t * (1 - jnp.exp(-2.0 * h))) * m[-1]
         return (sigma_t / sigma_s) * x - (alpha_t * (jnp.exp(-h) - 1.0)) * m[-1]
 
     def _second_order(self, state: DPMSolverState, m, x):
@@ -252,6 +263,11 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
         h, h_0 = lambda_t - lambda_s0, lambda_s0 - lambda_s1
         r0 = h_0 / h
         d0, d1 = m0, (1.0 / r0) * (m0 - m1)
+        if self.config.sde:
+            first = (sigma_t / sigma_s0 * jnp.exp(-h)) * x + (alpha_t * (1 - jnp.exp(-2.0 * h))) * d0
+            if self.config.solver_type == "midpoint":
+                return first + 0.5 * (alpha_t * (1 - jnp.exp(-2.0 * h))) * d1
+            return first + (alpha_t * ((1.0 - jnp.exp(-2.0 * h)) / (-2.0 * h) + 1.0)) * d1
         first = (sigma_t / sigma_s0) * x - (alpha_t * (jnp.exp(-h) - 1.0)) * d0
         if self.config.solver_type == "midpoint":
             return first - 0.5 * (alpha_t * (jnp.exp(-h) - 1.0)) * d1
@@ -276,6 +292,12 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
         else:
             use_first = (state.lower_order_nums < 1) | lower_final
             prev = lax.cond(use_first, self._first_order, self._second_order, state, m, x)
+        if cfg.sde:  # sde-dpmsolver++: sigma_t * sqrt(1 - e^(-2h)) * noise, drawn every step as diffusers
+            alpha_t, sigma_t = self._alpha_sigma(state.sigmas[i + 1])
+            alpha_s, sigma_s = self._alpha_sigma(state.sigmas[i])
+            h = _lambda(alpha_t, sigma_t) - _lambda(alpha_s, sigma_s)
+            prev = prev + sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * step_noise(
+                "DPMSolverMultistepScheduler", x.shape, x.dtype, key, noise)
         new = dataclasses.replace(state, model_outputs=m,
                                   lower_order_nums=jnp.minimum(state.lower_order_nums + 1, cfg.solver_order))
         return prev, new
