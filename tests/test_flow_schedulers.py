@@ -186,7 +186,7 @@ CASES = [
     ("DPMSolverMultistepScheduler", dict(WAN, use_dynamic_shifting=True), 5, {"mu": 1.2}, None),
     # DPM++ 2M SDE (sde-dpmsolver++: noise every step; refused before), on a beta schedule and on flow sigmas
     ("DPMSolverMultistepScheduler", dict(SD, algorithm_type="sde-dpmsolver++", solver_type="heun",
-                                         use_karras_sigmas=True), 8, {}, None),
+                                         use_karras_sigmas=True, solver_order=3), 8, {}, None),
     ("DPMSolverMultistepScheduler", dict(WAN, algorithm_type="sde-dpmsolver++"), 6, {}, None),
     # (a v-prediction on flow sigmas: alpha = 1 - sigma; diffusers runs it, it was refused)
     ("DPMSolverMultistepScheduler", dict(WAN, solver_type="heun", lower_order_final=False,

@@ -1,4 +1,4 @@
-"""Multistep DPM-Solver++ (Lu et al. 2022), orders 1 and 2 (``2M``), matching
+"""Multistep DPM-Solver++ (Lu et al. 2022), orders 1, 2 (``2M``) and 3, matching
 ``diffusers.DPMSolverMultistepScheduler`` with ``algorithm_type="dpmsolver++"`` or ``"sde-dpmsolver++"`` (the
 stochastic ``2M SDE``: its step takes ``key=``): on beta schedules, and on flow
 sigmas (``use_flow_sigmas`` with ``flow_shift``, ``prediction_type="flow_prediction"``: the DPM++ sampler Wan's
@@ -46,7 +46,7 @@ UNIPC_SOLVER_TYPES = ("logrho", "bh1", "bh2")
 class DPMSolverConfig(SigmaSpacingConfig):
     SUPPORTED_VALUES: ClassVar = {
         **SigmaSpacingConfig.SUPPORTED_VALUES, "algorithm_type": ("dpmsolver++", "sde-dpmsolver++"),
-        "solver_order": (1, 2),
+        "solver_order": (1, 2, 3),
         "solver_type": ("midpoint", "heun"), "lower_order_final": BOOLS, "euler_at_final": BOOLS,
         "use_lu_lambdas": BOOLS, "use_flow_sigmas": BOOLS, "use_dynamic_shifting": BOOLS,
         "time_shift_type": SHIFT_TYPES,
@@ -201,7 +201,7 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
                               lower_order_nums=jnp.zeros((), jnp.int32), **counters(len(timesteps), begin))
 
     def _check_defined(self, sigmas: np.ndarray, begin: int) -> None:
-        """Refuse a schedule whose second-order update divides by a zero step (float64 on the float32 sigmas):
+        """Refuse a schedule whose second- or third-order update divides by a zero step (float64 on the float32 sigmas):
         repeated timesteps make ``h_0 = 0`` (and ``1 / r0 = h / h_0`` infinite), and heun's ``(e^-h - 1) / h`` is
         ``0 / 0`` at ``h = 0``. diffusers' sample is NaN or inf from that step on; so was ours."""
         cfg, n = self.config, len(sigmas) - 1
@@ -217,9 +217,13 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
                 k = 2.0 if cfg.sde else 1.0  # (the SDE solver's weights are the ODE one's at 2h, over 2h)
                 phi = np.expm1(-k * h)
                 weight = -0.5 * phi if cfg.solver_type == "midpoint" else phi / (k * h) + 1.0
-                if not np.isfinite(weight * (h / h_0)):
+                defined = np.isfinite(weight * (h / h_0))
+                if cfg.solver_order == 3 and i >= begin + 2:  # (also 1 / r1 and the heun-type weights)
+                    h_1 = lam[i - 1] - lam[i - 2]
+                    defined &= np.isfinite(h / h_1) and np.isfinite(h / (h_0 + h_1)) and np.isfinite(phi / (k * h))
+                if not defined:
                     raise ConfigError(
-                        f"DPMSolverMultistepScheduler: the second-order update of step {i} of {n} (sigmas "
+                        f"DPMSolverMultistepScheduler: the multistep update of step {i} of {n} (sigmas "
                         f"{s[i - 1]:g}, {s[i]:g} -> {s[i + 1]:g}) divides by a zero step (a repeated sigma; diffusers' "
                         "sample is NaN or inf from there): use fewer steps (1000 'linspace' steps repeat a timestep),"
                         " another timestep_spacing, euler_at_final=True (at the last step) or solver_order=1")
@@ -273,6 +277,29 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
             return first - 0.5 * (alpha_t * (jnp.exp(-h) - 1.0)) * d1
         return first + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1
 
+    def _third_order(self, state: DPMSolverState, m, x):
+        i = state.step_index
+        alpha_t, sigma_t = self._alpha_sigma(state.sigmas[i + 1])
+        lambda_t = _lambda(alpha_t, sigma_t)
+        alpha_s0, sigma_s0 = self._alpha_sigma(state.sigmas[i])
+        lambda_s0 = _lambda(alpha_s0, sigma_s0)
+        lambda_s1 = _lambda(*self._alpha_sigma(state.sigmas[jnp.maximum(i - 1, 0)]))
+        lambda_s2 = _lambda(*self._alpha_sigma(state.sigmas[jnp.maximum(i - 2, 0)]))
+        m0, m1, m2 = m[-1], m[-2], m[-3]
+        h, h_0, h_1 = lambda_t - lambda_s0, lambda_s0 - lambda_s1, lambda_s1 - lambda_s2
+        r0, r1 = h_0 / h, h_1 / h
+        d1_0, d1_1 = (1.0 / r0) * (m0 - m1), (1.0 / r1) * (m1 - m2)
+        d1 = d1_0 + (r0 / (r0 + r1)) * (d1_0 - d1_1)
+        d2 = (1.0 / (r0 + r1)) * (d1_0 - d1_1)
+        if self.config.sde:
+            e = jnp.exp(-2.0 * h)
+            return ((sigma_t / sigma_s0 * jnp.exp(-h)) * x + (alpha_t * (1.0 - e)) * m0
+                    + (alpha_t * ((1.0 - e) / (-2.0 * h) + 1.0)) * d1
+                    + (alpha_t * ((1.0 - e - 2.0 * h) / (2.0 * h) ** 2 - 0.5)) * d2)
+        e = jnp.exp(-h)
+        return ((sigma_t / sigma_s0) * x - (alpha_t * (e - 1.0)) * m0 + (alpha_t * ((e - 1.0) / h + 1.0)) * d1
+                - (alpha_t * ((e - 1.0 + h) / h**2 - 0.5)) * d2)
+
     def update(self, state: DPMSolverState, out, x, *, key=None, noise=None):
         cfg = self.config
         learned = cfg.variance_type in ("learned", "learned_range")  # diffusers ignores the fixed_* types
@@ -283,7 +310,6 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
         n = state.num_timesteps
         i = state.step_index
         final_first_order = cfg.euler_at_final | (cfg.lower_order_final & (n < 15)) | (cfg.final_sigmas_type == "zero")
-        # (diffusers' "lower_order_second" only matters for third order, which eqxdiff does not implement.)
         lower_final = (i == n - 1) & final_first_order
         x0 = self._data_prediction(state, out, x)
         m = jnp.concatenate([state.model_outputs[1:], x0[None]])
@@ -291,7 +317,12 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
             prev = self._first_order(state, m, x)
         else:
             use_first = (state.lower_order_nums < 1) | lower_final
-            prev = lax.cond(use_first, self._first_order, self._second_order, state, m, x)
+            # third order: from the third step, but the second-to-last of a short run (lower_order_second)
+            use_second = (cfg.solver_order == 2) | (state.lower_order_nums < 2) | (
+                (i == n - 2) & cfg.lower_order_final & (n < 15))
+            prev = lax.switch(jnp.where(use_first, 0, jnp.where(use_second, 1, 2)),
+                              [self._first_order, self._second_order, self._third_order][:cfg.solver_order],
+                              state, m, x)
         if cfg.sde:  # sde-dpmsolver++: sigma_t * sqrt(1 - e^(-2h)) * noise, drawn every step as diffusers
             alpha_t, sigma_t = self._alpha_sigma(state.sigmas[i + 1])
             alpha_s, sigma_s = self._alpha_sigma(state.sigmas[i])
