@@ -182,7 +182,15 @@ CASES = [
     # DPM-Solver++ on flow sigmas (Wan's DPM++: 1 - sigma, sigma; the shifted schedule from 1 - 1/T; refused before),
     # from a UniPC config (Wan's folders) whose solver_type bh2 diffusers reads as midpoint (refused before too)
     ("DPMSolverMultistepScheduler", dict(WAN, flow_shift=5.0, solver_type="bh2"), 8, {}, None),
-    ("DPMSolverMultistepScheduler", dict(WAN, solver_type="heun", lower_order_final=False), 6, {}, None),
+    # dynamic shifting: mu sets the flow shift to exp(mu) (refused before)
+    ("DPMSolverMultistepScheduler", dict(WAN, use_dynamic_shifting=True), 5, {"mu": 1.2}, None),
+    # DPM++ 2M SDE (sde-dpmsolver++: noise every step; refused before), on a beta schedule and on flow sigmas
+    ("DPMSolverMultistepScheduler", dict(SD, algorithm_type="sde-dpmsolver++", solver_type="heun",
+                                         use_karras_sigmas=True, solver_order=3), 8, {}, None),
+    ("DPMSolverMultistepScheduler", dict(WAN, algorithm_type="sde-dpmsolver++"), 6, {}, None),
+    # (a v-prediction on flow sigmas: alpha = 1 - sigma; diffusers runs it, it was refused)
+    ("DPMSolverMultistepScheduler", dict(WAN, solver_type="heun", lower_order_final=False,
+                                         prediction_type="v_prediction"), 6, {}, None),
     # LCM and TCD
     ("LCMScheduler", {}, 4, {}, None),
     ("LCMScheduler", {}, None, {"timesteps": [999, 759, 499, 259]}, None),
@@ -448,7 +456,8 @@ def test_fori_loop_with_keys(name, config):
     ({"_class_name": UNIPC, **WAN, "use_beta_sigmas": True}, "use_beta_sigmas=True cannot be combined"),
     ({"_class_name": UNIPC, "prediction_type": "flow_prediction", "predict_x0": False}, "needs predict_x0=True"),
     ({"_class_name": UNIPC, "disable_corrector": [1.5]}, "disable_corrector"),
-    ({"_class_name": "DPMSolverMultistepScheduler", "use_flow_sigmas": True}, "'flow_prediction' goes with"),
+    ({"_class_name": "DPMSolverMultistepScheduler", "prediction_type": "flow_prediction"},
+     "prediction_type='flow_prediction' needs use_flow_sigmas=True"),
     ({"_class_name": "DPMSolverMultistepScheduler", **WAN, "use_karras_sigmas": True},
      "use_karras_sigmas=True cannot be combined with use_flow_sigmas=True"),
     ({"_class_name": "LCMScheduler", "original_inference_steps": 0}, "original_inference_steps=0"),
@@ -493,7 +502,7 @@ def test_init_errors_name_the_argument():
         build("TCDScheduler").init(timesteps=[1000, 500])
     with pytest.raises(ValueError, match="eta=1.5"):
         S.TCDScheduler(eta=1.5)
-    with pytest.raises(ValueError, match="mu= shifts flow sigmas"):
+    with pytest.raises(ValueError, match="mu= needs use_dynamic_shifting=True and time_shift_type='exponential'"):
         build("DPMSolverMultistepScheduler").init(10, mu=0.7, sample_shape=SHAPE)
     with pytest.raises(ValueError, match="timesteps= cannot be used with use_karras_sigmas=True"):
         build("EulerDiscreteScheduler", use_karras_sigmas=True).init(timesteps=[999.0, 500.0])

@@ -160,7 +160,10 @@ CASES = [
     ("PNDMScheduler", dict(SD, skip_prk_steps=False, prediction_type="v_prediction", timestep_spacing="linspace"), 25),
     ("PNDMScheduler", dict(skip_prk_steps=False, beta_schedule="squaredcos_cap_v2", timestep_spacing="trailing"), 25),
     # Euler
-    ("EulerDiscreteScheduler", dict(SD, timestep_spacing="leading", steps_offset=1), 25),
+    # log_linear: n + 1 levels evenly spaced in log sigma, and diffusers' one more after them (refused before)
+    ("EulerDiscreteScheduler", dict(SD, timestep_spacing="leading", steps_offset=1, interpolation_type="log_linear"),
+     25),
+    ("EulerDiscreteScheduler", dict(SD, interpolation_type="log_linear", use_beta_sigmas=True, sigma_max=10.0), 7),
     ("EulerDiscreteScheduler", dict(SD, prediction_type="v_prediction", use_karras_sigmas=True), 10),
     ("EulerDiscreteScheduler", dict(SD, rescale_betas_zero_snr=True, prediction_type="v_prediction",
                                     timestep_spacing="trailing"), 25),
@@ -179,6 +182,7 @@ CASES = [
     # LMS
     ("LMSDiscreteScheduler", dict(SD, timestep_spacing="leading", steps_offset=1), 25),
     ("LMSDiscreteScheduler", dict(SD, prediction_type="v_prediction", use_karras_sigmas=True), 10),
+    ("LMSDiscreteScheduler", dict(SD, use_beta_sigmas=True), 10),  # (beta sigmas were refused here, and below)
     ("LMSDiscreteScheduler", dict(prediction_type="sample", timestep_spacing="trailing"), 1),
     # 'trailing' overshoots to timestep -1 at 61 steps: 62 timesteps (diffusers' too), LMS had 61 steps' coefficients
     # and Euler 62 Karras levels (diffusers: 61)
@@ -186,17 +190,19 @@ CASES = [
     ("EulerDiscreteScheduler", dict(SD, timestep_spacing="trailing", use_karras_sigmas=True), 61),
     # DPM-Solver++
     ("DPMSolverMultistepScheduler", dict(SD, timestep_spacing="leading", steps_offset=1), 25),
-    ("DPMSolverMultistepScheduler", dict(SD, use_karras_sigmas=True), 10),
+    ("DPMSolverMultistepScheduler", dict(SD, use_karras_sigmas=True, solver_order=3), 10),  # (order 3 was refused)
     # (Not with karras: sigma_max = 4096 makes the first two karras timesteps both 999, and diffusers then
     # starts at index 1 and runs off the end of its sigmas.)
     ("DPMSolverMultistepScheduler", dict(SD, prediction_type="v_prediction", rescale_betas_zero_snr=True,
                                          timestep_spacing="trailing"), 25),
     ("DPMSolverMultistepScheduler", dict(lower_order_final=False, final_sigmas_type="sigma_min",
-                                         prediction_type="v_prediction"), 10),
+                                         prediction_type="v_prediction", use_lu_lambdas=True), 10),
+    ("DPMSolverMultistepScheduler", dict(SD, use_beta_sigmas=True, solver_type="heun"), 10),
     ("DPMSolverMultistepScheduler", dict(prediction_type="sample", thresholding=True, solver_type="heun",
                                          sample_max_value=1.2, timestep_spacing="trailing"), 10),
     ("DPMSolverMultistepScheduler", dict(SD, euler_at_final=True, use_exponential_sigmas=True), 20),
-    ("DPMSolverMultistepScheduler", dict(SD, solver_order=1), 1),
+    # (a DDPM config's variance_type carries over to DPM-Solver, which ignores the fixed_* types: it was refused)
+    ("DPMSolverMultistepScheduler", dict(SD, solver_order=1, variance_type="fixed_small"), 1),
     # 'trailing' at 61 steps ends at timestep -1: 62 steps, the last one's sigma clamped to timestep 0's (diffusers
     # interpolates); with sigma_min the last step is from that sigma to itself (h = 0). It was refused.
     ("DPMSolverMultistepScheduler", dict(SD, timestep_spacing="trailing", final_sigmas_type="sigma_min"), 61),
@@ -221,7 +227,10 @@ def test_trajectory_matches_diffusers(case):
     class_name, config, n = case
     raw = _raw(class_name, **config)
     ref, sched, state = _pair(raw, n)
-    _check_schedule(ref, sched, state, _float64(raw, n))
+    ref64 = _float64(raw, n)
+    if config.get("interpolation_type") == "log_linear":  # diffusers keeps one level more than its steps reach
+        ref.sigmas, ref64.sigmas = ref.sigmas[:len(state.timesteps) + 1], ref64.sigmas[:len(state.timesteps) + 1]
+    _check_schedule(ref, sched, state, ref64)
     x = np.random.default_rng(n).standard_normal(SHAPE).astype(np.float32) * float(ref.init_noise_sigma)
     expected, noises = _reference(ref, raw, n, nhwc_to_nchw(x))
     ours, final = _trajectory(sched, state, jnp.asarray(x), noises, _learned(raw))
@@ -431,7 +440,7 @@ def test_options_set_last_over_the_names_own_keys():
 @pytest.mark.parametrize("class_name", list(S.SCHEDULER_CLASSES))
 def test_config_covers_every_diffusers_key(class_name):
     """Each diffusers ``__init__`` argument is a config field, or one whose only values eqxdiff ignores."""
-    ignored = {"flow_shift", "time_shift_type"}  # only read with use_flow_sigmas / use_dynamic_shifting
+    ignored = {"flow_shift", "time_shift_type"}  # (LCM/TCD and others: keys their diffusers class only stores)
     params = set(inspect.signature(getattr(diffusers, class_name).__init__).parameters) - {"self"}
     fields = set(S.SCHEDULER_CLASSES[class_name].CONFIG().to_dict())
     assert params - fields <= ignored, params - fields - ignored
@@ -447,13 +456,15 @@ def test_config_covers_every_diffusers_key(class_name):
     (_raw("DDIMScheduler", prediction_type="flow_prediction"), "prediction_type='flow_prediction'"),
     (_raw("PNDMScheduler", prediction_type="sample"), "prediction_type='sample'"),
     (_raw("EulerAncestralDiscreteScheduler", prediction_type="sample"), "prediction_type='sample'"),
-    (_raw("EulerDiscreteScheduler", use_beta_sigmas=True), "use_beta_sigmas=True"),
-    (_raw("EulerDiscreteScheduler", interpolation_type="log_linear"), "interpolation_type='log_linear'"),
+    (_raw("LMSDiscreteScheduler", use_exponential_sigmas=True, use_beta_sigmas=True),
+     "use_exponential_sigmas=True cannot be combined with use_beta_sigmas=True"),
+    (_raw("EulerDiscreteScheduler", interpolation_type="cubic"), "interpolation_type='cubic'"),
     (_raw("EulerDiscreteScheduler", use_karras_sigmas=True, use_exponential_sigmas=True), "use_karras_sigmas"),
-    (_raw("DPMSolverMultistepScheduler", algorithm_type="sde-dpmsolver++"), "algorithm_type='sde-dpmsolver\\+\\+'"),
-    (_raw("DPMSolverMultistepScheduler", solver_order=3), "solver_order=3"),
-    (_raw("DPMSolverMultistepScheduler", use_lu_lambdas=True), "use_lu_lambdas=True"),
-    (_raw("DDPMScheduler", variance_type="fixed_large_log"), "variance_type='fixed_large_log'"),
+    (_raw("DPMSolverMultistepScheduler", algorithm_type="sde-dpmsolver"), "algorithm_type='sde-dpmsolver'"),
+    (_raw("DPMSolverMultistepScheduler", solver_order=4), "solver_order=4"),
+    (_raw("DPMSolverMultistepScheduler", use_lu_lambdas=True, use_flow_sigmas=True,
+          prediction_type="flow_prediction"), "use_lu_lambdas=True cannot be combined with use_flow_sigmas"),
+    (_raw("DDPMScheduler", variance_type="fixed_large_log"), "variance_type='fixed_large_log' gives NaN"),
     (_raw("DDPMScheduler", trained_betas=[0.1, 0.2]), "trained_betas"),
     (_raw("DDIMScheduler", clip_sample=1), "clip_sample=1"),
     (_raw("KDPM2DiscreteScheduler"), "_class_name='KDPM2DiscreteScheduler'.*DDIMScheduler"),
@@ -497,7 +508,7 @@ def test_dpm_solver_zero_step_is_refused_where_diffusers_is_not_finite():
     for t in ref.timesteps:
         x = ref.step(0.3 * x + 0.1, t, x).prev_sample
     assert not torch.isfinite(x).all()
-    with pytest.raises(ConfigError, match="second-order update of step 6 of 7 .* divides by a zero step"):
+    with pytest.raises(ConfigError, match="multistep update of step 6 of 7 .* divides by a zero step"):
         scheduler_from_config(raw).init(7, sample_shape=SHAPE)
     scheduler_from_config(raw, euler_at_final=True).init(7, sample_shape=SHAPE)  # the fix it names
     with pytest.raises(ConfigError, match=r"step 500 of 1000 .* \(1000 'linspace' steps repeat a timestep\)"):

@@ -127,8 +127,9 @@ class TestUNetSDXL(UNetParity):
 
 
 class TestUNetLists(UNetParity):
-    """Per-block lists, only_cross_attention, LCM's time_cond_proj_dim, the other time-embedding knobs (the time
-    embedding as the ResNets' scale and shift too; a "timestep" class embedding concatenated), no mid block,
+    """Per-block lists, only_cross_attention, LCM's time_cond_proj_dim, the other time-embedding knobs (Gaussian
+    Fourier timestep features, which the "timestep" class embedding takes too; the time embedding as the ResNets'
+    scale and shift; the class embedding concatenated), no mid block,
     padding-0 downsampling, 1x1 conv_in, an odd-sized sample, float timesteps and ControlNet residuals."""
 
     config = dict(block_out_channels=(16, 32), norm_num_groups=8, in_channels=5, out_channels=3,
@@ -138,7 +139,8 @@ class TestUNetLists(UNetParity):
                   transformer_layers_per_block=(2, 1), time_cond_proj_dim=6, timestep_post_act="silu",
                   time_embedding_act_fn="silu", time_embedding_dim=48, center_input_sample=True,
                   mid_block_type=None, downsample_padding=0, conv_in_kernel=1, mid_block_scale_factor=1.5,
-                  resnet_time_scale_shift="scale_shift", class_embed_type="timestep", class_embeddings_concat=True)
+                  resnet_time_scale_shift="scale_shift", class_embed_type="timestep", class_embeddings_concat=True,
+                  time_embedding_type="fourier")
     full_size = {"lcm-sd15": LCM_SD15}
     size = (15, 13)
 
@@ -213,14 +215,23 @@ def test_freeu_is_diffusers_enable_freeu(sd1):
 
 @pytest.mark.parametrize("key,value", [
     ("resnet_time_scale_shift", "spatial"), ("class_embed_type", "projection"), ("addition_embed_type", "text"),
-    ("mid_block_type", "UNetMidBlock2DSimpleCrossAttn"), ("encoder_hid_dim_type", "image_proj"), ("dual_cross_attention", True),
-    ("time_embedding_type", "fourier"), ("down_block_types", ["AttnDownBlock2D", "DownBlock2D"]),
+    ("mid_block_type", "UNetMidBlock2DSimpleCrossAttn"), ("encoder_hid_dim_type", "image_proj"),
+    ("time_embedding_type", "learned"), ("down_block_types", ["AttnDownBlock2D", "DownBlock2D"]),
     ("norm_num_groups", 12), ("layers_per_block", [1, 2, 3]), ("act_fn", "tanh"),
 ])
 def test_unsupported_config_values_raise(key, value):
     raw = {**TestUNetSD1.config, key: value}
     with pytest.raises(ConfigError, match=rf"\b{key}="):
         UNet2DConditionConfig.from_dict(raw)
+
+
+def test_dual_cross_attention_is_refused_as_diffusers_cannot_run_it():
+    """diffusers builds DualTransformer2DModel blocks but its forward fails; without attention blocks it is a no-op."""
+    with pytest.raises(ConfigError, match=r"dual_cross_attention=True .*cannot run them"):
+        UNet2DConditionConfig.from_dict({**TestUNetSD1.config, "dual_cross_attention": True})
+    plain = dict(TestUNetSD1.config, down_block_types=["DownBlock2D"] * 2, up_block_types=["UpBlock2D"] * 2,
+                 mid_block_type="UNetMidBlock2D")
+    assert UNet2DConditionConfig.from_dict({**plain, "dual_cross_attention": True}).dual_cross_attention
 
 
 def test_unsupported_config_raises_on_load(sd1, tmp_path):

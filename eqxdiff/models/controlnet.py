@@ -21,12 +21,8 @@ from ..core import ConfigError, Plan, constrain
 from ..nn import Conv2d, Embedding, Linear, TimestepEmbedding, build_abstract, silu
 from ._base import PretrainedModel
 from ._unet_blocks import DownBlock, MidBlock
-from .unet2d import (
+from ._unet_encoder import (
     IMAGE,
-    MID_BLOCK_TYPES,
-    TimestepLike,
-    UNet2DConditionConfig,
-    UNet2DConditionModel,
     build_class_embedding,
     build_encoder,
     check_conditioning,
@@ -34,6 +30,7 @@ from .unet2d import (
     embed_time,
     run_encoder,
 )
+from .unet2d import MID_BLOCK_TYPES, TimestepLike, UNet2DConditionConfig, UNet2DConditionModel
 
 __all__ = ["ControlNetConditioningEmbedding", "ControlNetConfig", "ControlNetModel", "ControlNetOutput",
            "MultiControlNetModel"]

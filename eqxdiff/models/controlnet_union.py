@@ -43,8 +43,9 @@ from ..nn import (
     timestep_embedding,
 )
 from ._base import PretrainedModel
+from ._unet_encoder import IMAGE, check_conditioning, embed_class, embed_time
 from .controlnet import ControlNetConfig, ControlNetModel, ControlNetOutput
-from .unet2d import IMAGE, TimestepLike, UNet2DConditionModel, check_conditioning, embed_class, embed_time
+from .unet2d import TimestepLike, UNet2DConditionModel
 
 __all__ = ["ControlNetUnionConfig", "ControlNetUnionModel", "MultiControlNetUnionModel", "ResidualAttentionBlock",
            "SequenceFirstSelfAttention", "control_type_vector"]

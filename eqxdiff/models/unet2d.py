@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .._typing import Array, Bool, Float, Int, PRNGKeyArray, typechecked
 from ..core import ConfigError, ModelConfig, Plan, checkpoint_block, constrain
-from ..nn import Conv2d, Embedding, GroupNorm, Linear, TimestepEmbedding, activation, timestep_embedding
+from ..nn import Conv2d, Embedding, GaussianFourierProjection, GroupNorm, Linear, TimestepEmbedding, activation
 from ._base import PretrainedModel
 from ._unet_blocks import (
     AttentionSpec,
@@ -25,6 +25,15 @@ from ._unet_blocks import (
     UpBlock,
     UpBlockSpec,
     add_residuals,
+)
+from ._unet_encoder import (
+    IMAGE,
+    build_class_embedding,
+    build_encoder,
+    check_conditioning,
+    embed_class,
+    embed_time,
+    run_encoder,
 )
 
 DOWN_BLOCK_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")
@@ -46,16 +55,17 @@ class UNet2DConditionConfig(ModelConfig):
     ``"projection"`` MLP or ``"simple_projection"`` linear of ``projection_class_embeddings_input_dim`` features)
     is added to the time embedding (concatenated with ``class_embeddings_concat``) from ``class_labels``.
     ``encoder_hid_dim`` (``encoder_hid_dim_type="text_proj"``, its default then, as in diffusers): the text states
-    of that width are first projected to ``cross_attention_dim`` (``encoder_hid_proj``)."""
+    of that width are first projected to ``cross_attention_dim`` (``encoder_hid_proj``). ``time_embedding_type=
+    "fourier"``: the timestep's features are Gaussian Fourier ones (``time_proj.weight``; ``time_embed_dim``
+    defaults to twice the first block's width then)."""
 
     HID_DIM_DEFAULT_TYPE: ClassVar = "text_proj"  # encoder_hid_dim_type when only encoder_hid_dim is set
     SUPPORTED_VALUES: ClassVar = {
         "resnet_time_scale_shift": ("default", "scale_shift"),
-        "time_embedding_type": ("positional",),
+        "time_embedding_type": ("positional", "fourier"),
         "class_embed_type": CLASS_EMBED_TYPES,
         "encoder_hid_dim_type": (None, "text_proj"),
         "addition_embed_type": (None, "text_time"),
-        "dual_cross_attention": (False,),
         "attention_type": ("default",),
         "mid_block_type": MID_BLOCK_TYPES,
     }
@@ -136,6 +146,8 @@ class UNet2DConditionConfig(ModelConfig):
             value = getattr(self, key)
             self.check(value is None and key != "act_fn" or value in _ACTIVATIONS, key,
                        f"is not an activation eqxdiff knows; use one of {list(_ACTIVATIONS)}")
+        self.check(not self.fourier or self.time_embed_dim % 2 == 0, "time_embedding_dim", "must be even with "
+                   "time_embedding_type='fourier' (half sines, half cosines)")
         for key in ("conv_in_kernel", "conv_out_kernel"):
             self.check(getattr(self, key) % 2 == 1, key, "must be odd (the convolution keeps the spatial size)")
         nested = any(isinstance(t, tuple) for t in self._per_block("transformer_layers_per_block"))
@@ -159,6 +171,9 @@ class UNet2DConditionConfig(ModelConfig):
         if self.addition_embed_type == "text_time":
             for key in ("addition_time_embed_dim", "projection_class_embeddings_input_dim"):
                 self.check(getattr(self, key) is not None, key, "must be set when addition_embed_type='text_time'")
+        self.check(not (self.dual_cross_attention and self.attention_specs), "dual_cross_attention", "is not "
+                   "supported: diffusers builds DualTransformer2DModel blocks for it but cannot run them (its blocks "
+                   "pass encoder_attention_mask, which DualTransformer2DModel.forward does not take: TypeError)")
         for spec in self.attention_specs:
             self.check(spec.heads is not None and spec.heads > 0, "attention_head_dim",
                        "must give a number of heads for every block with attention")
@@ -188,7 +203,16 @@ class UNet2DConditionConfig(ModelConfig):
 
     @property
     def time_embed_dim(self) -> int:
-        return self.time_embedding_dim or 4 * self.block_out_channels[0]
+        return self.time_embedding_dim or (2 if self.fourier else 4) * self.block_out_channels[0]
+
+    @property
+    def fourier(self) -> bool:
+        return self.time_embedding_type == "fourier"
+
+    @property
+    def timestep_input_dim(self) -> int:
+        """The width of a timestep's features (sinusoids, or Gaussian Fourier ones) fed to ``time_embedding``."""
+        return self.time_embed_dim if self.fourier else self.block_out_channels[0]
 
     @property
     def has_class_embedding(self) -> bool:
@@ -270,8 +294,13 @@ class UNet2DConditionModel(PretrainedModel):
     """The conditional UNet on channels-last latents; parameter names are diffusers' state-dict names."""
 
     config_class: ClassVar[type] = UNet2DConditionConfig
+    # time_embedding_type="fourier": the angles t * w * 2 pi reach thousands of radians, and a bfloat16 w (8 bits)
+    # loses their phase: diffusers' bfloat16 run of tests/test_unet.py's TestUNetLists is 21% off its float32 one.
+    # These few weights stay float32 (diffusers keeps none of the UNet's; its float32 is the reference).
+    KEEP_IN_FLOAT32: ClassVar[tuple[str, ...]] = ("time_proj",)
 
     conv_in: Conv2d
+    time_proj: GaussianFourierProjection | None  # time_embedding_type="fourier" (sinusoids otherwise: no weights)
     time_embedding: TimestepEmbedding
     add_embedding: TimestepEmbedding | None
     class_embedding: TimestepEmbedding | Embedding | Linear | None
@@ -292,6 +321,8 @@ class UNet2DConditionModel(PretrainedModel):
             c, dtype=dtype, keys=(kin, kt, ka, kd, km))
         self.up_blocks = [UpBlock(s, c.resnet_spec, dtype=dtype, key=k)
                           for s, k in zip(c.up_blocks, jax.random.split(ku, c.num_blocks))]
+        self.time_proj = GaussianFourierProjection(c.time_embed_dim // 2, flip_sin_to_cos=c.flip_sin_to_cos,
+                                                   dtype=dtype, key=jax.random.fold_in(key, 9)) if c.fourier else None
         self.class_embedding = build_class_embedding(c, dtype, jax.random.fold_in(key, 7))
         self.encoder_hid_proj = None if c.encoder_hid_dim is None else Linear(
             c.encoder_hid_dim, c.cross_attention_dim, dtype=dtype, key=jax.random.fold_in(key, 8))
@@ -365,128 +396,6 @@ class UNet2DConditionModel(PretrainedModel):
             raise ValueError(f"{type(self).__name__}: pass down_block_additional_residuals and "
                              "mid_block_additional_residual together (ControlNet); T2I-Adapter style intra-block "
                              "residuals are not supported")
-
-
-# -- what a UNet and its encoder alone (eqxdiff.models.controlnet) share -----------------------------------------
-
-IMAGE = ("batch", "height", "width", "channels")  # logical axes of channels-last feature maps
-
-
-def build_encoder(c: UNet2DConditionConfig, *, dtype, keys) -> tuple:
-    """``(conv_in, time_embedding, add_embedding, down_blocks, mid_block)`` of config ``c``, from the five ``keys``."""
-    kin, kt, ka, kd, km = keys
-    ch0 = c.block_out_channels[0]
-    conv_in = Conv2d(c.in_channels, ch0, c.conv_in_kernel, padding=c.conv_in_kernel // 2, dtype=dtype, key=kin)
-    time_embedding = TimestepEmbedding(ch0, c.time_embed_dim, act_fn=c.act_fn, post_act_fn=c.timestep_post_act,
-                                       cond_proj_dim=c.time_cond_proj_dim, dtype=dtype, key=kt)
-    add_embedding = (TimestepEmbedding(c.projection_class_embeddings_input_dim, c.time_embed_dim, dtype=dtype, key=ka)
-                     if c.addition_embed_type == "text_time" else None)
-    res = c.resnet_spec
-    down_blocks = [DownBlock(s, res, dtype=dtype, key=k)
-                   for s, k in zip(c.down_blocks, jax.random.split(kd, c.num_blocks))]
-    mid_res = dataclasses.replace(res, output_scale_factor=c.mid_block_scale_factor)
-    mid_block = MidBlock(c.mid_block, mid_res, dtype=dtype, key=km) if c.mid_block else None
-    return conv_in, time_embedding, add_embedding, down_blocks, mid_block
-
-
-def embed_time(model, timestep, batch: int, dtype, *, text_embeds=None, time_ids=None, timestep_cond=None,
-               class_emb=None):
-    """``model``'s time embedding ``[batch, time_embed_dim]`` in ``dtype`` (plus ``class_emb``, added or concatenated,
-    and SDXL's ``text_time`` embedding), computed in float32 (the weights are upcast)."""
-    c = model.config
-    t = jnp.broadcast_to(jnp.asarray(timestep).reshape(-1), (batch,))
-    emb = model.time_embedding(
-        timestep_embedding(t, c.block_out_channels[0], flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift),
-        None if timestep_cond is None else timestep_cond.astype(jnp.float32))
-    if class_emb is not None:
-        emb = jnp.concatenate([emb, class_emb], axis=-1) if c.class_embeddings_concat else emb + class_emb
-    if model.add_embedding is not None:
-        time_embeds = timestep_embedding(time_ids.reshape(-1), c.addition_time_embed_dim,
-                                         flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift)
-        add = jnp.concatenate([text_embeds.astype(jnp.float32), time_embeds.reshape(batch, -1)], axis=-1)
-        emb = emb + model.add_embedding(add)
-    if c.time_embedding_act_fn is not None:
-        emb = activation(c.time_embedding_act_fn)(emb)
-    return emb.astype(dtype)
-
-
-def build_class_embedding(c: UNet2DConditionConfig, dtype, key, act_fn: str | None = None):
-    """diffusers' ``class_embedding`` of config ``c`` (``None``: none, or ``"identity"``); ``act_fn`` that of a
-    ``"timestep"`` one (default ``c.act_fn``)."""
-    if c.class_embed_type == "timestep":
-        return TimestepEmbedding(c.block_out_channels[0], c.time_embed_dim, act_fn=act_fn or c.act_fn, dtype=dtype,
-                                 key=key)
-    if c.class_embed_type == "projection":
-        return TimestepEmbedding(c.projection_class_embeddings_input_dim, c.time_embed_dim, dtype=dtype, key=key)
-    if c.class_embed_type == "simple_projection":
-        return Linear(c.projection_class_embeddings_input_dim, c.time_embed_dim, dtype=dtype, key=key)
-    if c.class_embed_type is None and c.num_class_embeds is not None:
-        return Embedding(c.num_class_embeds, c.time_embed_dim, axes=(None, "embed"), dtype=dtype, key=key)
-    return None
-
-
-def embed_class(model, labels, batch: int):
-    """The class embedding of ``labels`` in float32 (``None`` for a model without one), as diffusers'
-    ``get_class_embed``."""
-    c, name = model.config, type(model).__name__
-    if not c.has_class_embedding:
-        if labels is not None:
-            raise ValueError(f"{name}: class_labels given, but this model has no class embedding "
-                             f"(class_embed_type={c.class_embed_type!r}, num_class_embeds={c.num_class_embeds})")
-        return None
-    if labels is None:
-        raise ValueError(f"{name}: class_embed_type={c.class_embed_type!r}, num_class_embeds={c.num_class_embeds}"
-                         " needs class_labels")
-    if c.class_embed_type == "timestep":
-        t = jnp.broadcast_to(jnp.asarray(labels).reshape(-1), (batch,))
-        labels = timestep_embedding(t, c.block_out_channels[0], flip_sin_to_cos=c.flip_sin_to_cos,
-                                    freq_shift=c.freq_shift)
-    elif c.class_embed_type is None:  # a table of num_class_embeds rows
-        return model.class_embedding(jnp.asarray(labels).reshape(-1).astype(jnp.int32)).astype(jnp.float32)
-    labels = labels.astype(jnp.float32)
-    return labels if model.class_embedding is None else model.class_embedding(labels)
-
-
-def run_encoder(model, h, emb, context, mask):
-    """``conv_in``'s output through ``model``'s down blocks and mid block, with sharding constraints and the remat
-    policy at each block boundary: ``(mid-block output, skips)``, the skips in the order the down path makes them."""
-    plan = model.plan
-    skips = [h]
-    for block in model.down_blocks:
-        h, block_skips = checkpoint_block(block, plan)(h, emb, context, mask)
-        h = constrain(h, plan, IMAGE)
-        skips.extend(block_skips)
-    if model.mid_block is not None:
-        h = constrain(checkpoint_block(model.mid_block, plan)(h, emb, context, mask), plan, IMAGE)
-    return h, skips
-
-
-def check_conditioning(model, sample, context, text_embeds, time_ids) -> None:
-    """Raise ``ValueError`` naming the fix if ``model``'s inputs do not fit its config."""
-    c = model.config
-    name = type(model).__name__
-    if sample.shape[-1] != c.in_channels:
-        hint = (" It looks channels-first; eqxdiff is channels-last: use jnp.moveaxis(sample, 1, -1)."
-                if sample.shape[1] == c.in_channels else "")
-        raise ValueError(f"{name}: sample must be [batch, height, width, {c.in_channels}] (channels-last), got "
-                         f"shape {sample.shape}.{hint}")
-    if c.context_dim is not None and context.shape[-1] != c.context_dim:
-        raise ValueError(f"{name}: encoder_hidden_states must be [batch, seq, {c.context_dim}] "
-                         f"(cross_attention_dim), got shape {context.shape}")
-    if c.addition_embed_type == "text_time":
-        if text_embeds is None or time_ids is None:
-            raise ValueError(f"{name}: addition_embed_type='text_time' (SDXL) needs text_embeds (the pooled text "
-                             "embedding) and time_ids (original size, crop, target size); got text_embeds="
-                             f"{getattr(text_embeds, 'shape', None)}, time_ids={getattr(time_ids, 'shape', None)}")
-        got = text_embeds.shape[-1] + time_ids.shape[-1] * c.addition_time_embed_dim
-        if got != c.projection_class_embeddings_input_dim:
-            raise ValueError(f"{name}: text_embeds {text_embeds.shape} and time_ids {time_ids.shape} give "
-                             f"{text_embeds.shape[-1]} + {time_ids.shape[-1]} * {c.addition_time_embed_dim} = "
-                             f"{got} features, but projection_class_embeddings_input_dim="
-                             f"{c.projection_class_embeddings_input_dim}")
-    elif text_embeds is not None or time_ids is not None:
-        raise ValueError(f"{name}: text_embeds/time_ids are only used with addition_embed_type='text_time'; "
-                         f"this model has addition_embed_type={c.addition_embed_type!r}")
 
 
 __all__ = ["UNet2DConditionConfig", "UNet2DConditionModel", "ConfigError"]

@@ -45,6 +45,7 @@ from ._conv3d import CausalConv3d as CausalConv3d
 from ._conv3d import Conv3d as Conv3d
 from ._conv3d import per_frame as per_frame
 from ._conv3d import unfold_channels as unfold_channels
+from ._embeddings import GaussianFourierProjection as GaussianFourierProjection
 from ._embeddings import TextProjection as TextProjection
 from ._embeddings import TimestepEmbedding as TimestepEmbedding
 from ._embeddings import timestep_embedding as timestep_embedding

@@ -1,5 +1,6 @@
 """Conditioning embedders shared by the UNet and the diffusion transformers (Flux, Wan, LTX-Video), with diffusers'
-names: the sinusoidal timestep embedding (``Timesteps``), ``TimestepEmbedding`` and ``PixArtAlphaTextProjection``."""
+names: the sinusoidal timestep embedding (``Timesteps``), ``GaussianFourierProjection``, ``TimestepEmbedding`` and
+``PixArtAlphaTextProjection``."""
 
 import math
 
@@ -54,6 +55,28 @@ def token_timesteps(timestep, batch: int, seq: int, *, who: str, tokens: str = "
         raise ValueError(f"{who}: timestep of shape {t.shape}; give a scalar, [batch] or [batch, {seq}] (one per "
                          "token)")
     return jnp.broadcast_to(t, (batch,))
+
+
+class GaussianFourierProjection(eqx.Module):
+    """``[sin, cos](2 pi t w)`` (``[cos, sin]`` with ``flip_sin_to_cos``) of frequencies ``w`` drawn once and stored
+    (``weight``), as diffusers' ``GaussianFourierProjection`` with ``log=False``: the UNet's
+    ``time_embedding_type="fourier"``."""
+
+    weight: Float[Array, " half"]
+    flip_sin_to_cos: bool = eqx.field(static=True)
+
+    def __init__(self, half: int, *, flip_sin_to_cos: bool, dtype=jnp.float32, key: PRNGKeyArray):
+        self.weight = jax.random.normal(key, (half,), dtype)
+        self.flip_sin_to_cos = flip_sin_to_cos
+
+    def param_axes(self):
+        return {"weight": ("embed",)}
+
+    @typechecked
+    def __call__(self, t: Float[Array, "*n"] | Int[Array, "*n"]) -> Float[Array, "*n dim"]:
+        args = t.astype(jnp.float32)[..., None] * self.weight.astype(jnp.float32) * 2 * np.pi  # diffusers' order
+        sin, cos = jnp.sin(args), jnp.cos(args)
+        return jnp.concatenate([cos, sin] if self.flip_sin_to_cos else [sin, cos], axis=-1)
 
 
 class TimestepEmbedding(eqx.Module):

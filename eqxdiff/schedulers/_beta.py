@@ -26,6 +26,10 @@ from ._base import BOOLS, AbstractScheduler, AbstractSchedulerState, SchedulerCo
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+# None is what other schedulers' configs carry (DPM-Solver writes variance_type=None); diffusers' DDPM then
+# takes none of _get_variance's branches, which leaves the clamped fixed_small variance. ("fixed_large_log" is
+# refused: diffusers' DDPM takes the square root of its log variance, NaN.)
+VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large", "learned", "learned_range", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +86,12 @@ class ClipSampleConfig(BetaScheduleConfig):
 @dataclasses.dataclass(frozen=True)
 class SigmaSpacingConfig(BetaScheduleConfig):
     """Keys of Euler, LMS and DPM-Solver beyond :class:`BetaScheduleConfig`: noise levels spaced as Karras et al.
-    (``use_karras_sigmas``) or exponentially (``use_exponential_sigmas``) instead of those of the spaced timesteps;
-    beta-distributed sigmas are not supported."""
+    (``use_karras_sigmas``), exponentially (``use_exponential_sigmas``) or as a Beta distribution's quantiles
+    (``use_beta_sigmas``) instead of those of the spaced timesteps; at most one (diffusers refuses more)."""
 
     SUPPORTED_VALUES: ClassVar[Mapping[str, tuple]] = {
         **BetaScheduleConfig.SUPPORTED_VALUES, "use_karras_sigmas": BOOLS, "use_exponential_sigmas": BOOLS,
-        "use_beta_sigmas": (False,)}
+        "use_beta_sigmas": BOOLS}
 
     SCHEDULE_ONLY: ClassVar[frozenset[str]] = BetaScheduleConfig.SCHEDULE_ONLY | {
         "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas"}
@@ -98,8 +102,17 @@ class SigmaSpacingConfig(BetaScheduleConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        self.check(not (self.use_karras_sigmas and self.use_exponential_sigmas), "use_karras_sigmas",
-                   "cannot be combined with use_exponential_sigmas=True")
+        keys = [k for k in SIGMA_SPACINGS if getattr(self, k)]
+        self.check(len(keys) <= 1, keys[0] if keys else "use_karras_sigmas",
+                   f"cannot be combined with {'=True, '.join(keys[1:])}=True: set one of {list(SIGMA_SPACINGS)}")
+
+    @property
+    def sigma_spacing(self) -> str | None:
+        """``"karras"``, ``"exponential"``, ``"beta"`` (the ``kind`` of ``_sigmas.respace``) or ``None``."""
+        return next((SIGMA_SPACINGS[k] for k in SIGMA_SPACINGS if getattr(self, k)), None)
+
+
+SIGMA_SPACINGS = {"use_karras_sigmas": "karras", "use_exponential_sigmas": "exponential", "use_beta_sigmas": "beta"}
 
 
 # ----------------------------------------------------------------------------------------------------------------

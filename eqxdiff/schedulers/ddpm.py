@@ -18,6 +18,7 @@ from ._base import (
     to_device,
 )
 from ._beta import (
+    VARIANCE_TYPES,
     AbstractLearnedVarianceScheduler,
     AlphaProdState,
     ClipSampleConfig,
@@ -28,16 +29,18 @@ from ._beta import (
     x0_and_eps,
 )
 
-# None is what other schedulers' configs carry (DPM-Solver writes variance_type=None); diffusers' DDPM then
-# takes none of _get_variance's branches, which leaves the clamped fixed_small variance.
-VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large", "learned", "learned_range", None)
-
 
 @dataclasses.dataclass(frozen=True)
 class DDPMConfig(ClipSampleConfig):
     SUPPORTED_VALUES: ClassVar = {**ClipSampleConfig.SUPPORTED_VALUES, "variance_type": VARIANCE_TYPES}
 
     variance_type: str | None = "fixed_small"
+
+    def __post_init__(self):
+        self.check(self.variance_type != "fixed_large_log", "variance_type", "gives NaN in diffusers' DDPMScheduler "
+                   "(it adds sqrt(log(beta_t)) * noise, the square root of a negative number, at every step but the "
+                   "last); use 'fixed_large' (variance beta_t) or 'fixed_small'")
+        super().__post_init__()
 
 
 DDPMState = AlphaProdState  # the same state as DDIM's

@@ -31,7 +31,7 @@ from ._beta import (
     train_sigmas,
     x0_from_sigma,
 )
-from ._sigmas import exponential_sigmas, karras_sigmas
+from ._sigmas import respace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class EulerAncestralConfig(BetaScheduleConfig):
 @dataclasses.dataclass(frozen=True)
 class EulerConfig(SigmaSpacingConfig):
     SUPPORTED_VALUES: ClassVar = {
-        **SigmaSpacingConfig.SUPPORTED_VALUES, "interpolation_type": ("linear",),
+        **SigmaSpacingConfig.SUPPORTED_VALUES, "interpolation_type": ("linear", "log_linear"),
         "timestep_type": ("discrete", "continuous"), "final_sigmas_type": ("zero", "sigma_min"),
         "rescale_betas_zero_snr": BOOLS}
 
@@ -131,21 +131,24 @@ class EulerDiscreteScheduler(AbstractSigmaScheduler):
                 timesteps, sigmas, log_sigmas = euler_timesteps_and_sigmas(self, num_inference_steps)
             else:
                 timesteps, sigmas, log_sigmas = self._custom_timesteps(timesteps)
-            if cfg.use_karras_sigmas or cfg.use_exponential_sigmas:
-                lo = cfg.sigma_min if cfg.sigma_min is not None else sigmas[-1].item()
-                hi = cfg.sigma_max if cfg.sigma_max is not None else sigmas[0].item()
-                convert = karras_sigmas if cfg.use_karras_sigmas else exponential_sigmas
+            if cfg.interpolation_type == "log_linear":  # the timesteps stay; n + 1 levels evenly spaced in log
+                # sigma over the training schedule, the last at its smallest (so the step list's last level, below,
+                # is one more than the steps reach, as in diffusers)
+                sigmas = np.exp(np.linspace(log_sigmas[-1].item(), log_sigmas[0].item(),
+                                            (num_inference_steps or len(timesteps)) + 1))
+            if cfg.sigma_spacing:
                 # num_inference_steps levels, as diffusers: not len(timesteps), which 'trailing' spacing makes one
                 # longer for some step counts (NumPy's arange overshoots to -1)
-                sigmas = convert(lo, hi, num_inference_steps)
+                sigmas = respace(cfg.sigma_spacing, sigmas, num_inference_steps, cfg.sigma_min, cfg.sigma_max)
                 timesteps = sigma_to_t(sigmas, log_sigmas)
             acp0 = self.alphas_cumprod[0]
             last = np.sqrt((np.float32(1) - acp0) / acp0) if cfg.final_sigmas_type == "sigma_min" else 0.0
             sigmas = np.concatenate([sigmas, [last]])
-        n = len(timesteps)
         sigmas = sigmas.astype(np.float32)
         if cfg.timestep_type == "continuous" and cfg.prediction_type == "v_prediction":
             timesteps = np.float32(0.25) * np.log(sigmas[:-1])
+        n = len(timesteps)
+        sigmas = sigmas[:n + 1]  # (log_linear: the levels the steps go to)
         begin = resolve_begin_index(n, n, self.order, strength, begin_index)
         return SigmaState(timesteps=to_device(timesteps, np.float32), sigmas=to_device(sigmas),
                           **counters(n, begin))
@@ -162,9 +165,9 @@ class EulerDiscreteScheduler(AbstractSigmaScheduler):
     def _custom_timesteps(self, timesteps):
         """diffusers' ``set_timesteps(timesteps=...)``: the sigmas interpolated at the given timesteps."""
         cfg = self.config
-        spacing = [k for k in ("use_karras_sigmas", "use_exponential_sigmas") if getattr(cfg, k)]
-        if spacing:
-            raise ValueError(f"EulerDiscreteScheduler.init: timesteps= cannot be used with {spacing[0]}=True")
+        if cfg.sigma_spacing:
+            raise ValueError(f"EulerDiscreteScheduler.init: timesteps= cannot be used with "
+                             f"use_{cfg.sigma_spacing}_sigmas=True")
         if cfg.timestep_type == "continuous" and cfg.prediction_type == "v_prediction":
             raise ValueError("EulerDiscreteScheduler.init: timesteps= cannot be used with timestep_type='continuous' "
                              "and prediction_type='v_prediction'")

@@ -15,7 +15,7 @@ from numpy.polynomial import Polynomial
 from .._typing import Array, Float, Int
 from ._base import AbstractSigmaState, counters, resolve_begin_index, to_device
 from ._beta import SigmaSpacingConfig, sigma_to_t, x0_from_sigma
-from ._sigmas import exponential_sigmas, karras_sigmas
+from ._sigmas import respace
 from .euler import AbstractSigmaScheduler, euler_timesteps_and_sigmas
 
 LMS_ORDER = 4
@@ -65,9 +65,8 @@ class LMSDiscreteScheduler(AbstractSigmaScheduler):
         if sample_shape is None:
             raise ValueError("LMSDiscreteScheduler.init needs sample_shape= (the latents' shape) for its history")
         timesteps, sigmas, log_sigmas = euler_timesteps_and_sigmas(self, num_inference_steps)
-        if cfg.use_karras_sigmas or cfg.use_exponential_sigmas:
-            convert = karras_sigmas if cfg.use_karras_sigmas else exponential_sigmas
-            sigmas = convert(sigmas[-1].item(), sigmas[0].item(), num_inference_steps)
+        if cfg.sigma_spacing:
+            sigmas = respace(cfg.sigma_spacing, sigmas, num_inference_steps)
             timesteps = sigma_to_t(sigmas, log_sigmas)
         sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
         begin = resolve_begin_index(num_inference_steps, len(timesteps), self.order, strength, begin_index)
