@@ -81,6 +81,13 @@ def test_sd_inpainting_unet_matches_diffusers(sd, monkeypatch):
                           **kwargs)
     ours = pipe(PROMPTS, image=image, mask_image=mask, seed=1, progress=False, **kwargs)
     assert _pixels_off(ours, expected) <= 2
+    # diffusers' masked_image_latents (here not the image's: one array for both outputs) replace the encoded ones
+    given = np.random.default_rng(9).standard_normal((1, *SHAPE[1:])).astype(np.float32)
+    expected = _reference(ref, module, monkeypatch, image=image, mask=mask, seed=1, posterior_calls=[],
+                          masked_image_latents=nhwc_to_nchw(given), **kwargs)
+    ours_given = pipe(PROMPTS, image=image, mask_image=mask, seed=1, masked_image_latents=given, progress=False,
+                      **kwargs)
+    assert _pixels_off(ours_given, expected) <= 2 and np.abs(ours_given.astype(int) - ours).max() > 10
 
 
 def _mask_crop_matches_diffusers(pipe, ref, module, monkeypatch, *, seed, posterior_calls, **kwargs):
@@ -235,5 +242,9 @@ def test_inpainting_errors(sd):
         pipe("a cat", image=image[:1], mask_image=mask[:1, :, :16])
     with pytest.raises(ValueError, match="needs image= as pixels"):
         pipe("a cat", image=np.zeros((1, 16, 16, 4), np.float32), mask_image=mask[:1])
+    with pytest.raises(ValueError, match="masked_image_latents are an inpainting UNet's input"):
+        plain("a cat", image=image[:1], mask_image=mask[:1], masked_image_latents=np.zeros((1, 16, 16, 4)))
+    with pytest.raises(ValueError, match=r"masked_image_latents must have shape \(1, 16, 16, 4\)"):
+        pipe("a cat", image=image[:1], mask_image=mask[:1], masked_image_latents=np.zeros((1, 8, 8, 4)))
     with pytest.raises(ValueError, match="strength=0.1 with 4 steps leaves no denoising step"):
         pipe("a cat", image=image[:1], mask_image=mask[:1], strength=0.1, num_inference_steps=4)

@@ -19,6 +19,7 @@ from .._typing import Array, Float, PRNGKeyArray
 from ._arguments import check_size, given_array
 from ._checks import (
     CallLimits,
+    InputError,
     check_image_size,
     check_output_type,
 )
@@ -242,6 +243,19 @@ class UNetPipeline(TextualInversionMixin, LatentPipeline):
         and control images)."""
         return UNetDenoiser(self.unet), cond
 
+    def masked_latents(self, image: ImageInput, mask, draws, given, shape: tuple[int, ...]):
+        """An inpainting UNet's masked-image latents: ``given`` (diffusers' ``masked_image_latents``, channels-last
+        ``[1 or n, h, w, c]``, scaled as the VAE's latents are) or the image's masked pixels encoded."""
+        if given is not None:
+            given = jnp.asarray(given, jnp.float32)
+            if given.ndim == 4 and given.shape[0] == 1:
+                given = jnp.broadcast_to(given, (shape[0], *given.shape[1:]))
+            return given_array(given, shape, "masked_image_latents", LATENTS_LAYOUT)
+        if image.pixels is None:
+            raise ValueError("an inpainting UNet needs image= as pixels (its masked image is encoded) or "
+                             "masked_image_latents=, not image latents alone")
+        return self.encode_pixels(masked_pixels(image.pixels, mask), draws.masked_image)
+
     def _check_unet_inputs(self, image, mask_image, denoising_start) -> bool:
         """Refuse inputs this UNet cannot take; whether it is an inpainting UNet (``2 * latent + 1`` channels)."""
         c, unet_channels = self.latent_channels, self.unet.config.in_channels
@@ -262,7 +276,8 @@ class UNetPipeline(TextualInversionMixin, LatentPipeline):
                  width: int, num_inference_steps: int | None, key: PRNGKeyArray, latents=None,
                  image: ImageInput | None = None, mask_image=None, strength: float | None = None,
                  denoising_start: float | None = None, denoising_end: float | None = None, eta: float = 0.0,
-                 schedule: dict | None = None, output_type: str = "uint8", progress: bool = True):
+                 schedule: dict | None = None, output_type: str = "uint8", progress: bool = True,
+                 masked_image_latents=None):
         """Everything after the text encoders: initial latents, the denoising loop, decoding.
 
         ``cond``: the UNet's conditioning arrays (``[negative; positive]`` along the batch with ``guidance``).
@@ -274,11 +289,15 @@ class UNetPipeline(TextualInversionMixin, LatentPipeline):
         ``output_type="latent"``). ``latents`` is always the noise, never finished latents; with ``mask_image``
         and ``strength < 1`` it is added to the image's latents (diffusers would ignore the image there).
         ``eta`` goes to schedulers that take one (DDIM, TCD), as diffusers' pipelines pass it to ``step``;
-        ``schedule`` (``timesteps=`` / ``sigmas=``) replaces ``num_inference_steps``.
+        ``schedule`` (``timesteps=`` / ``sigmas=``) replaces ``num_inference_steps``; ``masked_image_latents``
+        (:meth:`masked_latents`) those of an inpainting UNet.
         """
         check_output_type(output_type)
         f, c = self.vae_scale_factor, self.latent_channels
         inpainting_unet = self._check_unet_inputs(image, mask_image, denoising_start)
+        if masked_image_latents is not None and (mask_image is None or not inpainting_unet):
+            raise InputError("masked_image_latents are an inpainting UNet's input (9 channels), with mask_image=; "
+                             "this call's UNet has no such input: leave them out")
         shape = (batch, height // f, width // f, c)
         scheduler = self.scheduler
         if "eta" in {field.name for field in dataclasses.fields(scheduler)}:
@@ -307,11 +326,8 @@ class UNetPipeline(TextualInversionMixin, LatentPipeline):
                     mask = prepare_mask(mask_image, batch=batch, height=height, width=width)
                     extra[MASK] = latent_mask(mask, f)
                     if inpainting_unet:
-                        if image.pixels is None:
-                            raise ValueError("an inpainting UNet needs image= as pixels (its masked image is "
-                                             "encoded), not latents")
-                        extra[MASKED_IMAGE_LATENTS] = self.encode_pixels(masked_pixels(image.pixels, mask),
-                                                                         draws.masked_image)
+                        extra[MASKED_IMAGE_LATENTS] = self.masked_latents(image, mask, draws, masked_image_latents,
+                                                                          shape)
                     else:
                         extra[IMAGE_LATENTS], extra[NOISE] = clean, noise
             rows = cond["encoder_hidden_states"].shape[0]

@@ -121,8 +121,8 @@ class StableDiffusionPipeline(UNetPipeline):
                  latents=None, image=None, mask_image=None, strength: float | None = None, eta: float = 0.0,
                  timesteps: Sequence[int] | None = None, sigmas: Sequence[float] | None = None,
                  seed: int | None = None, key: PRNGKeyArray | None = None, clip_skip: int | None = None,
-                 prompt_embeds=None, negative_prompt_embeds=None, padding_mask_crop: int | None = None,
-                 output_type: str = "uint8", progress: bool = True):
+                 prompt_embeds=None, negative_prompt_embeds=None, masked_image_latents=None,
+                 padding_mask_crop: int | None = None, output_type: str = "uint8", progress: bool = True):
         """Images for ``prompt`` (or ``prompt_embeds`` ``[n, seq, embed]``, with optional
         ``negative_prompt_embeds``): uint8 ``[n, height, width, 3]``, or the final latents channels-last with
         ``output_type="latent"``. See :meth:`~eqxdiff.pipelines._unet.UNetPipeline.generate`.
@@ -137,6 +137,8 @@ class StableDiffusionPipeline(UNetPipeline):
             eta: Noise of the DDIM / TCD steps.
             timesteps: A custom descending timestep schedule (replaces ``num_inference_steps``).
             sigmas: A custom noise-level schedule (replaces ``num_inference_steps``).
+            masked_image_latents: An inpainting UNet's masked-image latents ``[1 or n, h, w, c]`` (channels-last,
+                scaled as latents), used instead of encoding the masked image.
             padding_mask_crop: Inpaint only the box around the mask, padded by this many pixels, at the output size,
                 pasted back into the picture (PIL ``image`` and ``mask_image``; :mod:`~eqxdiff.pipelines._mask_crop`).
             output_type: ``"uint8"`` images, ``"np"`` (float32 in [0, 1]), ``"pil"`` (a list of PIL
@@ -155,7 +157,7 @@ class StableDiffusionPipeline(UNetPipeline):
                              batch=n, height=height, width=width, num_inference_steps=num_inference_steps, key=key,
                              latents=latents, image=source, mask_image=mask_image, strength=strength, eta=eta,
                              schedule={"timesteps": timesteps, "sigmas": sigmas}, output_type=output_type,
-                             progress=progress)
+                             progress=progress, masked_image_latents=masked_image_latents)
 
 
 class StableDiffusionInpaintPipeline(StableDiffusionPipeline):

@@ -225,7 +225,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
                  crops_coords_top_left: Size = (0, 0), target_size: Size | None = None,
                  negative_original_size: Size | None = None, negative_crops_coords_top_left: Size = (0, 0),
                  negative_target_size: Size | None = None, aesthetic_score: float = 6.0,
-                 negative_aesthetic_score: float = 2.5, padding_mask_crop: int | None = None,
+                 negative_aesthetic_score: float = 2.5, masked_image_latents=None, padding_mask_crop: int | None = None,
                  output_type: str = "uint8", progress: bool = True):
         """Images for ``prompt`` with diffusers' SDXL arguments: uint8 ``[n, height, width, 3]``, or the final
         latents channels-last with ``output_type="latent"``.
@@ -283,7 +283,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
                              num_inference_steps=num_inference_steps, key=key, latents=latents, image=source,
                              mask_image=mask_image, strength=strength, denoising_start=denoising_start,
                              denoising_end=denoising_end, eta=eta, schedule={"timesteps": timesteps, "sigmas": sigmas},
-                             output_type=output_type, progress=progress)
+                             output_type=output_type, progress=progress, masked_image_latents=masked_image_latents)
 
 
 class StableDiffusionXLImg2ImgPipeline(StableDiffusionXLPipeline):
