@@ -18,7 +18,7 @@ from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffu
 from jax.sharding import PartitionSpec as P
 
 import eqxdiff
-from eqxdiff.core import ConfigError
+from eqxdiff.core import ConfigError, leaf_specs
 from eqxdiff.loading import (
     CheckpointFiles,
     convert_tensors,
@@ -298,7 +298,6 @@ def test_unused_norm_added_q_is_ignored(flf2v, tmp_path):
     (dict(added_kv_proj_dim=16, image_dim=4), "added_kv_proj_dim=16 must be null or the model width .* 24"),
     (dict(added_kv_proj_dim=24), "added_kv_proj_dim=24 needs image_dim"),
     (dict(pos_embed_seq_len=10), "pos_embed_seq_len=10 needs image_dim"),
-    (dict(qk_norm="rms_norm"), "unsupported config value qk_norm='rms_norm'"),
     (dict(patch_size=(1, 0, 2)), "patch_size=.* three positive"),
     (dict(attention_head_dim=5), "attention_head_dim=5 must be even"),
 ])
@@ -313,6 +312,16 @@ def test_configs_diffusers_builds_are_accepted():
     for d in (2, 4):
         assert WanTransformer3DConfig(**{**tiny.TRANSFORMER, "attention_head_dim": d}).inner_dim == 2 * d
     assert WanTransformer3DConfig(**{**tiny.TRANSFORMER, "freq_dim": 33}).freq_dim == 33
+    # qk_norm: diffusers' blocks ignore it (queries and keys are RMS-normed across heads whatever it says): the same
+    # parameters for any value
+    import diffusers
+
+    for value in (None, "rms_norm"):
+        with torch.device("meta"):
+            ref = diffusers.WanTransformer3DModel(**{**tiny.TRANSFORMER, "qk_norm": value})
+        config = WanTransformer3DConfig(**{**tiny.TRANSFORMER, "qk_norm": value})
+        ours = eqx.filter_eval_shape(WanTransformer3DModel, config, key=jax.random.key(0))
+        assert sorted(ref.state_dict()) == sorted(n for spec in leaf_specs(ours)[1] for n in spec.names)
 
 
 def test_call_errors(t2v, prepended):

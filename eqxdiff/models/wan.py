@@ -65,9 +65,8 @@ class WanTransformer3DConfig(TransformerConfig):
     image tokens reach the blocks with (the model width: 5120 for 14B), builds each block's added k/v projections;
     ``pos_embed_seq_len``: the first-last-frame model's learned image-token positions (514 = 2 x 257);
     ``rope_max_seq_len``: the longest patch-grid axis the rotary tables cover. diffusers always normalises queries and
-    keys with an RMSNorm across heads, whatever ``qk_norm`` says; only that value is accepted."""
-
-    SUPPORTED_VALUES: ClassVar = {"qk_norm": ("rms_norm_across_heads",)}
+    keys with an RMSNorm across heads whatever ``qk_norm`` says (its blocks never read it, and its folders hold the
+    norms' weights), and so does eqxdiff: any value is taken and kept for saving."""
 
     patch_size: tuple[int, int, int] = (1, 2, 2)
     num_attention_heads: int = 40
