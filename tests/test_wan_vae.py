@@ -19,7 +19,7 @@ import torch
 from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
 import eqxdiff
-from eqxdiff.core import ConfigError
+from eqxdiff.core import ConfigError, leaf_specs
 from eqxdiff.loading import (
     convert_tensors,
     formats,
@@ -333,3 +333,19 @@ def test_encode_reads_frames_as_diffusers(temporal, frames, match):
 def test_config_errors(change, match):
     with pytest.raises(ConfigError, match=match):
         AutoencoderKLWanConfig.from_dict({**tiny.VAE_21, **change})
+
+
+@pytest.mark.parametrize("config", [tiny.VAE_21, tiny.VAE_22], ids=["2.1", "2.2"])
+def test_no_resnets_per_level_builds_as_diffusers(config):
+    """``num_res_blocks=0`` (diffusers builds it: no encoder resnets, one per decoder level, and runs it where the
+    widths do not change) was refused; our abstract model holds diffusers' (meta-device) tensors, and encodes to the
+    latents' shape. Numbers: matched diffusers in the random video fuzz (seed 0)."""
+    with torch.device("meta"):
+        reference = diffusers.AutoencoderKLWan(**{**config, "num_res_blocks": 0})
+    model_config = AutoencoderKLWanConfig.from_dict({**config, "num_res_blocks": 0})
+    abstract = eqx.filter_eval_shape(AutoencoderKLWan, model_config, key=jax.random.key(0))
+    leaves, specs, _ = leaf_specs(abstract)
+    assert {s.name: s.torch_shape(x.shape) for x, s in zip(leaves, specs)} == TestWan21VAE.reference_shapes(reference)
+    size = model_config.downsample_factor
+    video = jax.ShapeDtypeStruct((1, 5, size, size, 3), jnp.float32)
+    assert eqx.filter_eval_shape(abstract.encode, video).mean.shape == (1, 2, 1, 1, model_config.z_dim)

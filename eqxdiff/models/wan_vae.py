@@ -81,8 +81,9 @@ class AutoencoderKLWanConfig(ModelConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for key in ("base_dim", "z_dim", "num_res_blocks", "in_channels", "out_channels"):
+        for key in ("base_dim", "z_dim", "in_channels", "out_channels"):
             self.check(getattr(self, key) > 0, key, "must be a positive integer")
+        self.check(self.num_res_blocks >= 0, "num_res_blocks", "must be a non-negative integer")
         self.check(len(self.dim_mult) >= 1 and all(m > 0 for m in self.dim_mult), "dim_mult",
                    "must be a non-empty list of positive multipliers")
         self.check(len(self.temperal_downsample) == len(self.dim_mult) - 1, "temperal_downsample",
