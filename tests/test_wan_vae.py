@@ -325,7 +325,8 @@ def test_encode_reads_frames_as_diffusers(temporal, frames, match):
     (dict(dim_mult=[1, 2, 2], temperal_downsample=[True, True]),
      r"scale_factor_spatial=8 must be null or the layers' factor 2 \*\* \(len\(dim_mult\) - 1\) .* = 4"),
     (dict(temperal_downsample=[False, False, True]),
-     r"scale_factor_temporal=4 must be null or the layers' factor 2 \*\* sum\(temperal_downsample\) = 2"),
+     r"scale_factor_temporal=4 must be null or the layers' factor 2 \*\* sum\(temperal_downsample\) = 2: diffusers "
+     "builds this VAE, but its pipelines size latents by scale_factor_temporal .* videos of the wrong size"),
     (dict(latents_mean=[0.0] * 3), "latents_mean=.* must have z_dim=16 entries"),
     (dict(patch_size=2, in_channels=3), "in_channels=3 must be a multiple of patch_size"),
     (dict(dim_mult=[]), "dim_mult=.* non-empty"),

@@ -102,7 +102,9 @@ class AutoencoderKLWanConfig(ModelConfig):
                                  "(patch_size or 1)"), ("scale_factor_temporal", self.temporal_factor,
                                                         "2 ** sum(temperal_downsample)")):
             self.check(getattr(self, key) in (None, factor), key, f"must be null or the layers' factor {by} = "
-                       f"{factor}")
+                       f"{factor}: diffusers builds this VAE, but its pipelines size latents by {key} and its tiling "
+                       "crops by the spatial one, so they make videos of the wrong size; set it to the layers' "
+                       "factor")
 
     @property
     def downsample_factor(self) -> int:
