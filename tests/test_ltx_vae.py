@@ -65,6 +65,7 @@ TIMESTEP_BF16 = 0.5
 class LTXVaeParity(ModelParity):
     model_class = AutoencoderKLLTXVideo
     reference_class = tiny.AutoencoderKLLTXVideo
+    video = (9, 32, 32)  # the encoded videos' frames, height, width
 
     @classmethod
     def make_reference(cls, config):
@@ -79,7 +80,7 @@ class LTXVaeParity(ModelParity):
     def inputs(self, reference):
         rng = np.random.default_rng(self.seed())
         c = reference.config
-        out = dict(video=rng.uniform(-1, 1, (2, 9, 32, 32, c.in_channels)).astype(np.float32),
+        out = dict(video=rng.uniform(-1, 1, (2, *self.video, c.in_channels)).astype(np.float32),
                    latents=rng.standard_normal((2, 2, 2, 2, c.latent_channels), np.float32),
                    key=np.asarray(jax.random.key_data(jax.random.key(self.seed()))))
         if c.timestep_conditioning:
@@ -111,6 +112,9 @@ class TestLTXVae090(LTXVaeParity):
     """0.9.0: conv downsampling, width-changing ResNet blocks in the encoder (conv_out) and decoder (conv_in)."""
 
     config = tiny.VAE_090
+    # strided convolutions only: any frame count and size (multiples of the patch), rounded up as diffusers' (found
+    # by the random video fuzz)
+    video = (6, 34, 18)
     full_size = {"ltx-video-0.9.0": tiny.REAL_VAE_090}
 
 
@@ -346,10 +350,16 @@ def test_call_errors(vae090, vae091):
         shape_of(old.decode, z, tiled=True, tile_sample_stride=600)
     with pytest.raises(ValueError, match="looks channels-first"):
         shape_of(old.decode, jnp.zeros((1, 8, 2, 2, 2)))
+    # space-to-depth (0.9.5): whole latents only; strided convolutions (0.9.0): any frames, multiples of the patch
+    s2d = eqx.filter_eval_shape(AutoencoderKLLTXVideo, AutoencoderKLLTXVideoConfig.from_dict(tiny.VAE_095),
+                                key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"a video of 8 frames; the VAE takes 1 \+ 8k frames \(nearest: 1 or 9\)"):
-        shape_of(old.encode, jnp.zeros((1, 8, 16, 16, 3)))
+        shape_of(s2d.encode, jnp.zeros((1, 8, 16, 16, 3)))
     with pytest.raises(ValueError, match="frames of 16x24; height and width must be multiples of 16"):
-        shape_of(old.encode, jnp.zeros((1, 9, 16, 24, 3)))
+        shape_of(s2d.encode, jnp.zeros((1, 9, 16, 24, 3)))
+    assert shape_of(old.encode, jnp.zeros((1, 8, 16, 24, 3))).mean.shape == (1, 1, 1, 2, 8)
+    with pytest.raises(ValueError, match="frames of 16x15; height and width must be multiples of 2"):
+        shape_of(old.encode, jnp.zeros((1, 9, 16, 15, 3)))
     with pytest.raises(ValueError, match="sample_posterior=True needs a PRNG key"):
         shape_of(old, jnp.zeros((1, 9, 16, 16, 3)), sample_posterior=True)
 

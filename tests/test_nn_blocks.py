@@ -176,10 +176,10 @@ def test_scale_shift_tables_of_wan_and_ltx():
         ours = _load(lambda: _Table(nn.ScaleShiftTable(shape[-2], d, shape=shape, key=_key())), ref, seed)
         return ours.scale_shift_table, ref.scale_shift_table.detach()
 
-    def check(ours, temb, values, expression):
+    def check(ours, temb, values, expression, **kwargs):
         """``expression(values, temb)``: diffusers' arithmetic on the table's values (run in float64 too)."""
-        assert len(_jit(ours, to_jax(temb))) == len(expression(values, temb))
-        _check(ours, (to_jax(temb),), expression, (values, temb))
+        assert len(_jit(ours, to_jax(temb), **kwargs)) == len(expression(values, temb))
+        _check(ours, (to_jax(temb),), expression, (values, temb), ours_kwargs=kwargs)
 
     # Wan blocks: temb [b, 6, d] (its chunks [b, 1, d], ours [b, d]: the same broadcast over tokens); per token
     # [b, s, 6, d]
@@ -190,11 +190,18 @@ def test_scale_shift_tables_of_wan_and_ltx():
     ours, ltx = table((6, d), 7)  # LTX blocks: temb [b, s', 6d]
     check(ours, _randn(b, 1, 6 * d, seed=9), ltx,
           lambda ltx, temb: (ltx[None, None] + temb.reshape(b, 1, 6, -1)).unbind(dim=2))
-    ours, wan = table((1, 2, d), 8)  # Wan's head: table + temb.unsqueeze(1), temb [b, d]
+    # The heads: one embedding for both vectors (shared=True), per sample or per token; per token at 2 tokens too
+    # (seq == num: by shape alone [b, 2, d] read as one embedding per vector, found by the random video fuzz)
+    ours, wan = table((1, 2, d), 8)  # Wan's head: table + temb.unsqueeze(1), temb [b, d]; per token [b, s, d]
     check(ours, _randn(b, d, seed=10), wan,
-          lambda wan, temb: [c.squeeze(1) for c in (wan + temb.unsqueeze(1)).chunk(2, dim=1)])
+          lambda wan, temb: [c.squeeze(1) for c in (wan + temb.unsqueeze(1)).chunk(2, dim=1)], shared=True)
+    check(ours, _randn(b, 2, d, seed=12), wan,
+          lambda wan, temb: [c.squeeze(2) for c in (wan.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)],
+          shared=True)
     ours, ltx = table((2, d), 9)  # LTX's head: table[None, None] + embedded_timestep[:, :, None]
-    check(ours, _randn(b, s, d, seed=11), ltx, lambda ltx, temb: (ltx[None, None] + temb[:, :, None]).unbind(dim=2))
+    for seq in (s, 2):
+        check(ours, _randn(b, seq, d, seed=11), ltx,
+              lambda ltx, temb: (ltx[None, None] + temb[:, :, None]).unbind(dim=2), shared=True)
     with pytest.raises(ValueError, match=r"temb of shape \(2, 5\) for a table of 2 x 8"):
         ours(jnp.zeros((2, 5)))
     with pytest.raises(ValueError, match=r"shape=\(6, 9\) must be"):

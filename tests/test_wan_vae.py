@@ -19,7 +19,7 @@ import torch
 from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
 import eqxdiff
-from eqxdiff.core import ConfigError
+from eqxdiff.core import ConfigError, leaf_specs
 from eqxdiff.loading import (
     convert_tensors,
     formats,
@@ -47,6 +47,7 @@ class WanVAEParity(ModelParity):
     model_class = AutoencoderKLWan
     reference_class = diffusers.AutoencoderKLWan
     size = 16  # pixels: 2 x 2 latents
+    pixels: tuple[int, int] | None = None  # the encoded videos' height and width, if not size x size
     # These tiny VAEs normalise 3-channel features to unit length (WanRMS_norm: x / ||x||), which turns the rounding
     # of small vectors into unit-size errors: diffusers' own bfloat16 decode differs from its float32 one by up to
     # 0.89 of the output range on these weights (rounding only the weights to bfloat16, in float32, already by 0.09).
@@ -60,7 +61,7 @@ class WanVAEParity(ModelParity):
         out = {}
         for t in FRAMES:
             b = 2 if t == 5 else 1
-            out[f"x{t}"] = rng.uniform(-1, 1, (b, t, self.size, self.size, channels)).astype(np.float32)
+            out[f"x{t}"] = rng.uniform(-1, 1, (b, t, *(self.pixels or (self.size,) * 2), channels)).astype(np.float32)
             out[f"z{t}"] = rng.standard_normal((b, 1 + (t - 1) // 4, latent, latent, c.z_dim)).astype(np.float32)
         return out
 
@@ -87,6 +88,7 @@ class TestWan21VAE(WanVAEParity):
 
     config = tiny.VAE_21
     full_size = {"wan2.1": tiny.WAN21_VAE}
+    pixels = (21, 19)  # not multiples of 8: the latents round down to 2 x 2, as diffusers' (the random video fuzz)
 
 
 class TestWan22VAE(WanVAEParity):
@@ -292,8 +294,10 @@ def test_input_errors(vae21):
         vae.encode(jnp.zeros((1, 6, 16, 16, 3)))
     with pytest.raises(ValueError, match="It looks channels-first"):
         vae.encode(jnp.zeros((1, 3, 5, 16, 16)))
-    with pytest.raises(ValueError, match="must be multiples of 8"):
-        vae.encode(jnp.zeros((1, 1, 12, 16, 3)))
+    with pytest.raises(ValueError, match="must be multiples of 1 and at least 8"):
+        vae.encode(jnp.zeros((1, 1, 7, 16, 3)))
+    with pytest.raises(ValueError, match=r"must be multiples of 8 \(tiled\) and at least 8"):
+        vae.encode(jnp.zeros((1, 1, 12, 16, 3)), tiled=True)
     z = jnp.zeros((1, 2, 2, 2, 16))
     with pytest.raises(ValueError, match="frame_chunk=0 must be a positive int"):
         vae.decode(z, frame_chunk=0)
@@ -325,7 +329,8 @@ def test_encode_reads_frames_as_diffusers(temporal, frames, match):
     (dict(dim_mult=[1, 2, 2], temperal_downsample=[True, True]),
      r"scale_factor_spatial=8 must be null or the layers' factor 2 \*\* \(len\(dim_mult\) - 1\) .* = 4"),
     (dict(temperal_downsample=[False, False, True]),
-     r"scale_factor_temporal=4 must be null or the layers' factor 2 \*\* sum\(temperal_downsample\) = 2"),
+     r"scale_factor_temporal=4 must be null or the layers' factor 2 \*\* sum\(temperal_downsample\) = 2: diffusers "
+     "builds this VAE, but its pipelines size latents by scale_factor_temporal .* videos of the wrong size"),
     (dict(latents_mean=[0.0] * 3), "latents_mean=.* must have z_dim=16 entries"),
     (dict(patch_size=2, in_channels=3), "in_channels=3 must be a multiple of patch_size"),
     (dict(dim_mult=[]), "dim_mult=.* non-empty"),
@@ -333,3 +338,19 @@ def test_encode_reads_frames_as_diffusers(temporal, frames, match):
 def test_config_errors(change, match):
     with pytest.raises(ConfigError, match=match):
         AutoencoderKLWanConfig.from_dict({**tiny.VAE_21, **change})
+
+
+@pytest.mark.parametrize("config", [tiny.VAE_21, tiny.VAE_22], ids=["2.1", "2.2"])
+def test_no_resnets_per_level_builds_as_diffusers(config):
+    """``num_res_blocks=0`` (diffusers builds it: no encoder resnets, one per decoder level, and runs it where the
+    widths do not change) was refused; our abstract model holds diffusers' (meta-device) tensors, and encodes to the
+    latents' shape. Numbers: matched diffusers in the random video fuzz (seed 0)."""
+    with torch.device("meta"):
+        reference = diffusers.AutoencoderKLWan(**{**config, "num_res_blocks": 0})
+    model_config = AutoencoderKLWanConfig.from_dict({**config, "num_res_blocks": 0})
+    abstract = eqx.filter_eval_shape(AutoencoderKLWan, model_config, key=jax.random.key(0))
+    leaves, specs, _ = leaf_specs(abstract)
+    assert {s.name: s.torch_shape(x.shape) for x, s in zip(leaves, specs)} == TestWan21VAE.reference_shapes(reference)
+    size = model_config.downsample_factor
+    video = jax.ShapeDtypeStruct((1, 5, size, size, 3), jnp.float32)
+    assert eqx.filter_eval_shape(abstract.encode, video).mean.shape == (1, 2, 1, 1, model_config.z_dim)

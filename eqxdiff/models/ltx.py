@@ -225,7 +225,7 @@ class LTXVideoTransformer3DModel(PretrainedModel):
             return checkpoint_name(x, "ltx_block")
 
         x, _ = nn.run_layers(self.transformer_blocks, step, x)
-        shift, scale = self.scale_shift_table(embedded)
+        shift, scale = self.scale_shift_table(embedded, shared=True)
         x = nn.modulate(self.norm_out(x), shift, scale)
         return constrain(self.proj_out(x), self.plan, ("batch", "seq", None))
 

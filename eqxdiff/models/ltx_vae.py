@@ -236,10 +236,15 @@ class AutoencoderKLLTXVideo(PretrainedModel):
     @typechecked
     def encode(self, x: Float[Array, "batch frames height width channels"]) -> LTXLatentDistribution:
         """The posterior over latents of videos ``x`` in [-1, 1]: ``1 + k * temporal_factor`` frames, height and
-        width multiples of ``downsample_factor`` (8 and 32 for LTX-Video)."""
+        width multiples of ``downsample_factor`` (8 and 32 for LTX-Video) where the encoder folds space or time into
+        channels (0.9.5+); an encoder of strided convolutions only (0.9.0 / 0.9.1) takes any frame count and
+        multiples of ``patch_size``, rounding the latents up as diffusers'."""
         c = self.config
         check_channels_last("AutoencoderKLLTXVideo", "encode", "videos", x, c.in_channels, "frames, height, width")
         t, s = c.temporal_factor, c.downsample_factor
+        if not any(b.downsample not in (None, "conv") for b in c.encoder_blocks()):
+            # strided convolutions only (0.9.0 / 0.9.1): they round up any size and frame count, as diffusers'
+            t, s = 1, c.patch_size
         if (x.shape[1] - 1) % t:
             low = 1 + (x.shape[1] - 1) // t * t
             raise ValueError(f"AutoencoderKLLTXVideo.encode: a video of {x.shape[1]} frames; the VAE takes 1 + {t}k "

@@ -80,7 +80,9 @@ class T5Config(ModelConfig):
         self.check(self.relative_attention_max_distance > self.relative_attention_num_buckets // 4,
                    "relative_attention_max_distance",
                    f"must exceed the exact distances ({self.relative_attention_num_buckets // 4} for "
-                   f"relative_attention_num_buckets={self.relative_attention_num_buckets})")
+                   f"relative_attention_num_buckets={self.relative_attention_num_buckets}): transformers builds "
+                   "such a model, but its log-spaced buckets then run backwards into the other direction's (below "
+                   "the exact distances) or overflow (equal to them), so its outputs are garbage")
         self.check(self.layer_norm_epsilon > 0, "layer_norm_epsilon", "must be a positive number")
 
     @property

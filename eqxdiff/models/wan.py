@@ -219,7 +219,7 @@ class WanTransformer3DModel(PretrainedModel):
 
     def _head(self, x, temb, grid, dtype):
         """Modulated ``norm_out``, ``proj_out`` and unpatchify: tokens -> ``[b, frames, height, width, out]``."""
-        shift, scale = self.scale_shift_table(temb)
+        shift, scale = self.scale_shift_table(temb, shared=True)
         x = nn.modulate(self.norm_out(x.astype(jnp.float32)), shift, scale).astype(dtype)
         x = constrain(self.proj_out(x), self.plan, ("batch", "seq", None))
         (f, h, w), (pt, ph, pw) = grid, self.config.patch_size

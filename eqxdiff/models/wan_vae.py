@@ -81,8 +81,9 @@ class AutoencoderKLWanConfig(ModelConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for key in ("base_dim", "z_dim", "num_res_blocks", "in_channels", "out_channels"):
+        for key in ("base_dim", "z_dim", "in_channels", "out_channels"):
             self.check(getattr(self, key) > 0, key, "must be a positive integer")
+        self.check(self.num_res_blocks >= 0, "num_res_blocks", "must be a non-negative integer")
         self.check(len(self.dim_mult) >= 1 and all(m > 0 for m in self.dim_mult), "dim_mult",
                    "must be a non-empty list of positive multipliers")
         self.check(len(self.temperal_downsample) == len(self.dim_mult) - 1, "temperal_downsample",
@@ -101,7 +102,9 @@ class AutoencoderKLWanConfig(ModelConfig):
                                  "(patch_size or 1)"), ("scale_factor_temporal", self.temporal_factor,
                                                         "2 ** sum(temperal_downsample)")):
             self.check(getattr(self, key) in (None, factor), key, f"must be null or the layers' factor {by} = "
-                       f"{factor}")
+                       f"{factor}: diffusers builds this VAE, but its pipelines size latents by {key} and its tiling "
+                       "crops by the spatial one, so they make videos of the wrong size; set it to the layers' "
+                       "factor")
 
     @property
     def downsample_factor(self) -> int:
@@ -262,7 +265,7 @@ class AutoencoderKLWan(PretrainedModel):
         self.config = config
 
     # -- encode ------------------------------------------------------------------------------------------------
-    def _check_video(self, x) -> None:
+    def _check_video(self, x, tiled: bool = False) -> None:
         c = self.config
         check_channels_last("AutoencoderKLWan", "encode", "videos", x, c.video_channels[0], "frames, height, width")
         _check_frames(x.shape[1], ENCODE_CHUNK, "a video")
@@ -270,23 +273,28 @@ class AutoencoderKLWan(PretrainedModel):
             raise ValueError(f"AutoencoderKLWan.encode: a video of {x.shape[1]} frames with temporal_factor="
                              f"{c.temporal_factor}; diffusers' encoder reads {ENCODE_CHUNK} frames at a time, which a "
                              "VAE shortening time by more than that cannot encode: give one frame")
-        if x.shape[2] % c.downsample_factor or x.shape[3] % c.downsample_factor:
+        # diffusers' 2.1 encoder takes any size (its zero-padded stride-2 convolutions round down), as ours does;
+        # its residual (2.2) levels reshape by 2 and its patchify by the patch, and its tiles assume whole latents
+        multiple = c.downsample_factor if c.is_residual or tiled else c.patch_size or 1
+        if x.shape[2] % multiple or x.shape[3] % multiple or min(x.shape[2:4]) < c.downsample_factor:
             raise ValueError(f"AutoencoderKLWan.encode: frames of width {x.shape[3]}, height {x.shape[2]}; both must "
-                             f"be multiples of {c.downsample_factor}")
+                             f"be multiples of {multiple}{' (tiled)' if tiled else ''} and at least "
+                             f"{c.downsample_factor}")
 
     @typechecked
     def encode(self, x: Float[Array, "batch frames height width channels"], *, tiled: bool = False,
                tile_sample_min: int | tuple[int, int] = 256,
                tile_sample_stride: int | tuple[int, int] = 192) -> WanLatentDistribution:
-        """The posterior over latents of videos ``x`` in [-1, 1] (``1 + 4k`` frames; height and width multiples of
-        :attr:`~AutoencoderKLWanConfig.downsample_factor`), in one causal pass over the frames.
+        """The posterior over latents of videos ``x`` in [-1, 1] (``1 + 4k`` frames; height and width at least
+        :attr:`~AutoencoderKLWanConfig.downsample_factor`, and multiples of it for the residual 2.2 VAE or ``tiled``,
+        else of ``patch_size``: the latents round down as diffusers'), in one causal pass over the frames.
 
         ``tiled``: encode overlapping spatial tiles and blend their moments, as diffusers' ``tiled_encode`` (under
         ``enable_tiling()``) does. Like it, the tiles are measured in the encoder's input pixels, which the 2.2 VAE
         patchifies first: there ``tile_sample_min`` / ``tile_sample_stride`` count 2x2 patches (a 256 tile spans 512
         pixels, twice the decode's). Videos that fit in one tile are encoded whole, as there."""
         c = self.config
-        self._check_video(x)
+        self._check_video(x, tiled)
         x = patchify(x, c.patch_size)
         fn = lambda xx: self.quant_conv(self.encoder(xx))  # noqa: E731
         e = c.downsample_factor // (c.patch_size or 1)  # the encoder's input pixels per latent

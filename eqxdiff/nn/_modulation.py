@@ -107,8 +107,10 @@ class ScaleShiftTable(eqx.Module):
     (``shape``: ``(num, dim)`` for LTX, ``(1, num, dim)`` for Wan), added to a timestep embedding.
 
     Calling it with ``temb`` gives ``num`` vectors ``[batch, (seq,) dim]`` in float32: ``temb`` is
-    ``[batch, (seq,) num, dim]`` (one embedding per vector, Wan's blocks), ``[batch, (seq,) num * dim]`` (the same,
-    flat: LTX's blocks) or ``[batch, (seq,) dim]`` (one embedding for all: the output heads)."""
+    ``[batch, (seq,) num, dim]`` (one embedding per vector, Wan's blocks) or ``[batch, (seq,) num * dim]`` (the same,
+    flat: LTX's blocks); with ``shared=True`` it is ``[batch, (seq,) dim]``, one embedding for all (the output heads).
+    The caller says which: by shape alone, per-token ``[batch, seq, dim]`` with ``seq == num`` reads as one
+    embedding per vector."""
 
     TORCH_RENAMES: ClassVar[dict[str, str]] = {"weight": ""}  # the parameter is the field itself
 
@@ -142,17 +144,20 @@ class ScaleShiftTable(eqx.Module):
         return self.table.shape[-2]
 
     @typechecked
-    def __call__(self, temb: Float[Array, "batch *rest"]) -> tuple[Float[Array, "batch *seq dim"], ...]:
+    def __call__(self, temb: Float[Array, "batch *rest"], *,
+                 shared: bool = False) -> tuple[Float[Array, "batch *seq dim"], ...]:
         num, dim = self.table.shape[-2:]
-        if temb.shape[-1] == num * dim and temb.shape[-1] != dim:
-            temb = temb.reshape(*temb.shape[:-1], num, dim)
-        elif temb.ndim >= 3 and temb.shape[-2:] == (num, dim):
-            pass
-        elif temb.shape[-1] == dim:
+        if shared and temb.shape[-1] == dim:
             temb = temb[..., None, :]
+        elif not shared and temb.shape[-1] == num * dim and temb.shape[-1] != dim:
+            temb = temb.reshape(*temb.shape[:-1], num, dim)
+        elif not shared and temb.ndim >= 3 and temb.shape[-2:] == (num, dim):
+            pass
         else:
+            expected = (f"[batch, (seq,) {dim}] (shared=True)" if shared else
+                        f"[batch, (seq,) {num}, {dim}] or [batch, (seq,) {num * dim}]")
             raise ValueError(f"ScaleShiftTable: temb of shape {temb.shape} for a table of {num} x {dim}; expected "
-                             f"[batch, (seq,) {num}, {dim}], [batch, (seq,) {num * dim}] or [batch, (seq,) {dim}]")
+                             f"{expected}")
         table, _ = adapted_parameters(self.adapters, self.weight, has_bias=False, owner="ScaleShiftTable")
         values = table.reshape(num, dim).astype(jnp.float32) + temb.astype(jnp.float32)
         return tuple(values[..., i, :] for i in range(num))
