@@ -28,9 +28,11 @@ from eqxdiff.schedulers import ConfigError, scheduler_from_config
 
 from ._util import assert_close_to_float64, diffusers_float64, nhwc_to_nchw
 
-# diffusers' schedulers trip NumPy 2's __array__(copy=) deprecation, and warn about custom schedules.
+# diffusers' schedulers trip NumPy 2's __array__(copy=) deprecation, warn about custom schedules and deprecate
+# DPM-Solver's noise-prediction algorithm types (which eqxdiff serves as diffusers 0.42.1 runs them).
 pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
-              pytest.mark.filterwarnings("ignore::UserWarning")]
+              pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore:.algorithm_types dpmsolver and sde-dpmsolver. is deprecated")]
 
 SHAPE = (2, 4, 3, 2)  # channels-last
 SD = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
@@ -188,6 +190,11 @@ CASES = [
     ("DPMSolverMultistepScheduler", dict(SD, algorithm_type="sde-dpmsolver++", solver_type="heun",
                                          use_karras_sigmas=True, solver_order=3), 8, {}, None),
     ("DPMSolverMultistepScheduler", dict(WAN, algorithm_type="sde-dpmsolver++"), 6, {}, None),
+    # DPM-Solver (noise predictions; diffusers takes it only with final_sigmas_type="sigma_min"), order 3 and SDE
+    ("DPMSolverMultistepScheduler", dict(SD, algorithm_type="dpmsolver", final_sigmas_type="sigma_min",
+                                         solver_order=3, prediction_type="v_prediction"), 10, {}, None),
+    ("DPMSolverMultistepScheduler", dict(SD, algorithm_type="sde-dpmsolver", final_sigmas_type="sigma_min",
+                                         solver_type="heun", thresholding=True, use_karras_sigmas=True), 7, {}, None),
     # (a v-prediction on flow sigmas: alpha = 1 - sigma; diffusers runs it, it was refused)
     ("DPMSolverMultistepScheduler", dict(WAN, solver_type="heun", lower_order_final=False,
                                          prediction_type="v_prediction"), 6, {}, None),

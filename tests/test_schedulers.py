@@ -460,7 +460,10 @@ def test_config_covers_every_diffusers_key(class_name):
      "use_exponential_sigmas=True cannot be combined with use_beta_sigmas=True"),
     (_raw("EulerDiscreteScheduler", interpolation_type="cubic"), "interpolation_type='cubic'"),
     (_raw("EulerDiscreteScheduler", use_karras_sigmas=True, use_exponential_sigmas=True), "use_karras_sigmas"),
-    (_raw("DPMSolverMultistepScheduler", algorithm_type="sde-dpmsolver"), "algorithm_type='sde-dpmsolver'"),
+    (_raw("DPMSolverMultistepScheduler", algorithm_type="dpmsolver"), "final_sigmas_type='zero' is refused by "
+     "diffusers with algorithm_type='dpmsolver'"),
+    (_raw("DPMSolverMultistepScheduler", algorithm_type="sde-dpmsolver", final_sigmas_type="sigma_min",
+          solver_order=3), "solver_order=3 with algorithm_type='sde-dpmsolver' has no update in diffusers"),
     (_raw("DPMSolverMultistepScheduler", solver_order=4), "solver_order=4"),
     (_raw("DPMSolverMultistepScheduler", use_lu_lambdas=True, use_flow_sigmas=True,
           prediction_type="flow_prediction"), "use_lu_lambdas=True cannot be combined with use_flow_sigmas"),

@@ -1,8 +1,8 @@
-"""Multistep DPM-Solver++ (Lu et al. 2022), orders 1, 2 (``2M``) and 3, matching
-``diffusers.DPMSolverMultistepScheduler`` with ``algorithm_type="dpmsolver++"`` or ``"sde-dpmsolver++"`` (the
-stochastic ``2M SDE``: its step takes ``key=``): on beta schedules, and on flow
-sigmas (``use_flow_sigmas`` with ``flow_shift``, ``prediction_type="flow_prediction"``: the DPM++ sampler Wan's
-folders may swap in, ``alpha = 1 - sigma``)."""
+"""Multistep DPM-Solver++ and DPM-Solver (Lu et al. 2022), orders 1, 2 (``2M``) and 3, matching
+``diffusers.DPMSolverMultistepScheduler`` with ``algorithm_type`` ``"dpmsolver++"``, ``"sde-dpmsolver++"`` (the
+stochastic ``2M SDE``: its step takes ``key=``), ``"dpmsolver"`` or ``"sde-dpmsolver"`` (the noise-prediction
+forms diffusers deprecates): on beta schedules, and on flow sigmas (``use_flow_sigmas`` with ``flow_shift``,
+``prediction_type="flow_prediction"``: the DPM++ sampler Wan's folders may swap in, ``alpha = 1 - sigma``)."""
 
 import dataclasses
 import math
@@ -45,7 +45,8 @@ UNIPC_SOLVER_TYPES = ("logrho", "bh1", "bh2")
 @dataclasses.dataclass(frozen=True)
 class DPMSolverConfig(SigmaSpacingConfig):
     SUPPORTED_VALUES: ClassVar = {
-        **SigmaSpacingConfig.SUPPORTED_VALUES, "algorithm_type": ("dpmsolver++", "sde-dpmsolver++"),
+        **SigmaSpacingConfig.SUPPORTED_VALUES,
+        "algorithm_type": ("dpmsolver++", "sde-dpmsolver++", "dpmsolver", "sde-dpmsolver"),
         "solver_order": (1, 2, 3),
         "solver_type": ("midpoint", "heun"), "lower_order_final": BOOLS, "euler_at_final": BOOLS,
         "use_lu_lambdas": BOOLS, "use_flow_sigmas": BOOLS, "use_dynamic_shifting": BOOLS,
@@ -85,6 +86,14 @@ class DPMSolverConfig(SigmaSpacingConfig):
         self.check(self.use_flow_sigmas or self.prediction_type != "flow_prediction", "prediction_type",
                    "needs use_flow_sigmas=True (diffusers would read the beta schedule's sigmas, up to ~15, as flow "
                    "ones in x0 = x - sigma * v: no model predicts that)")
+        if self.noise_form:  # DPM-Solver (not ++) integrates the noise prediction; diffusers' limits on it
+            self.check(self.final_sigmas_type != "zero", "final_sigmas_type", f"is refused by diffusers with "
+                       f"algorithm_type={self.algorithm_type!r} (its last step would divide by sigma 0): use "
+                       "'sigma_min'")
+            self.check(self.prediction_type != "flow_prediction", "prediction_type", "is refused by diffusers with "
+                       f"algorithm_type={self.algorithm_type!r}")
+            self.check(not (self.sde and self.solver_order == 3), "solver_order", "with algorithm_type="
+                       "'sde-dpmsolver' has no update in diffusers (UnboundLocalError): use 2, or 'sde-dpmsolver++'")
         spacing = [k for k in (*SIGMA_SPACINGS, "use_lu_lambdas") if getattr(self, k)]
         if self.use_flow_sigmas and spacing:
             self.check(False, spacing[0], "cannot be combined with use_flow_sigmas=True (diffusers then steps the "
@@ -92,8 +101,13 @@ class DPMSolverConfig(SigmaSpacingConfig):
 
     @property
     def sde(self) -> bool:
-        """``algorithm_type="sde-dpmsolver++"``: the stochastic solver (DPM++ 2M SDE), which adds noise each step."""
-        return self.algorithm_type == "sde-dpmsolver++"
+        """``"sde-dpmsolver++"`` (DPM++ 2M SDE) or ``"sde-dpmsolver"``: a stochastic solver, noise added each step."""
+        return self.algorithm_type.startswith("sde-")
+
+    @property
+    def noise_form(self) -> bool:
+        """``"dpmsolver"`` / ``"sde-dpmsolver"``: the history holds noise predictions, not data predictions."""
+        return not self.algorithm_type.endswith("++")
 
     @property
     def spacing(self) -> str | None:
@@ -215,7 +229,7 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
             for i in range(begin + 1, n - 1 if final_first else n):
                 h, h_0 = lam[i + 1] - lam[i], lam[i] - lam[i - 1]
                 k = 2.0 if cfg.sde else 1.0  # (the SDE solver's weights are the ODE one's at 2h, over 2h)
-                phi = np.expm1(-k * h)
+                phi = np.expm1(k * h if cfg.noise_form else -k * h)
                 weight = -0.5 * phi if cfg.solver_type == "midpoint" else phi / (k * h) + 1.0
                 defined = np.isfinite(weight * (h / h_0))
                 if cfg.solver_order == 3 and i >= begin + 2:  # (also 1 / r1 and the heun-type weights)
@@ -244,6 +258,21 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
             x0 = threshold_sample(x0, cfg.dynamic_thresholding_ratio, cfg.sample_max_value)
         return x0
 
+    def _noise_prediction(self, state: DPMSolverState, out, x):
+        """The noise ``"dpmsolver"`` / ``"sde-dpmsolver"`` integrate, as diffusers' ``convert_model_output``."""
+        cfg = self.config
+        alpha_t, sigma_t = self._alpha_sigma(state.sigmas[state.step_index])
+        if cfg.prediction_type == "epsilon":
+            eps = out
+        elif cfg.prediction_type == "sample":
+            eps = (x - alpha_t * out) / sigma_t
+        else:
+            eps = alpha_t * out + sigma_t * x
+        if cfg.thresholding:
+            x0 = threshold_sample((x - sigma_t * eps) / alpha_t, cfg.dynamic_thresholding_ratio, cfg.sample_max_value)
+            eps = (x - alpha_t * x0) / sigma_t
+        return eps
+
     def _alpha_sigma(self, sigma):
         return _alpha_sigma(sigma, self.config.use_flow_sigmas)
 
@@ -252,7 +281,9 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
         alpha_t, sigma_t = self._alpha_sigma(state.sigmas[i + 1])
         alpha_s, sigma_s = self._alpha_sigma(state.sigmas[i])
         h = _lambda(alpha_t, sigma_t) - _lambda(alpha_s, sigma_s)
-        if self.config.sde:  # (the noise term is added by update)
+        if self.config.noise_form:  # (the noise term is added by update)
+            return (alpha_t / alpha_s) * x - (2.0 if self.config.sde else 1.0) * (sigma_t * (jnp.exp(h) - 1.0)) * m[-1]
+        if self.config.sde:
             return (sigma_t / sigma_s * jnp.exp(-h)) * x + (alpha_t * (1 - jnp.exp(-2.0 * h))) * m[-1]
         return (sigma_t / sigma_s) * x - (alpha_t * (jnp.exp(-h) - 1.0)) * m[-1]
 
@@ -267,6 +298,12 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
         h, h_0 = lambda_t - lambda_s0, lambda_s0 - lambda_s1
         r0 = h_0 / h
         d0, d1 = m0, (1.0 / r0) * (m0 - m1)
+        if self.config.noise_form:
+            k = 2.0 if self.config.sde else 1.0
+            first = (alpha_t / alpha_s0) * x - k * (sigma_t * (jnp.exp(h) - 1.0)) * d0
+            if self.config.solver_type == "midpoint":
+                return first - (0.5 * k) * (sigma_t * (jnp.exp(h) - 1.0)) * d1
+            return first - k * (sigma_t * ((jnp.exp(h) - 1.0) / h - 1.0)) * d1
         if self.config.sde:
             first = (sigma_t / sigma_s0 * jnp.exp(-h)) * x + (alpha_t * (1 - jnp.exp(-2.0 * h))) * d0
             if self.config.solver_type == "midpoint":
@@ -291,6 +328,10 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
         d1_0, d1_1 = (1.0 / r0) * (m0 - m1), (1.0 / r1) * (m1 - m2)
         d1 = d1_0 + (r0 / (r0 + r1)) * (d1_0 - d1_1)
         d2 = (1.0 / (r0 + r1)) * (d1_0 - d1_1)
+        if self.config.noise_form:  # ("dpmsolver": diffusers has no third-order "sde-dpmsolver")
+            e = jnp.exp(h)
+            return ((alpha_t / alpha_s0) * x - (sigma_t * (e - 1.0)) * m0 - (sigma_t * ((e - 1.0) / h - 1.0)) * d1
+                    - (sigma_t * ((e - 1.0 - h) / h**2 - 0.5)) * d2)
         if self.config.sde:
             e = jnp.exp(-2.0 * h)
             return ((sigma_t / sigma_s0 * jnp.exp(-h)) * x + (alpha_t * (1.0 - e)) * m0
@@ -311,8 +352,8 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
         i = state.step_index
         final_first_order = cfg.euler_at_final | (cfg.lower_order_final & (n < 15)) | (cfg.final_sigmas_type == "zero")
         lower_final = (i == n - 1) & final_first_order
-        x0 = self._data_prediction(state, out, x)
-        m = jnp.concatenate([state.model_outputs[1:], x0[None]])
+        pred = self._noise_prediction(state, out, x) if cfg.noise_form else self._data_prediction(state, out, x)
+        m = jnp.concatenate([state.model_outputs[1:], pred[None]])
         if cfg.solver_order == 1:
             prev = self._first_order(state, m, x)
         else:
@@ -323,11 +364,12 @@ class DPMSolverMultistepScheduler(AbstractLearnedVarianceScheduler):
             prev = lax.switch(jnp.where(use_first, 0, jnp.where(use_second, 1, 2)),
                               [self._first_order, self._second_order, self._third_order][:cfg.solver_order],
                               state, m, x)
-        if cfg.sde:  # sde-dpmsolver++: sigma_t * sqrt(1 - e^(-2h)) * noise, drawn every step as diffusers
+        if cfg.sde:  # sigma_t * sqrt(1 - e^(-2h)) (sde-dpmsolver: sqrt(e^2h - 1)) * noise, drawn every step
             alpha_t, sigma_t = self._alpha_sigma(state.sigmas[i + 1])
             alpha_s, sigma_s = self._alpha_sigma(state.sigmas[i])
             h = _lambda(alpha_t, sigma_t) - _lambda(alpha_s, sigma_s)
-            prev = prev + sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * step_noise(
+            scale = jnp.sqrt(jnp.exp(2 * h) - 1.0) if cfg.noise_form else jnp.sqrt(1.0 - jnp.exp(-2 * h))
+            prev = prev + sigma_t * scale * step_noise(
                 "DPMSolverMultistepScheduler", x.shape, x.dtype, key, noise)
         new = dataclasses.replace(state, model_outputs=m,
                                   lower_order_nums=jnp.minimum(state.lower_order_nums + 1, cfg.solver_order))
