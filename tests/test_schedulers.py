@@ -366,10 +366,21 @@ def test_alphas_cumprod_match_diffusers():
         raw = _raw("DDPMScheduler", **config)
         ours = scheduler_from_config(raw).alphas_cumprod
         expected = diffusers.DDPMScheduler.from_config(raw).alphas_cumprod.numpy()
-        # torch.linspace can differ from NumPy's in the last bit of a beta; each value is a product of up to 1000
-        # roundings, as accurate as diffusers' own (against its float64 run), value by value.
+        # each value is a product of up to 1000 roundings, as accurate as diffusers' own (against its float64 run)
         assert_close_to_float64(ours, expected, _float64(raw).alphas_cumprod.numpy(), what=f"alphas_cumprod {config}",
                                 elementwise=True)
+
+
+@pytest.mark.parametrize("config", [SD, dict(), dict(beta_start=0.0003, beta_end=0.021, num_train_timesteps=777),
+                                    dict(SD, num_train_timesteps=2001)])
+def test_linear_betas_are_diffusers_bit_for_bit(config):
+    """Linear and scaled-linear betas are torch's float32 linspace, bit for bit (NumPy's float64 linspace cast to
+    float32 is an ulp off in about a third of them, which moved a truncated timestep under exponential or beta sigma
+    spacing), and so are alphas_cumprod."""
+    raw = _raw("DDPMScheduler", **config)
+    ours, ref = scheduler_from_config(raw), diffusers.DDPMScheduler.from_config(raw)
+    np.testing.assert_array_equal(S._beta.betas(ours.config), ref.betas.numpy())
+    np.testing.assert_array_equal(np.asarray(ours.alphas_cumprod), ref.alphas_cumprod.numpy())
 
 
 @pytest.mark.parametrize("config", [dict(), SD, dict(beta_schedule="squaredcos_cap_v2")])
