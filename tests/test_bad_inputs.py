@@ -499,7 +499,7 @@ API = [
     ("diffusers-ip-adapter", lambda c: c.pipe("a", ip_adapter_image=np.zeros((16, 16, 3), np.uint8)),
      InputTypeError, r"'ip_adapter_image' \(eqxdiff has no IP-Adapter"),
     ("diffusers-masked-image-latents", lambda c: c.pipe("a", masked_image_latents=np.zeros((1, 4, 4, 4))),
-     InputTypeError, r"'masked_image_latents' \(pass image= and mask_image=: eqxdiff encodes the masked image"),
+     InputError, r"masked_image_latents are an inpainting UNet's input \(9 channels\), with mask_image="),
     ("lora-scale-other-key", lambda c: c.pipe("a", cross_attention_kwargs={"scale": 0.5, "heads": 2}), InputError,
      r"cross_attention_kwargs holds \['heads'\]: eqxdiff takes only 'scale' there .* attention processors, which "
      r"eqxdiff does not have"),

@@ -144,7 +144,12 @@ class UNetPipeline(TextualInversionMixin, LatentPipeline):
     def check_call(self, arguments) -> None:
         """The schedule a call asks for exists (the steps, ``strength``, a hand-off's fractions, a custom
         schedule: :func:`~eqxdiff.pipelines.plan_schedule` on the host), before the prompt is encoded. A call that
-        passes its arguments on to another ``__call__`` (a ControlNet pipeline's) leaves this to that one."""
+        passes its arguments on to another ``__call__`` (a ControlNet pipeline's) leaves this to that one. Given
+        ``masked_image_latents`` need an inpainting UNet and ``mask_image``."""
+        if arguments.get("masked_image_latents") is not None and (
+                arguments.get("mask_image") is None or self.unet.config.in_channels != 2 * self.latent_channels + 1):
+            raise InputError("masked_image_latents are an inpainting UNet's input (9 channels), with mask_image=; "
+                             "this call's UNet has no such input: leave them out")
         if "num_inference_steps" not in arguments:
             return
         image = arguments.get(self.INIT_IMAGE) if self.INIT_IMAGE else None
@@ -295,9 +300,6 @@ class UNetPipeline(TextualInversionMixin, LatentPipeline):
         check_output_type(output_type)
         f, c = self.vae_scale_factor, self.latent_channels
         inpainting_unet = self._check_unet_inputs(image, mask_image, denoising_start)
-        if masked_image_latents is not None and (mask_image is None or not inpainting_unet):
-            raise InputError("masked_image_latents are an inpainting UNet's input (9 channels), with mask_image=; "
-                             "this call's UNet has no such input: leave them out")
         shape = (batch, height // f, width // f, c)
         scheduler = self.scheduler
         if "eta" in {field.name for field in dataclasses.fields(scheduler)}:
