@@ -448,8 +448,8 @@ class LoraMixin(LoraScaleMixin):
         """Merge adapters into the weights: ``W + lora_scale * change`` at their current strengths, summed in float32
         and cast back to each weight's dtype; the layers then compute as plain layers (the models' structure without
         adapters, if all are fused). ``adapter_names``: which, active or not, as diffusers (default: the active ones,
-        if enabled); ``components``: where (default: all); ``safe_fusing``: refuse weights that come out non-finite.
-        :meth:`unfuse_lora` restores the models exactly."""
+        if enabled), each times ``lora_scale`` (diffusers: active ones only, README); ``components``: where (default:
+        all); ``safe_fusing``: refuse non-finite fused weights. :meth:`unfuse_lora` restores the models exactly."""
         state = self._lora()
         if state.fused:
             raise ValueError(f"adapters {state.fused} are fused already; unfuse_lora() first")
