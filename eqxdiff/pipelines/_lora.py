@@ -445,11 +445,10 @@ class LoraMixin(LoraScaleMixin):
 
     def fuse_lora(self, lora_scale: float = 1.0, components: Sequence[str] | None = None,
                   adapter_names: Sequence[str] | None = None, safe_fusing: bool = False) -> None:
-        """Merge adapters into the weights: ``W + lora_scale * change`` at their current strengths, summed in float32
-        and cast back to each weight's dtype; the layers then compute as plain layers (the models' structure without
-        adapters, if all are fused). ``adapter_names``: which, active or not, as diffusers (default: the active ones,
-        if enabled), each times ``lora_scale`` (diffusers: active ones only, README); ``components``: where (default:
-        all); ``safe_fusing``: refuse non-finite fused weights. :meth:`unfuse_lora` restores the models exactly."""
+        """Merge adapters into the weights (``W + lora_scale * change`` at their strengths, float32 sums cast back):
+        the layers then compute as plain ones. ``adapter_names``: which, active or not (default: the active ones, if
+        enabled), each times ``lora_scale`` (diffusers: active ones only, README); ``components``: where (default:
+        diffusers', the format's ``fuse_components``); ``safe_fusing``: refuse non-finite weights. See unfuse_lora."""
         state = self._lora()
         if state.fused:
             raise ValueError(f"adapters {state.fused} are fused already; unfuse_lora() first")
@@ -457,7 +456,8 @@ class LoraMixin(LoraScaleMixin):
                                   else adapter_names, "fuse_lora")
         if not names:
             raise ValueError("fuse_lora: no adapter to fuse (none is active); set_adapters() or name adapter_names")
-        comps = list(state.slots) if components is None else list(components)
+        default = self._lora_format().fuse_components or state.slots  # diffusers' defaults (Flux: the transformer)
+        comps = [c for c in state.slots if c in default] if components is None else list(components)
         unknown = sorted(set(comps) - set(state.slots))
         if unknown:
             raise ValueError(f"fuse_lora: components {unknown} hold no adapters; those that do: {list(state.slots)}")
