@@ -64,7 +64,7 @@ def _theirs(ref, **extra) -> np.ndarray:
 def _fused(pipe, path) -> np.ndarray:
     pipe.load_lora_weights(path)
     try:
-        pipe.fuse_lora()
+        pipe.fuse_lora(components=list(pipe.get_list_adapters()))  # the text encoders too (default: transformer)
         with no_compile("a fused Flux LoRA"):
             return _ours(pipe)
     finally:

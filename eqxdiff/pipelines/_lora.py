@@ -401,7 +401,7 @@ class LoraMixin(LoraScaleMixin):
             names = [n for n in state.adapters if n not in state.fused]
             warnings.warn(f"the adapters {names} are not fused into the weights of {', '.join(left)}: the saved "
                           "pipeline leaves them out (its folders hold weights only). To bake them in, "
-                          "pipe.fuse_lora() before saving (unfuse_lora() after gives the models back)",
+                          f"pipe.fuse_lora(components={left}) before saving (unfuse_lora() after gives them back)",
                           AdaptersNotSavedWarning, stacklevel=3)
         return out
 
