@@ -478,7 +478,7 @@ class LoraMixin(LoraScaleMixin):
         to_fuse, to_keep = {}, {}
         for path, held in slots.items():
             adapters = nn.resolve_site(model, path).adapters
-            fuse = [i for i, n in enumerate(held) if n in names]
+            fuse = [held.index(n) for n in names if n in held]  # in names' order, as PEFT merges them
             keep = [i for i, n in enumerate(held) if n not in names]
             sub = nn.entries_kept(adapters, fuse)
             if sub is not None:

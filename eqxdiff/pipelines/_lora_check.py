@@ -123,10 +123,7 @@ def peft_order(model, slots: dict, active: Sequence[str]):
             continue
         perm = sorted(range(len(held)), key=lambda i: (rank.get(held[i], len(active)), i))
         if perm != list(range(len(held))):
-            order = np.asarray(perm)
-            changes[path] = nn.Adapters(tuple(adapters.entries[i] for i in perm), adapters.scales[..., order],
-                                        adapters.enabled[..., order])
-            slots[path] = [held[i] for i in perm]
+            changes[path], slots[path] = nn.entries_kept(adapters, perm), [held[i] for i in perm]
     return nn.with_adapters(model, changes) if changes else model
 
 
