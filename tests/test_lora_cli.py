@@ -285,7 +285,7 @@ def test_saving_leaves_unfused_adapters_out_with_one_warning(pipe, files, tmp_pa
             eqxdiff.save_pipeline(pipe, tmp_path / "pipe")
         assert len(caught) == 1, [str(w.message) for w in caught]
         assert "the adapters ['style'] are not fused into the weights of unet" in str(caught[0].message)
-        assert "pipe.fuse_lora() before saving" in str(caught[0].message)
+        assert "pipe.fuse_lora(components=['unet']) before saving" in str(caught[0].message)
         with pytest.warns(AdaptersNotSavedWarning, match=r"UNet2DConditionModel holds unfused LoRA/LyCORIS adapters "
                           r"in \d+ layers: .*fuse them first"):
             eqxdiff.save_pretrained(pipe.unet, tmp_path / "unet")

@@ -64,7 +64,7 @@ def _theirs(ref, **extra) -> np.ndarray:
 def _fused(pipe, path) -> np.ndarray:
     pipe.load_lora_weights(path)
     try:
-        pipe.fuse_lora()
+        pipe.fuse_lora(components=list(pipe.get_list_adapters()))  # the text encoders too (default: transformer)
         with no_compile("a fused Flux LoRA"):
             return _ours(pipe)
     finally:
@@ -242,7 +242,7 @@ def test_peft_unfused_and_fused(flux):
         try:
             unfused_ref = _theirs(ref)
             scaled_ref = _theirs(ref, joint_attention_kwargs={"scale": 0.5})
-            ref.fuse_lora()
+            ref.fuse_lora(lora_scale=0.5)  # the transformer only: diffusers' Flux default, the encoders' stay unfused
             fused_ref = _theirs(ref)
         finally:
             ref.unfuse_lora()
@@ -260,9 +260,9 @@ def test_peft_unfused_and_fused(flux):
         with no_compile("strength 0"):
             assert np.max(np.abs(_ours(pipe).astype(int) - base.astype(int))) <= 1
         pipe.set_adapters("p", 1.0)
-        pipe.fuse_lora()
+        pipe.fuse_lora(lora_scale=0.5)  # found by the LoRA fuzz (seed 400): CLIP's adapter was fused too, at 0.5
         with no_compile("fused"):
-            _close(_ours(pipe), fused_ref, "PEFT fused")
+            _close(_ours(pipe), fused_ref, "PEFT fused at 0.5")
     finally:
         pipe.unfuse_lora()
         pipe.unload_lora_weights()

@@ -2,7 +2,8 @@
 
 Each format is a random file built here at the tiny pipeline's sizes (every tensor random and non-zero): diffusers /
 PEFT (``lora_A``/``lora_B``, ``lora_B.bias``, rank and alpha patterns from the metadata header, text encoder too),
-diffusers' legacy ``to_q_lora.down`` names, kohya (diffusers-like names, ``alpha``, LoCon convolutions), PEFT's DoRA,
+diffusers' legacy ``to_q_lora.down`` names and ``lora.up.bias``, kohya (diffusers-like names, ``alpha``, LoCon
+convolutions), PEFT's DoRA,
 and a LyCORIS file mixing LoHa (with Tucker cores), LoKr, LoCon with ``lora_mid``, ``dora_scale``, a full
 ``diff``/``diff_b`` and kohya's ``lora_te_`` (reference: LyCORIS' own reader and modules in diffusers' forward, which
 diffusers cannot load; a Tucker LoKr, which LyCORIS' reader mis-ranks, is proven layer by layer in
@@ -97,6 +98,19 @@ def legacy_file(ref, path):
     return files.save(tensors, path)
 
 
+def legacy_bias_file(ref, path):
+    """PEFT's ``lora_B.bias`` in diffusers' older names, as ``convert_state_dict_to_diffusers`` writes a bias LoRA
+    (training scripts save so): ``unet.<name>.lora.up.bias``, ``text_encoder.<name>.lora_linear_layer.up.bias``, on
+    layers with a bias (PEFT fuses it into theirs)."""
+    rand = files.Rand(5)
+    names = {"lora_A.weight": "down.weight", "lora_B.weight": "up.weight", "lora_B.bias": "up.bias"}
+    tensors = {**files.peft(files.modules(ref.unet, r"(to_out\.0|ff\.net\.2|conv1)$"), "unet.", rand, bias=True),
+               **files.peft(text_modules(ref, r"self_attn\.(q|v)_proj$"), "text_encoder.", rand, bias=True)}
+    layer = {"unet.": ".lora.", "text_encoder.": ".lora_linear_layer."}
+    return files.save({next(k.replace(f".{a}", layer[p] + b) for p in layer if k.startswith(p)
+                            for a, b in names.items() if k.endswith(a)): v for k, v in tensors.items()}, path)
+
+
 def kohya_file(ref, path, seed=2):
     """kohya: diffusers-like names with underscores, ``alpha``, LoCon on the ResNets' 3x3 convolutions (the text
     encoder's ``lora_te_`` is in the LyCORIS file: diffusers 0.42 cannot read it under transformers 5)."""
@@ -104,8 +118,8 @@ def kohya_file(ref, path, seed=2):
                       path)
 
 
-def dora_file(ref, path):
-    rand = files.Rand(3)
+def dora_file(ref, path, seed=3):
+    rand = files.Rand(seed)
     return files.save(files.peft(files.modules(ref.unet, r"attn[12]\.to_(q|v)$|ff\.net\.2$"), "unet.", rand,
                                  rank=4, dora=True), path)
 
@@ -156,6 +170,7 @@ def _diffusers(ref, path, fuse: bool, weights=None):
 # -- formats, fused (the plain pipeline's program) -------------------------------------------------------------------
 
 FORMATS = {"peft": lambda ref, path: peft_file(ref, path, bias=False), "legacy": legacy_file, "kohya": kohya_file,
+           "legacy_bias": legacy_bias_file,
            "dora": dora_file}
 
 
@@ -365,6 +380,34 @@ def test_deleting_the_active_adapter_activates_the_first_left(sd):
         pipe.unload_lora_weights()
     bad = {k: rel_error(v, expected[k]) for k, v in ours.items() if rel_error(v, expected[k]) > 1e-4}
     assert not bad, f"fused weights differ from diffusers': {bad}"
+
+
+def test_dora_adapters_compose_in_the_active_order(sd):
+    """Two PEFT DoRA adapters on the same layers compose in ``set_adapters``' order, as PEFT (each DoRA factor
+    multiplies the layer's output so far, in the active order), and ``fuse_lora(adapter_names=...)`` merges them in
+    the names' order, as PEFT. Found by the LoRA fuzz (SDXL seed 457, Wan 617: 16-43% from diffusers' weights): they
+    composed in load order. Fused, in weight space against diffusers', no compile."""
+    ref, pipe, base, folder = sd
+    a, b = dora_file(ref, folder / "order_a.safetensors", 44), dora_file(ref, folder / "order_b.safetensors", 45)
+    for p in (ref, pipe):
+        p.load_lora_weights(a if p is pipe else str(a), adapter_name="a")
+        p.load_lora_weights(b if p is pipe else str(b), adapter_name="b")
+        p.set_adapters(["b", "a"], [1.3, 0.8])
+    try:
+        for names in (None, ["a", "b"]):
+            ref.fuse_lora(adapter_names=names)
+            expected = {k.replace(".base_layer", ""): v.detach().numpy().copy()
+                        for k, v in ref.unet.state_dict().items() if "lora_" not in k}
+            ref.unfuse_lora()
+            pipe.fuse_lora(adapter_names=names)
+            ours = state_dict(pipe.unet)
+            pipe.unfuse_lora()
+            bad = {k: rel_error(v, expected[k]) for k, v in ours.items() if rel_error(v, expected[k]) > 1e-4}
+            assert not bad, f"fused {names} differ from diffusers': {bad}"
+    finally:
+        for p in (ref, pipe):
+            p.unfuse_lora()
+            p.unload_lora_weights()
 
 
 # -- refusals ----------------------------------------------------------------------------------------------------------

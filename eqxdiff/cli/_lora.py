@@ -278,7 +278,7 @@ def apply_loras(pipe, specs: Sequence[LoraSpec], options: LoraOptions) -> list[d
         return []
     pipe.set_adapters([s.name for s in specs], [s.scale for s in specs])
     if options.fuse_lora:
-        pipe.fuse_lora()
+        pipe.fuse_lora(components=list(pipe.get_list_adapters()))  # every model (diffusers' Flux default: transformer)
     return [s.record() for s in specs]
 
 

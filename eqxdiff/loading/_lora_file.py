@@ -33,8 +33,9 @@ ROLES: Mapping[str, tuple[str | None, str]] = {
     ".lora_A.weight": ("lora", "down"), ".lora_B.weight": ("lora", "up"), ".lora_B.bias": ("lora", "bias"),
     ".lora_magnitude_vector.weight": (None, "magnitude"), ".lora_magnitude_vector": (None, "magnitude"),
     ".lora_down.weight": ("lora", "down"), ".lora_up.weight": ("lora", "up"), ".lora_mid.weight": ("lora", "mid"),
-    ".lora.down.weight": ("lora", "down"), ".lora.up.weight": ("lora", "up"),
+    ".lora.down.weight": ("lora", "down"), ".lora.up.weight": ("lora", "up"), ".lora.up.bias": ("lora", "bias"),
     ".lora_linear_layer.down.weight": ("lora", "down"), ".lora_linear_layer.up.weight": ("lora", "up"),
+    ".lora_linear_layer.up.bias": ("lora", "bias"),  # PEFT's lora_B.bias in diffusers' older names
     "_lora.down.weight": ("lora", "down"), "_lora.up.weight": ("lora", "up"),
     ".down.weight": ("lora", "down"), ".up.weight": ("lora", "up"),
     ".alpha": (None, "alpha"), ".dora_scale": (None, "dora_scale"),

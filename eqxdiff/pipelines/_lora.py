@@ -11,9 +11,8 @@ Every family's models hold the adapters in their layers' ``adapters`` slots (:mo
 at call time with traced strengths: a new strength, switching adapters on or off, or another file of the same ranks
 and targets (``hotswap=True``; ranks padded to ``max_rank=``) reuses the compiled denoising loop. ``fuse_lora``
 merges them into the weights (float32 sums cast back) and ``unfuse_lora`` gives back the models as they were, byte
-for byte (``unload_lora_weights`` keeps them merged, as diffusers). Which models a family's files adapt and how
-their keys name them is the family's ``LORA_FORMAT`` (:class:`~eqxdiff.pipelines._lora_format.LoraFormat`); this
-mixin names no family.
+for byte (``unload_lora_weights`` keeps them merged, as diffusers). A family's ``LORA_FORMAT`` (a
+:class:`~eqxdiff.pipelines._lora_format.LoraFormat`) says which models its files adapt, by which keys: no family here.
 """
 
 import copy
@@ -30,7 +29,7 @@ from .. import nn
 from ..loading import AdaptersNotSavedWarning, CheckpointError, without_adapters
 from ..loading.lora import Matcher, match_models, parse, read_lora, same_structure, site_adapters
 from ..parallel import shard_params
-from ._lora_check import LoraWarning, active_after_delete, check_coverage, check_lora_file, lora_format
+from ._lora_check import LoraWarning, active_after_delete, check_coverage, check_lora_file, lora_format, peft_order
 from ._lora_check import listed as _listed
 from ._lora_format import LoraFormat, load_format
 from ._lora_scale import LoraScaleMixin
@@ -259,14 +258,15 @@ class LoraMixin(LoraScaleMixin):
         return lambda module: value
 
     def _refresh_lora(self) -> None:
-        """Every layer's traced strengths and switches from the adapters' weights, the active set and
-        ``enable_lora`` / ``disable_lora``: values only, placed where the old ones were (nothing compiles). While
-        fused, the fused models keep their unfused adapters' entries and the kept unfused models all of them."""
+        """Every layer's traced strengths and switches from the adapters' weights, the active set (its order where
+        PEFT DoRA entries compose) and ``enable_lora`` / ``disable_lora``: values only, placed where the old ones were.
+        While fused, the fused models keep their unfused adapters' entries and the kept unfused models all of them."""
         state = self._lora()
         for component, slots in state.slots.items():
-            fused_here = component in state.unfused
+            fused_here, model = component in state.unfused, getattr(self, component)
+            model = model if fused_here else peft_order(model, slots, state.active)
             current = {p: [n for n in names if not (fused_here and n in state.fused)] for p, names in slots.items()}
-            setattr(self, component, self._with_strengths(component, getattr(self, component), current))
+            setattr(self, component, self._with_strengths(component, model, current))
             if fused_here:
                 state.unfused[component] = self._with_strengths(component, state.unfused[component], slots)
 
@@ -293,7 +293,7 @@ class LoraMixin(LoraScaleMixin):
         """Make ``adapter_names`` the active adapters, at ``adapter_weights`` (one per name, or one for all; default
         1.0). A weight is a number, a dict by component (``{"unet": 0.8, "text_encoder": 0.5}``) or, for a family
         with per-block scales (the UNets), diffusers' block dict ``{"down": {"block_1": [0, 1]}, "mid": 0.5, "up":
-        ...}`` (under its component's key, or alone). Values only: nothing compiles."""
+        ...}`` (under its component's key, or alone). Values only (a new order of DoRA adapters compiles)."""
         names = self._check_names(adapter_names, "set_adapters")
         if adapter_weights is None:
             weights = [1.0] * len(names)
@@ -401,7 +401,7 @@ class LoraMixin(LoraScaleMixin):
             names = [n for n in state.adapters if n not in state.fused]
             warnings.warn(f"the adapters {names} are not fused into the weights of {', '.join(left)}: the saved "
                           "pipeline leaves them out (its folders hold weights only). To bake them in, "
-                          "pipe.fuse_lora() before saving (unfuse_lora() after gives the models back)",
+                          f"pipe.fuse_lora(components={left}) before saving (unfuse_lora() after gives them back)",
                           AdaptersNotSavedWarning, stacklevel=3)
         return out
 
@@ -445,11 +445,10 @@ class LoraMixin(LoraScaleMixin):
 
     def fuse_lora(self, lora_scale: float = 1.0, components: Sequence[str] | None = None,
                   adapter_names: Sequence[str] | None = None, safe_fusing: bool = False) -> None:
-        """Merge adapters into the weights: ``W + lora_scale * change`` at their current strengths, summed in float32
-        and cast back to each weight's dtype; the layers then compute as plain layers (the models' structure without
-        adapters, if all are fused). ``adapter_names``: which, active or not, as diffusers (default: the active ones,
-        if enabled); ``components``: where (default: all); ``safe_fusing``: refuse weights that come out non-finite.
-        :meth:`unfuse_lora` restores the models exactly."""
+        """Merge adapters into the weights (``W + lora_scale * change`` at their strengths, float32 sums cast back):
+        the layers then compute as plain ones. ``adapter_names``: which, active or not (default: the active ones, if
+        enabled), each times ``lora_scale`` (diffusers: active ones only, README); ``components``: where (default:
+        diffusers', the format's ``fuse_components``); ``safe_fusing``: refuse non-finite weights. See unfuse_lora."""
         state = self._lora()
         if state.fused:
             raise ValueError(f"adapters {state.fused} are fused already; unfuse_lora() first")
@@ -457,7 +456,8 @@ class LoraMixin(LoraScaleMixin):
                                   else adapter_names, "fuse_lora")
         if not names:
             raise ValueError("fuse_lora: no adapter to fuse (none is active); set_adapters() or name adapter_names")
-        comps = list(state.slots) if components is None else list(components)
+        default = self._lora_format().fuse_components or state.slots  # diffusers' defaults (Flux: the transformer)
+        comps = [c for c in state.slots if c in default] if components is None else list(components)
         unknown = sorted(set(comps) - set(state.slots))
         if unknown:
             raise ValueError(f"fuse_lora: components {unknown} hold no adapters; those that do: {list(state.slots)}")
@@ -478,7 +478,7 @@ class LoraMixin(LoraScaleMixin):
         to_fuse, to_keep = {}, {}
         for path, held in slots.items():
             adapters = nn.resolve_site(model, path).adapters
-            fuse = [i for i, n in enumerate(held) if n in names]
+            fuse = [held.index(n) for n in names if n in held]  # in names' order, as PEFT merges them
             keep = [i for i, n in enumerate(held) if n not in names]
             sub = nn.entries_kept(adapters, fuse)
             if sub is not None:

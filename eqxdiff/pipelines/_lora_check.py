@@ -111,5 +111,21 @@ def check_lora_file(cls: type, path_or_hub_id, models: Mapping[str, object] | No
     return file
 
 
+def peft_order(model, slots: dict, active: Sequence[str]):
+    """PEFT composes a layer's adapters in the active order (a DoRA entry's factor multiplies the layer's output so
+    far): the entries of ``model``'s sites that hold a PEFT DoRA entry put in ``active``'s order (the others after,
+    as held), ``slots`` (site -> names, as the entries) reordered with them in place. A new order is a new structure
+    (it compiles once); sites without DoRA keep theirs (the order does not matter there)."""
+    rank, changes = {n: i for i, n in enumerate(active)}, {}
+    for path, held in slots.items():
+        adapters = nn.resolve_site(model, path).adapters
+        if adapters is None or not any(isinstance(a, nn.DoRA) and a.mode == "peft" for a in adapters.entries):
+            continue
+        perm = sorted(range(len(held)), key=lambda i: (rank.get(held[i], len(active)), i))
+        if perm != list(range(len(held))):
+            changes[path], slots[path] = nn.entries_kept(adapters, perm), [held[i] for i in perm]
+    return nn.with_adapters(model, changes) if changes else model
+
+
 __all__ = ["LoraWarning", "active_after_delete", "check_coverage", "check_lora_file", "listed", "lora_format",
-           "other_family"]
+           "other_family", "peft_order"]

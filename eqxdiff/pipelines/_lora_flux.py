@@ -50,6 +50,7 @@ FLUX = LoraFormat(
         Naming("lora_te3_", "text_encoder_2", underscored=True, label="kohya"),
     ),
     layouts=(BFL,),
+    fuse_components=("transformer",),  # diffusers' FluxPipeline.fuse_lora(): a text encoder's adapters stay unfused
     # diffusers' names are Flux's by its blocks' layers (``attn``, ``ff_context``, ``norm1_context``), not by the
     # ``transformer.`` prefix alone: Wan's and LTX-Video's diffusers files carry it too
     markers=(r"^lora_transformer_",

@@ -26,13 +26,15 @@ class LoraFormat:
     (:class:`~eqxdiff.loading.lora.NameLayout`: single-file layouts, XLabs' names); ``markers``: regexes that tell
     one of its files among other families' (a key matching one is evidence for this family); ``block_scales``:
     per component, diffusers' per-block scales (``set_adapters`` weights as ``{"down": ..., "mid": ..., "up":
-    ...}``)."""
+    ...}``); ``fuse_components``: the components ``fuse_lora()`` fuses by default, diffusers' defaults (``None``:
+    every one holding adapters)."""
 
     family: str
     namings: tuple[Naming, ...]
     layouts: tuple[NameLayout, ...] = ()
     markers: tuple[str, ...] = ()
     block_scales: Mapping[str, BlockScales] = dataclasses.field(default_factory=dict)
+    fuse_components: tuple[str, ...] | None = None
 
     def evidence(self, keys: Iterable[str]) -> list[str]:
         """The keys that look like this family's (its markers)."""
