@@ -132,6 +132,9 @@ class StableDiffusionPipeline(UNetPipeline):
                 ordinary UNets.
             strength: How much of the schedule an image-to-image / inpainting run takes (default 0.8 / 1.0).
             eta: Noise of the DDIM / TCD steps.
+            guidance_rescale: Rescales the guided prediction, with ``image=`` too. diffusers' SD image-to-image and
+                inpainting pipelines take no ``guidance_rescale``: their ``**kwargs`` swallow it and they run
+                without it, so match them there with ``guidance_rescale=0``.
             timesteps: A custom descending timestep schedule (replaces ``num_inference_steps``).
             sigmas: A custom noise-level schedule (replaces ``num_inference_steps``).
             output_type: ``"uint8"`` images, ``"np"`` (float32 in [0, 1]), ``"pil"`` (a list of PIL
