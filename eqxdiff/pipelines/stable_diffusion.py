@@ -162,4 +162,4 @@ class StableDiffusionInpaintPipeline(StableDiffusionPipeline):
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionInpaintPipeline"
     REQUIRED_INPUTS: ClassVar = ("image", "mask_image")
-    SCHEDULER_FIXES: ClassVar = {"steps_offset": 1, "clip_sample": False, "skip_prk_steps": True}  # (diffusers')
+    SCHEDULER_FIXES: ClassVar = {"steps_offset": 1, "skip_prk_steps": True}  # diffusers' (its clip_sample stays)
