@@ -514,16 +514,18 @@ def test_a_folder_carries_its_recommended_call(tmp_path):
                                                              "seed": 0}
 
 
-@pytest.mark.parametrize("cls_name, scheduler", [
-    ("StableDiffusionPipeline", {"_class_name": "DDIMScheduler", "clip_sample": True}),
-    ("StableDiffusionInpaintPipeline", {"_class_name": "PNDMScheduler", "skip_prk_steps": False}),
-    ("StableDiffusionControlNetPipeline", {"_class_name": "DDIMScheduler", "clip_sample": True}),
+@pytest.mark.parametrize("cls_name, scheduler, fixed", [
+    ("StableDiffusionPipeline", {"_class_name": "DDIMScheduler", "clip_sample": True}, {"steps_offset", "clip_sample"}),
+    ("StableDiffusionInpaintPipeline", {"_class_name": "PNDMScheduler", "skip_prk_steps": False},
+     {"steps_offset", "skip_prk_steps"}),
+    ("StableDiffusionInpaintPipeline", {"_class_name": "DDIMScheduler", "clip_sample": True}, {"steps_offset"}),
+    ("StableDiffusionControlNetPipeline", {"_class_name": "DDIMScheduler", "clip_sample": True}, set()),
 ])
-def test_an_outdated_scheduler_config_is_read_as_diffusers_pipeline_reads_it(tmp_path, cls_name, scheduler):
+def test_an_outdated_scheduler_config_is_read_as_diffusers_pipeline_reads_it(tmp_path, cls_name, scheduler, fixed):
     """diffusers' SD pipelines (text-to-image, image-to-image, inpainting; not ControlNet) rewrite an outdated
-    scheduler config when built: steps_offset 1, clip_sample False, the inpainting pipeline's PNDM skip_prk_steps True
-    (a deprecation warning). A folder whose scheduler config leaves steps_offset out (0 by default) samples with
-    the same config in both (a warning naming each key here)."""
+    scheduler config when built: steps_offset 1, clip_sample False (not the inpainting pipeline), the inpainting
+    pipeline's PNDM skip_prk_steps True (a deprecation warning). A folder whose scheduler config leaves steps_offset
+    out (0 by default) samples with the same config in both (a warning naming each key here)."""
     import diffusers
 
     build_pipeline(tmp_path)
@@ -540,7 +542,7 @@ def test_an_outdated_scheduler_config_is_read_as_diffusers_pipeline_reads_it(tmp
     reference = getattr(diffusers, cls_name).from_pretrained(tmp_path, safety_checker=None, **kwargs).scheduler.config
     expected = {k: reference[k] for k in ("steps_offset", "clip_sample", "skip_prk_steps") if k in reference}
     fixes = {k for k, v in expected.items() if v != raw.get(k, {"steps_offset": 0}.get(k))}
-    assert fixes == (set() if "ControlNet" in cls_name else {"steps_offset", *scheduler} - {"_class_name"})
+    assert fixes == fixed
     if kwargs:
         kwargs["controlnet"].save_pretrained(tmp_path / "controlnet", safe_serialization=True)
         index = json.loads((tmp_path / "model_index.json").read_text())

@@ -135,6 +135,9 @@ class StableDiffusionPipeline(UNetPipeline):
                 ordinary UNets.
             strength: How much of the schedule an image-to-image / inpainting run takes (default 0.8 / 1.0).
             eta: Noise of the DDIM / TCD steps.
+            guidance_rescale: Rescales the guided prediction, with ``image=`` too. diffusers' SD image-to-image and
+                inpainting pipelines take no ``guidance_rescale``: their ``**kwargs`` swallow it and they run
+                without it, so match them there with ``guidance_rescale=0``.
             timesteps: A custom descending timestep schedule (replaces ``num_inference_steps``).
             sigmas: A custom noise-level schedule (replaces ``num_inference_steps``).
             masked_image_latents: An inpainting UNet's masked-image latents ``[1 or n, h, w, c]`` (channels-last,
@@ -166,4 +169,4 @@ class StableDiffusionInpaintPipeline(StableDiffusionPipeline):
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionInpaintPipeline"
     REQUIRED_INPUTS: ClassVar = ("image", "mask_image")
-    SCHEDULER_FIXES: ClassVar = {"steps_offset": 1, "clip_sample": False, "skip_prk_steps": True}  # (diffusers')
+    SCHEDULER_FIXES: ClassVar = {"steps_offset": 1, "skip_prk_steps": True}  # diffusers' (its clip_sample stays)
