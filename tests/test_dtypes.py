@@ -149,12 +149,18 @@ def _reference_class(name: str):
     return getattr(diffusers, name, None) or getattr(transformers, name, None)
 
 
+BEYOND_THE_REFERENCE = {"UNet2DConditionModel": {"time_proj"}}  # kept in float32 where diffusers does not
+
+
 @pytest.mark.parametrize("name", [n for n in family_names("model") if _reference_class(n) is not None])
 def test_keep_in_float32_as_the_reference(name):
     """Each model keeps in float32 what its reference's loader keeps: diffusers' ``_keep_in_fp32_modules`` in
-    bfloat16 and float16, transformers' in float16 only (and its ``_strict`` list in both); nothing in float32."""
+    bfloat16 and float16, transformers' in float16 only (and its ``_strict`` list in both); nothing in float32. One
+    deliberate addition: a UNet's Gaussian Fourier timestep projection (``time_embedding_type='fourier'``), whose
+    half-precision weights lose the phase of angles of thousands of radians (diffusers' bfloat16 run of the tests'
+    Fourier UNet is 21% off its float32 one)."""
     ours, ref = resolve_class(name), _reference_class(name)
-    loose = set(getattr(ref, "_keep_in_fp32_modules", None) or ())
+    loose = set(getattr(ref, "_keep_in_fp32_modules", None) or ()) | BEYOND_THE_REFERENCE.get(name, set())
     strict = set(getattr(ref, "_keep_in_fp32_modules_strict", None) or ())
     by_transformers = issubclass(ref, transformers.PreTrainedModel)
     assert set(ours.keep_in_float32(jnp.float16)) == loose | strict
