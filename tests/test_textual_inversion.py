@@ -102,6 +102,9 @@ def test_bad_embeddings_are_refused_naming_the_fix(sd, files, tmp_path):
     with pytest.raises(CheckpointError, match="textual inversion file .* not found"):
         pipe.load_textual_inversion(str(tmp_path / "missing.safetensors"))
     assert "<a>" not in pipe.tokenizer.get_vocab()  # a refused call changes nothing
+    pipe.load_textual_inversion(rows, token=["<p>", "<p>_x"])  # "<p>_x" is a token of its own, not a follower
+    pipe.unload_textual_inversion("<p>")
+    assert "<p>" not in pipe.tokenizer.get_vocab() and "<p>_x" in pipe.tokenizer.get_vocab()
 
 
 def test_sdxl_takes_each_encoders_embedding_as_diffusers(tmp_path):

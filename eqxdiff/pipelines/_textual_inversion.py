@@ -201,7 +201,7 @@ class TextualInversionMixin:
             if unknown:
                 raise ValueError(f"unload_textual_inversion: {unknown} not loaded into {tok_name}; it holds "
                                  f"{sorted(state.rows)}")
-            gone = {t for t in state.rows if t in names or t.rpartition("_")[0] in names}
+            gone = {t for t in state.rows if t in names or _follows(t, names)}
             kept = {t: r for t, r in state.rows.items() if t not in gone}
         self._set_tokens(tok_name, enc_name, state, kept)
 
@@ -223,6 +223,12 @@ class TextualInversionMixin:
             if enc_name in copies:
                 copies[enc_name] = with_token_rows(copies[enc_name], table)
         state.rows = dict(rows)
+
+
+def _follows(token: str, names) -> bool:
+    """Whether ``token`` is a multi-vector follower (``<cat>_2``) of one of ``names``."""
+    head, _, index = token.rpartition("_")
+    return index.isdigit() and head in names
 
 
 def _read(source, *, weight_name, revision, subfolder):
