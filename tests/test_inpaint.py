@@ -39,14 +39,20 @@ def _inputs(seed: int):
     return image, mask
 
 
-def _reference(ref, module, monkeypatch, *, image, mask, seed, posterior_calls, **kwargs):
-    """diffusers' output with our draws: ``posterior_calls`` names what its retrieve_latents samples, in order."""
+def _with_our_draws(ref, module, monkeypatch, *, seed, posterior_calls):
+    """Make diffusers' pipeline ``ref`` draw what eqxdiff draws from ``seed``: its initial noise, and the VAE posterior
+    samples its retrieve_latents takes in the order ``posterior_calls`` names them."""
     draws = noise_draws(jax.random.key(seed), SHAPE)
     posterior = iter([{"image": draws.image, "masked": draws.masked_image}[k] for k in posterior_calls])
     monkeypatch.setattr(module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(draws.noise))
     monkeypatch.setattr(module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
                         out.latent_dist.mean + out.latent_dist.std * nhwc_to_nchw(next(posterior)))
     ref.set_progress_bar_config(disable=True)
+
+
+def _reference(ref, module, monkeypatch, *, image, mask, seed, posterior_calls, **kwargs):
+    """diffusers' output with our draws: ``posterior_calls`` names what its retrieve_latents samples, in order."""
+    _with_our_draws(ref, module, monkeypatch, seed=seed, posterior_calls=posterior_calls)
     with torch.no_grad():
         return ref(PROMPTS, image=torch.from_numpy(image).permute(0, 3, 1, 2).float() / 255,
                    mask_image=torch.from_numpy(mask[:, None].astype(np.float32) / 255), height=32, width=32,
@@ -101,12 +107,7 @@ def _mask_crop_matches_diffusers(pipe, ref, module, monkeypatch, *, seed, poster
     mask[12:20, 30:41] = 255
     mask = Image.fromarray(mask)
     kwargs = dict(height=32, width=32, padding_mask_crop=3, **kwargs)
-    draws = noise_draws(jax.random.key(seed), SHAPE)
-    posterior = iter([{"image": draws.image, "masked": draws.masked_image}[k] for k in posterior_calls])
-    monkeypatch.setattr(module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(draws.noise))
-    monkeypatch.setattr(module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
-                        out.latent_dist.mean + out.latent_dist.std * nhwc_to_nchw(next(posterior)))
-    ref.set_progress_bar_config(disable=True)
+    _with_our_draws(ref, module, monkeypatch, seed=seed, posterior_calls=posterior_calls)
     with torch.no_grad():
         expected = np.stack([np.asarray(im) for im in ref(PROMPTS, image=picture, mask_image=mask,
                                                             output_type="pil", **kwargs).images])
