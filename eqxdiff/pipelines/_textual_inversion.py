@@ -261,11 +261,10 @@ def _token_and_embedding(token: str | None, state) -> tuple[str, np.ndarray]:
         return token or name, _array(embedding)
     if "string_to_param" in state:
         return token or state["name"], _array(state["string_to_param"]["*"])
-    hint = (" An SDXL file: load it into an SDXL pipeline (both encoders at once), or tensors['clip_l'] into the "
-            "first text encoder and tensors['clip_g'] with tokenizer=pipe.tokenizer_2, "
-            "text_encoder=pipe.text_encoder_2, each with token=.")
-    raise ValueError(f"load_textual_inversion: the file holds {sorted(state)}, not one embedding."
-                     + (hint if {"clip_l", "clip_g"} <= set(state) else ""))
+    raise ValueError(f"load_textual_inversion: the file holds {sorted(state)}, not one embedding. A file of one "
+                     "embedding per text encoder loads key by key: load_textual_inversion(tensors[key], token=..., "
+                     "tokenizer=pipe.tokenizer_2, text_encoder=pipe.text_encoder_2) for the second encoder's key, "
+                     "without tokenizer= / text_encoder= for the first's")
 
 
 def _array(x) -> np.ndarray:
