@@ -281,6 +281,7 @@ def test_call_lora_scale_matches_diffusers(sd):
         weighted = _theirs(ref, cross_attention_kwargs={"scale": 1.5})
     finally:
         ref.unload_lora_weights()
+        ref._lora_scale = 1.0  # diffusers keeps a call's scale and scales later text-encoder loads by it (README)
     pipe.load_lora_weights(path, adapter_name="s", max_rank=8)
     try:
         full = _ours(pipe)
@@ -380,6 +381,64 @@ def test_deleting_the_active_adapter_activates_the_first_left(sd):
         pipe.unload_lora_weights()
     bad = {k: rel_error(v, expected[k]) for k, v in ours.items() if rel_error(v, expected[k]) > 1e-4}
     assert not bad, f"fused weights differ from diffusers': {bad}"
+
+
+def _fused_weights(model) -> dict:
+    return {k.replace(".base_layer", ""): v.detach().numpy().copy() for k, v in model.state_dict().items()
+            if "lora_" not in k}
+
+
+def test_active_adapters_are_kept_per_model(sd):
+    """Active adapters are per model, as diffusers keeps them (PEFT's state is in each model's layers): a UNet-only
+    file loaded after a UNet + text-encoder one is the UNet's active adapter and leaves the text encoder's on; a
+    delete then wakes the first adapter left in the model whose active ones went, there only. Found by the LoRA fuzz
+    (SDXL seed 516: one active list for the pipeline switched the text encoder's adapter off, 0.087 from diffusers'
+    fused CLIP). Fused, in weight space against diffusers' UNet and text encoder, no compile."""
+    ref, pipe, base, folder = sd
+    both = peft_file(ref, folder / "per_model_both.safetensors", seed=44, bias=False)
+    unet_only = files.save(files.peft(files.modules(ref.unet, UNET), "unet.", files.Rand(45), rank=2),
+                           folder / "per_model_unet.safetensors")
+    expected, models = {}, (pipe.unet, pipe.text_encoder)
+    for p in (ref, pipe):
+        p.load_lora_weights(both if p is pipe else str(both), adapter_name="both")
+        p.load_lora_weights(unet_only if p is pipe else str(unet_only), adapter_name="unet_only")
+    try:
+        assert pipe._lora().active == {"unet": ["unet_only"], "text_encoder": ["both"]}
+        ref.fuse_lora(components=["unet", "text_encoder"])
+        expected["load"] = {"unet": _fused_weights(ref.unet),
+                            "text_encoder": _fused_weights(files.checkpoint_named(ref.text_encoder))}
+        ref.unfuse_lora(components=["unet", "text_encoder"])
+        ref.set_adapters(["both"])
+        ref.load_lora_weights(str(unet_only), adapter_name="again")
+        ref.delete_adapters(["both", "again"])  # the UNet's active "again" goes: its first left, unet_only, wakes
+        ref.fuse_lora(components=["unet"])
+        expected["delete"] = {"unet": _fused_weights(ref.unet)}
+    finally:
+        ref.unfuse_lora()
+        ref.unload_lora_weights()
+    try:
+        pipe.fuse_lora(components=["unet", "text_encoder"])
+        with pytest.warns(AdaptersNotSavedWarning, match="UNet"):  # "both", inactive there, stays unfused
+            ours = {"load": {c: state_dict(getattr(pipe, c)) for c in ("unet", "text_encoder")}}
+        pipe.unfuse_lora()
+        pipe.set_adapters(["both"])
+        pipe.load_lora_weights(unet_only, adapter_name="again")
+        with pytest.warns(LoraWarning, match=r"'unet_only' in unet"):
+            pipe.delete_adapters(["both", "again"])
+        assert pipe._lora().active == {"unet": ["unet_only"]}
+        pipe.fuse_lora()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", AdaptersNotSavedWarning)  # unet_only, the one left, is fused
+            ours["delete"] = {"unet": state_dict(pipe.unet)}
+    finally:
+        pipe.unfuse_lora()
+        pipe.unload_lora_weights()
+        pipe.unet, pipe.text_encoder = models
+    for when, weights in expected.items():
+        for component, theirs in weights.items():
+            bad = {k: rel_error(v, theirs[k]) for k, v in ours[when][component].items()
+                   if rel_error(v, theirs[k]) > 1e-4}
+            assert not bad, f"{when}: fused {component} differs from diffusers': {bad}"
 
 
 def test_dora_adapters_compose_in_the_active_order(sd):

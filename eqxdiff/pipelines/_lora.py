@@ -21,7 +21,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-import equinox as eqx
 import jax
 import numpy as np
 
@@ -29,41 +28,15 @@ from .. import nn
 from ..loading import AdaptersNotSavedWarning, CheckpointError, without_adapters
 from ..loading.lora import Matcher, match_models, parse, read_lora, same_structure, site_adapters
 from ..parallel import shard_params
-from ._lora_check import LoraWarning, active_after_delete, check_coverage, check_lora_file, lora_format, peft_order
+from ._lora_check import LoraWarning, check_coverage, check_lora_file, lora_format, peft_order
 from ._lora_check import listed as _listed
 from ._lora_format import LoraFormat, load_format
+from ._lora_fuse import LoraFuseMixin
 from ._lora_scale import LoraScaleMixin
+from ._lora_state import LoadedAdapter, LoraState, active_after_delete
 
 
-@dataclasses.dataclass
-class LoadedAdapter:
-    """One loaded file: its ``name``, ``path``, the layers it adapts per component (``sites``: key paths), its
-    ``weight`` (``set_adapters``'), ``max_rank`` it was padded to, and ``modules``: how many file modules matched."""
-
-    name: str
-    path: str
-    sites: dict[str, list[tuple]]
-    weight: Any = 1.0
-    max_rank: int | None = None
-    modules: int = 0
-
-
-@dataclasses.dataclass
-class LoraState:
-    """A pipeline's adapters. ``slots[component][path]``: the adapter names of that layer's entries, in order;
-    ``original``: the models before any adapter (restored by ``unload_lora_weights``); ``unfused``: the models
-    ``fuse_lora`` replaced (restored by ``unfuse_lora``); ``fused``: the adapters merged into the weights."""
-
-    adapters: dict[str, LoadedAdapter] = dataclasses.field(default_factory=dict)
-    slots: dict[str, dict[tuple, list[str]]] = dataclasses.field(default_factory=dict)
-    active: list[str] = dataclasses.field(default_factory=list)
-    enabled: bool = True
-    original: dict[str, Any] = dataclasses.field(default_factory=dict)
-    unfused: dict[str, Any] = dataclasses.field(default_factory=dict)
-    fused: list[str] = dataclasses.field(default_factory=list)
-
-
-class LoraMixin(LoraScaleMixin):
+class LoraMixin(LoraFuseMixin, LoraScaleMixin):
     """LoRA methods of :class:`~eqxdiff.pipelines.DiffusionPipeline` (see the module docstring)."""
 
     # "module:NAME" of the family's LoraFormat (None: the family reads no LoRA files)
@@ -108,8 +81,8 @@ class LoraMixin(LoraScaleMixin):
                           revision: str | None = None, into: Mapping[str, str] | None = None) -> str:
         """Load a LoRA / LyCORIS file (a ``.safetensors`` file, a folder holding one, or a Hub id with
         ``weight_name``) as adapter ``adapter_name`` (default ``default_N``) and make it the active one of the models
-        it adapts (adapters of only other models stay active, as diffusers keeps them per model: Wan's high- and
-        low-noise files); returns the name. Any trainer's layout of the family's models is read (``LORA_FORMAT``).
+        it adapts; the other models' active adapters stay as they were (diffusers keeps them per model: a UNet-only
+        file leaves the text encoder's adapter on; Wan's high- and low-noise files); returns the name. Any trainer's layout of the family's models is read (``LORA_FORMAT``).
 
         ``strict``: keys that adapt nothing here are an error listing them (``False``: one warning); a file for
         another family is an error naming it either way, and so is a file of which nothing applies. ``max_rank``:
@@ -132,7 +105,7 @@ class LoraMixin(LoraScaleMixin):
             raise ValueError(f"{type(self).__name__} has no model {missing} to load a LoRA into; it has "
                              f"{', '.join(models)}")
         if state.fused:
-            raise ValueError(f"adapters {state.fused} are fused into the weights; unfuse_lora() before loading "
+            raise ValueError(f"adapters {state.fused_names()} are fused into the weights; unfuse_lora() before loading "
                              "another file")
         name = self._adapter_name(adapter_name, hotswap)
         file = read_lora(path_or_hub_id, weight_name=weight_name, revision=revision)
@@ -165,7 +138,7 @@ class LoraMixin(LoraScaleMixin):
             state.adapters[name] = LoadedAdapter(name, file.path, {c: [s.path for s in sites]
                                                                    for c, sites in built.items()},
                                                  max_rank=max_rank, modules=len(matched))
-            state.active = [a for a in state.active if not set(built) & set(state.adapters[a].sites)] + [name]
+            state.active.update({component: [name] for component in built})  # as PEFT: the new one, per model
         self._refresh_lora()
         return name
 
@@ -264,8 +237,9 @@ class LoraMixin(LoraScaleMixin):
         state = self._lora()
         for component, slots in state.slots.items():
             fused_here, model = component in state.unfused, getattr(self, component)
-            model = model if fused_here else peft_order(model, slots, state.active)
-            current = {p: [n for n in names if not (fused_here and n in state.fused)] for p, names in slots.items()}
+            model = model if fused_here else peft_order(model, slots, state.active_in(component))
+            fused = state.fused.get(component, [])
+            current = {p: [n for n in names if n not in fused] for p, names in slots.items()}
             setattr(self, component, self._with_strengths(component, model, current))
             if fused_here:
                 state.unfused[component] = self._with_strengths(component, state.unfused[component], slots)
@@ -273,6 +247,7 @@ class LoraMixin(LoraScaleMixin):
     def _with_strengths(self, component: str, model, names_of: Mapping[tuple, list[str]]):
         state = self._lora()
         fns = {n: self._weight_fn(n, component, model) for names in names_of.values() for n in names}
+        active = state.active_in(component)
         changes = {}
         for site in nn.adapter_sites(model):
             names = names_of.get(site.path)
@@ -281,7 +256,7 @@ class LoraMixin(LoraScaleMixin):
                 continue
             modules = site.names
             scales = np.asarray([[fns[n](m) for n in names] for m in modules], np.float32)
-            on = np.asarray([[1.0 if state.enabled and n in state.active else 0.0 for n in names]] * len(modules),
+            on = np.asarray([[1.0 if state.enabled and n in active else 0.0 for n in names]] * len(modules),
                             np.float32)
             if site.layers is None:
                 scales, on = scales[0], on[0]
@@ -290,7 +265,7 @@ class LoraMixin(LoraScaleMixin):
         return nn.with_adapters(model, changes)
 
     def set_adapters(self, adapter_names: str | Sequence[str], adapter_weights=None) -> None:
-        """Make ``adapter_names`` the active adapters, at ``adapter_weights`` (one per name, or one for all; default
+        """Make ``adapter_names`` the active adapters of every model, at ``adapter_weights`` (one per name, or one for all; default
         1.0). A weight is a number, a dict by component (``{"unet": 0.8, "text_encoder": 0.5}``) or, for a family
         with per-block scales (the UNets), diffusers' block dict ``{"down": {"block_1": [0, 1]}, "mid": 0.5, "up":
         ...}`` (under its component's key, or alone). Values only (a new order of DoRA adapters compiles)."""
@@ -315,7 +290,7 @@ class LoraMixin(LoraScaleMixin):
             for n, w in previous.items():
                 state.adapters[n].weight = w
             raise
-        state.active = names
+        state.active = {component: list(names) for component in state.slots}  # every model, as diffusers
         self._refresh_lora()
 
     def disable_lora(self) -> None:
@@ -329,7 +304,9 @@ class LoraMixin(LoraScaleMixin):
         self._refresh_lora()
 
     def get_active_adapters(self) -> list[str]:
-        return list(self._lora().active)
+        """The adapters active in any model, each once (diffusers returns one model's list: the last LoRA-loadable
+        model holding adapters); ``_lora().active`` has them per model."""
+        return self._lora().active_names()
 
     def get_list_adapters(self) -> dict[str, list[str]]:
         """Component -> the adapters loaded into it."""
@@ -342,8 +319,9 @@ class LoraMixin(LoraScaleMixin):
     def lora_adapters(self) -> list[dict]:
         """The loaded adapters as records (name, file, weight, active): what an output's metadata notes."""
         state = self._lora()
-        return [{"name": a.name, "path": a.path, "weight": a.weight, "active": state.enabled and a.name in state.active,
-                 "fused": a.name in state.fused} for a in state.adapters.values()]
+        active, fused = state.active_names(), state.fused_names()
+        return [{"name": a.name, "path": a.path, "weight": a.weight, "active": state.enabled and a.name in active,
+                 "fused": a.name in fused} for a in state.adapters.values()]
 
     # -- sharing and saving ------------------------------------------------------------------------------------
 
@@ -382,8 +360,8 @@ class LoraMixin(LoraScaleMixin):
                 weight = {c: w for c, w in weight.items() if c in kept}
             if sites:
                 state.adapters[name] = dataclasses.replace(loaded, sites=sites, weight=weight)
-        state.active = [n for n in theirs.active if n in state.adapters]
-        state.fused = [n for n in theirs.fused if n in state.adapters] if state.unfused else []
+        state.active = {c: list(names) for c, names in theirs.active.items() if c in kept}
+        state.fused = {c: list(names) for c, names in theirs.fused.items() if c in state.unfused}
         if state.adapters:
             self.__dict__["_lora_state"] = state
 
@@ -398,7 +376,8 @@ class LoraMixin(LoraScaleMixin):
                 left.append(component)
         if left:
             state = self._lora()
-            names = [n for n in state.adapters if n not in state.fused]
+            names = [n for n, a in state.adapters.items()
+                     if any(c in a.sites and n not in state.fused.get(c, []) for c in left)]
             warnings.warn(f"the adapters {names} are not fused into the weights of {', '.join(left)}: the saved "
                           "pipeline leaves them out (its folders hold weights only). To bake them in, "
                           f"pipe.fuse_lora(components={left}) before saving (unfuse_lora() after gives them back)",
@@ -440,61 +419,6 @@ class LoraMixin(LoraScaleMixin):
             setattr(self, component, without_adapters(getattr(self, component))[0] if component in state.unfused
                     else model)
         self.__dict__["_lora_state"] = LoraState()
-
-    # -- fusing ------------------------------------------------------------------------------------------------
-
-    def fuse_lora(self, lora_scale: float = 1.0, components: Sequence[str] | None = None,
-                  adapter_names: Sequence[str] | None = None, safe_fusing: bool = False) -> None:
-        """Merge adapters into the weights (``W + lora_scale * change`` at their strengths, float32 sums cast back):
-        the layers then compute as plain ones. ``adapter_names``: which, active or not (default: the active ones, if
-        enabled), each times ``lora_scale`` (diffusers: active ones only, README); ``components``: where (default:
-        diffusers', the format's ``fuse_components``); ``safe_fusing``: refuse non-finite weights. See unfuse_lora."""
-        state = self._lora()
-        if state.fused:
-            raise ValueError(f"adapters {state.fused} are fused already; unfuse_lora() first")
-        names = self._check_names(list(state.active if state.enabled else []) if adapter_names is None
-                                  else adapter_names, "fuse_lora")
-        if not names:
-            raise ValueError("fuse_lora: no adapter to fuse (none is active); set_adapters() or name adapter_names")
-        default = self._lora_format().fuse_components or state.slots  # diffusers' defaults (Flux: the transformer)
-        comps = [c for c in state.slots if c in default] if components is None else list(components)
-        unknown = sorted(set(comps) - set(state.slots))
-        if unknown:
-            raise ValueError(f"fuse_lora: components {unknown} hold no adapters; those that do: {list(state.slots)}")
-        fused_models = {}
-        for component in comps:
-            fused_models[component] = self._fuse_one(component, getattr(self, component), names, lora_scale)
-            if safe_fusing and not all(bool(np.all(np.isfinite(np.asarray(x))))
-                                       for x in jax.tree.leaves(eqx.filter(fused_models[component], eqx.is_array))):
-                raise ValueError(f"fuse_lora(safe_fusing=True): {component} has non-finite weights once fused; "
-                                 "nothing was fused")
-        for component, fused in fused_models.items():
-            state.unfused[component] = getattr(self, component)
-            setattr(self, component, fused)
-        state.fused = names
-
-    def _fuse_one(self, component: str, model, names: Sequence[str], lora_scale: float):
-        slots = self._lora().slots[component]
-        to_fuse, to_keep = {}, {}
-        for path, held in slots.items():
-            adapters = nn.resolve_site(model, path).adapters
-            fuse = [held.index(n) for n in names if n in held]  # in names' order, as PEFT merges them
-            keep = [i for i, n in enumerate(held) if n not in names]
-            sub = nn.entries_kept(adapters, fuse)
-            if sub is not None:
-                scales = nn.place_like(np.asarray(sub.scales) * np.float32(lora_scale), sub.scales)
-                sub = nn.Adapters(sub.entries, scales, np.ones(np.shape(sub.enabled), np.float32))  # named: fused
-            to_fuse[path], to_keep[path] = sub, nn.entries_kept(adapters, keep)
-        fused = nn.fuse_adapters(nn.with_adapters(model, to_fuse), how="host" if self.mesh is None else "jit")
-        return nn.with_adapters(fused, {p: a for p, a in to_keep.items() if a is not None})
-
-    def unfuse_lora(self, components: Sequence[str] | None = None) -> None:
-        """Give back the models :meth:`fuse_lora` replaced, exactly (their original arrays)."""
-        state = self._lora()
-        for component in [c for c in (state.unfused if components is None else components) if c in state.unfused]:
-            setattr(self, component, state.unfused.pop(component))
-        if not state.unfused:
-            state.fused = []
 
 
 __all__ = ["LoadedAdapter", "LoraMixin", "LoraState", "LoraWarning"]

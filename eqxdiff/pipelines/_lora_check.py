@@ -65,23 +65,6 @@ def check_coverage(fmt: LoraFormat, pipeline: str, components: Sequence[str], pa
     warnings.warn(f"{what}; loading the rest (strict=False)", LoraWarning, stacklevel=stacklevel)
 
 
-def active_after_delete(adapters: Mapping, active: Sequence[str], deleted: Sequence[str]) -> list[str]:
-    """The active adapters once ``deleted`` leave ``adapters`` (name -> loaded adapter, its ``sites`` by model): the
-    rest of ``active`` and, as PEFT's ``delete_adapter`` (so diffusers' ``delete_adapters``), for each model whose
-    active adapters all leave, the first adapter it still holds; one warning names them."""
-    left, woken = [n for n in active if n not in deleted], {}
-    for component in sorted({c for n in deleted if n in active for c in adapters[n].sites}):
-        held = [n for n, a in adapters.items() if n not in deleted and component in a.sites]
-        if held and not set(held) & set(active) - set(deleted):
-            woken.setdefault(held[0], []).append(component)
-    left += list(woken)
-    if woken:
-        now = "; ".join(f"{name!r} in {', '.join(models)}" for name, models in woken.items())
-        warnings.warn(f"deleted the active adapters of a model: the first adapter it still holds is active now, as in "
-                      f"diffusers: {now}; set_adapters() chooses others", LoraWarning, stacklevel=3)
-    return left
-
-
 def check_lora_file(cls: type, path_or_hub_id, models: Mapping[str, object] | None = None, *,
                     weight_name: str | None = None, revision: str | None = None, strict: bool = True,
                     max_rank: int | None = None) -> LoraFile:
@@ -127,5 +110,5 @@ def peft_order(model, slots: dict, active: Sequence[str]):
     return nn.with_adapters(model, changes) if changes else model
 
 
-__all__ = ["LoraWarning", "active_after_delete", "check_coverage", "check_lora_file", "listed", "lora_format",
+__all__ = ["LoraWarning", "check_coverage", "check_lora_file", "listed", "lora_format",
            "other_family", "peft_order"]
