@@ -400,20 +400,32 @@ class FluxPipeline(TextualInversionMixin, LatentPipeline):
         return self.finish(flux.unpack_latents(x, h, w), output_type,
                            guided_by=f"true_cfg_scale (now {true_cfg_scale:g})" if guidance.enabled else None)
 
-    def _prepare(self, prompt, prompt_2, negative_prompt, negative_prompt_2, *, true_cfg_scale, num_images_per_prompt,
-                 max_sequence_length, prompt_embeds, pooled_prompt_embeds, negative_prompt_embeds,
-                 negative_pooled_prompt_embeds):
-        """The text conditioning of every output row (``num_images_per_prompt`` rows per prompt)."""
+    def _prepare(self, call: Mapping[str, Any]) -> tuple[TextConditioning, TextConditioning | None, int]:
+        """The text conditioning of every output row (``num_images_per_prompt`` rows per prompt) and their number,
+        from a Flux call's arguments (its ``locals()``; a class whose call takes no negative prompts or
+        ``true_cfg_scale``, as diffusers' Control and Fill pipelines, has true CFG off)."""
         self._check_model()
         with self.timed("encode"):
             positive, negative = self.text_conditioning(
-                prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
-                max_sequence_length=max_sequence_length, prompt_embeds=prompt_embeds,
-                pooled_prompt_embeds=pooled_prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
-                negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
-            positive = positive.repeat(num_images_per_prompt)
-            negative = None if negative is None else negative.repeat(num_images_per_prompt)
+                call["prompt"], call["prompt_2"], call.get("negative_prompt"), call.get("negative_prompt_2"),
+                true_cfg_scale=call.get("true_cfg_scale", 1.0), max_sequence_length=call["max_sequence_length"],
+                prompt_embeds=call["prompt_embeds"], pooled_prompt_embeds=call["pooled_prompt_embeds"],
+                negative_prompt_embeds=call.get("negative_prompt_embeds"),
+                negative_pooled_prompt_embeds=call.get("negative_pooled_prompt_embeds"))
+            positive = positive.repeat(call["num_images_per_prompt"])
+            negative = None if negative is None else negative.repeat(call["num_images_per_prompt"])
         return positive, negative, positive.embeds.shape[0]
+
+    def _generate(self, call: Mapping[str, Any], text: tuple, size: tuple[int, int], key: PRNGKeyArray, **inputs):
+        """:meth:`generate` for a Flux call (its ``locals()``: the loop's arguments as given), ``text`` from
+        :meth:`_prepare`, the output ``size`` and the call's image ``inputs`` (``image``, ``strength``, ``mask``,
+        ``reference``, ``control``)."""
+        positive, negative, n = text
+        return self.generate(positive, negative, batch=n, height=size[0], width=size[1],
+                             num_inference_steps=call["num_inference_steps"], sigmas=call["sigmas"],
+                             guidance_scale=call["guidance_scale"], true_cfg_scale=call.get("true_cfg_scale", 1.0),
+                             key=key, latents=call["latents"], output_type=call["output_type"],
+                             progress=call["progress"], **inputs)
 
     @checked_call
     def __call__(self, prompt: str | Sequence[str] | None = None, prompt_2: str | Sequence[str] | None = None, *,
@@ -453,17 +465,10 @@ class FluxPipeline(TextualInversionMixin, LatentPipeline):
             progress: Show a progress bar.
         """
         key = resolve_key(seed, key)
-        positive, negative, n = self._prepare(
-            prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
-            num_images_per_prompt=num_images_per_prompt, max_sequence_length=max_sequence_length,
-            prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
+        text = self._prepare(locals())
         default = self.default_size()
-        height, width = default[0] if height is None else height, default[1] if width is None else width
-        return self.generate(positive, negative, batch=n, height=height, width=width,
-                             num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
-                             true_cfg_scale=true_cfg_scale, key=key, latents=latents, output_type=output_type,
-                             progress=progress)
+        size = default[0] if height is None else height, default[1] if width is None else width
+        return self._generate(locals(), text, size, key)
 
 
 # -- single files: Black Forest Labs' transformer files and ComfyUI's all-in-one files, as layouts ------------------

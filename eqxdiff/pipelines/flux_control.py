@@ -88,18 +88,11 @@ class FluxControlPipeline(FluxPipeline):
             latents: The initial noise ``[n, height/f, width/f, C]``, unpacked and channels-last (an array).
         """
         key = resolve_key(seed, key)
-        positive, _, n = self._prepare(
-            prompt, prompt_2, None, None, true_cfg_scale=1.0, num_images_per_prompt=num_images_per_prompt,
-            max_sequence_length=max_sequence_length, prompt_embeds=prompt_embeds,
-            pooled_prompt_embeds=pooled_prompt_embeds, negative_prompt_embeds=None,
-            negative_pooled_prompt_embeds=None)
+        text = self._prepare(locals())
         default = self.default_size()
-        height, width = default[0] if height is None else height, default[1] if width is None else width
+        size = default[0] if height is None else height, default[1] if width is None else width
         with self.timed("encode_image"):  # the posterior sample draws from noise_draws(key, shape).image's key
             control = self.control_latents(
-                control_image, batch=n, num_images_per_prompt=num_images_per_prompt, height=height, width=width,
-                key=jax.random.split(key, 3)[1])
-        return self.generate(positive, None, batch=n, height=height, width=width,
-                             num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
-                             true_cfg_scale=1.0, key=key, latents=latents, control=(control,), output_type=output_type,
-                             progress=progress)
+                control_image, batch=text[2], num_images_per_prompt=num_images_per_prompt, height=size[0],
+                width=size[1], key=jax.random.split(key, 3)[1])
+        return self._generate(locals(), text, size, key, control=(control,))

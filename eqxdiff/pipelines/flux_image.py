@@ -25,6 +25,7 @@ from ._arguments import resolve_key
 from ._call import checked_call
 from ._checks import CallLimits, InputError, InputWarning, image_size, pixel_size
 from ._images import resize_nearest, to_model_range
+from ._inpaint import latent_mask, prepare_mask
 from .flux import MAX_SEQUENCE_LENGTH, FluxPipeline, image_size_error
 
 __all__ = ["KONTEXT_RESOLUTIONS", "FluxImg2ImgPipeline", "FluxKontextPipeline", "kontext_size"]
@@ -76,6 +77,26 @@ class _FluxFromImage(FluxPipeline):
             what = "the picture to edit" if cls.RESCALES_SIZE else "the picture to start from"
             raise InputError(f"{cls.__name__} needs image= ({what}); for text-to-image use FluxPipeline")
         super().check_arguments(arguments, CallLimits() if limits is None else limits)
+
+    def _from_image(self, call: Mapping[str, Any], mask_image=None):
+        """Image-to-image and inpainting (``call``: the call's ``locals()``): the image's VAE latents (the posterior
+        sample drawn from ``noise_draws(key, shape).image``'s key) noised to ``strength`` and denoised; with
+        ``mask_image``, checked before the image is encoded, the known region blended back after every step."""
+        key = resolve_key(call["seed"], call["key"])
+        image = call["image"]
+        size = self._start_size(image, call["height"], call["width"])
+        text = self._prepare(call)
+        mask = None if mask_image is None else latent_mask(self._mask(mask_image, text[2], size), self.vae_scale_factor)
+        with self.timed("encode_image"):
+            clean = self._image_latents(image, text[2], jax.random.split(key, 3)[1], sample=True)
+        return self._generate(call, text, size, key, image=clean, strength=call["strength"], mask=mask)
+
+    def _mask(self, mask_image, batch: int, size: tuple[int, int]):
+        """The binary pixel mask ``[batch, H, W, 1]`` (1 = repaint) at the image's size."""
+        try:
+            return prepare_mask(mask_image, batch=batch, height=size[0], width=size[1])
+        except ValueError as e:
+            raise InputError(str(e)) from None
 
     def _given_latents(self, image) -> bool:
         """Whether ``image`` is latents handed over (floats ``[n, h, w, C]``, ``C`` the latent channels) rather than
@@ -152,19 +173,7 @@ class FluxImg2ImgPipeline(_FluxFromImage):
             guidance_scale: The distilled guidance (models with guidance_embeds).
             latents: The noise added to the image's latents ``[n, height/f, width/f, C]`` (channels-last).
         """
-        key = resolve_key(seed, key)
-        size = self._start_size(image, height, width)
-        positive, negative, n = self._prepare(
-            prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
-            num_images_per_prompt=num_images_per_prompt, max_sequence_length=max_sequence_length,
-            prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
-        with self.timed("encode_image"):  # the posterior sample draws from noise_draws(key, shape).image's key
-            clean = self._image_latents(image, n, jax.random.split(key, 3)[1], sample=True)
-        return self.generate(positive, negative, batch=n, height=size[0], width=size[1],
-                             num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
-                             true_cfg_scale=true_cfg_scale, key=key, latents=latents, image=clean, strength=strength,
-                             output_type=output_type, progress=progress)
+        return self._from_image(locals())
 
 
 class FluxKontextPipeline(_FluxFromImage):
@@ -231,15 +240,8 @@ class FluxKontextPipeline(_FluxFromImage):
             warnings.warn(f"Kontext generates {pixel_size(*size)} pixels: the aspect ratio of {pixel_size(*asked)} "
                           f"at max_area={max_area} (pass max_area=height*width to keep the size)", InputWarning,
                           stacklevel=2)
-        positive, negative, n = self._prepare(
-            prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
-            num_images_per_prompt=num_images_per_prompt, max_sequence_length=max_sequence_length,
-            prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
+        text = self._prepare(locals())
         with self.timed("encode_image"):
             image = image if self._given_latents(image) else self.reference_image(image, auto_resize=_auto_resize)
-            reference = self._image_latents(image, n, None, sample=False)
-        return self.generate(positive, negative, batch=n, height=size[0], width=size[1],
-                             num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
-                             true_cfg_scale=true_cfg_scale, key=key, latents=latents, reference=reference,
-                             output_type=output_type, progress=progress)
+            reference = self._image_latents(image, text[2], None, sample=False)
+        return self._generate(locals(), text, size, key, reference=reference)

@@ -19,13 +19,11 @@ diffusers' ``FluxFillPipeline`` does. Both take ``latents`` as the noise (added 
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-import jax
-
 from .._typing import PRNGKeyArray
 from ._arguments import resolve_key
 from ._call import checked_call
 from ._checks import CallLimits, InputError
-from ._inpaint import latent_mask, mask_patches, masked_pixels, prepare_mask
+from ._inpaint import mask_patches, masked_pixels
 from ._latents import noise_draws
 from ._mask_crop import mask_cropped
 from .flux import MAX_SEQUENCE_LENGTH
@@ -46,13 +44,6 @@ class _FluxMasked(_FluxFromImage):
             if name in arguments and arguments[name] is None:
                 raise InputError(f"{cls.__name__} needs {name}= ({what}); for text-to-image use FluxPipeline")
         super().check_arguments(arguments, limits)
-
-    def _mask(self, mask_image, batch: int, size: tuple[int, int]):
-        """The binary pixel mask ``[batch, H, W, 1]`` (1 = repaint) at the image's size."""
-        try:
-            return prepare_mask(mask_image, batch=batch, height=size[0], width=size[1])
-        except ValueError as e:
-            raise InputError(str(e)) from None
 
 
 class FluxInpaintPipeline(_FluxMasked):
@@ -86,20 +77,7 @@ class FluxInpaintPipeline(_FluxMasked):
             guidance_scale: The distilled guidance (models with guidance_embeds).
             latents: The noise added to the image's latents ``[n, height/f, width/f, C]`` (channels-last).
         """
-        key = resolve_key(seed, key)
-        size = self._start_size(image, height, width)
-        positive, negative, n = self._prepare(
-            prompt, prompt_2, negative_prompt, negative_prompt_2, true_cfg_scale=true_cfg_scale,
-            num_images_per_prompt=num_images_per_prompt, max_sequence_length=max_sequence_length,
-            prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
-        mask = latent_mask(self._mask(mask_image, n, size), self.vae_scale_factor)
-        with self.timed("encode_image"):  # the posterior sample draws from noise_draws(key, shape).image's key
-            clean = self._image_latents(image, n, jax.random.split(key, 3)[1], sample=True)
-        return self.generate(positive, negative, batch=n, height=size[0], width=size[1],
-                             num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
-                             true_cfg_scale=true_cfg_scale, key=key, latents=latents, image=clean, strength=strength,
-                             mask=mask, output_type=output_type, progress=progress)
+        return self._from_image(locals(), mask_image=mask_image)
 
 
 class FluxFillPipeline(_FluxMasked):
@@ -149,19 +127,13 @@ class FluxFillPipeline(_FluxMasked):
             raise InputError("FluxFillPipeline needs image= as pixels (its masked image is encoded), not latents")
         key = resolve_key(seed, key)
         size = self._start_size(image, height, width)
-        positive, _, n = self._prepare(
-            prompt, prompt_2, None, None, true_cfg_scale=1.0, num_images_per_prompt=num_images_per_prompt,
-            max_sequence_length=max_sequence_length, prompt_embeds=prompt_embeds,
-            pooled_prompt_embeds=pooled_prompt_embeds, negative_prompt_embeds=None,
-            negative_pooled_prompt_embeds=None)
-        f = self.vae_scale_factor
+        text = self._prepare(locals())
+        n, f = text[2], self.vae_scale_factor
         mask = self._mask(mask_image, n, size)
         with self.timed("encode_image"):  # the posterior samples: noise_draws(key, shape).image and .masked_image
             pixels = self._pixels(image, n)
             draws = noise_draws(key, (n, size[0] // f, size[1] // f, self.vae.config.latent_channels))
             clean = self.encode_pixels(pixels, draws.image)
             masked = self.encode_pixels(masked_pixels(pixels, mask), draws.masked_image)
-        return self.generate(positive, None, batch=n, height=size[0], width=size[1],
-                             num_inference_steps=num_inference_steps, sigmas=sigmas, guidance_scale=guidance_scale,
-                             true_cfg_scale=1.0, key=key, latents=latents, image=clean, strength=strength,
-                             control=(masked, mask_patches(mask, f)), output_type=output_type, progress=progress)
+        return self._generate(locals(), text, size, key, image=clean, strength=strength,
+                              control=(masked, mask_patches(mask, f)))
