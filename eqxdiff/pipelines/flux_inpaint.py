@@ -12,8 +12,9 @@ diffusers' ``FluxInpaintPipeline`` does. **Fill** appends to each token's channe
 image (the repainted region grey) and the mask's pixels (each latent pixel's ``f x f`` pixels: the transformer's
 ``in_channels`` are ``4 * (2 * C + f * f)``, 384 for FLUX.1); ``strength`` below 1 starts from the noised image as
 diffusers' ``FluxFillPipeline`` does. Both take ``latents`` as the noise (added to the image's latents at
-``strength < 1``; diffusers would start from them as given there). Pass ``image=`` and ``mask_image=``: diffusers'
-``masked_image_latents`` and ``padding_mask_crop`` are not taken (crop around the mask yourself).
+``strength < 1``; diffusers would start from them as given there). Pass ``image=`` and ``mask_image=``; Inpaint takes
+``padding_mask_crop`` as diffusers' does (Fill, as diffusers', does not). diffusers' ``masked_image_latents`` is not
+taken (its Inpaint pipeline computes them and does not use them; Fill's are the packed masked image and mask).
 """
 
 from collections.abc import Mapping, Sequence
