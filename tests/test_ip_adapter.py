@@ -11,37 +11,8 @@ import torch
 import eqxdiff
 from eqxdiff.models import ip_adapter as ipa
 
+from ._ip_adapter_files import EMBED, as_numpy, ip_adapter_state
 from ._util import assert_close, nchw_to_nhwc, randomize_torch
-
-EMBED = 12  # the CLIP image embedding's width
-
-
-def ip_adapter_state(unet, seed: int, embed: int = EMBED) -> dict:
-    """A random plain IP-Adapter for diffusers' ``unet`` in the original layout (``image_proj`` / ``ip_adapter``)."""
-    gen = torch.Generator().manual_seed(seed)
-    width = unet.config.cross_attention_dim
-    names = [n for n in unet.attn_processors if n.endswith("attn2.processor")]
-    ip = {}
-    for i, name in enumerate(names):
-        block = name.split(".")[0]
-        if block == "mid_block":
-            hidden = unet.config.block_out_channels[-1]
-        else:
-            index = int(name.split(".")[1])
-            channels = unet.config.block_out_channels
-            hidden = (channels if block == "down_blocks" else channels[::-1])[index]
-        for kv in "kv":
-            ip[f"{2 * i + 1}.to_{kv}_ip.weight"] = torch.randn(hidden, width, generator=gen) / width ** 0.5
-    proj = {"proj.weight": torch.randn(4 * width, embed, generator=gen) / embed ** 0.5,
-            "proj.bias": torch.randn(4 * width, generator=gen) * 0.1,
-            "norm.weight": 1 + torch.randn(width, generator=gen) * 0.1,
-            "norm.bias": torch.randn(width, generator=gen) * 0.1}
-    return {"image_proj": proj, "ip_adapter": ip}
-
-
-def as_numpy(state: dict) -> dict:
-    return {part: {k: v.numpy() for k, v in tensors.items()} for part, tensors in state.items()}
-
 
 CONFIGS = {
     "sd": dict(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=1,

@@ -26,8 +26,9 @@ from .._typing import Array, Bool, Float, typechecked
 from ..core import replace_static
 from ..nn import AbstractAttention, CrossAttention, LayerNorm, Linear, attend
 
-__all__ = ["IPAdapterAttention", "ImageProjection", "add_ip_adapters", "cross_attention_paths", "has_ip_adapters",
-           "image_projection", "ip_adapter_scales", "load_ip_adapters", "remove_ip_adapters", "with_ip_adapter_scales"]
+__all__ = ["IPAdapterAttention", "ImageProjection", "add_ip_adapters", "cross_attention_blocks",
+           "cross_attention_paths", "has_ip_adapters", "image_projection", "ip_adapter_scales", "load_ip_adapters",
+           "remove_ip_adapters", "with_ip_adapter_scales"]
 
 
 def _linear(weight: np.ndarray, bias: np.ndarray | None, dtype, axes=("out", "embed")) -> Linear:
@@ -139,6 +140,19 @@ def _transformers(unet) -> list:
     """The UNet's spatial transformers in diffusers' ``attn_processors`` order: down blocks, up blocks, mid block."""
     blocks = [*unet.down_blocks, *unet.up_blocks, *([unet.mid_block] if unet.mid_block is not None else [])]
     return [t for block in blocks for t in (block.attentions or ())]
+
+
+def cross_attention_blocks(unet) -> list[tuple[str, int, int]]:
+    """``(part, block, attention)`` of each cross-attention in diffusers' order: ``part`` ``"down"``, ``"up"`` or
+    ``"mid"``, the block's index in it and the spatial transformer's index in the block (diffusers'
+    ``down_blocks.{block}.attentions.{attention}``; every transformer block inside counted once each)."""
+    out = []
+    for part, blocks in (("down", unet.down_blocks), ("up", unet.up_blocks),
+                         ("mid", [unet.mid_block] if unet.mid_block is not None else [])):
+        for b, block in enumerate(blocks):
+            for a, transformer in enumerate(block.attentions or ()):
+                out.extend([(part, b, a)] * len(transformer.transformer_blocks))
+    return out
 
 
 def cross_attention_paths(unet) -> list:
