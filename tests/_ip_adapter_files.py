@@ -34,6 +34,34 @@ def as_numpy(state: dict) -> dict:
     return {part: {k: v.numpy() for k, v in tensors.items()} for part, tensors in state.items()}
 
 
+def plus_image_proj(width: int, seed: int, *, embed: int = 16, hidden: int = 20, heads: int = 2, queries: int = 6,
+                    depth: int = 4) -> dict:
+    """A random IP-Adapter Plus ``image_proj`` (the original Resampler layout) making ``queries`` tokens of
+    ``width`` from image-encoder hidden states of ``embed`` (``depth`` 4: diffusers builds 4 blocks whatever the
+    file says)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    def norm(prefix):
+        return {f"{prefix}.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
+                f"{prefix}.bias": 0.1 * torch.randn(hidden, generator=gen)}
+
+    inner = heads * 64
+    state = {"latents": torch.randn(1, queries, hidden, generator=gen) / hidden ** 0.5,
+             "proj_in.weight": w(hidden, embed), "proj_in.bias": 0.1 * torch.randn(hidden, generator=gen),
+             "proj_out.weight": w(width, hidden), "proj_out.bias": 0.1 * torch.randn(width, generator=gen),
+             "norm_out.weight": 1 + 0.1 * torch.randn(width, generator=gen),
+             "norm_out.bias": 0.1 * torch.randn(width, generator=gen)}
+    for i in range(depth):
+        state.update({**norm(f"layers.{i}.0.norm1"), **norm(f"layers.{i}.0.norm2"), **norm(f"layers.{i}.1.0"),
+                      f"layers.{i}.0.to_q.weight": w(inner, hidden), f"layers.{i}.0.to_kv.weight": w(2 * inner, hidden),
+                      f"layers.{i}.0.to_out.weight": w(hidden, inner), f"layers.{i}.1.1.weight": w(4 * hidden, hidden),
+                      f"layers.{i}.1.3.weight": w(hidden, 4 * hidden)})
+    return state
+
+
 def save_ip_adapter(folder, unet, seed: int = 2) -> dict:
     """Write a random IP-Adapter for diffusers' ``unet`` and a tiny CLIP image encoder into ``folder``; return the
     adapter's state (the original layout, torch tensors)."""

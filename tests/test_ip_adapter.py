@@ -11,7 +11,7 @@ import torch
 import eqxdiff
 from eqxdiff.models import ip_adapter as ipa
 
-from ._ip_adapter_files import EMBED, as_numpy, ip_adapter_state
+from ._ip_adapter_files import EMBED, as_numpy, ip_adapter_state, plus_image_proj
 from ._util import assert_close, nchw_to_nhwc, randomize_torch
 
 CONFIGS = {
@@ -107,6 +107,36 @@ def test_adapters_for_another_unet_are_refused(unets):
     wrong = {**state, "ip_adapter": {k: v for k, v in state["ip_adapter"].items() if not k.startswith("1.")}}
     with pytest.raises(ValueError, match="made for another UNet"):
         ipa.load_ip_adapters(ours, [wrong])
+    face = {**state, "image_proj": {"proj.0.weight": np.zeros((8, 4), np.float32)}}
+    with pytest.raises(ValueError, match="Full-face and FaceID variants are not supported"):
+        ipa.load_ip_adapters(ours, [face])
     plus = {**state, "image_proj": {"latents": np.zeros((1, 16, 8), np.float32)}}
-    with pytest.raises(ValueError, match="plain IP-Adapter"):
+    with pytest.raises(ValueError, match=r"Plus image_proj misses \['proj_in.weight'"):
         ipa.load_ip_adapters(ours, [plus])
+
+
+def test_plus_projection_and_unet_match_diffusers(unets):
+    """IP-Adapter Plus (the Resampler) beside a plain adapter: diffusers' converted projection and UNet."""
+    from diffusers.models.embeddings import MultiIPAdapterImageProjection
+
+    reference, ours, states, name = unets
+    width = reference.config.cross_attention_dim
+    plus = {"image_proj": plus_image_proj(width, seed=7), "ip_adapter": states[1]["ip_adapter"]}
+    both = [states[0], plus]
+    saved = reference.encoder_hid_proj
+    try:
+        reference.encoder_hid_proj = MultiIPAdapterImageProjection(
+            [reference._convert_ip_adapter_image_proj_to_diffusers(s["image_proj"], low_cpu_mem_usage=False)
+             for s in both]).eval()
+        unet, projections = ipa.load_ip_adapters(ours, [as_numpy(s) for s in both])
+        assert isinstance(projections[1], ipa.IPAdapterPlusImageProjection) and projections[1].num_tokens == 6
+        rng = np.random.default_rng(3)
+        sample, text, embeds = _inputs(reference)
+        embeds = [embeds[0], rng.standard_normal((2, 9, 16)).astype(np.float32)]
+        with torch.no_grad():
+            want = reference.encoder_hid_proj.image_projection_layers[1](torch.from_numpy(embeds[1])).numpy()
+        assert_close(projections[1](jnp.asarray(embeds[1])), want, 1e-5, "Plus projection")
+        got = _run(unet, projections, nchw_to_nhwc(sample), 500, jnp.asarray(text), [jnp.asarray(e) for e in embeds])
+        assert_close(got, _reference(reference, sample, text, embeds, (1.0, 1.0)), 1e-4, f"{name} UNet with Plus")
+    finally:
+        reference.encoder_hid_proj = saved

@@ -15,6 +15,7 @@ gives that order.
 """
 
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -25,10 +26,11 @@ from .. import nn
 from .._typing import Array, Bool, Float, typechecked
 from ..core import replace_static
 from ..nn import AbstractAttention, CrossAttention, LayerNorm, Linear, attend
+from ._ip_resampler import IPAdapterPlusImageProjection, plus_image_projection
 
-__all__ = ["IPAdapterAttention", "ImageProjection", "add_ip_adapters", "cross_attention_blocks",
-           "cross_attention_paths", "has_ip_adapters", "image_projection", "ip_adapter_scales", "load_ip_adapters",
-           "remove_ip_adapters", "with_ip_adapter_scales"]
+__all__ = ["IPAdapterAttention", "IPAdapterPlusImageProjection", "ImageProjection", "add_ip_adapters",
+           "cross_attention_blocks", "cross_attention_paths", "has_ip_adapters", "image_projection",
+           "ip_adapter_scales", "load_ip_adapters", "remove_ip_adapters", "with_ip_adapter_scales"]
 
 
 def _linear(weight: np.ndarray, bias: np.ndarray | None, dtype, axes=("out", "embed")) -> Linear:
@@ -45,6 +47,8 @@ class ImageProjection(eqx.Module):
     ``image_embeds`` (a linear layer to ``num_tokens * cross_attention_dim``), split into ``num_tokens`` tokens,
     each layer-normed (``norm``)."""
 
+    READS_HIDDEN_STATES: ClassVar[bool] = False  # reads the encoder's image_embeds, not its hidden states
+
     image_embeds: Linear
     norm: LayerNorm
     num_tokens: int = eqx.field(static=True)
@@ -55,19 +59,32 @@ class ImageProjection(eqx.Module):
         self.norm = LayerNorm(cross_attention_dim, dtype=dtype)
         self.num_tokens = num_tokens
 
+    @property
+    def embed_dim(self) -> int:
+        """The width of the image embedding it reads."""
+        return self.image_embeds.in_features
+
+    @property
+    def out_dim(self) -> int:
+        """The width of its tokens (the UNet's ``cross_attention_dim``)."""
+        return self.norm.weight.shape[0]
+
     @typechecked
     def __call__(self, image_embeds: Float[Array, "batch embed"]) -> Float[Array, "batch tokens dim"]:
         x = self.image_embeds(image_embeds.astype(self.image_embeds.weight.dtype))
         return self.norm(x.reshape(x.shape[0], self.num_tokens, -1))
 
 
-def image_projection(state: Mapping[str, np.ndarray], *, dtype=jnp.float32) -> ImageProjection:
-    """The image projection of an IP-Adapter file's ``image_proj`` tensors (the original names: ``proj.weight``,
-    ``proj.bias``, ``norm.weight``, ``norm.bias``); ``ValueError`` naming what is there for another kind."""
+def image_projection(state: Mapping[str, np.ndarray], *, dtype=jnp.float32):
+    """The image projection of an IP-Adapter file's ``image_proj`` tensors, as diffusers tells them apart: the plain
+    IP-Adapter's (``proj.weight``, ``proj.bias``, ``norm.*``: :class:`ImageProjection`) or IP-Adapter Plus's
+    (``latents``, ...: :class:`IPAdapterPlusImageProjection`); ``ValueError`` naming what is there for another kind."""
     if "proj.weight" not in state:
+        if "latents" in state and not any(k.startswith("perceiver_resampler.") for k in state):
+            return plus_image_projection(state, dtype=dtype)
         raise ValueError(f"the IP-Adapter's image_proj holds {sorted(state)[:6]}: eqxdiff reads the plain IP-Adapter "
-                         "(image_proj.proj.weight, image_proj.norm.*); Plus, Full-face and FaceID variants are not "
-                         "supported yet")
+                         "(image_proj.proj.weight, image_proj.norm.*) and IP-Adapter Plus (image_proj.latents, ...); "
+                         "Full-face and FaceID variants are not supported yet")
     weight = np.asarray(state["proj.weight"])
     width = weight.shape[0] // 4  # diffusers' num_image_text_embeds for the plain IP-Adapter
     proj = eqx.filter_eval_shape(lambda: ImageProjection(weight.shape[1], width, 4, dtype=dtype, key=jax.random.key(0)))
@@ -269,9 +286,9 @@ def load_ip_adapters(unet, state_dicts: Sequence[Mapping[str, Mapping[str, np.nd
                              f"{unexpected[:4]}: it was made for another UNet (SD 1.x/2.x vs SDXL?)")
         layers.append([(ip[f"{2 * i + 1}.to_k_ip.weight"], ip[f"{2 * i + 1}.to_v_ip.weight"]) for i in range(count)])
         projection = image_projection(state["image_proj"], dtype=dtype)
-        if projection.norm.weight.shape[0] != width:
+        if projection.out_dim != width:
             raise ValueError(f"IP-Adapter {a}: its image projection makes tokens of width "
-                             f"{projection.norm.weight.shape[0]}, the UNet's cross_attention_dim is {width}: it was "
+                             f"{projection.out_dim}, the UNet's cross_attention_dim is {width}: it was "
                              "made for another UNet")
         projections.append(projection)
     return add_ip_adapters(unet, layers, [p.num_tokens for p in projections]), tuple(projections)
