@@ -13,7 +13,7 @@ from eqxdiff.models import ip_adapter as ipa
 from eqxdiff.pipelines import InputError
 
 from . import _tiny_sdxl
-from ._ip_adapter_files import save_ip_adapter
+from ._ip_adapter_files import ip_adapter_state, plus_image_proj, save_ip_adapter
 from ._tiny_sd import build_pipeline
 from ._util import nhwc_to_nchw
 
@@ -122,3 +122,21 @@ def test_save_pretrained_leaves_the_adapter_out(pipes, tmp_path):
     assert pipe.ip_adapter is not None  # (still loaded here)
     again = eqxdiff.load_pipeline(tmp_path / "saved")
     assert again.ip_adapter is None and not ipa.has_ip_adapters(again.unet)
+
+
+def test_plus_adapter_from_a_dict_matches_diffusers(pipes):
+    """IP-Adapter Plus (the Resampler over the image encoder's penultimate hidden states), given as a state dict in
+    memory; the image encoder loaded with the first adapter stays. (Last in the file: it replaces the adapter.)"""
+    ref, pipe = pipes
+    state = {"image_proj": plus_image_proj(ref.unet.config.cross_attention_dim, seed=8),
+             "ip_adapter": ip_adapter_state(ref.unet, seed=4)["ip_adapter"]}
+    ref.load_ip_adapter(state, subfolder=None, weight_name=None)
+    pipe.load_ip_adapter(state)
+    latents = np.random.default_rng(1).standard_normal((2, 16, 16, 4)).astype(np.float32)
+    expected = _reference(ref, latents, ip_adapter_image=PICTURE)
+    assert _max_pixel_diff(_ours(pipe, latents, ip_adapter_image=PICTURE), expected) <= 2
+    with torch.no_grad():
+        embeds = ref.prepare_ip_adapter_image_embeds(PICTURE, None, "cpu", 1, True)
+    assert embeds[0].ndim == 4  # [negative; positive], images, tokens, dim
+    given = _ours(pipe, latents, ip_adapter_image_embeds=[e.numpy() for e in embeds])
+    assert _max_pixel_diff(given, expected) <= 2

@@ -31,7 +31,7 @@ from ..parallel import shard_params
 from ._checks import InputError, InputTypeError
 from ._images import pil_to_array
 
-__all__ = ["IPAdapterMixin", "IPAdapters", "clip_image_embeds"]
+__all__ = ["IPAdapterMixin", "IPAdapters", "clip_hidden_states", "clip_image_embeds"]
 
 _LOAD_FIRST = "load one first: pipe.load_ip_adapter(folder_or_hub_id, subfolder=..., weight_name='....safetensors')"
 
@@ -50,6 +50,12 @@ class IPAdapters:
 def clip_image_embeds(image_encoder, pixel_values: Float[Array, "n size size 3"]) -> Float[Array, "n embed"]:
     """The projected CLIP image embedding (``CLIPVisionModelWithProjection``'s ``image_embeds``)."""
     return image_encoder(pixel_values).image_embeds
+
+
+@program
+def clip_hidden_states(image_encoder, pixel_values: Float[Array, "n size size 3"]) -> Float[Array, "n tokens dim"]:
+    """The CLIP image encoder's penultimate hidden states (``hidden_states[-2]``), IP-Adapter Plus's input."""
+    return image_encoder(pixel_values, output_hidden_states=True).hidden_states[-2]
 
 
 @program
@@ -125,7 +131,8 @@ class IPAdapterMixin:
             folder = image_encoder_folder if "/" in image_encoder_folder else (
                 Path(subfolders[0], image_encoder_folder).as_posix() if subfolders[0] else image_encoder_folder)
             encoder = load(sources[0], subfolder=folder, dtype=unet.conv_in.weight.dtype, revision=revision)
-            if getattr(encoder, "visual_projection", None) is None:
+            plain = any(not p.READS_HIDDEN_STATES for p in projections)
+            if plain and getattr(encoder, "visual_projection", None) is None:
                 raise CheckpointError(f"the image encoder in {folder!r} is a {type(encoder).__name__}; the plain "
                                       "IP-Adapter reads CLIPVisionModelWithProjection's image_embeds")
         if self.mesh is not None:
@@ -160,9 +167,11 @@ class IPAdapterMixin:
         rows = np.stack([_expand_scale(c, blocks) for c in configs], axis=1)  # [cross-attentions, adapters]
         self.unet = ipa.with_ip_adapter_scales(self.unet, rows)
 
-    def encode_image(self, image) -> tuple[Array, Array]:
-        """``(image_embeds, negative_image_embeds)`` ``[n, embed]`` of ``image`` (a PIL image, uint8 ``[h, w, 3]`` /
-        ``[n, h, w, 3]``, or a list): diffusers' ``encode_image`` for the plain IP-Adapter (negative: zeros)."""
+    def encode_image(self, image, output_hidden_states: bool = False) -> tuple[Array, Array]:
+        """``(embeds, negative_embeds)`` of ``image`` (a PIL image, uint8 ``[h, w, 3]`` / ``[n, h, w, 3]``, or a
+        list), as diffusers' ``encode_image``: the image embeddings ``[n, embed]`` and zeros, or with
+        ``output_hidden_states`` (IP-Adapter Plus) the penultimate hidden states ``[n, tokens, dim]`` of the image
+        and of an all-zero input."""
         adapters = self.ip_adapter
         if adapters is None or adapters.image_encoder is None:
             raise InputError("ip_adapter_image needs a CLIP image encoder; load the IP-Adapter with "
@@ -172,8 +181,12 @@ class IPAdapterMixin:
             arr = np.asarray(pil_to_array(item, "RGB"))
             images.extend(arr if arr.ndim == 4 else [arr])
         pixels = adapters.feature_extractor(images=images, return_tensors="np").pixel_values
-        pixels = jnp.asarray(np.transpose(pixels, (0, 2, 3, 1)), jnp.float32)  # channels-last
-        embeds = clip_image_embeds(self.encoder_of(adapters.image_encoder), self.shard(pixels)).astype(jnp.float32)
+        pixels = self.shard(jnp.asarray(np.transpose(pixels, (0, 2, 3, 1)), jnp.float32))  # channels-last
+        encoder = self.encoder_of(adapters.image_encoder)
+        if output_hidden_states:
+            return (clip_hidden_states(encoder, pixels).astype(jnp.float32),
+                    clip_hidden_states(encoder, jnp.zeros_like(pixels)).astype(jnp.float32))
+        embeds = clip_image_embeds(encoder, pixels).astype(jnp.float32)
         return embeds, jnp.zeros_like(embeds)
 
     def encoder_of(self, model):
@@ -231,8 +244,8 @@ class IPAdapterMixin:
         if len(images) != n:
             raise InputError(f"ip_adapter_image holds {len(images)} images for {n} IP-Adapters: give one per adapter")
         out = []
-        for image in images:
-            pos, neg = self.encode_image(image)
+        for image, projection in zip(images, self.ip_adapter.projections):
+            pos, neg = self.encode_image(image, output_hidden_states=projection.READS_HIDDEN_STATES)
             out.append((pos[None], neg[None]))  # [1, images, embed]
         return out
 
@@ -240,15 +253,18 @@ class IPAdapterMixin:
         given = list(given) if isinstance(given, (list, tuple)) else [given]
         if len(given) != n:
             raise InputError(f"ip_adapter_image_embeds holds {len(given)} arrays for {n} IP-Adapters: give one per "
-                             "adapter, each [2 (negative; positive) or 1, images, embed]")
+                             "adapter, each [2 (negative; positive) or 1, images, embed] ([..., tokens, dim] for "
+                             "IP-Adapter Plus)")
         out = []
         for a, e in enumerate(given):
             e = jnp.asarray(np.asarray(e.detach().float().numpy() if hasattr(e, "detach") else e), jnp.float32)
-            want = self.ip_adapter.projections[a].image_embeds.in_features
-            if e.ndim != 3 or e.shape[-1] != want or (guided and e.shape[0] % 2):
+            projection = self.ip_adapter.projections[a]
+            want, plus = projection.embed_dim, projection.READS_HIDDEN_STATES
+            if e.ndim != 3 + plus or e.shape[-1] != want or (guided and e.shape[0] % 2):
                 raise InputError(f"ip_adapter_image_embeds[{a}] has shape {tuple(e.shape)}; it takes "
-                                 f"[{'2 * n (negative; positive)' if guided else 'n'}, images, {want}] "
-                                 "(diffusers' prepare_ip_adapter_image_embeds output)")
+                                 f"[{'2 * n (negative; positive)' if guided else 'n'}, images, "
+                                 f"{'tokens, ' if plus else ''}{want}] (diffusers' prepare_ip_adapter_image_embeds "
+                                 "output)")
             if guided:
                 neg, pos = jnp.split(e, 2)
             else:
@@ -297,14 +313,14 @@ def _expand_scale(config, blocks: Sequence[tuple[str, int, int]]) -> np.ndarray:
 
 
 def _rows(x: Array, rows: int, num_images_per_prompt: int, adapter: int) -> Array:
-    """``x`` ``[m, images, embed]`` as ``[rows, embed]``: each of its ``m`` rows repeated ``num_images_per_prompt``
-    times (one row: every row)."""
+    """``x`` ``[m, images, ...]`` as ``[rows, ...]``: each of its ``m`` rows repeated ``num_images_per_prompt`` times
+    (one row: every row)."""
     if x.shape[1] != 1:
         raise InputError(f"IP-Adapter {adapter} got {x.shape[1]} images; eqxdiff takes one image per IP-Adapter "
                          "(average their embeddings, or load the adapter twice)")
     x = x[:, 0]
     if x.shape[0] == 1:
-        return jnp.broadcast_to(x, (rows, x.shape[1]))
+        return jnp.broadcast_to(x, (rows, *x.shape[1:]))
     x = jnp.repeat(x, num_images_per_prompt, axis=0)
     if x.shape[0] != rows:
         raise InputError(f"IP-Adapter {adapter}'s embeddings have {x.shape[0] // num_images_per_prompt} rows for "
