@@ -148,7 +148,7 @@ class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
         passes its arguments on to another ``__call__`` (a ControlNet pipeline's) leaves this to that one. Given
         ``masked_image_latents`` need an inpainting UNet and ``mask_image``; the IP-Adapter inputs fit the loaded
         adapters (:meth:`~eqxdiff.pipelines._ip_adapter.IPAdapterMixin.check_ip_adapter_arguments`)."""
-        self.check_ip_adapter_arguments(arguments)
+        IPAdapterMixin.check_ip_adapter_arguments(self, arguments)  # (self may be eqxdiff-generate's unloaded class)
         if arguments.get("masked_image_latents") is not None and (
                 arguments.get("mask_image") is None or self.unet.config.in_channels != 2 * self.latent_channels + 1):
             raise InputError("masked_image_latents are an inpainting UNet's input (9 channels), with mask_image=; "
