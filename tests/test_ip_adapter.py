@@ -140,3 +140,25 @@ def test_plus_projection_and_unet_match_diffusers(unets):
         assert_close(got, _reference(reference, sample, text, embeds, (1.0, 1.0)), 1e-4, f"{name} UNet with Plus")
     finally:
         reference.encoder_hid_proj = saved
+
+
+def test_adapters_declare_logical_axes_and_shard_on_a_mesh(unets):
+    """Every IP-Adapter parameter (the attention's scales and projections, Plus's queries) has logical axes, so a
+    pipeline on a mesh places them (load_ip_adapter's shard_params); new scales keep the sharding."""
+    from eqxdiff.core import leaf_specs
+    from eqxdiff.parallel import MeshConfig, make_mesh, shard_params
+
+    reference, ours, states, _ = unets
+    plus = {"image_proj": plus_image_proj(reference.config.cross_attention_dim, seed=7),
+            "ip_adapter": states[1]["ip_adapter"]}
+    unet, projections = ipa.load_ip_adapters(ours, [as_numpy(states[0]), as_numpy(plus)])
+    _, specs, _ = leaf_specs((unet, projections))
+    assert all(s.axes is not None for s in specs)
+    mesh = make_mesh(MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=-1))
+    unet, projections = shard_params(unet, mesh), shard_params(projections, mesh)
+    scaled = ipa.with_ip_adapter_scales(unet, np.full(ipa.ip_adapter_scales(unet).shape, 0.5, np.float32))
+    old = jax.tree.leaves(unet, is_leaf=lambda x: isinstance(x, ipa.IPAdapterAttention))
+    new = jax.tree.leaves(scaled, is_leaf=lambda x: isinstance(x, ipa.IPAdapterAttention))
+    pairs = [(a.ip_scale, b.ip_scale) for a, b in zip(old, new) if isinstance(a, ipa.IPAdapterAttention)]
+    assert pairs and all(b.sharding == a.sharding for a, b in pairs)
+    assert np.all(np.asarray(pairs[0][1]) == 0.5)

@@ -69,6 +69,7 @@ class IPAdapterPlusImageProjection(eqx.Module):
     ``proj_out`` and ``norm_out``. ``num_tokens``: the queries, the adapter's image tokens in the UNet."""
 
     READS_HIDDEN_STATES: ClassVar[bool] = True  # the image encoder's penultimate hidden states
+    PARAM_AXES: ClassVar = {"latents": (None, None, "embed")}
 
     latents: Float[Array, "1 queries hidden"]
     proj_in: Linear

@@ -99,6 +99,8 @@ class IPAdapterAttention(AbstractAttention):
     times ``ip_scale[i]``, summed before ``to_out`` (diffusers' ``IPAdapterAttnProcessor2_0``). The context is the
     text tokens followed by each adapter's ``num_tokens[i]`` image tokens."""
 
+    PARAM_AXES: ClassVar = {"ip_scale": (None,)}  # a few scalars: replicated
+
     to_q: Linear
     to_k: Linear
     to_v: Linear
