@@ -124,6 +124,33 @@ def test_save_pretrained_leaves_the_adapter_out(pipes, tmp_path):
     assert again.ip_adapter is None and not ipa.has_ip_adapters(again.unet)
 
 
+def test_image_to_image_takes_the_adapter_as_diffusers(pipes, monkeypatch):
+    """Image-to-image runs the same call: diffusers' img2img class on the same components (the adapter loaded),
+    from the same image latents and noise."""
+    ref, pipe = pipes
+    if "XL" in type(pipe).__name__:
+        from diffusers.pipelines.stable_diffusion_xl import pipeline_stable_diffusion_xl_img2img as module
+
+        img2img = module.StableDiffusionXLImg2ImgPipeline(**ref.components)
+    else:
+        from diffusers.pipelines.stable_diffusion import pipeline_stable_diffusion_img2img as module
+
+        img2img = module.StableDiffusionImg2ImgPipeline(**ref.components, requires_safety_checker=False)
+    img2img.set_progress_bar_config(disable=True)
+    rng = np.random.default_rng(2)
+    clean = rng.standard_normal((1, 16, 16, 4)).astype(np.float32)  # image latents, as a hand-over gives them
+    noise = rng.standard_normal((2, 16, 16, 4)).astype(np.float32)
+    monkeypatch.setattr(module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(noise))
+    ref.set_ip_adapter_scale(0.7)
+    pipe.set_ip_adapter_scale(0.7)
+    with torch.no_grad():
+        expected = np.asarray(img2img("a red cat", image=nhwc_to_nchw(clean), strength=0.7, output_type="np",
+                                      num_images_per_prompt=2, ip_adapter_image=PICTURE, **STEPS).images)
+    ours = pipe("a red cat", image=clean, latents=noise, strength=0.7, num_images_per_prompt=2,
+                ip_adapter_image=PICTURE, progress=False, **STEPS)
+    assert _max_pixel_diff(ours, expected) <= 2
+
+
 def test_plus_adapter_from_a_dict_matches_diffusers(pipes):
     """IP-Adapter Plus (the Resampler over the image encoder's penultimate hidden states), given as a state dict in
     memory; the image encoder loaded with the first adapter stays. (Last in the file: it replaces the adapter.)"""
