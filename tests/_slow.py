@@ -46,4 +46,9 @@ SLOW: dict[str, str] = {
         r"test_pipeline\.py::test_load_pipeline_with_scan_layers_gives_the_same_images|"
         r"test_sdxl\.py::test_lightning_unet_from_a_lone_file_with_trailing_euler|"
         r"test_generate_families\.py::test_sdxl_single_file_hands_over_to_the_refiner)",
+    # IP-Adapter Plus through the SD and SDXL pipelines, and SDXL's image-to-image with an adapter: the Plus projection
+    # and UNet parity (test_ip_adapter.py), the plain adapter's pipeline parity and SD's image-to-image stay (74 s)
+    "IP-Adapter Plus through the pipelines, SDXL image-to-image with an adapter":
+        r"^tests/test_ip_adapter_pipeline\.py::(test_plus_adapter_from_a_dict_matches_diffusers|"
+        r"test_image_to_image_takes_the_adapter_as_diffusers\[sdxl\])",
 }

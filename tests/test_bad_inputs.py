@@ -497,7 +497,8 @@ API = [
     ("diffusers-callback", lambda c: c.pipe("a", callback_on_step_end=print), InputTypeError,
      r"'callback_on_step_end' \(the denoising loop is one compiled program.*output_type='latent'"),
     ("diffusers-ip-adapter", lambda c: c.pipe("a", ip_adapter_image=np.zeros((16, 16, 3), np.uint8)),
-     InputTypeError, r"'ip_adapter_image' \(eqxdiff has no IP-Adapter"),
+     InputError, r"ip_adapter_image / ip_adapter_image_embeds: no IP-Adapter is loaded; load one first: "
+     r"pipe.load_ip_adapter\("),
     ("diffusers-masked-image-latents", lambda c: c.pipe("a", masked_image_latents=np.zeros((1, 4, 4, 4))),
      InputError, r"masked_image_latents are an inpainting UNet's input \(9 channels\), with mask_image="),
     ("lora-scale-other-key", lambda c: c.pipe("a", cross_attention_kwargs={"scale": 0.5, "heads": 2}), InputError,

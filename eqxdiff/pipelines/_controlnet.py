@@ -223,6 +223,8 @@ class ControlNetPipelineMixin:
     the denoiser running it. A call binds its :class:`ControlInput` to a shallow copy of the pipeline and runs the
     SD/SDXL call on it."""
 
+    TAKES_IP_ADAPTER: ClassVar[bool] = False  # the nets would read the image tokens as text (diffusers' do not)
+
     NET_CLASS: ClassVar[type] = ControlNetModel  # the nets this pipeline runs
     MULTI_CLASS: ClassVar[type] = MultiControlNetModel  # several of them (its name is model_index.json's)
     SCHEDULER_FIXES: ClassVar = {}  # diffusers' ControlNet pipelines take the scheduler config as it is

@@ -110,8 +110,9 @@ NOT_OFFERED: dict[str, str] = {
     "numpy_to_pil": ("eqxdiff returns uint8 arrays: PIL.Image.fromarray(image) for each, or "
                      "eqxdiff.pipelines.save_images"),
     # IP-Adapter
-    **dict.fromkeys(("load_ip_adapter", "unload_ip_adapter", "set_ip_adapter_scale", "encode_image",
-                     "prepare_ip_adapter_image_embeds"), _NO_IP_ADAPTER),
+    **dict.fromkeys(("load_ip_adapter", "unload_ip_adapter", "set_ip_adapter_scale", "encode_image"), _NO_IP_ADAPTER),
+    "prepare_ip_adapter_image_embeds": ("pass the call ip_adapter_image= (or its embeddings, ip_adapter_image_embeds=: "
+                                        "[negative; positive] rows of pipe.encode_image(image) with guidance)"),
     # LoRA methods beyond eqxdiff's
     **dict.fromkeys(("enable_lora_hotswap", "load_lora_into_text_encoder", "load_lora_into_transformer",
                      "load_lora_into_unet", "lora_state_dict", "pack_weights", "text_encoder_name", "transformer_name",

@@ -37,6 +37,7 @@ from ._inpaint import (
     prepare_mask,
     with_mask_channels,
 )
+from ._ip_adapter import IPAdapterMixin
 from ._latents import LatentPipeline, noise_draws
 from ._textual_inversion import TextualInversionMixin
 
@@ -99,7 +100,7 @@ class ImageInput:
     width: int
 
 
-class UNetPipeline(TextualInversionMixin, LatentPipeline):
+class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
     """Base of the UNet pipelines: ``unet``, ``vae`` and ``scheduler`` components, and :meth:`generate`.
 
     ``DEFAULT_STRENGTH`` is the family's default ``strength`` for image-to-image and for inpainting."""
@@ -110,7 +111,7 @@ class UNetPipeline(TextualInversionMixin, LatentPipeline):
     # Layers from the end that the default text embedding already skips: clip_skip may go up to the text encoders'
     # layer count minus this (SD takes the last layer's output: 0; SDXL the penultimate: 1).
     CLIP_SKIP_OFFSET: ClassVar[int] = 0
-    SETTINGS: ClassVar[tuple[str, ...]] = (*LatentPipeline.SETTINGS, "freeu")
+    SETTINGS: ClassVar[tuple[str, ...]] = (*LatentPipeline.SETTINGS, "freeu", "ip_adapter")
     freeu: tuple[float, float, float, float] | None = None  # enable_freeu's (s1, s2, b1, b2)
 
     def enable_freeu(self, s1: float, s2: float, b1: float, b2: float) -> None:
@@ -145,7 +146,9 @@ class UNetPipeline(TextualInversionMixin, LatentPipeline):
         """The schedule a call asks for exists (the steps, ``strength``, a hand-off's fractions, a custom
         schedule: :func:`~eqxdiff.pipelines.plan_schedule` on the host), before the prompt is encoded. A call that
         passes its arguments on to another ``__call__`` (a ControlNet pipeline's) leaves this to that one. Given
-        ``masked_image_latents`` need an inpainting UNet and ``mask_image``."""
+        ``masked_image_latents`` need an inpainting UNet and ``mask_image``; the IP-Adapter inputs fit the loaded
+        adapters (:meth:`~eqxdiff.pipelines._ip_adapter.IPAdapterMixin.check_ip_adapter_arguments`)."""
+        IPAdapterMixin.check_ip_adapter_arguments(self, arguments)  # (self may be eqxdiff-generate's unloaded class)
         if arguments.get("masked_image_latents") is not None and (
                 arguments.get("mask_image") is None or self.unet.config.in_channels != 2 * self.latent_channels + 1):
             raise InputError("masked_image_latents are an inpainting UNet's input (9 channels), with mask_image=; "

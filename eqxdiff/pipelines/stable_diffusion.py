@@ -122,7 +122,8 @@ class StableDiffusionPipeline(UNetPipeline):
                  timesteps: Sequence[int] | None = None, sigmas: Sequence[float] | None = None,
                  seed: int | None = None, key: PRNGKeyArray | None = None, clip_skip: int | None = None,
                  prompt_embeds=None, negative_prompt_embeds=None, masked_image_latents=None,
-                 padding_mask_crop: int | None = None, output_type: str = "uint8", progress: bool = True):
+                 padding_mask_crop: int | None = None, ip_adapter_image=None, ip_adapter_image_embeds=None,
+                 output_type: str = "uint8", progress: bool = True):
         """Images for ``prompt`` (or ``prompt_embeds`` ``[n, seq, embed]``, with optional
         ``negative_prompt_embeds``): uint8 ``[n, height, width, 3]``, or the final latents channels-last with
         ``output_type="latent"``. See :meth:`~eqxdiff.pipelines._unet.UNetPipeline.generate`.
@@ -142,6 +143,10 @@ class StableDiffusionPipeline(UNetPipeline):
             sigmas: A custom noise-level schedule (replaces ``num_inference_steps``).
             masked_image_latents: An inpainting UNet's masked-image latents ``[1 or n, h, w, c]`` (channels-last,
                 scaled as latents), used instead of encoding the masked image.
+            ip_adapter_image: The image prompt of the loaded IP-Adapter(s) (one per adapter: PIL or uint8 ``[h, w, 3]``;
+                :meth:`~eqxdiff.pipelines._ip_adapter.IPAdapterMixin.load_ip_adapter`).
+            ip_adapter_image_embeds: Their CLIP image embeddings instead, one array per adapter ``[2 (negative;
+                positive) with guidance, else 1, 1, embed]`` (diffusers' ``prepare_ip_adapter_image_embeds``).
             padding_mask_crop: Inpaint only the box around the mask, padded by this many pixels, at the output size,
                 pasted back into the picture (PIL ``image`` and ``mask_image``; :mod:`~eqxdiff.pipelines._mask_crop`).
             output_type: ``"uint8"`` images, ``"np"`` (float32 in [0, 1]), ``"pil"`` (a list of PIL
@@ -154,6 +159,8 @@ class StableDiffusionPipeline(UNetPipeline):
             embeds = self._embeddings(prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, guidance,
                                       clip_skip)
             embeds = jnp.repeat(embeds, num_images_per_prompt, axis=0)
+            embeds = self.with_ip_adapter_tokens(embeds, ip_adapter_image, ip_adapter_image_embeds,
+                                                 guided=guidance.enabled, num_images_per_prompt=num_images_per_prompt)
         n, source, height, width, strength = self.image_inputs(embeds, guidance, image, mask_image, height, width,
                                                              strength)
         return self.generate({"encoder_hidden_states": embeds}, guidance=guidance, guidance_scale=guidance_scale,

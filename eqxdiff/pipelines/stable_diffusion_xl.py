@@ -226,7 +226,8 @@ class StableDiffusionXLPipeline(UNetPipeline):
                  negative_original_size: Size | None = None, negative_crops_coords_top_left: Size = (0, 0),
                  negative_target_size: Size | None = None, aesthetic_score: float = 6.0,
                  negative_aesthetic_score: float = 2.5, masked_image_latents=None, padding_mask_crop: int | None = None,
-                 output_type: str = "uint8", progress: bool = True):
+                 ip_adapter_image=None, ip_adapter_image_embeds=None, output_type: str = "uint8",
+                 progress: bool = True):
         """Images for ``prompt`` with diffusers' SDXL arguments: uint8 ``[n, height, width, 3]``, or the final
         latents channels-last with ``output_type="latent"``.
 
@@ -255,6 +256,9 @@ class StableDiffusionXLPipeline(UNetPipeline):
             negative_target_size: The negative conditioning's ``target_size``.
             aesthetic_score: The refiner's aesthetic score (with ``requires_aesthetics_score``).
             negative_aesthetic_score: The refiner's negative aesthetic score.
+            ip_adapter_image: The image prompt of the loaded IP-Adapter(s), one per adapter (see
+                :class:`~eqxdiff.pipelines.StableDiffusionPipeline`); ``ip_adapter_image_embeds`` their CLIP image
+                embeddings instead.
             output_type: ``"uint8"`` images, ``"np"`` (float32 in [0, 1]), ``"pil"`` (a list of PIL
                 images) or ``"latent"`` (channels-last latents).
         """
@@ -269,6 +273,8 @@ class StableDiffusionXLPipeline(UNetPipeline):
                 pooled_prompt_embeds=pooled_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
             embeds = jnp.repeat(embeds, num_images_per_prompt, axis=0)
             pooled = jnp.repeat(pooled, num_images_per_prompt, axis=0)
+            embeds = self.with_ip_adapter_tokens(embeds, ip_adapter_image, ip_adapter_image_embeds,
+                                                 guided=guidance.enabled, num_images_per_prompt=num_images_per_prompt)
         n, source, height, width, strength = self.image_inputs(embeds, guidance, image, mask_image, height, width,
                                                              strength)
         positive, negative = self.add_time_ids(

@@ -1,0 +1,336 @@
+"""IP-Adapter on the UNet pipelines (Stable Diffusion 1.x/2.x, SDXL), with diffusers' method and argument names:
+``load_ip_adapter``, ``set_ip_adapter_scale``, ``unload_ip_adapter`` and the calls' ``ip_adapter_image`` /
+``ip_adapter_image_embeds``.
+
+The adapters' weights go into the UNet's cross-attentions (:mod:`eqxdiff.models.ip_adapter`); their image
+projections stay here. A call encodes the image prompt with the CLIP image encoder (the ``image_embeds`` of
+``CLIPVisionModelWithProjection``, after ``CLIPImageProcessor``'s resize, crop and normalisation, as diffusers'
+``encode_image``), projects it into tokens and appends them to the text embeddings (``[negative; positive]`` rows
+with guidance, the negative image embedding zeros as diffusers'); the denoising loop runs as without adapters. The
+scales are values in the UNet: ``set_ip_adapter_scale`` compiles nothing.
+"""
+
+import copy
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from numbers import Real
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._typing import Array, Float
+from ..core import program
+from ..loading import CheckpointError, load, safetensors_path
+from ..loading import read_safetensors_file as _read
+from ..models import ip_adapter as ipa
+from ..parallel import shard_params
+from ._checks import InputError, InputTypeError
+from ._images import pil_to_array
+
+__all__ = ["IPAdapterMixin", "IPAdapters", "clip_hidden_states", "clip_image_embeds"]
+
+_LOAD_FIRST = "load one first: pipe.load_ip_adapter(folder_or_hub_id, subfolder=..., weight_name='....safetensors')"
+
+
+@dataclasses.dataclass(frozen=True)
+class IPAdapters:
+    """What :meth:`IPAdapterMixin.load_ip_adapter` loaded besides the UNet's layers: each adapter's image projection,
+    the CLIP image encoder and its image processor (``None`` without one: pass ``ip_adapter_image_embeds``)."""
+
+    projections: tuple
+    image_encoder: Any = None
+    feature_extractor: Any = None
+
+
+@program
+def clip_image_embeds(image_encoder, pixel_values: Float[Array, "n size size 3"]) -> Float[Array, "n embed"]:
+    """The projected CLIP image embedding (``CLIPVisionModelWithProjection``'s ``image_embeds``)."""
+    return image_encoder(pixel_values).image_embeds
+
+
+@program
+def clip_hidden_states(image_encoder, pixel_values: Float[Array, "n size size 3"]) -> Float[Array, "n tokens dim"]:
+    """The CLIP image encoder's penultimate hidden states (``hidden_states[-2]``), IP-Adapter Plus's input."""
+    return image_encoder(pixel_values, output_hidden_states=True).hidden_states[-2]
+
+
+@program
+def _project(projections, embeds):
+    """Each adapter's tokens ``[rows, tokens, width]`` of its embeddings ``[rows, embed]``, concatenated."""
+    return jnp.concatenate([p(e) for p, e in zip(projections, embeds)], axis=1)
+
+
+def _state(source, subfolder, weight_name, revision) -> dict:
+    """``{"image_proj": {...}, "ip_adapter": {...}}`` of numpy arrays from a dict (that layout, or the flat
+    ``image_proj.*`` / ``ip_adapter.*`` one of the files) or a safetensors file."""
+    if isinstance(source, Mapping):
+        flat = source
+    else:
+        where = Path(os.fspath(source)).expanduser()
+        if where.is_dir() and subfolder:
+            where, name = where / subfolder, weight_name
+        else:
+            where, name = source, (f"{subfolder}/{weight_name}" if subfolder and weight_name else weight_name)
+        flat = _read(safetensors_path(where, weight_name=name, revision=revision, default_name="ip-adapter.safetensors",
+                                      what="IP-Adapter"))
+    state = {"image_proj": {}, "ip_adapter": {}}
+    for key, value in flat.items():
+        if key in state and isinstance(value, Mapping):
+            state[key].update(value)
+            continue
+        part, _, rest = str(key).partition(".")
+        if part not in state or not rest:
+            raise CheckpointError(f"IP-Adapter: {key!r} is neither image_proj.* nor ip_adapter.*: not an IP-Adapter "
+                                  "state dict (diffusers' layout: {'image_proj': {...}, 'ip_adapter': {...}})")
+        state[part][rest] = value
+    if not state["image_proj"] or not state["ip_adapter"]:
+        raise CheckpointError("IP-Adapter: the state dict needs both image_proj and ip_adapter tensors")
+    return {part: {k: np.asarray(v.detach().float().numpy() if hasattr(v, "detach") else v)
+                   for k, v in tensors.items()} for part, tensors in state.items()}
+
+
+def _as_list(value, n: int, name: str) -> list:
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if len(values) == 1:
+        values = values * n
+    if len(values) != n:
+        raise InputError(f"{name} has {len(values)} entries for {n} IP-Adapter file(s)")
+    return values
+
+
+class IPAdapterMixin:
+    """diffusers' IP-Adapter methods on the UNet pipelines (see the module docstring)."""
+
+    # Whether this pipeline's calls take ip_adapter_image (a ControlNet pipeline's nets read the text alone).
+    TAKES_IP_ADAPTER: ClassVar[bool] = True
+    ip_adapter: IPAdapters | None = None  # what load_ip_adapter loaded; carried by from_pipe with the UNet
+
+    def load_ip_adapter(self, pretrained_model_name_or_path_or_dict, subfolder=None, weight_name=None, *,
+                        image_encoder_folder: str | None = "image_encoder", revision: str | None = None) -> None:
+        """Load IP-Adapter(s) as diffusers' ``load_ip_adapter``: a folder or Hub id with ``subfolder`` and
+        ``weight_name`` (a ``.safetensors`` file: pickles such as ``.bin`` are refused, never unpickled), or a state
+        dict in memory (``{"image_proj": {...}, "ip_adapter": {...}}`` or the file's flat names); lists load several.
+        The CLIP image encoder comes from ``image_encoder_folder`` (a name inside ``subfolder``, or a path with
+        ``/`` inside the repository) unless the pipeline has one; ``None``: none (pass ``ip_adapter_image_embeds``).
+        Loading replaces adapters loaded before; every scale starts at 1."""
+        if not self.TAKES_IP_ADAPTER:
+            raise InputError(f"{type(self).__name__} takes no IP-Adapter yet; load it into the pipeline without "
+                             "ControlNet (StableDiffusionPipeline / StableDiffusionXLPipeline)")
+        sources = list(pretrained_model_name_or_path_or_dict) if isinstance(
+            pretrained_model_name_or_path_or_dict, (list, tuple)) else [pretrained_model_name_or_path_or_dict]
+        subfolders = _as_list(subfolder, len(sources), "subfolder")
+        names = _as_list(weight_name, len(sources), "weight_name")
+        states = [_state(s, f, n, revision) for s, f, n in zip(sources, subfolders, names)]
+        unet, projections = ipa.load_ip_adapters(ipa.remove_ip_adapters(self.unet), states)
+        encoder = None if self.ip_adapter is None else self.ip_adapter.image_encoder
+        if encoder is None and image_encoder_folder is not None and not isinstance(sources[0], Mapping):
+            folder = image_encoder_folder if "/" in image_encoder_folder else (
+                Path(subfolders[0], image_encoder_folder).as_posix() if subfolders[0] else image_encoder_folder)
+            encoder = load(sources[0], subfolder=folder, dtype=unet.conv_in.weight.dtype, revision=revision)
+            plain = any(not p.READS_HIDDEN_STATES for p in projections)
+            if plain and getattr(encoder, "visual_projection", None) is None:
+                raise CheckpointError(f"the image encoder in {folder!r} is a {type(encoder).__name__}; the plain "
+                                      "IP-Adapter reads CLIPVisionModelWithProjection's image_embeds")
+        if self.mesh is not None:
+            unet = shard_params(unet, self.mesh, self.rules)
+            projections = shard_params(projections, self.mesh, self.rules)
+        self.unet = unet
+        self.ip_adapter = IPAdapters(tuple(projections), encoder, None if encoder is None else _processor(encoder))
+
+    def unload_ip_adapter(self) -> None:
+        """Take the IP-Adapters out: the UNet's cross-attentions as before, the image encoder dropped."""
+        self.unet = ipa.remove_ip_adapters(self.unet)
+        self.ip_adapter = None
+
+    def save_pretrained(self, folder, *, dtype=None):
+        """The pipeline's folder without its IP-Adapters (a diffusers folder has no place for them; load them again
+        after loading the folder)."""
+        if self.ip_adapter is None:
+            return super().save_pretrained(folder, dtype=dtype)
+        plain = copy.copy(self)
+        plain.unet, plain.ip_adapter = ipa.remove_ip_adapters(self.unet), None
+        return plain.save_pretrained(folder, dtype=dtype)
+
+    def set_ip_adapter_scale(self, scale) -> None:
+        """The adapters' strengths, as diffusers': one config for every adapter or a list with one per adapter, each
+        a number (every layer) or InstantStyle's per-block dict (``{"down": {"block_2": [0.0, 1.0]}, "up":
+        {"block_0": [0.0, 1.0, 0.0]}}``: a number per part or block, or a list with one per spatial transformer of
+        the block; what it leaves out is 0). Values only: nothing compiles."""
+        if self.ip_adapter is None:
+            raise InputError(f"set_ip_adapter_scale: no IP-Adapter is loaded; {_LOAD_FIRST}")
+        configs = _as_list(scale, len(self.ip_adapter.projections), "set_ip_adapter_scale's list")
+        blocks = ipa.cross_attention_blocks(self.unet)
+        rows = np.stack([_expand_scale(c, blocks) for c in configs], axis=1)  # [cross-attentions, adapters]
+        self.unet = ipa.with_ip_adapter_scales(self.unet, rows)
+
+    def encode_image(self, image, output_hidden_states: bool = False) -> tuple[Array, Array]:
+        """``(embeds, negative_embeds)`` of ``image`` (a PIL image, uint8 ``[h, w, 3]`` / ``[n, h, w, 3]``, or a
+        list), as diffusers' ``encode_image``: the image embeddings ``[n, embed]`` and zeros, or with
+        ``output_hidden_states`` (IP-Adapter Plus) the penultimate hidden states ``[n, tokens, dim]`` of the image
+        and of an all-zero input."""
+        adapters = self.ip_adapter
+        if adapters is None or adapters.image_encoder is None:
+            raise InputError("ip_adapter_image needs a CLIP image encoder; load the IP-Adapter with "
+                             "image_encoder_folder=, or pass ip_adapter_image_embeds")
+        images = []
+        for item in image if isinstance(image, (list, tuple)) else [image]:
+            arr = np.asarray(pil_to_array(item, "RGB"))
+            images.extend(arr if arr.ndim == 4 else [arr])
+        pixels = adapters.feature_extractor(images=images, return_tensors="np").pixel_values
+        pixels = self.shard(jnp.asarray(np.transpose(pixels, (0, 2, 3, 1)), jnp.float32))  # channels-last
+        encoder = self.encoder_of(adapters.image_encoder)
+        if output_hidden_states:
+            return (clip_hidden_states(encoder, pixels).astype(jnp.float32),
+                    clip_hidden_states(encoder, jnp.zeros_like(pixels)).astype(jnp.float32))
+        embeds = clip_image_embeds(encoder, pixels).astype(jnp.float32)
+        return embeds, jnp.zeros_like(embeds)
+
+    def encoder_of(self, model):
+        """``model`` on the devices (an offloaded encoder placed for this use only)."""
+        if not self.offload_encoders:
+            return model
+        return jax.tree.map(jnp.asarray, model) if self.mesh is None else shard_params(model, self.mesh, self.rules)
+
+    def with_ip_adapter_tokens(self, embeds: Array, ip_adapter_image, ip_adapter_image_embeds, *, guided: bool,
+                               num_images_per_prompt: int) -> Array:
+        """``embeds`` (the text embeddings, ``[negative; positive]`` rows with guidance) with the IP-Adapters' image
+        tokens appended to each row (diffusers' ``prepare_ip_adapter_image_embeds`` and the UNet's projection);
+        unchanged without adapters."""
+        if self.ip_adapter is None:
+            return embeds
+        n = len(self.ip_adapter.projections)
+        rows = embeds.shape[0] // (2 if guided else 1)
+        per_adapter = (self._embeds_of_images(ip_adapter_image, n) if ip_adapter_image is not None else
+                       self._given_embeds(ip_adapter_image_embeds, n, guided))
+        positive, negative = [], []
+        for a, (pos, neg) in enumerate(per_adapter):
+            pos, neg = (_rows(x, rows, num_images_per_prompt, a) for x in (pos, neg))
+            positive.append(pos)
+            negative.append(neg)
+        tokens = _project(self.ip_adapter.projections, positive)
+        if guided:
+            tokens = jnp.concatenate([_project(self.ip_adapter.projections, negative), tokens])
+        return jnp.concatenate([embeds, tokens.astype(embeds.dtype)], axis=1)
+
+    def check_ip_adapter_arguments(self, arguments: Mapping[str, Any]) -> None:
+        """A call's ``ip_adapter_image`` / ``ip_adapter_image_embeds`` fit the loaded adapters (checked before
+        anything is encoded)."""
+        image, embeds = arguments.get("ip_adapter_image"), arguments.get("ip_adapter_image_embeds")
+        given = image is not None or embeds is not None
+        if self.ip_adapter is None:
+            if given:
+                raise InputError(f"ip_adapter_image / ip_adapter_image_embeds: no IP-Adapter is loaded; {_LOAD_FIRST}")
+            return
+        if not self.TAKES_IP_ADAPTER:
+            raise InputError(f"{type(self).__name__} takes no IP-Adapter yet: call pipe.unload_ip_adapter(), or run "
+                             "the pipeline without ControlNet")
+        if not given:
+            raise InputError("this pipeline has an IP-Adapter loaded: pass ip_adapter_image= or "
+                             "ip_adapter_image_embeds=, or call pipe.unload_ip_adapter()")
+        if image is not None and embeds is not None:
+            raise InputError("pass ip_adapter_image or ip_adapter_image_embeds, not both")
+        if image is not None and self.ip_adapter.image_encoder is None:
+            raise InputError("ip_adapter_image needs a CLIP image encoder, and the IP-Adapter was loaded without one: "
+                             "load it with image_encoder_folder=, or pass ip_adapter_image_embeds")
+        if embeds is not None:
+            self._given_embeds(embeds, len(self.ip_adapter.projections), guided=False)
+
+    def _embeds_of_images(self, images, n: int) -> list:
+        images = list(images) if isinstance(images, (list, tuple)) and n > 1 else [images]
+        if len(images) != n:
+            raise InputError(f"ip_adapter_image holds {len(images)} images for {n} IP-Adapters: give one per adapter")
+        out = []
+        for image, projection in zip(images, self.ip_adapter.projections):
+            pos, neg = self.encode_image(image, output_hidden_states=projection.READS_HIDDEN_STATES)
+            out.append((pos[None], neg[None]))  # [1, images, embed]
+        return out
+
+    def _given_embeds(self, given, n: int, guided: bool) -> list:
+        given = list(given) if isinstance(given, (list, tuple)) else [given]
+        if len(given) != n:
+            raise InputError(f"ip_adapter_image_embeds holds {len(given)} arrays for {n} IP-Adapters: give one per "
+                             "adapter, each [2 (negative; positive) or 1, images, embed] ([..., tokens, dim] for "
+                             "IP-Adapter Plus)")
+        out = []
+        for a, e in enumerate(given):
+            e = jnp.asarray(np.asarray(e.detach().float().numpy() if hasattr(e, "detach") else e), jnp.float32)
+            projection = self.ip_adapter.projections[a]
+            want, plus = projection.embed_dim, projection.READS_HIDDEN_STATES
+            if e.ndim != 3 + plus or e.shape[-1] != want or (guided and e.shape[0] % 2):
+                raise InputError(f"ip_adapter_image_embeds[{a}] has shape {tuple(e.shape)}; it takes "
+                                 f"[{'2 * n (negative; positive)' if guided else 'n'}, images, "
+                                 f"{'tokens, ' if plus else ''}{want}] (diffusers' prepare_ip_adapter_image_embeds "
+                                 "output)")
+            if guided:
+                neg, pos = jnp.split(e, 2)
+            else:
+                pos = e
+                neg = jnp.zeros_like(e)
+            out.append((pos, neg))
+        return out
+
+
+def _number(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (Real, np.number)):
+        raise InputTypeError(f"set_ip_adapter_scale: {where}={value!r}; give a number, a list with one per spatial "
+                             "transformer of the block, or a dict of parts ('down', 'mid', 'up') and blocks "
+                             "('block_0' ...)")
+    return float(value)
+
+
+def _expand_scale(config, blocks: Sequence[tuple[str, int, int]]) -> np.ndarray:
+    """One adapter's scale per cross-attention from a number or diffusers' per-block dict (unset parts 0)."""
+    if not isinstance(config, Mapping):
+        return np.full(len(blocks), _number(config, "scale"), np.float32)
+    unknown = sorted(map(str, set(config) - {"down", "mid", "up"}))
+    if unknown:
+        raise InputError(f"set_ip_adapter_scale: {unknown} are not parts of the UNet; use 'down', 'mid' and 'up'")
+    counts = {}
+    for part, b, a in blocks:
+        counts[(part, b)] = max(counts.get((part, b), 0), a + 1)
+    for part in ("down", "up"):
+        for name in config.get(part, {}) if isinstance(config.get(part), Mapping) else ():
+            if not (name.startswith("block_") and (part, int(name[6:] or -1)) in counts):
+                have = sorted(f"block_{b}" for p, b in counts if p == part)
+                raise InputError(f"set_ip_adapter_scale: {part}.{name} has no attention layers; {part} has {have}")
+    out = []
+    for part, b, a in blocks:
+        value = config.get(part, 0.0)
+        if isinstance(value, Mapping):
+            value = value.get(f"block_{b}", 0.0)
+        if isinstance(value, (list, tuple)):
+            n = counts[(part, b)]
+            if len(value) not in (1, n):
+                raise InputError(f"set_ip_adapter_scale: {part}.block_{b} takes 1 or {n} scales (one per spatial "
+                                 f"transformer), not {len(value)}")
+            value = value[0] if len(value) == 1 else value[a]
+        out.append(_number(value, f"{part}.block_{b}"))
+    return np.asarray(out, np.float32)
+
+
+def _rows(x: Array, rows: int, num_images_per_prompt: int, adapter: int) -> Array:
+    """``x`` ``[m, images, ...]`` as ``[rows, ...]``: each of its ``m`` rows repeated ``num_images_per_prompt`` times
+    (one row: every row)."""
+    if x.shape[1] != 1:
+        raise InputError(f"IP-Adapter {adapter} got {x.shape[1]} images; eqxdiff takes one image per IP-Adapter "
+                         "(average their embeddings, or load the adapter twice)")
+    x = x[:, 0]
+    if x.shape[0] == 1:
+        return jnp.broadcast_to(x, (rows, *x.shape[1:]))
+    x = jnp.repeat(x, num_images_per_prompt, axis=0)
+    if x.shape[0] != rows:
+        raise InputError(f"IP-Adapter {adapter}'s embeddings have {x.shape[0] // num_images_per_prompt} rows for "
+                         f"{rows // num_images_per_prompt} prompts: give one row, or one per prompt")
+    return x
+
+
+def _processor(encoder):
+    """diffusers' default image processor for ``encoder``: ``CLIPImageProcessor`` at its image size."""
+    from transformers import CLIPImageProcessor
+
+    size = encoder.config.image_size
+    return CLIPImageProcessor(size=size, crop_size=size)

@@ -1,0 +1,169 @@
+"""IP-Adapter on the Stable Diffusion and SDXL pipelines (eqxdiff.pipelines._ip_adapter) against diffusers'
+``load_ip_adapter`` and ``ip_adapter_image`` / ``ip_adapter_image_embeds``, float32, tiny random pipelines, a random
+adapter and image encoder saved as diffusers reads them, guidance on, the same initial latents."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import eqxdiff
+from eqxdiff.loading import CheckpointError
+from eqxdiff.models import ip_adapter as ipa
+from eqxdiff.pipelines import InputError
+
+from . import _tiny_sdxl
+from ._ip_adapter_files import ip_adapter_state, plus_image_proj, save_ip_adapter
+from ._tiny_sd import build_pipeline
+from ._util import nhwc_to_nchw
+
+PICTURE = Image.fromarray(np.random.default_rng(5).integers(0, 256, (40, 48, 3), dtype=np.uint8))
+STEPS = dict(num_inference_steps=3, guidance_scale=6.0)
+
+
+def _max_pixel_diff(ours_uint8, ref_float):
+    return int(np.max(np.abs(ours_uint8.astype(int) - (ref_float * 255).round().astype(int))))
+
+
+def _build(kind, folder):
+    if kind == "sd":
+        return build_pipeline(folder / "pipe")
+    return _tiny_sdxl.build_base(folder / "pipe")
+
+
+@pytest.fixture(scope="module", params=["sd", "sdxl"])
+def pipes(request, tmp_path_factory):
+    """(diffusers pipeline, eqxdiff pipeline), each with the same random IP-Adapter loaded from one folder."""
+    folder = tmp_path_factory.mktemp(f"ip_{request.param}")
+    ref = _build(request.param, folder)
+    save_ip_adapter(folder / "ip", ref.unet)
+    ref.load_ip_adapter(str(folder / "ip"), subfolder="", weight_name="ip-adapter.safetensors")
+    pipe = eqxdiff.load_pipeline(folder / "pipe")
+    pipe.load_ip_adapter(folder / "ip", subfolder="", weight_name="ip-adapter.safetensors")
+    return ref, pipe
+
+
+def _reference(ref, latents, **kwargs):
+    with torch.no_grad():
+        return np.asarray(ref("a red cat", latents=nhwc_to_nchw(latents), output_type="np", height=32, width=32,
+                              num_images_per_prompt=2, **STEPS, **kwargs).images)
+
+
+def _ours(pipe, latents, **kwargs):
+    return pipe("a red cat", latents=latents, height=32, width=32, num_images_per_prompt=2, progress=False,
+                **STEPS, **kwargs)
+
+
+def test_images_match_diffusers_and_a_new_scale_compiles_nothing(pipes):
+    ref, pipe = pipes
+    latents = np.random.default_rng(0).standard_normal((2, 16, 16, 4)).astype(np.float32)
+    ref.set_ip_adapter_scale(1.0)
+    pipe.set_ip_adapter_scale(1.0)
+    ours = _ours(pipe, latents, ip_adapter_image=PICTURE)
+    assert _max_pixel_diff(ours, _reference(ref, latents, ip_adapter_image=PICTURE)) <= 2
+    ref.set_ip_adapter_scale(0.4)
+    pipe.set_ip_adapter_scale(0.4)
+    weaker = _ours(pipe, latents, ip_adapter_image=PICTURE)
+    assert pipe.timings["call_compile"] == 0.0  # the scale is a value in the UNet: the same programs run
+    assert _max_pixel_diff(weaker, _reference(ref, latents, ip_adapter_image=PICTURE)) <= 2
+    assert np.abs(weaker.astype(int) - ours.astype(int)).max() > 2  # the scale matters
+    # diffusers' own image embeddings ([negative; positive]) given instead of the image: the same images
+    with torch.no_grad():
+        embeds = ref.prepare_ip_adapter_image_embeds(PICTURE, None, "cpu", 1, True)
+    given = _ours(pipe, latents, ip_adapter_image_embeds=[e.numpy() for e in embeds])
+    assert _max_pixel_diff(given, _reference(ref, latents, ip_adapter_image=PICTURE)) <= 2
+
+
+BLOCK_SCALES = {  # InstantStyle's per-block configs, for the tiny UNets' blocks with attention
+    "sd": [{"down": 0.7, "up": {"block_1": [0.2, 0.9]}}, {"up": {"block_1": 0.5}}, 0.3],
+    "sdxl": [{"down": {"block_1": 0.4}, "mid": 0.8, "up": {"block_0": [0.0, 1.0]}}, {"up": {"block_0": [0.6]}}],
+}
+
+
+def test_per_block_scales_are_diffusers(pipes):
+    ref, pipe = pipes
+    kind = "sdxl" if "XL" in type(pipe).__name__ else "sd"
+    for config in BLOCK_SCALES[kind]:
+        ref.set_ip_adapter_scale(config)
+        pipe.set_ip_adapter_scale(config)
+        theirs = [p.scale for name, p in ref.unet.attn_processors.items() if name.endswith("attn2.processor")]
+        np.testing.assert_array_equal(ipa.ip_adapter_scales(pipe.unet), np.asarray(theirs, np.float32))
+    with pytest.raises(InputError, match=r"down.block_7 has no attention layers; down has \['block_"):
+        pipe.set_ip_adapter_scale({"down": {"block_7": 1.0}})
+    with pytest.raises(InputError, match="takes 1 or 2 scales"):
+        pipe.set_ip_adapter_scale({"up": {f"block_{1 if kind == 'sd' else 0}": [1.0, 0.0, 1.0]}})
+
+
+def test_bad_inputs_name_the_fix(pipes, tmp_path):
+    _, pipe = pipes
+    with pytest.raises(InputError, match=r"ip_adapter_image_embeds\[0\] has shape \(2, 1, 5\)"):
+        _ours(pipe, None, ip_adapter_image_embeds=[np.zeros((2, 1, 5), np.float32)])
+    with pytest.raises(InputError, match="unload_ip_adapter"):
+        _ours(pipe, None)
+    with pytest.raises(InputError, match="not both"):
+        _ours(pipe, None, ip_adapter_image=PICTURE, ip_adapter_image_embeds=[np.zeros((2, 1, 12), np.float32)])
+    with pytest.raises(InputError, match="'down', 'mid' and 'up'"):
+        pipe.set_ip_adapter_scale({"middle": 1.0})
+    (tmp_path / "ip-adapter.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="pickle"):
+        pipe.load_ip_adapter(tmp_path, subfolder=None, weight_name="ip-adapter.bin")
+    plain = type(pipe).from_pipe(pipe)
+    plain.unload_ip_adapter()
+    assert pipe.ip_adapter is not None  # (the other pipeline keeps its adapter)
+    with pytest.raises(InputError, match="no IP-Adapter is loaded; load one first: pipe.load_ip_adapter"):
+        _ours(plain, None, ip_adapter_image=PICTURE)
+    with pytest.raises(InputError, match="no IP-Adapter is loaded"):
+        plain.set_ip_adapter_scale(0.5)
+
+
+def test_save_pretrained_leaves_the_adapter_out(pipes, tmp_path):
+    _, pipe = pipes
+    pipe.save_pretrained(tmp_path / "saved")
+    assert pipe.ip_adapter is not None  # (still loaded here)
+    again = eqxdiff.load_pipeline(tmp_path / "saved")
+    assert again.ip_adapter is None and not ipa.has_ip_adapters(again.unet)
+
+
+def test_image_to_image_takes_the_adapter_as_diffusers(pipes, monkeypatch):
+    """Image-to-image runs the same call: diffusers' img2img class on the same components (the adapter loaded),
+    from the same image latents and noise."""
+    ref, pipe = pipes
+    if "XL" in type(pipe).__name__:
+        from diffusers.pipelines.stable_diffusion_xl import pipeline_stable_diffusion_xl_img2img as module
+
+        img2img = module.StableDiffusionXLImg2ImgPipeline(**ref.components)
+    else:
+        from diffusers.pipelines.stable_diffusion import pipeline_stable_diffusion_img2img as module
+
+        img2img = module.StableDiffusionImg2ImgPipeline(**ref.components, requires_safety_checker=False)
+    img2img.set_progress_bar_config(disable=True)
+    rng = np.random.default_rng(2)
+    clean = rng.standard_normal((1, 16, 16, 4)).astype(np.float32)  # image latents, as a hand-over gives them
+    noise = rng.standard_normal((2, 16, 16, 4)).astype(np.float32)
+    monkeypatch.setattr(module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(noise))
+    ref.set_ip_adapter_scale(0.7)
+    pipe.set_ip_adapter_scale(0.7)
+    with torch.no_grad():
+        expected = np.asarray(img2img("a red cat", image=nhwc_to_nchw(clean), strength=0.7, output_type="np",
+                                      num_images_per_prompt=2, ip_adapter_image=PICTURE, **STEPS).images)
+    ours = pipe("a red cat", image=clean, latents=noise, strength=0.7, num_images_per_prompt=2,
+                ip_adapter_image=PICTURE, progress=False, **STEPS)
+    assert _max_pixel_diff(ours, expected) <= 2
+
+
+def test_plus_adapter_from_a_dict_matches_diffusers(pipes):
+    """IP-Adapter Plus (the Resampler over the image encoder's penultimate hidden states), given as a state dict in
+    memory; the image encoder loaded with the first adapter stays. (Last in the file: it replaces the adapter.)"""
+    ref, pipe = pipes
+    state = {"image_proj": plus_image_proj(ref.unet.config.cross_attention_dim, seed=8),
+             "ip_adapter": ip_adapter_state(ref.unet, seed=4)["ip_adapter"]}
+    ref.load_ip_adapter(state, subfolder=None, weight_name=None)
+    pipe.load_ip_adapter(state)
+    latents = np.random.default_rng(1).standard_normal((2, 16, 16, 4)).astype(np.float32)
+    expected = _reference(ref, latents, ip_adapter_image=PICTURE)
+    assert _max_pixel_diff(_ours(pipe, latents, ip_adapter_image=PICTURE), expected) <= 2
+    with torch.no_grad():
+        embeds = ref.prepare_ip_adapter_image_embeds(PICTURE, None, "cpu", 1, True)
+    assert embeds[0].ndim == 4  # [negative; positive], images, tokens, dim
+    given = _ours(pipe, latents, ip_adapter_image_embeds=[e.numpy() for e in embeds])
+    assert _max_pixel_diff(given, expected) <= 2
