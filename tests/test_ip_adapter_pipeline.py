@@ -2,18 +2,20 @@
 ``load_ip_adapter`` and ``ip_adapter_image`` / ``ip_adapter_image_embeds``, float32, tiny random pipelines, a random
 adapter and image encoder saved as diffusers reads them, guidance on, the same initial latents."""
 
+import jax
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 import eqxdiff
-from eqxdiff.loading import CheckpointError
+from eqxdiff.loading import CheckpointError, without_adapters
 from eqxdiff.models import ip_adapter as ipa
 from eqxdiff.pipelines import InputError
 
+from . import _lora_files as files
 from . import _tiny_sdxl
-from ._ip_adapter_files import ip_adapter_state, plus_image_proj, save_ip_adapter
+from ._ip_adapter_files import as_numpy, ip_adapter_state, plus_image_proj, save_ip_adapter
 from ._tiny_sd import build_pipeline
 from ._util import nhwc_to_nchw
 
@@ -167,3 +169,41 @@ def test_plus_adapter_from_a_dict_matches_diffusers(pipes):
     assert embeds[0].ndim == 4  # [negative; positive], images, tokens, dim
     given = _ours(pipe, latents, ip_adapter_image_embeds=[e.numpy() for e in embeds])
     assert _max_pixel_diff(given, expected) <= 2
+
+
+def _ip_scales(unet) -> list:
+    return [np.asarray(x) for path, x in jax.tree_util.tree_leaves_with_path(unet)
+            if "ip_scale" in jax.tree_util.keystr(path)]
+
+
+def test_lora_and_ip_adapter_keep_each_other(pipes, tmp_path):
+    """A LoRA and an IP-Adapter on one UNet, in either order: unloading one leaves the other as it was, and
+    unfuse_lora gives back a UNet with the IP-Adapter and its scales. Found reviewing the IP-Adapter change: the
+    LoRA kept the UNet as first loaded, so unload_lora_weights gave back one without the IP-Adapter's layers while
+    pipe.ip_adapter still appended image tokens (then read as text), and after unload_ip_adapter gave back one with
+    them (which split the text's last tokens off as image tokens). Bookkeeping only: nothing compiles."""
+    ref, pipe = pipes
+    lora = files.save(files.peft(files.modules(ref.unet, r"attn[12]\.to_(q|k|v|out\.0)$"), "unet.", files.Rand(3),
+                                 rank=2), tmp_path / "lora.safetensors")
+    state = as_numpy(ip_adapter_state(ref.unet, seed=9))
+    before = pipe.unet, pipe.ip_adapter
+    try:
+        pipe.load_lora_weights(lora, adapter_name="style")  # the IP-Adapter first (the fixture's), then a LoRA
+        pipe.unload_ip_adapter()
+        assert without_adapters(pipe.unet)[1], "unloading the IP-Adapter took the LoRA out"
+        pipe.unload_lora_weights()
+        assert not ipa.has_ip_adapters(pipe.unet), "unload_lora_weights gave back the IP-Adapter unloaded before"
+
+        pipe.load_lora_weights(lora, adapter_name="style")  # a LoRA first, then an IP-Adapter at scale 0.5
+        pipe.load_ip_adapter(state)
+        pipe.set_ip_adapter_scale(0.5)
+        pipe.fuse_lora()
+        pipe.unfuse_lora()
+        assert without_adapters(pipe.unet)[1] and all(np.all(s == 0.5) for s in _ip_scales(pipe.unet))
+        pipe.unload_lora_weights()
+        assert not without_adapters(pipe.unet)[1], "the LoRA stayed"
+        scales = _ip_scales(pipe.unet)
+        assert scales and all(np.all(s == 0.5) for s in scales), "unload_lora_weights lost the IP-Adapter or its scale"
+    finally:
+        pipe.unload_lora_weights()
+        pipe.unet, pipe.ip_adapter = before

@@ -13,6 +13,7 @@ import eqxdiff
 from eqxdiff.loading import CheckpointError
 from eqxdiff.pipelines._denoise import Guidance
 
+from . import _lora_files as lora_files
 from . import _tiny_sdxl
 from ._tiny_sd import build_pipeline
 
@@ -184,3 +185,26 @@ def test_generate_takes_embeddings_and_freeu(sd, files, tmp_path):
     ]:
         with pytest.raises(error, match=match):
             generate.validate([*argv[:2], *extra])
+
+
+def test_lora_unfuse_and_unload_keep_the_embeddings(sd, files, tmp_path):
+    """Textual inversion loaded over a text-encoder LoRA: unfuse_lora and unload_lora_weights give back the text
+    encoder with the new tokens' rows (the LoRA keeps copies of the models it gives back; the rows are written
+    into them too, pipelines/_lora.py rewrite_lora_copies). Without that the tokenizer knows ``<cat>`` and the
+    encoder's table has no row for it (refused: a token id outside the vocabulary)."""
+    ref, folder = sd
+    root, _ = files
+    pattern = r"self_attn\.(q|v)_proj$"
+    lora = lora_files.save(lora_files.peft(lora_files.modules(lora_files.checkpoint_named(ref.text_encoder), pattern),
+                                           "text_encoder.", lora_files.Rand(4), rank=2), tmp_path / "te.safetensors")
+    plain = eqxdiff.load_pipeline(folder)
+    plain.load_textual_inversion(str(root / "cat"))
+    expected = _ours(plain, PROMPTS[:1])
+    pipe = eqxdiff.load_pipeline(folder)
+    pipe.load_lora_weights(lora)
+    pipe.fuse_lora()
+    pipe.load_textual_inversion(str(root / "cat"))
+    assert np.abs(_ours(pipe, PROMPTS[:1]) - expected).max() > 1e-3, "the LoRA did not move the embeddings"
+    pipe.unfuse_lora()
+    pipe.unload_lora_weights()
+    np.testing.assert_allclose(_ours(pipe, PROMPTS[:1]), expected, rtol=1e-5, atol=1e-5)

@@ -125,7 +125,7 @@ class IPAdapterMixin:
         subfolders = _as_list(subfolder, len(sources), "subfolder")
         names = _as_list(weight_name, len(sources), "weight_name")
         states = [_state(s, f, n, revision) for s, f, n in zip(sources, subfolders, names)]
-        unet, projections = ipa.load_ip_adapters(ipa.remove_ip_adapters(self.unet), states)
+        unet, projections = self._with_ip_layers(self.unet, states)
         encoder = None if self.ip_adapter is None else self.ip_adapter.image_encoder
         if encoder is None and image_encoder_folder is not None and not isinstance(sources[0], Mapping):
             folder = image_encoder_folder if "/" in image_encoder_folder else (
@@ -136,15 +136,22 @@ class IPAdapterMixin:
                 raise CheckpointError(f"the image encoder in {folder!r} is a {type(encoder).__name__}; the plain "
                                       "IP-Adapter reads CLIPVisionModelWithProjection's image_embeds")
         if self.mesh is not None:
-            unet = shard_params(unet, self.mesh, self.rules)
             projections = shard_params(projections, self.mesh, self.rules)
         self.unet = unet
+        self.rewrite_lora_copies("unet", lambda copy: self._with_ip_layers(copy, states)[0])  # LoRA's kept UNets
         self.ip_adapter = IPAdapters(tuple(projections), encoder, None if encoder is None else _processor(encoder))
 
     def unload_ip_adapter(self) -> None:
         """Take the IP-Adapters out: the UNet's cross-attentions as before, the image encoder dropped."""
         self.unet = ipa.remove_ip_adapters(self.unet)
+        self.rewrite_lora_copies("unet", ipa.remove_ip_adapters)
         self.ip_adapter = None
+
+    def _with_ip_layers(self, unet, states):
+        """``(unet, projections)``: ``unet`` with the adapters of ``states`` in place of any it held, placed as the
+        pipeline's weights."""
+        unet, projections = ipa.load_ip_adapters(ipa.remove_ip_adapters(unet), states)
+        return (unet if self.mesh is None else shard_params(unet, self.mesh, self.rules)), projections
 
     def save_pretrained(self, folder, *, dtype=None):
         """The pipeline's folder without its IP-Adapters (a diffusers folder has no place for them; load them again
@@ -166,6 +173,7 @@ class IPAdapterMixin:
         blocks = ipa.cross_attention_blocks(self.unet)
         rows = np.stack([_expand_scale(c, blocks) for c in configs], axis=1)  # [cross-attentions, adapters]
         self.unet = ipa.with_ip_adapter_scales(self.unet, rows)
+        self.rewrite_lora_copies("unet", lambda copy: ipa.with_ip_adapter_scales(copy, rows))
 
     def encode_image(self, image, output_hidden_states: bool = False) -> tuple[Array, Array]:
         """``(embeds, negative_embeds)`` of ``image`` (a PIL image, uint8 ``[h, w, 3]`` / ``[n, h, w, 3]``, or a

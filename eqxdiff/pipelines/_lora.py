@@ -82,7 +82,8 @@ class LoraMixin(LoraFuseMixin, LoraScaleMixin):
         """Load a LoRA / LyCORIS file (a ``.safetensors`` file, a folder holding one, or a Hub id with
         ``weight_name``) as adapter ``adapter_name`` (default ``default_N``) and make it the active one of the models
         it adapts; the other models' active adapters stay as they were (diffusers keeps them per model: a UNet-only
-        file leaves the text encoder's adapter on; Wan's high- and low-noise files); returns the name. Any trainer's layout of the family's models is read (``LORA_FORMAT``).
+        file leaves the text encoder's adapter on; Wan's high- and low-noise files); returns the name. Any trainer's
+        layout of the family's models is read (``LORA_FORMAT``).
 
         ``strict``: keys that adapt nothing here are an error listing them (``False``: one warning); a file for
         another family is an error naming it either way, and so is a file of which nothing applies. ``max_rank``:
@@ -265,10 +266,11 @@ class LoraMixin(LoraFuseMixin, LoraScaleMixin):
         return nn.with_adapters(model, changes)
 
     def set_adapters(self, adapter_names: str | Sequence[str], adapter_weights=None) -> None:
-        """Make ``adapter_names`` the active adapters of every model, at ``adapter_weights`` (one per name, or one for all; default
-        1.0). A weight is a number, a dict by component (``{"unet": 0.8, "text_encoder": 0.5}``) or, for a family
-        with per-block scales (the UNets), diffusers' block dict ``{"down": {"block_1": [0, 1]}, "mid": 0.5, "up":
-        ...}`` (under its component's key, or alone). Values only (a new order of DoRA adapters compiles)."""
+        """Make ``adapter_names`` the active adapters of every model, at ``adapter_weights`` (one per name, or one
+        for all; default 1.0). A weight is a number, a dict by component (``{"unet": 0.8, "text_encoder": 0.5}``)
+        or, for a family with per-block scales (the UNets), diffusers' block dict ``{"down": {"block_1": [0, 1]},
+        "mid": 0.5, "up": ...}`` (under its component's key, or alone). Values only (a new order of DoRA adapters
+        compiles)."""
         names = self._check_names(adapter_names, "set_adapters")
         if adapter_weights is None:
             weights = [1.0] * len(names)
@@ -322,6 +324,16 @@ class LoraMixin(LoraFuseMixin, LoraScaleMixin):
         active, fused = state.active_names(), state.fused_names()
         return [{"name": a.name, "path": a.path, "weight": a.weight, "active": state.enabled and a.name in active,
                  "fused": a.name in fused} for a in state.adapters.values()]
+
+    def rewrite_lora_copies(self, component: str, change) -> None:
+        """Apply ``change`` (model -> model: another feature's edit of ``component``, such as textual inversion's
+        token rows or IP-Adapter's layers) to the copies of it the adapters keep (``unload_lora_weights``' original,
+        ``unfuse_lora``'s unfused model), so that giving them back keeps the edit. The feature edits the current
+        model itself."""
+        state = self.__dict__.get("_lora_state")
+        for copies in (state.original, state.unfused) if state is not None else ():
+            if component in copies:
+                copies[component] = change(copies[component])
 
     # -- sharing and saving ------------------------------------------------------------------------------------
 

@@ -218,10 +218,7 @@ class TextualInversionMixin:
             table[i] = row
         setattr(self, tok_name, tok if rows else state.tokenizer)
         setattr(self, enc_name, with_token_rows(getattr(self, enc_name), table))
-        lora = self.__dict__.get("_lora_state")
-        for copies in (lora.original, lora.unfused) if lora is not None else ():
-            if enc_name in copies:
-                copies[enc_name] = with_token_rows(copies[enc_name], table)
+        self.rewrite_lora_copies(enc_name, lambda encoder: with_token_rows(encoder, table))
         state.rows = dict(rows)
 
 
