@@ -9,9 +9,9 @@ import torch
 from PIL import Image
 
 import eqxdiff
-from eqxdiff.loading import CheckpointError, without_adapters
+from eqxdiff.loading import CheckpointError, state_dict, without_adapters
 from eqxdiff.models import ip_adapter as ipa
-from eqxdiff.pipelines import InputError
+from eqxdiff.pipelines import InputError, save_pipeline
 
 from . import _lora_files as files
 from . import _tiny_sdxl
@@ -119,11 +119,16 @@ def test_bad_inputs_name_the_fix(pipes, tmp_path):
 
 
 def test_save_pretrained_leaves_the_adapter_out(pipes, tmp_path):
+    """pipe.save_pretrained and save_pipeline(pipe) write the folder without the adapter (models_to_save; the
+    latter wrote the adapter's layers into the UNet's folder before)."""
     _, pipe = pipes
     pipe.save_pretrained(tmp_path / "saved")
+    save_pipeline(pipe, tmp_path / "direct")
     assert pipe.ip_adapter is not None  # (still loaded here)
-    again = eqxdiff.load_pipeline(tmp_path / "saved")
-    assert again.ip_adapter is None and not ipa.has_ip_adapters(again.unet)
+    for name in ("saved", "direct"):
+        again = eqxdiff.load_pipeline(tmp_path / name)
+        assert again.ip_adapter is None and not ipa.has_ip_adapters(again.unet)
+        assert not any("_ip" in k for k in state_dict(again.unet)), f"{name}: the adapter's layers were written"
 
 
 def test_image_to_image_takes_the_adapter_as_diffusers(pipes, monkeypatch):

@@ -10,7 +10,6 @@ with guidance, the negative image embedding zeros as diffusers'); the denoising 
 scales are values in the UNet: ``set_ip_adapter_scale`` compiles nothing.
 """
 
-import copy
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
@@ -138,7 +137,7 @@ class IPAdapterMixin:
         if self.mesh is not None:
             projections = shard_params(projections, self.mesh, self.rules)
         self.unet = unet
-        self.rewrite_lora_copies("unet", lambda copy: self._with_ip_layers(copy, states)[0])  # LoRA's kept UNets
+        self.rewrite_lora_copies("unet", lambda kept: self._with_ip_layers(kept, states)[0])  # LoRA's kept UNets
         self.ip_adapter = IPAdapters(tuple(projections), encoder, None if encoder is None else _processor(encoder))
 
     def unload_ip_adapter(self) -> None:
@@ -153,14 +152,13 @@ class IPAdapterMixin:
         unet, projections = ipa.load_ip_adapters(ipa.remove_ip_adapters(unet), states)
         return (unet if self.mesh is None else shard_params(unet, self.mesh, self.rules)), projections
 
-    def save_pretrained(self, folder, *, dtype=None):
-        """The pipeline's folder without its IP-Adapters (a diffusers folder has no place for them; load them again
-        after loading the folder)."""
-        if self.ip_adapter is None:
-            return super().save_pretrained(folder, dtype=dtype)
-        plain = copy.copy(self)
-        plain.unet, plain.ip_adapter = ipa.remove_ip_adapters(self.unet), None
-        return plain.save_pretrained(folder, dtype=dtype)
+    def models_to_save(self) -> dict[str, Any]:
+        """The models as :func:`~eqxdiff.pipelines.save_pipeline` writes them: the UNet without its IP-Adapters (a
+        diffusers folder has no place for them; load them again after loading the folder)."""
+        out = super().models_to_save()
+        if "unet" in out:
+            out["unet"] = ipa.remove_ip_adapters(out["unet"])
+        return out
 
     def set_ip_adapter_scale(self, scale) -> None:
         """The adapters' strengths, as diffusers': one config for every adapter or a list with one per adapter, each
@@ -173,7 +171,7 @@ class IPAdapterMixin:
         blocks = ipa.cross_attention_blocks(self.unet)
         rows = np.stack([_expand_scale(c, blocks) for c in configs], axis=1)  # [cross-attentions, adapters]
         self.unet = ipa.with_ip_adapter_scales(self.unet, rows)
-        self.rewrite_lora_copies("unet", lambda copy: ipa.with_ip_adapter_scales(copy, rows))
+        self.rewrite_lora_copies("unet", lambda kept: ipa.with_ip_adapter_scales(kept, rows))
 
     def encode_image(self, image, output_hidden_states: bool = False) -> tuple[Array, Array]:
         """``(embeds, negative_embeds)`` of ``image`` (a PIL image, uint8 ``[h, w, 3]`` / ``[n, h, w, 3]``, or a
