@@ -212,3 +212,35 @@ def test_lora_and_ip_adapter_keep_each_other(pipes, tmp_path):
     finally:
         pipe.unload_lora_weights()
         pipe.unet, pipe.ip_adapter = before
+
+
+def test_generate_takes_an_ip_adapter(tmp_path):
+    """eqxdiff-generate's --ip-adapter FILE, --ip-adapter-scale and --ip-adapter-image: the Python API's image,
+    recorded in the PNG; bad combinations are refused before loading."""
+    from eqxdiff.cli import generate
+    from eqxdiff.pipelines import read_parameters
+
+    ref = build_pipeline(tmp_path / "pipe")
+    save_ip_adapter(tmp_path / "ip", ref.unet)
+    PICTURE.save(tmp_path / "picture.png")
+    adapter = tmp_path / "ip" / "ip-adapter.safetensors"
+    argv = ["--model", str(tmp_path / "pipe"), "--prompt", "a red cat", "--height", "32", "--width", "32",
+            "--num-inference-steps", "2", "--seed", "0"]
+    ip = ["--ip-adapter", str(adapter), "--ip-adapter-image", str(tmp_path / "picture.png")]
+    paths = generate.main([*argv, *ip, "--ip-adapter-scale", "0.6", "--output-dir", str(tmp_path / "out")])
+    params = read_parameters(paths[0])
+    assert params["ip_adapter"] == str(adapter) and params["ip_adapter_scale"] == 0.6
+    pipe = eqxdiff.load_pipeline(tmp_path / "pipe")
+    pipe.load_ip_adapter(tmp_path / "ip", weight_name="ip-adapter.safetensors")
+    pipe.set_ip_adapter_scale(0.6)
+    expected = pipe("a red cat", height=32, width=32, num_inference_steps=2, seed=0, progress=False,
+                    ip_adapter_image=Image.open(tmp_path / "picture.png"))
+    np.testing.assert_array_equal(np.asarray(Image.open(paths[0]).convert("RGB")), expected[0])
+    (tmp_path / "ip-adapter.bin").write_bytes(b"")
+    for extra, match in [
+        (ip[2:], "--ip-adapter-image needs --ip-adapter"),
+        (ip[:2], "--ip-adapter needs --ip-adapter-image"),
+        (["--ip-adapter", str(tmp_path / "ip-adapter.bin"), *ip[2:]], "give a .safetensors file"),
+    ]:
+        with pytest.raises(InputError, match=match):
+            generate.validate([*argv, *extra])

@@ -52,13 +52,11 @@ from typing import Any
 import jax
 
 from ..core import ConfigError
-from ..loading import is_hub_id
 from ..parallel import MeshConfig, MeshError, initialize_distributed, make_mesh
 from ..pipelines import (
     InputError,
     SchedulerConfigWarning,
     build_scheduler,
-    embedding_path,
     load_pipeline,
     save_outputs,
     video_fps,
@@ -81,6 +79,7 @@ from ._compose import (
     load_unet,
     refiner_kwargs,
 )
+from ._extras import before_loading, check_extras, extras_metadata, load_extras
 from ._generate_flags import (
     Parsed,
     config_reader,
@@ -178,10 +177,10 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, pars
         check_refiner(cls, refiner.pipeline_class, _flags(family), _flags(refiner), kwargs)
     if run.vae_tiling and not hasattr(cls, "enable_vae_tiling"):
         raise InputError(f"--vae-tiling: {cls.__name__} has no VAE tiling; leave the flag out")
-    check_freeu_and_embeddings(cls, run)
+    check_extras(cls, run, kwargs)
     try:
         cls.check_arguments({**kwargs}, cls.folder_limits(read))
-        check_schedule(cls, scheduler, kwargs, read)
+        check_schedule(cls, scheduler, before_loading(run, kwargs), read)
     except InputError as e:
         raise in_flags(e, family, kwargs, nets) from None
     if refiner is not None:
@@ -199,33 +198,6 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, pars
     load_class = None if control.controlnet or cls is folder_class else cls
     return Invocation(family, args, kwargs, options, load_class, nets, refiner, parsed.given | set(control_arguments),
                       tuple(loras), _input_fps(family, args.pipeline))
-
-
-def textual_inversions(given: Sequence[str]) -> list[tuple[str, str | None]]:
-    """``--textual-inversion`` values as ``(source, token or None)``: ``SOURCE[=TOKEN]``."""
-    out = []
-    for item in given:
-        source, sep, token = item.partition("=")
-        if not source or (sep and not token):
-            raise InputError(f"--textual-inversion {item!r}: give SOURCE or SOURCE=TOKEN (a .safetensors file, a "
-                             "folder or Hub id; TOKEN the word prompts use for it)")
-        out.append((source, token or None))
-    return out
-
-
-def check_freeu_and_embeddings(cls: type, run) -> None:
-    """--freeu and --textual-inversion fit the pipeline class, and a local embedding file is there (safetensors)."""
-    if run.freeu is not None:
-        if not hasattr(cls, "enable_freeu"):
-            raise InputError(f"--freeu: {cls.__name__} has no FreeU (a UNet pipeline's: SD, SDXL); leave it out")
-        if not all(math.isfinite(v) for v in run.freeu):
-            raise InputError(f"--freeu {' '.join(map(str, run.freeu))}: give four finite numbers, s1 s2 b1 b2")
-    if run.textual_inversion and not hasattr(cls, "load_textual_inversion"):
-        raise InputError(f"--textual-inversion: {cls.__name__} takes no textual inversion (SD, SDXL and Flux "
-                         "pipelines do); leave it out")
-    for source, _ in textual_inversions(run.textual_inversion):
-        if Path(source).expanduser().exists() or not is_hub_id(source):
-            embedding_path(source)
 
 
 def _input_fps(family: FamilyOptions, parsed) -> float | None:
@@ -397,10 +369,7 @@ def _generate(checked: Invocation) -> list[Path]:
     if added:  # the base's other components shared (its ControlNet pipeline with nets), as diffusers' from_pipe
         pipe = checked.family.pipeline_class.from_pipe(pipe, **added)
     loras = apply_loras(pipe, checked.loras, args.lora)
-    for source, token in textual_inversions(run.textual_inversion):
-        pipe.load_textual_inversion(source, token=token)
-    if run.freeu is not None:
-        pipe.enable_freeu(*run.freeu)
+    load_extras(pipe, run)
     refiner = None if run.refiner is None else load_pipeline(run.refiner, **common)
     load_s = time.perf_counter() - t0
     for p in (pipe, refiner):
@@ -465,10 +434,7 @@ def _parameters(checked: Invocation, pipe, outputs, refiner=None, loras=()) -> d
             extra["control_mode"] = list(control.control_mode)
     if loras:
         extra.update(lora=list(loras), **({"fuse_lora": True} if args.lora.fuse_lora else {}))
-    if run.textual_inversion:
-        extra["textual_inversion"] = list(run.textual_inversion)
-    if run.freeu is not None:
-        extra["freeu"] = list(run.freeu)
+    extra.update(extras_metadata(run))
     if refiner is not None:
         extra.update(refiner=run.refiner, refiner_pipeline=type(refiner).__name__,
                      refiner_scheduler=scheduler_name(getattr(refiner, "scheduler", None)))
