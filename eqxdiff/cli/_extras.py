@@ -59,9 +59,8 @@ def check_extras(cls: type, run, kwargs: Mapping[str, Any]) -> None:
         if kwargs.get("ip_adapter_image") is not None:
             raise InputError(f"--ip-adapter-image needs --ip-adapter ({_IP_ADAPTER_FORM})")
         return
-    if not getattr(cls, "TAKES_IP_ADAPTER", False):
-        raise InputError(f"--ip-adapter: {cls.__name__} takes no IP-Adapter (SD and SDXL pipelines without "
-                         "ControlNet do); leave it out")
+    if not hasattr(cls, "load_ip_adapter"):
+        raise InputError(f"--ip-adapter: {cls.__name__} takes no IP-Adapter (SD and SDXL pipelines do); leave it out")
     ip_adapter_source(run.ip_adapter)
     if kwargs.get("ip_adapter_image") is None:
         raise InputError("--ip-adapter needs --ip-adapter-image (the image prompt)")

@@ -90,7 +90,7 @@ class RunOptions:
     Hub id holding learned_embeds.safetensors, with =TOKEN the token prompts use (default: the file's own key; an
     A1111 file needs one: charturner.safetensors=<charturner>); repeat the flag for several."""
     ip_adapter: str | None = None
-    """An IP-Adapter for the --model pipeline (SD, SDXL without --controlnet), its image prompt --ip-adapter-image:
+    """An IP-Adapter for the --model pipeline (SD, SDXL, with --controlnet too), its image prompt --ip-adapter-image:
     a .safetensors file beside its image_encoder folder, or OWNER/NAME/[SUBFOLDER/]FILE.safetensors on the Hub
     (h94/IP-Adapter/models/ip-adapter_sd15.safetensors, whose models/image_encoder is read too)."""
     ip_adapter_scale: float = 1.0

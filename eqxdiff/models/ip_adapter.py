@@ -237,6 +237,15 @@ def has_ip_adapters(unet) -> bool:
     return False
 
 
+def image_token_count(unet) -> int:
+    """How many image tokens the IP-Adapters in ``unet`` read at the end of its context (0 without adapters)."""
+    for transformer in _transformers(unet):
+        blocks = transformer.transformer_blocks
+        attention = (blocks.layers if isinstance(blocks, nn.Stacked) else blocks[0]).attn2
+        return sum(attention.num_tokens) if isinstance(attention, IPAdapterAttention) else 0
+    return 0
+
+
 def _scale_sites(unet):
     """``(where, layers)`` per spatial transformer: ``where(unet)`` its adapter scales (one ``[layers, adapters]``
     array when its blocks are stacked, else a list of ``[adapters]`` arrays), in diffusers' order."""

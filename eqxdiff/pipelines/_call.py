@@ -53,8 +53,8 @@ _IN_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("eqxdiff_pipelin
 
 _CALLBACKS = ("the denoising loop is one compiled program, so no Python runs between its steps: pass "
               "output_type='latent' to get the final latents, or progress=True for a progress bar")
-_NO_IP_ADAPTER = ("this pipeline takes no IP-Adapter (eqxdiff's UNet pipelines without ControlNet do: "
-                  "load_ip_adapter): describe the image in the prompt, or use image-to-image (image=)")
+_NO_IP_ADAPTER = ("this pipeline takes no IP-Adapter (eqxdiff's SD and SDXL pipelines do: load_ip_adapter): "
+                  "describe the image in the prompt, or use image-to-image (image=)")
 
 # diffusers' call arguments eqxdiff does not take by design, with what to do instead: the unexpected-keyword error of a
 # call that passes one says it.

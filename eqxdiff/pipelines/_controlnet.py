@@ -20,6 +20,7 @@ from PIL import Image
 
 from .._typing import Array, Float
 from ..loading import CheckpointError, load, save_pretrained
+from ..models import ip_adapter as ipa
 from ..models.controlnet import ControlNetModel, MultiControlNetModel
 from ._checks import InputError
 from ._components import Component
@@ -192,7 +193,10 @@ class ControlNetDenoiser(UNetDenoiser):
             images = [jnp.concatenate([im, im]) for im in images]
         xc = pick(x)
         kwargs = {k: pick(rest[k]) for k in ("text_embeds", "time_ids") if k in rest}
-        args = (xc, jnp.broadcast_to(t, (xc.shape[0],)), pick(rest["encoder_hidden_states"]))
+        text = pick(rest["encoder_hidden_states"])
+        image_tokens = ipa.image_token_count(self.unet)  # an IP-Adapter's, at the end: the nets read the text alone
+        text = text[:, :text.shape[1] - image_tokens]
+        args = (xc, jnp.broadcast_to(t, (xc.shape[0],)), text)
         down, mid = self.run_nets(args, images, self.scales[step], kwargs)
         if half:
             down = tuple(jnp.concatenate([jnp.zeros_like(d), d]) for d in down)
@@ -222,8 +226,6 @@ class ControlNetPipelineMixin:
     ``controlnet`` component (one net, or a list / :class:`MultiControlNetModel`, stored as diffusers stores it) and
     the denoiser running it. A call binds its :class:`ControlInput` to a shallow copy of the pipeline and runs the
     SD/SDXL call on it."""
-
-    TAKES_IP_ADAPTER: ClassVar[bool] = False  # the nets would read the image tokens as text (diffusers' do not)
 
     NET_CLASS: ClassVar[type] = ControlNetModel  # the nets this pipeline runs
     MULTI_CLASS: ClassVar[type] = MultiControlNetModel  # several of them (its name is model_index.json's)

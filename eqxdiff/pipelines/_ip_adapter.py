@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 from numbers import Real
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -104,8 +104,6 @@ def _as_list(value, n: int, name: str) -> list:
 class IPAdapterMixin:
     """diffusers' IP-Adapter methods on the UNet pipelines (see the module docstring)."""
 
-    # Whether this pipeline's calls take ip_adapter_image (a ControlNet pipeline's nets read the text alone).
-    TAKES_IP_ADAPTER: ClassVar[bool] = True
     ip_adapter: IPAdapters | None = None  # what load_ip_adapter loaded; carried by from_pipe with the UNet
 
     def load_ip_adapter(self, pretrained_model_name_or_path_or_dict, subfolder=None, weight_name=None, *,
@@ -116,9 +114,6 @@ class IPAdapterMixin:
         The CLIP image encoder comes from ``image_encoder_folder`` (a name inside ``subfolder``, or a path with
         ``/`` inside the repository) unless the pipeline has one; ``None``: none (pass ``ip_adapter_image_embeds``).
         Loading replaces adapters loaded before; every scale starts at 1."""
-        if not self.TAKES_IP_ADAPTER:
-            raise InputError(f"{type(self).__name__} takes no IP-Adapter yet; load it into the pipeline without "
-                             "ControlNet (StableDiffusionPipeline / StableDiffusionXLPipeline)")
         sources = list(pretrained_model_name_or_path_or_dict) if isinstance(
             pretrained_model_name_or_path_or_dict, (list, tuple)) else [pretrained_model_name_or_path_or_dict]
         subfolders = _as_list(subfolder, len(sources), "subfolder")
@@ -231,9 +226,6 @@ class IPAdapterMixin:
             if given:
                 raise InputError(f"ip_adapter_image / ip_adapter_image_embeds: no IP-Adapter is loaded; {_LOAD_FIRST}")
             return
-        if not self.TAKES_IP_ADAPTER:
-            raise InputError(f"{type(self).__name__} takes no IP-Adapter yet: call pipe.unload_ip_adapter(), or run "
-                             "the pipeline without ControlNet")
         if not given:
             raise InputError("this pipeline has an IP-Adapter loaded: pass ip_adapter_image= or "
                              "ip_adapter_image_embeds=, or call pipe.unload_ip_adapter()")
