@@ -5,8 +5,9 @@
   diffusers does not load for Flux: PEFT's own layers injected into transformers' T5.
 - XLabs (``processor.qkv_lora1`` ...): diffusers, fused.
 - kohya (``lora_unet_`` + BFL names: one adapter over the fused ``qkv``, ``linear1`` over q, k, v and the MLP, the
-  final modulation's (shift, scale)), ``lora_te1_`` / ``lora_te3_``, and ComfyUI's dotted ``diffusion_model.`` BFL
-  names: diffusers' converter hard-codes FLUX.1's 3072 widths, so the reference is its formula in torch
+  final modulation's (shift, scale)), ``lora_te1_`` / ``lora_te3_``, ComfyUI's dotted ``diffusion_model.`` BFL names
+  and fal's Kontext files (``base_model.model.`` + BFL names, ``lora_A`` / ``lora_B``, no alphas): diffusers'
+  converters hard-code FLUX.1's 3072 widths, so the reference is their formula in torch
   (``_convert_sd_scripts_to_ai_toolkit`` in diffusers/loaders/lora_conversion_utils.py: the shared ``lora_down``,
   ``lora_up`` cut by rows, ``alpha / rank``, ``swap_scale_shift`` on the final modulation), written out below.
 - A model with fused projections (``to_qkv``, ``to_qkv_mlp``) takes separate and BFL-fused adapters alike (block
@@ -147,8 +148,12 @@ def changed(model, changes: dict):
 
 def test_kohya_and_comfyui_bfl_names_match_the_formula(flux):
     ref, pipe, base, folder, _ = flux
-    for what, kwargs in (("kohya", {}), ("ComfyUI", dict(prefix="diffusion_model.", dotted=True))):
+    for what, kwargs in (("kohya", {}), ("ComfyUI", dict(prefix="diffusion_model.", dotted=True)),
+                         ("fal", dict(prefix="base_model.model.", dotted=True, alpha=4.0))):
         tensors, changes = kohya_flux(ref, files.Rand(50 + len(what)), **kwargs)
+        if what == "fal":  # fal's Kontext trainer: PEFT's lora_A / lora_B, no alphas (diffusers' fal converter)
+            tensors = {k.replace(".lora_down.", ".lora_A.").replace(".lora_up.", ".lora_B."): v
+                       for k, v in tensors.items() if not k.endswith(".alpha")}
         path = files.save(tensors, folder / f"{what}.safetensors")
         got = _fused(pipe, path)
         with swapped(ref, transformer=changed(ref.transformer, changes)):

@@ -8,7 +8,8 @@ How their keys name the models:
   one adapter over the fused q, k, v; ``single_blocks_0_linear1``: q, k, v and the MLP's input), ``lora_te1_``
   (CLIP), ``lora_te3_`` (T5); OneTrainer's ``lora_transformer_`` + diffusers names with underscores.
 - ComfyUI / BFL: BFL's dotted names under ``diffusion_model.`` (or none), ``lora_up`` / ``lora_down`` or
-  ``lora_A`` / ``lora_B``.
+  ``lora_A`` / ``lora_B``; fal's Kontext trainer: BFL's names under ``base_model.model.`` (diffusers'
+  ``_convert_fal_kontext_lora_to_diffusers``).
 - XLabs: ``double_blocks.N.processor.qkv_lora1`` (image q, k, v), ``qkv_lora2`` (text), ``proj_lora1`` /
   ``proj_lora2`` (outputs), ``single_blocks.N.processor.qkv_lora`` (the q, k, v rows of ``linear1``) and
   ``proj_lora`` (``linear2``).
@@ -42,6 +43,7 @@ FLUX = LoraFormat(
         Naming("lycoris_", "transformer", underscored=True, label="LyCORIS (SimpleTuner)"),
         Naming("diffusion_model.", "transformer", "bfl", label="ComfyUI / BFL"),
         Naming("base_model.model.", "transformer", label="PEFT"),
+        Naming("base_model.model.", "transformer", "bfl", label="fal (Kontext trainer, BFL names)"),
         Naming("", "transformer", "bfl", label="BFL / XLabs"),
         Naming("", "transformer", label="PEFT (transformer only)"),
         Naming("text_encoder.", "text_encoder", label="diffusers/PEFT"),
