@@ -308,6 +308,10 @@ def test_errors_name_the_fix(base, refiner, tmp_path):
         pipe("a cat", denoising_end=1.5)
     with pytest.raises(ValueError, match="denoising_start=0.8 must be smaller than denoising_end=0.5"):
         pipe("a cat", image=np.zeros((1, 32, 32, 3), np.uint8), denoising_start=0.8, denoising_end=0.5)
+    image = np.zeros((1, 32, 32, 3), np.uint8)  # 2 of 4 steps left by strength, both above denoising_end's cut
+    with pytest.raises(ValueError, match=r"denoising_end=0.3 after strength=0.5 with 4 steps leaves no denoising"):
+        StableDiffusionXLImg2ImgPipeline.from_pipe(pipe)("a cat", image=image, strength=0.5, denoising_end=0.3,
+                                                         num_inference_steps=4)
     with pytest.raises(ValueError, match="prompt_2 has 1 entries but prompt has 2"):
         pipe(PROMPTS, prompt_2=["x"])
     with pytest.raises(ValueError, match="needs image="):

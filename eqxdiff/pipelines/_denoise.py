@@ -251,13 +251,15 @@ def plan_schedule(scheduler, num_inference_steps: int | None, *, sample_shape: t
                                begin_index=len(timesteps) - min(count, len(timesteps)), **schedule)
     else:
         state = scheduler.init(num_inference_steps, sample_shape=sample_shape, strength=strength, **schedule)
-    num_steps = int(scheduler.remaining_steps(state))
+    num_steps = remaining = int(scheduler.remaining_steps(state))
     if end is not None:
         run = np.asarray(scheduler.timesteps_to_run(state))
         num_steps = int(np.sum(run >= _cutoff(scheduler, end)))
     if num_steps < 1:
-        what = (f"denoising_start={start}" if start is not None else f"strength={strength}"
-                if strength is not None else f"denoising_end={end}")
+        cut = f"denoising_start={start}" if start is not None else None if strength is None else f"strength={strength}"
+        if remaining >= 1 or cut is None:  # denoising_end cuts off every step the start leaves
+            cut = f"denoising_end={end}" + ("" if cut is None else f" after {cut}")
+        what = cut
         raise ValueError(f"{what} with {state.timesteps.shape[0]} steps leaves no denoising step; raise "
                          "num_inference_steps or move the fraction")
     return Schedule(pad_schedule(state), num_steps, adds_noise=start is None)

@@ -10,6 +10,10 @@ image (resized to the output size, values in ``[0, 1]``), ``controlnet_condition
 first net with ``global_pool_conditions``) runs the nets on the conditional half of a guided batch only, zeros for
 the unconditional half.
 
+``guidance_rescale`` (the family pipeline's) applies here too, where diffusers' ControlNet pipelines take none: SD's,
+SD image-to-image's and SDXL's ``**kwargs`` swallow it and they run without it, so match them with
+``guidance_rescale=0`` (the default).
+
 Each class is its family's pipeline with nets: :class:`~eqxdiff.pipelines.StableDiffusionPipeline` or
 :class:`~eqxdiff.pipelines.StableDiffusionXLPipeline` behind the shared
 :class:`~eqxdiff.pipelines._controlnet.ControlNetPipelineMixin`. These subclass edges are the only imports between

@@ -81,7 +81,8 @@ class StableDiffusionXLControlNetUnionPipeline(ControlNetPipelineMixin, StableDi
     """SDXL with ControlNet-Union net(s) (see the module docstring). ``control_image``: the control image(s), a
     list for several; ``control_mode``: each image's control mode (an int, or a list in the images' order). The
     output size defaults to the first control image's. The other arguments are
-    :class:`~eqxdiff.pipelines.StableDiffusionXLPipeline`'s."""
+    :class:`~eqxdiff.pipelines.StableDiffusionXLPipeline`'s (``guidance_rescale`` too, which diffusers' union pipeline
+    does not take)."""
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionXLControlNetUnionPipeline"
     COMPONENTS: ClassVar[tuple[Component, ...]] = (*StableDiffusionXLPipeline.COMPONENTS, CONTROLNET)
