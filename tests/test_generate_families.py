@@ -318,8 +318,9 @@ def test_errors_name_the_flags_before_loading(xl, sd, files, tmp_path):
         "--model", base, "--control-image", str(files.edges)])
     _refused(InputError, "--mask: eqxdiff has no ControlNet inpainting", [
         "--model", base, "--controlnet", nets[0], "--image", str(files.photo), "--mask", str(files.mask)])
-    _refused(InputError, "no image-to-image ControlNet pipeline for StableDiffusionXLPipeline; leave out --image", [
-        "--model", str(xl.root / "base"), "--controlnet", str(xl.root / "controlnet"), "--image", str(files.photo)])
+    checked = generate.validate(["--model", str(xl.root / "base"), "--controlnet", str(xl.root / "controlnet"),
+                                 "--image", str(files.photo), "--control-image", str(files.edges)])
+    assert checked.family.pipeline_class.__name__ == "StableDiffusionXLControlNetImg2ImgPipeline"
     _refused(InputError, "no ControlNet pipeline for the --model folder's StableDiffusionXLInpaintPipeline", [
         "--model", str(xl.root / "inpaint"), "--controlnet", str(xl.root / "controlnet")])
     _refused(InputError, r"has cross_attention_dim=32 but the --model UNet has 80: it was trained for another base", [

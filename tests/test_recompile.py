@@ -258,12 +258,20 @@ def _sd_controlnet_img2img(sd_control):
     _control(pipe, dict(SD_BASE, image=IMAGE, control_image=CONTROL, strength=0.8), steps=IMAGE_STEPS)
 
 
-def _sdxl_controlnet(sdxl, tmp_path_factory):
+def _sdxl_control(sdxl, tmp_path_factory, name: str):
     net = _tiny_controlnet.controlnet(_tiny_controlnet.SDXL_PIPE_CONTROLNET, seed=6)
     folder = tmp_path_factory.mktemp("controlnet_xl")
     net.save_pretrained(folder, safe_serialization=True)
-    pipe = resolve_class("StableDiffusionXLControlNetPipeline").from_pipe(sdxl[0], controlnet=eqxdiff.load(folder))
-    _control(pipe, dict(SD_BASE, image=CONTROL))
+    return resolve_class(name).from_pipe(sdxl[0], controlnet=eqxdiff.load(folder))
+
+
+def _sdxl_controlnet(sdxl, tmp_path_factory):
+    _control(_sdxl_control(sdxl, tmp_path_factory, "StableDiffusionXLControlNetPipeline"), dict(SD_BASE, image=CONTROL))
+
+
+def _sdxl_controlnet_img2img(sdxl, tmp_path_factory):
+    pipe = _sdxl_control(sdxl, tmp_path_factory, "StableDiffusionXLControlNetImg2ImgPipeline")
+    _control(pipe, dict(SD_BASE, image=IMAGE, control_image=CONTROL, strength=0.8), steps=IMAGE_STEPS)
 
 
 def _sdxl_controlnet_union(sdxl, tmp_path_factory):
@@ -416,6 +424,7 @@ SWEEPS = {
     "StableDiffusionControlNetPipeline": (_sd_controlnet, "sd_control"),
     "StableDiffusionControlNetImg2ImgPipeline": (_sd_controlnet_img2img, "sd_control"),
     "StableDiffusionXLControlNetPipeline": (_sdxl_controlnet, "sdxl", "tmp_path_factory"),
+    "StableDiffusionXLControlNetImg2ImgPipeline": (_sdxl_controlnet_img2img, "sdxl", "tmp_path_factory"),
     "StableDiffusionXLControlNetUnionPipeline": (_sdxl_controlnet_union, "sdxl", "tmp_path_factory"),
     "FluxPipeline": (_flux, "flux"),
     "FluxImg2ImgPipeline": (_flux_img2img, "flux"),

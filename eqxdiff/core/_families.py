@@ -52,6 +52,8 @@ FAMILY_TABLE: dict[str, str] = {
     "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",
     "StableDiffusionControlNetImg2ImgPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetImg2ImgPipeline",
     "StableDiffusionXLControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionXLControlNetPipeline",
+    "StableDiffusionXLControlNetImg2ImgPipeline":
+        "eqxdiff.pipelines.controlnet:StableDiffusionXLControlNetImg2ImgPipeline",
     # ControlNet-Union (SDXL)
     "ControlNetUnionModel": "eqxdiff.models.controlnet_union:ControlNetUnionModel",
     "StableDiffusionXLControlNetUnionPipeline":

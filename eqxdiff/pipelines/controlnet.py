@@ -1,6 +1,5 @@
-"""ControlNet pipelines: Stable Diffusion 1.x/2.x text-to-image and image-to-image, SDXL text-to-image, with one
-ControlNet or several (diffusers' ``MultiControlNetModel``: a pipeline folder's ``controlnet``, ``controlnet_1``,
-...).
+"""ControlNet pipelines: Stable Diffusion 1.x/2.x and SDXL text-to-image and image-to-image, with one ControlNet or
+several (diffusers' ``MultiControlNetModel``: a pipeline folder's ``controlnet``, ``controlnet_1``, ...).
 
 The SD and SDXL pipelines do the work; a ControlNet pipeline adds its ``controlnet`` component and, inside the
 denoising loop, runs the net(s) before the UNet (:class:`ControlNetDenoiser`). Per net, as diffusers: a control
@@ -38,10 +37,11 @@ from ._controlnet import (
     prepare_control_image,
 )
 from .stable_diffusion import StableDiffusionPipeline
-from .stable_diffusion_xl import StableDiffusionXLPipeline
+from .stable_diffusion_xl import StableDiffusionXLImg2ImgPipeline, StableDiffusionXLPipeline
 
 __all__ = ["ControlInput", "ControlNetDenoiser", "StableDiffusionControlNetImg2ImgPipeline",
-           "StableDiffusionControlNetPipeline", "StableDiffusionXLControlNetPipeline", "control_input",
+           "StableDiffusionControlNetPipeline",
+           "StableDiffusionXLControlNetImg2ImgPipeline", "StableDiffusionXLControlNetPipeline", "control_input",
            "control_scales", "prepare_control_image"]
 
 
@@ -108,3 +108,28 @@ class StableDiffusionXLControlNetPipeline(ControlNetPipelineMixin, StableDiffusi
                                    num_images_per_prompt=images_per_prompt(kwargs))
         height, width = bound._control.size(height, width, self.vae_scale_factor)
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, height=height, width=width, **kwargs)
+
+
+class StableDiffusionXLControlNetImg2ImgPipeline(StableDiffusionXLControlNetPipeline):
+    """SDXL image-to-image with ControlNet(s) (diffusers' ``StableDiffusionXLControlNetImg2ImgPipeline``): ``image``
+    is the picture to start from, ``control_image`` the control image(s), resized to the picture's size;
+    ``controlnet_conditioning_scale`` and ``strength`` default to 0.8, as there. The micro-conditioning is
+    :class:`~eqxdiff.pipelines.StableDiffusionXLImg2ImgPipeline`'s (``requires_aesthetics_score``: the aesthetic
+    scores instead of the target size)."""
+
+    CLASS_NAME: ClassVar[str] = "StableDiffusionXLControlNetImg2ImgPipeline"
+    OPTIONS: ClassVar = StableDiffusionXLImg2ImgPipeline.OPTIONS
+    IMAGE_TO_IMAGE_IDS: ClassVar[bool] = True
+    INIT_IMAGE: ClassVar[str | None] = "image"  # the picture to start from; control_image the control image
+    REQUIRED_INPUTS: ClassVar = ("image",)
+    DEFAULT_STRENGTH: ClassVar = (0.8, 0.9999)
+
+    @checked_call
+    def __call__(self, prompt=None, prompt_2=None, image=None, control_image=None, *,
+                 controlnet_conditioning_scale=0.8, control_guidance_start=0.0, control_guidance_end=1.0,
+                 guess_mode: bool = False, **kwargs):
+        self.check_inputs(image=image)
+        bound = self._with_control(control_image, scale=controlnet_conditioning_scale, start=control_guidance_start,
+                                   end=control_guidance_end, guess_mode=guess_mode,
+                                   num_images_per_prompt=images_per_prompt(kwargs))
+        return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, **kwargs)

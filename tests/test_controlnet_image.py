@@ -1,0 +1,64 @@
+"""The ControlNet pipelines that start from a picture, against diffusers' (every pixel within 2/255 from the same
+draws): SDXL image-to-image (aesthetic-score conditioning, diffusers' default strength and scale). diffusers draws
+the picture's VAE samples and the initial noise from its generator; the tests give it ours (``noise_draws`` of the
+call's key) through its ``retrieve_latents`` / ``randn_tensor``. One folder and one compiled loop per pipeline
+(:mod:`tests.test_controlnet` has the text-to-image ones and SD image-to-image)."""
+
+import jax
+import numpy as np
+import torch
+
+import eqxdiff
+from eqxdiff.pipelines._latents import noise_draws
+from eqxdiff.pipelines.controlnet import StableDiffusionXLControlNetImg2ImgPipeline
+
+from . import _tiny_controlnet as tiny
+from . import _tiny_sdxl
+from ._util import nhwc_to_nchw
+
+PROMPTS = ["a red cat", "two dogs"]
+SHAPE = (2, 16, 16, 4)
+
+
+def _pixels_off(ours_uint8, ref_float) -> int:
+    return int(np.max(np.abs(ours_uint8.astype(int) - (np.asarray(ref_float) * 255).round().astype(int))))
+
+
+def _tensor(image):
+    return torch.from_numpy(image).permute(0, 3, 1, 2).float() / 255
+
+
+def _with_our_draws(module, monkeypatch, key, posterior_calls=("image",)):
+    """diffusers' ``module`` draws what our call with ``key`` draws: the initial noise, and the VAE posterior samples
+    its retrieve_latents takes in the order ``posterior_calls`` names them."""
+    draws = noise_draws(key, SHAPE)
+    posterior = iter([{"image": draws.image, "masked": draws.masked_image}[k] for k in posterior_calls])
+    monkeypatch.setattr(module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(draws.noise))
+    monkeypatch.setattr(module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
+                        out.latent_dist.mean + out.latent_dist.std * nhwc_to_nchw(next(posterior)))
+
+
+def test_sdxl_controlnet_img2img_matches_diffusers(tmp_path, monkeypatch):
+    """diffusers' defaults (strength 0.8, controlnet_conditioning_scale 0.8, guidance 5) on a UNet and net
+    conditioned on the aesthetic score (requires_aesthetics_score), loaded from the saved folder."""
+    from diffusers.pipelines.controlnet import pipeline_controlnet_sd_xl_img2img as module
+
+    width = 5 * 8 + _tiny_sdxl.POOLED  # time ids: sizes, crop and the aesthetic score
+    components = _tiny_sdxl.base_components(unet_config=dict(_tiny_sdxl.UNET_A,
+                                                             projection_class_embeddings_input_dim=width))
+    net = tiny.controlnet(tiny.SDXL_PIPE_CONTROLNET, 24, projection_class_embeddings_input_dim=width)
+    ref = _tiny_sdxl.save(module.StableDiffusionXLControlNetImg2ImgPipeline(
+        **components, controlnet=net, requires_aesthetics_score=True, add_watermarker=False), tmp_path)
+    pipe = eqxdiff.load_pipeline(tmp_path)
+    assert type(pipe) is StableDiffusionXLControlNetImg2ImgPipeline and pipe.requires_aesthetics_score
+    key = jax.random.key(3)
+    _with_our_draws(module, monkeypatch, key)
+    picture = np.random.default_rng(4).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    control = tiny.control_images(1, 32, seed=5)
+    # diffusers' aesthetic-score time ids fail on its default original_size (a torch.Size): pass it as a tuple
+    kw = dict(num_inference_steps=5, original_size=(32, 32))
+    with torch.no_grad():
+        expected = ref(PROMPTS, image=_tensor(picture), control_image=_tensor(control), output_type="np",
+                       **kw).images
+    ours = pipe(PROMPTS, image=picture, control_image=control, key=key, progress=False, **kw)
+    assert ours.shape == (2, 32, 32, 3) and _pixels_off(ours, expected) <= 2
