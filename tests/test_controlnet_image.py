@@ -1,16 +1,22 @@
 """The ControlNet pipelines that start from a picture, against diffusers' (every pixel within 2/255 from the same
-draws): SDXL image-to-image (aesthetic-score conditioning, diffusers' default strength and scale). diffusers draws
-the picture's VAE samples and the initial noise from its generator; the tests give it ours (``noise_draws`` of the
-call's key) through its ``retrieve_latents`` / ``randn_tensor``. One folder and one compiled loop per pipeline
-(:mod:`tests.test_controlnet` has the text-to-image ones and SD image-to-image)."""
+draws): SDXL image-to-image (aesthetic-score conditioning, diffusers' default strength and scale), SD inpainting
+(9-channel UNet at diffusers' defaults, 4-channel at partial strength). diffusers draws the picture's VAE samples
+and the initial noise from its generator; the tests give it ours (``noise_draws`` of the call's key) through its
+``retrieve_latents`` / ``randn_tensor``. One folder and one compiled loop per pipeline (:mod:`tests.test_controlnet`
+has the text-to-image ones and SD image-to-image)."""
 
 import jax
 import numpy as np
+import pytest
 import torch
 
 import eqxdiff
+from eqxdiff.pipelines import InputError
 from eqxdiff.pipelines._latents import noise_draws
-from eqxdiff.pipelines.controlnet import StableDiffusionXLControlNetImg2ImgPipeline
+from eqxdiff.pipelines.controlnet import (
+    StableDiffusionControlNetInpaintPipeline,
+    StableDiffusionXLControlNetImg2ImgPipeline,
+)
 
 from . import _tiny_controlnet as tiny
 from . import _tiny_sdxl
@@ -62,3 +68,49 @@ def test_sdxl_controlnet_img2img_matches_diffusers(tmp_path, monkeypatch):
                        **kw).images
     ours = pipe(PROMPTS, image=picture, control_image=control, key=key, progress=False, **kw)
     assert ours.shape == (2, 32, 32, 3) and _pixels_off(ours, expected) <= 2
+
+
+def _picture_and_mask(seed: int):
+    """Two 32x32 pictures and masks (uint8, white = repaint: a different box in each)."""
+    picture = np.random.default_rng(seed).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    mask = np.zeros((2, 32, 32), np.uint8)
+    mask[0, 4:20, 8:30] = 255
+    mask[1, 10:32, 0:14] = 255
+    return picture, mask
+
+
+@pytest.mark.parametrize("channels,posterior_calls,kw", [
+    (9, ["masked"], {}),  # diffusers' defaults: strength 1, scale 0.5, guidance 7.5
+    (4, ["image", "masked"], dict(strength=0.7, controlnet_conditioning_scale=0.9, control_guidance_end=0.6)),
+])
+def test_sd_controlnet_inpaint_matches_diffusers(tmp_path, monkeypatch, channels, posterior_calls, kw):
+    """An inpainting UNet (latents, mask, masked-image latents) and an ordinary one (the known region blended back
+    after each step); the nets see the latents alone and the control image unmasked, as diffusers'."""
+    from diffusers import UNet2DConditionModel
+    from diffusers.pipelines.controlnet import pipeline_controlnet_inpaint as module
+
+    from ._tiny_sd import build_pipeline, randomize_
+
+    base = build_pipeline(tmp_path / "base", scheduler="ddim")
+    unet = base.unet
+    if channels == 9:
+        unet = UNet2DConditionModel.from_config({**base.unet.config, "in_channels": 9})
+        randomize_(unet, seed=9)
+    ref = module.StableDiffusionControlNetInpaintPipeline(
+        **{**base.components, "unet": unet.eval()}, controlnet=tiny.controlnet(tiny.SD_PIPE_CONTROLNET, 14))
+    ref.set_progress_bar_config(disable=True)
+    ref.save_pretrained(tmp_path / "pipe", safe_serialization=True)
+    pipe = eqxdiff.load_pipeline(tmp_path / "pipe")
+    assert type(pipe) is StableDiffusionControlNetInpaintPipeline and pipe.unet.config.in_channels == channels
+    key = jax.random.key(6)
+    _with_our_draws(module, monkeypatch, key, posterior_calls)
+    picture, mask = _picture_and_mask(7)
+    control = tiny.control_images(1, 32, seed=8)
+    with torch.no_grad():
+        expected = ref(PROMPTS, image=_tensor(picture), mask_image=torch.from_numpy(mask[:, None] / 255).float(),
+                       control_image=_tensor(control), output_type="np", num_inference_steps=4, **kw).images
+    ours = pipe(PROMPTS, image=picture, mask_image=mask, control_image=control, key=key, num_inference_steps=4,
+                progress=False, **kw)
+    assert ours.shape == (2, 32, 32, 3) and _pixels_off(ours, expected) <= 2
+    with pytest.raises(InputError, match="does not take padding_mask_crop"):
+        pipe(PROMPTS, image=picture, mask_image=mask, control_image=control, padding_mask_crop=2)

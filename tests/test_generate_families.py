@@ -272,6 +272,9 @@ def test_each_path_shows_its_flags(xl, sd, capsys):
     text = _help(["--model", str(sd.root / "base"), "--controlnet", str(sd.root / "controlnet_0"), "--image", "x.png"],
                  capsys)
     assert "StableDiffusionControlNetImg2ImgPipeline's" in text and "--strength" in text
+    text = _help(["--model", str(sd.root / "base"), "--controlnet", str(sd.root / "controlnet_0"), "--image", "x.png",
+                  "--mask", "m.png"], capsys)
+    assert "StableDiffusionControlNetInpaintPipeline's" in text and "--mask" in text and "--strength" in text
 
 
 def test_a_unet_goes_with_the_other_flags(xl, files):
@@ -316,8 +319,13 @@ def test_errors_name_the_flags_before_loading(xl, sd, files, tmp_path):
         "--model", base, "--controlnet", nets[0], "--control-image", str(tmp_path / "missing.png")])
     _refused(InputError, "--control-image needs a ControlNet: pass --controlnet", [
         "--model", base, "--control-image", str(files.edges)])
-    _refused(InputError, "--mask: eqxdiff has no ControlNet inpainting", [
-        "--model", base, "--controlnet", nets[0], "--image", str(files.photo), "--mask", str(files.mask)])
+    inpaint = generate.validate(["--model", base, "--controlnet", nets[0], "--image", str(files.photo), "--mask",
+                                 str(files.mask), "--control-image", str(files.edges)])
+    assert inpaint.family.pipeline_class.__name__ == "StableDiffusionControlNetInpaintPipeline"
+    assert inpaint.kwargs["mask_image"] is not None and inpaint.kwargs["control_image"] is not None
+    _refused(InputError, "--mask: eqxdiff has no ControlNet inpainting pipeline for StableDiffusionXLPipeline", [
+        "--model", str(xl.root / "base"), "--controlnet", str(xl.root / "controlnet"), "--image", str(files.photo),
+        "--mask", str(files.mask), "--control-image", str(files.edges)])
     checked = generate.validate(["--model", str(xl.root / "base"), "--controlnet", str(xl.root / "controlnet"),
                                  "--image", str(files.photo), "--control-image", str(files.edges)])
     assert checked.family.pipeline_class.__name__ == "StableDiffusionXLControlNetImg2ImgPipeline"

@@ -258,6 +258,11 @@ def _sd_controlnet_img2img(sd_control):
     _control(pipe, dict(SD_BASE, image=IMAGE, control_image=CONTROL, strength=0.8), steps=IMAGE_STEPS)
 
 
+def _sd_controlnet_inpaint(sd_control):
+    pipe = resolve_class("StableDiffusionControlNetInpaintPipeline").from_pipe(sd_control)
+    _control(pipe, dict(SD_BASE, image=IMAGE, mask_image=MASK, control_image=CONTROL, strength=0.7), steps=IMAGE_STEPS)
+
+
 def _sdxl_control(sdxl, tmp_path_factory, name: str):
     net = _tiny_controlnet.controlnet(_tiny_controlnet.SDXL_PIPE_CONTROLNET, seed=6)
     folder = tmp_path_factory.mktemp("controlnet_xl")
@@ -423,6 +428,7 @@ SWEEPS = {
     "StableDiffusionXLInpaintPipeline": (_sdxl_inpaint, "sdxl"),
     "StableDiffusionControlNetPipeline": (_sd_controlnet, "sd_control"),
     "StableDiffusionControlNetImg2ImgPipeline": (_sd_controlnet_img2img, "sd_control"),
+    "StableDiffusionControlNetInpaintPipeline": (_sd_controlnet_inpaint, "sd_control"),
     "StableDiffusionXLControlNetPipeline": (_sdxl_controlnet, "sdxl", "tmp_path_factory"),
     "StableDiffusionXLControlNetImg2ImgPipeline": (_sdxl_controlnet_img2img, "sdxl", "tmp_path_factory"),
     "StableDiffusionXLControlNetUnionPipeline": (_sdxl_controlnet_union, "sdxl", "tmp_path_factory"),

@@ -5,7 +5,8 @@ UNet in place of the base's.
 - :func:`run_class`: the pipeline class a command line runs. The ``--model`` folder's, or with ``--controlnet`` its
   ControlNet pipeline: the class of the family table that extends the base class by a ``controlnet`` component
   (Stable Diffusion's and SDXL's today; a new family's ControlNet pipeline is found the same way). With ``--image``
-  the ControlNet pipeline that takes a picture to start from (its ``__call__`` has ``control_image``).
+  the ControlNet pipeline that takes a picture to start from (its ``__call__`` has ``control_image``), with
+  ``--mask`` the one that inpaints (its own ``__call__`` has ``mask_image``).
 - :class:`ControlNetOptions` (``--controlnet``, ``--control-image``, ``--controlnet-scale``, repeatable, one per
   net in order; ``--control-mode`` per control image for ControlNet-Union, whose pipeline is picked by the
   ``--controlnet`` folder's model class) and :func:`control_kwargs`, which checks them against the nets' configs
@@ -97,6 +98,11 @@ def starts_from_image(cls) -> bool:
     return {"image", "control_image"} <= set(_parameters(cls))
 
 
+def takes_mask(cls) -> bool:
+    """ControlNet pipeline ``cls`` inpaints: its own ``__call__`` takes ``mask_image``."""
+    return "mask_image" in _parameters(cls)
+
+
 def takes_control_image(cls) -> bool:
     """Pipeline ``cls`` without a ControlNet takes a control image itself (its transformer reads it: Flux's Canny and
     Depth models): ``--control-image`` once gives its ``control_image``."""
@@ -119,19 +125,23 @@ def _base_name(cls) -> str:
                 cls.__name__)
 
 
-def controlnet_class(base: type, *, image_to_image: bool, net: type | None = None) -> type:
+def controlnet_class(base: type, *, image_to_image: bool, net: type | None = None, mask: bool = False) -> type:
     """The ControlNet pipeline class for ``base`` (a pipeline class, or a ControlNet class to switch to
-    image-to-image): a class of the family table that extends ``base`` by a ``controlnet`` component (or, for a
-    ControlNet ``base``, has its components), text-to-image or image-to-image, running ``net`` (a model class: a
-    pipeline's ``NET_CLASS``; default any). Raises ``InputError`` naming the flag to leave out when there is
-    none."""
+    image-to-image or inpainting): a class of the family table that extends ``base`` by a ``controlnet`` component
+    (or, for a ControlNet ``base``, has its components), text-to-image, image-to-image or inpainting (``mask``),
+    running ``net`` (a model class: a pipeline's ``NET_CLASS``; default any). Raises ``InputError`` naming the flag
+    to leave out when there is none."""
     wanted = _names(base) | {CONTROLNET}
-    found: dict[bool, type] = {}
+    found: dict[tuple[bool, bool], type] = {}
     for cls in _controlnet_classes():
         if issubclass(cls, base) and _names(cls) == wanted and net in (None, getattr(cls, "NET_CLASS", None)):
-            found.setdefault(starts_from_image(cls), cls)
-    if image_to_image in found:
-        return found[image_to_image]
+            found.setdefault((starts_from_image(cls), takes_mask(cls)), cls)
+    task = (image_to_image or mask, mask)
+    if task in found:
+        return found[task]
+    if found and mask:
+        raise InputError(f"--mask: eqxdiff has no ControlNet inpainting pipeline for {base.__name__}; leave out "
+                         "--mask or the ControlNet")
     if found:
         raise InputError(f"eqxdiff has no image-to-image ControlNet pipeline for {base.__name__}; leave out --image "
                          "(the control images go to --control-image)")
@@ -145,17 +155,15 @@ def controlnet_class(base: type, *, image_to_image: bool, net: type | None = Non
 
 def run_class(cls: type, *, controlnet: bool, image: bool, mask: bool, net: type | None = None) -> type:
     """The class a command line runs: ``cls`` (the ``--model`` folder's), its ControlNet pipeline with
-    ``--controlnet``, the image-to-image ControlNet pipeline with ``--image``. ``--mask`` with a ControlNet is
-    refused (eqxdiff has no ControlNet inpainting). ``net``: the model class of the first ``--controlnet``."""
+    ``--controlnet``, the image-to-image ControlNet pipeline with ``--image``, the inpainting one with ``--mask``
+    (SD 1.x/2.x). ``net``: the model class of the first ``--controlnet``."""
     if controlnet and is_controlnet(cls):
         raise InputError(f"--model is a {cls.__name__}, which holds its ControlNet(s) already; leave out --controlnet "
                          "(or pass its base model as --model)")
     if not (controlnet or is_controlnet(cls)):
         return cls
-    if mask:
-        raise InputError("--mask: eqxdiff has no ControlNet inpainting pipeline; leave out --mask or the ControlNet")
-    if controlnet or (image and not starts_from_image(cls)):
-        return controlnet_class(cls, image_to_image=image, net=net)
+    if controlnet or (image and not starts_from_image(cls)) or (mask and not takes_mask(cls)):
+        return controlnet_class(cls, image_to_image=image, net=net, mask=mask)
     return cls
 
 
@@ -166,7 +174,7 @@ def excluded_arguments(cls) -> tuple[str, ...]:
     if not is_controlnet(cls):
         return ("control_image",) if takes_control_image(cls) else ()
     modes = ("control_mode",) if takes_modes(cls) else ()
-    return (control_argument(cls), SCALE, "mask_image", *modes) + (
+    return (control_argument(cls), SCALE, *(() if takes_mask(cls) else ("mask_image",)), *modes) + (
         () if starts_from_image(cls) else ("image", "strength", "denoising_start"))
 
 

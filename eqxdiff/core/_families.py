@@ -51,6 +51,7 @@ FAMILY_TABLE: dict[str, str] = {
     "ControlNetModel": "eqxdiff.models.controlnet:ControlNetModel",
     "StableDiffusionControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetPipeline",
     "StableDiffusionControlNetImg2ImgPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetImg2ImgPipeline",
+    "StableDiffusionControlNetInpaintPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionControlNetInpaintPipeline",
     "StableDiffusionXLControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionXLControlNetPipeline",
     "StableDiffusionXLControlNetImg2ImgPipeline":
         "eqxdiff.pipelines.controlnet:StableDiffusionXLControlNetImg2ImgPipeline",

@@ -1,5 +1,5 @@
-"""ControlNet pipelines: Stable Diffusion 1.x/2.x and SDXL text-to-image and image-to-image, with one ControlNet or
-several (diffusers' ``MultiControlNetModel``: a pipeline folder's ``controlnet``, ``controlnet_1``, ...).
+"""ControlNet pipelines: Stable Diffusion 1.x/2.x and SDXL text-to-image and image-to-image, SD inpainting, with one
+ControlNet or several (diffusers' ``MultiControlNetModel``: a pipeline folder's ``controlnet``, ``controlnet_1``, ...).
 
 The SD and SDXL pipelines do the work; a ControlNet pipeline adds its ``controlnet`` component and, inside the
 denoising loop, runs the net(s) before the UNet (:class:`ControlNetDenoiser`). Per net, as diffusers: a control
@@ -25,6 +25,7 @@ family modules (declared in ``pyproject.toml``'s import contract).
 from typing import ClassVar
 
 from ._call import checked_call
+from ._checks import InputError
 from ._components import Component
 from ._controlnet import (
     CONTROLNET,
@@ -40,7 +41,7 @@ from .stable_diffusion import StableDiffusionPipeline
 from .stable_diffusion_xl import StableDiffusionXLImg2ImgPipeline, StableDiffusionXLPipeline
 
 __all__ = ["ControlInput", "ControlNetDenoiser", "StableDiffusionControlNetImg2ImgPipeline",
-           "StableDiffusionControlNetPipeline",
+           "StableDiffusionControlNetInpaintPipeline", "StableDiffusionControlNetPipeline",
            "StableDiffusionXLControlNetImg2ImgPipeline", "StableDiffusionXLControlNetPipeline", "control_input",
            "control_scales", "prepare_control_image"]
 
@@ -88,6 +89,33 @@ class StableDiffusionControlNetImg2ImgPipeline(StableDiffusionControlNetPipeline
                                    start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode,
                                    num_images_per_prompt=images_per_prompt(kwargs))
         return StableDiffusionPipeline.__call__(bound, prompt, negative_prompt, image=image, **kwargs)
+
+
+class StableDiffusionControlNetInpaintPipeline(StableDiffusionControlNetPipeline):
+    """Inpainting with ControlNet(s) (diffusers' ``StableDiffusionControlNetInpaintPipeline``): ``image`` the picture,
+    ``mask_image`` the mask (white = repaint), ``control_image`` the control image(s), resized to the picture's size
+    and, as there, not masked by the pipeline. A 9-channel inpainting UNet or an ordinary one, as
+    :class:`~eqxdiff.pipelines.StableDiffusionInpaintPipeline`; ``strength`` defaults to 1.0 and
+    ``controlnet_conditioning_scale`` to 0.5, as diffusers'. ``padding_mask_crop`` is not supported."""
+
+    CLASS_NAME: ClassVar[str] = "StableDiffusionControlNetInpaintPipeline"
+    INIT_IMAGE: ClassVar[str | None] = "image"  # the picture to inpaint; control_image the control image
+    REQUIRED_INPUTS: ClassVar = ("image", "mask_image")
+    DEFAULT_CONTROL_SCALE: ClassVar[float] = 0.5
+
+    @checked_call
+    def __call__(self, prompt=None, negative_prompt=None, image=None, mask_image=None, control_image=None, *,
+                 controlnet_conditioning_scale=None, control_guidance_start=0.0, control_guidance_end=1.0,
+                 guess_mode: bool = False, padding_mask_crop=None, **kwargs):
+        self.check_inputs(image=image, mask_image=mask_image)
+        if padding_mask_crop is not None:
+            raise InputError(f"{type(self).__name__} does not take padding_mask_crop (the control image would need "
+                             "the same crop); leave it out, or crop the picture, mask and control image yourself")
+        bound = self._with_control(control_image, scale=self._scale(controlnet_conditioning_scale),
+                                   start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode,
+                                   num_images_per_prompt=images_per_prompt(kwargs))
+        return StableDiffusionPipeline.__call__(bound, prompt, negative_prompt, image=image, mask_image=mask_image,
+                                                **kwargs)
 
 
 class StableDiffusionXLControlNetPipeline(ControlNetPipelineMixin, StableDiffusionXLPipeline):
