@@ -1,8 +1,8 @@
 """The ControlNet pipelines that start from a picture, against diffusers' (every pixel within 2/255 from the same
-draws): SDXL image-to-image (aesthetic-score conditioning, diffusers' default strength and scale), SD inpainting
-(9-channel UNet at diffusers' defaults, 4-channel at partial strength). diffusers draws the picture's VAE samples
-and the initial noise from its generator; the tests give it ours (``noise_draws`` of the call's key) through its
-``retrieve_latents`` / ``randn_tensor``. One folder and one compiled loop per pipeline (:mod:`tests.test_controlnet`
+draws): SDXL image-to-image (aesthetic-score conditioning, diffusers' default strength and scale), SD and SDXL
+inpainting (9-channel UNet at diffusers' defaults, 4-channel at partial strength). diffusers draws the picture's VAE
+samples and the initial noise from its generator; the tests give it ours (``noise_draws`` of the call's key) through
+its ``retrieve_latents`` / ``randn_tensor``. One folder and one compiled loop per case (:mod:`tests.test_controlnet`
 has the text-to-image ones and SD image-to-image)."""
 
 import jax
@@ -16,6 +16,7 @@ from eqxdiff.pipelines._latents import noise_draws
 from eqxdiff.pipelines.controlnet import (
     StableDiffusionControlNetInpaintPipeline,
     StableDiffusionXLControlNetImg2ImgPipeline,
+    StableDiffusionXLControlNetInpaintPipeline,
 )
 
 from . import _tiny_controlnet as tiny
@@ -114,3 +115,28 @@ def test_sd_controlnet_inpaint_matches_diffusers(tmp_path, monkeypatch, channels
     assert ours.shape == (2, 32, 32, 3) and _pixels_off(ours, expected) <= 2
     with pytest.raises(InputError, match="does not take padding_mask_crop"):
         pipe(PROMPTS, image=picture, mask_image=mask, control_image=control, padding_mask_crop=2)
+
+
+@pytest.mark.parametrize("channels,kw", [
+    (9, {}),  # diffusers' defaults: strength 0.9999, scale 1.0, guidance 5
+    (4, dict(strength=0.7, controlnet_conditioning_scale=0.7, guidance_rescale=0.5, control_guidance_start=0.3)),
+])
+def test_sdxl_controlnet_inpaint_matches_diffusers(tmp_path, monkeypatch, channels, kw):
+    """SDXL: an inpainting UNet and an ordinary one, as SD's above, with SDXL's micro-conditioning."""
+    from diffusers.pipelines.controlnet import pipeline_controlnet_inpaint_sd_xl as module
+
+    ref = _tiny_sdxl.save(module.StableDiffusionXLControlNetInpaintPipeline(
+        **_tiny_sdxl.base_components(in_channels=channels, seed=30),
+        controlnet=tiny.controlnet(tiny.SDXL_PIPE_CONTROLNET, 25), add_watermarker=False), tmp_path)
+    pipe = eqxdiff.load_pipeline(tmp_path)
+    assert type(pipe) is StableDiffusionXLControlNetInpaintPipeline and pipe.unet.config.in_channels == channels
+    key = jax.random.key(9)
+    _with_our_draws(module, monkeypatch, key, ["image", "masked"])
+    picture, mask = _picture_and_mask(10)
+    control = tiny.control_images(1, 32, seed=11)
+    with torch.no_grad():
+        expected = ref(PROMPTS, image=_tensor(picture), mask_image=torch.from_numpy(mask[:, None] / 255).float(),
+                       control_image=_tensor(control), output_type="np", num_inference_steps=5, **kw).images
+    ours = pipe(PROMPTS, image=picture, mask_image=mask, control_image=control, key=key, num_inference_steps=5,
+                progress=False, **kw)
+    assert ours.shape == (2, 32, 32, 3) and _pixels_off(ours, expected) <= 2

@@ -323,9 +323,10 @@ def test_errors_name_the_flags_before_loading(xl, sd, files, tmp_path):
                                  str(files.mask), "--control-image", str(files.edges)])
     assert inpaint.family.pipeline_class.__name__ == "StableDiffusionControlNetInpaintPipeline"
     assert inpaint.kwargs["mask_image"] is not None and inpaint.kwargs["control_image"] is not None
-    _refused(InputError, "--mask: eqxdiff has no ControlNet inpainting pipeline for StableDiffusionXLPipeline", [
-        "--model", str(xl.root / "base"), "--controlnet", str(xl.root / "controlnet"), "--image", str(files.photo),
-        "--mask", str(files.mask), "--control-image", str(files.edges)])
+    checked = generate.validate(["--model", str(xl.root / "base"), "--controlnet", str(xl.root / "controlnet"),
+                                 "--image", str(files.photo), "--mask", str(files.mask), "--control-image",
+                                 str(files.edges)])
+    assert checked.family.pipeline_class.__name__ == "StableDiffusionXLControlNetInpaintPipeline"
     checked = generate.validate(["--model", str(xl.root / "base"), "--controlnet", str(xl.root / "controlnet"),
                                  "--image", str(files.photo), "--control-image", str(files.edges)])
     assert checked.family.pipeline_class.__name__ == "StableDiffusionXLControlNetImg2ImgPipeline"

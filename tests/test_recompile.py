@@ -279,6 +279,11 @@ def _sdxl_controlnet_img2img(sdxl, tmp_path_factory):
     _control(pipe, dict(SD_BASE, image=IMAGE, control_image=CONTROL, strength=0.8), steps=IMAGE_STEPS)
 
 
+def _sdxl_controlnet_inpaint(sdxl, tmp_path_factory):
+    pipe = _sdxl_control(sdxl, tmp_path_factory, "StableDiffusionXLControlNetInpaintPipeline")
+    _control(pipe, dict(SD_BASE, image=IMAGE, mask_image=MASK, control_image=CONTROL, strength=0.7), steps=IMAGE_STEPS)
+
+
 def _sdxl_controlnet_union(sdxl, tmp_path_factory):
     folder = tmp_path_factory.mktemp("union")
     _tiny_controlnet_union.union_net(seed=7).save_pretrained(folder, safe_serialization=True)
@@ -431,6 +436,7 @@ SWEEPS = {
     "StableDiffusionControlNetInpaintPipeline": (_sd_controlnet_inpaint, "sd_control"),
     "StableDiffusionXLControlNetPipeline": (_sdxl_controlnet, "sdxl", "tmp_path_factory"),
     "StableDiffusionXLControlNetImg2ImgPipeline": (_sdxl_controlnet_img2img, "sdxl", "tmp_path_factory"),
+    "StableDiffusionXLControlNetInpaintPipeline": (_sdxl_controlnet_inpaint, "sdxl", "tmp_path_factory"),
     "StableDiffusionXLControlNetUnionPipeline": (_sdxl_controlnet_union, "sdxl", "tmp_path_factory"),
     "FluxPipeline": (_flux, "flux"),
     "FluxImg2ImgPipeline": (_flux_img2img, "flux"),

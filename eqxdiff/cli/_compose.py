@@ -155,8 +155,8 @@ def controlnet_class(base: type, *, image_to_image: bool, net: type | None = Non
 
 def run_class(cls: type, *, controlnet: bool, image: bool, mask: bool, net: type | None = None) -> type:
     """The class a command line runs: ``cls`` (the ``--model`` folder's), its ControlNet pipeline with
-    ``--controlnet``, the image-to-image ControlNet pipeline with ``--image``, the inpainting one with ``--mask``
-    (SD 1.x/2.x). ``net``: the model class of the first ``--controlnet``."""
+    ``--controlnet``, the image-to-image ControlNet pipeline with ``--image``, the inpainting one with ``--mask``.
+    ``net``: the model class of the first ``--controlnet``."""
     if controlnet and is_controlnet(cls):
         raise InputError(f"--model is a {cls.__name__}, which holds its ControlNet(s) already; leave out --controlnet "
                          "(or pass its base model as --model)")

@@ -55,6 +55,8 @@ FAMILY_TABLE: dict[str, str] = {
     "StableDiffusionXLControlNetPipeline": "eqxdiff.pipelines.controlnet:StableDiffusionXLControlNetPipeline",
     "StableDiffusionXLControlNetImg2ImgPipeline":
         "eqxdiff.pipelines.controlnet:StableDiffusionXLControlNetImg2ImgPipeline",
+    "StableDiffusionXLControlNetInpaintPipeline":
+        "eqxdiff.pipelines.controlnet:StableDiffusionXLControlNetInpaintPipeline",
     # ControlNet-Union (SDXL)
     "ControlNetUnionModel": "eqxdiff.models.controlnet_union:ControlNetUnionModel",
     "StableDiffusionXLControlNetUnionPipeline":

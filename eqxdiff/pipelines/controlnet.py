@@ -1,4 +1,4 @@
-"""ControlNet pipelines: Stable Diffusion 1.x/2.x and SDXL text-to-image and image-to-image, SD inpainting, with one
+"""ControlNet pipelines: Stable Diffusion 1.x/2.x and SDXL text-to-image, image-to-image and inpainting, with one
 ControlNet or several (diffusers' ``MultiControlNetModel``: a pipeline folder's ``controlnet``, ``controlnet_1``, ...).
 
 The SD and SDXL pipelines do the work; a ControlNet pipeline adds its ``controlnet`` component and, inside the
@@ -38,11 +38,16 @@ from ._controlnet import (
     prepare_control_image,
 )
 from .stable_diffusion import StableDiffusionPipeline
-from .stable_diffusion_xl import StableDiffusionXLImg2ImgPipeline, StableDiffusionXLPipeline
+from .stable_diffusion_xl import (
+    StableDiffusionXLImg2ImgPipeline,
+    StableDiffusionXLInpaintPipeline,
+    StableDiffusionXLPipeline,
+)
 
 __all__ = ["ControlInput", "ControlNetDenoiser", "StableDiffusionControlNetImg2ImgPipeline",
            "StableDiffusionControlNetInpaintPipeline", "StableDiffusionControlNetPipeline",
-           "StableDiffusionXLControlNetImg2ImgPipeline", "StableDiffusionXLControlNetPipeline", "control_input",
+           "StableDiffusionXLControlNetImg2ImgPipeline", "StableDiffusionXLControlNetInpaintPipeline",
+           "StableDiffusionXLControlNetPipeline", "control_input",
            "control_scales", "prepare_control_image"]
 
 
@@ -108,9 +113,7 @@ class StableDiffusionControlNetInpaintPipeline(StableDiffusionControlNetPipeline
                  controlnet_conditioning_scale=None, control_guidance_start=0.0, control_guidance_end=1.0,
                  guess_mode: bool = False, padding_mask_crop=None, **kwargs):
         self.check_inputs(image=image, mask_image=mask_image)
-        if padding_mask_crop is not None:
-            raise InputError(f"{type(self).__name__} does not take padding_mask_crop (the control image would need "
-                             "the same crop); leave it out, or crop the picture, mask and control image yourself")
+        _no_crop(self, padding_mask_crop)
         bound = self._with_control(control_image, scale=self._scale(controlnet_conditioning_scale),
                                    start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode,
                                    num_images_per_prompt=images_per_prompt(kwargs))
@@ -161,3 +164,38 @@ class StableDiffusionXLControlNetImg2ImgPipeline(StableDiffusionXLControlNetPipe
                                    end=control_guidance_end, guess_mode=guess_mode,
                                    num_images_per_prompt=images_per_prompt(kwargs))
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, **kwargs)
+
+
+class StableDiffusionXLControlNetInpaintPipeline(StableDiffusionXLControlNetPipeline):
+    """SDXL inpainting with ControlNet(s) (diffusers' ``StableDiffusionXLControlNetInpaintPipeline``): ``image`` the
+    picture, ``mask_image`` the mask (white = repaint), ``control_image`` the control image(s), resized to the
+    picture's size and not masked by the pipeline, as there. A 9-channel inpainting UNet or an ordinary one, the
+    micro-conditioning and ``denoising_start`` / ``denoising_end`` of
+    :class:`~eqxdiff.pipelines.StableDiffusionXLInpaintPipeline`; as diffusers', ``strength`` defaults to 0.9999,
+    ``controlnet_conditioning_scale`` to 1.0 and ``guidance_scale`` to 5.0. ``padding_mask_crop`` is not
+    supported."""
+
+    CLASS_NAME: ClassVar[str] = "StableDiffusionXLControlNetInpaintPipeline"
+    OPTIONS: ClassVar = StableDiffusionXLInpaintPipeline.OPTIONS
+    IMAGE_TO_IMAGE_IDS: ClassVar[bool] = True
+    INIT_IMAGE: ClassVar[str | None] = "image"  # the picture to inpaint; control_image the control image
+    REQUIRED_INPUTS: ClassVar = ("image", "mask_image")
+    DEFAULT_GUIDANCE: ClassVar[float] = 5.0
+
+    @checked_call
+    def __call__(self, prompt=None, prompt_2=None, image=None, mask_image=None, control_image=None, *,
+                 controlnet_conditioning_scale=1.0, control_guidance_start=0.0, control_guidance_end=1.0,
+                 guess_mode: bool = False, padding_mask_crop=None, **kwargs):
+        self.check_inputs(image=image, mask_image=mask_image)
+        _no_crop(self, padding_mask_crop)
+        bound = self._with_control(control_image, scale=controlnet_conditioning_scale, start=control_guidance_start,
+                                   end=control_guidance_end, guess_mode=guess_mode,
+                                   num_images_per_prompt=images_per_prompt(kwargs))
+        return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, mask_image=mask_image,
+                                                  **kwargs)
+
+
+def _no_crop(pipe, padding_mask_crop) -> None:
+    if padding_mask_crop is not None:
+        raise InputError(f"{type(pipe).__name__} does not take padding_mask_crop (the control image would need the "
+                         "same crop); leave it out, or crop the picture, mask and control image yourself")
