@@ -86,7 +86,8 @@ def _picture_and_mask(seed: int):
 ])
 def test_sd_controlnet_inpaint_matches_diffusers(tmp_path, monkeypatch, channels, posterior_calls, kw):
     """An inpainting UNet (latents, mask, masked-image latents) and an ordinary one (the known region blended back
-    after each step); the nets see the latents alone and the control image unmasked, as diffusers'."""
+    after each step); the nets see the latents alone and the control image unmasked, as diffusers'. With the
+    ordinary UNet the control image is an inpainting net's condition (floats, the masked pixels -1)."""
     from diffusers import UNet2DConditionModel
     from diffusers.pipelines.controlnet import pipeline_controlnet_inpaint as module
 
@@ -106,10 +107,13 @@ def test_sd_controlnet_inpaint_matches_diffusers(tmp_path, monkeypatch, channels
     key = jax.random.key(6)
     _with_our_draws(module, monkeypatch, key, posterior_calls)
     picture, mask = _picture_and_mask(7)
-    control = tiny.control_images(1, 32, seed=8)
+    control = tiny.control_images(1, 32, seed=8) / np.float32(255)
+    if channels == 4:  # diffusers' make_inpaint_condition: the picture, the masked pixels -1
+        control = np.where(mask[:1, :, :, None] > 0, np.float32(-1), picture[:1] / np.float32(255))
     with torch.no_grad():
         expected = ref(PROMPTS, image=_tensor(picture), mask_image=torch.from_numpy(mask[:, None] / 255).float(),
-                       control_image=_tensor(control), output_type="np", num_inference_steps=4, **kw).images
+                       control_image=torch.from_numpy(control).permute(0, 3, 1, 2).float(), output_type="np",
+                       num_inference_steps=4, **kw).images
     ours = pipe(PROMPTS, image=picture, mask_image=mask, control_image=control, key=key, num_inference_steps=4,
                 progress=False, **kw)
     assert ours.shape == (2, 32, 32, 3) and _pixels_off(ours, expected) <= 2

@@ -33,14 +33,15 @@ __all__ = ["CONTROLNET", "ControlInput", "ControlNetDenoiser", "ControlNetPipeli
 CONTROL_IMAGE = "controlnet_cond"  # cond keys controlnet_cond_0, controlnet_cond_1, ...: each net's control images
 
 
-def prepare_control_image(image, *, height: int | None = None, width: int | None = None, multiple: int = 8
-                          ) -> np.ndarray:
+def prepare_control_image(image, *, height: int | None = None, width: int | None = None, multiple: int = 8,
+                          lowest: float = 0.0) -> np.ndarray:
     """A control image as the ControlNet takes it: float32 ``[n, height, width, channels]`` in ``[0, 1]``, as
     diffusers' ``VaeImageProcessor(do_normalize=False)`` makes it.
 
     ``image``: PIL image(s) (converted to RGB, resized with Lanczos), or arrays ``[n, h, w, c]`` / ``[h, w, c]``
-    (uint8, or floats in ``[0, 1]``; resized nearest-neighbour). ``height`` / ``width`` default to the image's size
-    rounded down to a ``multiple`` (the VAE's factor)."""
+    (uint8, or floats in ``[lowest, 1]``, passed on as they are, as there: an inpainting net's condition marks the
+    masked pixels -1; resized nearest-neighbour). ``height`` / ``width`` default to the image's size rounded down to
+    a ``multiple`` (the VAE's factor)."""
     if isinstance(image, Image.Image):
         image = [image]
     pil = isinstance(image, Sequence) and len(image) > 0 and all(isinstance(im, Image.Image) for im in image)
@@ -64,8 +65,8 @@ def prepare_control_image(image, *, height: int | None = None, width: int | None
         arr = arr.astype(np.float32) / 255.0
     else:
         arr = np.asarray(arr, np.float32)
-        if arr.min() < 0 or arr.max() > 1:
-            raise ValueError("a float control image must lie in [0, 1] (pass uint8 for 0-255 images)")
+        if arr.min() < lowest or arr.max() > 1:
+            raise ValueError(f"a float control image must lie in [{lowest:g}, 1] (pass uint8 for 0-255 images)")
     if arr.shape[1:3] != (height, width):
         arr = resize_nearest(arr, height, width)
     return arr
@@ -112,13 +113,14 @@ class ControlInput:
     ends: tuple[float, ...]
     guess_mode: bool
     num_images_per_prompt: int = 1
+    lowest: float = 0.0  # the lowest value a float control image may hold (-1: an inpainting net's masked pixels)
 
     def size(self, height: int | None, width: int | None, multiple: int) -> tuple[int, int]:
         """The output size: ``height`` / ``width`` if given, else the first control image's (rounded down to a
         ``multiple``), as diffusers' ControlNet pipelines take it."""
         if height is not None and width is not None:
             return height, width
-        first = prepare_control_image(self.images[0], multiple=multiple)
+        first = prepare_control_image(self.images[0], multiple=multiple, lowest=self.lowest)
         return height or first.shape[1], width or first.shape[2]
 
     def prepared(self, *, batch: int, height: int, width: int, multiple: int) -> list[np.ndarray]:
@@ -126,7 +128,7 @@ class ControlInput:
         repeated ``num_images_per_prompt`` times (diffusers' ``prepare_image``)."""
         out, num_images_per_prompt = [], self.num_images_per_prompt
         for i, image in enumerate(self.images):
-            arr = prepare_control_image(image, height=height, width=width, multiple=multiple)
+            arr = prepare_control_image(image, height=height, width=width, multiple=multiple, lowest=self.lowest)
             out.append(per_output(arr, batch, num_images_per_prompt, f"control image {i}: ", "image"))
         return out
 
@@ -230,6 +232,7 @@ class ControlNetPipelineMixin:
     NET_CLASS: ClassVar[type] = ControlNetModel  # the nets this pipeline runs
     MULTI_CLASS: ClassVar[type] = MultiControlNetModel  # several of them (its name is model_index.json's)
     SCHEDULER_FIXES: ClassVar = {}  # diffusers' ControlNet pipelines take the scheduler config as it is
+    CONTROL_LOWEST: ClassVar[float] = 0.0  # the lowest value of a float control image (ControlInput.lowest)
     _control: ControlInput | None = None
 
     def __init__(self, *, controlnet, **kwargs):
@@ -268,7 +271,8 @@ class ControlNetPipelineMixin:
 
     def _with_control(self, image, *, scale, start, end, guess_mode, num_images_per_prompt: int):
         control = control_input(self.controlnet, image, scale=scale, start=start, end=end, guess_mode=guess_mode)
-        return self.bound(dataclasses.replace(control, num_images_per_prompt=num_images_per_prompt))
+        return self.bound(dataclasses.replace(control, num_images_per_prompt=num_images_per_prompt,
+                                              lowest=self.CONTROL_LOWEST))
 
     def bound(self, control: ControlInput, **call_inputs):
         """This pipeline holding one call's ``control`` inputs (and a variant's own ``call_inputs``, set as

@@ -99,13 +99,15 @@ class StableDiffusionControlNetImg2ImgPipeline(StableDiffusionControlNetPipeline
 class StableDiffusionControlNetInpaintPipeline(StableDiffusionControlNetPipeline):
     """Inpainting with ControlNet(s) (diffusers' ``StableDiffusionControlNetInpaintPipeline``): ``image`` the picture,
     ``mask_image`` the mask (white = repaint), ``control_image`` the control image(s), resized to the picture's size
-    and, as there, not masked by the pipeline. A 9-channel inpainting UNet or an ordinary one, as
+    and, as there, not masked by the pipeline (an inpainting net's condition, diffusers' ``make_inpaint_condition``:
+    floats with the masked pixels -1, is passed on as it is). A 9-channel inpainting UNet or an ordinary one, as
     :class:`~eqxdiff.pipelines.StableDiffusionInpaintPipeline`; ``strength`` defaults to 1.0 and
     ``controlnet_conditioning_scale`` to 0.5, as diffusers'. ``padding_mask_crop`` is not supported."""
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionControlNetInpaintPipeline"
     INIT_IMAGE: ClassVar[str | None] = "image"  # the picture to inpaint; control_image the control image
     REQUIRED_INPUTS: ClassVar = ("image", "mask_image")
+    CONTROL_LOWEST: ClassVar[float] = -1.0  # an inpainting net's condition: the picture, masked pixels -1
     DEFAULT_CONTROL_SCALE: ClassVar[float] = 0.5
 
     @checked_call
@@ -169,7 +171,8 @@ class StableDiffusionXLControlNetImg2ImgPipeline(StableDiffusionXLControlNetPipe
 class StableDiffusionXLControlNetInpaintPipeline(StableDiffusionXLControlNetPipeline):
     """SDXL inpainting with ControlNet(s) (diffusers' ``StableDiffusionXLControlNetInpaintPipeline``): ``image`` the
     picture, ``mask_image`` the mask (white = repaint), ``control_image`` the control image(s), resized to the
-    picture's size and not masked by the pipeline, as there. A 9-channel inpainting UNet or an ordinary one, the
+    picture's size and not masked by the pipeline, as there (float images may hold -1, as an inpainting net's
+    condition). A 9-channel inpainting UNet or an ordinary one, the
     micro-conditioning and ``denoising_start`` / ``denoising_end`` of
     :class:`~eqxdiff.pipelines.StableDiffusionXLInpaintPipeline`; as diffusers', ``strength`` defaults to 0.9999,
     ``controlnet_conditioning_scale`` to 1.0 and ``guidance_scale`` to 5.0. ``padding_mask_crop`` is not
@@ -180,6 +183,7 @@ class StableDiffusionXLControlNetInpaintPipeline(StableDiffusionXLControlNetPipe
     IMAGE_TO_IMAGE_IDS: ClassVar[bool] = True
     INIT_IMAGE: ClassVar[str | None] = "image"  # the picture to inpaint; control_image the control image
     REQUIRED_INPUTS: ClassVar = ("image", "mask_image")
+    CONTROL_LOWEST: ClassVar[float] = -1.0  # an inpainting net's condition: the picture, masked pixels -1
     DEFAULT_GUIDANCE: ClassVar[float] = 5.0
 
     @checked_call
