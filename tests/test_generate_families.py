@@ -299,6 +299,26 @@ def test_controlnet_image_to_image_is_checked_with_its_picture(sd, files):
     assert kwargs["controlnet_conditioning_scale"] == 0.9 and kwargs["strength"] == 0.6
 
 
+def test_controlnet_inpainting_from_image_and_mask_files(sd, files, tmp_path, monkeypatch):
+    """--image and --mask with an SD --controlnet: its inpainting pipeline (an ordinary UNet: the known region blended
+    back), diffusers' given the same noise and VAE samples, at its defaults (strength 1, scale 0.5)."""
+    from diffusers.pipelines.controlnet import pipeline_controlnet_inpaint as module
+
+    ours, params = _generate(tmp_path, "--model", str(sd.root / "base"), "--controlnet", str(sd.root / "controlnet_0"),
+                             "--image", str(files.photo), "--mask", str(files.mask), "--control-image",
+                             str(files.edges), "--prompt", PROMPT, "--guidance-scale", "6", "--seed", "5")
+    draws = noise_draws(seed_key(5), SD_SHAPE)
+    posterior = iter([draws.image, draws.masked_image])
+    monkeypatch.setattr(module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(draws.noise))
+    monkeypatch.setattr(module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
+                        out.latent_dist.mean + out.latent_dist.std * nhwc_to_nchw(next(posterior)))
+    reference = module.StableDiffusionControlNetInpaintPipeline(**sd.base.components, controlnet=sd.nets[0])
+    expected = _run(reference, prompt=PROMPT, image=Image.open(files.photo), mask_image=Image.open(files.mask),
+                    control_image=Image.open(files.edges).convert("RGB"), guidance_scale=6.0, num_inference_steps=2)
+    assert _pixels_off(ours[None], expected) <= 2
+    assert params["pipeline"] == "StableDiffusionControlNetInpaintPipeline" and params["mask_image"] == str(files.mask)
+
+
 def _refused(error, match, argv):
     with pytest.raises(error, match=match):
         generate.validate(argv)
