@@ -30,10 +30,11 @@ SLOW: dict[str, str] = {
     "guess mode, pooled and multi-net ControlNet variants":
         r"^tests/test_controlnet(_union)?\.py::(test_pooled_net_forces_guess_mode|test_sdx?l?_multicontrolnet_guess_mode|"
         r"test_from_unet_is_diffusers_from_unet|test_one_image_in_guess_mode|test_two_union_nets)",
-    # SDXL ControlNet inpainting with an ordinary UNet: its 9-channel parity at diffusers' defaults, SD's 4-channel
-    # ControlNet case and test_inpaint's SDXL blending stay (15 s)
-    "SDXL ControlNet inpainting with an ordinary UNet":
-        r"^tests/test_controlnet_image\.py::test_sdxl_controlnet_inpaint_matches_diffusers\[4",
+    # SDXL ControlNet inpainting with an ordinary UNet and with padding_mask_crop: its 9-channel parity at diffusers'
+    # defaults, SD's 4-channel and cropped ControlNet cases and test_inpaint's SDXL blending stay (29 s)
+    "SDXL ControlNet inpainting with an ordinary UNet, cropped":
+        r"^tests/test_controlnet_image\.py::(test_sdxl_controlnet_inpaint_matches_diffusers\[4|"
+        r"test_controlnet_inpaint_crops_the_control_image_as_diffusers\[True\])",
     # SD 1.x/2.x and SDXL base single files stay (19 s)
     "the refiner's and the inpainting UNets' single files":
         r"^tests/test_single_file\.py::(test_sdxl_refiner_from_its_single_file|test_sdx?l?_inpainting_nine_channel_unet)",

@@ -35,10 +35,10 @@ def _tensor(image):
     return torch.from_numpy(image).permute(0, 3, 1, 2).float() / 255
 
 
-def _with_our_draws(module, monkeypatch, key, posterior_calls=("image",)):
+def _with_our_draws(module, monkeypatch, key, posterior_calls=("image",), shape=SHAPE):
     """diffusers' ``module`` draws what our call with ``key`` draws: the initial noise, and the VAE posterior samples
     its retrieve_latents takes in the order ``posterior_calls`` names them."""
-    draws = noise_draws(key, SHAPE)
+    draws = noise_draws(key, shape)
     posterior = iter([{"image": draws.image, "masked": draws.masked_image}[k] for k in posterior_calls])
     monkeypatch.setattr(module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(draws.noise))
     monkeypatch.setattr(module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
@@ -80,6 +80,26 @@ def _picture_and_mask(seed: int):
     return picture, mask
 
 
+def _sd_inpaint(folder, channels: int):
+    """diffusers' tiny SD ControlNet inpainting pipeline (a ``channels``-input UNet), saved, and ours loaded."""
+    import diffusers
+
+    from ._tiny_sd import build_pipeline, randomize_
+
+    base = build_pipeline(folder / "base", scheduler="ddim")
+    unet = base.unet
+    if channels == 9:
+        unet = diffusers.UNet2DConditionModel.from_config({**base.unet.config, "in_channels": 9})
+        randomize_(unet, seed=9)
+    ref = diffusers.StableDiffusionControlNetInpaintPipeline(**{**base.components, "unet": unet.eval()},
+                                                             controlnet=tiny.controlnet(tiny.SD_PIPE_CONTROLNET, 14))
+    ref.set_progress_bar_config(disable=True)
+    ref.save_pretrained(folder / "pipe", safe_serialization=True)
+    pipe = eqxdiff.load_pipeline(folder / "pipe")
+    assert type(pipe) is StableDiffusionControlNetInpaintPipeline and pipe.unet.config.in_channels == channels
+    return ref, pipe
+
+
 @pytest.mark.parametrize("channels,posterior_calls,kw", [
     (9, ["masked"], {}),  # diffusers' defaults: strength 1, scale 0.5, guidance 7.5
     (4, ["image", "masked"], dict(strength=0.7, controlnet_conditioning_scale=0.9, control_guidance_end=0.6)),
@@ -88,22 +108,9 @@ def test_sd_controlnet_inpaint_matches_diffusers(tmp_path, monkeypatch, channels
     """An inpainting UNet (latents, mask, masked-image latents) and an ordinary one (the known region blended back
     after each step); the nets see the latents alone and the control image unmasked, as diffusers'. With the
     ordinary UNet the control image is an inpainting net's condition (floats, the masked pixels -1)."""
-    from diffusers import UNet2DConditionModel
     from diffusers.pipelines.controlnet import pipeline_controlnet_inpaint as module
 
-    from ._tiny_sd import build_pipeline, randomize_
-
-    base = build_pipeline(tmp_path / "base", scheduler="ddim")
-    unet = base.unet
-    if channels == 9:
-        unet = UNet2DConditionModel.from_config({**base.unet.config, "in_channels": 9})
-        randomize_(unet, seed=9)
-    ref = module.StableDiffusionControlNetInpaintPipeline(
-        **{**base.components, "unet": unet.eval()}, controlnet=tiny.controlnet(tiny.SD_PIPE_CONTROLNET, 14))
-    ref.set_progress_bar_config(disable=True)
-    ref.save_pretrained(tmp_path / "pipe", safe_serialization=True)
-    pipe = eqxdiff.load_pipeline(tmp_path / "pipe")
-    assert type(pipe) is StableDiffusionControlNetInpaintPipeline and pipe.unet.config.in_channels == channels
+    ref, pipe = _sd_inpaint(tmp_path, channels)
     key = jax.random.key(6)
     _with_our_draws(module, monkeypatch, key, posterior_calls)
     picture, mask = _picture_and_mask(7)
@@ -117,8 +124,46 @@ def test_sd_controlnet_inpaint_matches_diffusers(tmp_path, monkeypatch, channels
     ours = pipe(PROMPTS, image=picture, mask_image=mask, control_image=control, key=key, num_inference_steps=4,
                 progress=False, **kw)
     assert ours.shape == (2, 32, 32, 3) and _pixels_off(ours, expected) <= 2
-    with pytest.raises(InputError, match="does not take padding_mask_crop"):
-        pipe(PROMPTS, image=picture, mask_image=mask, control_image=control, padding_mask_crop=2)
+
+
+def _sdxl_inpaint(folder, channels: int):
+    from diffusers.pipelines.controlnet import pipeline_controlnet_inpaint_sd_xl as module
+
+    ref = _tiny_sdxl.save(module.StableDiffusionXLControlNetInpaintPipeline(
+        **_tiny_sdxl.base_components(in_channels=channels, seed=30),
+        controlnet=tiny.controlnet(tiny.SDXL_PIPE_CONTROLNET, 25), add_watermarker=False), folder)
+    pipe = eqxdiff.load_pipeline(folder)
+    assert type(pipe) is StableDiffusionXLControlNetInpaintPipeline and pipe.unet.config.in_channels == channels
+    return ref, pipe
+
+
+@pytest.mark.parametrize("xl", [False, True])
+def test_controlnet_inpaint_crops_the_control_image_as_diffusers(tmp_path, monkeypatch, xl):
+    """padding_mask_crop: a 40x56 PIL picture's box around its mask (padded, widened to the picture's aspect), the
+    control image cut to the same box, inpainted at the picture's size (diffusers' default here) and pasted back."""
+    from diffusers.pipelines.controlnet import pipeline_controlnet_inpaint as sd_module
+    from diffusers.pipelines.controlnet import pipeline_controlnet_inpaint_sd_xl as xl_module
+    from PIL import Image
+
+    ref, pipe = (_sdxl_inpaint if xl else _sd_inpaint)(tmp_path, 9)
+    module = xl_module if xl else sd_module
+    rng = np.random.default_rng(12)
+    picture = Image.fromarray(rng.integers(0, 256, (40, 56, 3), dtype=np.uint8))
+    control = Image.fromarray(np.repeat(np.repeat(rng.integers(0, 256, (10, 14, 3), dtype=np.uint8), 4, 0), 4, 1))
+    mask = np.zeros((40, 56), np.uint8)
+    mask[12:20, 30:41] = 255
+    mask = Image.fromarray(mask)
+    key = jax.random.key(13)
+    _with_our_draws(module, monkeypatch, key, ["image", "masked"] if xl else ["masked"], shape=(2, 20, 28, 4))
+    with torch.no_grad():
+        expected = np.stack([np.asarray(im) for im in ref(PROMPTS, image=picture, mask_image=mask,
+                                                            control_image=control, padding_mask_crop=3,
+                                                            num_inference_steps=3).images])
+    ours = pipe(PROMPTS, image=picture, mask_image=mask, control_image=control, padding_mask_crop=3, key=key,
+                num_inference_steps=3, progress=False)
+    assert ours.shape == (2, 40, 56, 3) and np.abs(ours.astype(int) - expected).max() <= 2
+    with pytest.raises(InputError, match="padding_mask_crop needs image=, mask_image= and control_image= as PIL"):
+        pipe(PROMPTS, image=picture, mask_image=mask, control_image=np.asarray(control), padding_mask_crop=3)
 
 
 @pytest.mark.parametrize("channels,kw", [
@@ -129,11 +174,7 @@ def test_sdxl_controlnet_inpaint_matches_diffusers(tmp_path, monkeypatch, channe
     """SDXL: an inpainting UNet and an ordinary one, as SD's above, with SDXL's micro-conditioning."""
     from diffusers.pipelines.controlnet import pipeline_controlnet_inpaint_sd_xl as module
 
-    ref = _tiny_sdxl.save(module.StableDiffusionXLControlNetInpaintPipeline(
-        **_tiny_sdxl.base_components(in_channels=channels, seed=30),
-        controlnet=tiny.controlnet(tiny.SDXL_PIPE_CONTROLNET, 25), add_watermarker=False), tmp_path)
-    pipe = eqxdiff.load_pipeline(tmp_path)
-    assert type(pipe) is StableDiffusionXLControlNetInpaintPipeline and pipe.unet.config.in_channels == channels
+    ref, pipe = _sdxl_inpaint(tmp_path, channels)
     key = jax.random.key(9)
     _with_our_draws(module, monkeypatch, key, ["image", "masked"])
     picture, mask = _picture_and_mask(10)

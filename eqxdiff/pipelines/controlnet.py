@@ -24,6 +24,8 @@ family modules (declared in ``pyproject.toml``'s import contract).
 
 from typing import ClassVar
 
+from PIL import Image
+
 from ._call import checked_call
 from ._checks import InputError
 from ._components import Component
@@ -37,6 +39,7 @@ from ._controlnet import (
     images_per_prompt,
     prepare_control_image,
 )
+from ._mask_crop import crop_region, resize_and_fill
 from .stable_diffusion import StableDiffusionPipeline
 from .stable_diffusion_xl import (
     StableDiffusionXLImg2ImgPipeline,
@@ -102,7 +105,9 @@ class StableDiffusionControlNetInpaintPipeline(StableDiffusionControlNetPipeline
     and, as there, not masked by the pipeline (an inpainting net's condition, diffusers' ``make_inpaint_condition``:
     floats with the masked pixels -1, is passed on as it is). A 9-channel inpainting UNet or an ordinary one, as
     :class:`~eqxdiff.pipelines.StableDiffusionInpaintPipeline`; ``strength`` defaults to 1.0 and
-    ``controlnet_conditioning_scale`` to 0.5, as diffusers'. ``padding_mask_crop`` is not supported."""
+    ``controlnet_conditioning_scale`` to 0.5, as diffusers'. With ``padding_mask_crop`` (PIL picture, mask and
+    control images) the control images are cut to the mask's box as the picture is, and the output size defaults to
+    the picture's, as there."""
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionControlNetInpaintPipeline"
     INIT_IMAGE: ClassVar[str | None] = "image"  # the picture to inpaint; control_image the control image
@@ -115,12 +120,13 @@ class StableDiffusionControlNetInpaintPipeline(StableDiffusionControlNetPipeline
                  controlnet_conditioning_scale=None, control_guidance_start=0.0, control_guidance_end=1.0,
                  guess_mode: bool = False, padding_mask_crop=None, **kwargs):
         self.check_inputs(image=image, mask_image=mask_image)
-        _no_crop(self, padding_mask_crop)
+        if padding_mask_crop is not None:
+            control_image, kwargs = _cropped_control(self, control_image, image, mask_image, padding_mask_crop, kwargs)
         bound = self._with_control(control_image, scale=self._scale(controlnet_conditioning_scale),
                                    start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode,
                                    num_images_per_prompt=images_per_prompt(kwargs))
         return StableDiffusionPipeline.__call__(bound, prompt, negative_prompt, image=image, mask_image=mask_image,
-                                                **kwargs)
+                                                padding_mask_crop=padding_mask_crop, **kwargs)
 
 
 class StableDiffusionXLControlNetPipeline(ControlNetPipelineMixin, StableDiffusionXLPipeline):
@@ -175,8 +181,8 @@ class StableDiffusionXLControlNetInpaintPipeline(StableDiffusionXLControlNetPipe
     condition). A 9-channel inpainting UNet or an ordinary one, the
     micro-conditioning and ``denoising_start`` / ``denoising_end`` of
     :class:`~eqxdiff.pipelines.StableDiffusionXLInpaintPipeline`; as diffusers', ``strength`` defaults to 0.9999,
-    ``controlnet_conditioning_scale`` to 1.0 and ``guidance_scale`` to 5.0. ``padding_mask_crop`` is not
-    supported."""
+    ``controlnet_conditioning_scale`` to 1.0 and ``guidance_scale`` to 5.0. ``padding_mask_crop`` as
+    :class:`StableDiffusionControlNetInpaintPipeline`'s."""
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionXLControlNetInpaintPipeline"
     OPTIONS: ClassVar = StableDiffusionXLInpaintPipeline.OPTIONS
@@ -191,15 +197,28 @@ class StableDiffusionXLControlNetInpaintPipeline(StableDiffusionXLControlNetPipe
                  controlnet_conditioning_scale=1.0, control_guidance_start=0.0, control_guidance_end=1.0,
                  guess_mode: bool = False, padding_mask_crop=None, **kwargs):
         self.check_inputs(image=image, mask_image=mask_image)
-        _no_crop(self, padding_mask_crop)
+        if padding_mask_crop is not None:
+            control_image, kwargs = _cropped_control(self, control_image, image, mask_image, padding_mask_crop, kwargs)
         bound = self._with_control(control_image, scale=controlnet_conditioning_scale, start=control_guidance_start,
                                    end=control_guidance_end, guess_mode=guess_mode,
                                    num_images_per_prompt=images_per_prompt(kwargs))
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, mask_image=mask_image,
-                                                  **kwargs)
+                                                  padding_mask_crop=padding_mask_crop, **kwargs)
 
 
-def _no_crop(pipe, padding_mask_crop) -> None:
-    if padding_mask_crop is not None:
-        raise InputError(f"{type(pipe).__name__} does not take padding_mask_crop (the control image would need the "
-                         "same crop); leave it out, or crop the picture, mask and control image yourself")
+def _cropped_control(pipe, control_image, image, mask_image, padding_mask_crop: int, kwargs: dict):
+    """diffusers' ``padding_mask_crop`` for the control images of an inpainting call: each (a PIL image, as diffusers
+    asks) cut to the box around the mask and fitted to the output size, as the picture is
+    (:func:`~eqxdiff.pipelines._mask_crop.mask_cropped` does that one); the output size defaults to the picture's
+    (rounded down to the VAE's factor). Returns the control images and the call's keywords with that size."""
+    several = isinstance(control_image, (list, tuple))
+    images = list(control_image) if several else [control_image]
+    if not all(isinstance(im, Image.Image) for im in [image, mask_image, *images]):
+        raise InputError("padding_mask_crop needs image=, mask_image= and control_image= as PIL images (as diffusers; "
+                         "one per net): Image.fromarray(array) makes one")
+    f = pipe.vae_scale_factor
+    height = kwargs.get("height") or image.height - image.height % f
+    width = kwargs.get("width") or image.width - image.width % f
+    box = crop_region(mask_image, width, height, padding_mask_crop)
+    cropped = [resize_and_fill(im.convert("RGB").crop(box), width, height) for im in images]
+    return (cropped if several else cropped[0]), {**kwargs, "height": height, "width": width}
