@@ -88,6 +88,14 @@ def check_size(height: int, width: int, factor: int, why: str) -> None:
                              f"try {name}={max(factor, int(v) // factor * factor)}")
 
 
+def host_array(x, dtype=None) -> np.ndarray:
+    """A user's array (NumPy, JAX, or a torch tensor someone passed: as float32) as a NumPy array of ``dtype``
+    (default: its own)."""
+    if hasattr(x, "detach"):
+        x = x.detach().float().cpu().numpy()
+    return np.asarray(x, dtype)
+
+
 def given_array(value, shape: tuple[int, ...], name: str, layout: str):
     """A user's array as float32 of exactly ``shape`` (``layout`` names its axes in the error)."""
     arr = jnp.asarray(value, dtype=jnp.float32)

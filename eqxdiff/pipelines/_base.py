@@ -307,7 +307,11 @@ class DiffusionPipeline(LoraMixin, DiffusersApiMixin):
     def encoder(self, name: str):
         """Component ``name`` on the devices: an offloaded encoder is placed there for this use only (released
         when the returned model goes)."""
-        model = getattr(self, name)
+        return self.encoder_on_devices(getattr(self, name))
+
+    def encoder_on_devices(self, model):
+        """An encoder ``model`` of this pipeline on the devices (:meth:`encoder`'s, for one held elsewhere: an
+        IP-Adapter's image encoder)."""
         if not self.offload_encoders:
             return model
         return jax.tree.map(jnp.asarray, model) if self.mesh is None else shard_params(model, self.mesh, self.rules)

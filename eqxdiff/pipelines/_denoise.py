@@ -256,10 +256,9 @@ def plan_schedule(scheduler, num_inference_steps: int | None, *, sample_shape: t
         run = np.asarray(scheduler.timesteps_to_run(state))
         num_steps = int(np.sum(run >= _cutoff(scheduler, end)))
     if num_steps < 1:
-        cut = f"denoising_start={start}" if start is not None else None if strength is None else f"strength={strength}"
-        if remaining >= 1 or cut is None:  # denoising_end cuts off every step the start leaves
-            cut = f"denoising_end={end}" + ("" if cut is None else f" after {cut}")
-        what = cut
+        what = f"denoising_start={start}" if start is not None else None if strength is None else f"strength={strength}"
+        if remaining >= 1 or what is None:  # denoising_end cuts off every step the start leaves
+            what = f"denoising_end={end}" + ("" if what is None else f" after {what}")
         raise ValueError(f"{what} with {state.timesteps.shape[0]} steps leaves no denoising step; raise "
                          "num_inference_steps or move the fraction")
     return Schedule(pad_schedule(state), num_steps, adds_noise=start is None)

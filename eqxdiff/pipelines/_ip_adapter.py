@@ -17,7 +17,6 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,6 +26,7 @@ from ..loading import CheckpointError, load, safetensors_path
 from ..loading import read_safetensors_file as _read
 from ..models import ip_adapter as ipa
 from ..parallel import shard_params
+from ._arguments import host_array
 from ._checks import InputError, InputTypeError
 from ._images import pil_to_array
 
@@ -88,7 +88,7 @@ def _state(source, subfolder, weight_name, revision) -> dict:
         state[part][rest] = value
     if not state["image_proj"] or not state["ip_adapter"]:
         raise CheckpointError("IP-Adapter: the state dict needs both image_proj and ip_adapter tensors")
-    return {part: {k: np.asarray(v.detach().float().numpy() if hasattr(v, "detach") else v)
+    return {part: {k: host_array(v)
                    for k, v in tensors.items()} for part, tensors in state.items()}
 
 
@@ -183,18 +183,12 @@ class IPAdapterMixin:
             images.extend(arr if arr.ndim == 4 else [arr])
         pixels = adapters.feature_extractor(images=images, return_tensors="np").pixel_values
         pixels = self.shard(jnp.asarray(np.transpose(pixels, (0, 2, 3, 1)), jnp.float32))  # channels-last
-        encoder = self.encoder_of(adapters.image_encoder)
+        encoder = self.encoder_on_devices(adapters.image_encoder)
         if output_hidden_states:
             return (clip_hidden_states(encoder, pixels).astype(jnp.float32),
                     clip_hidden_states(encoder, jnp.zeros_like(pixels)).astype(jnp.float32))
         embeds = clip_image_embeds(encoder, pixels).astype(jnp.float32)
         return embeds, jnp.zeros_like(embeds)
-
-    def encoder_of(self, model):
-        """``model`` on the devices (an offloaded encoder placed for this use only)."""
-        if not self.offload_encoders:
-            return model
-        return jax.tree.map(jnp.asarray, model) if self.mesh is None else shard_params(model, self.mesh, self.rules)
 
     def with_ip_adapter_tokens(self, embeds: Array, ip_adapter_image, ip_adapter_image_embeds, *, guided: bool,
                                num_images_per_prompt: int) -> Array:
@@ -255,7 +249,7 @@ class IPAdapterMixin:
                              "IP-Adapter Plus)")
         out = []
         for a, e in enumerate(given):
-            e = jnp.asarray(np.asarray(e.detach().float().numpy() if hasattr(e, "detach") else e), jnp.float32)
+            e = jnp.asarray(host_array(e, np.float32))
             projection = self.ip_adapter.projections[a]
             want, plus = projection.embed_dim, projection.READS_HIDDEN_STATES
             if e.ndim != 3 + plus or e.shape[-1] != want or (guided and e.shape[0] % 2):

@@ -35,6 +35,7 @@ import numpy as np
 from .. import nn
 from ..core import has_field, map_modules, replace_static
 from ..loading import read_safetensors_file, safetensors_path
+from ._arguments import host_array
 
 __all__ = ["TextualInversionMixin", "embedding_path", "expand_multi_vector_tokens"]
 
@@ -265,6 +266,4 @@ def _token_and_embedding(token: str | None, state) -> tuple[str, np.ndarray]:
 
 
 def _array(x) -> np.ndarray:
-    if hasattr(x, "detach"):  # a torch tensor someone passed
-        x = x.detach().float().cpu().numpy()
-    return np.asarray(x, np.float32)
+    return host_array(x, np.float32)
