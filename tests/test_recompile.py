@@ -168,11 +168,16 @@ def sdxl(tmp_path_factory):
     return eqxdiff.load_pipeline(folder / "base"), eqxdiff.load_pipeline(folder / "refiner")
 
 
+def _flux_folder(tmp_path_factory, variant: str):
+    """The tiny Flux folder of ``variant`` (tests/_tiny_flux_pipeline.py), loaded."""
+    folder = tmp_path_factory.mktemp(f"flux_{variant}")
+    tiny_flux.build(folder, variant)
+    return eqxdiff.load_pipeline(folder)
+
+
 @pytest.fixture(scope="module")
 def flux(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("flux")
-    tiny_flux.build(folder, "dev")
-    return eqxdiff.load_pipeline(folder)
+    return _flux_folder(tmp_path_factory, "dev")
 
 
 IMAGE = np.random.default_rng(0).integers(0, 256, (1, 32, 32, 3), dtype=np.uint8)
@@ -317,9 +322,7 @@ def _flux_kontext(flux):
 
 @pytest.fixture(scope="module")
 def flux_control(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("flux_control")
-    tiny_flux.build(folder, "control")
-    return eqxdiff.load_pipeline(folder)
+    return _flux_folder(tmp_path_factory, "control")
 
 
 def _flux_control(flux_control):
@@ -336,9 +339,7 @@ def _flux_inpaint(flux):
 
 @pytest.fixture(scope="module")
 def flux_fill(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("flux_fill")
-    tiny_flux.build(folder, "fill")
-    return eqxdiff.load_pipeline(folder)
+    return _flux_folder(tmp_path_factory, "fill")
 
 
 def _flux_fill(flux_fill):
