@@ -60,13 +60,15 @@ def _inputs(reference, seed=0):
     return sample, text, embeds
 
 
-def _reference(reference, sample, text, embeds, scale):
+def _reference(reference, sample, text, embeds, scale, *, images=False):
+    """diffusers' UNet at ``scale`` with ``embeds`` one image per adapter (``images``: ``[batch, images, ...]``)."""
     for proc in reference.attn_processors.values():
         if hasattr(proc, "scale"):
             proc.scale = list(scale)
+    image_embeds = [torch.from_numpy(e) if images else torch.from_numpy(e)[:, None] for e in embeds]
     with torch.no_grad():
         out = reference(torch.from_numpy(sample), 500, torch.from_numpy(text),
-                        added_cond_kwargs={"image_embeds": [torch.from_numpy(e)[:, None] for e in embeds]}).sample
+                        added_cond_kwargs={"image_embeds": image_embeds}).sample
     return nchw_to_nhwc(out)
 
 
@@ -162,3 +164,56 @@ def test_adapters_declare_logical_axes_and_shard_on_a_mesh(unets):
     pairs = [(a.ip_scale, b.ip_scale) for a, b in zip(old, new) if isinstance(a, ipa.IPAdapterAttention)]
     assert pairs and all(b.sharding == a.sharding for a, b in pairs)
     assert np.all(np.asarray(pairs[0][1]) == 0.5)
+
+
+@eqx.filter_jit
+def _run_images(unet, projections, sample, t, text, image_embeds):
+    """``_run`` with ``[batch, images, ...]`` embeddings: each image projected alone, its tokens after the last's."""
+    tokens = []
+    for p, e in zip(projections, image_embeds):
+        out = p(e.reshape(-1, *e.shape[2:]))
+        tokens.append(out.reshape(e.shape[0], -1, out.shape[-1]))
+    return unet(sample, t, jnp.concatenate([text, *tokens], axis=1))
+
+
+def test_several_images_per_adapter_match_diffusers(unets):
+    """Two adapters with 1 and 2 images: diffusers' ``image_embeds`` ``[batch, images, embed]``, whose attention reads
+    each adapter's images' tokens together. Before, the UNet read one image per adapter (the pipeline refused more)."""
+    reference, ours, states, name = unets
+    rng = np.random.default_rng(4)
+    sample, text, _ = _inputs(reference)
+    unet, projections = ipa.load_ip_adapters(ours, [as_numpy(s) for s in states])
+    embeds = [rng.standard_normal((2, n, EMBED)).astype(np.float32) for n in (1, 2)]
+    unet = ipa.with_ip_adapter_scales(unet, np.broadcast_to(np.float32([0.6, 0.3]), ipa.ip_adapter_scales(unet).shape))
+    many = ipa.with_image_counts(unet, (1, 2))
+    assert ipa.image_token_count(many) == 12 and ipa.image_token_count(unet) == 8
+    with pytest.raises(ValueError, match="give one count >= 1 per adapter"):
+        ipa.with_image_counts(unet, (2,))
+    got = _run_images(many, projections, nchw_to_nhwc(sample), 500, jnp.asarray(text), [jnp.asarray(e) for e in embeds])
+    want = _reference(reference, sample, text, embeds, (0.6, 0.3), images=True)
+    assert_close(got, want, 1e-4, f"{name} UNet, 1 and 2 images")
+
+
+def test_several_plus_images_match_diffusers(unets):
+    """A plain adapter with 2 images and a Plus one with 3 (the Resampler run per image, the tokens together)."""
+    from diffusers.models.embeddings import MultiIPAdapterImageProjection
+
+    reference, ours, states, name = unets
+    rng = np.random.default_rng(5)
+    sample, text, _ = _inputs(reference)
+    plus = {"image_proj": plus_image_proj(reference.config.cross_attention_dim, seed=7),
+            "ip_adapter": states[1]["ip_adapter"]}
+    saved = reference.encoder_hid_proj
+    try:
+        reference.encoder_hid_proj = MultiIPAdapterImageProjection(
+            [reference._convert_ip_adapter_image_proj_to_diffusers(s["image_proj"], low_cpu_mem_usage=False)
+             for s in (states[0], plus)]).eval()
+        unet, projections = ipa.load_ip_adapters(ours, [as_numpy(states[0]), as_numpy(plus)])
+        embeds = [rng.standard_normal((2, 2, EMBED)).astype(np.float32),
+                  rng.standard_normal((2, 3, 9, 16)).astype(np.float32)]
+        got = _run_images(ipa.with_image_counts(unet, (2, 3)), projections, nchw_to_nhwc(sample), 500,
+                          jnp.asarray(text), [jnp.asarray(e) for e in embeds])
+        want = _reference(reference, sample, text, embeds, (1.0, 1.0), images=True)
+        assert_close(got, want, 1e-4, f"{name} UNet, 2 plain images and 3 Plus images")
+    finally:
+        reference.encoder_hid_proj = saved

@@ -35,14 +35,15 @@ def _build(kind, folder):
 
 @pytest.fixture(scope="module", params=["sd", "sdxl"])
 def pipes(request, tmp_path_factory):
-    """(diffusers pipeline, eqxdiff pipeline), each with the same random IP-Adapter loaded from one folder."""
+    """(diffusers pipeline, eqxdiff pipeline, the adapter's folder), each pipeline with the same random IP-Adapter
+    loaded from that folder."""
     folder = tmp_path_factory.mktemp(f"ip_{request.param}")
     ref = _build(request.param, folder)
     save_ip_adapter(folder / "ip", ref.unet)
     ref.load_ip_adapter(str(folder / "ip"), subfolder="", weight_name="ip-adapter.safetensors")
     pipe = eqxdiff.load_pipeline(folder / "pipe")
     pipe.load_ip_adapter(folder / "ip", subfolder="", weight_name="ip-adapter.safetensors")
-    return ref, pipe
+    return ref, pipe, folder / "ip"
 
 
 def _reference(ref, latents, **kwargs):
@@ -57,7 +58,7 @@ def _ours(pipe, latents, **kwargs):
 
 
 def test_images_match_diffusers_and_a_new_scale_compiles_nothing(pipes):
-    ref, pipe = pipes
+    ref, pipe, _ = pipes
     latents = np.random.default_rng(0).standard_normal((2, 16, 16, 4)).astype(np.float32)
     ref.set_ip_adapter_scale(1.0)
     pipe.set_ip_adapter_scale(1.0)
@@ -83,7 +84,7 @@ BLOCK_SCALES = {  # InstantStyle's per-block configs, for the tiny UNets' blocks
 
 
 def test_per_block_scales_are_diffusers(pipes):
-    ref, pipe = pipes
+    ref, pipe, _ = pipes
     kind = "sdxl" if "XL" in type(pipe).__name__ else "sd"
     for config in BLOCK_SCALES[kind]:
         ref.set_ip_adapter_scale(config)
@@ -97,7 +98,7 @@ def test_per_block_scales_are_diffusers(pipes):
 
 
 def test_bad_inputs_name_the_fix(pipes, tmp_path):
-    _, pipe = pipes
+    _, pipe, _ = pipes
     with pytest.raises(InputError, match=r"ip_adapter_image_embeds\[0\] has shape \(2, 1, 5\)"):
         _ours(pipe, None, ip_adapter_image_embeds=[np.zeros((2, 1, 5), np.float32)])
     with pytest.raises(InputError, match="unload_ip_adapter"):
@@ -121,7 +122,7 @@ def test_bad_inputs_name_the_fix(pipes, tmp_path):
 def test_save_pretrained_leaves_the_adapter_out(pipes, tmp_path):
     """pipe.save_pretrained and save_pipeline(pipe) write the folder without the adapter (models_to_save; the
     latter wrote the adapter's layers into the UNet's folder before)."""
-    _, pipe = pipes
+    _, pipe, _ = pipes
     pipe.save_pretrained(tmp_path / "saved")
     save_pipeline(pipe, tmp_path / "direct")
     assert pipe.ip_adapter is not None  # (still loaded here)
@@ -134,7 +135,7 @@ def test_save_pretrained_leaves_the_adapter_out(pipes, tmp_path):
 def test_image_to_image_takes_the_adapter_as_diffusers(pipes, monkeypatch):
     """Image-to-image runs the same call: diffusers' img2img class on the same components (the adapter loaded),
     from the same image latents and noise."""
-    ref, pipe = pipes
+    ref, pipe, _ = pipes
     if "XL" in type(pipe).__name__:
         from diffusers.pipelines.stable_diffusion_xl import pipeline_stable_diffusion_xl_img2img as module
 
@@ -158,10 +159,55 @@ def test_image_to_image_takes_the_adapter_as_diffusers(pipes, monkeypatch):
     assert _max_pixel_diff(ours, expected) <= 2
 
 
+OTHER = Image.fromarray(np.random.default_rng(6).integers(0, 256, (36, 30, 3), dtype=np.uint8))
+
+
+def test_two_images_on_one_adapter_match_diffusers(pipes):
+    """diffusers' list of images for an adapter (``[[a, b]]``): both images' tokens read together, as images and as
+    diffusers' embeddings ``[2 (negative; positive), 2 images, embed]``; the same count compiles nothing again.
+    Before, eqxdiff refused a second image."""
+    ref, pipe, _ = pipes
+    latents = np.random.default_rng(3).standard_normal((2, 16, 16, 4)).astype(np.float32)
+    ref.set_ip_adapter_scale(0.8)
+    pipe.set_ip_adapter_scale(0.8)
+    expected = _reference(ref, latents, ip_adapter_image=[[PICTURE, OTHER]])
+    ours = _ours(pipe, latents, ip_adapter_image=[[PICTURE, OTHER]])
+    assert _max_pixel_diff(ours, expected) <= 2
+    assert np.abs(ours.astype(int) - _ours(pipe, latents, ip_adapter_image=PICTURE).astype(int)).max() > 2
+    with torch.no_grad():
+        embeds = ref.prepare_ip_adapter_image_embeds([[PICTURE, OTHER]], None, "cpu", 1, True)
+    assert tuple(embeds[0].shape[:2]) == (2, 2)
+    given = _ours(pipe, latents, ip_adapter_image_embeds=[e.numpy() for e in embeds])
+    assert pipe.timings["denoise_compile"] == 0.0  # two images again (after one): the first call's loop
+    assert _max_pixel_diff(given, expected) <= 2
+    with pytest.raises(InputError, match=r"2 entries for 1 IP-Adapter\(s\).*\[\[image_a, image_b\]\]"):
+        _ours(pipe, None, ip_adapter_image=[PICTURE, OTHER])
+
+
+def test_two_adapters_with_one_and_two_images_match_diffusers(pipes):
+    """Two adapters (the fixture's file and a state dict), 1 and 2 images: the second adapter's tokens, twice as
+    many, after the first's."""
+    ref, pipe, source = pipes
+    state = ip_adapter_state(ref.unet, seed=5)
+    try:
+        ref.load_ip_adapter([str(source), state], subfolder=["", None], weight_name=["ip-adapter.safetensors", None])
+        pipe.load_ip_adapter([source, as_numpy(state)], subfolder=["", None],
+                             weight_name=["ip-adapter.safetensors", None])
+        ref.set_ip_adapter_scale([0.9, 0.6])
+        pipe.set_ip_adapter_scale([0.9, 0.6])
+        latents = np.random.default_rng(4).standard_normal((2, 16, 16, 4)).astype(np.float32)
+        images = [PICTURE, [OTHER, PICTURE]]
+        assert _max_pixel_diff(_ours(pipe, latents, ip_adapter_image=images),
+                               _reference(ref, latents, ip_adapter_image=images)) <= 2
+    finally:
+        ref.load_ip_adapter(str(source), subfolder="", weight_name="ip-adapter.safetensors")
+        pipe.load_ip_adapter(source, subfolder="", weight_name="ip-adapter.safetensors")
+
+
 def test_plus_adapter_from_a_dict_matches_diffusers(pipes):
     """IP-Adapter Plus (the Resampler over the image encoder's penultimate hidden states), given as a state dict in
     memory; the image encoder loaded with the first adapter stays. (Last in the file: it replaces the adapter.)"""
-    ref, pipe = pipes
+    ref, pipe, _ = pipes
     state = {"image_proj": plus_image_proj(ref.unet.config.cross_attention_dim, seed=8),
              "ip_adapter": ip_adapter_state(ref.unet, seed=4)["ip_adapter"]}
     ref.load_ip_adapter(state, subfolder=None, weight_name=None)
@@ -187,7 +233,7 @@ def test_lora_and_ip_adapter_keep_each_other(pipes, tmp_path):
     LoRA kept the UNet as first loaded, so unload_lora_weights gave back one without the IP-Adapter's layers while
     pipe.ip_adapter still appended image tokens (then read as text), and after unload_ip_adapter gave back one with
     them (which split the text's last tokens off as image tokens). Bookkeeping only: nothing compiles."""
-    ref, pipe = pipes
+    ref, pipe, _ = pipes
     lora = files.save(files.peft(files.modules(ref.unet, r"attn[12]\.to_(q|k|v|out\.0)$"), "unet.", files.Rand(3),
                                  rank=2), tmp_path / "lora.safetensors")
     state = as_numpy(ip_adapter_state(ref.unet, seed=9))

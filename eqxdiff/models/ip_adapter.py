@@ -24,13 +24,14 @@ import numpy as np
 
 from .. import nn
 from .._typing import Array, Bool, Float, typechecked
-from ..core import replace_static
+from ..core import map_modules, replace_static
 from ..nn import AbstractAttention, CrossAttention, LayerNorm, Linear, attend
 from ._ip_resampler import IPAdapterPlusImageProjection, plus_image_projection
 
 __all__ = ["IPAdapterAttention", "IPAdapterPlusImageProjection", "ImageProjection", "add_ip_adapters",
            "cross_attention_blocks", "cross_attention_paths", "has_ip_adapters", "image_projection",
-           "ip_adapter_scales", "load_ip_adapters", "remove_ip_adapters", "with_ip_adapter_scales"]
+           "image_token_count", "ip_adapter_scales", "load_ip_adapters", "remove_ip_adapters", "with_image_counts",
+           "with_ip_adapter_scales"]
 
 
 def _linear(weight: np.ndarray, bias: np.ndarray | None, dtype, axes=("out", "embed")) -> Linear:
@@ -97,7 +98,9 @@ class IPAdapterAttention(AbstractAttention):
     """A UNet cross-attention (``attn2``) with IP-Adapters: the text attention of :class:`~eqxdiff.nn.CrossAttention`
     plus, for each adapter ``i``, the queries' attention to its image tokens through ``to_k_ip[i]`` / ``to_v_ip[i]``,
     times ``ip_scale[i]``, summed before ``to_out`` (diffusers' ``IPAdapterAttnProcessor2_0``). The context is the
-    text tokens followed by each adapter's ``num_tokens[i]`` image tokens."""
+    text tokens followed by each adapter's image tokens: ``num_images[i]`` images of ``num_tokens[i]`` tokens each,
+    one after the other (diffusers' ``[batch, images, tokens, dim]`` through ``to_k_ip``, which attends to the images'
+    tokens together). The image counts are shapes (:func:`with_image_counts`; a new count compiles)."""
 
     PARAM_AXES: ClassVar = {"ip_scale": (None,)}  # a few scalars: replicated
 
@@ -109,6 +112,7 @@ class IPAdapterAttention(AbstractAttention):
     to_v_ip: tuple[Linear, ...]
     ip_scale: Float[Array, " adapters"]
     num_tokens: tuple[int, ...] = eqx.field(static=True)
+    num_images: tuple[int, ...] = eqx.field(static=True)
 
     def __init__(self, attention: CrossAttention, to_k_ip: Sequence[Linear], to_v_ip: Sequence[Linear],
                  num_tokens: Sequence[int]):
@@ -121,6 +125,7 @@ class IPAdapterAttention(AbstractAttention):
         self.to_k_ip, self.to_v_ip = tuple(to_k_ip), tuple(to_v_ip)
         self.ip_scale = jnp.ones((len(self.to_k_ip),), jnp.float32)
         self.num_tokens = tuple(int(n) for n in num_tokens)
+        self.num_images = (1,) * len(self.num_tokens)
 
     @property
     def base(self) -> CrossAttention:
@@ -137,17 +142,17 @@ class IPAdapterAttention(AbstractAttention):
     @typechecked
     def __call__(self, x: Float[Array, "batch seq dim"], context: Float[Array, "batch ctx_seq ctx_dim"], *,
                  mask: Bool[Array, "batch ctx_seq"] | None = None) -> Float[Array, "batch seq out"]:
-        image_tokens = sum(self.num_tokens)
-        text = context.shape[1] - image_tokens
+        counts = [n * images for n, images in zip(self.num_tokens, self.num_images)]
+        text = context.shape[1] - sum(counts)
         if text < 1:
             raise ValueError(f"IPAdapterAttention: the context has {context.shape[1]} tokens, but the IP-Adapters "
-                             f"take {image_tokens} image tokens after the text: pass the projected image tokens")
+                             f"take {sum(counts)} image tokens after the text: pass the projected image tokens")
         q = self._heads(self.to_q(x))
         tokens = context[:, :text]
         out = attend(self, q, self._heads(self.to_k(tokens)), self._heads(self.to_v(tokens)),
                      mask=None if mask is None else mask[:, :text])
         start = text
-        for i, (to_k, to_v, n) in enumerate(zip(self.to_k_ip, self.to_v_ip, self.num_tokens)):
+        for i, (to_k, to_v, n) in enumerate(zip(self.to_k_ip, self.to_v_ip, counts)):
             image = context[:, start:start + n]
             start += n
             ip = attend(self, q, self._heads(to_k(image)), self._heads(to_v(image)))
@@ -237,13 +242,35 @@ def has_ip_adapters(unet) -> bool:
     return False
 
 
-def image_token_count(unet) -> int:
-    """How many image tokens the IP-Adapters in ``unet`` read at the end of its context (0 without adapters)."""
+def _first_attention(unet):
     for transformer in _transformers(unet):
         blocks = transformer.transformer_blocks
-        attention = (blocks.layers if isinstance(blocks, nn.Stacked) else blocks[0]).attn2
-        return sum(attention.num_tokens) if isinstance(attention, IPAdapterAttention) else 0
-    return 0
+        return (blocks.layers if isinstance(blocks, nn.Stacked) else blocks[0]).attn2
+    return None
+
+
+def image_token_count(unet) -> int:
+    """How many image tokens the IP-Adapters in ``unet`` read at the end of its context (0 without adapters)."""
+    attention = _first_attention(unet)
+    if not isinstance(attention, IPAdapterAttention):
+        return 0
+    return sum(n * images for n, images in zip(attention.num_tokens, attention.num_images))
+
+
+def with_image_counts(unet, counts: Sequence[int]):
+    """``unet`` with its IP-Adapters reading ``counts[a]`` images' tokens for adapter ``a`` (static: a new count
+    compiles; the arrays are the same)."""
+    attention = _first_attention(unet)
+    if not isinstance(attention, IPAdapterAttention):
+        raise ValueError("with_image_counts: the UNet holds no IP-Adapters")
+    counts = tuple(int(c) for c in counts)
+    if len(counts) != len(attention.num_tokens) or min(counts) < 1:
+        raise ValueError(f"with_image_counts: {counts} for {len(attention.num_tokens)} IP-Adapter(s); give one "
+                         "count >= 1 per adapter")
+    if counts == attention.num_images:
+        return unet
+    return map_modules(lambda m: replace_static(m, num_images=counts) if isinstance(m, IPAdapterAttention) else m,
+                       unet)
 
 
 def _scale_sites(unet):

@@ -6,8 +6,10 @@ The adapters' weights go into the UNet's cross-attentions (:mod:`eqxdiff.models.
 projections stay here. A call encodes the image prompt with the CLIP image encoder (the ``image_embeds`` of
 ``CLIPVisionModelWithProjection``, after ``CLIPImageProcessor``'s resize, crop and normalisation, as diffusers'
 ``encode_image``), projects it into tokens and appends them to the text embeddings (``[negative; positive]`` rows
-with guidance, the negative image embedding zeros as diffusers'); the denoising loop runs as without adapters. The
-scales are values in the UNet: ``set_ip_adapter_scale`` compiles nothing.
+with guidance, the negative image embedding zeros as diffusers'); the denoising loop runs as without adapters. An
+adapter given several images (a list) reads their tokens one image after the other, as diffusers' attention reads
+its ``[batch, images, tokens, dim]``; the counts are shapes in the UNet (a new count compiles). The scales are values
+in the UNet: ``set_ip_adapter_scale`` compiles nothing.
 """
 
 import dataclasses
@@ -59,8 +61,15 @@ def clip_hidden_states(image_encoder, pixel_values: Float[Array, "n size size 3"
 
 @program
 def _project(projections, embeds):
-    """Each adapter's tokens ``[rows, tokens, width]`` of its embeddings ``[rows, embed]``, concatenated."""
-    return jnp.concatenate([p(e) for p, e in zip(projections, embeds)], axis=1)
+    """Each adapter's tokens ``[rows, images * tokens, width]`` of its embeddings ``[rows, images, ...]``, concatenated:
+    each image projected alone, its tokens after the previous image's (diffusers' ``MultiIPAdapterImageProjection``
+    and the ``[rows, images, tokens, width]`` its attention processor reads through ``to_k_ip``)."""
+    out = []
+    for projection, e in zip(projections, embeds):
+        rows, images = e.shape[:2]
+        tokens = projection(e.reshape(rows * images, *e.shape[2:]))
+        out.append(tokens.reshape(rows, images * tokens.shape[1], tokens.shape[2]))
+    return jnp.concatenate(out, axis=1)
 
 
 def _state(source, subfolder, weight_name, revision) -> dict:
@@ -194,7 +203,9 @@ class IPAdapterMixin:
                                num_images_per_prompt: int) -> Array:
         """``embeds`` (the text embeddings, ``[negative; positive]`` rows with guidance) with the IP-Adapters' image
         tokens appended to each row (diffusers' ``prepare_ip_adapter_image_embeds`` and the UNet's projection);
-        unchanged without adapters."""
+        unchanged without adapters. An adapter may take several images (diffusers' list of images per adapter, or
+        embeddings ``[.., images, ...]``): their tokens follow each other, and the UNet is set to read that many
+        (:func:`~eqxdiff.models.ip_adapter.with_image_counts`: a new count compiles, the same count does not)."""
         if self.ip_adapter is None:
             return embeds
         n = len(self.ip_adapter.projections)
@@ -206,6 +217,7 @@ class IPAdapterMixin:
             pos, neg = (_rows(x, rows, num_images_per_prompt, a) for x in (pos, neg))
             positive.append(pos)
             negative.append(neg)
+        self.unet = ipa.with_image_counts(self.unet, [pos.shape[1] for pos in positive])
         tokens = _project(self.ip_adapter.projections, positive)
         if guided:
             tokens = jnp.concatenate([_project(self.ip_adapter.projections, negative), tokens])
@@ -230,13 +242,12 @@ class IPAdapterMixin:
                              "load it with image_encoder_folder=, or pass ip_adapter_image_embeds")
         if embeds is not None:
             self._given_embeds(embeds, len(self.ip_adapter.projections), guided=False)
+        if image is not None:
+            _per_adapter(image, len(self.ip_adapter.projections))
 
     def _embeds_of_images(self, images, n: int) -> list:
-        images = list(images) if isinstance(images, (list, tuple)) and n > 1 else [images]
-        if len(images) != n:
-            raise InputError(f"ip_adapter_image holds {len(images)} images for {n} IP-Adapters: give one per adapter")
         out = []
-        for image, projection in zip(images, self.ip_adapter.projections):
+        for image, projection in zip(_per_adapter(images, n), self.ip_adapter.projections):
             pos, neg = self.encode_image(image, output_hidden_states=projection.READS_HIDDEN_STATES)
             out.append((pos[None], neg[None]))  # [1, images, embed]
         return out
@@ -304,13 +315,19 @@ def _expand_scale(config, blocks: Sequence[tuple[str, int, int]]) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
+def _per_adapter(images, n: int) -> list:
+    """``ip_adapter_image`` as one entry per adapter (diffusers' list; one adapter also takes its entry alone), each
+    an image or a list of images."""
+    entries = list(images) if isinstance(images, (list, tuple)) else [images]
+    if len(entries) != n:
+        raise InputError(f"ip_adapter_image holds {len(entries)} entries for {n} IP-Adapter(s): give one per adapter, "
+                         "each an image or a list of images (two images on one adapter: [[image_a, image_b]])")
+    return entries
+
+
 def _rows(x: Array, rows: int, num_images_per_prompt: int, adapter: int) -> Array:
-    """``x`` ``[m, images, ...]`` as ``[rows, ...]``: each of its ``m`` rows repeated ``num_images_per_prompt`` times
-    (one row: every row)."""
-    if x.shape[1] != 1:
-        raise InputError(f"IP-Adapter {adapter} got {x.shape[1]} images; eqxdiff takes one image per IP-Adapter "
-                         "(average their embeddings, or load the adapter twice)")
-    x = x[:, 0]
+    """``x`` ``[m, images, ...]`` as ``[rows, images, ...]``: each of its ``m`` rows repeated
+    ``num_images_per_prompt`` times (one row: every row)."""
     if x.shape[0] == 1:
         return jnp.broadcast_to(x, (rows, *x.shape[1:]))
     x = jnp.repeat(x, num_images_per_prompt, axis=0)

@@ -143,10 +143,11 @@ class StableDiffusionPipeline(UNetPipeline):
             sigmas: A custom noise-level schedule (replaces ``num_inference_steps``).
             masked_image_latents: An inpainting UNet's masked-image latents ``[1 or n, h, w, c]`` (channels-last,
                 scaled as latents), used instead of encoding the masked image.
-            ip_adapter_image: The image prompt of the loaded IP-Adapter(s) (one per adapter: PIL or uint8 ``[h, w, 3]``;
+            ip_adapter_image: The image prompt of the loaded IP-Adapter(s): one entry per adapter, each an image (PIL
+                or uint8 ``[h, w, 3]``) or a list of images read together (``[[a, b]]``: two on one adapter;
                 :meth:`~eqxdiff.pipelines._ip_adapter.IPAdapterMixin.load_ip_adapter`).
             ip_adapter_image_embeds: Their CLIP image embeddings instead, one array per adapter ``[2 (negative;
-                positive) with guidance, else 1, 1, embed]`` (diffusers' ``prepare_ip_adapter_image_embeds``).
+                positive) with guidance, else 1, images, embed]`` (diffusers' ``prepare_ip_adapter_image_embeds``).
             padding_mask_crop: Inpaint only the box around the mask, padded by this many pixels, at the output size,
                 pasted back into the picture (PIL ``image`` and ``mask_image``; :mod:`~eqxdiff.pipelines._mask_crop`).
             output_type: ``"uint8"`` images, ``"np"`` (float32 in [0, 1]), ``"pil"`` (a list of PIL
