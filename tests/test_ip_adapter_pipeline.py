@@ -262,7 +262,8 @@ def test_lora_and_ip_adapter_keep_each_other(pipes, tmp_path):
 
 def test_generate_takes_an_ip_adapter(tmp_path):
     """eqxdiff-generate's --ip-adapter FILE, --ip-adapter-scale and --ip-adapter-image: the Python API's image,
-    recorded in the PNG; bad combinations are refused before loading."""
+    recorded in the PNG; a repeated --ip-adapter-image is the adapter's list of images; bad combinations are refused
+    before loading."""
     from eqxdiff.cli import generate
     from eqxdiff.pipelines import read_parameters
 
@@ -282,6 +283,10 @@ def test_generate_takes_an_ip_adapter(tmp_path):
     expected = pipe("a red cat", height=32, width=32, num_inference_steps=2, seed=0, progress=False,
                     ip_adapter_image=Image.open(tmp_path / "picture.png"))
     np.testing.assert_array_equal(np.asarray(Image.open(paths[0]).convert("RGB")), expected[0])
+    OTHER.save(tmp_path / "other.png")  # --ip-adapter-image repeated: both images on the one adapter ([[a, b]])
+    twice = generate.validate([*argv, *ip, "--ip-adapter-image", str(tmp_path / "other.png")]).kwargs
+    (images,) = twice["ip_adapter_image"]
+    assert [np.asarray(x).tolist() for x in images] == [np.asarray(PICTURE).tolist(), np.asarray(OTHER).tolist()]
     (tmp_path / "ip-adapter.bin").write_bytes(b"")
     for extra, match in [
         (ip[2:], "--ip-adapter-image needs --ip-adapter"),

@@ -68,6 +68,13 @@ def check_extras(cls: type, run, kwargs: Mapping[str, Any]) -> None:
         raise InputError(f"--ip-adapter-scale {run.ip_adapter_scale}: give a finite number")
 
 
+def one_adapter_images(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The call's arguments with a repeated --ip-adapter-image as the images of the command's one adapter (diffusers'
+    ``[[a, b]]``: their tokens read together; a plain list would give one image to each of several adapters)."""
+    images = kwargs.get("ip_adapter_image")
+    return {**kwargs, "ip_adapter_image": [images]} if isinstance(images, list) else dict(kwargs)
+
+
 def before_loading(run, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The call's arguments as the class's checks see them before loading: with --ip-adapter, without the image
     prompt (the adapter's checks need it loaded; they run at the call)."""
@@ -101,4 +108,4 @@ def extras_metadata(run) -> dict[str, Any]:
 
 
 __all__ = ["before_loading", "check_extras", "extras_metadata", "ip_adapter_source", "load_extras",
-           "textual_inversions"]
+           "one_adapter_images", "textual_inversions"]

@@ -54,6 +54,10 @@ MEDIA_INPUTS: Mapping[str, str] = {
     "ip_adapter_image": "image", "video": "video",
 }
 
+# Media inputs whose flag repeats though the signature does not say so: the command's one IP-Adapter reads the
+# images of a repeated --ip-adapter-image together (eqxdiff.cli._extras.one_adapter_images).
+SEVERAL_MEDIA = ("ip_adapter_image",)
+
 # Arguments the command decides itself: it saves uint8 images or frames.
 NOT_FLAGS = ("output_type", "return_dict")
 
@@ -79,7 +83,7 @@ COMMON_HELP: Mapping[str, str] = {
     "mask_image": "A mask image file (white = repaint).",
     "control_image": "A control image file (edges, depth, pose ...).",
     "last_image": "The last frame, as an image file (first-last-frame-to-video).",
-    "ip_adapter_image": "An image file for the IP-Adapter.",
+    "ip_adapter_image": "An image file for the IP-Adapter (repeated: several images, read together).",
     "video": "An input video file.",
     "control_guidance_start": "ControlNet: the fraction of the steps before which the nets are off.",
     "control_guidance_end": "ControlNet: the fraction of the steps after which the nets are off.",
@@ -274,7 +278,7 @@ def family_options(pipeline_class: type, defaults: Mapping[str, Any] | None = No
         item = one_or_several(annotation)
         if name in MEDIA_INPUTS:
             tp, default, media[name] = Path | None, None, MEDIA_INPUTS[name]
-            item = None if item is None else Path
+            item = Path if item is not None or name in SEVERAL_MEDIA else None
         else:
             tp = _cli_type(annotation)
             if tp is None:
