@@ -35,6 +35,9 @@ def call_lora_scale(argument: str, value: Any) -> float:
     if not isinstance(value, Mapping):
         raise InputTypeError(f"{argument}={value!r} must be a dict such as {{'scale': 0.5}} (the call's LoRA scale)")
     other = sorted(map(str, set(value) - {"scale"}))
+    if "ip_adapter_masks" in other:
+        raise InputError(f"{argument} holds 'ip_adapter_masks': eqxdiff's IP-Adapters take no masks yet (each "
+                         "adapter's images act on the whole picture); leave them out")
     if other:
         raise InputError(f"{argument} holds {other}: eqxdiff takes only 'scale' there (the call's LoRA scale); "
                          "diffusers passes the other keys to attention processors, which eqxdiff does not have")
