@@ -299,9 +299,9 @@ def test_generate_takes_an_ip_adapter(tmp_path):
 
 def test_controlnet_takes_the_adapter_as_diffusers(tmp_path):
     """A ControlNet pipeline with an IP-Adapter: the UNet reads the image tokens, the net the text alone, as in
-    diffusers' StableDiffusionControlNetPipeline (within 2/255, guidance on). Before, the ControlNet pipelines
-    refused the adapter; with the image tokens left in the net's context the images are off (the net reads them as
-    text)."""
+    diffusers' StableDiffusionControlNetPipeline (within 2/255, guidance on), here with two images on the adapter (the
+    net strips both images' tokens). Before, the ControlNet pipelines refused the adapter; with the image tokens left
+    in the net's context the images are off (the net reads them as text)."""
     from . import _tiny_controlnet as tiny
 
     ref = tiny.build_sd(tmp_path / "cn", tiny.controlnet(tiny.SD_PIPE_CONTROLNET, 11))
@@ -313,8 +313,10 @@ def test_controlnet_takes_the_adapter_as_diffusers(tmp_path):
     latents = np.random.default_rng(1).standard_normal((1, 16, 16, 4)).astype(np.float32)
     with torch.no_grad():
         expected = ref("a red cat", image=torch.from_numpy(control).permute(0, 3, 1, 2).float() / 255,
-                       latents=nhwc_to_nchw(latents), output_type="np", ip_adapter_image=PICTURE, **STEPS).images
-    ours = pipe("a red cat", image=control, latents=latents, ip_adapter_image=PICTURE, progress=False, **STEPS)
+                       latents=nhwc_to_nchw(latents), output_type="np", ip_adapter_image=[[PICTURE, OTHER]],
+                       **STEPS).images
+    ours = pipe("a red cat", image=control, latents=latents, ip_adapter_image=[[PICTURE, OTHER]], progress=False,
+                **STEPS)
     assert _max_pixel_diff(ours, expected) <= 2
 
 
