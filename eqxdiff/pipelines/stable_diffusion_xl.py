@@ -256,9 +256,9 @@ class StableDiffusionXLPipeline(UNetPipeline):
             negative_target_size: The negative conditioning's ``target_size``.
             aesthetic_score: The refiner's aesthetic score (with ``requires_aesthetics_score``).
             negative_aesthetic_score: The refiner's negative aesthetic score.
-            ip_adapter_image: The image prompt of the loaded IP-Adapter(s), one per adapter (see
-                :class:`~eqxdiff.pipelines.StableDiffusionPipeline`); ``ip_adapter_image_embeds`` their CLIP image
-                embeddings instead.
+            ip_adapter_image: The image prompt of the loaded IP-Adapter(s), one entry per adapter, each an image or a
+                list of images (see :class:`~eqxdiff.pipelines.StableDiffusionPipeline`); ``ip_adapter_image_embeds``
+                their CLIP image embeddings instead.
             output_type: ``"uint8"`` images, ``"np"`` (float32 in [0, 1]), ``"pil"`` (a list of PIL
                 images) or ``"latent"`` (channels-last latents).
         """
