@@ -132,6 +132,35 @@ def test_save_pretrained_leaves_the_adapter_out(pipes, tmp_path):
         assert not any("_ip" in k for k in state_dict(again.unet)), f"{name}: the adapter's layers were written"
 
 
+def test_the_image_encoder_is_placed_as_the_pipelines_encoders(pipes):
+    """load_ip_adapter's CLIP image encoder goes where the pipeline's own encoders go: in host memory with
+    offload_encoders (it stayed on the device before), read onto the mesh with the plan on one (it sat on one
+    device before); the images are the one-device pipeline's."""
+    from jax.sharding import NamedSharding
+
+    from eqxdiff.parallel import MeshConfig, make_mesh
+
+    _, pipe, folder = pipes
+    if "text_encoder_2" in pipe.components:
+        pytest.skip("one pipeline suffices: the placement is the shared loader's")
+    latents = np.random.default_rng(0).standard_normal((2, 16, 16, 4)).astype(np.float32)
+    mesh = make_mesh(MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=-1))
+    for options in (dict(offload_encoders=True), dict(mesh=mesh)):
+        placed = eqxdiff.load_pipeline(folder.parent / "pipe", **options)
+        placed.load_ip_adapter(folder, subfolder="", weight_name="ip-adapter.safetensors")
+        leaves = jax.tree.leaves(placed.ip_adapter.image_encoder)
+        if "mesh" in options:
+            assert all(isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh for x in leaves)
+            plans = [m.plan for m in jax.tree.leaves(placed.ip_adapter.image_encoder, is_leaf=lambda m: hasattr(
+                m, "plan")) if hasattr(m, "plan")]
+            assert plans and all(plan.mesh == mesh for plan in plans)
+        else:
+            assert all(isinstance(x, np.ndarray) for x in leaves)
+        pipe.set_ip_adapter_scale(1.0)
+        images = [_ours(p, latents, ip_adapter_image=PICTURE).astype(int) for p in (placed, pipe)]
+        assert np.abs(images[0] - images[1]).max() <= 1
+
+
 def test_image_to_image_takes_the_adapter_as_diffusers(pipes, monkeypatch):
     """Image-to-image runs the same call: diffusers' img2img class on the same components (the adapter loaded),
     from the same image latents and noise."""

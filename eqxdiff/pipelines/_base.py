@@ -110,21 +110,22 @@ class DiffusionPipeline(LoraMixin, DiffusersApiMixin):
         self.timings: dict[str, float] = {}
         self.mesh, self.offload_encoders = mesh, offload_encoders
         self.rules = (rules or DEFAULT_RULES) if mesh is not None else rules
-        plan = Plan(mesh, self.rules) if mesh is not None else None
         for c in self.COMPONENTS:
             value = components.get(c.name)
             if c.kind == "model" and value is not None:
-                value = self._place(value, c, attention, plan)
+                value = self.place(value, encoder=c.encoder, attention=attention)
             setattr(self, c.name, value)
 
-    def _place(self, model, component: Component, attention, plan):
-        if attention and not component.encoder:
+    def place(self, model, *, encoder: bool, attention: str | None = None):
+        """``model`` placed as this pipeline's models are: a denoiser with ``attention``; on the mesh with its plan;
+        an encoder in host memory under ``offload_encoders`` (also one loaded later: an IP-Adapter's image encoder)."""
+        if attention and not encoder:
             model = with_attention_implementation(model, attention)
-        offload = self.offload_encoders and component.encoder
-        if plan is not None:
+        offload = self.offload_encoders and encoder
+        if self.mesh is not None:
             if not offload:
                 model = shard_params(model, self.mesh, self.rules)
-            model = with_plan(model, plan)
+            model = with_plan(model, Plan(self.mesh, self.rules))
         return jax.device_get(model) if offload else model
 
     @classmethod
@@ -310,8 +311,7 @@ class DiffusionPipeline(LoraMixin, DiffusersApiMixin):
         return self.encoder_on_devices(getattr(self, name))
 
     def encoder_on_devices(self, model):
-        """An encoder ``model`` of this pipeline on the devices (:meth:`encoder`'s, for one held elsewhere: an
-        IP-Adapter's image encoder)."""
+        """An encoder ``model`` on the devices (:meth:`encoder`'s, for one held elsewhere: an IP-Adapter's)."""
         if not self.offload_encoders:
             return model
         return jax.tree.map(jnp.asarray, model) if self.mesh is None else shard_params(model, self.mesh, self.rules)

@@ -27,7 +27,7 @@ from ..core import program
 from ..loading import CheckpointError, load, safetensors_path
 from ..loading import read_safetensors_file as _read
 from ..models import ip_adapter as ipa
-from ..parallel import shard_params
+from ..parallel import shard_params, sharding_fn
 from ._arguments import host_array
 from ._checks import InputError, InputTypeError
 from ._images import pil_to_array
@@ -133,7 +133,9 @@ class IPAdapterMixin:
         if encoder is None and image_encoder_folder is not None and not isinstance(sources[0], Mapping):
             folder = image_encoder_folder if "/" in image_encoder_folder else (
                 Path(subfolders[0], image_encoder_folder).as_posix() if subfolders[0] else image_encoder_folder)
-            encoder = load(sources[0], subfolder=folder, dtype=unet.conv_in.weight.dtype, revision=revision)
+            onto_mesh = self.mesh is not None and not self.offload_encoders
+            encoder = self.place(load(sources[0], subfolder=folder, dtype=unet.conv_in.weight.dtype, revision=revision,
+                                      sharding=sharding_fn(self.mesh, self.rules) if onto_mesh else None), encoder=True)
             plain = any(not p.READS_HIDDEN_STATES for p in projections)
             if plain and getattr(encoder, "visual_projection", None) is None:
                 raise CheckpointError(f"the image encoder in {folder!r} is a {type(encoder).__name__}; the plain "
