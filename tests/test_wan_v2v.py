@@ -17,6 +17,7 @@ import eqxdiff
 from eqxdiff.cli import generate
 from eqxdiff.pipelines import InputError, write_video
 from eqxdiff.pipelines.wan_v2v import WanVideoToVideoPipeline
+from eqxdiff.schedulers import FlowMatchEulerDiscreteScheduler
 
 from . import _tiny_wan as tiny
 
@@ -81,6 +82,20 @@ def test_video_to_video_matches_diffusers(v2v):
     given = pipe(FRAMES, prompt_embeds=embeds.numpy(), negative_prompt_embeds=negative.numpy(), latents=noise,
                  strength=0.5, guidance_scale=4.0, num_inference_steps=4, progress=False)
     assert _pixels_off(given, outputs[0] / 255) <= 1
+
+
+def test_strength_rounds_as_wan_whatever_the_scheduler(v2v):
+    """A flow-matching Euler scheduler in the folder: diffusers' Wan pipeline still skips ``N - int(N * strength)``
+    steps (8 of 10 at 0.274), where the scheduler's own rule (Flux's ``int(N - N * strength)``) skipped 7: 54/255
+    off before the pipeline passed its rounding (``whole_steps``)."""
+    ref, pipe, _ = v2v
+    euler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    ref = diffusers.WanVideoToVideoPipeline(**{**ref.components, "scheduler": euler})
+    ours = WanVideoToVideoPipeline.from_pipe(pipe, scheduler=FlowMatchEulerDiscreteScheduler.from_config(euler.config))
+    noise = np.random.default_rng(2).standard_normal(SHAPE).astype(np.float32)
+    kwargs = dict(prompt=PROMPTS, guidance_scale=1.0, num_inference_steps=10, strength=0.274, max_sequence_length=16)
+    expected = _diffusers(ref, noise, video=[Image.fromarray(f) for f in FRAMES], **kwargs)
+    assert _pixels_off(ours(FRAMES, latents=noise, progress=False, **kwargs), expected) <= 2
 
 
 def test_bad_videos_are_refused_with_the_fix(v2v):

@@ -78,6 +78,9 @@ __all__ = ["MAX_SEQUENCE_LENGTH", "WanDenoiser", "WanPipeline", "clean_prompt", 
 MAX_SEQUENCE_LENGTH = 512  # diffusers' default prompt length (and what 2.1 image-to-video's added k/v assume)
 DEFAULT_SIZE = (480, 832)
 DEFAULT_FRAMES = 81
+# diffusers' Wan video-to-video rounds strength to whole steps (get_timesteps: N - int(N * strength) skipped) whatever
+# the scheduler (a FlowMatchEuler scheduler's own default is Flux's int(N - N * strength))
+STRENGTH_WHOLE_STEPS = True
 LATENTS_LAYOUT = "[n, (num_frames - 1) / t + 1, height/f, width/f, C] (channels-last; t, f: the VAE's factors)"
 
 
@@ -246,7 +249,7 @@ class WanPipeline(LatentPipeline):
         boundary (once loaded: ``eqxdiff-generate`` checks the schedule before)."""
         if "num_inference_steps" in arguments:
             plan_schedule(self.scheduler, arguments["num_inference_steps"], sample_shape=(1, 1, 1, 1, 1),
-                          strength=arguments.get("strength"))  # video-to-video's
+                          strength=arguments.get("strength"), whole_steps=STRENGTH_WHOLE_STEPS)  # video-to-video's
         if not hasattr(self, "transformer"):
             return
         boundary = self._boundary(arguments.get("boundary_ratio"))
@@ -316,7 +319,8 @@ class WanPipeline(LatentPipeline):
         """``(schedule, guidance, high_noise)``: the scheduler's plan (cut by ``strength``, video-to-video), the
         (per-step, with two experts) guidance and the per-step expert flags (``None`` with one expert), both as long
         as the padded schedule."""
-        schedule = plan_schedule(self.scheduler, num_inference_steps, sample_shape=shape, strength=strength)
+        schedule = plan_schedule(self.scheduler, num_inference_steps, sample_shape=shape, strength=strength,
+                                 whole_steps=STRENGTH_WHOLE_STEPS)
         guided = guidance_scale > 1  # diffusers: guidance_scale alone decides, also for the low-noise expert
         if boundary is None:
             return schedule, Guidance(guidance_scale, enabled=guided), None
