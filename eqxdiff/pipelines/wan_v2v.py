@@ -53,9 +53,9 @@ class WanVideoToVideoPipeline(WanPipeline):
                              "latents: this folder is not a text-to-video one (image-to-video folders run as "
                              "WanImageToVideoPipeline)")
 
-    def video_pixels(self, video, prompts: int, per_prompt: int):
-        """``video`` as ``[-1, 1]`` frames ``[n, F, H, W, 3]``, one clip per output (``prompts * per_prompt``): one
-        clip for all, or one per prompt (repeated for its videos); the frame count ``4k + 1`` checked."""
+    def video_pixels(self, video, prompts: int):
+        """``video`` as ``[-1, 1]`` frames ``[k, F, H, W, 3]``: one clip (for every prompt) or one per prompt
+        (``k = prompts``); the frame count ``4k + 1`` checked."""
         clips = video_clips(video)
         if not clips:
             raise InputError("pass video= (the video to start from: frames [F, H, W, 3] or a list of PIL images)")
@@ -74,8 +74,7 @@ class WanVideoToVideoPipeline(WanPipeline):
         if len(frames) not in (1, prompts):
             raise InputError(f"video holds {len(frames)} clips for {prompts} prompts; pass one clip (for every "
                              "prompt) or one per prompt")
-        pixels = jnp.stack(frames)
-        return jnp.repeat(pixels, prompts * per_prompt // pixels.shape[0], axis=0)
+        return jnp.stack(frames)
 
     def _size(self, pixels, height: int | None, width: int | None) -> tuple[int, int]:
         size = tuple(pixels.shape[2:4])
@@ -118,13 +117,14 @@ class WanVideoToVideoPipeline(WanPipeline):
         key = resolve_key(seed, key)
         prompts = (np.shape(prompt_embeds)[0] if prompt_embeds is not None else  # neither: self.prompts says so
                    len(prompt_list(prompt)) if prompt is not None else 1)
-        pixels = self.video_pixels(video, prompts, num_videos_per_prompt)  # checked before anything runs
+        pixels = self.video_pixels(video, prompts)  # checked before anything runs
         height, width = self._size(pixels, height, width)
         positive, negative = self.prompts(
             num_videos_per_prompt, prompt, negative_prompt, guided=guidance_scale > 1, prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=max_sequence_length)
         with self.timed("encode_video"):
-            init = condition_latents(self.vae, self.shard(pixels), tiled=self.vae_tiling)
+            init = condition_latents(self.vae, pixels, tiled=self.vae_tiling)  # each clip once, then one per video
+            init = self.shard(jnp.repeat(init, positive.shape[0] // init.shape[0], axis=0))
         shape = self.video_latents_shape(positive.shape[0], pixels.shape[1], height, width, self.latent_channels)
         return self.generate(positive, negative, shape=shape, num_inference_steps=num_inference_steps,
                              guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2,
