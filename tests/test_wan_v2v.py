@@ -87,13 +87,17 @@ def test_video_to_video_matches_diffusers(v2v):
 def test_strength_rounds_as_wan_whatever_the_scheduler(v2v):
     """A flow-matching Euler scheduler in the folder: diffusers' Wan pipeline still skips ``N - int(N * strength)``
     steps (8 of 10 at 0.274), where the scheduler's own rule (Flux's ``int(N - N * strength)``) skipped 7: 54/255
-    off before the pipeline passed its rounding (``whole_steps``)."""
+    off before the pipeline passed its rounding (``whole_steps``); a custom ``timesteps`` schedule likewise."""
     ref, pipe, _ = v2v
     euler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
     ref = diffusers.WanVideoToVideoPipeline(**{**ref.components, "scheduler": euler})
     ours = WanVideoToVideoPipeline.from_pipe(pipe, scheduler=FlowMatchEulerDiscreteScheduler.from_config(euler.config))
     noise = np.random.default_rng(2).standard_normal(SHAPE).astype(np.float32)
     kwargs = dict(prompt=PROMPTS, guidance_scale=1.0, num_inference_steps=10, strength=0.274, max_sequence_length=16)
+    expected = _diffusers(ref, noise, video=[Image.fromarray(f) for f in FRAMES], **kwargs)
+    assert _pixels_off(ours(FRAMES, latents=noise, progress=False, **kwargs), expected) <= 2
+    # diffusers' custom timesteps (N = their count: 2 of 5 kept at 0.5)
+    kwargs = dict(kwargs, num_inference_steps=None, timesteps=[1000.0, 800.0, 600.0, 400.0, 200.0], strength=0.5)
     expected = _diffusers(ref, noise, video=[Image.fromarray(f) for f in FRAMES], **kwargs)
     assert _pixels_off(ours(FRAMES, latents=noise, progress=False, **kwargs), expected) <= 2
 

@@ -249,7 +249,8 @@ class WanPipeline(LatentPipeline):
         boundary (once loaded: ``eqxdiff-generate`` checks the schedule before)."""
         if "num_inference_steps" in arguments:
             plan_schedule(self.scheduler, arguments["num_inference_steps"], sample_shape=(1, 1, 1, 1, 1),
-                          strength=arguments.get("strength"), whole_steps=STRENGTH_WHOLE_STEPS)  # video-to-video's
+                          strength=arguments.get("strength"), whole_steps=STRENGTH_WHOLE_STEPS,  # video-to-video's
+                          timesteps=arguments.get("timesteps"))
         if not hasattr(self, "transformer"):
             return
         boundary = self._boundary(arguments.get("boundary_ratio"))
@@ -315,12 +316,12 @@ class WanPipeline(LatentPipeline):
     # -- generation ------------------------------------------------------------------------------------------------
 
     def experts_schedule(self, num_inference_steps: int, shape, *, guidance_scale: float, guidance_scale_2,
-                         boundary: float | None, strength: float | None = None):
+                         boundary: float | None, strength: float | None = None, timesteps=None):
         """``(schedule, guidance, high_noise)``: the scheduler's plan (cut by ``strength``, video-to-video), the
         (per-step, with two experts) guidance and the per-step expert flags (``None`` with one expert), both as long
-        as the padded schedule."""
+        as the padded schedule; ``timesteps``: a custom schedule (diffusers' ``timesteps``)."""
         schedule = plan_schedule(self.scheduler, num_inference_steps, sample_shape=shape, strength=strength,
-                                 whole_steps=STRENGTH_WHOLE_STEPS)
+                                 whole_steps=STRENGTH_WHOLE_STEPS, timesteps=timesteps)
         guided = guidance_scale > 1  # diffusers: guidance_scale alone decides, also for the low-noise expert
         if boundary is None:
             return schedule, Guidance(guidance_scale, enabled=guided), None
@@ -333,18 +334,20 @@ class WanPipeline(LatentPipeline):
 
     def generate(self, positive, negative, *, shape, num_inference_steps: int, guidance_scale: float,
                  guidance_scale_2, boundary_ratio, key: PRNGKeyArray, latents=None, extra=None, image_embeds=None,
-                 init_latents=None, strength: float | None = None, output_type: str = "uint8",
+                 init_latents=None, strength: float | None = None, timesteps=None, output_type: str = "uint8",
                  progress: bool = True):
         """Everything after the text encoders: the latents of ``shape`` (``[n, T, h, w, C]``; the noise given as
         ``latents`` or drawn from ``key``) denoised and decoded. ``extra``: image-to-video's conditioning arrays
         (:class:`WanDenoiser`), one row per video where they have rows (:data:`BATCHED`); ``image_embeds``: CLIP's
         image tokens (2.1 image-to-video), one image's (or first-last pair's) rows per video. ``init_latents``
         (video-to-video, ``shape``): the start, noised to the first step the schedule keeps of ``strength``
-        (:func:`~eqxdiff.pipelines.plan_schedule`, ``add_noise_at_step``), instead of the noise alone."""
+        (:func:`~eqxdiff.pipelines.plan_schedule`, ``add_noise_at_step``), instead of the noise alone; ``timesteps``
+        a custom schedule in place of ``num_inference_steps`` (for schedulers that take one)."""
         boundary = self._boundary(boundary_ratio)
         schedule, guidance, high = self.experts_schedule(num_inference_steps, shape, guidance_scale=guidance_scale,
                                                          guidance_scale_2=guidance_scale_2, boundary=boundary,
-                                                         strength=None if init_latents is None else strength)
+                                                         strength=None if init_latents is None else strength,
+                                                         timesteps=timesteps)
         draws = noise_draws(key, shape)
         noise = draws.noise if latents is None else given_array(latents, shape, "latents", LATENTS_LAYOUT)
         start = noise if init_latents is None else self.scheduler.add_noise_at_step(schedule.state, init_latents,

@@ -92,7 +92,8 @@ class WanVideoToVideoPipeline(WanPipeline):
     @checked_call
     def __call__(self, video=None, prompt: str | Sequence[str] | None = None, *,
                  negative_prompt: str | Sequence[str] | None = None, height: int | None = None,
-                 width: int | None = None, num_inference_steps: int = 50, guidance_scale: float = 5.0,
+                 width: int | None = None, num_inference_steps: int = 50, timesteps: Sequence[float] | None = None,
+                 guidance_scale: float = 5.0,
                  strength: float = DEFAULT_STRENGTH, guidance_scale_2: float | None = None,
                  boundary_ratio: float | None = None, num_videos_per_prompt: int = 1, seed: int | None = None,
                  key: PRNGKeyArray | None = None, latents=None, prompt_embeds=None, negative_prompt_embeds=None,
@@ -111,6 +112,8 @@ class WanVideoToVideoPipeline(WanPipeline):
             width: Width in pixels (default: the video's; if given, the video's).
             strength: How far the video is noised: the fraction of the schedule that runs (1: from noise, the
                 video's latents barely kept; lower keeps more of the video).
+            timesteps: A custom schedule, descending, in place of num_inference_steps (schedulers that take one:
+                flow-matching Euler; Wan's UniPC does not, as in diffusers).
             latents: The noise added to the video's latents ``[n, T, h, w, C]``, channels-last (an array).
         """
         self._check_channels()
@@ -129,4 +132,4 @@ class WanVideoToVideoPipeline(WanPipeline):
         return self.generate(positive, negative, shape=shape, num_inference_steps=num_inference_steps,
                              guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2,
                              boundary_ratio=boundary_ratio, key=key, latents=latents, init_latents=init,
-                             strength=strength, output_type=output_type, progress=progress)
+                             strength=strength, timesteps=timesteps, output_type=output_type, progress=progress)
