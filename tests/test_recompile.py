@@ -377,6 +377,16 @@ def _wan_i2v(wan_ti2v):
     sweep(wan_ti2v, dict(WAN_BASE, image=image), [dict(guidance_scale=2.0), *STEPS, dict(image=255 - image)])
 
 
+def _wan_v2v(wan):
+    """Video-to-video (the A14B folder run as one: both experts): the strength, the guidance, the steps and the video
+    are values."""
+    video = np.repeat(IMAGE, 9, axis=0)  # 9 frames
+    pipe = resolve_class("WanVideoToVideoPipeline").from_pipe(wan)
+    base = {k: v for k, v in WAN_BASE.items() if k != "num_frames"}  # the video's
+    sweep(pipe, dict(base, video=video, strength=0.7), [dict(strength=1.0), dict(guidance_scale=6.0),
+                                                      *IMAGE_STEPS, dict(video=255 - video)])
+
+
 @pytest.fixture(scope="module")
 def ltx(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ltx")
@@ -447,6 +457,7 @@ SWEEPS = {
     "FluxFillPipeline": (_flux_fill, "flux_fill"),
     "WanPipeline": (_wan, "wan"),
     "WanImageToVideoPipeline": (_wan_i2v, "wan_ti2v"),
+    "WanVideoToVideoPipeline": (_wan_v2v, "wan"),
     "LTXPipeline": (_ltx, "ltx"),
     "LTXImageToVideoPipeline": (_ltx_i2v, "ltx"),
     "LTXConditionPipeline": (_ltx_condition, "ltx"),

@@ -24,6 +24,7 @@ from PIL import Image
 
 import eqxdiff
 from eqxdiff.cli import generate
+from eqxdiff.core import resolve_class
 from eqxdiff.parallel import MeshConfig, make_mesh
 from eqxdiff.pipelines import (
     CallLimits,
@@ -175,6 +176,19 @@ def test_two_experts_match_diffusers(a14b):
     finally:
         pipe.enable_expert_offload(False)
     assert _pixels_off(offloaded, ours / 255) <= 1
+
+
+def test_offloaded_experts_split_a_strength_cut_schedule_as_resident_ones(a14b):
+    """Video-to-video on the A14B folder: with strength 0.7 of 6 steps the loop starts at step 2, and the offloaded
+    experts' segments count their high-noise steps from there (they counted from step 0: latents 1.2 apart)."""
+    _, pipe, _ = a14b
+    v2v = resolve_class("WanVideoToVideoPipeline").from_pipe(pipe)
+    video = np.stack([_picture(i) for i in range(5)])
+    kwargs = dict(prompt=PROMPTS, num_inference_steps=6, strength=0.7, guidance_scale=3.0, seed=0,
+                  max_sequence_length=16, output_type="latent", progress=False)
+    resident = v2v(video, **kwargs)
+    v2v.enable_expert_offload()
+    assert_close(v2v(video, **kwargs), resident, 1e-6, "offloaded experts")
 
 
 def test_halves_of_two_lengths_run_apart_as_diffusers(a14b):

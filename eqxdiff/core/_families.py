@@ -39,6 +39,7 @@ FAMILY_TABLE: dict[str, str] = {
     "AutoencoderKLWan": "eqxdiff.models.wan_vae:AutoencoderKLWan",
     "WanPipeline": "eqxdiff.pipelines.wan:WanPipeline",
     "WanImageToVideoPipeline": "eqxdiff.pipelines.wan_i2v:WanImageToVideoPipeline",
+    "WanVideoToVideoPipeline": "eqxdiff.pipelines.wan_v2v:WanVideoToVideoPipeline",
     # LTX-Video
     "LTXVideoTransformer3DModel": "eqxdiff.models.ltx:LTXVideoTransformer3DModel",
     "AutoencoderKLLTXVideo": "eqxdiff.models.ltx_vae:AutoencoderKLLTXVideo",

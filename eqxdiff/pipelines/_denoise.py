@@ -222,13 +222,15 @@ def _cutoff(scheduler, fraction: float) -> int:
 
 def plan_schedule(scheduler, num_inference_steps: int | None, *, sample_shape: tuple[int, ...],
                   strength: float | None = None, denoising_start: float | None = None,
-                  denoising_end: float | None = None, **schedule) -> Schedule:
+                  denoising_end: float | None = None, whole_steps: bool | None = None, **schedule) -> Schedule:
     """The scheduler state and step count for a pipeline call, as diffusers' pipelines cut the timesteps.
 
     ``schedule``: a custom schedule for the scheduler's ``init`` (``timesteps=``, ``sigmas=``; ``None`` values are
     dropped); it replaces ``num_inference_steps``, as in diffusers' ``retrieve_timesteps``.
 
-    ``strength`` (image-to-image) starts at ``N - int(N * strength)`` steps in. ``denoising_start`` (the second
+    ``strength`` (image-to-image) starts at ``N - int(N * strength)`` steps in, or ``int(N - N * strength)``: the
+    pipeline's rounding, ``whole_steps`` (``None``: the scheduler's usual one; ``AbstractScheduler.init``).
+    ``denoising_start`` (the second
     pipeline of a hand-off, a fraction of the training timesteps) starts at the first timestep below
     ``round(T - denoising_start * T)`` and overrides ``strength``; the latents there are given, not noised.
     ``denoising_end`` (the first pipeline of a hand-off) stops before the first timestep below
@@ -250,7 +252,8 @@ def plan_schedule(scheduler, num_inference_steps: int | None, *, sample_shape: t
         state = scheduler.init(num_inference_steps, sample_shape=sample_shape,
                                begin_index=len(timesteps) - min(count, len(timesteps)), **schedule)
     else:
-        state = scheduler.init(num_inference_steps, sample_shape=sample_shape, strength=strength, **schedule)
+        state = scheduler.init(num_inference_steps, sample_shape=sample_shape, strength=strength,
+                               whole_steps=None if strength is None else whole_steps, **schedule)
     num_steps = remaining = int(scheduler.remaining_steps(state))
     if end is not None:
         run = np.asarray(scheduler.timesteps_to_run(state))

@@ -73,6 +73,32 @@ def resize_nearest(arr: np.ndarray, height: int, width: int) -> np.ndarray:
     return arr[:, index(arr.shape[1], height)][:, :, index(arr.shape[2], width)]
 
 
+def is_picture(x) -> bool:
+    """Whether ``x`` is one picture: a PIL image or an array ``[H, W, c]``."""
+    return isinstance(x, Image.Image) or (hasattr(x, "shape") and np.ndim(x) == 3)
+
+
+def video_clips(video) -> list:
+    """``video`` as a list of clips, read as diffusers' ``VideoProcessor.preprocess_video`` reads its input: one clip
+    (frames ``[F, H, W, 3]``, or a list of pictures), several (an array ``[n, F, H, W, 3]``, or a list of clips);
+    ``[]`` for ``None``."""
+    if video is None:
+        return []
+    if hasattr(video, "shape"):
+        return [video[i] for i in range(video.shape[0])] if np.ndim(video) == 5 else [video]
+    if isinstance(video, (list, tuple)) and video and is_picture(video[0]):
+        return [video]
+    return list(video)
+
+
+def clip_frames(clip):
+    """A clip's frames as one array ``[F, H, W, 3]`` (a list of PIL images or of frames stacked; an array as it
+    is)."""
+    if isinstance(clip, (list, tuple)):
+        return np.stack([np.asarray(f.convert("RGB")) if isinstance(f, Image.Image) else np.asarray(f) for f in clip])
+    return clip
+
+
 def to_model_range(images) -> jnp.ndarray:
     """uint8 ``[n, h, w, 3]`` images, PIL images, or floats in ``[0, 1]`` as float32 in ``[-1, 1]``."""
     arr = np.asarray(pil_to_array(images, "RGB"))

@@ -51,7 +51,7 @@ from ._arguments import given_array, resolve_key
 from ._call import checked_call
 from ._checks import InputError, pixel_size
 from ._denoise import Denoiser, Guidance, Schedule
-from ._images import to_model_range
+from ._images import clip_frames, is_picture, to_model_range, video_clips
 from ._latents import noise_draws
 from .ltx import (
     DEFAULT_FRAME_RATE,
@@ -228,7 +228,7 @@ class LTXConditionPipeline(LTXPipeline):
                 raise InputError("pass conditions= or image= / video=, not both")
             return list(conditions) if isinstance(conditions, (list, tuple)) else [conditions]
         found = [LTXVideoCondition(image=i) for i in _images(image)] + [LTXVideoCondition(video=v)
-                                                                         for v in _clips(video)]
+                                                                         for v in video_clips(video)]
         indices, strengths = (_per_condition(v, len(found), n) for v, n in ((frame_index, "frame_index"),
                                                                              (strength, "strength")))
         return [dataclasses.replace(c, frame_index=int(i), strength=float(s))
@@ -244,7 +244,7 @@ class LTXConditionPipeline(LTXPipeline):
             raise InputError(f"frame_index={index} lies outside the video's {num_frames} frames; pass 0 to "
                              f"{num_frames - 1}")
         try:
-            frames = to_model_range(condition.image if condition.video is None else _frames(condition.video))
+            frames = to_model_range(condition.image if condition.video is None else clip_frames(condition.video))
         except ValueError as e:
             raise InputError(f"{'image' if condition.video is None else 'video'}: {e}") from None
         if condition.video is None and frames.shape[0] != 1:
@@ -377,36 +377,15 @@ def condition_schedule(scheduler, num_inference_steps: int, timesteps, denoise_s
     return Schedule(pad_schedule(state), n - begin), float(np.asarray(state.sigmas)[begin])
 
 
-def _is_picture(x) -> bool:
-    return isinstance(x, Image.Image) or (isinstance(x, (np.ndarray, jax.Array)) and np.ndim(x) == 3)
-
-
 def _images(image) -> list:
     """``image`` as a list of pictures: one picture, a ``[k, H, W, 3]`` array of ``k``, or a list of pictures."""
     if image is None:
         return []
-    if _is_picture(image):
+    if is_picture(image):
         return [image]
     if isinstance(image, (np.ndarray, jax.Array)) and np.ndim(image) == 4:
         return [image[i] for i in range(image.shape[0])]
     return list(image)
-
-
-def _clips(video) -> list:
-    """``video`` as a list of clips: one clip (frames ``[F, H, W, 3]`` or a list of pictures) or a list of clips."""
-    if video is None:
-        return []
-    if isinstance(video, (np.ndarray, jax.Array)) or (isinstance(video, (list, tuple)) and video
-                                                        and _is_picture(video[0])):
-        return [video]
-    return list(video)
-
-
-def _frames(clip):
-    """A clip's frames as one array ``[F, H, W, 3]`` (a list of PIL images or frames stacked)."""
-    if isinstance(clip, (list, tuple)):
-        return np.stack([np.asarray(f.convert("RGB")) if isinstance(f, Image.Image) else np.asarray(f) for f in clip])
-    return clip
 
 
 def _check_counts(arguments) -> None:
@@ -414,7 +393,7 @@ def _check_counts(arguments) -> None:
     ``video``, and each frame index lies inside the video's ``num_frames``."""
     if arguments.get("conditions") is not None:
         return
-    count = len(_images(arguments.get("image"))) + len(_clips(arguments.get("video")))
+    count = len(_images(arguments.get("image"))) + len(video_clips(arguments.get("video")))
     if not count:
         return
     for name in ("frame_index", "strength"):

@@ -78,6 +78,9 @@ __all__ = ["MAX_SEQUENCE_LENGTH", "WanDenoiser", "WanPipeline", "clean_prompt", 
 MAX_SEQUENCE_LENGTH = 512  # diffusers' default prompt length (and what 2.1 image-to-video's added k/v assume)
 DEFAULT_SIZE = (480, 832)
 DEFAULT_FRAMES = 81
+# diffusers' Wan video-to-video rounds strength to whole steps (get_timesteps: N - int(N * strength) skipped) whatever
+# the scheduler (a FlowMatchEuler scheduler's own default is Flux's int(N - N * strength))
+STRENGTH_WHOLE_STEPS = True
 LATENTS_LAYOUT = "[n, (num_frames - 1) / t + 1, height/f, width/f, C] (channels-last; t, f: the VAE's factors)"
 
 
@@ -241,11 +244,13 @@ class WanPipeline(LatentPipeline):
         return CallLimits.of_patches(vae, patch[1:], native_size=DEFAULT_SIZE)
 
     def check_call(self, arguments) -> None:
-        """The schedule exists for the steps asked for, and the experts' arguments fit the folder: ``boundary_ratio``
-        needs a ``transformer_2``, ``guidance_scale_2`` a boundary (once loaded: ``eqxdiff-generate`` checks the
-        schedule before)."""
+        """The schedule exists for the steps asked for (and leaves a step after video-to-video's ``strength``), and
+        the experts' arguments fit the folder: ``boundary_ratio`` needs a ``transformer_2``, ``guidance_scale_2`` a
+        boundary (once loaded: ``eqxdiff-generate`` checks the schedule before)."""
         if "num_inference_steps" in arguments:
-            plan_schedule(self.scheduler, arguments["num_inference_steps"], sample_shape=(1, 1, 1, 1, 1))
+            plan_schedule(self.scheduler, arguments["num_inference_steps"], sample_shape=(1, 1, 1, 1, 1),
+                          strength=arguments.get("strength"), whole_steps=STRENGTH_WHOLE_STEPS,  # video-to-video's
+                          timesteps=arguments.get("timesteps"))
         if not hasattr(self, "transformer"):
             return
         boundary = self._boundary(arguments.get("boundary_ratio"))
@@ -311,10 +316,12 @@ class WanPipeline(LatentPipeline):
     # -- generation ------------------------------------------------------------------------------------------------
 
     def experts_schedule(self, num_inference_steps: int, shape, *, guidance_scale: float, guidance_scale_2,
-                         boundary: float | None):
-        """``(schedule, guidance, high_noise)``: the scheduler's plan, the (per-step, with two experts) guidance and
-        the per-step expert flags (``None`` with one expert), both as long as the padded schedule."""
-        schedule = plan_schedule(self.scheduler, num_inference_steps, sample_shape=shape)
+                         boundary: float | None, strength: float | None = None, timesteps=None):
+        """``(schedule, guidance, high_noise)``: the scheduler's plan (cut by ``strength``, video-to-video), the
+        (per-step, with two experts) guidance and the per-step expert flags (``None`` with one expert), both as long
+        as the padded schedule; ``timesteps``: a custom schedule (diffusers' ``timesteps``)."""
+        schedule = plan_schedule(self.scheduler, num_inference_steps, sample_shape=shape, strength=strength,
+                                 whole_steps=STRENGTH_WHOLE_STEPS, timesteps=timesteps)
         guided = guidance_scale > 1  # diffusers: guidance_scale alone decides, also for the low-noise expert
         if boundary is None:
             return schedule, Guidance(guidance_scale, enabled=guided), None
@@ -327,16 +334,24 @@ class WanPipeline(LatentPipeline):
 
     def generate(self, positive, negative, *, shape, num_inference_steps: int, guidance_scale: float,
                  guidance_scale_2, boundary_ratio, key: PRNGKeyArray, latents=None, extra=None, image_embeds=None,
-                 output_type: str = "uint8", progress: bool = True):
-        """Everything after the text encoders: the latents of ``shape`` (``[n, T, h, w, C]``; given ``latents`` or
-        drawn from ``key``) denoised and decoded. ``extra``: image-to-video's conditioning arrays
+                 init_latents=None, strength: float | None = None, timesteps=None, output_type: str = "uint8",
+                 progress: bool = True):
+        """Everything after the text encoders: the latents of ``shape`` (``[n, T, h, w, C]``; the noise given as
+        ``latents`` or drawn from ``key``) denoised and decoded. ``extra``: image-to-video's conditioning arrays
         (:class:`WanDenoiser`), one row per video where they have rows (:data:`BATCHED`); ``image_embeds``: CLIP's
-        image tokens (2.1 image-to-video), one image's (or first-last pair's) rows per video."""
+        image tokens (2.1 image-to-video), one image's (or first-last pair's) rows per video. ``init_latents``
+        (video-to-video, ``shape``): the start, noised to the first step the schedule keeps of ``strength``
+        (:func:`~eqxdiff.pipelines.plan_schedule`, ``add_noise_at_step``), instead of the noise alone; ``timesteps``
+        a custom schedule in place of ``num_inference_steps`` (for schedulers that take one)."""
         boundary = self._boundary(boundary_ratio)
         schedule, guidance, high = self.experts_schedule(num_inference_steps, shape, guidance_scale=guidance_scale,
-                                                         guidance_scale_2=guidance_scale_2, boundary=boundary)
+                                                         guidance_scale_2=guidance_scale_2, boundary=boundary,
+                                                         strength=None if init_latents is None else strength,
+                                                         timesteps=timesteps)
         draws = noise_draws(key, shape)
         noise = draws.noise if latents is None else given_array(latents, shape, "latents", LATENTS_LAYOUT)
+        start = noise if init_latents is None else self.scheduler.add_noise_at_step(schedule.state, init_latents,
+                                                                                      noise)
         extra = self.shard(dict(extra or {}))
         # embeddings of two lengths (a negative at max_sequence_length beside prompt_embeds of another) cannot share
         # one batch: the two halves then run apart, two model calls, as diffusers' two calls do
@@ -358,7 +373,7 @@ class WanPipeline(LatentPipeline):
                     cond["kv"] = self._kv(self.transformer, text, image)
                     if high is not None:
                         cond["kv_2"] = self._kv(self.transformer_2, text, image)
-            x = jax.block_until_ready(self.shard(noise))
+            x = jax.block_until_ready(self.shard(start))
         x = self.denoise(schedule, x, tuple(conds) if apart else conds[0], draws.loop_key, guidance=guidance,
                          text=(texts, image), progress=progress)
         if "first_frame" in extra:  # TI2V: the first latent frame is the image's
@@ -381,7 +396,9 @@ class WanPipeline(LatentPipeline):
             denoiser = WanDenoiser(self.transformer, self.transformer_2 if two else None, self.activations_dtype)
             return self.run_loop(denoiser, self.scheduler, schedule.state, x, cond, key, guidance=guidance,
                                  num_steps=schedule.num_steps, progress=progress)
-        high = int(np.sum(np.asarray(halves[0]["high_noise"])[:schedule.num_steps])) if two else schedule.num_steps
+        begin = int(schedule.state.begin_index)  # past 0 where strength cut the schedule (video-to-video)
+        flags = np.asarray(halves[0]["high_noise"])[begin:begin + schedule.num_steps] if two else None
+        high = int(np.sum(flags)) if two else schedule.num_steps
         state = schedule.state
         halves = [{k: v for k, v in c.items() if k != "high_noise"} for c in halves]
         texts, image = text

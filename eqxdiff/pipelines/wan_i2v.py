@@ -50,9 +50,10 @@ def clip_image_embeds(image_encoder, pixel_values: Float[Array, "n size size 3"]
 
 
 @program
-def condition_latents(vae, video: Float[Array, "1 frames height width 3"], *,
-                      tiled: bool = False) -> Float[Array, "1 t h w z"]:
-    """The condition video's latents: the posterior's mode, normalised (``scale_latents``) as the denoised ones;
+def condition_latents(vae, video: Float[Array, "n frames height width 3"], *,
+                      tiled: bool = False) -> Float[Array, "n t h w z"]:
+    """The condition videos' latents (video-to-video's start too): the posterior's mode, normalised
+    (``scale_latents``) as the denoised ones;
     ``tiled`` (the pipeline's ``enable_vae_tiling()``): encoded in blended spatial tiles, as diffusers' VAE does under
     ``enable_tiling()`` (which changes the latents: each tile's mid-block attention sees that tile only)."""
     return vae.scale_latents(vae.encode(video, tiled=tiled).mode())

@@ -284,12 +284,16 @@ class AbstractScheduler(eqx.Module):
         return cls(cls.CONFIG.from_dict({**raw, **overrides}))
 
     def init(self, num_inference_steps: int | None = None, *, sample_shape: tuple[int, ...] | None = None,
-             strength: float | None = None, begin_index: int | None = None, **schedule) -> AbstractSchedulerState:
+             strength: float | None = None, begin_index: int | None = None, whole_steps: bool | None = None,
+             **schedule) -> AbstractSchedulerState:
         """The state for ``num_inference_steps`` steps.
 
         ``sample_shape`` sizes multistep history buffers; ``strength`` (img2img, as diffusers' pipelines) or
-        ``begin_index`` start part-way. ``schedule`` takes the keywords of the diffusers scheduler's
-        ``set_timesteps`` (``timesteps=``, ``sigmas=``, ``mu=`` ...; see ``SCHEDULE_KEYWORDS``).
+        ``begin_index`` start part-way. ``whole_steps``: how ``strength`` rounds (:func:`resolve_begin_index`), which
+        is the pipeline's rule in diffusers, not the scheduler's: ``True`` ``N - int(N * strength)`` steps skipped,
+        ``False`` ``int(N - N * strength)``; ``None``: the rule of the pipelines this scheduler usually serves.
+        ``schedule`` takes the keywords of the diffusers scheduler's ``set_timesteps`` (``timesteps=``, ``sigmas=``,
+        ``mu=`` ...; see ``SCHEDULE_KEYWORDS``).
         """
         name = type(self).__name__
         unknown = sorted(k for k, v in schedule.items() if k not in self.SCHEDULE_KEYWORDS and v is not None)
@@ -299,8 +303,22 @@ class AbstractScheduler(eqx.Module):
             raise ValueError(f"{name}.init does not take {', '.join(k + '=' for k in unknown)} (diffusers' "
                              f"{name}.set_timesteps has no such argument); {takes}")
         schedule = {k: v for k, v in schedule.items() if k in self.SCHEDULE_KEYWORDS}
+        if strength is not None and whole_steps is not None:
+            begin_index = self._strength_start(num_inference_steps, sample_shape, strength, begin_index, whole_steps,
+                                               schedule)
+            strength = None
         return self._init(num_inference_steps, sample_shape=sample_shape, strength=strength,
                           begin_index=begin_index, **schedule)
+
+    def _strength_start(self, num_inference_steps, sample_shape, strength, begin_index, whole_steps, schedule) -> int:
+        """The begin index ``strength`` gives under the rounding ``whole_steps``, ``N`` the number of steps asked for
+        (or the custom schedule's length, as diffusers' ``retrieve_timesteps`` returns it)."""
+        state = self._init(num_inference_steps, sample_shape=sample_shape, strength=None, begin_index=None, **schedule)
+        custom = [len(v) for k, v in schedule.items() if k in ("timesteps", "sigmas") and v is not None]
+        n = (num_inference_steps if num_inference_steps is not None else custom[0] if custom
+             else int(state.num_timesteps))
+        return resolve_begin_index(n, int(state.num_timesteps), self.order, strength, begin_index,
+                                   whole_steps=whole_steps)
 
     @abc.abstractmethod
     def _init(self, num_inference_steps, *, sample_shape, strength, begin_index, **schedule):
