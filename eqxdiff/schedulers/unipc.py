@@ -7,6 +7,10 @@ is in ``disable_corrector``), then predicts the next sample from the last ``orde
 The order is warmed up from 1 and, with ``lower_order_final``, lowered over the last steps. Each update is a
 weighted sum of the sample and the model outputs whose weights (per step and order) ``init`` computes on the host
 in float64, so the whole loop stays one jitted ``fori_loop`` and the weights keep the digits float32 would lose.
+
+One difference from diffusers is kept on purpose: with ``solver_type="bh1"``, an order-1 update into sigma 0 (the
+last step of a ``final_sigmas_type="zero"`` schedule) is NaN in diffusers, whose ``alpha_t * B_h * pred_res`` is
+``-inf * 0``; here the empty residual term is left out, so that step lands on the data prediction as with ``bh2``.
 """
 
 import dataclasses
