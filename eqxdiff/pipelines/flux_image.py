@@ -9,6 +9,13 @@ appends the reference image's latent tokens (positions ``(1, row, col)``) to the
 diffusers (``height``/``width`` scaled to ``max_area``) and the reference is resized to the nearest of Kontext's
 trained resolutions unless ``_auto_resize=False`` (diffusers' name, underscore included). Either takes pixels or
 latents handed over (``[n, h, w, C]``).
+
+The image batch is one image for every output or one per output (prompts x ``num_images_per_prompt``); other counts
+are refused. diffusers' Flux image pipelines (these, inpainting, Kontext, the control ones) instead tile ``n`` images
+over ``k * n`` outputs (output ``j`` takes image ``j mod n``), so one image per prompt with ``num_images_per_prompt``
+2 pairs the first prompt with the first two images, not with its own twice (checked on Kontext in diffusers 0.42.1;
+the control pipelines' control images, by contrast, repeat per prompt). To get diffusers' pairing pass the tiled
+batch; to pair per prompt, repeat each image ``num_images_per_prompt`` times.
 """
 
 import warnings
