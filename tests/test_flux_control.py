@@ -160,6 +160,27 @@ def test_generate_takes_a_control_image(control, tmp_path, capsys):
         generate.main([*argv, "--controlnet-scale", "0.5"])
 
 
+def test_generate_runs_control_inpainting_as_the_pipeline_class(control, tmp_path):
+    """eqxdiff-generate --pipeline-class FluxControlInpaintPipeline --image --mask --control-image on the control
+    folder: the class's images from the same seed (files read as PIL images)."""
+    rng = np.random.default_rng(11)
+    files = {}
+    for name, array in (("photo", rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)),
+                        ("mask", (rng.random((8, 8)) < 0.5).astype(np.uint8) * 255),
+                        ("edges", rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))):
+        Image.fromarray(array).save(tmp_path / f"{name}.png")
+        files[name] = Image.open(tmp_path / f"{name}.png")
+    argv = ["--model", str(control.folder), "--pipeline-class", "FluxControlInpaintPipeline", "--image",
+            str(tmp_path / "photo.png"), "--mask", str(tmp_path / "mask.png"), "--control-image",
+            str(tmp_path / "edges.png"), "--prompt", "a red cat", "--steps", "3", "--max-sequence-length", "12",
+            "--strength", "0.8", "--seed", "6", "--output-dir", str(tmp_path / "out"), "--no-progress"]
+    saved = np.stack([np.asarray(Image.open(p)) for p in generate.main(argv)])
+    expected = FluxControlInpaintPipeline.from_pipe(control.pipe)(
+        "a red cat", image=files["photo"], mask_image=files["mask"], control_image=files["edges"], strength=0.8,
+        seed=6, progress=False, num_inference_steps=3, max_sequence_length=12)
+    np.testing.assert_array_equal(saved, expected)
+
+
 def test_errors_name_the_problem_and_the_fix(control):
     pipe = control.pipe
     with pytest.raises(InputError, match="FluxControlPipeline needs control_image="):
