@@ -331,6 +331,22 @@ def _flux_control(flux_control):
           [dict(guidance_scale=6.0), *STEPS, dict(seed=4), dict(control_image=255 - control)])
 
 
+def _flux_control_from_image(pipe, **extra):
+    """Flux control image-to-image and inpainting: strength, guidance and the control image are values."""
+    control = IMAGE[:, :8, :8]
+    sweep(pipe, dict(FLUX_BASE, image=255 - control, control_image=control, strength=0.6, **extra),
+          [dict(strength=0.9), dict(guidance_scale=6.0), dict(control_image=control[:, ::-1]), *IMAGE_STEPS])
+
+
+def _flux_control_img2img(flux_control):
+    _flux_control_from_image(resolve_class("FluxControlImg2ImgPipeline").from_pipe(flux_control))
+
+
+def _flux_control_inpaint(flux_control):
+    pipe = resolve_class("FluxControlInpaintPipeline").from_pipe(flux_control)
+    _flux_control_from_image(pipe, mask_image=MASK[:, 8:16, 8:16])
+
+
 def _flux_inpaint(flux):
     pipe = resolve_class("FluxInpaintPipeline").from_pipe(flux)
     sweep(pipe, dict(FLUX_BASE, image=IMAGE[:, :8, :8], mask_image=MASK[:, 8:16, 8:16], strength=0.6),
@@ -453,6 +469,8 @@ SWEEPS = {
     "FluxImg2ImgPipeline": (_flux_img2img, "flux"),
     "FluxKontextPipeline": (_flux_kontext, "flux"),
     "FluxControlPipeline": (_flux_control, "flux_control"),
+    "FluxControlImg2ImgPipeline": (_flux_control_img2img, "flux_control"),
+    "FluxControlInpaintPipeline": (_flux_control_inpaint, "flux_control"),
     "FluxInpaintPipeline": (_flux_inpaint, "flux"),
     "FluxFillPipeline": (_flux_fill, "flux_fill"),
     "WanPipeline": (_wan, "wan"),

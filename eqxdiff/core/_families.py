@@ -32,6 +32,8 @@ FAMILY_TABLE: dict[str, str] = {
     "FluxImg2ImgPipeline": "eqxdiff.pipelines.flux_image:FluxImg2ImgPipeline",
     "FluxKontextPipeline": "eqxdiff.pipelines.flux_image:FluxKontextPipeline",
     "FluxControlPipeline": "eqxdiff.pipelines.flux_control:FluxControlPipeline",
+    "FluxControlImg2ImgPipeline": "eqxdiff.pipelines.flux_control:FluxControlImg2ImgPipeline",
+    "FluxControlInpaintPipeline": "eqxdiff.pipelines.flux_control:FluxControlInpaintPipeline",
     "FluxInpaintPipeline": "eqxdiff.pipelines.flux_inpaint:FluxInpaintPipeline",
     "FluxFillPipeline": "eqxdiff.pipelines.flux_inpaint:FluxFillPipeline",
     # Wan 2.1 / 2.2 (text encoder: UMT5 above; 2.1 image-to-video's image encoder: CLIP vision above)

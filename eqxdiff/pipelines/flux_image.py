@@ -9,6 +9,13 @@ appends the reference image's latent tokens (positions ``(1, row, col)``) to the
 diffusers (``height``/``width`` scaled to ``max_area``) and the reference is resized to the nearest of Kontext's
 trained resolutions unless ``_auto_resize=False`` (diffusers' name, underscore included). Either takes pixels or
 latents handed over (``[n, h, w, C]``).
+
+The image batch is one image for every output or one per output (prompts x ``num_images_per_prompt``); other counts
+are refused. diffusers' Flux image pipelines (these, inpainting, Kontext, the control ones) instead tile ``n`` images
+over ``k * n`` outputs (output ``j`` takes image ``j mod n``), so one image per prompt with ``num_images_per_prompt``
+2 pairs the first prompt with the first two images, not with its own twice (checked on Kontext in diffusers 0.42.1;
+the control pipelines' control images, by contrast, repeat per prompt). To get diffusers' pairing pass the tiled
+batch; to pair per prompt, repeat each image ``num_images_per_prompt`` times.
 """
 
 import warnings
@@ -81,7 +88,8 @@ class _FluxFromImage(FluxPipeline):
     def _from_image(self, call: Mapping[str, Any], mask_image=None):
         """Image-to-image and inpainting (``call``: the call's ``locals()``): the image's VAE latents (the posterior
         sample drawn from ``noise_draws(key, shape).image``'s key) noised to ``strength`` and denoised; with
-        ``mask_image``, checked before the image is encoded, the known region blended back after every step."""
+        ``mask_image``, checked before the image is encoded, the known region blended back after every step; with
+        :meth:`_more_inputs`, what else the transformer reads."""
         key = resolve_key(call["seed"], call["key"])
         image = call["image"]
         size = self._start_size(image, call["height"], call["width"])
@@ -89,7 +97,13 @@ class _FluxFromImage(FluxPipeline):
         mask = None if mask_image is None else latent_mask(self._mask(mask_image, text[2], size), self.vae_scale_factor)
         with self.timed("encode_image"):
             clean = self._image_latents(image, text[2], jax.random.split(key, 3)[1], sample=True)
-        return self._generate(call, text, size, key, image=clean, strength=call["strength"], mask=mask)
+            inputs = self._more_inputs(call, text[2], size, key)
+        return self._generate(call, text, size, key, image=clean, strength=call["strength"], mask=mask, **inputs)
+
+    def _more_inputs(self, call: Mapping[str, Any], batch: int, size: tuple[int, int], key) -> dict:
+        """What :meth:`_from_image` passes :meth:`generate` beside the image (a class whose transformer reads more,
+        as the control ones, says): nothing."""
+        return {}
 
     def _mask(self, mask_image, batch: int, size: tuple[int, int]):
         """The binary pixel mask ``[batch, H, W, 1]`` (1 = repaint) at the image's size."""
