@@ -203,16 +203,23 @@ def test_errors_name_the_problem_and_the_fix(control):
 @pytest.mark.parametrize("cls", [FluxControlPipeline, FluxControlImg2ImgPipeline, FluxControlInpaintPipeline])
 def test_saved_folder_lists_the_components_diffusers_takes(control, tmp_path, cls):
     """A saved pipeline's model_index.json names the components diffusers' class of its name takes (no
-    image_encoder / feature_extractor entries, which diffusers warns about and ignores); the folder loads as it."""
+    image_encoder / feature_extractor entries, which diffusers warns about and ignores); the folder loads as it, and
+    so does Black Forest Labs' transformer file with the folder as config=."""
     import inspect
     import json
 
     import diffusers
 
+    from eqxdiff.loading import write_safetensors
     from eqxdiff.pipelines import save_pipeline
+
+    from . import _tiny_flux
 
     folder = save_pipeline(cls.from_pipe(control.pipe), tmp_path / "saved")
     index = json.loads((folder / "model_index.json").read_text())
     takes = set(inspect.signature(getattr(diffusers, cls.__name__).__init__).parameters) - {"self"}
     assert set(index) - {"_class_name", "_diffusers_version"} == takes and index["_class_name"] == cls.__name__
     assert type(eqxdiff.load_pipeline(folder)) is cls
+    path = tmp_path / "flux1-control-tiny.safetensors"
+    write_safetensors(_tiny_flux.bfl_tensors(control.ref.transformer), path)
+    assert type(eqxdiff.load_pipeline(path, config=folder)) is cls
