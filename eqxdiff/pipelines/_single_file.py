@@ -316,9 +316,17 @@ def _open(path) -> tuple[Path, SafetensorsFile]:
 
 def _layout_class(layout: Layout, index: Mapping) -> type:
     """The class a file in ``layout`` loads as: the one ``config=``'s ``model_index.json`` names if the layout
-    loads as it, else the layout's first."""
-    named = index.get("_class_name")
-    return resolve_class(named if named in layout.pipelines else layout.pipelines[0])
+    loads as it (one of its classes, or a subclass of its first with the same components: a family's
+    image-to-image or control variant), else the layout's first."""
+    first, named = resolve_class(layout.pipelines[0]), index.get("_class_name")
+    cls = resolve_class(named) if isinstance(named, str) else None
+    if named in layout.pipelines or (cls is not None and issubclass(cls, first) and _names(cls) == _names(first)):
+        return cls
+    return first
+
+
+def _names(cls) -> list[str]:
+    return [c.name for c in cls.COMPONENTS]
 
 
 def _config_source(config, revision: str | None, layout: Layout, held, where: str) -> _Config:

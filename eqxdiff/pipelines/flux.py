@@ -474,8 +474,7 @@ class FluxPipeline(TextualInversionMixin, LatentPipeline):
 # -- single files: Black Forest Labs' transformer files and ComfyUI's all-in-one files, as layouts ------------------
 
 _SINGLE_FILE = dict(family="Flux", pipelines=("FluxPipeline", "FluxImg2ImgPipeline", "FluxKontextPipeline",
-                                              "FluxControlPipeline", "FluxControlImg2ImgPipeline",
-                                              "FluxControlInpaintPipeline", "FluxInpaintPipeline", "FluxFillPipeline"),
+                                              "FluxControlPipeline", "FluxInpaintPipeline", "FluxFillPipeline"),
                     tokenizers={"tokenizer": "text_encoder", "tokenizer_2": "text_encoder_2"},
                     hub_id="black-forest-labs/FLUX.1-schnell")
 # The layouts eqxdiff.load_pipeline(file, config=FLUX_FOLDER) reads (listed in eqxdiff.core.SINGLE_FILE_LAYOUTS): the
