@@ -182,11 +182,13 @@ class StableDiffusionXLControlNetInpaintPipeline(StableDiffusionXLControlNetPipe
     micro-conditioning and ``denoising_start`` / ``denoising_end`` of
     :class:`~eqxdiff.pipelines.StableDiffusionXLInpaintPipeline`; as diffusers', ``strength`` defaults to 0.9999,
     ``controlnet_conditioning_scale`` to 1.0 and ``guidance_scale`` to 5.0. ``padding_mask_crop`` as
-    :class:`StableDiffusionControlNetInpaintPipeline`'s."""
+    :class:`StableDiffusionControlNetInpaintPipeline`'s. The negative micro-conditioning is the positive one with
+    ``negative_aesthetic_score``, as there (whose call takes no negative sizes or crop: refused here)."""
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionXLControlNetInpaintPipeline"
     OPTIONS: ClassVar = StableDiffusionXLInpaintPipeline.OPTIONS
     IMAGE_TO_IMAGE_IDS: ClassVar[bool] = True
+    NEGATIVE_TIME_IDS: ClassVar[bool] = False  # diffusers' negative ids: the positive sizes and crop
     INIT_IMAGE: ClassVar[str | None] = "image"  # the picture to inpaint; control_image the control image
     REQUIRED_INPUTS: ClassVar = ("image", "mask_image")
     CONTROL_LOWEST: ClassVar[float] = -1.0  # an inpainting net's condition: the picture, masked pixels -1
