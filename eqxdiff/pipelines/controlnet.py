@@ -14,7 +14,9 @@ text-to-image, image-to-image and inpainting and SDXL's text-to-image and image-
 and they run without it, so match them with ``guidance_rescale=0`` (the default); SDXL inpainting applies it there.
 
 Where diffusers' calls differ (fuzzed against diffusers 0.42.1): a control image of another size than the picture
-(image-to-image, inpainting, no ``height`` / ``width``) fails there, its control image not resized (resized here);
+(image-to-image, inpainting, no ``height`` / ``width``) fails there, its control image not resized (resized here),
+unless no net runs (zero scales, windows leaving no step): SDXL image-to-image (the union's too) then runs with the
+control image's size as the default ``original_size`` / ``target_size`` (the picture's here; equal given them);
 ``padding_mask_crop`` with several nets is refused there, its check taking the list of control images for the one
 PIL image it wants (each image cropped here); SDXL image-to-image with ``int(num_inference_steps * strength) == 0``
 runs no step there, unchecked, and returns an empty batch for one image (fails for more), where the schedule's

@@ -17,7 +17,8 @@ guided batch runs as one (``Guidance(mode="batched")``), as diffusers runs it.
 
 The image-to-image and inpainting classes (diffusers' ``StableDiffusionXLControlNetUnionImg2ImgPipeline`` and
 ``StableDiffusionXLControlNetUnionInpaintPipeline``) are the same nets on SDXL's image-to-image and inpainting
-machinery, as :mod:`eqxdiff.pipelines.controlnet`'s SDXL image classes are.
+machinery, as :mod:`eqxdiff.pipelines.controlnet`'s SDXL image classes are; the differences from diffusers' calls
+listed there hold for them too.
 
 >>> pipe = eqxdiff.load_pipeline("path/to/sdxl-controlnet-union")
 >>> images = pipe("a fox", control_image=[depth, pose], control_mode=[1, 0], num_inference_steps=30)
