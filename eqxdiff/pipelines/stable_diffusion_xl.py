@@ -136,7 +136,8 @@ class StableDiffusionXLPipeline(UNetPipeline):
             if prompt is None:
                 raise ValueError("pass prompt or prompt_embeds (with pooled_prompt_embeds)")
             prompts = prompt_list(prompt)
-            prompts_2 = prompts if prompt_2 is None else as_list(prompt_2, len(prompts), "prompt_2")
+            # diffusers: `prompt_2 or prompt` (an empty string is no second prompt)
+            prompts_2 = prompts if not prompt_2 else as_list(prompt_2, len(prompts), "prompt_2")
             embeds, pooled = self.encode(prompts, prompts_2, layer=-(clip_skip or 0) - 2)
         else:
             if prompt is not None or prompt_2 is not None:
@@ -164,8 +165,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
             negative, negative_pooled = jnp.zeros_like(embeds), jnp.zeros_like(pooled)
         else:
             negatives = as_list("" if negative_prompt is None else negative_prompt, n, "negative_prompt")
-            negatives_2 = negatives if negative_prompt_2 is None else as_list(negative_prompt_2, n,
-                                                                                "negative_prompt_2")
+            negatives_2 = negatives if not negative_prompt_2 else as_list(negative_prompt_2, n, "negative_prompt_2")
             negative, negative_pooled = self.encode(negatives, negatives_2)
         return jnp.concatenate([negative, embeds]), jnp.concatenate([negative_pooled, pooled])
 
