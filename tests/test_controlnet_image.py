@@ -185,3 +185,26 @@ def test_sdxl_controlnet_inpaint_matches_diffusers(tmp_path, monkeypatch, channe
     ours = pipe(PROMPTS, image=picture, mask_image=mask, control_image=control, key=key, num_inference_steps=5,
                 progress=False, **kw)
     assert ours.shape == (2, 32, 32, 3) and _pixels_off(ours, expected) <= 2
+
+
+def test_sdxl_controlnet_inpaint_negative_time_ids_are_the_positive_ones(tmp_path):
+    """diffusers' SDXL ControlNet inpainting builds the negative time ids from the positive sizes and crop (its call
+    takes no negative ones), with the aesthetic score too, where SDXL inpainting's default negative crop is (0, 0)."""
+    from diffusers.pipelines.controlnet import pipeline_controlnet_inpaint_sd_xl as module
+
+    width = 5 * 8 + _tiny_sdxl.POOLED
+    components = _tiny_sdxl.base_components(unet_config=dict(_tiny_sdxl.UNET_A,
+                                                             projection_class_embeddings_input_dim=width))
+    net = tiny.controlnet(tiny.SDXL_PIPE_CONTROLNET, 26, projection_class_embeddings_input_dim=width)
+    ref = _tiny_sdxl.save(module.StableDiffusionXLControlNetInpaintPipeline(
+        **components, controlnet=net, requires_aesthetics_score=True, add_watermarker=False), tmp_path)
+    pipe = eqxdiff.load_pipeline(tmp_path)
+    sizes = dict(original_size=(40, 24), crops_coords_top_left=(17, 1), target_size=(32, 32))
+    expected = ref._get_add_time_ids(*sizes.values(), 7.0, 2.0, dtype=torch.float32,
+                                     text_encoder_projection_dim=_tiny_sdxl.POOLED)
+    ours = pipe.add_time_ids(height=32, width=32, **sizes, aesthetic_score=7.0, negative_aesthetic_score=2.0,
+                             pooled_dim=_tiny_sdxl.POOLED)
+    np.testing.assert_array_equal(np.stack(ours), np.concatenate([e.numpy() for e in expected]))
+    with pytest.raises(InputError, match="takes no negative_original_size"):
+        pipe(PROMPTS, image=np.zeros((32, 32, 3), np.uint8), mask_image=np.zeros((32, 32), np.uint8),
+             control_image=np.zeros((32, 32, 3), np.uint8), negative_original_size=(32, 32))

@@ -26,7 +26,11 @@ from eqxdiff.models.controlnet_union import (
     control_type_vector,
 )
 from eqxdiff.pipelines import save_pipeline
-from eqxdiff.pipelines.controlnet_union import StableDiffusionXLControlNetUnionPipeline
+from eqxdiff.pipelines.controlnet_union import (
+    StableDiffusionXLControlNetUnionImg2ImgPipeline,
+    StableDiffusionXLControlNetUnionInpaintPipeline,
+    StableDiffusionXLControlNetUnionPipeline,
+)
 
 from . import _tiny_controlnet as tiny_cn
 from . import _tiny_sdxl
@@ -455,6 +459,9 @@ def test_generate_checks_control_modes_before_loading(union, cli_folders):
     with pytest.raises(InputError, match="--control-mode given 1 time for 2 --control-image"):
         generate.validate(["--model", str(root / "base"), "--controlnet", str(root / "union"), *images,
                            "--control-mode", "2"])
-    with pytest.raises(InputError, match="no image-to-image ControlNet pipeline"):
-        generate.validate(["--model", str(folder), *images, "--control-mode", "2", "--control-mode", "0",
-                           "--image", str(files[0])])
+    picture = ["--image", str(files[0])]  # image-to-image, inpainting: the union's image classes
+    for extra, cls in [(picture, StableDiffusionXLControlNetUnionImg2ImgPipeline),
+                       ([*picture, "--mask", str(files[1])], StableDiffusionXLControlNetUnionInpaintPipeline)]:
+        checked = generate.validate(["--model", str(folder), *images, "--control-mode", "2", "--control-mode", "0",
+                                     *extra])
+        assert checked.family.pipeline_class is cls

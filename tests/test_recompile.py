@@ -289,11 +289,22 @@ def _sdxl_controlnet_inpaint(sdxl, tmp_path_factory):
     _control(pipe, dict(SD_BASE, image=IMAGE, mask_image=MASK, control_image=CONTROL, strength=0.7), steps=IMAGE_STEPS)
 
 
-def _sdxl_controlnet_union(sdxl, tmp_path_factory):
+def _sdxl_controlnet_union(sdxl, tmp_path_factory, name="StableDiffusionXLControlNetUnionPipeline", **images):
     folder = tmp_path_factory.mktemp("union")
     _tiny_controlnet_union.union_net(seed=7).save_pretrained(folder, safe_serialization=True)
-    pipe = resolve_class("StableDiffusionXLControlNetUnionPipeline").from_pipe(sdxl[0], controlnet=eqxdiff.load(folder))
-    _control(pipe, dict(SD_BASE, control_image=CONTROL, control_mode=1))
+    pipe = resolve_class(name).from_pipe(sdxl[0], controlnet=eqxdiff.load(folder))
+    _control(pipe, dict(SD_BASE, control_image=CONTROL, control_mode=1, **images),
+             steps=IMAGE_STEPS if images else STEPS)
+
+
+def _sdxl_controlnet_union_img2img(sdxl, tmp_path_factory):
+    _sdxl_controlnet_union(sdxl, tmp_path_factory, "StableDiffusionXLControlNetUnionImg2ImgPipeline", image=IMAGE,
+                           strength=0.8)
+
+
+def _sdxl_controlnet_union_inpaint(sdxl, tmp_path_factory):
+    _sdxl_controlnet_union(sdxl, tmp_path_factory, "StableDiffusionXLControlNetUnionInpaintPipeline", image=IMAGE,
+                           mask_image=MASK, strength=0.7)
 
 
 FLUX_BASE = dict(prompt="a red cat", height=8, width=8, num_inference_steps=3, guidance_scale=3.5, seed=0,
@@ -465,6 +476,8 @@ SWEEPS = {
     "StableDiffusionXLControlNetImg2ImgPipeline": (_sdxl_controlnet_img2img, "sdxl", "tmp_path_factory"),
     "StableDiffusionXLControlNetInpaintPipeline": (_sdxl_controlnet_inpaint, "sdxl", "tmp_path_factory"),
     "StableDiffusionXLControlNetUnionPipeline": (_sdxl_controlnet_union, "sdxl", "tmp_path_factory"),
+    "StableDiffusionXLControlNetUnionImg2ImgPipeline": (_sdxl_controlnet_union_img2img, "sdxl", "tmp_path_factory"),
+    "StableDiffusionXLControlNetUnionInpaintPipeline": (_sdxl_controlnet_union_inpaint, "sdxl", "tmp_path_factory"),
     "FluxPipeline": (_flux, "flux"),
     "FluxImg2ImgPipeline": (_flux_img2img, "flux"),
     "FluxKontextPipeline": (_flux_kontext, "flux"),

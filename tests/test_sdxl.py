@@ -107,6 +107,18 @@ def test_text_to_image_matches_diffusers(base, latents):
     assert _pixels_off(pipe("a red cat", latents=latents, progress=False, **kwargs), expected) <= 2
 
 
+def test_empty_second_prompts_fall_back_as_in_diffusers(base):
+    """diffusers' ``prompt_2 or prompt``: an empty string as ``prompt_2`` / ``negative_prompt_2`` means the first
+    prompt (found fuzzing the SDXL ControlNet pipelines: prompt_2="" gave 141/255)."""
+    _, ref, pipe = base
+    with torch.no_grad():
+        embeds, negative, pooled, negative_pooled = ref.encode_prompt(
+            "a red cat", "", negative_prompt="blurry", negative_prompt_2="", do_classifier_free_guidance=True)
+    ours_embeds, ours_pooled = pipe.text_conditioning("a red cat", "", "blurry", "", guidance=sdxl.Guidance(5.0))
+    assert_close(ours_embeds, torch.cat([negative, embeds]).numpy(), 1e-4, "prompt embeddings")
+    assert_close(ours_pooled, torch.cat([negative_pooled, pooled]).numpy(), 1e-4, "pooled embeddings")
+
+
 def test_time_ids_follow_diffusers(base, refiner):
     """Micro-conditioning rules: text-to-image (negative sizes only when both are given), image-to-image (they
     default to the positive ones; the positive crop), the refiner's aesthetic scores."""

@@ -64,6 +64,10 @@ FAMILY_TABLE: dict[str, str] = {
     "ControlNetUnionModel": "eqxdiff.models.controlnet_union:ControlNetUnionModel",
     "StableDiffusionXLControlNetUnionPipeline":
         "eqxdiff.pipelines.controlnet_union:StableDiffusionXLControlNetUnionPipeline",
+    "StableDiffusionXLControlNetUnionImg2ImgPipeline":
+        "eqxdiff.pipelines.controlnet_union:StableDiffusionXLControlNetUnionImg2ImgPipeline",
+    "StableDiffusionXLControlNetUnionInpaintPipeline":
+        "eqxdiff.pipelines.controlnet_union:StableDiffusionXLControlNetUnionInpaintPipeline",
 }
 
 # Single .safetensors files holding a pipeline (eqxdiff.load_pipeline(file, config=...)): "module:NAME" of each

@@ -9,9 +9,18 @@ image (resized to the output size, values in ``[0, 1]``), ``controlnet_condition
 first net with ``global_pool_conditions``) runs the nets on the conditional half of a guided batch only, zeros for
 the unconditional half.
 
-``guidance_rescale`` (the family pipeline's) applies here too, where diffusers' ControlNet pipelines take none: SD's,
-SD image-to-image's and SDXL's ``**kwargs`` swallow it and they run without it, so match them with
-``guidance_rescale=0`` (the default).
+``guidance_rescale`` (the family pipeline's) applies here too, where diffusers' ControlNet pipelines take none: SD's
+text-to-image, image-to-image and inpainting and SDXL's text-to-image and image-to-image ``**kwargs`` swallow it
+and they run without it, so match them with ``guidance_rescale=0`` (the default); SDXL inpainting applies it there.
+
+Where diffusers' calls differ (fuzzed against diffusers 0.42.1): a control image of another size than the picture
+(image-to-image, inpainting, no ``height`` / ``width``) fails there, its control image not resized (resized here),
+unless no net runs (zero scales, windows leaving no step): SDXL image-to-image (the union's too) then runs with the
+control image's size as the default ``original_size`` / ``target_size`` (the picture's here; equal given them);
+``padding_mask_crop`` with several nets is refused there, its check taking the list of control images for the one
+PIL image it wants (each image cropped here); SDXL image-to-image with ``int(num_inference_steps * strength) == 0``
+runs no step there, unchecked, and returns an empty batch for one image (fails for more), where the schedule's
+check refuses it here.
 
 Each class is its family's pipeline with nets: :class:`~eqxdiff.pipelines.StableDiffusionPipeline` or
 :class:`~eqxdiff.pipelines.StableDiffusionXLPipeline` behind the shared
@@ -182,11 +191,13 @@ class StableDiffusionXLControlNetInpaintPipeline(StableDiffusionXLControlNetPipe
     micro-conditioning and ``denoising_start`` / ``denoising_end`` of
     :class:`~eqxdiff.pipelines.StableDiffusionXLInpaintPipeline`; as diffusers', ``strength`` defaults to 0.9999,
     ``controlnet_conditioning_scale`` to 1.0 and ``guidance_scale`` to 5.0. ``padding_mask_crop`` as
-    :class:`StableDiffusionControlNetInpaintPipeline`'s."""
+    :class:`StableDiffusionControlNetInpaintPipeline`'s. The negative micro-conditioning is the positive one with
+    ``negative_aesthetic_score``, as there (whose call takes no negative sizes or crop: refused here)."""
 
     CLASS_NAME: ClassVar[str] = "StableDiffusionXLControlNetInpaintPipeline"
     OPTIONS: ClassVar = StableDiffusionXLInpaintPipeline.OPTIONS
     IMAGE_TO_IMAGE_IDS: ClassVar[bool] = True
+    NEGATIVE_TIME_IDS: ClassVar[bool] = False  # diffusers' negative ids: the positive sizes and crop
     INIT_IMAGE: ClassVar[str | None] = "image"  # the picture to inpaint; control_image the control image
     REQUIRED_INPUTS: ClassVar = ("image", "mask_image")
     CONTROL_LOWEST: ClassVar[float] = -1.0  # an inpainting net's condition: the picture, masked pixels -1

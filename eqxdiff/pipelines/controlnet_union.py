@@ -15,6 +15,11 @@ ControlNet pipelines do (diffusers 0.42's union pipeline fails there: it repeats
 The union's token attention mixes the samples of a batch (see :mod:`eqxdiff.models.controlnet_union`), so the
 guided batch runs as one (``Guidance(mode="batched")``), as diffusers runs it.
 
+The image-to-image and inpainting classes (diffusers' ``StableDiffusionXLControlNetUnionImg2ImgPipeline`` and
+``StableDiffusionXLControlNetUnionInpaintPipeline``) are the same nets on SDXL's image-to-image and inpainting
+machinery, as :mod:`eqxdiff.pipelines.controlnet`'s SDXL image classes are; the differences from diffusers' calls
+listed there hold for them too.
+
 >>> pipe = eqxdiff.load_pipeline("path/to/sdxl-controlnet-union")
 >>> images = pipe("a fox", control_image=[depth, pose], control_mode=[1, 0], num_inference_steps=30)
 """
@@ -40,9 +45,14 @@ from ._controlnet import (
     ControlNetPipelineMixin,
     images_per_prompt,
 )
-from .stable_diffusion_xl import StableDiffusionXLPipeline
+from .stable_diffusion_xl import (
+    StableDiffusionXLImg2ImgPipeline,
+    StableDiffusionXLInpaintPipeline,
+    StableDiffusionXLPipeline,
+)
 
-__all__ = ["ControlNetUnionDenoiser", "StableDiffusionXLControlNetUnionPipeline"]
+__all__ = ["ControlNetUnionDenoiser", "StableDiffusionXLControlNetUnionImg2ImgPipeline",
+           "StableDiffusionXLControlNetUnionInpaintPipeline", "StableDiffusionXLControlNetUnionPipeline"]
 
 
 class ControlNetUnionDenoiser(ControlNetDenoiser):
@@ -156,3 +166,72 @@ class StableDiffusionXLControlNetUnionPipeline(ControlNetPipelineMixin, StableDi
             types = (control_type_vector(modes, nets[0].config.num_control_type),)
         return ControlNetUnionDenoiser(self.unet, self.controlnet, scales, self._control.guess_mode,
                                        jnp.asarray(modes, jnp.int32), types)
+
+
+class StableDiffusionXLControlNetUnionImg2ImgPipeline(StableDiffusionXLControlNetUnionPipeline):
+    """SDXL image-to-image with ControlNet-Union net(s) (diffusers'
+    ``StableDiffusionXLControlNetUnionImg2ImgPipeline``): ``image`` is the picture to start from, ``control_image`` /
+    ``control_mode`` as the text-to-image class's (the images resized to the picture's size); ``strength`` and
+    ``controlnet_conditioning_scale`` default to 0.8, as there. The micro-conditioning is
+    :class:`~eqxdiff.pipelines.StableDiffusionXLImg2ImgPipeline`'s (``requires_aesthetics_score``: the aesthetic
+    scores instead of the target size). ``guidance_rescale`` applies here, where diffusers' call swallows it in its
+    ``**kwargs`` (match it with 0)."""
+
+    CLASS_NAME: ClassVar[str] = "StableDiffusionXLControlNetUnionImg2ImgPipeline"
+    OPTIONS: ClassVar = StableDiffusionXLImg2ImgPipeline.OPTIONS
+    IMAGE_TO_IMAGE_IDS: ClassVar[bool] = True
+    INIT_IMAGE: ClassVar[str | None] = "image"  # the picture to start from; control_image the control images
+    REQUIRED_INPUTS: ClassVar = ("image",)
+    DEFAULT_STRENGTH: ClassVar = (0.8, 0.9999)
+
+    @checked_call
+    def __call__(self, prompt=None, prompt_2=None, image=None, control_image=None, *,
+                 control_mode: int | Sequence[int] | None = None,
+                 controlnet_conditioning_scale: float | Sequence[float] = 0.8,
+                 control_guidance_start: float | Sequence[float] = 0.0,
+                 control_guidance_end: float | Sequence[float] = 1.0, guess_mode: bool = False, **kwargs):
+        self.check_inputs(image=image)
+        bound = self._with_union_control(control_image, control_mode, scale=controlnet_conditioning_scale,
+                                         start=control_guidance_start, end=control_guidance_end,
+                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs))
+        return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, **kwargs)
+
+
+class StableDiffusionXLControlNetUnionInpaintPipeline(StableDiffusionXLControlNetUnionPipeline):
+    """SDXL inpainting with ControlNet-Union net(s) (diffusers' ``StableDiffusionXLControlNetUnionInpaintPipeline``):
+    ``image`` the picture, ``mask_image`` the mask (white = repaint), ``control_image`` / ``control_mode`` as the
+    text-to-image class's (resized to the picture's size, not masked by the pipeline). An ordinary (4-channel) UNet
+    alone, the known region blended back after each step, as there (whose call refuses an inpainting UNet); the
+    micro-conditioning and ``denoising_start`` / ``denoising_end`` of
+    :class:`~eqxdiff.pipelines.StableDiffusionXLInpaintPipeline`, the negative ids being the positive ones (with
+    ``negative_aesthetic_score``), as diffusers' ControlNet inpainting builds them. ``strength`` defaults to 0.9999,
+    ``controlnet_conditioning_scale`` to 1.0 and ``guidance_scale`` to 5.0, as there (``guidance_rescale`` applies in
+    both). ``padding_mask_crop`` is refused: diffusers' check refuses it for every call (it asks for one PIL
+    control image after making the control images a list)."""
+
+    CLASS_NAME: ClassVar[str] = "StableDiffusionXLControlNetUnionInpaintPipeline"
+    OPTIONS: ClassVar = StableDiffusionXLInpaintPipeline.OPTIONS
+    IMAGE_TO_IMAGE_IDS: ClassVar[bool] = True
+    NEGATIVE_TIME_IDS: ClassVar[bool] = False
+    INIT_IMAGE: ClassVar[str | None] = "image"  # the picture to inpaint; control_image the control images
+    REQUIRED_INPUTS: ClassVar = ("image", "mask_image")
+
+    @checked_call
+    def __call__(self, prompt=None, prompt_2=None, image=None, mask_image=None, control_image=None, *,
+                 control_mode: int | Sequence[int] | None = None,
+                 controlnet_conditioning_scale: float | Sequence[float] = 1.0,
+                 control_guidance_start: float | Sequence[float] = 0.0,
+                 control_guidance_end: float | Sequence[float] = 1.0, guess_mode: bool = False, **kwargs):
+        self.check_inputs(image=image, mask_image=mask_image)
+        if kwargs.get("padding_mask_crop") is not None:
+            raise InputError(f"{type(self).__name__} takes no padding_mask_crop (diffusers' refuses it for any "
+                             "call); crop the picture, mask and control images before the call")
+        channels = self.unet.config.in_channels
+        if channels != 4:
+            raise InputError(f"{type(self).__name__} runs an ordinary 4-channel UNet, as diffusers' (the known region "
+                             f"blended back); this UNet takes {channels} channels: load an SDXL base's UNet")
+        bound = self._with_union_control(control_image, control_mode, scale=controlnet_conditioning_scale,
+                                         start=control_guidance_start, end=control_guidance_end,
+                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs))
+        return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, mask_image=mask_image,
+                                                  **kwargs)

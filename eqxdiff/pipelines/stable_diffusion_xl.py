@@ -25,6 +25,7 @@ from .._typing import Array, Float, Int, PRNGKeyArray
 from ..core import program
 from ._arguments import as_list, given_array, prompt_list, resolve_key
 from ._call import checked_call
+from ._checks import InputError
 from ._components import Component
 from ._denoise import Guidance
 from ._mask_crop import mask_cropped
@@ -86,6 +87,10 @@ class StableDiffusionXLPipeline(UNetPipeline):
     # The image-to-image classes' micro-conditioning (negative sizes default to the positive ones; the aesthetic
     # score with requires_aesthetics_score).
     IMAGE_TO_IMAGE_IDS: ClassVar[bool] = False
+    # False: the negative micro-conditioning is the positive one (sizes and crop) with the negative aesthetic score,
+    # and negative_original_size / _crops_coords_top_left / _target_size are refused (diffusers' ControlNet
+    # inpainting pipelines: their calls take none, **kwargs swallows them).
+    NEGATIVE_TIME_IDS: ClassVar[bool] = True
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -131,7 +136,8 @@ class StableDiffusionXLPipeline(UNetPipeline):
             if prompt is None:
                 raise ValueError("pass prompt or prompt_embeds (with pooled_prompt_embeds)")
             prompts = prompt_list(prompt)
-            prompts_2 = prompts if prompt_2 is None else as_list(prompt_2, len(prompts), "prompt_2")
+            # diffusers: `prompt_2 or prompt` (an empty string is no second prompt)
+            prompts_2 = prompts if not prompt_2 else as_list(prompt_2, len(prompts), "prompt_2")
             embeds, pooled = self.encode(prompts, prompts_2, layer=-(clip_skip or 0) - 2)
         else:
             if prompt is not None or prompt_2 is not None:
@@ -159,8 +165,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
             negative, negative_pooled = jnp.zeros_like(embeds), jnp.zeros_like(pooled)
         else:
             negatives = as_list("" if negative_prompt is None else negative_prompt, n, "negative_prompt")
-            negatives_2 = negatives if negative_prompt_2 is None else as_list(negative_prompt_2, n,
-                                                                                "negative_prompt_2")
+            negatives_2 = negatives if not negative_prompt_2 else as_list(negative_prompt_2, n, "negative_prompt_2")
             negative, negative_pooled = self.encode(negatives, negatives_2)
         return jnp.concatenate([negative, embeds]), jnp.concatenate([negative_pooled, pooled])
 
@@ -178,6 +183,10 @@ class StableDiffusionXLPipeline(UNetPipeline):
         diffusers#4327)."""
         original_size = tuple(original_size or (height, width))
         target_size = tuple(target_size or (height, width))
+        if not self.NEGATIVE_TIME_IDS:
+            self.check_negative_time_ids(negative_original_size, negative_crops_coords_top_left, negative_target_size)
+            negative_original_size, negative_target_size = original_size, target_size
+            negative_crops_coords_top_left = crops_coords_top_left
         if self.IMAGE_TO_IMAGE_IDS:
             negative_original_size = tuple(negative_original_size or original_size)
             negative_target_size = tuple(negative_target_size or target_size)
@@ -207,6 +216,16 @@ class StableDiffusionXLPipeline(UNetPipeline):
                              f"ids x {config.addition_time_embed_dim} + pooled {pooled_dim} = {got + pooled_dim}; "
                              f"{hint}")
         return positive, negative
+
+    def check_negative_time_ids(self, original_size, crops_coords_top_left, target_size) -> None:
+        """Refuse negative micro-conditioning where the pipeline takes none (``NEGATIVE_TIME_IDS`` false)."""
+        given = [name for name, value in (("negative_original_size", original_size),
+                                          ("negative_crops_coords_top_left", crops_coords_top_left),
+                                          ("negative_target_size", target_size))
+                 if value is not None and not (name.startswith("negative_crops") and tuple(value) == (0, 0))]
+        if given and not self.NEGATIVE_TIME_IDS:
+            raise InputError(f"{type(self).__name__} takes no {', '.join(given)}: as diffusers', its negative "
+                             "micro-conditioning is the positive one (negative_aesthetic_score aside)")
 
     # -- the call ------------------------------------------------------------------------------------------------
 
@@ -263,6 +282,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
                 images) or ``"latent"`` (channels-last latents).
         """
         self.check_inputs(image=image, mask_image=mask_image)
+        self.check_negative_time_ids(negative_original_size, negative_crops_coords_top_left, negative_target_size)
         key = resolve_key(seed, key)
         scale = self.DEFAULT_GUIDANCE if guidance_scale is None else float(guidance_scale)
         guidance = self.guidance(scale, guidance_rescale)
