@@ -9,7 +9,10 @@ projections stay here. A call encodes the image prompt with the CLIP image encod
 with guidance, the negative image embedding zeros as diffusers'); the denoising loop runs as without adapters. An
 adapter given several images (a list) reads their tokens one image after the other, as diffusers' attention reads
 its ``[batch, images, tokens, dim]``; the counts are shapes in the UNet (a new count compiles). The scales are values
-in the UNet: ``set_ip_adapter_scale`` compiles nothing.
+in the UNet: ``set_ip_adapter_scale`` compiles nothing. One scale config (a number, a per-block dict, or a list
+holding one) with several adapters loaded applies to each of them; diffusers' ``set_ip_adapter_scale`` refuses it
+("Cannot assign 1 scale_configs to 2 IP-Adapter": its length check comes before its broadcast), so there give the list
+with one config per adapter, which both take alike.
 """
 
 import dataclasses
@@ -167,10 +170,11 @@ class IPAdapterMixin:
         return out
 
     def set_ip_adapter_scale(self, scale) -> None:
-        """The adapters' strengths, as diffusers': one config for every adapter or a list with one per adapter, each
-        a number (every layer) or InstantStyle's per-block dict (``{"down": {"block_2": [0.0, 1.0]}, "up":
-        {"block_0": [0.0, 1.0, 0.0]}}``: a number per part or block, or a list with one per spatial transformer of
-        the block; what it leaves out is 0). Values only: nothing compiles."""
+        """The adapters' strengths, as diffusers': one config for every adapter (which diffusers refuses with several
+        adapters: see the module docstring) or a list with one per adapter, each a number (every layer) or
+        InstantStyle's per-block dict (``{"down": {"block_2": [0.0, 1.0]}, "up": {"block_0": [0.0, 1.0, 0.0]}}``: a
+        number per part or block, or a list with one per spatial transformer of the block; what it leaves out is 0).
+        Values only: nothing compiles."""
         if self.ip_adapter is None:
             raise InputError(f"set_ip_adapter_scale: no IP-Adapter is loaded; {_LOAD_FIRST}")
         configs = _as_list(scale, len(self.ip_adapter.projections), "set_ip_adapter_scale's list")
