@@ -12,7 +12,9 @@ its ``[batch, images, tokens, dim]``; the counts are shapes in the UNet (a new c
 in the UNet: ``set_ip_adapter_scale`` compiles nothing. One scale config (a number, a per-block dict, or a list
 holding one) with several adapters loaded applies to each of them; diffusers' ``set_ip_adapter_scale`` refuses it
 ("Cannot assign 1 scale_configs to 2 IP-Adapter": its length check comes before its broadcast), so there give the list
-with one config per adapter, which both take alike.
+with one config per adapter, which both take alike. The image processor is ``CLIPImageProcessor`` at the image
+encoder's size; diffusers uses the pipeline's ``feature_extractor`` instead where its folder has one (SD 1.x's, for
+the safety checker: the same settings at 224 px, the size of the usual IP-Adapter encoders).
 """
 
 import dataclasses
