@@ -83,6 +83,26 @@ BLOCK_SCALES = {  # InstantStyle's per-block configs, for the tiny UNets' blocks
 }
 
 
+def test_image_prompts_are_read_as_diffusers_reads_them(pipes):
+    """encode_image as diffusers': an RGBA picture goes to the image processor as it is (which composites it over
+    white; eqxdiff dropped the alpha before), a torch tensor is already the processor's pixel_values (eqxdiff resized
+    and normalised it again before); the embeddings and Plus's hidden states within 1e-4. Found by the pipeline-level
+    IP-Adapter fuzz's probe of input kinds."""
+    ref, pipe, _ = pipes
+    rng = np.random.default_rng(7)
+    rgba = Image.fromarray(rng.integers(0, 256, (40, 36, 4), dtype=np.uint8), "RGBA")
+    pixels = torch.from_numpy(rng.standard_normal((2, 3, 32, 32)).astype(np.float32))
+    for image in (rgba, pixels):
+        for hidden in (False, True):
+            with torch.no_grad():
+                expected = ref.encode_image(image, "cpu", 1, output_hidden_states=hidden)
+            for theirs, ours in zip(expected, pipe.encode_image(image, output_hidden_states=hidden)):
+                np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), rtol=0, atol=1e-4 * np.abs(
+                    theirs.numpy()).max())
+    with pytest.raises(InputError, match=r"pixel_values \[n, 3, 32, 32\], as diffusers takes it; got \(1, 3, 40, 36\)"):
+        pipe.encode_image(torch.zeros(1, 3, 40, 36))
+
+
 def test_per_block_scales_are_diffusers(pipes):
     ref, pipe, _ = pipes
     kind = "sdxl" if "XL" in type(pipe).__name__ else "sd"

@@ -9,7 +9,12 @@ projections stay here. A call encodes the image prompt with the CLIP image encod
 with guidance, the negative image embedding zeros as diffusers'); the denoising loop runs as without adapters. An
 adapter given several images (a list) reads their tokens one image after the other, as diffusers' attention reads
 its ``[batch, images, tokens, dim]``; the counts are shapes in the UNet (a new count compiles). The scales are values
-in the UNet: ``set_ip_adapter_scale`` compiles nothing.
+in the UNet: ``set_ip_adapter_scale`` compiles nothing. One scale config (a number, a per-block dict, or a list
+holding one) with several adapters loaded applies to each of them; diffusers' ``set_ip_adapter_scale`` refuses it
+("Cannot assign 1 scale_configs to 2 IP-Adapter": its length check comes before its broadcast), so there give the list
+with one config per adapter, which both take alike. The image processor is ``CLIPImageProcessor`` at the image
+encoder's size; diffusers uses the pipeline's ``feature_extractor`` instead where its folder has one (SD 1.x's, for
+the safety checker: the same settings at 224 px, the size of the usual IP-Adapter encoders).
 """
 
 import dataclasses
@@ -21,6 +26,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from PIL import Image
 
 from .._typing import Array, Float
 from ..core import program
@@ -30,7 +36,6 @@ from ..models import ip_adapter as ipa
 from ..parallel import shard_params, sharding_fn
 from ._arguments import host_array
 from ._checks import InputError, InputTypeError
-from ._images import pil_to_array
 
 __all__ = ["IPAdapterMixin", "IPAdapters", "clip_hidden_states", "clip_image_embeds"]
 
@@ -167,10 +172,11 @@ class IPAdapterMixin:
         return out
 
     def set_ip_adapter_scale(self, scale) -> None:
-        """The adapters' strengths, as diffusers': one config for every adapter or a list with one per adapter, each
-        a number (every layer) or InstantStyle's per-block dict (``{"down": {"block_2": [0.0, 1.0]}, "up":
-        {"block_0": [0.0, 1.0, 0.0]}}``: a number per part or block, or a list with one per spatial transformer of
-        the block; what it leaves out is 0). Values only: nothing compiles."""
+        """The adapters' strengths, as diffusers': one config for every adapter (which diffusers refuses with several
+        adapters: see the module docstring) or a list with one per adapter, each a number (every layer) or
+        InstantStyle's per-block dict (``{"down": {"block_2": [0.0, 1.0]}, "up": {"block_0": [0.0, 1.0, 0.0]}}``: a
+        number per part or block, or a list with one per spatial transformer of the block; what it leaves out is 0).
+        Values only: nothing compiles."""
         if self.ip_adapter is None:
             raise InputError(f"set_ip_adapter_scale: no IP-Adapter is loaded; {_LOAD_FIRST}")
         configs = _as_list(scale, len(self.ip_adapter.projections), "set_ip_adapter_scale's list")
@@ -183,16 +189,26 @@ class IPAdapterMixin:
         """``(embeds, negative_embeds)`` of ``image`` (a PIL image, uint8 ``[h, w, 3]`` / ``[n, h, w, 3]``, or a
         list), as diffusers' ``encode_image``: the image embeddings ``[n, embed]`` and zeros, or with
         ``output_hidden_states`` (IP-Adapter Plus) the penultimate hidden states ``[n, tokens, dim]`` of the image
-        and of an all-zero input."""
+        and of an all-zero input. PIL images go to the image processor as they are (it composites RGBA, palette and
+        the like over white, as diffusers'); a torch tensor is the processor's output already (``pixel_values``
+        ``[n, 3, size, size]``), as diffusers takes one."""
         adapters = self.ip_adapter
         if adapters is None or adapters.image_encoder is None:
             raise InputError("ip_adapter_image needs a CLIP image encoder; load the IP-Adapter with "
                              "image_encoder_folder=, or pass ip_adapter_image_embeds")
-        images = []
-        for item in image if isinstance(image, (list, tuple)) else [image]:
-            arr = np.asarray(pil_to_array(item, "RGB"))
-            images.extend(arr if arr.ndim == 4 else [arr])
-        pixels = adapters.feature_extractor(images=images, return_tensors="np").pixel_values
+        if hasattr(image, "detach"):  # diffusers: a tensor skips the feature extractor
+            pixels = host_array(image, np.float32)
+            size = adapters.image_encoder.config.image_size
+            if pixels.shape[1:] != (3, size, size):
+                raise InputError(f"ip_adapter_image: a torch tensor is taken as the image processor's pixel_values "
+                                 f"[n, 3, {size}, {size}], as diffusers takes it; got {tuple(pixels.shape)} (give "
+                                 "PIL images or uint8 arrays [h, w, 3] to have them resized and normalised)")
+        else:
+            images = []
+            for item in image if isinstance(image, (list, tuple)) else [image]:
+                arr = item if isinstance(item, Image.Image) else np.asarray(item)
+                images.extend(arr if np.ndim(arr) == 4 else [arr])
+            pixels = adapters.feature_extractor(images=images, return_tensors="np").pixel_values
         pixels = self.shard(jnp.asarray(np.transpose(pixels, (0, 2, 3, 1)), jnp.float32))  # channels-last
         encoder = self.encoder_on_devices(adapters.image_encoder)
         if output_hidden_states:
