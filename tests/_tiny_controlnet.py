@@ -8,8 +8,10 @@ ControlNet convolutions too."""
 import numpy as np
 import torch
 
+from eqxdiff.pipelines._latents import noise_draws
+
 from . import _tiny_sd, _tiny_sdxl
-from ._util import randomize_torch
+from ._util import nhwc_to_nchw, randomize_torch
 
 # diffusers' tests/pipelines/controlnet/test_controlnet.py
 SD_CONTROLNET = dict(block_out_channels=(4, 8), layers_per_block=2, in_channels=4,
@@ -71,3 +73,13 @@ def control_images(n: int, size: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     coarse = rng.integers(0, 256, (n, size // 4, size // 4, 3)).astype(np.uint8)
     return np.repeat(np.repeat(coarse, 4, axis=1), 4, axis=2)
+
+
+def with_our_draws(module, monkeypatch, key, shape, posterior_calls=("image",)) -> None:
+    """diffusers' pipeline ``module`` draws what our call with ``key`` draws for latents of ``shape``: the initial
+    noise, and the VAE posterior samples its retrieve_latents takes in the order ``posterior_calls`` names them."""
+    draws = noise_draws(key, shape)
+    posterior = iter([{"image": draws.image, "masked": draws.masked_image}[k] for k in posterior_calls])
+    monkeypatch.setattr(module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(draws.noise))
+    monkeypatch.setattr(module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
+                        out.latent_dist.mean + out.latent_dist.std * nhwc_to_nchw(next(posterior)))

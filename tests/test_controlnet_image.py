@@ -12,7 +12,6 @@ import torch
 
 import eqxdiff
 from eqxdiff.pipelines import InputError
-from eqxdiff.pipelines._latents import noise_draws
 from eqxdiff.pipelines.controlnet import (
     StableDiffusionControlNetInpaintPipeline,
     StableDiffusionXLControlNetImg2ImgPipeline,
@@ -21,7 +20,6 @@ from eqxdiff.pipelines.controlnet import (
 
 from . import _tiny_controlnet as tiny
 from . import _tiny_sdxl
-from ._util import nhwc_to_nchw
 
 PROMPTS = ["a red cat", "two dogs"]
 SHAPE = (2, 16, 16, 4)
@@ -33,16 +31,6 @@ def _pixels_off(ours_uint8, ref_float) -> int:
 
 def _tensor(image):
     return torch.from_numpy(image).permute(0, 3, 1, 2).float() / 255
-
-
-def _with_our_draws(module, monkeypatch, key, posterior_calls=("image",), shape=SHAPE):
-    """diffusers' ``module`` draws what our call with ``key`` draws: the initial noise, and the VAE posterior samples
-    its retrieve_latents takes in the order ``posterior_calls`` names them."""
-    draws = noise_draws(key, shape)
-    posterior = iter([{"image": draws.image, "masked": draws.masked_image}[k] for k in posterior_calls])
-    monkeypatch.setattr(module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(draws.noise))
-    monkeypatch.setattr(module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
-                        out.latent_dist.mean + out.latent_dist.std * nhwc_to_nchw(next(posterior)))
 
 
 def test_sdxl_controlnet_img2img_matches_diffusers(tmp_path, monkeypatch):
@@ -59,7 +47,7 @@ def test_sdxl_controlnet_img2img_matches_diffusers(tmp_path, monkeypatch):
     pipe = eqxdiff.load_pipeline(tmp_path)
     assert type(pipe) is StableDiffusionXLControlNetImg2ImgPipeline and pipe.requires_aesthetics_score
     key = jax.random.key(3)
-    _with_our_draws(module, monkeypatch, key)
+    tiny.with_our_draws(module, monkeypatch, key, SHAPE)
     picture = np.random.default_rng(4).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
     control = tiny.control_images(1, 32, seed=5)
     # diffusers' aesthetic-score time ids fail on its default original_size (a torch.Size): pass it as a tuple
@@ -112,7 +100,7 @@ def test_sd_controlnet_inpaint_matches_diffusers(tmp_path, monkeypatch, channels
 
     ref, pipe = _sd_inpaint(tmp_path, channels)
     key = jax.random.key(6)
-    _with_our_draws(module, monkeypatch, key, posterior_calls)
+    tiny.with_our_draws(module, monkeypatch, key, SHAPE, posterior_calls)
     picture, mask = _picture_and_mask(7)
     control = tiny.control_images(1, 32, seed=8) / np.float32(255)
     if channels == 4:  # diffusers' make_inpaint_condition: the picture, the masked pixels -1
@@ -154,7 +142,7 @@ def test_controlnet_inpaint_crops_the_control_image_as_diffusers(tmp_path, monke
     mask[12:20, 30:41] = 255
     mask = Image.fromarray(mask)
     key = jax.random.key(13)
-    _with_our_draws(module, monkeypatch, key, ["image", "masked"] if xl else ["masked"], shape=(2, 20, 28, 4))
+    tiny.with_our_draws(module, monkeypatch, key, (2, 20, 28, 4), ["image", "masked"] if xl else ["masked"])
     with torch.no_grad():
         expected = np.stack([np.asarray(im) for im in ref(PROMPTS, image=picture, mask_image=mask,
                                                             control_image=control, padding_mask_crop=3,
@@ -176,7 +164,7 @@ def test_sdxl_controlnet_inpaint_matches_diffusers(tmp_path, monkeypatch, channe
 
     ref, pipe = _sdxl_inpaint(tmp_path, channels)
     key = jax.random.key(9)
-    _with_our_draws(module, monkeypatch, key, ["image", "masked"])
+    tiny.with_our_draws(module, monkeypatch, key, SHAPE, ["image", "masked"])
     picture, mask = _picture_and_mask(10)
     control = tiny.control_images(1, 32, seed=11)
     with torch.no_grad():

@@ -11,7 +11,6 @@ import torch
 
 import eqxdiff
 from eqxdiff.pipelines import InputError
-from eqxdiff.pipelines._latents import noise_draws
 from eqxdiff.pipelines.controlnet_union import (
     StableDiffusionXLControlNetUnionImg2ImgPipeline,
     StableDiffusionXLControlNetUnionInpaintPipeline,
@@ -20,7 +19,6 @@ from eqxdiff.pipelines.controlnet_union import (
 from . import _tiny_controlnet as tiny_cn
 from . import _tiny_controlnet_union as tiny
 from . import _tiny_sdxl
-from ._util import nhwc_to_nchw
 
 PROMPTS = ["a red cat", "two dogs"]
 SHAPE = (2, 16, 16, 4)
@@ -33,16 +31,6 @@ def _pixels_off(ours_uint8, ref_float) -> int:
 
 def _tensor(image):
     return torch.from_numpy(image).permute(0, 3, 1, 2).float() / 255
-
-
-def _with_our_draws(module, monkeypatch, key, posterior_calls):
-    """diffusers' ``module`` draws what our call with ``key`` draws: the initial noise, and the VAE posterior samples
-    its retrieve_latents takes in the order ``posterior_calls`` names them."""
-    draws = noise_draws(key, SHAPE)
-    posterior = iter([{"image": draws.image, "masked": draws.masked_image}[k] for k in posterior_calls])
-    monkeypatch.setattr(module, "randn_tensor", lambda *a, **k: nhwc_to_nchw(draws.noise))
-    monkeypatch.setattr(module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
-                        out.latent_dist.mean + out.latent_dist.std * nhwc_to_nchw(next(posterior)))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +65,7 @@ def test_union_img2img_matches_diffusers(components, inputs, tmp_path, monkeypat
     assert type(pipe) is StableDiffusionXLControlNetUnionImg2ImgPipeline
     picture, _, control = inputs
     key = jax.random.key(45)
-    _with_our_draws(module, monkeypatch, key, ["image"])
+    tiny_cn.with_our_draws(module, monkeypatch, key, SHAPE, ["image"])
     with torch.no_grad():
         expected = ref(PROMPTS, image=_tensor(picture), control_image=[_tensor(c) for c in control],
                        control_mode=[1, 3], num_inference_steps=STEPS, output_type="np", **kw).images
@@ -98,7 +86,7 @@ def test_union_inpaint_matches_diffusers(components, inputs, tmp_path, monkeypat
     assert type(pipe) is StableDiffusionXLControlNetUnionInpaintPipeline
     picture, mask, control = inputs
     key = jax.random.key(46)
-    _with_our_draws(module, monkeypatch, key, ["image", "masked"])
+    tiny_cn.with_our_draws(module, monkeypatch, key, SHAPE, ["image", "masked"])
     with torch.no_grad():
         expected = ref(PROMPTS, image=_tensor(picture), mask_image=torch.from_numpy(mask[:, None] / 255).float(),
                        control_image=[_tensor(c) for c in control], control_mode=[0, 2],
