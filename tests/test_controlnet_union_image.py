@@ -96,3 +96,8 @@ def test_union_inpaint_matches_diffusers(components, inputs, tmp_path, monkeypat
     assert ours.shape == (2, 32, 32, 3) and _pixels_off(ours, expected) <= 2
     with pytest.raises(InputError, match="takes no padding_mask_crop"):
         pipe(PROMPTS, image=picture, mask_image=mask, control_image=control, control_mode=[0, 2], padding_mask_crop=2)
+    if kw:  # an inpainting (9-channel) UNet is refused before anything runs, as diffusers' call refuses it
+        _tiny_sdxl.unet(_tiny_sdxl.UNET_A, in_channels=9).save_pretrained(tmp_path / "unet9")
+        nine = type(pipe).from_pipe(pipe, unet=eqxdiff.load(tmp_path / "unet9"))
+        with pytest.raises(InputError, match="runs an ordinary 4-channel UNet.*this UNet takes 9 channels"):
+            nine(PROMPTS, image=picture, mask_image=mask, control_image=control, control_mode=[0, 2], progress=False)
