@@ -135,3 +135,20 @@ def test_generate_reads_the_video_flag(v2v, tmp_path):
     assert checked.kwargs["video"].shape == (9, 32, 32, 3) and checked.kwargs["strength"] == 0.6
     with pytest.raises(InputError, match=r"^pass --video \(the video to start from"):
         generate.validate(["--model", str(folder), "--prompt", "x", "--output-dir", str(tmp_path / "out")])
+
+
+def test_mesh_equals_one_device(v2v):
+    """On 8 devices (FSDP 2 x context 2 x tensor 2): the video encoded, noised to strength and denoised gives the
+    one device's latents (the weights over fsdp, the heads over tensor, the video tokens over context)."""
+    from eqxdiff.parallel import MeshConfig, make_mesh
+
+    from ._util import assert_close
+
+    _, pipe, folder = v2v
+    mesh = make_mesh(MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=2, ici_context_parallelism=2,
+                                ici_tensor_parallelism=2))
+    sharded = eqxdiff.load_pipeline(folder, mesh=mesh)
+    noise = np.random.default_rng(1).standard_normal((1, *SHAPE[1:])).astype(np.float32)
+    kwargs = dict(video=FRAMES, prompt=PROMPTS[0], negative_prompt=NEGATIVES[0], strength=0.7, num_inference_steps=4,
+                  guidance_scale=4.0, latents=noise, output_type="latent", progress=False)
+    assert_close(sharded(**kwargs), pipe(**kwargs), 1e-4, "mesh vs one device")
