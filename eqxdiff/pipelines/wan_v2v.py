@@ -15,7 +15,10 @@ scheduler's ``add_noise`` at that step: ``(1 - sigma) x + sigma noise`` on flow 
 text-to-video's loop (:class:`~eqxdiff.pipelines.wan.WanPipeline`: prompts, guidance, a Wan 2.2 folder's two
 experts). ``latents`` is that noise (``[n, T, h, w, C]``), never finished latents: diffusers' ``latents`` replace the
 video instead. diffusers' pipeline ignores ``num_videos_per_prompt`` (one video per prompt); here it repeats each
-prompt's video.
+prompt's video. diffusers sets no begin index: its scheduler finds the first step by the timestep's value, taking
+the second of two equal ones, so where the first kept timestep is the first of a repeated integer value (many steps
+at a high ``flow_shift``: 999, 999, ...) its sigmas run a step ahead of its loop; eqxdiff starts where ``strength``
+says.
 """
 
 from collections.abc import Sequence
