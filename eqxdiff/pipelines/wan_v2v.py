@@ -17,8 +17,8 @@ experts). ``latents`` is that noise (``[n, T, h, w, C]``), never finished latent
 video instead. diffusers' pipeline ignores ``num_videos_per_prompt`` (one video per prompt); here it repeats each
 prompt's video. diffusers sets no begin index: its scheduler finds the first step by the timestep's value, taking
 the second of two equal ones, so where the first kept timestep is the first of a repeated integer value (many steps
-at a high ``flow_shift``: 999, 999, ...) its sigmas run a step ahead of its loop; eqxdiff starts where ``strength``
-says.
+at a high ``flow_shift``: 999, 999, ...) its sigmas run a step ahead of its loop and its last step fails (an
+AssertionError; text-to-video too: 100 UniPC steps at ``flow_shift=12``); eqxdiff starts where ``strength`` says.
 """
 
 from collections.abc import Sequence
