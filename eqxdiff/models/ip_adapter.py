@@ -128,6 +128,11 @@ class IPAdapterAttention(AbstractAttention):
         self.num_images = (1,) * len(self.num_tokens)
 
     @property
+    def image_tokens(self) -> tuple[int, ...]:
+        """Each adapter's image tokens at the end of the context: its images times its tokens per image."""
+        return tuple(n * images for n, images in zip(self.num_tokens, self.num_images))
+
+    @property
     def base(self) -> CrossAttention:
         """The cross-attention without its adapters."""
         out = eqx.filter_eval_shape(lambda: CrossAttention(
@@ -142,7 +147,7 @@ class IPAdapterAttention(AbstractAttention):
     @typechecked
     def __call__(self, x: Float[Array, "batch seq dim"], context: Float[Array, "batch ctx_seq ctx_dim"], *,
                  mask: Bool[Array, "batch ctx_seq"] | None = None) -> Float[Array, "batch seq out"]:
-        counts = [n * images for n, images in zip(self.num_tokens, self.num_images)]
+        counts = self.image_tokens
         text = context.shape[1] - sum(counts)
         if text < 1:
             raise ValueError(f"IPAdapterAttention: the context has {context.shape[1]} tokens, but the IP-Adapters "
@@ -254,7 +259,7 @@ def image_token_count(unet) -> int:
     attention = _first_attention(unet)
     if not isinstance(attention, IPAdapterAttention):
         return 0
-    return sum(n * images for n, images in zip(attention.num_tokens, attention.num_images))
+    return sum(attention.image_tokens)
 
 
 def with_image_counts(unet, counts: Sequence[int]):

@@ -183,8 +183,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
         diffusers#4327)."""
         original_size = tuple(original_size or (height, width))
         target_size = tuple(target_size or (height, width))
-        if not self.NEGATIVE_TIME_IDS:
-            self.check_negative_time_ids(negative_original_size, negative_crops_coords_top_left, negative_target_size)
+        if not self.NEGATIVE_TIME_IDS:  # (the call refused negative ones: check_negative_time_ids)
             negative_original_size, negative_target_size = original_size, target_size
             negative_crops_coords_top_left = crops_coords_top_left
         if self.IMAGE_TO_IMAGE_IDS:
