@@ -20,7 +20,10 @@ control image's size as the default ``original_size`` / ``target_size`` (the pic
 ``padding_mask_crop`` with several nets is refused there, its check taking the list of control images for the one
 PIL image it wants (each image cropped here); SDXL image-to-image with ``int(num_inference_steps * strength) == 0``
 runs no step there, unchecked, and returns an empty batch for one image (fails for more), where the schedule's
-check refuses it here.
+check refuses it here; SDXL inpainting given a base's handed-over latents as ``image`` (with ``denoising_start``)
+fails there, its masked picture multiplying the latents by the pixel mask, and runs here as
+:class:`~eqxdiff.pipelines.StableDiffusionXLInpaintPipeline` runs it (as diffusers' does): the run diffusers makes
+from a picture whose VAE latents they are (``tests/test_handoff.py``).
 
 Each class is its family's pipeline with nets: :class:`~eqxdiff.pipelines.StableDiffusionPipeline` or
 :class:`~eqxdiff.pipelines.StableDiffusionXLPipeline` behind the shared

@@ -1,0 +1,245 @@
+"""The SDXL base -> refiner hand-offs beyond text-to-image -> image-to-image (:mod:`tests.test_sdxl` has that one),
+against diffusers 0.42.1 (the handed latents within 1e-4, every pixel within 2/255, from the same draws):
+
+- inpainting: a 9-channel or an ordinary base stops at ``denoising_end``, the refiner folder loaded as
+  ``StableDiffusionXLInpaintPipeline`` finishes from ``denoising_start`` with the same mask (diffusers' documented
+  recipe: the refiner's ordinary UNet blends the handed latents, noised to each next step, back outside the mask);
+- ControlNet and ControlNet-Union text-to-image bases stop at ``denoising_end`` (the nets' windows counted over the
+  whole schedule, as diffusers counts them) and a plain image-to-image refiner finishes;
+- ControlNet and ControlNet-Union inpainting stop at ``denoising_end`` for the inpainting refiner, and start at
+  ``denoising_start``: from a picture (its latents not noised, as there) and from handed latents, which diffusers'
+  two pipelines cannot take (their masked picture multiplies the latents by the pixel mask: a size error): there the
+  run equals diffusers' from a picture whose VAE latents are the handed ones.
+
+Changing either fraction compiles nothing. One tiny refiner serves every base (its second text encoder is theirs).
+"""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import eqxdiff
+from eqxdiff.pipelines import StableDiffusionXLInpaintPipeline
+from eqxdiff.pipelines._latents import noise_draws
+from eqxdiff.pipelines.controlnet import StableDiffusionXLControlNetInpaintPipeline
+from eqxdiff.pipelines.controlnet_union import StableDiffusionXLControlNetUnionInpaintPipeline
+
+from . import _tiny_controlnet as tiny_cn
+from . import _tiny_controlnet_union as tiny_union
+from . import _tiny_sdxl as tiny
+from ._util import assert_close, nchw_to_nhwc, nhwc_to_nchw
+from .test_recompile import no_compile, sweep
+
+PROMPTS = ["a red cat", "two dogs"]
+SHAPE = (2, 16, 16, 4)
+STEPS = dict(num_inference_steps=4, guidance_scale=5.0)  # Euler, leading: 751, 501 | 251, 1 split at 0.5
+REFINE = dict(STEPS, aesthetic_score=7.0, negative_aesthetic_score=2.0)
+
+
+def _pixels_off(ours_uint8, ref_float) -> int:
+    return int(np.max(np.abs(ours_uint8.astype(int) - (np.asarray(ref_float) * 255).round().astype(int))))
+
+
+def _tensor(image):
+    return torch.from_numpy(image).permute(0, 3, 1, 2).float() / 255
+
+
+def _draws(module, monkeypatch, key, posterior=("image", "masked"), image_latents=None, scale=None):
+    """diffusers' ``module`` draws what our call with ``key`` draws; with ``image_latents`` its VAE encodes the
+    picture to them (channels-last, scaled by the VAE's ``scale``; the masked picture as before)."""
+    tiny_cn.with_our_draws(module, monkeypatch, key, SHAPE, posterior)
+    if image_latents is not None:
+        draws = noise_draws(key, SHAPE)
+        calls = iter([lambda out: nhwc_to_nchw(image_latents) / scale,
+                      lambda out: out.latent_dist.mean + out.latent_dist.std * nhwc_to_nchw(draws.masked_image)])
+        monkeypatch.setattr(module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
+                            next(calls)(out))
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    """A picture per prompt, masks (white = repaint: a different box in each) and a control image."""
+    rng = np.random.default_rng(50)
+    picture = rng.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    mask = np.zeros((2, 32, 32), np.uint8)
+    mask[0, 4:20, 8:30] = 255
+    mask[1, 10:32, 0:14] = 255
+    return picture, mask, torch.from_numpy(mask[:, None] / 255).float(), tiny_cn.control_images(1, 32, seed=51)
+
+
+@pytest.fixture(scope="module")
+def refiner(tmp_path_factory):
+    """The tiny refiner folder (image-to-image, aesthetic scores, no first encoder) beside a plain base folder:
+    ``(folder, base folder, diffusers' base)``."""
+    root = tmp_path_factory.mktemp("handoff")
+    base = tiny.build_base(root / "base")
+    tiny.build_refiner(root / "refiner", base)
+    return root / "refiner", root / "base", base
+
+
+def _inpaint_refiner(folder):
+    """The refiner folder as diffusers' and eqxdiff's inpainting pipeline (the recipe's ``from_pretrained``)."""
+    from diffusers.pipelines.stable_diffusion_xl import pipeline_stable_diffusion_xl_inpaint as module
+
+    ref = module.StableDiffusionXLInpaintPipeline.from_pretrained(folder)
+    ref.set_progress_bar_config(disable=True)
+    pipe = StableDiffusionXLInpaintPipeline.from_pretrained(folder)
+    assert pipe.requires_aesthetics_score and ref.config.requires_aesthetics_score and pipe.text_encoder is None
+    return module, ref, pipe
+
+
+def _refine_inpainting(folder, handed, ours_handed, inputs, monkeypatch):
+    """The refiner's inpainting half from diffusers' and our handed latents: ours, diffusers' (uint8 / floats)."""
+    module, ref, pipe = _inpaint_refiner(folder)
+    _, mask, mask_tensor, _ = inputs
+    key = jax.random.key(60)
+    _draws(module, monkeypatch, key, posterior=())
+    with torch.no_grad():
+        expected = ref(PROMPTS, image=handed, mask_image=mask_tensor, height=32, width=32, denoising_start=0.5,
+                       output_type="np", **REFINE).images
+    return pipe(PROMPTS, image=ours_handed, mask_image=mask, key=key, denoising_start=0.5, progress=False,
+                **REFINE), expected
+
+
+@pytest.mark.parametrize("channels", [9, 4])
+def test_inpainting_base_hands_off_to_the_refiner_as_inpainting(refiner, inputs, tmp_path, monkeypatch, channels):
+    """diffusers' inpainting recipe: base(image, mask_image, denoising_end, output_type="latent") then the refiner
+    folder as StableDiffusionXLInpaintPipeline(image=latents, mask_image, denoising_start). A 9-channel base (its
+    own folder) and an ordinary one (the base folder as inpainting, the known region blended until its last step)."""
+    from diffusers.pipelines.stable_diffusion_xl import pipeline_stable_diffusion_xl_inpaint as module
+
+    folder, base_folder, base = refiner
+    if channels == 9:
+        ref = tiny.build_inpaint(tmp_path)
+        pipe = eqxdiff.load_pipeline(tmp_path)
+    else:
+        ref = module.StableDiffusionXLInpaintPipeline(**base.components)
+        pipe = StableDiffusionXLInpaintPipeline.from_pretrained(base_folder)
+    assert type(pipe) is StableDiffusionXLInpaintPipeline and pipe.unet.config.in_channels == channels
+    ref.set_progress_bar_config(disable=True)
+    picture, mask, mask_tensor, _ = inputs
+    key = jax.random.key(61)
+    _draws(module, monkeypatch, key)
+    with torch.no_grad():
+        handed = ref(PROMPTS, image=_tensor(picture), mask_image=mask_tensor, height=32, width=32,
+                     denoising_end=0.5, output_type="latent", **STEPS).images
+    ours_handed = pipe(PROMPTS, image=picture, mask_image=mask, key=key, denoising_end=0.5, output_type="latent",
+                       progress=False, **STEPS)
+    assert_close(ours_handed, nchw_to_nhwc(handed), 1e-4, "handed-over latents")
+    ours, expected = _refine_inpainting(folder, handed, ours_handed, inputs, monkeypatch)
+    assert ours.shape == (2, 32, 32, 3) and _pixels_off(ours, expected) <= 2
+
+
+def _controlnet_base(root, kind: str):
+    """A tiny SDXL ControlNet (``"cn"``) or ControlNet-Union text-to-image folder: diffusers' pipeline, ours, and the
+    control arguments of a call (diffusers', ours)."""
+    import diffusers
+
+    if kind == "cn":
+        ref = diffusers.StableDiffusionXLControlNetPipeline(
+            **tiny.base_components(seed=30), controlnet=tiny_cn.controlnet(tiny_cn.SDXL_PIPE_CONTROLNET, 25),
+            add_watermarker=False)
+    else:
+        ref = diffusers.StableDiffusionXLControlNetUnionPipeline(
+            **tiny.base_components(seed=40), controlnet=tiny_union.union_net(41), add_watermarker=False)
+    tiny.save(ref, root)
+    return ref, eqxdiff.load_pipeline(root)
+
+
+def _control(kind: str, control, *, torch_images: bool, name: str = "image") -> dict:
+    image = _tensor(control) if torch_images else control
+    if kind == "cn":
+        return {name: image}
+    return {"control_image": [image], "control_mode": [1]}
+
+
+@pytest.mark.parametrize("kind", ["cn", "union"])
+def test_controlnet_base_hands_off_to_a_plain_refiner(refiner, inputs, tmp_path, kind):
+    """A ControlNet text-to-image base stops at denoising_end; its net's window (control_guidance_end=0.5) counts
+    the whole schedule (on for both steps it runs; over its 2 steps it would be off for the second); the refiner
+    (image-to-image) finishes."""
+    from diffusers.pipelines.stable_diffusion_xl import pipeline_stable_diffusion_xl_img2img as module
+
+    folder, _, _ = refiner
+    ref, pipe = _controlnet_base(tmp_path, kind)
+    control = inputs[3]
+    noise = np.random.default_rng(62).standard_normal(SHAPE).astype(np.float32)
+    window = dict(control_guidance_end=0.5, **STEPS)
+    with torch.no_grad():
+        handed = ref(PROMPTS, latents=nhwc_to_nchw(noise), denoising_end=0.5, output_type="latent",
+                     **_control(kind, control, torch_images=True), **window).images
+    ours_handed = pipe(PROMPTS, latents=noise, denoising_end=0.5, output_type="latent", progress=False,
+                       **_control(kind, control, torch_images=False), **window)
+    assert_close(ours_handed, nchw_to_nhwc(handed), 1e-4, "handed-over latents")
+    refine_ref = module.StableDiffusionXLImg2ImgPipeline.from_pretrained(folder)
+    refine_ref.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        expected = refine_ref(PROMPTS, image=handed, denoising_start=0.5, output_type="np", **REFINE).images
+    ours = eqxdiff.load_pipeline(folder)(PROMPTS, image=ours_handed, denoising_start=0.5, progress=False, **REFINE)
+    assert _pixels_off(ours, expected) <= 2
+
+
+def _controlnet_inpaint(root, kind: str):
+    """The ControlNet base of ``kind`` as inpainting, diffusers' and ours (the same components), and its module."""
+    from diffusers.pipelines.controlnet import pipeline_controlnet_inpaint_sd_xl as cn_module
+    from diffusers.pipelines.controlnet import pipeline_controlnet_union_inpaint_sd_xl as union_module
+
+    ref, pipe = _controlnet_base(root, kind)
+    if kind == "cn":
+        module, cls = cn_module, StableDiffusionXLControlNetInpaintPipeline
+        ref = cn_module.StableDiffusionXLControlNetInpaintPipeline(**ref.components)
+    else:
+        module, cls = union_module, StableDiffusionXLControlNetUnionInpaintPipeline
+        ref = union_module.StableDiffusionXLControlNetUnionInpaintPipeline(**ref.components)
+    ref.set_progress_bar_config(disable=True)
+    return module, ref, cls.from_pipe(pipe)
+
+
+@pytest.mark.parametrize("kind", ["cn", "union"])
+def test_controlnet_inpainting_hands_off_both_ways(refiner, inputs, tmp_path, monkeypatch, kind):
+    """ControlNet inpainting stops at denoising_end for the inpainting refiner; then it starts at denoising_start
+    (control_guidance_start=0.5: counted over the steps it runs) from a picture, and from handed latents."""
+    folder, _, _ = refiner
+    module, ref, pipe = _controlnet_inpaint(tmp_path, kind)
+    picture, mask, mask_tensor, control = inputs
+    key = jax.random.key(63)
+    _draws(module, monkeypatch, key)
+    call = dict(image=_tensor(picture), mask_image=mask_tensor, **_control(kind, control, torch_images=True,
+                                                                           name="control_image"), **STEPS)
+    ours_call = dict(image=picture, mask_image=mask, **_control(kind, control, torch_images=False,
+                                                                  name="control_image"), **STEPS)
+    with torch.no_grad():
+        handed = ref(PROMPTS, denoising_end=0.5, output_type="latent", **call).images
+    ours_handed = pipe(PROMPTS, key=key, denoising_end=0.5, output_type="latent", progress=False, **ours_call)
+    assert_close(ours_handed, nchw_to_nhwc(handed), 1e-4, "handed-over latents")
+    ours, expected = _refine_inpainting(folder, handed, ours_handed, inputs, monkeypatch)
+    assert _pixels_off(ours, expected) <= 2
+
+    second = dict(denoising_start=0.5, control_guidance_start=0.5)
+    key = jax.random.key(64)
+    _draws(module, monkeypatch, key)
+    with torch.no_grad():
+        expected = ref(PROMPTS, output_type="np", **second, **call).images
+    ours = pipe(PROMPTS, key=key, progress=False, **second, **ours_call)
+    assert _pixels_off(ours, expected) <= 2
+    _draws(module, monkeypatch, key, image_latents=ours_handed, scale=ref.vae.config.scaling_factor)
+    with torch.no_grad():
+        expected = ref(PROMPTS, output_type="np", **second, **call).images
+    ours = pipe(PROMPTS, key=key, progress=False, **second, **dict(ours_call, image=ours_handed))
+    assert _pixels_off(ours, expected) <= 2
+
+
+def test_hand_off_fractions_compile_nothing(refiner, inputs):
+    """The inpainting hand-off: another denoising_end (the base) or denoising_start (the refiner) reuses the
+    compiled programs."""
+    folder, base_folder, _ = refiner
+    picture, mask, _, control = inputs
+    base = StableDiffusionXLInpaintPipeline.from_pretrained(base_folder)
+    run = dict(prompt=PROMPTS[0], image=picture[:1], mask_image=mask[:1], num_inference_steps=6, seed=0)
+    first = base(**run, denoising_end=0.7, output_type="latent", progress=False)
+    with no_compile("the inpainting base with another denoising_end"):
+        other = base(**run, denoising_end=0.4, output_type="latent", progress=False)
+    assert not np.array_equal(np.asarray(first), np.asarray(other))
+    refine = StableDiffusionXLInpaintPipeline.from_pretrained(folder)
+    sweep(refine, dict(run, image=first, denoising_start=0.7), [dict(denoising_start=0.5), dict(denoising_start=0.85)])
