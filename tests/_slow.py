@@ -35,6 +35,10 @@ SLOW: dict[str, str] = {
     "SDXL ControlNet inpainting with an ordinary UNet, cropped":
         r"^tests/test_controlnet_image\.py::(test_sdxl_controlnet_inpaint_matches_diffusers\[4|"
         r"test_controlnet_inpaint_crops_the_control_image_as_diffusers\[True\])",
+    # the hand-off from a 9-channel inpainting base: the ordinary base's hand-off (the same inpainting refiner) and the
+    # 9-channel UNet's parity (test_inpaint.py) stay (22 s)
+    "the inpainting hand-off from a 9-channel base":
+        r"^tests/test_handoff\.py::test_inpainting_base_hands_off_to_the_refiner_as_inpainting\[9\]",
     # SD 1.x/2.x and SDXL base single files stay (19 s)
     "the refiner's and the inpainting UNets' single files":
         r"^tests/test_single_file\.py::(test_sdxl_refiner_from_its_single_file|test_sdx?l?_inpainting_nine_channel_unet)",

@@ -364,9 +364,9 @@ def test_errors_name_the_flags_before_loading(xl, sd, files, tmp_path):
         "--model", str(xl.root / "base"), "--refiner", base])
     _refused(InputError, "--refiner: the --model's StableDiffusionPipeline cannot hand over latents", [
         "--model", base, "--refiner", str(xl.root / "refiner")])
-    _refused(InputError, "--mask with --refiner", [
-        "--model", str(xl.root / "base"), "--refiner", str(xl.root / "refiner"), "--image", str(files.photo), "--mask",
-        str(files.mask)])
+    _refused(InputError, "--refiner with --image and a ControlNet: StableDiffusionXLControlNetImg2ImgPipeline stops", [
+        "--model", str(xl.root / "base"), "--controlnet", str(xl.root / "controlnet"), "--control-image",
+        str(files.edges), "--image", str(files.photo), "--refiner", str(xl.root / "refiner")])
     sd_unet = sd.root / "base" / "unet"  # a Stable Diffusion UNet on the SDXL base: its text width differs
     _refused(InputError, r"--unet '.*unet' has cross_attention_dim=32 \(in its config.json\) but the --model UNet has "
              "80: it was made for another base model", ["--model", str(xl.root / "base"), "--unet", str(sd_unet)])

@@ -18,11 +18,19 @@ import jax
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import eqxdiff
-from eqxdiff.pipelines import StableDiffusionXLInpaintPipeline
+from eqxdiff.cli import generate
+from eqxdiff.pipelines import (
+    InputError,
+    StableDiffusionXLImg2ImgPipeline,
+    StableDiffusionXLInpaintPipeline,
+    read_parameters,
+    seed_key,
+)
 from eqxdiff.pipelines._latents import noise_draws
-from eqxdiff.pipelines.controlnet import StableDiffusionXLControlNetInpaintPipeline
+from eqxdiff.pipelines.controlnet import StableDiffusionXLControlNetInpaintPipeline, StableDiffusionXLControlNetPipeline
 from eqxdiff.pipelines.controlnet_union import StableDiffusionXLControlNetUnionInpaintPipeline
 
 from . import _tiny_controlnet as tiny_cn
@@ -31,8 +39,8 @@ from . import _tiny_sdxl as tiny
 from ._util import assert_close, nchw_to_nhwc, nhwc_to_nchw
 from .test_recompile import no_compile, sweep
 
-PROMPTS = ["a red cat", "two dogs"]
-SHAPE = (2, 16, 16, 4)
+PROMPTS = ["a red cat"]  # one image: the eqxdiff-generate runs below share the compiled programs
+SHAPE = (1, 16, 16, 4)
 STEPS = dict(num_inference_steps=4, guidance_scale=5.0)  # Euler, leading: 751, 501 | 251, 1 split at 0.5
 REFINE = dict(STEPS, aesthetic_score=7.0, negative_aesthetic_score=2.0)
 
@@ -59,12 +67,10 @@ def _draws(module, monkeypatch, key, posterior=("image", "masked"), image_latent
 
 @pytest.fixture(scope="module")
 def inputs():
-    """A picture per prompt, masks (white = repaint: a different box in each) and a control image."""
-    rng = np.random.default_rng(50)
-    picture = rng.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
-    mask = np.zeros((2, 32, 32), np.uint8)
+    """A picture, its mask (white = repaint) and a control image."""
+    picture = np.random.default_rng(50).integers(0, 256, (1, 32, 32, 3), dtype=np.uint8)
+    mask = np.zeros((1, 32, 32), np.uint8)
     mask[0, 4:20, 8:30] = 255
-    mask[1, 10:32, 0:14] = 255
     return picture, mask, torch.from_numpy(mask[:, None] / 255).float(), tiny_cn.control_images(1, 32, seed=51)
 
 
@@ -128,7 +134,7 @@ def test_inpainting_base_hands_off_to_the_refiner_as_inpainting(refiner, inputs,
                        progress=False, **STEPS)
     assert_close(ours_handed, nchw_to_nhwc(handed), 1e-4, "handed-over latents")
     ours, expected = _refine_inpainting(folder, handed, ours_handed, inputs, monkeypatch)
-    assert ours.shape == (2, 32, 32, 3) and _pixels_off(ours, expected) <= 2
+    assert ours.shape == (1, 32, 32, 3) and _pixels_off(ours, expected) <= 2
 
 
 def _controlnet_base(root, kind: str):
@@ -236,10 +242,106 @@ def test_hand_off_fractions_compile_nothing(refiner, inputs):
     folder, base_folder, _ = refiner
     picture, mask, _, control = inputs
     base = StableDiffusionXLInpaintPipeline.from_pretrained(base_folder)
-    run = dict(prompt=PROMPTS[0], image=picture[:1], mask_image=mask[:1], num_inference_steps=6, seed=0)
+    run = dict(prompt=PROMPTS[0], image=picture, mask_image=mask, num_inference_steps=6, seed=0)
     first = base(**run, denoising_end=0.7, output_type="latent", progress=False)
     with no_compile("the inpainting base with another denoising_end"):
         other = base(**run, denoising_end=0.4, output_type="latent", progress=False)
     assert not np.array_equal(np.asarray(first), np.asarray(other))
     refine = StableDiffusionXLInpaintPipeline.from_pretrained(folder)
     sweep(refine, dict(run, image=first, denoising_start=0.7), [dict(denoising_start=0.5), dict(denoising_start=0.85)])
+
+
+# -- eqxdiff-generate --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def files(refiner, inputs):
+    """The first picture, its mask and the control image as PNG files; a ControlNet folder for the plain base."""
+    root = refiner[0].parent
+    picture, mask, _, control = inputs
+    for name, array in (("photo", picture[0]), ("mask", mask[0]), ("edges", control[0])):
+        Image.fromarray(array).save(root / f"{name}.png")
+    tiny_cn.controlnet(tiny_cn.SDXL_PIPE_CONTROLNET, 52).save_pretrained(root / "controlnet", safe_serialization=True)
+    return root
+
+
+def _cli(out, *argv):
+    (path,) = generate.main(["--no-progress", "--steps", "4", "--guidance-scale", "5", "--seed", "7", "--prompt",
+                             PROMPTS[0], *argv, "--output-dir", str(out)])
+    return np.asarray(Image.open(path))[None], read_parameters(path)
+
+
+def test_cli_inpainting_hands_off_to_the_refiner_folder_as_inpainting(refiner, inputs, files, tmp_path, monkeypatch):
+    """--image --mask --refiner --denoising-end: the base inpaints the first half, the refiner folder loaded as
+    StableDiffusionXLInpaintPipeline the rest under the same mask; the library's two calls give the same pixels, and
+    diffusers' recipe (the base folder as its inpainting pipeline, the same draws) within 2/255."""
+    from diffusers.pipelines.stable_diffusion_xl import pipeline_stable_diffusion_xl_inpaint as module
+
+    folder, base_folder, base = refiner
+    ours, params = _cli(tmp_path, "--model", str(base_folder), "--pipeline-class", "StableDiffusionXLInpaintPipeline",
+                        "--image", str(files / "photo.png"), "--mask", str(files / "mask.png"), "--refiner",
+                        str(folder), "--denoising-end", "0.5", "--aesthetic-score", "7")
+    assert params["refiner_pipeline"] == "StableDiffusionXLInpaintPipeline" and params["denoising_end"] == 0.5
+    picture, mask = inputs[0], inputs[1]
+    call = dict(prompt=PROMPTS[0], mask_image=mask, seed=7, num_inference_steps=4, guidance_scale=5.0, progress=False)
+    handed = StableDiffusionXLInpaintPipeline.from_pretrained(base_folder)(
+        image=picture, denoising_end=0.5, output_type="latent", **call)
+    library = StableDiffusionXLInpaintPipeline.from_pretrained(folder)(image=handed, denoising_start=0.5,
+                                                                        aesthetic_score=7.0, **call)
+    assert np.abs(ours.astype(int) - library).max() <= 1
+    tiny_cn.with_our_draws(module, monkeypatch, seed_key(7), (1, 16, 16, 4), ("image", "masked"))
+    ref = module.StableDiffusionXLInpaintPipeline(**base.components)
+    ref.set_progress_bar_config(disable=True)
+    common = dict(prompt=PROMPTS[0], mask_image=Image.fromarray(mask[0]), num_inference_steps=4, guidance_scale=5.0)
+    with torch.no_grad():
+        latents = ref(image=Image.fromarray(picture[0]), denoising_end=0.5, output_type="latent", **common).images
+    _, refine_ref, _ = _inpaint_refiner(folder)
+    with torch.no_grad():
+        expected = refine_ref(image=latents, height=32, width=32, denoising_start=0.5, aesthetic_score=7.0,
+                              output_type="np", **common).images
+    assert _pixels_off(ours, expected) <= 2
+
+
+def test_cli_controlnet_base_hands_off_to_the_refiner(refiner, files, tmp_path):
+    """--controlnet --control-image --refiner --denoising-end: the base's ControlNet pipeline stops there, the refiner
+    folder (image-to-image) finishes; the library's calls give the same pixels, diffusers' within 2/255."""
+    import diffusers
+
+    folder, base_folder, base = refiner
+    net = files / "controlnet"
+    ours, params = _cli(tmp_path, "--model", str(base_folder), "--controlnet", str(net), "--control-image",
+                        str(files / "edges.png"), "--refiner", str(folder), "--denoising-end", "0.5")
+    assert params["pipeline"] == "StableDiffusionXLControlNetPipeline"
+    assert params["refiner_pipeline"] == "StableDiffusionXLImg2ImgPipeline"
+    edges = Image.open(files / "edges.png")
+    call = dict(prompt=PROMPTS[0], num_inference_steps=4, guidance_scale=5.0)
+    pipe = StableDiffusionXLControlNetPipeline.from_pipe(eqxdiff.load_pipeline(base_folder),
+                                                         controlnet=eqxdiff.load(net))
+    handed = pipe(image=edges, seed=7, denoising_end=0.5, output_type="latent", progress=False, **call)
+    library = StableDiffusionXLImg2ImgPipeline.from_pretrained(folder)(image=handed, seed=7, denoising_start=0.5,
+                                                                       progress=False, **call)
+    assert np.abs(ours.astype(int) - library).max() <= 1
+    ref = diffusers.StableDiffusionXLControlNetPipeline(**base.components, controlnet=diffusers.ControlNetModel
+                                                        .from_pretrained(net))
+    ref.set_progress_bar_config(disable=True)
+    noise = nhwc_to_nchw(noise_draws(seed_key(7), (1, 16, 16, 4)).noise)
+    refine_ref = diffusers.StableDiffusionXLImg2ImgPipeline.from_pretrained(folder)
+    refine_ref.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        latents = ref(image=edges, latents=noise, denoising_end=0.5, output_type="latent", **call).images
+        expected = refine_ref(image=latents, denoising_start=0.5, output_type="np", **call).images
+    assert _pixels_off(ours, expected) <= 2
+
+
+def test_cli_picks_the_hand_off_classes_and_refuses_what_diffusers_cannot(refiner, files):
+    """ControlNet inpainting hands over to the refiner folder as inpainting; ControlNet image-to-image (diffusers'
+    takes no denoising_end) is refused, naming the flags to leave out, before anything loads."""
+    folder, base_folder, _ = refiner
+    argv = ["--model", str(base_folder), "--controlnet", str(files / "controlnet"), "--control-image",
+            str(files / "edges.png"), "--image", str(files / "photo.png"), "--refiner", str(folder),
+            "--denoising-end", "0.5"]
+    checked = generate.validate([*argv, "--mask", str(files / "mask.png")])
+    assert checked.family.pipeline_class.__name__ == "StableDiffusionXLControlNetInpaintPipeline"
+    assert checked.refiner.pipeline_class is StableDiffusionXLInpaintPipeline
+    with pytest.raises(InputError, match="--refiner with --image and a ControlNet: StableDiffusionXLControlNetImg2Img"
+                       "Pipeline stops at no denoising_end .* leave out --refiner or --image"):
+        generate.validate(argv)

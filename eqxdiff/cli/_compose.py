@@ -11,8 +11,9 @@ UNet in place of the base's.
   net in order; ``--control-mode`` per control image for ControlNet-Union, whose pipeline is picked by the
   ``--controlnet`` folder's model class) and :func:`control_kwargs`, which checks them against the nets' configs
   before anything loads and turns them into the call's arguments. The start/end/guess options are the pipeline's own flags.
-- :func:`check_refiner` and :func:`refiner_kwargs`: a refiner folder finishing the base's latents (SDXL's ensemble
-  of experts: the base stops at ``--denoising-end``, the refiner starts there).
+- :func:`check_refiner`, :func:`refiner_class` and :func:`refiner_kwargs`: a refiner folder finishing the base's
+  latents (SDXL's ensemble of experts: the base stops at ``--denoising-end``, the refiner starts there; a ControlNet
+  base too; with ``--mask`` the refiner folder inpaints under the same mask, as diffusers' recipe).
 - :func:`check_unet` and :func:`load_unet`: ``--unet``, a UNet in place of the base's (a distilled one such as
   SDXL-Lightning's or Hyper-SD's, published as one ``.safetensors`` file in diffusers' names without a config: read
   into the base UNet's config, as ``eqxdiff.load(file, config=base, subfolder="unet")``; or a UNet folder).
@@ -34,7 +35,7 @@ from ..loading import PICKLE_SUFFIXES, CheckpointError, SafetensorsFile, is_hub_
 from ..models.controlnet import ControlNetModel
 from ..nn import with_attention_implementation
 from ..parallel import DEFAULT_RULES, sharding_fn
-from ..pipelines import InputError, read_image
+from ..pipelines import InputError, pipeline_class_for, read_image
 
 CONTROLNET = "controlnet"  # the component a ControlNet pipeline adds to its base
 UNET = "unet"  # the component --unet replaces
@@ -45,9 +46,8 @@ UNET_INTERFACE = (("in_channels", "conv_in.weight", 1), ("out_channels", "conv_o
                   ("cross_attention_dim", ".attn2.to_k.weight", 1))
 SCALE = "controlnet_conditioning_scale"
 # A refiner call's arguments that the hand-off sets (the base's own go to the base only), and --ip-adapter's image
-# prompt (the adapter goes on the --model pipeline alone, as LoRAs do).
-HANDOFF = ("image", "mask_image", "strength", "denoising_start", "denoising_end", "latents", "output_type",
-           "ip_adapter_image")
+# prompt (the adapter goes on the --model pipeline alone, as LoRAs do). An inpainting run's mask goes to both.
+HANDOFF = ("image", "strength", "denoising_start", "denoising_end", "latents", "output_type", "ip_adapter_image")
 # What a refiner's image check sees before loading: latents handed over (any 4-channel array).
 HANDED_LATENTS = np.zeros((1, 1, 1, 4), np.float32)
 
@@ -341,23 +341,59 @@ def check_refiner(base: type, refiner: type, base_flags: Sequence[str], refiner_
                   given: Mapping[str, Any]) -> None:
     """A ``--refiner`` run can hand over: the base returns latents and stops at ``--denoising-end``
     (``output_type`` and ``denoising_end`` arguments), the refiner starts from them (``image`` and
-    ``denoising_start``); no ``--mask``."""
-    if "denoising_end" not in base_flags or "output_type" not in _parameters(base):
+    ``denoising_start``; with ``--mask`` it inpaints: :func:`refiner_class`). A ControlNet base hands over where
+    diffusers' does (text-to-image and inpainting), not from ``--image`` alone (its image-to-image pipelines take no
+    ``denoising_end``)."""
+    if "denoising_end" not in base_flags or not _takes(base, "output_type"):
         raise InputError(f"--refiner: the --model's {base.__name__} cannot hand over latents (it takes no "
                          "denoising_end); leave out --refiner")
-    if is_controlnet(base):
-        raise InputError("--refiner with a ControlNet is not supported; leave out --refiner or the ControlNet")
+    if is_controlnet(base) and starts_from_image(base) and not takes_mask(base):
+        raise InputError(f"--refiner with --image and a ControlNet: {base.__name__} stops at no denoising_end (as "
+                         "diffusers', it hands nothing over); leave out --refiner or --image (a ControlNet base hands "
+                         "over text-to-image and, with --mask, inpainting)")
     if "image" not in refiner_flags or "denoising_start" not in refiner_flags:
         raise InputError(f"--refiner holds a {refiner.__name__}, which cannot start from handed-over latents (no "
                          "image and denoising_start); pass a refiner (image-to-image) pipeline such as SDXL's")
-    if given.get("mask_image") is not None:
-        raise InputError("--mask with --refiner is not supported (the hand-off takes no mask); leave out one of them")
+    if given.get("mask_image") is not None and "mask_image" not in refiner_flags:
+        raise InputError(f"--mask with --refiner: the --refiner's {refiner.__name__} takes no mask; leave out --mask "
+                         "or --refiner")
+
+
+def _takes(cls, name: str) -> bool:
+    """A call of ``cls`` takes ``name``: its ``__call__`` or one it passes its keywords on to (a ControlNet's)."""
+    return any(name in _parameters(k) for k in cls.__mro__ if "__call__" in k.__dict__)
+
+
+def _requires_mask(cls) -> bool:
+    return "mask_image" in getattr(cls, "REQUIRED_INPUTS", ())
+
+
+def refiner_class(folder_class: type, *, mask: bool) -> type:
+    """The class a ``--refiner`` folder of ``folder_class`` runs as: its own; with ``--mask`` its family's inpainting
+    pipeline (a class of the family table without ControlNet that requires ``mask_image`` and loads the folder:
+    :func:`~eqxdiff.pipelines.pipeline_class_for`), as diffusers' recipe loads SDXL's refiner folder as
+    ``StableDiffusionXLInpaintPipeline`` to finish an inpainting base's latents under the same mask. An
+    ``InputError`` naming the flags where the family has none."""
+    if not mask or _requires_mask(folder_class):
+        return folder_class
+    for name in sorted(family_names("pipeline")):
+        cls = resolve_class(name)
+        if not isinstance(cls, type) or not _requires_mask(cls) or is_controlnet(cls):
+            continue
+        try:
+            return pipeline_class_for(folder_class, cls, where="", holds="")
+        except CheckpointError:
+            continue
+    raise InputError(f"--mask with --refiner: eqxdiff has no inpainting pipeline that loads the --refiner folder's "
+                     f"{folder_class.__name__} (the refiner would finish the masked region under the same mask); "
+                     "leave out --mask or --refiner")
 
 
 def refiner_kwargs(refiner_flags: Sequence[str], kwargs: Mapping[str, Any], latents) -> dict[str, Any]:
     """The refiner call's arguments: the base call's that the refiner takes (prompts, steps, guidance, seed,
-    micro-conditioning ...), ``image`` the handed-over ``latents`` and ``denoising_start`` the base's
-    ``denoising_end`` (without it the refiner refines the finished latents at its default ``strength``)."""
+    micro-conditioning, an inpainting run's ``mask_image`` ...), ``image`` the handed-over ``latents`` and
+    ``denoising_start`` the base's ``denoising_end`` (without it the refiner refines the finished latents at its
+    default ``strength``)."""
     out = {k: v for k, v in kwargs.items() if k in refiner_flags and k not in HANDOFF}
     out["image"] = latents
     if kwargs.get("denoising_end") is not None:

@@ -59,7 +59,8 @@ class RunOptions:
     """A refiner pipeline (folder or Hub id, e.g. SDXL's refiner) that finishes the --model base's latents: with
     --denoising-end F the base runs the first F of the schedule and the refiner the rest (ensemble of experts),
     without it the refiner refines the finished latents (its default strength). It gets the base's prompts, steps,
-    guidance, seed and scheduler flags."""
+    guidance, seed and scheduler flags; given a mask, it inpaints under the same mask (the refiner folder as its
+    family's inpainting pipeline). A ControlNet base hands over text-to-image and inpainting, not image-to-image."""
     unet: str | None = None
     """A UNet in place of the --model pipeline's: a .safetensors file in diffusers' names without a config (a
     distilled UNet: SDXL-Lightning's sdxl_lightning_4step_unet.safetensors, Hyper-SDXL's

@@ -6,6 +6,8 @@
     eqxdiff-generate --model path/to/pipeline --help          # that pipeline's own options
     eqxdiff-generate --model path/to/sdxl-base --prompt "a fox" --refiner path/to/sdxl-refiner --denoising-end 0.8
     eqxdiff-generate --model path/to/sd15 --image photo.png --mask mask.png --prompt "a cat on a bench"
+    eqxdiff-generate --model path/to/sdxl-inpaint --image photo.png --mask mask.png --refiner path/to/sdxl-refiner \
+        --denoising-end 0.8 --prompt "a cat on a bench"
     eqxdiff-generate --model path/to/sd15 --controlnet path/to/canny --control-image edges.png --prompt "a bird"
     eqxdiff-generate --model path/to/sdxl-base --unet sdxl_lightning_4step_unet.safetensors --scheduler euler \
         --scheduler-option timestep_spacing=trailing --steps 4 --guidance-scale 0 --prompt "a fox"
@@ -77,6 +79,7 @@ from ._compose import (
     is_controlnet,
     load_controlnets,
     load_unet,
+    refiner_class,
     refiner_kwargs,
 )
 from ._extras import before_loading, check_extras, extras_metadata, load_extras, one_adapter_images
@@ -173,7 +176,8 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, pars
     check_window(kwargs)
     refiner = None
     if run.refiner is not None:
-        refiner = family_options(pipeline_class(run.refiner))
+        masked = kwargs.get("mask_image") is not None  # the refiner folder inpaints too, under the same mask
+        refiner = family_options(refiner_class(pipeline_class(run.refiner), mask=masked))
         check_refiner(cls, refiner.pipeline_class, _flags(family), _flags(refiner), kwargs)
     if run.vae_tiling and not hasattr(cls, "enable_vae_tiling"):
         raise InputError(f"--vae-tiling: {cls.__name__} has no VAE tiling; leave the flag out")
@@ -371,7 +375,8 @@ def _generate(checked: Invocation) -> list[Path]:
         pipe = checked.family.pipeline_class.from_pipe(pipe, **added)
     loras = apply_loras(pipe, checked.loras, args.lora)
     load_extras(pipe, run)
-    refiner = None if run.refiner is None else load_pipeline(run.refiner, **common)
+    refiner = None if run.refiner is None else load_pipeline(run.refiner, pipeline_class=checked.refiner.pipeline_class,
+                                                             **common)
     load_s = time.perf_counter() - t0
     for p in (pipe, refiner):
         if run.vae_tiling and p is not None:
