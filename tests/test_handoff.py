@@ -137,20 +137,18 @@ def test_inpainting_base_hands_off_to_the_refiner_as_inpainting(refiner, inputs,
     assert ours.shape == (1, 32, 32, 3) and _pixels_off(ours, expected) <= 2
 
 
-def _controlnet_base(root, kind: str):
-    """A tiny SDXL ControlNet (``"cn"``) or ControlNet-Union text-to-image folder: diffusers' pipeline, ours, and the
-    control arguments of a call (diffusers', ours)."""
+@pytest.fixture(scope="module")
+def controlnet_bases(tmp_path_factory):
+    """Tiny SDXL ControlNet (``"cn"``) and ControlNet-Union text-to-image folders: kind -> (diffusers', ours)."""
     import diffusers
 
-    if kind == "cn":
-        ref = diffusers.StableDiffusionXLControlNetPipeline(
-            **tiny.base_components(seed=30), controlnet=tiny_cn.controlnet(tiny_cn.SDXL_PIPE_CONTROLNET, 25),
-            add_watermarker=False)
-    else:
-        ref = diffusers.StableDiffusionXLControlNetUnionPipeline(
-            **tiny.base_components(seed=40), controlnet=tiny_union.union_net(41), add_watermarker=False)
-    tiny.save(ref, root)
-    return ref, eqxdiff.load_pipeline(root)
+    root = tmp_path_factory.mktemp("handoff_controlnet")
+    refs = {"cn": diffusers.StableDiffusionXLControlNetPipeline(
+                **tiny.base_components(seed=30), controlnet=tiny_cn.controlnet(tiny_cn.SDXL_PIPE_CONTROLNET, 25),
+                add_watermarker=False),
+            "union": diffusers.StableDiffusionXLControlNetUnionPipeline(
+                **tiny.base_components(seed=40), controlnet=tiny_union.union_net(41), add_watermarker=False)}
+    return {kind: (tiny.save(ref, root / kind), eqxdiff.load_pipeline(root / kind)) for kind, ref in refs.items()}
 
 
 def _control(kind: str, control, *, torch_images: bool, name: str = "image") -> dict:
@@ -161,14 +159,14 @@ def _control(kind: str, control, *, torch_images: bool, name: str = "image") -> 
 
 
 @pytest.mark.parametrize("kind", ["cn", "union"])
-def test_controlnet_base_hands_off_to_a_plain_refiner(refiner, inputs, tmp_path, kind):
+def test_controlnet_base_hands_off_to_a_plain_refiner(refiner, inputs, controlnet_bases, kind):
     """A ControlNet text-to-image base stops at denoising_end; its net's window (control_guidance_end=0.5) counts
     the whole schedule (on for both steps it runs; over its 2 steps it would be off for the second); the refiner
     (image-to-image) finishes."""
     from diffusers.pipelines.stable_diffusion_xl import pipeline_stable_diffusion_xl_img2img as module
 
     folder, _, _ = refiner
-    ref, pipe = _controlnet_base(tmp_path, kind)
+    ref, pipe = controlnet_bases[kind]
     control = inputs[3]
     noise = np.random.default_rng(62).standard_normal(SHAPE).astype(np.float32)
     window = dict(control_guidance_end=0.5, **STEPS)
@@ -186,12 +184,12 @@ def test_controlnet_base_hands_off_to_a_plain_refiner(refiner, inputs, tmp_path,
     assert _pixels_off(ours, expected) <= 2
 
 
-def _controlnet_inpaint(root, kind: str):
+def _controlnet_inpaint(bases, kind: str):
     """The ControlNet base of ``kind`` as inpainting, diffusers' and ours (the same components), and its module."""
     from diffusers.pipelines.controlnet import pipeline_controlnet_inpaint_sd_xl as cn_module
     from diffusers.pipelines.controlnet import pipeline_controlnet_union_inpaint_sd_xl as union_module
 
-    ref, pipe = _controlnet_base(root, kind)
+    ref, pipe = bases[kind]
     if kind == "cn":
         module, cls = cn_module, StableDiffusionXLControlNetInpaintPipeline
         ref = cn_module.StableDiffusionXLControlNetInpaintPipeline(**ref.components)
@@ -203,11 +201,11 @@ def _controlnet_inpaint(root, kind: str):
 
 
 @pytest.mark.parametrize("kind", ["cn", "union"])
-def test_controlnet_inpainting_hands_off_both_ways(refiner, inputs, tmp_path, monkeypatch, kind):
+def test_controlnet_inpainting_hands_off_both_ways(refiner, inputs, controlnet_bases, monkeypatch, kind):
     """ControlNet inpainting stops at denoising_end for the inpainting refiner; then it starts at denoising_start
     (control_guidance_start=0.5: counted over the steps it runs) from a picture, and from handed latents."""
     folder, _, _ = refiner
-    module, ref, pipe = _controlnet_inpaint(tmp_path, kind)
+    module, ref, pipe = _controlnet_inpaint(controlnet_bases, kind)
     picture, mask, mask_tensor, control = inputs
     key = jax.random.key(63)
     _draws(module, monkeypatch, key)
@@ -236,19 +234,26 @@ def test_controlnet_inpainting_hands_off_both_ways(refiner, inputs, tmp_path, mo
     assert _pixels_off(ours, expected) <= 2
 
 
-def test_hand_off_fractions_compile_nothing(refiner, inputs):
-    """The inpainting hand-off: another denoising_end (the base) or denoising_start (the refiner) reuses the
-    compiled programs."""
+def test_hand_off_fractions_compile_nothing(refiner, inputs, controlnet_bases):
+    """Another denoising_end (an inpainting base, a ControlNet base) or denoising_start (the inpainting refiner,
+    ControlNet inpainting from handed latents) reuses the compiled programs."""
     folder, base_folder, _ = refiner
     picture, mask, _, control = inputs
     base = StableDiffusionXLInpaintPipeline.from_pretrained(base_folder)
-    run = dict(prompt=PROMPTS[0], image=picture, mask_image=mask, num_inference_steps=6, seed=0)
-    first = base(**run, denoising_end=0.7, output_type="latent", progress=False)
-    with no_compile("the inpainting base with another denoising_end"):
-        other = base(**run, denoising_end=0.4, output_type="latent", progress=False)
-    assert not np.array_equal(np.asarray(first), np.asarray(other))
-    refine = StableDiffusionXLInpaintPipeline.from_pretrained(folder)
-    sweep(refine, dict(run, image=first, denoising_start=0.7), [dict(denoising_start=0.5), dict(denoising_start=0.85)])
+    controlnet = controlnet_bases["cn"][1]
+    run = dict(prompt=PROMPTS[0], num_inference_steps=6, seed=0, output_type="latent", progress=False)
+    handed = {}
+    for name, pipe, given in (("inpainting", base, dict(image=picture, mask_image=mask)),
+                              ("ControlNet", controlnet, dict(image=control))):
+        handed[name] = pipe(**run, **given, denoising_end=0.7)
+        with no_compile(f"the {name} base with another denoising_end"):
+            other = pipe(**run, **given, denoising_end=0.4)
+        assert not np.array_equal(np.asarray(handed[name]), np.asarray(other))
+    run = dict(prompt=PROMPTS[0], num_inference_steps=6, seed=0, mask_image=mask, denoising_start=0.7)
+    changes = [dict(denoising_start=0.5), dict(denoising_start=0.85)]
+    sweep(StableDiffusionXLInpaintPipeline.from_pretrained(folder), dict(run, image=handed["inpainting"]), changes)
+    sweep(StableDiffusionXLControlNetInpaintPipeline.from_pipe(controlnet),
+          dict(run, image=handed["ControlNet"], control_image=control), changes)
 
 
 # -- eqxdiff-generate --------------------------------------------------------------------------------------------

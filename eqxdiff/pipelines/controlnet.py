@@ -23,7 +23,9 @@ runs no step there, unchecked, and returns an empty batch for one image (fails f
 check refuses it here; SDXL inpainting given a base's handed-over latents as ``image`` (with ``denoising_start``)
 fails there, its masked picture multiplying the latents by the pixel mask, and runs here as
 :class:`~eqxdiff.pipelines.StableDiffusionXLInpaintPipeline` runs it (as diffusers' does): the run diffusers makes
-from a picture whose VAE latents they are (``tests/test_handoff.py``).
+from a picture whose VAE latents they are (``tests/test_handoff.py``); SDXL image-to-image (the union's too) stops at
+``denoising_end`` and starts at ``denoising_start``, which diffusers' image-to-image ControlNet pipelines swallow in
+their ``**kwargs`` (the whole schedule runs there: ``eqxdiff-generate`` refuses a ``--refiner`` after one).
 
 Each class is its family's pipeline with nets: :class:`~eqxdiff.pipelines.StableDiffusionPipeline` or
 :class:`~eqxdiff.pipelines.StableDiffusionXLPipeline` behind the shared
