@@ -22,6 +22,8 @@ from PIL import Image
 
 import eqxdiff
 from eqxdiff.cli import generate
+from eqxdiff.cli._compose import refiner_class
+from eqxdiff.core import resolve_class
 from eqxdiff.pipelines import (
     InputError,
     StableDiffusionXLImg2ImgPipeline,
@@ -350,3 +352,7 @@ def test_cli_picks_the_hand_off_classes_and_refuses_what_diffusers_cannot(refine
     with pytest.raises(InputError, match="--refiner with --image and a ControlNet: StableDiffusionXLControlNetImg2Img"
                        "Pipeline stops at no denoising_end .* leave out --refiner or --image"):
         generate.validate(argv)
+    assert refiner_class(StableDiffusionXLImg2ImgPipeline, mask=False) is StableDiffusionXLImg2ImgPipeline
+    with pytest.raises(InputError, match="--mask with --refiner: eqxdiff has no inpainting pipeline that loads the "
+                       "--refiner folder's WanPipeline .* leave out --mask or --refiner"):
+        refiner_class(resolve_class("WanPipeline"), mask=True)
