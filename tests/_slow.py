@@ -64,6 +64,10 @@ SLOW: dict[str, str] = {
         r"test_several_images_per_adapter_match_diffusers\[stacked\])|"
         r"_pipeline\.py::(test_two_images_on_one_adapter_match_diffusers\[sdxl\]|"
         r"test_two_adapters_with_one_and_two_images_match_diffusers\[sd\]))",
+    # IP-Adapter masks: SD's two adapters with one masked; SDXL's, and each pipeline's one adapter with two masked
+    # images and per-image scales stay (9 s)
+    "SD's two IP-Adapters with one masked":
+        r"^tests/test_ip_adapter_masks\.py::test_two_adapters_one_masked_match_diffusers\[sd\]",
     # the ControlNet-Union image pipelines at diffusers' defaults and their recompile sweeps: their parity with
     # per-image scales and windows stays, and the union text-to-image and SDXL image-to-image / inpainting sweeps stay
     # (about 12, 11, 10.5, 10.5 s in the fresh-clone CI)
