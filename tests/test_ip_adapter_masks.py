@@ -171,3 +171,37 @@ def test_image_to_image_takes_the_masks_as_diffusers(pipes, monkeypatch):
     ours = pipe("a red cat", image=clean, latents=noise, strength=0.7, num_images_per_prompt=2,
                 ip_adapter_image=images, ip_adapter_masks=[masks.numpy()], progress=False, **STEPS)
     assert _max_pixel_diff(ours, expected) <= 2
+
+
+def test_generate_takes_masks(pipes, tmp_path):
+    """eqxdiff-generate's --ip-adapter-mask, repeated like --ip-adapter-image: the one adapter's mask files, made
+    into masks at the output size by the call (as IPAdapterMaskProcessor reads the files there); refused without
+    --ip-adapter."""
+    from eqxdiff.cli import generate
+
+    _, pipe, folder = pipes
+    if "XL" in type(pipe).__name__:
+        pytest.skip("one pipeline suffices: the flags are the UNet pipelines' own")
+    files = []
+    for name, image in (("picture", PICTURE), ("other", OTHER), ("left", LEFT), ("wide", WIDE)):
+        image.save(tmp_path / f"{name}.png")
+        files.append(str(tmp_path / f"{name}.png"))
+    argv = ["--model", str(folder.parent / "pipe"), "--prompt", "a red cat", "--height", "32", "--width", "32"]
+    masks = ["--ip-adapter-mask", files[2], "--ip-adapter-mask", files[3]]
+    kwargs = generate.validate([*argv, "--ip-adapter", str(folder / "ip-adapter.safetensors"), "--ip-adapter-image",
+                                files[0], "--ip-adapter-image", files[1], *masks]).kwargs
+    (read,) = kwargs["ip_adapter_masks"]
+    assert [np.asarray(x).tolist() for x in read] == [np.asarray(Image.open(f).convert("RGB")).tolist()
+                                                       for f in files[2:]]
+    latents = np.random.default_rng(5).standard_normal((2, 16, 16, 4)).astype(np.float32)
+    pipe.set_ip_adapter_scale([[0.8, 0.6]])
+    try:
+        expected = _ours(pipe, latents, ip_adapter_image=[[PICTURE, OTHER]],
+                         ip_adapter_masks=[prepare_ip_adapter_masks([LEFT, WIDE], height=32, width=32)])
+        with no_compile("masks from files"):
+            ours = _ours(pipe, latents, ip_adapter_image=kwargs["ip_adapter_image"], ip_adapter_masks=[read])
+    finally:
+        pipe.set_ip_adapter_scale(1.0)
+    np.testing.assert_array_equal(ours, expected)
+    with pytest.raises(InputError, match="--ip-adapter-masks needs --ip-adapter"):
+        generate.validate([*argv, *masks])

@@ -258,17 +258,18 @@ class IPAdapterMixin:
         mask_weights`; values: a new mask compiles nothing)."""
         if self.ip_adapter is None:
             return {}
-        masks, scales = self._masks_and_scales(ip_adapter_masks)
+        factor = self.vae_scale_factor
+        masks, scales = self._masks_and_scales(ip_adapter_masks, (height * factor, width * factor))
         if all(m is None for m in masks):
             return {}
         weights = mask_weights(masks, ipa.image_counts(self.unet), scales, rows, resolutions(self.unet, height, width))
         return {"cross_attention_kwargs": {"ip_adapter_masks": jax.tree.map(jnp.asarray, weights)}}
 
-    def _masks_and_scales(self, ip_adapter_masks) -> tuple[list, tuple]:
-        """``(masks, scales)`` per adapter (:func:`~eqxdiff.pipelines._ip_adapter_masks.as_adapter_masks`, the
-        per-image scales); an adapter with per-image scales needs a mask, as in diffusers."""
+    def _masks_and_scales(self, ip_adapter_masks, size: tuple[int, int] | None = None) -> tuple[list, tuple]:
+        """``(masks, scales)`` per adapter (:func:`~eqxdiff.pipelines._ip_adapter_masks.as_adapter_masks` at the
+        output's ``size``, the per-image scales); an adapter with per-image scales needs a mask, as in diffusers."""
         n = len(self.ip_adapter.projections)
-        masks = [None] * n if ip_adapter_masks is None else as_adapter_masks(ip_adapter_masks, n)
+        masks = [None] * n if ip_adapter_masks is None else as_adapter_masks(ip_adapter_masks, n, size)
         scales = self.ip_adapter.image_scales or (None,) * n
         for a, (mask, scale) in enumerate(zip(masks, scales)):
             if mask is None and scale is not None:

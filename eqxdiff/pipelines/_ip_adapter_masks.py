@@ -102,9 +102,18 @@ def resolutions(unet, height: int, width: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def as_adapter_masks(masks, adapters: int) -> list:
+def _is_images(entry) -> bool:
+    """Whether a masks entry is a list of mask images (PIL, or uint8 ``[h, w]`` / ``[h, w, 3]`` arrays)."""
+    return isinstance(entry, (list, tuple)) and all(
+        isinstance(x, Image.Image) or (np.ndim(x) in (2, 3) and np.asarray(x).dtype == np.uint8) for x in entry)
+
+
+def as_adapter_masks(masks, adapters: int, size: tuple[int, int] | None = None) -> list:
     """``ip_adapter_masks`` as one entry per adapter (``None`` or ``[1, images, h, w]`` float32), checked as diffusers
-    checks them; a single array ``[adapters, 1, h, w]`` is one mask per adapter, as diffusers reads one."""
+    checks them; a single array ``[adapters, 1, h, w]`` is one mask per adapter, as diffusers reads one. An entry may
+    also be a list of mask images, one per image (eqxdiff-generate's ``--ip-adapter-mask`` files), made into masks
+    at the output's ``size`` ``(height, width)`` (:func:`prepare_ip_adapter_masks`; without ``size`` kept as they
+    are)."""
     if not isinstance(masks, (list, tuple)):
         array = host_array(masks, np.float32)
         if array.ndim != 4:
@@ -116,10 +125,14 @@ def as_adapter_masks(masks, adapters: int) -> list:
                          "adapter (None for an adapter without a mask)")
     out = []
     for a, mask in enumerate(masks):
+        if _is_images(mask):
+            out.append(mask if size is None else prepare_ip_adapter_masks(mask, height=size[0], width=size[1]))
+            continue
         if mask is not None:
             mask = host_array(mask, np.float32)
             if mask.ndim != 4 or mask.shape[0] != 1:
-                raise InputError(f"ip_adapter_masks[{a}] has shape {tuple(mask.shape)}; each entry is {_SHAPE}")
+                raise InputError(f"ip_adapter_masks[{a}] has shape {tuple(mask.shape)}; each entry is {_SHAPE}, or "
+                                 "a list of mask images")
         out.append(mask)
     return out
 
@@ -148,15 +161,16 @@ def mask_weights(masks: Sequence, counts: Sequence[int], scales: Sequence, rows:
 
 
 def prepare_ip_adapter_masks(images, *, height: int, width: int, vae_scale_factor: int = 8) -> np.ndarray:
-    """One adapter's masks ``[1, n, height, width]`` from mask images (PIL images or paths, one per image of the
-    adapter), as diffusers' ``IPAdapterMaskProcessor().preprocess(images, height=, width=)`` makes them (the size
-    rounded down to a multiple of ``vae_scale_factor``, a Lanczos resize, grayscale, values of 0.5 and above 1, the
-    rest 0), reshaped for one adapter."""
+    """One adapter's masks ``[1, n, height, width]`` from mask images (PIL images, uint8 arrays ``[h, w]`` or
+    ``[h, w, 3]``, or paths; one per image of the adapter), as diffusers' ``IPAdapterMaskProcessor().preprocess(images,
+    height=, width=)`` makes them of PIL images (the size rounded down to a multiple of ``vae_scale_factor``, a Lanczos
+    resize, grayscale, values of 0.5 and above 1, the rest 0), reshaped for one adapter."""
     images = list(images) if isinstance(images, (list, tuple)) else [images]
     height, width = (x - x % vae_scale_factor for x in (height, width))
     out = []
     for image in images:
-        image = image if isinstance(image, Image.Image) else Image.open(image)
+        if not isinstance(image, Image.Image):
+            image = Image.fromarray(image) if isinstance(image, np.ndarray) else Image.open(image)
         image = image.resize((width, height), resample=Image.Resampling.LANCZOS).convert("L")
         out.append(np.asarray(image, np.float32) / 255.0)
     return np.where(np.stack(out)[None] >= 0.5, 1.0, 0.0).astype(np.float32)
