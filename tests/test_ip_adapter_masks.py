@@ -11,6 +11,7 @@ from PIL import Image, ImageDraw
 
 import eqxdiff
 from eqxdiff.pipelines import InputError, InputTypeError, downsample_mask, prepare_ip_adapter_masks
+from eqxdiff.pipelines._ip_adapter_masks import as_adapter_masks
 
 from ._ip_adapter_files import as_numpy, ip_adapter_state, save_ip_adapter
 from ._util import nhwc_to_nchw
@@ -143,8 +144,13 @@ def test_bad_masks_name_the_fix(pipes):
         pipe.set_ip_adapter_scale(1.0)
     plain = type(pipe).from_pipe(pipe)
     plain.unload_ip_adapter()
-    with pytest.raises(InputError, match="no IP-Adapter is loaded"):
+    with pytest.raises(InputError, match="ip_adapter_masks: no IP-Adapter is loaded"):
         _ours(plain, None, ip_adapter_masks=[masks])
+    # diffusers' older form, one tensor [adapters, 1, h, w]: one mask per adapter
+    (one,) = as_adapter_masks(torch.from_numpy(masks[0][:, None]), 2)[1:]
+    np.testing.assert_array_equal(one, masks[:, 1:])
+    with pytest.raises(InputError, match=r"ip_adapter_masks of shape \(2, 32, 32\): give a list"):
+        as_adapter_masks(masks[0], 2)
 
 
 def test_image_to_image_takes_the_masks_as_diffusers(pipes, monkeypatch):
