@@ -67,6 +67,7 @@ NOT_TAKEN: dict[str, str] = {
     "callback_steps": _CALLBACKS,
     "ip_adapter_image": _NO_IP_ADAPTER,
     "ip_adapter_image_embeds": _NO_IP_ADAPTER,
+    "ip_adapter_masks": _NO_IP_ADAPTER,
     "negative_ip_adapter_image": _NO_IP_ADAPTER,
     "negative_ip_adapter_image_embeds": _NO_IP_ADAPTER,
     "masked_image_latents": "this pipeline takes no masked-image latents (the UNet inpainting pipelines do, for a "
