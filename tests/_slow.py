@@ -68,6 +68,11 @@ SLOW: dict[str, str] = {
         r"test_several_images_per_adapter_match_diffusers\[stacked\])|"
         r"_pipeline\.py::(test_two_images_on_one_adapter_match_diffusers\[sdxl\]|"
         r"test_two_adapters_with_one_and_two_images_match_diffusers\[sd\]))",
+    # IP-Adapter masks: SD's two adapters with one masked and the stacked UNet's masks; SDXL's two adapters, each
+    # pipeline's one adapter with two masked images and the unstacked UNet's masks stay (9, 16 s)
+    "SD's two IP-Adapters with one masked, masks on the stacked UNet":
+        r"^tests/test_ip_adapter(_masks\.py::test_two_adapters_one_masked_match_diffusers\[sd\]|"
+        r"\.py::test_masked_images_match_diffusers\[stacked\])",
     # the ControlNet-Union image pipelines at diffusers' defaults and their recompile sweeps: their parity with
     # per-image scales and windows stays, and the union text-to-image and SDXL image-to-image / inpainting sweeps stay
     # (about 12, 11, 10.5, 10.5 s in the fresh-clone CI)

@@ -505,7 +505,7 @@ API = [
      r"cross_attention_kwargs holds \['heads'\]: eqxdiff takes only 'scale' there .* attention processors, which "
      r"eqxdiff does not have"),
     ("ip-adapter-masks", lambda c: c.pipe("a", cross_attention_kwargs={"ip_adapter_masks": [np.ones((1, 1, 8, 8))]}),
-     InputError, r"cross_attention_kwargs holds 'ip_adapter_masks': eqxdiff's IP-Adapters take no masks yet"),
+     InputError, r"ip_adapter_masks: no IP-Adapter is loaded; load one first"),
     ("lora-scale-not-a-number", lambda c: c.pipe("a", cross_attention_kwargs={"scale": "high"}), InputTypeError,
      r"cross_attention_kwargs=\{'scale': 'high'\}: the scale must be a finite number"),
     ("lora-scale-other-family", lambda c: c.pipe("a", joint_attention_kwargs={"scale": 0.5}), InputTypeError,

@@ -371,10 +371,11 @@ def test_controlnet_takes_the_adapter_as_diffusers(tmp_path):
 
 def test_the_refiner_call_gets_no_ip_adapter_image():
     """eqxdiff-generate --ip-adapter with --refiner: the adapter is on the --model pipeline alone, so the refiner's
-    call (SDXL img2img, which takes ip_adapter_image) is handed none (before, its pre-load check refused the command:
-    no IP-Adapter loaded on the refiner)."""
+    call (SDXL img2img, which takes ip_adapter_image and ip_adapter_masks) is handed neither (before, its pre-load
+    check refused the command: no IP-Adapter loaded on the refiner)."""
     from eqxdiff.cli._compose import refiner_kwargs
 
-    flags = ["prompt", "num_inference_steps", "ip_adapter_image", "image"]
-    out = refiner_kwargs(flags, {"prompt": "a cat", "num_inference_steps": 4, "ip_adapter_image": "face.png"}, None)
+    flags = ["prompt", "num_inference_steps", "ip_adapter_image", "ip_adapter_masks", "image"]
+    out = refiner_kwargs(flags, {"prompt": "a cat", "num_inference_steps": 4, "ip_adapter_image": "face.png",
+                                 "ip_adapter_masks": [["mask.png"]]}, None)
     assert out == {"prompt": "a cat", "num_inference_steps": 4, "image": None}

@@ -46,8 +46,9 @@ UNET_INTERFACE = (("in_channels", "conv_in.weight", 1), ("out_channels", "conv_o
                   ("cross_attention_dim", ".attn2.to_k.weight", 1))
 SCALE = "controlnet_conditioning_scale"
 # A refiner call's arguments that the hand-off sets (the base's own go to the base only), and --ip-adapter's image
-# prompt (the adapter goes on the --model pipeline alone, as LoRAs do). An inpainting run's mask goes to both.
-HANDOFF = ("image", "strength", "denoising_start", "denoising_end", "latents", "output_type", "ip_adapter_image")
+# prompt and masks (the adapter goes on the --model pipeline alone, as LoRAs do). An inpainting run's mask goes to both.
+HANDOFF = ("image", "strength", "denoising_start", "denoising_end", "latents", "output_type", "ip_adapter_image",
+           "ip_adapter_masks")
 # What a refiner's image check sees before loading: latents handed over (any 4-channel array).
 HANDED_LATENTS = np.zeros((1, 1, 1, 4), np.float32)
 

@@ -56,8 +56,9 @@ def check_extras(cls: type, run, kwargs: Mapping[str, Any]) -> None:
         if Path(source).expanduser().exists() or not is_hub_id(source):
             embedding_path(source)
     if run.ip_adapter is None:
-        if kwargs.get("ip_adapter_image") is not None:
-            raise InputError(f"--ip-adapter-image needs --ip-adapter ({_IP_ADAPTER_FORM})")
+        for name in ("ip_adapter_image", "ip_adapter_masks"):
+            if kwargs.get(name) is not None:
+                raise InputError(f"--{name.replace('_', '-')} needs --ip-adapter ({_IP_ADAPTER_FORM})")
         return
     if not hasattr(cls, "load_ip_adapter"):
         raise InputError(f"--ip-adapter: {cls.__name__} takes no IP-Adapter (SD and SDXL pipelines do); leave it out")
@@ -70,17 +71,24 @@ def check_extras(cls: type, run, kwargs: Mapping[str, Any]) -> None:
 
 def one_adapter_images(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The call's arguments with a repeated --ip-adapter-image as the images of the command's one adapter (diffusers'
-    ``[[a, b]]``: their tokens read together; a plain list would give one image to each of several adapters)."""
+    ``[[a, b]]``: their tokens read together; a plain list would give one image to each of several adapters), and
+    the --ip-adapter-mask files as that adapter's masks (``[[mask_a, mask_b]]``)."""
+    out = dict(kwargs)
     images = kwargs.get("ip_adapter_image")
-    return {**kwargs, "ip_adapter_image": [images]} if isinstance(images, list) else dict(kwargs)
+    if isinstance(images, list):
+        out["ip_adapter_image"] = [images]
+    masks = kwargs.get("ip_adapter_masks")
+    if masks is not None:  # the one adapter's mask images, made into masks at the output size by the call
+        out["ip_adapter_masks"] = [masks if isinstance(masks, list) else [masks]]
+    return out
 
 
 def before_loading(run, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The call's arguments as the class's checks see them before loading: with --ip-adapter, without the image
-    prompt (the adapter's checks need it loaded; they run at the call)."""
+    prompt and masks (the adapter's checks need it loaded; they run at the call)."""
     if run.ip_adapter is None:
         return dict(kwargs)
-    return {k: v for k, v in kwargs.items() if k != "ip_adapter_image"}
+    return {k: v for k, v in kwargs.items() if k not in ("ip_adapter_image", "ip_adapter_masks")}
 
 
 def load_extras(pipe, run) -> None:

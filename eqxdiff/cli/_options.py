@@ -46,17 +46,19 @@ ALIASES: Mapping[str, tuple[str, ...]] = {
     "num_inference_steps": ("--steps",),
     "num_images_per_prompt": ("--num-images",),
     "mask_image": ("--mask",),
+    "ip_adapter_masks": ("--ip-adapter-mask",),
 }
 
 # Arguments that take a file: what to read it as.
 MEDIA_INPUTS: Mapping[str, str] = {
     "image": "image", "mask_image": "mask", "control_image": "image", "last_image": "image",
-    "ip_adapter_image": "image", "video": "video",
+    "ip_adapter_image": "image", "ip_adapter_masks": "image", "video": "video",
 }
 
 # Media inputs whose flag repeats though the signature does not say so: the command's one IP-Adapter reads the
-# images of a repeated --ip-adapter-image together (eqxdiff.cli._extras.one_adapter_images).
-SEVERAL_MEDIA = ("ip_adapter_image",)
+# images of a repeated --ip-adapter-image together, each masked by the --ip-adapter-mask of its place
+# (eqxdiff.cli._extras.one_adapter_images).
+SEVERAL_MEDIA = ("ip_adapter_image", "ip_adapter_masks")
 
 # Arguments the command decides itself: it saves uint8 images or frames.
 NOT_FLAGS = ("output_type", "return_dict")
@@ -84,6 +86,8 @@ COMMON_HELP: Mapping[str, str] = {
     "control_image": "A control image file (edges, depth, pose ...).",
     "last_image": "The last frame, as an image file (first-last-frame-to-video).",
     "ip_adapter_image": "An image file for the IP-Adapter (repeated: several images, read together).",
+    "ip_adapter_masks": "A mask image file (white: where the image acts) for the --ip-adapter-image of its place "
+                        "(repeated: one per image), as diffusers' IPAdapterMaskProcessor reads it at the output size.",
     "video": "An input video file.",
     "control_guidance_start": "ControlNet: the fraction of the steps before which the nets are off.",
     "control_guidance_end": "ControlNet: the fraction of the steps after which the nets are off.",

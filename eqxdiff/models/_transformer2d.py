@@ -2,7 +2,8 @@
 ``layer_norm``) built from ``BasicTransformerBlock`` s with a GEGLU feed-forward (``nn.FeedForward``).
 Channels-last throughout."""
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -53,10 +54,13 @@ class BasicTransformerBlock(eqx.Module):
 
     @typechecked
     def __call__(self, x: Float[Array, "batch seq dim"], context: Float[Array, "batch ctx_seq ctx_dim"], *,
-                 mask: Bool[Array, "batch ctx_seq"] | None = None) -> Float[Array, "batch seq dim"]:
+                 mask: Bool[Array, "batch ctx_seq"] | None = None,
+                 cross_attention_kwargs: Mapping[str, Any] | None = None) -> Float[Array, "batch seq dim"]:
+        """``cross_attention_kwargs`` go to the cross-attention (``attn2``), as diffusers hands them to its
+        processor (an IP-Adapter's ``ip_adapter_masks``)."""
         h = self.norm1(x)
         x = x + (self.attn1(h, context) if self.only_cross_attention else self.attn1(h))
-        x = x + self.attn2(self.norm2(x), context, mask=mask)
+        x = x + self.attn2(self.norm2(x), context, mask=mask, **(cross_attention_kwargs or {}))
         return x + self.ff(self.norm3(x))
 
 
@@ -95,7 +99,9 @@ class Transformer2DModel(eqx.Module):
     @typechecked
     def __call__(self, x: Float[Array, "batch height width channels"],
                  context: Float[Array, "batch ctx_seq ctx_dim"], *,
-                 mask: Bool[Array, "batch ctx_seq"] | None = None) -> Float[Array, "batch height width channels"]:
+                 mask: Bool[Array, "batch ctx_seq"] | None = None,
+                 cross_attention_kwargs: Mapping[str, Any] | None = None,
+                 ) -> Float[Array, "batch height width channels"]:
         b, height, width, _ = x.shape
         image = ("batch", "height", "width", "channels")
         x = constrain(x, self.plan, image)
@@ -107,7 +113,8 @@ class Transformer2DModel(eqx.Module):
         tokens = ("batch", "seq", "embed")
 
         def step(block, h):
-            return constrain(block(constrain(h, self.plan, tokens), context, mask=mask), self.plan, tokens)
+            return constrain(block(constrain(h, self.plan, tokens), context, mask=mask,
+                                   cross_attention_kwargs=cross_attention_kwargs), self.plan, tokens)
 
         h, _ = run_layers(self.transformer_blocks, step, h)
         if isinstance(self.proj_out, Conv2d):

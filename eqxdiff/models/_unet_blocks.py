@@ -6,7 +6,8 @@ former), one covers ``UpBlock2D`` and ``CrossAttnUpBlock2D``; the state-dict nam
 """
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -90,6 +91,7 @@ def _transformers(channels: int, spec: AttentionSpec | None, groups: int, *, dty
 
 Context = Float[Array, "batch ctx_seq ctx_dim"]
 Mask = Bool[Array, "batch ctx_seq"] | None
+AttentionKwargs = Mapping[str, Any] | None  # the UNet's cross_attention_kwargs, for every cross-attention
 
 
 class DownBlock(eqx.Module):
@@ -115,12 +117,13 @@ class DownBlock(eqx.Module):
         self.downsampler = (Downsample2D(cout, cout, padding=spec.downsample_padding, dtype=dtype, key=kd)
                             if spec.downsample else None)
 
-    def __call__(self, x, temb, context: Context, mask: Mask):
+    def __call__(self, x, temb, context: Context, mask: Mask, kwargs: AttentionKwargs = None):
         skips = []
         for i, resnet in enumerate(self.resnets):
             x = checkpoint_name(resnet(x, temb), "resnet")
             if self.attentions is not None:
-                x = checkpoint_name(self.attentions[i](x, context, mask=mask), "transformer")
+                x = checkpoint_name(self.attentions[i](x, context, mask=mask, cross_attention_kwargs=kwargs),
+                                    "transformer")
             skips.append(x)
         if self.downsampler is not None:
             x = self.downsampler(x)
@@ -144,10 +147,10 @@ class MidBlock(eqx.Module):
         self.resnets = [_resnet(c, c, resnet, dtype=dtype, key=k) for k in jax.random.split(kr, pairs + 1)]
         self.attentions = _transformers(c, spec.attention, resnet.groups, dtype=dtype, key=ka)
 
-    def __call__(self, x, temb, context: Context, mask: Mask):
+    def __call__(self, x, temb, context: Context, mask: Mask, kwargs: AttentionKwargs = None):
         x = checkpoint_name(self.resnets[0](x, temb), "resnet")
         for attn, resnet in zip(self.attentions or (), self.resnets[1:]):
-            x = checkpoint_name(attn(x, context, mask=mask), "transformer")
+            x = checkpoint_name(attn(x, context, mask=mask, cross_attention_kwargs=kwargs), "transformer")
             x = checkpoint_name(resnet(x, temb), "resnet")
         return x
 
@@ -173,14 +176,15 @@ class UpBlock(eqx.Module):
         self.upsampler = Upsample2D(cout, cout, dtype=dtype, key=ku) if spec.upsample else None
 
     def __call__(self, x, skips, temb, context: Context, mask: Mask, upsample_size: tuple[int, int] | None = None,
-                 freeu: tuple[Array, Array] | None = None):
+                 freeu: tuple[Array, Array] | None = None, kwargs: AttentionKwargs = None):
         """``skips`` in the order the down path produced them; the last one is used first. ``freeu``: this block's
         FreeU ``(s, b)`` (each ``[batch]``), applied before each concatenation (:func:`apply_freeu`)."""
         for i, resnet in enumerate(self.resnets):
             h, skip = (x, skips[-1 - i]) if freeu is None else apply_freeu(x, skips[-1 - i], *freeu)
             x = checkpoint_name(resnet(jnp.concatenate([h, skip], axis=-1), temb), "resnet")
             if self.attentions is not None:
-                x = checkpoint_name(self.attentions[i](x, context, mask=mask), "transformer")
+                x = checkpoint_name(self.attentions[i](x, context, mask=mask, cross_attention_kwargs=kwargs),
+                                    "transformer")
         if self.upsampler is not None:
             x = self.upsampler(x, upsample_size)
         return x

@@ -100,17 +100,19 @@ def embed_class(model, labels, batch: int):
     return labels if model.class_embedding is None else model.class_embedding(labels)
 
 
-def run_encoder(model, h, emb, context, mask):
+def run_encoder(model, h, emb, context, mask, cross_attention_kwargs=None):
     """``conv_in``'s output through ``model``'s down blocks and mid block, with sharding constraints and the remat
-    policy at each block boundary: ``(mid-block output, skips)``, the skips in the order the down path makes them."""
+    policy at each block boundary: ``(mid-block output, skips)``, the skips in the order the down path makes them.
+    ``cross_attention_kwargs`` go to every cross-attention."""
     plan = model.plan
     skips = [h]
     for block in model.down_blocks:
-        h, block_skips = checkpoint_block(block, plan)(h, emb, context, mask)
+        h, block_skips = checkpoint_block(block, plan)(h, emb, context, mask, cross_attention_kwargs)
         h = constrain(h, plan, IMAGE)
         skips.extend(block_skips)
     if model.mid_block is not None:
-        h = constrain(checkpoint_block(model.mid_block, plan)(h, emb, context, mask), plan, IMAGE)
+        h = constrain(checkpoint_block(model.mid_block, plan)(h, emb, context, mask,
+                                                                 cross_attention_kwargs), plan, IMAGE)
     return h, skips
 
 

@@ -30,8 +30,8 @@ from ._ip_resampler import IPAdapterPlusImageProjection, plus_image_projection
 
 __all__ = ["IPAdapterAttention", "IPAdapterPlusImageProjection", "ImageProjection", "add_ip_adapters",
            "cross_attention_blocks", "cross_attention_paths", "has_ip_adapters", "image_projection",
-           "image_token_count", "ip_adapter_scales", "load_ip_adapters", "remove_ip_adapters", "with_image_counts",
-           "with_ip_adapter_scales"]
+           "image_counts", "image_token_count", "ip_adapter_scales", "load_ip_adapters", "remove_ip_adapters",
+           "with_image_counts", "with_ip_adapter_scales"]
 
 
 def _linear(weight: np.ndarray, bias: np.ndarray | None, dtype, axes=("out", "embed")) -> Linear:
@@ -146,23 +146,56 @@ class IPAdapterAttention(AbstractAttention):
 
     @typechecked
     def __call__(self, x: Float[Array, "batch seq dim"], context: Float[Array, "batch ctx_seq ctx_dim"], *,
-                 mask: Bool[Array, "batch ctx_seq"] | None = None) -> Float[Array, "batch seq out"]:
+                 mask: Bool[Array, "batch ctx_seq"] | None = None,
+                 ip_adapter_masks: Sequence[Mapping[int, Array] | None] | None = None,
+                 ) -> Float[Array, "batch seq out"]:
+        """``ip_adapter_masks`` (diffusers' name): per adapter ``None`` or its images' weights by query count
+        (``{seq: [batch, images, seq]}``: the masks downsampled to each cross-attention's tokens, times any per-image
+        scales; :func:`eqxdiff.pipelines._ip_adapter_masks.mask_weights`). An adapter with weights attends to each of
+        its images alone (its own softmax), each output times its weights, summed; without, to its images' tokens
+        together."""
         counts = self.image_tokens
         text = context.shape[1] - sum(counts)
         if text < 1:
             raise ValueError(f"IPAdapterAttention: the context has {context.shape[1]} tokens, but the IP-Adapters "
                              f"take {sum(counts)} image tokens after the text: pass the projected image tokens")
+        masks = (None,) * len(counts) if ip_adapter_masks is None else tuple(ip_adapter_masks)
+        if len(masks) != len(counts):
+            raise ValueError(f"IPAdapterAttention: {len(masks)} ip_adapter_masks for {len(counts)} IP-Adapter(s); "
+                             "give one entry (None: no mask) per adapter")
         q = self._heads(self.to_q(x))
         tokens = context[:, :text]
         out = attend(self, q, self._heads(self.to_k(tokens)), self._heads(self.to_v(tokens)),
                      mask=None if mask is None else mask[:, :text])
         start = text
-        for i, (to_k, to_v, n) in enumerate(zip(self.to_k_ip, self.to_v_ip, counts)):
-            image = context[:, start:start + n]
+        for i, (to_k, to_v, n, weights) in enumerate(zip(self.to_k_ip, self.to_v_ip, counts, masks)):
+            k, v = to_k(context[:, start:start + n]), to_v(context[:, start:start + n])
             start += n
-            ip = attend(self, q, self._heads(to_k(image)), self._heads(to_v(image)))
+            if weights is None:
+                ip = attend(self, q, self._heads(k), self._heads(v))
+            else:
+                ip = self._masked(q, k, v, self._weights(weights, x.shape[1], i), self.num_tokens[i])
             out = out + self.ip_scale[i].astype(out.dtype) * ip
         return self._output(self.to_out, out)
+
+    def _weights(self, weights: Mapping[int, Array], seq: int, adapter: int) -> Array:
+        if seq not in weights:
+            raise ValueError(f"IPAdapterAttention: ip_adapter_masks[{adapter}] holds weights for {sorted(weights)} "
+                             f"queries, this cross-attention has {seq}: downsample the masks for the latents' size")
+        return weights[seq]
+
+    def _masked(self, q: Array, k: Array, v: Array, weights: Array, per_image: int) -> Array:
+        """Each image's attention alone (keys ``k`` / values ``v`` ``[batch, images * per_image, inner]``), times
+        its ``weights`` ``[batch, images, seq]``, summed (diffusers' masked path)."""
+        if weights.shape[1] * per_image != k.shape[1]:
+            raise ValueError(f"IPAdapterAttention: masks for {weights.shape[1]} images, the adapter reads "
+                             f"{k.shape[1] // per_image}: give one mask per image")
+        out = 0
+        for j in range(weights.shape[1]):
+            part = slice(j * per_image, (j + 1) * per_image)
+            ip = attend(self, q, self._heads(k[:, part]), self._heads(v[:, part]))
+            out = out + ip * weights[:, j, :, None].astype(ip.dtype)
+        return out
 
 
 def _transformers(unet) -> list:
@@ -260,6 +293,12 @@ def image_token_count(unet) -> int:
     if not isinstance(attention, IPAdapterAttention):
         return 0
     return sum(attention.image_tokens)
+
+
+def image_counts(unet) -> tuple[int, ...]:
+    """How many images each IP-Adapter in ``unet`` reads (:func:`with_image_counts`); ``()`` without adapters."""
+    attention = _first_attention(unet)
+    return attention.num_images if isinstance(attention, IPAdapterAttention) else ()
 
 
 def with_image_counts(unet, counts: Sequence[int]):

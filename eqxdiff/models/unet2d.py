@@ -5,7 +5,8 @@
 """
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -346,6 +347,7 @@ class UNet2DConditionModel(PretrainedModel):
         down_block_additional_residuals: tuple[Float[Array, "batch _ _ _"], ...] | None = None,
         mid_block_additional_residual: Float[Array, "batch _ _ _"] | None = None,
         freeu: Float[Array, "batch 4"] | None = None,
+        cross_attention_kwargs: Mapping[str, Any] | None = None,
     ) -> Float[Array, "batch height width out_channels"]:
         """Predict the model output (noise, v or sample, as trained) for ``sample`` at ``timestep``.
 
@@ -355,6 +357,8 @@ class UNet2DConditionModel(PretrainedModel):
         ``encoder_attention_mask`` (``True`` = attend) masks text tokens in cross-attention. ControlNet residuals,
         channels-last, are added to the skips (one per skip, in the order the down path makes them) and to the
         mid-block output. ``freeu``: FreeU's ``(s1, s2, b1, b2)`` per row, for the first two up blocks.
+        ``cross_attention_kwargs`` go to every cross-attention, as diffusers hands them to its attention processors
+        (``{"ip_adapter_masks": ...}`` for IP-Adapters: :class:`~eqxdiff.models.ip_adapter.IPAdapterAttention`).
         """
         c = self.config
         b, height, width, channels = sample.shape
@@ -372,7 +376,7 @@ class UNet2DConditionModel(PretrainedModel):
 
         plan, image = self.plan, IMAGE
         h = constrain(self.conv_in(constrain(sample, plan, image)), plan, image)
-        h, skips = run_encoder(self, h, emb, context, mask)
+        h, skips = run_encoder(self, h, emb, context, mask, cross_attention_kwargs)
         if down_block_additional_residuals is not None:
             skips = add_residuals(skips, down_block_additional_residuals)
         if mid_block_additional_residual is not None:
@@ -385,7 +389,8 @@ class UNet2DConditionModel(PretrainedModel):
             block_skips, skips = skips[-n:], skips[:-n]
             size = tuple(skips[-1].shape[1:3]) if forward_size and i < len(self.up_blocks) - 1 else None
             fu = None if freeu is None or i > 1 else (freeu[:, i], freeu[:, 2 + i])  # resolution index i
-            h = constrain(checkpoint_block(block, plan)(h, block_skips, emb, context, mask, size, fu), plan, image)
+            h = constrain(checkpoint_block(block, plan)(h, block_skips, emb, context, mask, size, fu,
+                                                        cross_attention_kwargs), plan, image)
 
         h = activation(c.act_fn)(self.conv_norm_out(h))
         return constrain(self.conv_out(h), plan, image)

@@ -31,6 +31,8 @@ from ._denoise import plan_schedule as plan_schedule
 from ._denoise import rescale_noise_cfg as rescale_noise_cfg
 from ._diffusers_api import UnsupportedPipelineAttribute as UnsupportedPipelineAttribute
 from ._images import save_images as save_images
+from ._ip_adapter_masks import downsample_mask as downsample_mask
+from ._ip_adapter_masks import prepare_ip_adapter_masks as prepare_ip_adapter_masks
 from ._media import read_image as read_image
 from ._media import read_parameters as read_parameters
 from ._media import read_video as read_video

@@ -67,6 +67,7 @@ NOT_TAKEN: dict[str, str] = {
     "callback_steps": _CALLBACKS,
     "ip_adapter_image": _NO_IP_ADAPTER,
     "ip_adapter_image_embeds": _NO_IP_ADAPTER,
+    "ip_adapter_masks": _NO_IP_ADAPTER,
     "negative_ip_adapter_image": _NO_IP_ADAPTER,
     "negative_ip_adapter_image_embeds": _NO_IP_ADAPTER,
     "masked_image_latents": "this pipeline takes no masked-image latents (the UNet inpainting pipelines do, for a "
@@ -154,6 +155,7 @@ def checked_call(call):
                 bound = signature.bind(self, *args, **kwargs)
         except TypeError as e:
             raise InputTypeError(f"{cls.__name__}(...): {e}{_hint(e, signature, cls)}") from None
+        lora_value, kwargs, bound = _own_arguments(lora, lora_value, kwargs, bound, signature, cls, self, args)
         scale = call_lora_scale(lora, lora_value) if lora and outer else 1.0  # (a call inside has it already)
         bound.apply_defaults()
         arguments = {k: v for k, v in bound.arguments.items() if k != params[0].name and k != var_keyword}
@@ -177,6 +179,22 @@ def checked_call(call):
 
     setattr(checked, CHECKED, True)
     return checked
+
+
+def _own_arguments(lora: str, value, kwargs: dict, bound, signature, cls: type, self, args) -> tuple:
+    """``(value, kwargs, bound)`` with the keys of the LoRA-scale argument's dict that are this call's own arguments
+    (diffusers' ``cross_attention_kwargs={"ip_adapter_masks": ...}``, which the UNet pipelines take as
+    ``ip_adapter_masks=``) moved to the call's keyword arguments."""
+    if not isinstance(value, Mapping):
+        return value, kwargs, bound
+    own = sorted(set(value) & (call_argument_names(cls) - {"scale"}))
+    if not own:
+        return value, kwargs, bound
+    twice = [k for k in own if k in kwargs]
+    if twice:
+        raise InputTypeError(f"{cls.__name__}(...): {twice[0]} given both as an argument and in {lora}; give it once")
+    kwargs = {**kwargs, **{k: value[k] for k in own}}
+    return {k: v for k, v in value.items() if k not in own}, kwargs, signature.bind(self, *args, **kwargs)
 
 
 @functools.cache

@@ -24,6 +24,7 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from PIL import Image
@@ -36,6 +37,7 @@ from ..models import ip_adapter as ipa
 from ..parallel import shard_params, sharding_fn
 from ._arguments import host_array
 from ._checks import InputError, InputTypeError
+from ._ip_adapter_masks import as_adapter_masks, mask_weights, resolutions
 
 __all__ = ["IPAdapterMixin", "IPAdapters", "clip_hidden_states", "clip_image_embeds"]
 
@@ -50,6 +52,8 @@ class IPAdapters:
     projections: tuple
     image_encoder: Any = None
     feature_extractor: Any = None
+    # per adapter: None, or one scale per image (set_ip_adapter_scale([[s_1, ..., s_n]])), for masked images only
+    image_scales: tuple = ()
 
 
 @program
@@ -176,14 +180,20 @@ class IPAdapterMixin:
         adapters: see the module docstring) or a list with one per adapter, each a number (every layer) or
         InstantStyle's per-block dict (``{"down": {"block_2": [0.0, 1.0]}, "up": {"block_0": [0.0, 1.0, 0.0]}}``: a
         number per part or block, or a list with one per spatial transformer of the block; what it leaves out is 0).
-        Values only: nothing compiles."""
+        An adapter's list of numbers (``[[0.7, 0.4]]``) is one scale per image, which diffusers applies to masked
+        images only (:mod:`~eqxdiff.pipelines._ip_adapter_masks`): a call then needs that adapter's
+        ``ip_adapter_masks``. Values only: nothing compiles."""
         if self.ip_adapter is None:
             raise InputError(f"set_ip_adapter_scale: no IP-Adapter is loaded; {_LOAD_FIRST}")
         configs = _as_list(scale, len(self.ip_adapter.projections), "set_ip_adapter_scale's list")
+        per_image = tuple(tuple(_number(s, "scale") for s in c) if isinstance(c, (list, tuple)) else None
+                          for c in configs)  # applied with the masks (the layers' scale then 1)
         blocks = ipa.cross_attention_blocks(self.unet)
-        rows = np.stack([_expand_scale(c, blocks) for c in configs], axis=1)  # [cross-attentions, adapters]
+        rows = np.stack([_expand_scale(1.0 if each else c, blocks) for c, each in zip(configs, per_image)],
+                        axis=1)  # [cross-attentions, adapters]
         self.unet = ipa.with_ip_adapter_scales(self.unet, rows)
         self.rewrite_lora_copies("unet", lambda kept: ipa.with_ip_adapter_scales(kept, rows))
+        self.ip_adapter = dataclasses.replace(self.ip_adapter, image_scales=per_image)
 
     def encode_image(self, image, output_hidden_states: bool = False) -> tuple[Array, Array]:
         """``(embeds, negative_embeds)`` of ``image`` (a PIL image, uint8 ``[h, w, 3]`` / ``[n, h, w, 3]``, or a
@@ -241,15 +251,44 @@ class IPAdapterMixin:
             tokens = jnp.concatenate([_project(self.ip_adapter.projections, negative), tokens])
         return jnp.concatenate([embeds, tokens.astype(embeds.dtype)], axis=1)
 
+    def ip_adapter_conditioning(self, ip_adapter_masks, rows: int, height: int, width: int) -> dict:
+        """The UNet's ``cross_attention_kwargs`` for this call's ``ip_adapter_masks`` (``rows``: the UNet's batch,
+        ``height`` x ``width``: the latents), as conditioning arrays: ``{}`` without masks, else the masks resized
+        to every resolution of the UNet, times the per-image scales (:func:`~eqxdiff.pipelines._ip_adapter_masks.
+        mask_weights`; values: a new mask compiles nothing)."""
+        if self.ip_adapter is None:
+            return {}
+        factor = self.vae_scale_factor
+        masks, scales = self._masks_and_scales(ip_adapter_masks, (height * factor, width * factor))
+        if all(m is None for m in masks):
+            return {}
+        weights = mask_weights(masks, ipa.image_counts(self.unet), scales, rows, resolutions(self.unet, height, width))
+        return {"cross_attention_kwargs": {"ip_adapter_masks": jax.tree.map(jnp.asarray, weights)}}
+
+    def _masks_and_scales(self, ip_adapter_masks, size: tuple[int, int] | None = None) -> tuple[list, tuple]:
+        """``(masks, scales)`` per adapter (:func:`~eqxdiff.pipelines._ip_adapter_masks.as_adapter_masks` at the
+        output's ``size``, the per-image scales); an adapter with per-image scales needs a mask, as in diffusers."""
+        n = len(self.ip_adapter.projections)
+        masks = [None] * n if ip_adapter_masks is None else as_adapter_masks(ip_adapter_masks, n, size)
+        scales = self.ip_adapter.image_scales or (None,) * n
+        for a, (mask, scale) in enumerate(zip(masks, scales)):
+            if mask is None and scale is not None:
+                raise InputError(f"IP-Adapter {a} has one scale per image ({list(scale)}), which diffusers applies to "
+                                 "masked images only: pass its ip_adapter_masks, or give it one scale "
+                                 "(pipe.set_ip_adapter_scale)")
+        return masks, scales
+
     def check_ip_adapter_arguments(self, arguments: Mapping[str, Any]) -> None:
-        """A call's ``ip_adapter_image`` / ``ip_adapter_image_embeds`` fit the loaded adapters (checked before
-        anything is encoded)."""
+        """A call's ``ip_adapter_image`` / ``ip_adapter_image_embeds`` / ``ip_adapter_masks`` fit the loaded adapters
+        (checked before anything is encoded)."""
         image, embeds = arguments.get("ip_adapter_image"), arguments.get("ip_adapter_image_embeds")
         given = image is not None or embeds is not None
         if self.ip_adapter is None:
-            if given:
-                raise InputError(f"ip_adapter_image / ip_adapter_image_embeds: no IP-Adapter is loaded; {_LOAD_FIRST}")
+            if given or arguments.get("ip_adapter_masks") is not None:
+                what = "ip_adapter_image / ip_adapter_image_embeds" if given else "ip_adapter_masks"
+                raise InputError(f"{what}: no IP-Adapter is loaded; {_LOAD_FIRST}")
             return
+        self._masks_and_scales(arguments.get("ip_adapter_masks"))
         if not given:
             raise InputError("this pipeline has an IP-Adapter loaded: pass ip_adapter_image= or "
                              "ip_adapter_image_embeds=, or call pipe.unload_ip_adapter()")

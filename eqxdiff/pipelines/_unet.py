@@ -46,9 +46,10 @@ LATENTS_LAYOUT = "[n, height/f, width/f, channels] (channels-last; f = the VAE's
 
 class UNetDenoiser(Denoiser):
     """A ``UNet2DConditionModel`` in the loop. ``cond`` holds ``encoder_hidden_states`` and the other keyword
-    arrays the UNet takes (SDXL's ``text_embeds`` / ``time_ids``, ``timestep_cond``, ControlNet residuals), plus
-    inpainting's arrays (:mod:`eqxdiff.pipelines._inpaint`): the mask channels of a 9-channel UNet's input, or the
-    known region blended back after each step for an ordinary UNet."""
+    arrays the UNet takes (SDXL's ``text_embeds`` / ``time_ids``, ``timestep_cond``, ControlNet residuals, the
+    IP-Adapter masks' ``cross_attention_kwargs``), plus inpainting's arrays (:mod:`eqxdiff.pipelines._inpaint`): the
+    mask channels of a 9-channel UNet's input, or the known region blended back after each step for an ordinary
+    UNet."""
 
     unet: Any
 
@@ -285,7 +286,7 @@ class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
                  image: ImageInput | None = None, mask_image=None, strength: float | None = None,
                  denoising_start: float | None = None, denoising_end: float | None = None, eta: float = 0.0,
                  schedule: dict | None = None, output_type: str = "uint8", progress: bool = True,
-                 masked_image_latents=None):
+                 masked_image_latents=None, ip_adapter_masks=None):
         """Everything after the text encoders: initial latents, the denoising loop, decoding.
 
         ``cond``: the UNet's conditioning arrays (``[negative; positive]`` along the batch with ``guidance``).
@@ -298,7 +299,8 @@ class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
         and ``strength < 1`` it is added to the image's latents (diffusers would ignore the image there).
         ``eta`` goes to schedulers that take one (DDIM, TCD), as diffusers' pipelines pass it to ``step``;
         ``schedule`` (``timesteps=`` / ``sigmas=``) replaces ``num_inference_steps``; ``masked_image_latents``
-        (:meth:`masked_latents`) those of an inpainting UNet.
+        (:meth:`masked_latents`) those of an inpainting UNet; ``ip_adapter_masks`` where each IP-Adapter's images act
+        (:meth:`~eqxdiff.pipelines._ip_adapter.IPAdapterMixin.ip_adapter_conditioning`).
         """
         check_output_type(output_type)
         f, c = self.vae_scale_factor, self.latent_channels
@@ -336,6 +338,7 @@ class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
                     else:
                         extra[IMAGE_LATENTS], extra[NOISE] = clean, noise
             rows = cond["encoder_hidden_states"].shape[0]
+            extra.update(self.ip_adapter_conditioning(ip_adapter_masks, rows, height // f, width // f))
             if self.freeu is not None:
                 extra["freeu"] = jnp.broadcast_to(jnp.asarray(self.freeu, jnp.float32), (rows, 4))
             if self.unet.config.time_cond_proj_dim is not None:
@@ -343,7 +346,7 @@ class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
             denoiser, cond = self.denoiser({**cond, **extra}, guidance=guidance, schedule=schedule, batch=batch,
                                            height=height, width=width)
             dtype = self.activations_dtype
-            cond = {k: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v for k, v in cond.items()}
+            cond = jax.tree.map(lambda v: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v, cond)
             x = jax.block_until_ready(x.astype(dtype))
 
         x = self.run_loop(denoiser, scheduler, state, self.shard(x), self.shard(cond), draws.loop_key,

@@ -123,7 +123,7 @@ class StableDiffusionPipeline(UNetPipeline):
                  seed: int | None = None, key: PRNGKeyArray | None = None, clip_skip: int | None = None,
                  prompt_embeds=None, negative_prompt_embeds=None, masked_image_latents=None,
                  padding_mask_crop: int | None = None, ip_adapter_image=None, ip_adapter_image_embeds=None,
-                 output_type: str = "uint8", progress: bool = True):
+                 ip_adapter_masks=None, output_type: str = "uint8", progress: bool = True):
         """Images for ``prompt`` (or ``prompt_embeds`` ``[n, seq, embed]``, with optional
         ``negative_prompt_embeds``): uint8 ``[n, height, width, 3]``, or the final latents channels-last with
         ``output_type="latent"``. See :meth:`~eqxdiff.pipelines._unet.UNetPipeline.generate`.
@@ -148,6 +148,10 @@ class StableDiffusionPipeline(UNetPipeline):
                 :meth:`~eqxdiff.pipelines._ip_adapter.IPAdapterMixin.load_ip_adapter`).
             ip_adapter_image_embeds: Their CLIP image embeddings instead, one array per adapter ``[2 (negative;
                 positive) with guidance, else 1, images, embed]`` (diffusers' ``prepare_ip_adapter_image_embeds``).
+            ip_adapter_masks: Where each adapter's images act: one entry per adapter, ``None`` or ``[1, images,
+                height, width]`` (diffusers' ``IPAdapterMaskProcessor().preprocess`` output reshaped, or
+                :func:`~eqxdiff.pipelines.prepare_ip_adapter_masks`); diffusers' ``cross_attention_kwargs={
+                "ip_adapter_masks": ...}`` is taken too (:mod:`~eqxdiff.pipelines._ip_adapter_masks`).
             padding_mask_crop: Inpaint only the box around the mask, padded by this many pixels, at the output size,
                 pasted back into the picture (PIL ``image`` and ``mask_image``; :mod:`~eqxdiff.pipelines._mask_crop`).
             output_type: ``"uint8"`` images, ``"np"`` (float32 in [0, 1]), ``"pil"`` (a list of PIL
@@ -168,7 +172,8 @@ class StableDiffusionPipeline(UNetPipeline):
                              batch=n, height=height, width=width, num_inference_steps=num_inference_steps, key=key,
                              latents=latents, image=source, mask_image=mask_image, strength=strength, eta=eta,
                              schedule={"timesteps": timesteps, "sigmas": sigmas}, output_type=output_type,
-                             progress=progress, masked_image_latents=masked_image_latents)
+                             progress=progress, masked_image_latents=masked_image_latents,
+                             ip_adapter_masks=ip_adapter_masks)
 
 
 class StableDiffusionInpaintPipeline(StableDiffusionPipeline):

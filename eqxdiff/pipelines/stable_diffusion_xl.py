@@ -244,8 +244,8 @@ class StableDiffusionXLPipeline(UNetPipeline):
                  negative_original_size: Size | None = None, negative_crops_coords_top_left: Size = (0, 0),
                  negative_target_size: Size | None = None, aesthetic_score: float = 6.0,
                  negative_aesthetic_score: float = 2.5, masked_image_latents=None, padding_mask_crop: int | None = None,
-                 ip_adapter_image=None, ip_adapter_image_embeds=None, output_type: str = "uint8",
-                 progress: bool = True):
+                 ip_adapter_image=None, ip_adapter_image_embeds=None, ip_adapter_masks=None,
+                 output_type: str = "uint8", progress: bool = True):
         """Images for ``prompt`` with diffusers' SDXL arguments: uint8 ``[n, height, width, 3]``, or the final
         latents channels-last with ``output_type="latent"``.
 
@@ -276,7 +276,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
             negative_aesthetic_score: The refiner's negative aesthetic score.
             ip_adapter_image: The image prompt of the loaded IP-Adapter(s), one entry per adapter, each an image or a
                 list of images (see :class:`~eqxdiff.pipelines.StableDiffusionPipeline`); ``ip_adapter_image_embeds``
-                their CLIP image embeddings instead.
+                their CLIP image embeddings instead; ``ip_adapter_masks`` where each adapter's images act.
             output_type: ``"uint8"`` images, ``"np"`` (float32 in [0, 1]), ``"pil"`` (a list of PIL
                 images) or ``"latent"`` (channels-last latents).
         """
@@ -308,7 +308,8 @@ class StableDiffusionXLPipeline(UNetPipeline):
                              num_inference_steps=num_inference_steps, key=key, latents=latents, image=source,
                              mask_image=mask_image, strength=strength, denoising_start=denoising_start,
                              denoising_end=denoising_end, eta=eta, schedule={"timesteps": timesteps, "sigmas": sigmas},
-                             output_type=output_type, progress=progress, masked_image_latents=masked_image_latents)
+                             output_type=output_type, progress=progress, masked_image_latents=masked_image_latents,
+                             ip_adapter_masks=ip_adapter_masks)
 
 
 class StableDiffusionXLImg2ImgPipeline(StableDiffusionXLPipeline):
