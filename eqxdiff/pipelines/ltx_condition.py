@@ -26,7 +26,11 @@ video's prompt mask is its own prompt's: diffusers' mask pairing with ``num_vide
 the distilled models' recipes give their own), shifted by the scheduler's config (0.9.5+: static, stretched to its
 ``shift_terminal``; the transformer still sees the unstretched timesteps, as in diffusers). ``denoise_strength < 1``
 runs the last ``int(N * denoise_strength)`` steps from ``latents`` (channels-last, normalised ``[n, T, h, w, C]``: a
-previous call's ``output_type="latent"`` result, or the upsampler's) noised to the first of them.
+previous call's ``output_type="latent"`` result, or the upsampler's) noised to the first of them. diffusers' condition
+pipeline passes its scheduler no ``mu``, so a dynamically shifting one (0.9.0 / 0.9.1's folders) fails there; eqxdiff
+shifts by the video's token count, as text-to-video does. With ``denoise_strength < 1`` and several videos, diffusers'
+noise level (one per video) broadcasts against the latents' width: a size mismatch unless that width is the video
+count (then harmless); eqxdiff noises every video to it.
 
 **Draws.** From the call's key: the start noise (``noise_draws(key, shape).noise``), then per condition its
 posterior sample and, at a later index, its blend noise, per step the re-noising, after the loop the decoder's
