@@ -202,6 +202,10 @@ class WanImageToVideoPipeline(WanPipeline):
             last_image: The last frame (first-last-frame-to-video), the image's size.
         """
         self._check_channels()
+        if last_image is not None and num_frames < 2:
+            raise InputError(f"last_image is the video's last frame and image its first: num_frames={num_frames} "
+                             f"gives them one frame; pass num_frames of at least {self.vae_temporal_factor + 1}, or "
+                             "leave last_image out")
         key = resolve_key(seed, key)
         if not (height and width):  # the image's size fills in
             size = picture_size(image)
