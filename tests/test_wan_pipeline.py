@@ -428,6 +428,9 @@ def test_expert_and_image_errors(t2v, a14b, i2v, ti2v):
         i2v[1](image[:24], "a cat", progress=False)
     with pytest.raises(InputError, match="pass image="):
         i2v[1](prompt="a cat", progress=False)
+    with pytest.raises(InputError, match="last_image is the video's last frame .* num_frames=1 gives them one "
+                                         "frame; pass num_frames of at least 5"):  # found by fuzzing: a TypeError
+        i2v[1](image, "a cat", last_image=image, num_frames=1, progress=False)
     with pytest.raises(InputError, match="last_image: this pipeline .* conditions on the first frame only"):
         ti2v(image, "a cat", last_image=image, progress=False, **VIDEO)
     with pytest.raises(InputError, match="image_embeds: this transformer takes no CLIP image tokens"):

@@ -28,15 +28,19 @@ saved video's rate unless ``eqxdiff-generate --fps`` says otherwise.
 
 **Latents** are unpacked and channels-last, ``[n, T, h, w, C]`` with ``T = (num_frames - 1) / 8 + 1``,
 ``h, w = height / 32, width / 32`` (``C`` = 128): ``num_frames`` is ``8k + 1``, heights and widths multiples of 32,
-each refused in one line otherwise. The transformer packs them into tokens itself.
+each refused in one line otherwise. The transformer packs them into tokens itself: ``C`` is its ``in_channels`` over
+the patch (``p * p * pt``). diffusers' LTX pipelines take ``in_channels`` itself as the latents' channels, so only
+patch-1 transformers (every released checkpoint) run there; eqxdiff's run patched ones too.
 
 **Decoding.** The latents are un-normalised by the VAE's statistics. A timestep-conditioned decoder (0.9.1+) decodes
 at ``decode_timestep`` (default 0; the model cards use 0.03-0.05) after mixing fresh noise into the latents,
-``(1 - s) z + s noise`` with ``s = decode_noise_scale`` (default ``decode_timestep``); both are one value or one per
-prompt. That noise, and the noise 0.9.1's decoder injects, are drawn from the call's key after the loop
-(:func:`decode_keys`), as diffusers draws them from its generator after the loop. ``enable_vae_tiling()`` decodes in
-spatial tiles and windows of 16 frames every 8 (diffusers' framewise decoding: two latent frames every one at the
-released VAEs' temporal factor of 8).
+``(1 - s) z + s noise`` with ``s = decode_noise_scale`` (default ``decode_timestep``); both are one value, one per
+prompt (repeated for its videos) or one per video. diffusers' LTX pipelines (text-to-video, image-to-video,
+conditions) make one value per prompt, not per video: with ``num_videos_per_prompt > 1`` their timestep-conditioned
+decode fails on a size mismatch unless given one value per video. That noise, and the noise 0.9.1's decoder injects,
+are drawn from the call's key after the loop (:func:`decode_keys`), as diffusers draws them from its generator after
+the loop. ``enable_vae_tiling()`` decodes in spatial tiles and windows of 16 frames every 8 (diffusers' framewise
+decoding: two latent frames every one at the released VAEs' temporal factor of 8).
 ``decode_timestep`` and ``decode_noise_scale`` are traced values: changing them compiles nothing, as guidance and
 the step count do not.
 """

@@ -7,26 +7,32 @@ or video clips placed at frame indices with strengths, text-only generation, and
 >>> video = pipe(image=[first, last], frame_index=[0, 120], prompt="...", num_frames=121, decode_timestep=0.05)
 
 **Conditions** (``conditions``: :class:`LTXVideoCondition` s; or ``image`` / ``video``, one or a list each, with
-``frame_index`` and ``strength`` one for all or one per condition, images first). Each picture (or clip, cut to the
-``8k + 1`` frames that fit after its index) is the video's size (eqxdiff does not resize) and is encoded by the VAE,
-its posterior sampled. At frame 0 its latents are blended into the first latent frames (``lerp(noise, latents,
-strength)``); at a later index an image's (or a clip's first two latent frames') latents become extra tokens put
-before the video's, positioned at that frame by their ``video_coords``, blended with noise by ``strength`` (a clip's
-later latent frames are blended into the video's latent frames there). Every token carries its strength ``m``: its
-timestep is ``min(t, (1 - m) 1000)`` and it is stepped only once ``t / 1000`` falls below ``1 - m`` (a strength-1
-token never moves), each token from its own noise level to the next of the schedule (diffusers' per-token steps,
-:class:`ConditionedEuler`). With ``image_cond_noise_scale`` (default 0.15; the model cards use 0.025 or 0) the
-strength-1 tokens are re-noised before every step to ``latents + scale * noise * (t / 1000)^2``. Tokens are
-positioned in latent-pixel units (frames after the first at ``8k - 7``, the time axis over ``frame_rate``). Every video
-of a call shares the conditions (diffusers' pipeline builds a later index's extra tokens for one video only). Each
-video's prompt mask is its own prompt's: diffusers' mask pairing with ``num_videos_per_prompt > 1`` is not copied
-(:mod:`eqxdiff.pipelines.ltx`, Prompts).
+``frame_index`` and ``strength`` one for all or one per condition, images first; diffusers instead pairs ``image[i]``
+with ``video[i]``, one condition each with the image winning, as many as the shorter list (a lone image or clip, or
+``None``, counts as a list of one): there ``image=[a, b]`` conditions on ``a`` alone and ``image=a, video=clip``
+drops the clip, silently). Each picture (or clip, cut to the ``8k + 1`` frames that fit after its index) is the
+video's size (eqxdiff does not resize) and is encoded by the VAE, its posterior sampled. At frame 0 its latents are
+blended into the first latent frames (``lerp(noise, latents, strength)``); at a later index an image's (or a clip's
+first two latent frames') latents become extra tokens put before the video's, positioned at that frame by their
+``video_coords``, blended with noise by ``strength`` (a clip's later latent frames are blended into the video's
+latent frames there). Every token carries its strength ``m``: its timestep is ``min(t, (1 - m) 1000)`` and it is
+stepped only once ``t / 1000`` falls below ``1 - m`` (a strength-1 token never moves), each token from its own noise
+level to the next of the schedule (diffusers' per-token steps, :class:`ConditionedEuler`). With
+``image_cond_noise_scale`` (default 0.15; the model cards use 0.025 or 0) the strength-1 tokens are re-noised before
+every step to ``latents + scale * noise * (t / 1000)^2``. Tokens are positioned in latent-pixel units (frames after
+the first at ``8k - 7``, the time axis over ``frame_rate``). Every video of a call shares the conditions (diffusers'
+pipeline builds a later index's extra tokens for one video only). Each video's prompt mask is its own prompt's:
+diffusers' mask pairing with ``num_videos_per_prompt > 1`` is not copied (:mod:`eqxdiff.pipelines.ltx`, Prompts).
 
 **Schedule.** ``timesteps`` (default: LTX-Video's linear-quadratic schedule of ``num_inference_steps``, times 1000;
 the distilled models' recipes give their own), shifted by the scheduler's config (0.9.5+: static, stretched to its
 ``shift_terminal``; the transformer still sees the unstretched timesteps, as in diffusers). ``denoise_strength < 1``
 runs the last ``int(N * denoise_strength)`` steps from ``latents`` (channels-last, normalised ``[n, T, h, w, C]``: a
-previous call's ``output_type="latent"`` result, or the upsampler's) noised to the first of them.
+previous call's ``output_type="latent"`` result, or the upsampler's) noised to the first of them. diffusers' condition
+pipeline passes its scheduler no ``mu``, so a dynamically shifting one (0.9.0 / 0.9.1's folders) fails there; eqxdiff
+shifts by the video's token count, as text-to-video does. With ``denoise_strength < 1`` and several videos, diffusers'
+noise level (one per video) broadcasts against the latents' width: a size mismatch unless that width is the video
+count (then harmless); eqxdiff noises every video to it.
 
 **Draws.** From the call's key: the start noise (``noise_draws(key, shape).noise``), then per condition its
 posterior sample and, at a later index, its blend noise, per step the re-noising, after the loop the decoder's

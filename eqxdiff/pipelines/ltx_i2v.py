@@ -7,12 +7,16 @@ frame is the image's, conditioned through per-token timesteps and a conditioning
 
 **The image** (uint8 ``[H, W, 3]`` or ``[1, H, W, 3]``, a PIL image, floats in [0, 1]; its size is the video's:
 eqxdiff does not resize input images; or one per prompt, ``[n, H, W, 3]`` or a list, each for its prompt's videos;
-another count is refused) is encoded by the VAE as a one-frame video and its posterior **sampled** (as
-diffusers' ``retrieve_latents`` samples it), each video its own draw from the call's key (``noise_draws(key,
-shape).image``'s first latent frame), then normalised as the denoised latents are. The start latents are the image's
-latents on the first latent frame and the noise after it (``latents``, if given, is that noise). At every step the
-first frame's tokens get the timestep 0 (``t * (1 - mask)`` per token) and after the scheduler's step the first frame
-is the image's again (diffusers steps only the frames after it): the output's first frame decodes the image's latents.
+another count is refused) is encoded by the VAE as a one-frame video and its posterior **sampled** (as diffusers'
+``retrieve_latents`` samples it), each video its own draw from the call's key (``noise_draws(key, shape).image``'s
+first latent frame), then normalised as the denoised latents are. (diffusers samples one image's posterior once for
+all its videos, and fails on one image per prompt with ``num_videos_per_prompt > 1``.) The start latents are the
+image's latents on the first latent frame and the noise after it (``latents``, if given, is that noise; diffusers
+takes given latents as the start latents themselves, its image then unused). At every step the first frame's tokens
+get the timestep 0 (``t * (1 - mask)`` per token) and after the scheduler's step the first frame is the image's again
+(diffusers steps only the frames after it): the output's first frame decodes the image's latents. A patched
+transformer's tokens take the timestep of their patch's first frame (diffusers' image-to-video runs patch-1
+transformers only).
 """
 
 from collections.abc import Sequence

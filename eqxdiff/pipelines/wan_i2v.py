@@ -8,20 +8,24 @@ image's latents with the timestep 0 on its tokens.
 **The image** (``image``, and ``last_image``) is one picture (uint8 ``[H, W, 3]`` or ``[1, H, W, 3]``, a PIL image,
 floats in [0, 1]) for every video; its size is the video's (eqxdiff does not resize input images: ``height`` /
 ``width``, if given, must be its size). The condition video, the image then zero frames (then ``last_image``), is
-encoded by the VAE (its posterior's mode, normalised as the latents are) and, with a mask of ``t`` channels (1 on
-the given frames; ``t`` the VAE's temporal factor, 4 for Wan's: each latent frame's frames), appended to the
-latents' channels: the transformer takes ``2 z + t`` channels. Wan 2.1's transformers
-(``image_dim``) also attend to the image's CLIP tokens: the ``image_processor``'s pixels through ``image_encoder``,
-its penultimate hidden state (both images' for FLF2V, whose transformer positions them with ``pos_embed``); or
-``image_embeds`` given. Wan 2.2's (A14B, TI2V-5B) take no CLIP tokens. The image tokens reach the transformer apart
-from the text, as in Wan's original code (which cuts its 257 image tokens off the front of the context), so any
-``max_sequence_length`` (or ``prompt_embeds`` length) works; diffusers' attention processor instead cuts the context
-at a hard-coded 512 text tokens, so there another length mixes text tokens into the image attention (or the reverse):
-at 512 (the default) the two match, at other lengths eqxdiff does not copy diffusers.
+encoded by the VAE (its posterior's mode, normalised as the latents are) and, with a mask of ``t`` channels (1 on the
+given frames; ``t`` the VAE's temporal factor, 4 for Wan's: each latent frame's frames), appended to the latents'
+channels: the transformer takes ``2 z + t`` channels. Wan 2.1's transformers (``image_dim``) also attend to the
+image's CLIP tokens: the ``image_processor``'s pixels through ``image_encoder``, its penultimate hidden state (both
+images' for FLF2V, whose transformer positions them with ``pos_embed``); or ``image_embeds`` given. Wan 2.2's (A14B,
+TI2V-5B) take no CLIP tokens. The image tokens reach the transformer apart from the text, as in Wan's original code
+(which cuts its 257 image tokens off the front of the context), so any ``max_sequence_length`` (or ``prompt_embeds``
+length) works; diffusers' attention processor instead cuts the context at a hard-coded 512 text tokens, so there
+another length mixes text tokens into the image attention (or the reverse): at 512 (the default) the two match, at
+other lengths eqxdiff does not copy diffusers. diffusers repeats the CLIP tokens once per prompt, not per video, so
+its Wan 2.1 image-to-video fails with ``num_videos_per_prompt > 1`` (a batch mismatch in the transformer); eqxdiff
+gives every video its tokens.
 
 **TI2V-5B** (``expand_timesteps``): the image alone is encoded; at every step the latents' first frame is replaced by
-the image's latents and its tokens get the timestep 0, the others the step's; the output's first frame is the
-image's. ``last_image`` does not apply.
+the image's latents and its tokens get the timestep 0, the others the step's; the output's first frame is the image's.
+``last_image`` does not apply. diffusers builds the per-token timesteps with 2x2 spatial patches and no temporal patch
+written in (``mask[:, ::2, ::2]``), so there only the released ``patch_size`` (1, 2, 2) runs; eqxdiff follows the
+transformer's ``patch_size``.
 """
 
 from collections.abc import Sequence
@@ -198,6 +202,10 @@ class WanImageToVideoPipeline(WanPipeline):
             last_image: The last frame (first-last-frame-to-video), the image's size.
         """
         self._check_channels()
+        if last_image is not None and num_frames < 2:
+            raise InputError(f"last_image is the video's last frame and image its first: num_frames={num_frames} "
+                             f"gives them one frame; pass num_frames of at least {self.vae_temporal_factor + 1}, or "
+                             "leave last_image out")
         key = resolve_key(seed, key)
         if not (height and width):  # the image's size fills in
             size = picture_size(image)
