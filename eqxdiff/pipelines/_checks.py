@@ -187,6 +187,7 @@ CHECKS = {
     "height": _size, "width": _size,
     "num_inference_steps": lambda n, v, _: _int(n, v, 1, " (the number of denoising steps)"),
     "num_images_per_prompt": lambda n, v, _: _int(n, v, 1),
+    "num_videos_per_prompt": lambda n, v, _: _int(n, v, 1),
     "num_frames": _frames,
     "max_sequence_length": lambda n, v, _: _int(n, v, 1),
     "guidance_scale": lambda n, v, _: _real_in(n, v, 0.0, MAX_GUIDANCE, why=GUIDANCE_WHY),
