@@ -7,10 +7,12 @@ import types
 
 import numpy as np
 import pytest
+from PIL import Image
 
 import eqxdiff
 from eqxdiff.pipelines import InputError, InputTypeError, _base
 from eqxdiff.pipelines.wan import WanPipeline
+from eqxdiff.pipelines.wan_i2v import WanImageToVideoPipeline
 
 from . import _tiny_wan as tiny_wan
 
@@ -37,6 +39,39 @@ CASES = [
      r"^num_videos_per_prompt=0 must be >= 1$"),
     ("videos-per-prompt-float", lambda c: c.wan("a cat", num_videos_per_prompt=2.0, **WAN), InputTypeError,
      r"^num_videos_per_prompt=2.0 must be an int$"),
+    # image-to-video's picture reached CLIP's image processor first (transformers' 'Could not make a flat list of
+    # images'), or the pixel conversion's untyped ValueError
+    ("i2v-image-grey", lambda c: _i2v(c, np.zeros((32, 32), np.uint8)), InputError, r"^image must be \[n, height, "
+     r"width, 3\] \(channels-last RGB\), got shape \(32, 32\); pass uint8 \[H, W, 3\] or \[n, H, W, 3\], floats in "
+     r"\[0, 1\], or PIL images \(grey or RGBA converted to RGB, channels moved last\)$"),
+    ("i2v-image-rgba", lambda c: _i2v(c, np.zeros((32, 32, 4), np.uint8)), InputError, r"^image must be \[n, height, "
+     r"width, 3\] \(channels-last RGB\), got shape \(32, 32, 4\)"),
+    ("i2v-image-channels-first", lambda c: _i2v(c, np.zeros((3, 32, 32), np.uint8)), InputError, r"got shape "
+     r"\(3, 32, 32\)"),
+    ("i2v-image-rank5", lambda c: _i2v(c, np.zeros((1, 1, 32, 32, 3), np.uint8)), InputError, r"got shape "
+     r"\(1, 1, 32, 32, 3\)"),
+    ("i2v-image-no-pixels", lambda c: _i2v(c, np.zeros((0, 32, 3), np.uint8)), InputError, r"got shape "
+     r"\(0, 32, 3\)"),  # transformers' ZeroDivisionError
+    ("i2v-image-path", lambda c: _i2v(c, "cat.png"), InputTypeError, r"^image='cat.png' is a path, not a picture; "
+     r"read it first: image=eqxdiff.pipelines.read_image\(path\)"),
+    ("i2v-image-empty-list", lambda c: _i2v(c, []), InputError, r"^image is an empty list; pass a picture"),  # an
+    # IndexError
+    ("i2v-image-ragged-list", lambda c: _i2v(c, [PICTURE, "x"]), InputError, r"^image holds pictures of different "
+     r"sizes or kinds \(ValueError: .*\); pass uint8 .*, all of one size$"),
+    # an int64 picture of 0-255 values was refused as 'float images must lie in [0, 1]'; one of 0s and 1s ran as
+    # floats; a bool one ran as black and white
+    ("i2v-image-int64", lambda c: _i2v(c, np.full((32, 32, 3), 7, np.int64)), InputTypeError, r"^image has dtype "
+     r"int64; pass uint8 \(0-255\), floats in \[0, 1\] or PIL images \(eqxdiff does not guess the range of other "
+     r"integers\)$"),
+    ("i2v-image-bool", lambda c: _i2v(c, np.ones((32, 32, 3), bool)), InputTypeError, r"^image has dtype bool"),
+    ("i2v-image-float-255", lambda c: _i2v(c, np.full((32, 32, 3), 200.0, np.float32)), InputError, r"^image holds "
+     r"floats outside \[0, 1\]; pass floats in \[0, 1\], or uint8 for 0-255 images$"),
+    # last_image's RGBA reached the pixel conversion after CLIP had encoded both pictures (a compile)
+    ("i2v-last-image-rgba", lambda c: _i2v(c, last_image=np.zeros((32, 32, 4), np.uint8)), InputError,
+     r"^last_image must be \[n, height, width, 3\] \(channels-last RGB\), got shape \(32, 32, 4\)"),
+    # three images for two prompts were refused only after the prompts were encoded
+    ("i2v-images-for-prompts", lambda c: c.wan_i2v(np.zeros((3, 32, 32, 3), np.uint8), ["a", "b"], **WAN),
+     InputError, r"^image holds 3 images; pass one picture \(it starts every video\)$"),
 ]
 
 
@@ -53,3 +88,13 @@ def test_refused_before_any_stage(call, error, match, pipes, monkeypatch):
         call(pipes)
     message = str(info.value)
     assert "\n" not in message and message.strip() == message, f"not one line: {message!r}"
+
+
+def test_a_good_picture_passes_the_checks(pipes, monkeypatch):
+    """The checks above refuse only what they should: a uint8 array, floats in [0, 1] and a PIL image reach the
+    first stage."""
+    monkeypatch.setattr(_base.DiffusionPipeline, "timed", _no_stage)
+    for image in (PICTURE, PICTURE / 255.0, Image.fromarray(PICTURE), [Image.fromarray(PICTURE)]):
+        with pytest.raises(AssertionError, match="stage starts"):
+            _i2v(pipes, image)
+    assert isinstance(pipes.wan_i2v, WanImageToVideoPipeline)

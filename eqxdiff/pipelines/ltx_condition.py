@@ -243,10 +243,8 @@ class LTXConditionPipeline(LTXPipeline):
         if not 0 <= index < num_frames:
             raise InputError(f"frame_index={index} lies outside the video's {num_frames} frames; pass 0 to "
                              f"{num_frames - 1}")
-        try:
-            frames = to_model_range(condition.image if condition.video is None else clip_frames(condition.video))
-        except ValueError as e:
-            raise InputError(f"{'image' if condition.video is None else 'video'}: {e}") from None
+        frames = to_model_range(*((condition.image, "image") if condition.video is None else
+                                  (clip_frames(condition.video), "video")))
         if condition.video is None and frames.shape[0] != 1:
             raise InputError(f"an image condition holds {frames.shape[0]} images; pass one picture per condition")
         if tuple(frames.shape[1:3]) != tuple(size):
