@@ -14,9 +14,11 @@ from eqxdiff.pipelines import InputError, InputTypeError, _base
 from eqxdiff.pipelines.wan import WanPipeline
 from eqxdiff.pipelines.wan_i2v import WanImageToVideoPipeline
 
+from . import _tiny_ltx as tiny_ltx
 from . import _tiny_wan as tiny_wan
 
 WAN = dict(height=32, width=32, num_frames=5, num_inference_steps=2, progress=False)
+LTX = dict(height=16, width=16, num_frames=9, num_inference_steps=2, progress=False)
 PICTURE = np.full((32, 32, 3), 128, np.uint8)
 
 
@@ -25,14 +27,16 @@ def pipes(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_video")
     tiny_wan.build_i2v(root / "wan_i2v")
     i2v = eqxdiff.load_pipeline(root / "wan_i2v")
-    return types.SimpleNamespace(wan_i2v=i2v, wan=WanPipeline.from_pipe(i2v))
+    tiny_ltx.build_pipeline(root / "ltx")
+    return types.SimpleNamespace(wan_i2v=i2v, wan=WanPipeline.from_pipe(i2v), ltx=eqxdiff.load_pipeline(root / "ltx"))
 
 
 def _i2v(c, image=PICTURE, **kwargs):
     return c.wan_i2v(image, "a cat", **{**WAN, **kwargs})
 
 
-# (id, call(ctx) with ctx.wan (a WanPipeline) / ctx.wan_i2v (WanImageToVideoPipeline), error type, message pattern)
+# (id, call(ctx) with ctx.wan (a WanPipeline) / ctx.wan_i2v (WanImageToVideoPipeline) / ctx.ltx (LTXPipeline), error
+# type, message pattern)
 CASES = [
     # a ZeroDivisionError (Wan) or a run of no video (LTX): num_videos_per_prompt was not checked like its image twin
     ("videos-per-prompt-zero", lambda c: c.wan("a cat", num_videos_per_prompt=0, **WAN), InputError,
@@ -70,6 +74,18 @@ CASES = [
     ("i2v-last-image-rgba", lambda c: _i2v(c, last_image=np.zeros((32, 32, 4), np.uint8)), InputError,
      r"^last_image must be \[n, height, width, 3\] \(channels-last RGB\), got shape \(32, 32, 4\)"),
     # three images for two prompts were refused only after the prompts were encoded
+    # text where an array goes: 'could not convert string to float' from jnp.asarray
+    ("latents-text", lambda c: c.wan("a cat", latents="noise", **WAN), InputTypeError, r"^latents must be numbers "
+     r"\(an array: NumPy, JAX or torch\), got str 'noise'$"),
+    ("prompt-embeds-text", lambda c: c.wan(prompt_embeds="a cat", **WAN), InputTypeError, r"^prompt_embeds must be "
+     r"numbers"),
+    ("image-embeds-ragged", lambda c: _i2v(c, image_embeds=[[0.0], [1.0, 2.0]]), InputTypeError, r"^image_embeds "
+     r"must be numbers .*, got list \[\[0.0\], \[1.0, 2.0\]\]$"),
+    ("ltx-decode-timestep-text", lambda c: c.ltx("a cat", decode_timestep="0.05", **LTX), InputTypeError,
+     r"^decode_timestep must be numbers"),
+    ("ltx-attention-mask-objects", lambda c: c.ltx(prompt_embeds=np.zeros((1, 4, 16), np.float32),
+                                                   prompt_attention_mask=np.array([[None] * 4]), **LTX),
+     InputTypeError, r"^prompt_attention_mask must be numbers .*, got ndarray"),
     ("i2v-images-for-prompts", lambda c: c.wan_i2v(np.zeros((3, 32, 32, 3), np.uint8), ["a", "b"], **WAN),
      InputError, r"^image holds 3 images; pass one picture \(it starts every video\)$"),
 ]

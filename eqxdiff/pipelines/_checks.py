@@ -170,6 +170,22 @@ def _pair(name: str, value, limits, minimum: int) -> None:
         raise InputError(f"{name}={tuple(value)}: both must be >= {minimum}")
 
 
+def _numbers(name: str, value, limits) -> None:
+    """An array argument (latents, embeddings, their masks, per-video numbers) holds numbers: text or objects would
+    reach ``jnp.asarray`` ('could not convert string to float') or a model."""
+    if hasattr(value, "detach"):  # a torch tensor
+        return
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        try:
+            dtype = np.asarray(value).dtype
+        except (ValueError, TypeError):  # ragged nesting
+            dtype = np.dtype(object)
+    if not (jax.dtypes.issubdtype(dtype, np.number) or jax.dtypes.issubdtype(dtype, np.bool_)):
+        raise InputTypeError(f"{name} must be numbers (an array: NumPy, JAX or torch), got {type(value).__name__} "
+                             f"{value!r:.40}")
+
+
 def _output_type(name: str, value, limits) -> None:
     check_output_type(value)
 
@@ -206,6 +222,9 @@ CHECKS = {
     "crops_coords_top_left": lambda n, v, lim: _pair(n, v, lim, 0),
     "negative_crops_coords_top_left": lambda n, v, lim: _pair(n, v, lim, 0),
     "output_type": _output_type,
+    **dict.fromkeys(("latents", "prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
+                     "negative_pooled_prompt_embeds", "prompt_attention_mask", "negative_prompt_attention_mask",
+                     "image_embeds", "decode_timestep", "decode_noise_scale"), _numbers),
 }
 
 
