@@ -11,6 +11,7 @@ from PIL import Image
 
 import eqxdiff
 from eqxdiff.pipelines import InputError, InputTypeError, _base
+from eqxdiff.pipelines.ltx_condition import LTXConditionPipeline
 from eqxdiff.pipelines.wan import WanPipeline
 from eqxdiff.pipelines.wan_i2v import WanImageToVideoPipeline
 
@@ -20,6 +21,7 @@ from . import _tiny_wan as tiny_wan
 WAN = dict(height=32, width=32, num_frames=5, num_inference_steps=2, progress=False)
 LTX = dict(height=16, width=16, num_frames=9, num_inference_steps=2, progress=False)
 PICTURE = np.full((32, 32, 3), 128, np.uint8)
+SMALL = PICTURE[:16, :16]  # the LTX videos' size
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +30,21 @@ def pipes(tmp_path_factory):
     tiny_wan.build_i2v(root / "wan_i2v")
     i2v = eqxdiff.load_pipeline(root / "wan_i2v")
     tiny_ltx.build_pipeline(root / "ltx")
-    return types.SimpleNamespace(wan_i2v=i2v, wan=WanPipeline.from_pipe(i2v), ltx=eqxdiff.load_pipeline(root / "ltx"))
+    ltx = eqxdiff.load_pipeline(root / "ltx")
+    return types.SimpleNamespace(wan_i2v=i2v, wan=WanPipeline.from_pipe(i2v), ltx=ltx,
+                                 ltx_cond=LTXConditionPipeline.from_pipe(ltx))
+
+
+def _cond(c, *conditions, **kwargs):
+    return c.ltx_cond(list(conditions), prompt="a cat", **{**LTX, **kwargs})
 
 
 def _i2v(c, image=PICTURE, **kwargs):
     return c.wan_i2v(image, "a cat", **{**WAN, **kwargs})
 
 
-# (id, call(ctx) with ctx.wan (a WanPipeline) / ctx.wan_i2v (WanImageToVideoPipeline) / ctx.ltx (LTXPipeline), error
-# type, message pattern)
+# (id, call(ctx) with ctx.wan (a WanPipeline) / ctx.wan_i2v (WanImageToVideoPipeline) / ctx.ltx (LTXPipeline) /
+# ctx.ltx_cond (LTXConditionPipeline), error type, message pattern)
 CASES = [
     # a ZeroDivisionError (Wan) or a run of no video (LTX): num_videos_per_prompt was not checked like its image twin
     ("videos-per-prompt-zero", lambda c: c.wan("a cat", num_videos_per_prompt=0, **WAN), InputError,
@@ -84,7 +92,7 @@ CASES = [
     ("ltx-decode-timestep-text", lambda c: c.ltx("a cat", decode_timestep="0.05", **LTX), InputTypeError,
      r"^decode_timestep must be numbers"),
     ("ltx-attention-mask-objects", lambda c: c.ltx(prompt_embeds=np.zeros((1, 4, 16), np.float32),
-                                                   prompt_attention_mask=np.array([[None] * 4]), **LTX),
+                                                   prompt_attention_mask=np.full((2, 3), None), **LTX),
      InputTypeError, r"^prompt_attention_mask must be numbers .*, got ndarray"),
     ("i2v-images-for-prompts", lambda c: c.wan_i2v(np.zeros((3, 32, 32, 3), np.uint8), ["a", "b"], **WAN),
      InputError, r"^image holds 3 images; pass one picture \(it starts every video\)$"),

@@ -182,8 +182,9 @@ def _numbers(name: str, value, limits) -> None:
         except (ValueError, TypeError):  # ragged nesting
             dtype = np.dtype(object)
     if not (jax.dtypes.issubdtype(dtype, np.number) or jax.dtypes.issubdtype(dtype, np.bool_)):
+        shown = " ".join(repr(value)[:40].split())  # one line, whatever the value prints
         raise InputTypeError(f"{name} must be numbers (an array: NumPy, JAX or torch), got {type(value).__name__} "
-                             f"{value!r:.40}")
+                             f"{shown}")
 
 
 def _output_type(name: str, value, limits) -> None:
