@@ -11,7 +11,7 @@ from PIL import Image
 
 import eqxdiff
 from eqxdiff.pipelines import InputError, InputTypeError, _base
-from eqxdiff.pipelines.ltx_condition import LTXConditionPipeline
+from eqxdiff.pipelines.ltx_condition import LTXConditionPipeline, LTXVideoCondition
 from eqxdiff.pipelines.wan import WanPipeline
 from eqxdiff.pipelines.wan_i2v import WanImageToVideoPipeline
 
@@ -94,6 +94,26 @@ CASES = [
     ("ltx-attention-mask-objects", lambda c: c.ltx(prompt_embeds=np.zeros((1, 4, 16), np.float32),
                                                    prompt_attention_mask=np.full((2, 3), None), **LTX),
      InputTypeError, r"^prompt_attention_mask must be numbers .*, got ndarray"),
+    # LTXConditionPipeline's conditions= were checked only after the prompts were encoded: a dict or an array
+    # there was an AttributeError ('... has no attribute image'), a condition's strength 2 ran (the call's strength=2
+    # is refused), and frame_index= / strength= beside conditions= were dropped without a word (as diffusers does)
+    ("ltx-condition-a-dict", lambda c: _cond(c, {"image": SMALL}), InputTypeError, r"^conditions must be "
+     r"LTXVideoCondition s .*, got dict$"),
+    ("ltx-condition-an-array", lambda c: _cond(c, SMALL), InputTypeError, r"^conditions must be LTXVideoCondition s "
+     r".*, got ndarray$"),
+    ("ltx-condition-strength-two", lambda c: _cond(c, LTXVideoCondition(image=SMALL, strength=2.0)), InputError,
+     r"^a condition's strength=2.0: give a number in \[0, 1\] \(1: the frames are given\)$"),
+    ("ltx-condition-frame-index-float", lambda c: _cond(c, LTXVideoCondition(image=SMALL, frame_index=1.5)),
+     InputError, r"^a condition's frame_index=1.5: give a frame index \(an int >= 0\)$"),
+    ("ltx-condition-frame-past-the-video", lambda c: _cond(c, LTXVideoCondition(image=SMALL, frame_index=9)),
+     InputError, r"^frame_index=9 lies outside the video's 9 frames; pass 0 to 8$"),
+    ("ltx-condition-empty", lambda c: _cond(c, LTXVideoCondition()), InputError, r"^each condition holds an image or "
+     r"a video clip \(one of them\)$"),
+    ("ltx-frame-index-beside-conditions", lambda c: _cond(c, LTXVideoCondition(image=SMALL), frame_index=[0, 8]),
+     InputError, r"^frame_index=\[0, 8\] applies to image= / video=; with conditions= set each LTXVideoCondition's "
+     r"frame_index \(LTXVideoCondition\(image=..., frame_index=...\)\)$"),
+    ("ltx-strength-beside-conditions", lambda c: _cond(c, LTXVideoCondition(image=SMALL), strength=0.5), InputError,
+     r"^strength=0.5 applies to image= / video=; with conditions= set each LTXVideoCondition's strength"),
     ("i2v-images-for-prompts", lambda c: c.wan_i2v(np.zeros((3, 32, 32, 3), np.uint8), ["a", "b"], **WAN),
      InputError, r"^image holds 3 images; pass one picture \(it starts every video\)$"),
 ]
