@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import jax.numpy as jnp
+import numpy as np
 
 from .._typing import Array, Float, Int
 from ..models.controlnet_union import (
@@ -36,7 +37,7 @@ from ..models.controlnet_union import (
     control_type_vector,
 )
 from ._call import checked_call
-from ._checks import InputError
+from ._checks import InputError, InputTypeError
 from ._components import Component
 from ._controlnet import (
     CONTROLNET,
@@ -132,7 +133,14 @@ class StableDiffusionXLControlNetUnionPipeline(ControlNetPipelineMixin, StableDi
         if mode is None:
             raise InputError("control_mode= is required: the control mode of each control image (an int, or a list "
                              "in the images' order), e.g. the index of 'depth' in the net's control types")
-        images, modes = _listed(image), [int(m) for m in _listed(mode)]
+        images, modes = _listed(image), _listed(mode)
+        if not images:
+            raise InputError("control_image is an empty list; pass a control image (or a list of them) with its "
+                             "control_mode")
+        if any(isinstance(m, bool) or not isinstance(m, (int, np.integer)) for m in modes):
+            raise InputTypeError(f"control_mode={mode!r:.60} must be ints: each control image's index in the net's "
+                                 "control types (e.g. 1 for 'depth' in xinsir's union nets)")
+        modes = [int(m) for m in modes]
         if len(images) != len(modes):
             raise InputError(f"{len(images)} control image(s) and {len(modes)} control_mode(s) given; give one "
                              "control mode per control image, in the same order")
@@ -140,8 +148,10 @@ class StableDiffusionXLControlNetUnionPipeline(ControlNetPipelineMixin, StableDi
             raise InputError(f"{len(nets)} ControlNet-Union nets take one control image and one control_mode each; "
                              f"got {len(images)}")
         for i, m in enumerate(modes):
-            net = nets[i if len(nets) > 1 else 0]
-            control_type_vector([m], net.config.num_control_type)  # raises for a mode out of range
+            k = nets[i if len(nets) > 1 else 0].config.num_control_type
+            if not 0 <= m < k:
+                raise InputError(f"control_mode {m} is out of range: this ControlNet-Union knows {k} control modes, "
+                                 f"0 to {k - 1}")
         what = "nets" if len(nets) > 1 else "control images"
         scales = tuple(float(s) for s in _per_entry(scale, len(images), "controlnet_conditioning_scale", what))
         starts = _per_entry(start, len(images), "control_guidance_start", what)
