@@ -31,8 +31,9 @@ def pipes(tmp_path_factory):
     i2v = eqxdiff.load_pipeline(root / "wan_i2v")
     tiny_ltx.build_pipeline(root / "ltx")
     ltx = eqxdiff.load_pipeline(root / "ltx")
+    Image.fromarray(PICTURE).save(root / "picture.png")
     return types.SimpleNamespace(wan_i2v=i2v, wan=WanPipeline.from_pipe(i2v), ltx=ltx,
-                                 ltx_cond=LTXConditionPipeline.from_pipe(ltx))
+                                 ltx_cond=LTXConditionPipeline.from_pipe(ltx), root=root)
 
 
 def _cond(c, *conditions, **kwargs):
@@ -142,3 +143,15 @@ def test_a_good_picture_passes_the_checks(pipes, monkeypatch):
         with pytest.raises(AssertionError, match="stage starts"):
             _i2v(pipes, image)
     assert isinstance(pipes.wan_i2v, WanImageToVideoPipeline)
+
+
+def test_generate_checks_the_pictures_before_loading(pipes, monkeypatch):
+    """eqxdiff-generate runs image-to-video's check_call on a stand-in before loading: the picture check there
+    (added with the one above) called super() and raised 'super(type, obj): obj must be an instance' for every
+    --image. A good picture passes; the --model folder is not loaded."""
+    from eqxdiff.cli import generate
+
+    monkeypatch.setattr(generate, "load_pipeline", _no_stage)
+    checked = generate.validate(["--model", str(pipes.root / "wan_i2v"), "--prompt", "a cat", "--image",
+                                 str(pipes.root / "picture.png"), "--num-frames", "5", "--steps", "2"])
+    assert checked.kwargs["image"].shape == (32, 32, 3)
