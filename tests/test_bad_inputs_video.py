@@ -155,3 +155,22 @@ def test_generate_checks_the_pictures_before_loading(pipes, monkeypatch):
     checked = generate.validate(["--model", str(pipes.root / "wan_i2v"), "--prompt", "a cat", "--image",
                                  str(pipes.root / "picture.png"), "--num-frames", "5", "--steps", "2"])
     assert checked.kwargs["image"].shape == (32, 32, 3)
+
+
+def test_generate_checks_the_boundary_before_loading(pipes, monkeypatch, capsys):
+    """--boundary-ratio 2 was taken by eqxdiff-generate's checks and refused only once the
+    folder was loaded (the range needs no folder): one error line, exit 2, nothing loaded."""
+    from eqxdiff.cli import generate
+
+    monkeypatch.setattr(generate, "load_pipeline", _no_stage)
+    argv = ["--model", str(pipes.root / "wan_i2v"), "--prompt", "a cat", "--image", str(pipes.root / "picture.png"),
+            "--num-frames", "5", "--boundary-ratio", "2"]
+    with pytest.raises(InputError, match=r"^--boundary-ratio must be in \[0, 1\], got 2.0 \(the fraction of the "
+                                         r"training timesteps above which the high-noise expert runs: 0.875 for Wan "
+                                         r"2.2 text-to-video, 0.9 for image-to-video\)$"):
+        generate.validate(argv)
+    monkeypatch.setattr("sys.argv", ["eqxdiff-generate", *argv])
+    with pytest.raises(SystemExit) as info:
+        generate.cli()
+    lines = capsys.readouterr().err.splitlines()
+    assert info.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: --boundary-ratio"), lines

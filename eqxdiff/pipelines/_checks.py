@@ -215,6 +215,9 @@ CHECKS = {
                                          why=" (the fraction of the schedule an image-to-image run takes)"),
     "eta": lambda n, v, _: _real_in(n, v, 0.0, 1.0, why=" (DDIM's noise: 0 is deterministic)"),
     "denoising_start": _fraction, "denoising_end": _fraction,
+    "boundary_ratio": lambda n, v, _: _real_in(n, v, 0.0, 1.0, why=" (the fraction of the training timesteps above "
+                                               "which the high-noise expert runs: 0.875 for Wan 2.2 text-to-video, "
+                                               "0.9 for image-to-video)"),
     "timesteps": _schedule, "sigmas": _schedule,
     "seed": _seed, "clip_skip": _clip_skip,
     "original_size": lambda n, v, lim: _pair(n, v, lim, 1), "target_size": lambda n, v, lim: _pair(n, v, lim, 1),
