@@ -129,6 +129,12 @@ BAD = [  # (id, class, call arguments, error type, message pattern)
     # an int64 0-255 map was refused as 'a float control image must lie in [0, 1]' (and 0/1 ints ran as floats)
     ("control-int64", "t2i", dict(control_image=np.full((32, 32, 3), 9, np.int64), control_mode=0), InputTypeError,
      r"^a control image of dtype int64: pass uint8 \(0-255\), floats in \[0, 1\] or PIL images"),
+    # text-to-image passed strength= / denoising_start= on to SDXL's call, which dropped them without a picture
+    ("t2i-strength", "t2i", dict(control_image=PICTURE, control_mode=0, strength=0.5), InputError, r"^strength= "
+     r"needs a picture to start from, which this pipeline does not take; use its family's image-to-image or "
+     r"inpainting pipeline, or leave strength out$"),
+    ("t2i-denoising-start", "t2i", dict(control_image=PICTURE, control_mode=0, denoising_start=0.5), InputError,
+     r"^denoising_start= needs a picture to start from"),
     # the shared ControlNet, inpainting and UNet-pipeline checks raised untyped ValueErrors
     ("control-rgba", "t2i", dict(control_image=np.zeros((32, 32, 4), np.uint8), control_mode=0), InputError,
      r"^control image 0 has 4 channels; its ControlNet takes 3 \(conditioning_channels\)$"),

@@ -320,6 +320,11 @@ def check_arguments(arguments: Mapping[str, Any], limits: CallLimits = CallLimit
         check = CHECKS.get(name)
         if check is not None:
             check(name, value, limits)
+    if init_image is None:  # (a text-to-image call passing its keywords on to a family call that takes pictures)
+        for name in ("strength", "mask_image", "denoising_start"):
+            if arguments.get(name) is not None:
+                raise InputError(f"{name}= needs a picture to start from, which this pipeline does not take; use its "
+                                 f"family's image-to-image or inpainting pipeline, or leave {name} out")
     without_image = init_image in arguments and arguments[init_image] is None
     if arguments.get("strength") is not None and without_image:
         raise InputError(f"strength={arguments['strength']} applies to image-to-image only; pass {init_image}= (the "
