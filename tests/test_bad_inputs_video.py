@@ -83,6 +83,8 @@ CASES = [
     ("i2v-last-image-rgba", lambda c: _i2v(c, last_image=np.zeros((32, 32, 4), np.uint8)), InputError,
      r"^last_image must be \[n, height, width, 3\] \(channels-last RGB\), got shape \(32, 32, 4\)"),
     # three images for two prompts were refused only after the prompts were encoded
+    ("progress-word", lambda c: c.wan("a cat", **{**WAN, "progress": "no"}), InputTypeError, r"^progress='no' must "
+     r"be True or False$"),  # a truthy word: a progress bar
     # text where an array goes: 'could not convert string to float' from jnp.asarray
     ("latents-text", lambda c: c.wan("a cat", latents="noise", **WAN), InputTypeError, r"^latents must be numbers "
      r"\(an array: NumPy, JAX or torch\), got str 'noise'$"),

@@ -129,6 +129,9 @@ BAD = [  # (id, class, call arguments, error type, message pattern)
     # an int64 0-255 map was refused as 'a float control image must lie in [0, 1]' (and 0/1 ints ran as floats)
     ("control-int64", "t2i", dict(control_image=np.full((32, 32, 3), 9, np.int64), control_mode=0), InputTypeError,
      r"^a control image of dtype int64: pass uint8 \(0-255\), floats in \[0, 1\] or PIL images"),
+    # a switch given as a word was truthy: guess_mode='no' ran in guess mode (and Kontext's _auto_resize='no' resized)
+    ("guess-mode-word", "t2i", dict(control_image=PICTURE, control_mode=0, guess_mode="no"), InputTypeError,
+     r"^guess_mode='no' must be True or False$"),
     # text-to-image passed strength= / denoising_start= on to SDXL's call, which dropped them without a picture
     ("t2i-strength", "t2i", dict(control_image=PICTURE, control_mode=0, strength=0.5), InputError, r"^strength= "
      r"needs a picture to start from, which this pipeline does not take; use its family's image-to-image or "

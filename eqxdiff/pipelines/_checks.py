@@ -187,6 +187,12 @@ def _numbers(name: str, value, limits) -> None:
                              f"{shown}")
 
 
+def _bool(name: str, value, limits) -> None:
+    """A switch is True or False: a string such as 'no' would be truthy."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputTypeError(f"{name}={value!r:.40} must be True or False")
+
+
 def _output_type(name: str, value, limits) -> None:
     check_output_type(value)
 
@@ -226,6 +232,7 @@ CHECKS = {
     "crops_coords_top_left": lambda n, v, lim: _pair(n, v, lim, 0),
     "negative_crops_coords_top_left": lambda n, v, lim: _pair(n, v, lim, 0),
     "output_type": _output_type,
+    "guess_mode": _bool, "_auto_resize": _bool, "progress": _bool,
     **dict.fromkeys(("latents", "prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
                      "negative_pooled_prompt_embeds", "prompt_attention_mask", "negative_prompt_attention_mask",
                      "image_embeds", "decode_timestep", "decode_noise_scale"), _numbers),
