@@ -12,6 +12,7 @@ from PIL import Image
 import eqxdiff
 from eqxdiff.pipelines import InputError, InputTypeError, _base
 from eqxdiff.pipelines.ltx_condition import LTXConditionPipeline, LTXVideoCondition
+from eqxdiff.pipelines.ltx_i2v import LTXImageToVideoPipeline
 from eqxdiff.pipelines.wan import WanPipeline
 from eqxdiff.pipelines.wan_i2v import WanImageToVideoPipeline
 
@@ -82,7 +83,10 @@ CASES = [
     # last_image's RGBA reached the pixel conversion after CLIP had encoded both pictures (a compile)
     ("i2v-last-image-rgba", lambda c: _i2v(c, last_image=np.zeros((32, 32, 4), np.uint8)), InputError,
      r"^last_image must be \[n, height, width, 3\] \(channels-last RGB\), got shape \(32, 32, 4\)"),
-    # three images for two prompts were refused only after the prompts were encoded
+    # three images for two prompts were refused only after the prompts were encoded (LTX too)
+    ("ltx-i2v-images-for-prompts", lambda c: LTXImageToVideoPipeline.from_pipe(c.ltx)(
+        np.zeros((3, 16, 16, 3), np.uint8), ["a", "b"], **LTX), InputError, r"^image holds 3 images for 2 prompts; "
+     r"pass one picture \(it conditions every video\) or one per prompt$"),
     ("progress-word", lambda c: c.wan("a cat", **{**WAN, "progress": "no"}), InputTypeError, r"^progress='no' must "
      r"be True or False$"),  # a truthy word: a progress bar
     # text where an array goes: 'could not convert string to float' from jnp.asarray

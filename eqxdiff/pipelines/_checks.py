@@ -269,6 +269,18 @@ def _non_finite(name: str, value) -> str | None:
     return None
 
 
+def prompt_count(arguments: Mapping[str, Any]) -> int | None:
+    """How many prompts a call's ``arguments`` hold: ``prompt``'s strings, else ``prompt_embeds``' rows; ``None``
+    when neither says (checks of inputs given one per prompt run then before anything is encoded)."""
+    prompt = arguments.get("prompt")
+    if isinstance(prompt, str):
+        return 1
+    if isinstance(prompt, (list, tuple)) and prompt:
+        return len(prompt)
+    shape = getattr(arguments.get("prompt_embeds"), "shape", ())
+    return int(shape[0]) if len(shape) >= 2 else None
+
+
 def image_size(image) -> tuple[int, int] | None:
     """``(height, width)`` of pixel input(s): PIL images, or uint8 / float arrays ``[H, W, 3]`` or
     ``[n, H, W, 3]``; ``None`` for anything else (latents handed over, ...)."""
