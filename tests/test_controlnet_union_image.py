@@ -138,6 +138,10 @@ BAD = [  # (id, class, call arguments, error type, message pattern)
      r"inpainting pipeline, or leave strength out$"),
     ("t2i-denoising-start", "t2i", dict(control_image=PICTURE, control_mode=0, denoising_start=0.5), InputError,
      r"^denoising_start= needs a picture to start from"),
+    # three control images for two prompts were refused only after the prompts were encoded (a compile)
+    ("control-count", "t2i", dict(prompt=["a", "b"], control_image=np.zeros((3, 32, 32, 3), np.uint8),
+                                  control_mode=0), InputError, r"^control image 0: got 3 images for 2 prompts; pass "
+     r"one image or one per prompt$"),
     # the shared ControlNet, inpainting and UNet-pipeline checks raised untyped ValueErrors
     ("control-rgba", "t2i", dict(control_image=np.zeros((32, 32, 4), np.uint8), control_mode=0), InputError,
      r"^control image 0 has 4 channels; its ControlNet takes 3 \(conditioning_channels\)$"),
@@ -165,5 +169,5 @@ def test_bad_inputs_are_refused_before_any_stage(union, cls, kwargs, error, matc
 
     monkeypatch.setattr(_base.DiffusionPipeline, "timed", no_stage)
     with pytest.raises(error, match=match) as info:
-        union[cls]("a cat", num_inference_steps=2, progress=False, **kwargs)
+        union[cls](**{"prompt": "a cat", **kwargs}, num_inference_steps=2, progress=False)
     assert type(info.value) is error and "\n" not in str(info.value)

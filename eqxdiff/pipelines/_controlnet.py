@@ -22,7 +22,7 @@ from .._typing import Array, Float
 from ..loading import CheckpointError, load, save_pretrained
 from ..models import ip_adapter as ipa
 from ..models.controlnet import ControlNetModel, MultiControlNetModel
-from ._checks import InputError, InputTypeError
+from ._checks import InputError, InputTypeError, prompt_count
 from ._components import Component
 from ._images import resize_nearest
 from ._unet import UNetDenoiser
@@ -117,6 +117,7 @@ class ControlInput:
     guess_mode: bool
     num_images_per_prompt: int = 1
     lowest: float = 0.0  # the lowest value a float control image may hold (-1: an inpainting net's masked pixels)
+    prompts: int | None = None  # the call's prompts, when its arguments say (each image: one, or one per prompt)
 
     def size(self, height: int | None, width: int | None, multiple: int) -> tuple[int, int]:
         """The output size: ``height`` / ``width`` if given, else the first control image's (rounded down to a
@@ -272,10 +273,11 @@ class ControlNetPipelineMixin:
             save_pretrained(net, Path(folder) / _net_folder(i), dtype=dtype)
         return ["diffusers", self.MULTI_CLASS.__name__]
 
-    def _with_control(self, image, *, scale, start, end, guess_mode, num_images_per_prompt: int):
+    def _with_control(self, image, *, scale, start, end, guess_mode, num_images_per_prompt: int,
+                      prompts: int | None = None):
         control = control_input(self.controlnet, image, scale=scale, start=start, end=end, guess_mode=guess_mode)
         return self.bound(dataclasses.replace(control, num_images_per_prompt=num_images_per_prompt,
-                                              lowest=self.CONTROL_LOWEST))
+                                              lowest=self.CONTROL_LOWEST, prompts=prompts))
 
     def bound(self, control: ControlInput, **call_inputs):
         """This pipeline holding one call's ``control`` inputs (and a variant's own ``call_inputs``, set as
@@ -287,8 +289,12 @@ class ControlNetPipelineMixin:
         bound._control = control
         for name, value in call_inputs.items():
             setattr(bound, name, value)
-        bound.check_control_channels(prepare_control_image(image, multiple=1, lowest=control.lowest).shape[-1]
-                                     for image in control.images)
+        arrays = [prepare_control_image(image, multiple=1, lowest=control.lowest) for image in control.images]
+        bound.check_control_channels(arr.shape[-1] for arr in arrays)
+        for i, arr in enumerate(arrays):  # per_output's count, before the prompts are encoded
+            if control.prompts is not None and len(arr) not in (1, control.prompts):
+                raise InputError(f"control image {i}: got {len(arr)} images for {control.prompts} prompts; pass one "
+                                 "image or one per prompt")
         return bound
 
     def check_control_channels(self, channels) -> None:
@@ -321,6 +327,12 @@ class ControlNetPipelineMixin:
     def make_denoiser(self, scales) -> ControlNetDenoiser:
         """The loop's denoiser for this call, with its ``[steps, images]`` table of ``scales``."""
         return ControlNetDenoiser(self.unet, self.controlnet, scales, self._control.guess_mode)
+
+
+def call_prompts(prompt, kwargs: dict) -> int | None:
+    """How many prompts a ControlNet call holds (:func:`~eqxdiff.pipelines._checks.prompt_count` of ``prompt`` and
+    the ``prompt_embeds`` among the keywords it passes on), ``None`` if they do not say."""
+    return prompt_count({"prompt": prompt, "prompt_embeds": kwargs.get("prompt_embeds")})
 
 
 def images_per_prompt(kwargs: dict) -> int:

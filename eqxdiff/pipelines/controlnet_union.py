@@ -44,6 +44,7 @@ from ._controlnet import (
     ControlInput,
     ControlNetDenoiser,
     ControlNetPipelineMixin,
+    call_prompts,
     images_per_prompt,
 )
 from .stable_diffusion_xl import (
@@ -120,11 +121,13 @@ class StableDiffusionXLControlNetUnionPipeline(ControlNetPipelineMixin, StableDi
                                  "images go to control_image=")
         bound = self._with_union_control(control_image, control_mode, scale=controlnet_conditioning_scale,
                                          start=control_guidance_start, end=control_guidance_end,
-                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs))
+                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs),
+                                         prompts=call_prompts(prompt, kwargs))
         height, width = bound._control.size(height, width, self.vae_scale_factor)
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, height=height, width=width, **kwargs)
 
-    def _with_union_control(self, image, mode, *, scale, start, end, guess_mode, num_images_per_prompt: int):
+    def _with_union_control(self, image, mode, *, scale, start, end, guess_mode, num_images_per_prompt: int,
+                            prompts: int | None = None):
         """The call's control inputs checked as diffusers' ``check_inputs`` checks them, bound to a shallow copy of
         the pipeline: one entry per control image."""
         nets = self.nets
@@ -162,7 +165,7 @@ class StableDiffusionXLControlNetUnionPipeline(ControlNetPipelineMixin, StableDi
                                  "end <= 1")
         guess = bool(guess_mode) or nets[0].config.global_pool_conditions  # diffusers: the first net's
         return self.bound(ControlInput(tuple(images), scales, tuple(map(float, starts)), tuple(map(float, ends)),
-                                       guess, num_images_per_prompt), _modes=tuple(modes))
+                                       guess, num_images_per_prompt, prompts=prompts), _modes=tuple(modes))
 
     def image_nets(self) -> tuple:
         nets = self.nets
@@ -203,7 +206,8 @@ class StableDiffusionXLControlNetUnionImg2ImgPipeline(StableDiffusionXLControlNe
         self.check_inputs(image=image)
         bound = self._with_union_control(control_image, control_mode, scale=controlnet_conditioning_scale,
                                          start=control_guidance_start, end=control_guidance_end,
-                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs))
+                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs),
+                                         prompts=call_prompts(prompt, kwargs))
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, **kwargs)
 
 
@@ -242,6 +246,7 @@ class StableDiffusionXLControlNetUnionInpaintPipeline(StableDiffusionXLControlNe
                              f"blended back); this UNet takes {channels} channels: load an SDXL base's UNet")
         bound = self._with_union_control(control_image, control_mode, scale=controlnet_conditioning_scale,
                                          start=control_guidance_start, end=control_guidance_end,
-                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs))
+                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs),
+                                         prompts=call_prompts(prompt, kwargs))
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, mask_image=mask_image,
                                                   **kwargs)
