@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import eqxdiff
-from eqxdiff.pipelines import InputError
+from eqxdiff.pipelines import InputError, InputTypeError
 from eqxdiff.pipelines.controlnet_union import (
     StableDiffusionXLControlNetUnionImg2ImgPipeline,
     StableDiffusionXLControlNetUnionInpaintPipeline,
@@ -101,3 +101,73 @@ def test_union_inpaint_matches_diffusers(components, inputs, tmp_path, monkeypat
         nine = type(pipe).from_pipe(pipe, unet=eqxdiff.load(tmp_path / "unet9"))
         with pytest.raises(InputError, match="runs an ordinary 4-channel UNet.*this UNet takes 9 channels"):
             nine(PROMPTS, image=picture, mask_image=mask, control_image=control, control_mode=[0, 2], progress=False)
+
+
+# -- bad inputs (tests/test_bad_inputs.py's rules: a typed one-line error before any stage of the call starts) --------
+
+@pytest.fixture(scope="module")
+def union(components, tmp_path_factory):
+    """The union text-to-image, image-to-image and inpainting classes on one loaded folder."""
+    _, pipe = _pipelines("StableDiffusionXLControlNetUnionPipeline", components, tmp_path_factory.mktemp("union"))
+    return {"t2i": pipe, "i2i": StableDiffusionXLControlNetUnionImg2ImgPipeline.from_pipe(pipe),
+            "inpaint": StableDiffusionXLControlNetUnionInpaintPipeline.from_pipe(pipe)}
+
+
+PICTURE = np.full((32, 32, 3), 128, np.uint8)
+MASK = np.full((32, 32), 255, np.uint8)
+BAD = [  # (id, class, call arguments, error type, message pattern)
+    # a float mode was cut to an int and ran; a word was int()'s 'invalid literal'; out of range, the model's ValueError
+    ("mode-float", "t2i", dict(control_image=PICTURE, control_mode=1.5), InputTypeError, r"^control_mode=1.5 must be "
+     r"ints: each control image's index in the net's control types \(e.g. 1 for 'depth' in xinsir's union nets\)$"),
+    ("mode-word", "t2i", dict(control_image=PICTURE, control_mode="canny"), InputTypeError, r"^control_mode='canny' "
+     r"must be ints"),
+    ("mode-out-of-range", "t2i", dict(control_image=PICTURE, control_mode=4), InputError, r"^control_mode 4 is out of "
+     r"range: this ControlNet-Union knows 4 control modes, 0 to 3$"),
+    # no control image at all ran as plain SDXL
+    ("control-empty", "t2i", dict(control_image=[], control_mode=[]), InputError, r"^control_image is an empty list; "
+     r"pass a control image"),
+    # an int64 0-255 map was refused as 'a float control image must lie in [0, 1]' (and 0/1 ints ran as floats)
+    ("control-int64", "t2i", dict(control_image=np.full((32, 32, 3), 9, np.int64), control_mode=0), InputTypeError,
+     r"^a control image of dtype int64: pass uint8 \(0-255\), floats in \[0, 1\] or PIL images"),
+    # a switch given as a word was truthy: guess_mode='no' ran in guess mode (and Kontext's _auto_resize='no' resized)
+    ("guess-mode-word", "t2i", dict(control_image=PICTURE, control_mode=0, guess_mode="no"), InputTypeError,
+     r"^guess_mode='no' must be True or False$"),
+    # text-to-image passed strength= / denoising_start= on to SDXL's call, which dropped them without a picture
+    ("t2i-strength", "t2i", dict(control_image=PICTURE, control_mode=0, strength=0.5), InputError, r"^strength= "
+     r"needs a picture to start from, which this pipeline does not take; use its family's image-to-image or "
+     r"inpainting pipeline, or leave strength out$"),
+    ("t2i-denoising-start", "t2i", dict(control_image=PICTURE, control_mode=0, denoising_start=0.5), InputError,
+     r"^denoising_start= needs a picture to start from"),
+    # three control images for two prompts were refused only after the prompts were encoded (a compile)
+    ("control-count", "t2i", dict(prompt=["a", "b"], control_image=np.zeros((3, 32, 32, 3), np.uint8),
+                                  control_mode=0), InputError, r"^control image 0: got 3 images for 2 prompts; pass "
+     r"one image or one per prompt$"),
+    # the shared ControlNet, inpainting and UNet-pipeline checks raised untyped ValueErrors
+    ("control-rgba", "t2i", dict(control_image=np.zeros((32, 32, 4), np.uint8), control_mode=0), InputError,
+     r"^control image 0 has 4 channels; its ControlNet takes 3 \(conditioning_channels\)$"),
+    ("control-grey", "t2i", dict(control_image=MASK, control_mode=0), InputError, r"^a control image must be PIL "
+     r"image\(s\) or an array \[n, height, width, channels\]"),
+    ("i2i-no-image", "i2i", dict(control_image=PICTURE, control_mode=0), InputError, r"needs image="),
+    ("mask-rgba", "inpaint", dict(image=PICTURE, mask_image=np.zeros((32, 32, 4), np.uint8), control_image=PICTURE,
+                                  control_mode=0), InputError, r"^mask_image of shape \(32, 32, 4\) looks like an "
+     r"RGB\(A\) picture"),
+    ("mask-size", "inpaint", dict(image=PICTURE, mask_image=MASK[:16, :16], control_image=PICTURE, control_mode=0),
+     InputError, r"^mask_image has width 16, height 16 but the image has width 32, height 32"),
+]
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "error", "match"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_inputs_are_refused_before_any_stage(union, cls, kwargs, error, match, monkeypatch):
+    from eqxdiff.pipelines import _base
+
+    real = _base.DiffusionPipeline.timed
+
+    def no_stage(self, stage):
+        if stage == "call":  # the call's own timing, around the checks
+            return real(self, stage)
+        raise AssertionError(f"a bad argument must be refused before the call's {stage!r} stage starts")
+
+    monkeypatch.setattr(_base.DiffusionPipeline, "timed", no_stage)
+    with pytest.raises(error, match=match) as info:
+        union[cls](**{"prompt": "a cat", **kwargs}, num_inference_steps=2, progress=False)
+    assert type(info.value) is error and "\n" not in str(info.value)

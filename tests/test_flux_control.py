@@ -223,3 +223,22 @@ def test_saved_folder_lists_the_components_diffusers_takes(control, tmp_path, cl
     path = tmp_path / "flux1-control-tiny.safetensors"
     write_safetensors(_tiny_flux.bfl_tensors(control.ref.transformer), path)
     assert type(eqxdiff.load_pipeline(path, config=folder)) is cls
+
+
+def test_control_image_errors_come_before_any_stage(control, monkeypatch):
+    """The control image's count for the prompts, its channels and its dtype are refused before the prompts are
+    encoded (the count and the channels were refused after: a compile; an int64 map as 'a float control image must
+    lie in [0, 1]')."""
+    from eqxdiff.pipelines import InputTypeError, _base
+
+    real = _base.DiffusionPipeline.timed
+    monkeypatch.setattr(_base.DiffusionPipeline, "timed", lambda self, stage: real(self, stage) if stage == "call"
+                        else pytest.fail(f"the {stage!r} stage started before the refusal"))
+    cases = [(np.zeros((3, 8, 8, 3), np.uint8), InputError, r"^got 3 control images for 2 prompts; pass one control "
+              r"image or one per prompt$"),
+             (np.zeros((1, 8, 8, 1), np.uint8), InputError, r"^control_image must be RGB \(3 channels"),
+             (np.full((8, 8, 3), 9, np.int64), InputTypeError, r"^control_image: a control image of dtype int64")]
+    for image, error, match in cases:
+        with pytest.raises(error, match=match) as info:
+            control.pipe(PROMPTS, control_image=image, progress=False, **COMMON)
+        assert type(info.value) is error and "\n" not in str(info.value)

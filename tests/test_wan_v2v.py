@@ -110,7 +110,9 @@ def test_bad_videos_are_refused_with_the_fix(v2v):
         pipe(FRAMES[:8], **call)
     with pytest.raises(InputError, match=r"^pass video= \(the video to start from"):
         pipe(None, **call)
-    with pytest.raises(InputError, match=r"video: image must be \[n, height, width, 3\]"):
+    with pytest.raises(InputError, match=r"^video must be \[n, height, width, 3\] \(channels-last RGB\), got shape "
+                                         r"\(9, 32, 32\); .* \(a clip is frames \[F, H, W, 3\] or a list of PIL "
+                                         r"images\)$"):
         pipe(FRAMES[..., 0], **call)
     with pytest.raises(InputError, match="video holds 3 clips for 2 prompts; pass one clip"):
         pipe(np.stack([FRAMES] * 3), prompt=PROMPTS, num_inference_steps=2, progress=False)

@@ -170,6 +170,29 @@ def _pair(name: str, value, limits, minimum: int) -> None:
         raise InputError(f"{name}={tuple(value)}: both must be >= {minimum}")
 
 
+def _numbers(name: str, value, limits) -> None:
+    """An array argument (latents, embeddings, their masks, per-video numbers) holds numbers: text or objects would
+    reach ``jnp.asarray`` ('could not convert string to float') or a model."""
+    if hasattr(value, "detach"):  # a torch tensor
+        return
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        try:
+            dtype = np.asarray(value).dtype
+        except (ValueError, TypeError):  # ragged nesting
+            dtype = np.dtype(object)
+    if not (jax.dtypes.issubdtype(dtype, np.number) or jax.dtypes.issubdtype(dtype, np.bool_)):
+        shown = " ".join(repr(value)[:40].split())  # one line, whatever the value prints
+        raise InputTypeError(f"{name} must be numbers (an array: NumPy, JAX or torch), got {type(value).__name__} "
+                             f"{shown}")
+
+
+def _bool(name: str, value, limits) -> None:
+    """A switch is True or False: a string such as 'no' would be truthy."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputTypeError(f"{name}={value!r:.40} must be True or False")
+
+
 def _output_type(name: str, value, limits) -> None:
     check_output_type(value)
 
@@ -187,6 +210,7 @@ CHECKS = {
     "height": _size, "width": _size,
     "num_inference_steps": lambda n, v, _: _int(n, v, 1, " (the number of denoising steps)"),
     "num_images_per_prompt": lambda n, v, _: _int(n, v, 1),
+    "num_videos_per_prompt": lambda n, v, _: _int(n, v, 1),
     "num_frames": _frames,
     "max_sequence_length": lambda n, v, _: _int(n, v, 1),
     "guidance_scale": lambda n, v, _: _real_in(n, v, 0.0, MAX_GUIDANCE, why=GUIDANCE_WHY),
@@ -197,6 +221,9 @@ CHECKS = {
                                          why=" (the fraction of the schedule an image-to-image run takes)"),
     "eta": lambda n, v, _: _real_in(n, v, 0.0, 1.0, why=" (DDIM's noise: 0 is deterministic)"),
     "denoising_start": _fraction, "denoising_end": _fraction,
+    "boundary_ratio": lambda n, v, _: _real_in(n, v, 0.0, 1.0, why=" (the fraction of the training timesteps above "
+                                               "which the high-noise expert runs: 0.875 for Wan 2.2 text-to-video, "
+                                               "0.9 for image-to-video)"),
     "timesteps": _schedule, "sigmas": _schedule,
     "seed": _seed, "clip_skip": _clip_skip,
     "original_size": lambda n, v, lim: _pair(n, v, lim, 1), "target_size": lambda n, v, lim: _pair(n, v, lim, 1),
@@ -205,6 +232,10 @@ CHECKS = {
     "crops_coords_top_left": lambda n, v, lim: _pair(n, v, lim, 0),
     "negative_crops_coords_top_left": lambda n, v, lim: _pair(n, v, lim, 0),
     "output_type": _output_type,
+    "guess_mode": _bool, "_auto_resize": _bool, "progress": _bool,
+    **dict.fromkeys(("latents", "prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
+                     "negative_pooled_prompt_embeds", "prompt_attention_mask", "negative_prompt_attention_mask",
+                     "image_embeds", "decode_timestep", "decode_noise_scale"), _numbers),
 }
 
 
@@ -236,6 +267,18 @@ def _non_finite(name: str, value) -> str | None:
         bad = int(np.size(value) - np.count_nonzero(np.isfinite(np.asarray(value, np.float32))))
         return None if bad == 0 else f"{name} holds {bad} NaN or infinite value(s) of {np.size(value)}"
     return None
+
+
+def prompt_count(arguments: Mapping[str, Any]) -> int | None:
+    """How many prompts a call's ``arguments`` hold: ``prompt``'s strings, else ``prompt_embeds``' rows; ``None``
+    when neither says (checks of inputs given one per prompt run then before anything is encoded)."""
+    prompt = arguments.get("prompt")
+    if isinstance(prompt, str):
+        return 1
+    if isinstance(prompt, (list, tuple)) and prompt:
+        return len(prompt)
+    shape = getattr(arguments.get("prompt_embeds"), "shape", ())
+    return int(shape[0]) if len(shape) >= 2 else None
 
 
 def image_size(image) -> tuple[int, int] | None:
@@ -296,6 +339,11 @@ def check_arguments(arguments: Mapping[str, Any], limits: CallLimits = CallLimit
         check = CHECKS.get(name)
         if check is not None:
             check(name, value, limits)
+    if init_image is None:  # (a text-to-image call passing its keywords on to a family call that takes pictures)
+        for name in ("strength", "mask_image", "denoising_start"):
+            if arguments.get(name) is not None:
+                raise InputError(f"{name}= needs a picture to start from, which this pipeline does not take; use its "
+                                 f"family's image-to-image or inpainting pipeline, or leave {name} out")
     without_image = init_image in arguments and arguments[init_image] is None
     if arguments.get("strength") is not None and without_image:
         raise InputError(f"strength={arguments['strength']} applies to image-to-image only; pass {init_image}= (the "

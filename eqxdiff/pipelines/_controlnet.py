@@ -22,7 +22,7 @@ from .._typing import Array, Float
 from ..loading import CheckpointError, load, save_pretrained
 from ..models import ip_adapter as ipa
 from ..models.controlnet import ControlNetModel, MultiControlNetModel
-from ._checks import InputError
+from ._checks import InputError, InputTypeError, prompt_count
 from ._components import Component
 from ._images import resize_nearest
 from ._unet import UNetDenoiser
@@ -52,7 +52,7 @@ def prepare_control_image(image, *, height: int | None = None, width: int | None
         if arr.ndim == 3:
             arr = arr[None]
         if arr.ndim != 4:
-            raise ValueError(f"a control image must be PIL image(s) or an array [n, height, width, channels] "
+            raise InputError(f"a control image must be PIL image(s) or an array [n, height, width, channels] "
                              f"(channels-last), got shape {arr.shape}")
         h0, w0 = arr.shape[1:3]
     height = height or h0 - h0 % multiple
@@ -63,10 +63,13 @@ def prepare_control_image(image, *, height: int | None = None, width: int | None
                         for im in image])
     if arr.dtype == np.uint8:
         arr = arr.astype(np.float32) / 255.0
+    elif not np.issubdtype(arr.dtype, np.floating):  # diffusers reads other integers as [0, 1] floats
+        raise InputTypeError(f"a control image of dtype {arr.dtype}: pass uint8 (0-255), floats in [{lowest:g}, 1] "
+                             "or PIL images (eqxdiff does not guess the range of other integers)")
     else:
         arr = np.asarray(arr, np.float32)
         if arr.min() < lowest or arr.max() > 1:
-            raise ValueError(f"a float control image must lie in [{lowest:g}, 1] (pass uint8 for 0-255 images)")
+            raise InputError(f"a float control image must lie in [{lowest:g}, 1] (pass uint8 for 0-255 images)")
     if arr.shape[1:3] != (height, width):
         arr = resize_nearest(arr, height, width)
     return arr
@@ -98,7 +101,7 @@ def control_scales(scales: Sequence[float], starts: Sequence[float], ends: Seque
 def _per_net(value, n: int, name: str) -> tuple:
     values = tuple(value) if isinstance(value, (list, tuple)) else (value,) * n
     if len(values) != n:
-        raise ValueError(f"{name} has {len(values)} entries for {n} ControlNets; give one value or one per net")
+        raise InputError(f"{name} has {len(values)} entries for {n} ControlNets; give one value or one per net")
     return values
 
 
@@ -114,6 +117,7 @@ class ControlInput:
     guess_mode: bool
     num_images_per_prompt: int = 1
     lowest: float = 0.0  # the lowest value a float control image may hold (-1: an inpainting net's masked pixels)
+    prompts: int | None = None  # the call's prompts, when its arguments say (each image: one, or one per prompt)
 
     def size(self, height: int | None, width: int | None, multiple: int) -> tuple[int, int]:
         """The output size: ``height`` / ``width`` if given, else the first control image's (rounded down to a
@@ -139,11 +143,11 @@ def control_input(controlnet, image, *, scale, start, end, guess_mode: bool) -> 
     nets = controlnet.nets if isinstance(controlnet, MultiControlNetModel) else (controlnet,)
     n = len(nets)
     if image is None:
-        raise ValueError("a ControlNet pipeline needs its control image (image= for text-to-image, control_image= "
+        raise InputError("a ControlNet pipeline needs its control image (image= for text-to-image, control_image= "
                          "for image-to-image)")
     if n > 1:
         if not isinstance(image, (list, tuple)) or len(image) != n:
-            raise ValueError(f"{n} ControlNets need a list of {n} control images (one per net), got "
+            raise InputError(f"{n} ControlNets need a list of {n} control images (one per net), got "
                              f"{type(image).__name__}{f' of {len(image)}' if isinstance(image, (list, tuple)) else ''}")
         images = tuple(image)
     else:
@@ -153,7 +157,7 @@ def control_input(controlnet, image, *, scale, start, end, guess_mode: bool) -> 
     ends = _per_net(end, n, "control_guidance_end")
     for s, e in zip(starts, ends):
         if not 0.0 <= s < e <= 1.0:
-            raise ValueError(f"control_guidance_start={s} and control_guidance_end={e} must satisfy 0 <= start < end "
+            raise InputError(f"control_guidance_start={s} and control_guidance_end={e} must satisfy 0 <= start < end "
                              "<= 1")
     # diffusers: the first net's global_pool_conditions turns guess mode on
     guess = bool(guess_mode) or nets[0].config.global_pool_conditions
@@ -269,21 +273,36 @@ class ControlNetPipelineMixin:
             save_pretrained(net, Path(folder) / _net_folder(i), dtype=dtype)
         return ["diffusers", self.MULTI_CLASS.__name__]
 
-    def _with_control(self, image, *, scale, start, end, guess_mode, num_images_per_prompt: int):
+    def _with_control(self, image, *, scale, start, end, guess_mode, num_images_per_prompt: int,
+                      prompts: int | None = None):
         control = control_input(self.controlnet, image, scale=scale, start=start, end=end, guess_mode=guess_mode)
         return self.bound(dataclasses.replace(control, num_images_per_prompt=num_images_per_prompt,
-                                              lowest=self.CONTROL_LOWEST))
+                                              lowest=self.CONTROL_LOWEST, prompts=prompts))
 
     def bound(self, control: ControlInput, **call_inputs):
         """This pipeline holding one call's ``control`` inputs (and a variant's own ``call_inputs``, set as
         attributes), which :meth:`denoiser` reads inside the family's call. A shallow copy, not a pipeline built
         through ``__init__``: for the length of one call it shares every component, their placement and
-        :attr:`~eqxdiff.pipelines.DiffusionPipeline.timings` with this one, and nothing is placed again."""
+        :attr:`~eqxdiff.pipelines.DiffusionPipeline.timings` with this one, and nothing is placed again. Each control
+        image's form, values and channels are checked here, before the call encodes anything."""
         bound = copy.copy(self)
         bound._control = control
         for name, value in call_inputs.items():
             setattr(bound, name, value)
+        arrays = [prepare_control_image(image, multiple=1, lowest=control.lowest) for image in control.images]
+        bound.check_control_channels(arr.shape[-1] for arr in arrays)
+        for i, arr in enumerate(arrays):  # per_output's count, before the prompts are encoded
+            if control.prompts is not None and len(arr) not in (1, control.prompts):
+                raise InputError(f"control image {i}: got {len(arr)} images for {control.prompts} prompts; pass one "
+                                 "image or one per prompt")
         return bound
+
+    def check_control_channels(self, channels) -> None:
+        """Each control image's ``channels`` (in the call's order) are what its net reads."""
+        for i, (net, c) in enumerate(zip(self.image_nets(), channels)):
+            if c != net.config.conditioning_channels:
+                raise InputError(f"control image {i} has {c} channels; its ControlNet takes "
+                                 f"{net.config.conditioning_channels} (conditioning_channels)")
 
     def denoiser(self, cond: dict, *, guidance, schedule, batch: int, height: int, width: int):
         control = self._control
@@ -291,10 +310,7 @@ class ControlNetPipelineMixin:
             raise TypeError(f"{type(self).__name__}.generate runs inside a call of the pipeline (it needs the call's "
                             "control images)")
         images = control.prepared(batch=batch, height=height, width=width, multiple=self.vae_scale_factor)
-        for i, (net, image) in enumerate(zip(self.image_nets(), images)):
-            if image.shape[-1] != net.config.conditioning_channels:
-                raise ValueError(f"control image {i} has {image.shape[-1]} channels; its ControlNet takes "
-                                 f"{net.config.conditioning_channels} (conditioning_channels)")
+        self.check_control_channels(image.shape[-1] for image in images)
         # One row per step of the (padded) schedule, indexed by the scheduler's step index: a traced table, so new
         # scales, start / end fractions or step counts compile nothing.
         state = schedule.state
@@ -311,6 +327,12 @@ class ControlNetPipelineMixin:
     def make_denoiser(self, scales) -> ControlNetDenoiser:
         """The loop's denoiser for this call, with its ``[steps, images]`` table of ``scales``."""
         return ControlNetDenoiser(self.unet, self.controlnet, scales, self._control.guess_mode)
+
+
+def call_prompts(prompt, kwargs: dict) -> int | None:
+    """How many prompts a ControlNet call holds (:func:`~eqxdiff.pipelines._checks.prompt_count` of ``prompt`` and
+    the ``prompt_embeds`` among the keywords it passes on), ``None`` if they do not say."""
+    return prompt_count({"prompt": prompt, "prompt_embeds": kwargs.get("prompt_embeds")})
 
 
 def images_per_prompt(kwargs: dict) -> int:

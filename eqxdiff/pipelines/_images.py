@@ -12,6 +12,7 @@ import numpy as np
 from PIL import Image, PngImagePlugin
 
 from ..core import program
+from ._checks import InputError, InputTypeError
 
 
 def to_uint8(images) -> np.ndarray:
@@ -99,17 +100,42 @@ def clip_frames(clip):
     return clip
 
 
-def to_model_range(images) -> jnp.ndarray:
-    """uint8 ``[n, h, w, 3]`` images, PIL images, or floats in ``[0, 1]`` as float32 in ``[-1, 1]``."""
-    arr = np.asarray(pil_to_array(images, "RGB"))
-    if arr.ndim == 3:
-        arr = arr[None]
-    if arr.ndim != 4 or arr.shape[-1] != 3:
-        raise ValueError(f"image must be [n, height, width, 3] (channels-last RGB), got shape {arr.shape}")
+PICTURE_FORMS = "uint8 [H, W, 3] or [n, H, W, 3], floats in [0, 1], or PIL images"
+
+
+def pixel_array(images, name: str = "image") -> np.ndarray:
+    """Pixel input ``images`` (argument ``name``) as one array ``[n, H, W, 3]``, uint8 or floats in ``[0, 1]``: PIL
+    images (converted to RGB), an array ``[H, W, 3]`` / ``[n, H, W, 3]``, or a list of pictures of one size. Anything
+    else raises :class:`~eqxdiff.pipelines.InputError` (:class:`~eqxdiff.pipelines.InputTypeError` for a type) naming
+    ``name``, what it got and what to pass: a file path, an empty or ragged list, integers other than uint8 (read as
+    0-255 or as [0, 1]?), another channel count or layout."""
+    if isinstance(images, (str, os.PathLike)):
+        raise InputTypeError(f"{name}={os.fspath(images)!r:.80} is a path, not a picture; read it first: "
+                             f"{name}=eqxdiff.pipelines.read_image(path) (or pass {PICTURE_FORMS})")
+    if isinstance(images, Sequence) and not images:
+        raise InputError(f"{name} is an empty list; pass a picture ({PICTURE_FORMS})")
+    try:
+        arr = np.asarray(pil_to_array(images, "RGB"))
+    except (ValueError, TypeError, AttributeError) as e:  # a ragged list, PIL images among arrays
+        raise InputError(f"{name} holds pictures of different sizes or kinds ({type(e).__name__}: {e}); pass "
+                         f"{PICTURE_FORMS}, all of one size") from None
+    if arr.dtype != np.uint8 and not np.issubdtype(arr.dtype, np.floating):
+        raise InputTypeError(f"{name} has dtype {arr.dtype}; pass uint8 (0-255), floats in [0, 1] or PIL images "
+                             "(eqxdiff does not guess the range of other integers)")
+    if arr.ndim not in (3, 4) or arr.shape[-1] != 3 or 0 in arr.shape:
+        raise InputError(f"{name} must be [n, height, width, 3] (channels-last RGB), got shape {arr.shape}; pass "
+                         f"{PICTURE_FORMS} (grey or RGBA converted to RGB, channels moved last)")
+    if arr.dtype != np.uint8 and (arr.min() < 0 or arr.max() > 1):
+        raise InputError(f"{name} holds floats outside [0, 1]; pass floats in [0, 1], or uint8 for 0-255 images")
+    return arr[None] if arr.ndim == 3 else arr
+
+
+def to_model_range(images, name: str = "image") -> jnp.ndarray:
+    """uint8 ``[n, h, w, 3]`` images, PIL images, or floats in ``[0, 1]`` as float32 in ``[-1, 1]``
+    (:func:`pixel_array`)."""
+    arr = pixel_array(images, name)
     if arr.dtype == np.uint8:
         arr = arr.astype(np.float32) / 255.0
-    elif arr.min() < 0 or arr.max() > 1:
-        raise ValueError("float images must lie in [0, 1]; pass uint8 for 0-255 images")
     return jnp.asarray(arr * 2.0 - 1.0, dtype=jnp.float32)
 
 

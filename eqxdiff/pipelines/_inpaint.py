@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._typing import Array, Float
-from ._checks import pixel_size
+from ._checks import InputError, pixel_size
 from ._images import pil_to_array
 
 # cond keys: the 9-channel model's inputs, and the 4-channel blend's.
@@ -36,32 +36,39 @@ def prepare_mask(mask_image, *, batch: int, height: int, width: int) -> Float[Ar
     Accepts a PIL image (or a list: converted to grayscale), or an array ``[H, W]``, ``[H, W, 1]``, ``[n, H, W]``
     or ``[n, H, W, 1]``: uint8 (0-255), bool, or floats in ``[0, 1]``. ``n`` is 1 or ``batch``; the size must be
     the image's (resize the mask, not the other way round)."""
+    arr = mask_array(mask_image, height=height, width=width)
+    if arr.shape[0] not in (1, batch):
+        raise InputError(f"got {arr.shape[0]} masks for {batch} outputs; pass one mask or one per output")
+    mask = np.where(arr >= 0.5, 1.0, 0.0).astype(np.float32)
+    return jnp.broadcast_to(jnp.asarray(mask), (batch, height, width, 1))
+
+
+def mask_array(mask_image, *, height: int, width: int) -> np.ndarray:
+    """:func:`prepare_mask`'s checks but the count: ``mask_image`` as floats ``[n, height, width, 1]`` in [0, 1]
+    (also run before the call encodes anything, when the outputs' count is not known yet)."""
     arr = np.asarray(pil_to_array(mask_image, "L"))
     if arr.ndim == 3 and arr.shape[-1] in (3, 4) and arr.shape[:2] == (height, width):
         # [H, W, 3] would otherwise read as H masks of width 3 (diffusers reads it so too, and fails later)
-        raise ValueError(f"mask_image of shape {arr.shape} looks like an RGB(A) picture; pass one channel: "
+        raise InputError(f"mask_image of shape {arr.shape} looks like an RGB(A) picture; pass one channel: "
                          "[height, width] (e.g. mask[..., 0]) or a PIL image (converted to grayscale)")
     if arr.ndim == 2:
         arr = arr[None, :, :, None]
     elif arr.ndim == 3:
         arr = arr[None] if arr.shape[-1] == 1 else arr[..., None]
     if arr.ndim != 4 or arr.shape[-1] != 1:
-        raise ValueError(f"mask_image must be [height, width] or [n, height, width] (one channel), got shape "
+        raise InputError(f"mask_image must be [height, width] or [n, height, width] (one channel), got shape "
                          f"{np.shape(mask_image)}")
     if arr.dtype == np.uint8:
         arr = arr.astype(np.float32) / 255.0
     elif arr.dtype == np.bool_:
         arr = arr.astype(np.float32)
     elif not np.issubdtype(arr.dtype, np.floating) or arr.min() < 0 or arr.max() > 1:
-        raise ValueError(f"mask_image must be uint8 (0-255), bool, or floats in [0, 1]; got {arr.dtype} values in "
+        raise InputError(f"mask_image must be uint8 (0-255), bool, or floats in [0, 1]; got {arr.dtype} values in "
                          f"[{arr.min()}, {arr.max()}]")
     if arr.shape[1:3] != (height, width):
-        raise ValueError(f"mask_image has {pixel_size(arr.shape[1], arr.shape[2])} but the image has "
+        raise InputError(f"mask_image has {pixel_size(arr.shape[1], arr.shape[2])} but the image has "
                          f"{pixel_size(height, width)}; resize the mask to the image's size")
-    if arr.shape[0] not in (1, batch):
-        raise ValueError(f"got {arr.shape[0]} masks for {batch} outputs; pass one mask or one per output")
-    mask = np.where(arr >= 0.5, 1.0, 0.0).astype(np.float32)
-    return jnp.broadcast_to(jnp.asarray(mask), (batch, height, width, 1))
+    return arr
 
 
 def masked_pixels(pixels: Float[Array, "batch height width 3"],

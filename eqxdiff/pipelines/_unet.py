@@ -22,6 +22,7 @@ from ._checks import (
     InputError,
     check_image_size,
     check_output_type,
+    image_size,
 )
 from ._denoise import Denoiser, Guidance, Schedule, denoise_loop, plan_schedule
 from ._images import to_model_range
@@ -33,6 +34,7 @@ from ._inpaint import (
     NOISE,
     blend_known_region,
     latent_mask,
+    mask_array,
     masked_pixels,
     prepare_mask,
     with_mask_channels,
@@ -154,9 +156,12 @@ class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
                 arguments.get("mask_image") is None or self.unet.config.in_channels != 2 * self.latent_channels + 1):
             raise InputError("masked_image_latents are an inpainting UNet's input (9 channels), with mask_image=; "
                              "this call's UNet has no such input: leave them out")
+        image = arguments.get(self.INIT_IMAGE) if self.INIT_IMAGE else None
+        size = image_size(image) if image is not None else None
+        if arguments.get("mask_image") is not None and size is not None:
+            mask_array(arguments["mask_image"], height=size[0], width=size[1])  # its form and size
         if "num_inference_steps" not in arguments:
             return
-        image = arguments.get(self.INIT_IMAGE) if self.INIT_IMAGE else None
         strength = arguments.get("strength")
         if image is not None and strength is None:
             strength = self.DEFAULT_STRENGTH[arguments.get("mask_image") is not None]
@@ -208,11 +213,11 @@ class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
             what = "images"
         given = pixels if pixels is not None else latents
         if given.shape[0] not in (1, batch):
-            raise ValueError(f"got {given.shape[0]} {what} for {batch} outputs; pass one image or one per output")
+            raise InputError(f"got {given.shape[0]} {what} for {batch} outputs; pass one image or one per output")
         given = jnp.broadcast_to(given, (batch, *given.shape[1:]))
         for name, want, have in (("height", height, size[0]), ("width", width, size[1])):
             if want is not None and want != have:
-                raise ValueError(f"{name}={want} but the image's {name} is {have}; resize the image (eqxdiff does not "
+                raise InputError(f"{name}={want} but the image's {name} is {have}; resize the image (eqxdiff does not "
                                  f"resize) or leave {name} unset")
         return ImageInput(given if pixels is not None else None, given if latents is not None else None,
                           int(size[0]), int(size[1]))
@@ -243,7 +248,7 @@ class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
         """The class's :attr:`REQUIRED_INPUTS` are among ``given`` (name -> value or ``None``)."""
         missing = [k for k in self.REQUIRED_INPUTS if given.get(k) is None]
         if missing:
-            raise ValueError(f"{type(self).__name__} needs {' and '.join(k + '=' for k in missing)} (image: the "
+            raise InputError(f"{type(self).__name__} needs {' and '.join(k + '=' for k in missing)} (image: the "
                              "picture, or latents handed over; mask_image: white = repaint)")
 
     def denoiser(self, cond: dict, *, guidance: Guidance, schedule: Schedule, batch: int, height: int,
@@ -261,7 +266,7 @@ class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
                 given = jnp.broadcast_to(given, (shape[0], *given.shape[1:]))
             return given_array(given, shape, "masked_image_latents", LATENTS_LAYOUT)
         if image.pixels is None:
-            raise ValueError("an inpainting UNet needs image= as pixels (its masked image is encoded) or "
+            raise InputError("an inpainting UNet needs image= as pixels (its masked image is encoded) or "
                              "masked_image_latents=, not image latents alone")
         return self.encode_pixels(masked_pixels(image.pixels, mask), draws.masked_image)
 
@@ -273,12 +278,12 @@ class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
             raise ValueError(f"the UNet takes {unet_channels} input channels; this pipeline drives UNets of {c} "
                              f"(the VAE's latent channels) or {2 * c + 1} (inpainting) channels")
         if mask_image is not None and image is None:
-            raise ValueError("mask_image needs image= (the picture to inpaint)")
+            raise InputError("mask_image needs image= (the picture to inpaint)")
         if inpainting_unet and mask_image is None:
             raise ValueError(f"this UNet takes {unet_channels} input channels (an inpainting UNet: latents, mask and "
                              "masked-image latents); pass image= and mask_image=")
         if image is None and denoising_start is not None:
-            raise ValueError("denoising_start needs image= (the latents the first pipeline handed over)")
+            raise InputError("denoising_start needs image= (the latents the first pipeline handed over)")
         return inpainting_unet
 
     def generate(self, cond: dict, *, guidance: Guidance, guidance_scale: float, batch: int, height: int,

@@ -48,6 +48,7 @@ from ._controlnet import (
     ControlInput,
     ControlNetDenoiser,
     ControlNetPipelineMixin,
+    call_prompts,
     control_input,
     control_scales,
     images_per_prompt,
@@ -84,7 +85,8 @@ class StableDiffusionControlNetPipeline(ControlNetPipelineMixin, StableDiffusion
                  width=None, **kwargs):
         bound = self._with_control(image, scale=self._scale(controlnet_conditioning_scale),
                                    start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=images_per_prompt(kwargs))
+                                   num_images_per_prompt=images_per_prompt(kwargs),
+                                   prompts=call_prompts(prompt, kwargs))
         height, width = bound._control.size(height, width, self.vae_scale_factor)
         return StableDiffusionPipeline.__call__(bound, prompt, negative_prompt, height=height, width=width, **kwargs)
 
@@ -109,7 +111,8 @@ class StableDiffusionControlNetImg2ImgPipeline(StableDiffusionControlNetPipeline
         self.check_inputs(image=image)
         bound = self._with_control(control_image, scale=self._scale(controlnet_conditioning_scale),
                                    start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=images_per_prompt(kwargs))
+                                   num_images_per_prompt=images_per_prompt(kwargs),
+                                   prompts=call_prompts(prompt, kwargs))
         return StableDiffusionPipeline.__call__(bound, prompt, negative_prompt, image=image, **kwargs)
 
 
@@ -138,7 +141,8 @@ class StableDiffusionControlNetInpaintPipeline(StableDiffusionControlNetPipeline
             control_image, kwargs = _cropped_control(self, control_image, image, mask_image, padding_mask_crop, kwargs)
         bound = self._with_control(control_image, scale=self._scale(controlnet_conditioning_scale),
                                    start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=images_per_prompt(kwargs))
+                                   num_images_per_prompt=images_per_prompt(kwargs),
+                                   prompts=call_prompts(prompt, kwargs))
         return StableDiffusionPipeline.__call__(bound, prompt, negative_prompt, image=image, mask_image=mask_image,
                                                 padding_mask_crop=padding_mask_crop, **kwargs)
 
@@ -158,7 +162,8 @@ class StableDiffusionXLControlNetPipeline(ControlNetPipelineMixin, StableDiffusi
                  width=None, **kwargs):
         bound = self._with_control(image, scale=controlnet_conditioning_scale, start=control_guidance_start,
                                    end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=images_per_prompt(kwargs))
+                                   num_images_per_prompt=images_per_prompt(kwargs),
+                                   prompts=call_prompts(prompt, kwargs))
         height, width = bound._control.size(height, width, self.vae_scale_factor)
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, height=height, width=width, **kwargs)
 
@@ -184,7 +189,8 @@ class StableDiffusionXLControlNetImg2ImgPipeline(StableDiffusionXLControlNetPipe
         self.check_inputs(image=image)
         bound = self._with_control(control_image, scale=controlnet_conditioning_scale, start=control_guidance_start,
                                    end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=images_per_prompt(kwargs))
+                                   num_images_per_prompt=images_per_prompt(kwargs),
+                                   prompts=call_prompts(prompt, kwargs))
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, **kwargs)
 
 
@@ -217,7 +223,8 @@ class StableDiffusionXLControlNetInpaintPipeline(StableDiffusionXLControlNetPipe
             control_image, kwargs = _cropped_control(self, control_image, image, mask_image, padding_mask_crop, kwargs)
         bound = self._with_control(control_image, scale=controlnet_conditioning_scale, start=control_guidance_start,
                                    end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=images_per_prompt(kwargs))
+                                   num_images_per_prompt=images_per_prompt(kwargs),
+                                   prompts=call_prompts(prompt, kwargs))
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, mask_image=mask_image,
                                                   padding_mask_crop=padding_mask_crop, **kwargs)
 

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import jax.numpy as jnp
+import numpy as np
 
 from .._typing import Array, Float, Int
 from ..models.controlnet_union import (
@@ -36,13 +37,14 @@ from ..models.controlnet_union import (
     control_type_vector,
 )
 from ._call import checked_call
-from ._checks import InputError
+from ._checks import InputError, InputTypeError
 from ._components import Component
 from ._controlnet import (
     CONTROLNET,
     ControlInput,
     ControlNetDenoiser,
     ControlNetPipelineMixin,
+    call_prompts,
     images_per_prompt,
 )
 from .stable_diffusion_xl import (
@@ -119,11 +121,13 @@ class StableDiffusionXLControlNetUnionPipeline(ControlNetPipelineMixin, StableDi
                                  "images go to control_image=")
         bound = self._with_union_control(control_image, control_mode, scale=controlnet_conditioning_scale,
                                          start=control_guidance_start, end=control_guidance_end,
-                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs))
+                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs),
+                                         prompts=call_prompts(prompt, kwargs))
         height, width = bound._control.size(height, width, self.vae_scale_factor)
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, height=height, width=width, **kwargs)
 
-    def _with_union_control(self, image, mode, *, scale, start, end, guess_mode, num_images_per_prompt: int):
+    def _with_union_control(self, image, mode, *, scale, start, end, guess_mode, num_images_per_prompt: int,
+                            prompts: int | None = None):
         """The call's control inputs checked as diffusers' ``check_inputs`` checks them, bound to a shallow copy of
         the pipeline: one entry per control image."""
         nets = self.nets
@@ -132,7 +136,14 @@ class StableDiffusionXLControlNetUnionPipeline(ControlNetPipelineMixin, StableDi
         if mode is None:
             raise InputError("control_mode= is required: the control mode of each control image (an int, or a list "
                              "in the images' order), e.g. the index of 'depth' in the net's control types")
-        images, modes = _listed(image), [int(m) for m in _listed(mode)]
+        images, modes = _listed(image), _listed(mode)
+        if not images:
+            raise InputError("control_image is an empty list; pass a control image (or a list of them) with its "
+                             "control_mode")
+        if any(isinstance(m, bool) or not isinstance(m, (int, np.integer)) for m in modes):
+            raise InputTypeError(f"control_mode={mode!r:.60} must be ints: each control image's index in the net's "
+                                 "control types (e.g. 1 for 'depth' in xinsir's union nets)")
+        modes = [int(m) for m in modes]
         if len(images) != len(modes):
             raise InputError(f"{len(images)} control image(s) and {len(modes)} control_mode(s) given; give one "
                              "control mode per control image, in the same order")
@@ -140,8 +151,10 @@ class StableDiffusionXLControlNetUnionPipeline(ControlNetPipelineMixin, StableDi
             raise InputError(f"{len(nets)} ControlNet-Union nets take one control image and one control_mode each; "
                              f"got {len(images)}")
         for i, m in enumerate(modes):
-            net = nets[i if len(nets) > 1 else 0]
-            control_type_vector([m], net.config.num_control_type)  # raises for a mode out of range
+            k = nets[i if len(nets) > 1 else 0].config.num_control_type
+            if not 0 <= m < k:
+                raise InputError(f"control_mode {m} is out of range: this ControlNet-Union knows {k} control modes, "
+                                 f"0 to {k - 1}")
         what = "nets" if len(nets) > 1 else "control images"
         scales = tuple(float(s) for s in _per_entry(scale, len(images), "controlnet_conditioning_scale", what))
         starts = _per_entry(start, len(images), "control_guidance_start", what)
@@ -152,7 +165,7 @@ class StableDiffusionXLControlNetUnionPipeline(ControlNetPipelineMixin, StableDi
                                  "end <= 1")
         guess = bool(guess_mode) or nets[0].config.global_pool_conditions  # diffusers: the first net's
         return self.bound(ControlInput(tuple(images), scales, tuple(map(float, starts)), tuple(map(float, ends)),
-                                       guess, num_images_per_prompt), _modes=tuple(modes))
+                                       guess, num_images_per_prompt, prompts=prompts), _modes=tuple(modes))
 
     def image_nets(self) -> tuple:
         nets = self.nets
@@ -193,7 +206,8 @@ class StableDiffusionXLControlNetUnionImg2ImgPipeline(StableDiffusionXLControlNe
         self.check_inputs(image=image)
         bound = self._with_union_control(control_image, control_mode, scale=controlnet_conditioning_scale,
                                          start=control_guidance_start, end=control_guidance_end,
-                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs))
+                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs),
+                                         prompts=call_prompts(prompt, kwargs))
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, **kwargs)
 
 
@@ -232,6 +246,7 @@ class StableDiffusionXLControlNetUnionInpaintPipeline(StableDiffusionXLControlNe
                              f"blended back); this UNet takes {channels} channels: load an SDXL base's UNet")
         bound = self._with_union_control(control_image, control_mode, scale=controlnet_conditioning_scale,
                                          start=control_guidance_start, end=control_guidance_end,
-                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs))
+                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs),
+                                         prompts=call_prompts(prompt, kwargs))
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, mask_image=mask_image,
                                                   **kwargs)

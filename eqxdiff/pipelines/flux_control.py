@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from .._typing import PRNGKeyArray
 from ._arguments import resolve_key
 from ._call import checked_call
-from ._checks import CallLimits, InputError
+from ._checks import CallLimits, InputError, InputTypeError, prompt_count
 from ._controlnet import per_output, prepare_control_image
 from ._latents import noise_draws
 from .flux import MAX_SEQUENCE_LENGTH, FluxPipeline
@@ -62,6 +62,12 @@ class FluxControlPipeline(FluxPipeline):
             raise InputError(f"{cls.__name__} needs control_image= (the edge or depth map to follow); "
                              f"{cls.WITHOUT_CONTROL}")
         super().check_arguments(arguments, limits)
+        if arguments.get("control_image") is not None:  # its form, channels and count before anything is encoded
+            pixels = _control_pixels(arguments["control_image"], multiple=1)
+            prompts = prompt_count(arguments)
+            if prompts is not None and len(pixels) not in (1, prompts):
+                raise InputError(f"got {len(pixels)} control images for {prompts} prompts; pass one control image "
+                                 "or one per prompt")
 
     def control_latents(self, control_image, *, batch: int, num_images_per_prompt: int, height: int, width: int,
                         key: PRNGKeyArray, draw: str = "image"):
@@ -69,14 +75,7 @@ class FluxControlPipeline(FluxPipeline):
         image for all, or one per prompt repeated ``num_images_per_prompt`` times, as diffusers' ``prepare_image``),
         VAE-encoded with the posterior noise ``noise_draws(key, shape)``'s ``draw``, scaled: ``[batch, h, w, C]``
         channels-last."""
-        try:
-            pixels = prepare_control_image(control_image, height=height, width=width)
-        except ValueError as e:
-            raise InputError(f"control_image: {e}") from None
-        if pixels.shape[-1] != 3:
-            raise InputError(f"control_image must be RGB (3 channels, channels-last), got {pixels.shape[-1]} "
-                             "channels; convert a grayscale map to RGB")
-        pixels = per_output(pixels, batch, num_images_per_prompt)
+        pixels = per_output(_control_pixels(control_image, height=height, width=width), batch, num_images_per_prompt)
         f = self.vae_scale_factor
         noise = getattr(noise_draws(key, (batch, height // f, width // f, self.vae.config.latent_channels)), draw)
         return self.encode_pixels(jnp.asarray(pixels * 2.0 - 1.0), noise)
@@ -188,3 +187,16 @@ class FluxControlInpaintPipeline(FluxControlPipeline, _FluxMasked):
                 class fails when given latents).
         """
         return self._from_image(locals(), mask_image=mask_image)
+
+
+def _control_pixels(control_image, **size):
+    """:func:`~eqxdiff.pipelines._controlnet.prepare_control_image` (``size``: its height, width, multiple) of an
+    RGB control image, its errors named ``control_image`` (a type error stays one)."""
+    try:
+        pixels = prepare_control_image(control_image, **size)
+    except ValueError as e:
+        raise (InputTypeError if isinstance(e, TypeError) else InputError)(f"control_image: {e}") from None
+    if pixels.shape[-1] != 3:
+        raise InputError(f"control_image must be RGB (3 channels, channels-last), got {pixels.shape[-1]} channels; "
+                         "convert a grayscale map to RGB")
+    return pixels

@@ -167,10 +167,7 @@ def sampled_latents(vae, video: Float[Array, "b frames height width 3"], noise: 
 def one_picture(image, name: str, size: tuple[int, int], *, prompts: int = 1) -> Array:
     """One picture (uint8 ``[H, W, 3]`` or ``[1, H, W, 3]``, PIL, floats in [0, 1]) as ``[1, H, W, 3]`` in [-1, 1],
     or one per prompt (``[prompts, H, W, 3]``, a list of PIL images), checked to be the video's ``size``."""
-    try:
-        pixels = to_model_range(image)
-    except ValueError as e:
-        raise InputError(f"{name}: {e}") from None
+    pixels = to_model_range(image, name)
     if pixels.shape[0] not in (1, prompts):
         per = f" for {prompts} prompts; pass one picture (it conditions every video) or one per prompt" if prompts > 1 \
             else "; pass one picture (it conditions every video), or one per prompt with a list of prompts"

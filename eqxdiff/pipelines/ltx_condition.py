@@ -55,7 +55,7 @@ from ..core import program
 from ..schedulers import FlowMatchEulerDiscreteScheduler, pad_schedule, to_device
 from ._arguments import given_array, resolve_key
 from ._call import checked_call
-from ._checks import InputError, pixel_size
+from ._checks import InputError, InputTypeError, pixel_size
 from ._denoise import Denoiser, Guidance, Schedule
 from ._images import clip_frames, is_picture, to_model_range, video_clips
 from ._latents import noise_draws
@@ -249,10 +249,8 @@ class LTXConditionPipeline(LTXPipeline):
         if not 0 <= index < num_frames:
             raise InputError(f"frame_index={index} lies outside the video's {num_frames} frames; pass 0 to "
                              f"{num_frames - 1}")
-        try:
-            frames = to_model_range(condition.image if condition.video is None else clip_frames(condition.video))
-        except ValueError as e:
-            raise InputError(f"{'image' if condition.video is None else 'video'}: {e}") from None
+        frames = to_model_range(*((condition.image, "image") if condition.video is None else
+                                  (clip_frames(condition.video), "video")))
         if condition.video is None and frames.shape[0] != 1:
             raise InputError(f"an image condition holds {frames.shape[0]} images; pass one picture per condition")
         if tuple(frames.shape[1:3]) != tuple(size):
@@ -396,8 +394,11 @@ def _images(image) -> list:
 
 def _check_counts(arguments) -> None:
     """Before anything runs: ``frame_index`` and ``strength`` give one value, or one per condition of ``image`` /
-    ``video``, and each frame index lies inside the video's ``num_frames``."""
+    ``video``, and each frame index lies inside the video's ``num_frames``; ``conditions``:
+    :func:`_check_conditions`."""
+    frames = arguments.get("num_frames")
     if arguments.get("conditions") is not None:
+        _check_conditions(arguments)
         return
     count = len(_images(arguments.get("image"))) + len(video_clips(arguments.get("video")))
     if not count:
@@ -405,10 +406,39 @@ def _check_counts(arguments) -> None:
     for name in ("frame_index", "strength"):
         if name in arguments:
             _per_condition(arguments[name], count, name)
-    frames, index = arguments.get("num_frames"), arguments.get("frame_index", 0)
+    index = arguments.get("frame_index", 0)
     for i in index if isinstance(index, (list, tuple)) else [index]:
-        if isinstance(frames, int) and isinstance(i, int) and not i < frames:
-            raise InputError(f"frame_index={i} lies outside the video's {frames} frames; pass 0 to {frames - 1}")
+        _check_index(i, frames)
+
+
+def _check_index(index, frames) -> None:
+    if isinstance(frames, int) and isinstance(index, int) and not index < frames:
+        raise InputError(f"frame_index={index} lies outside the video's {frames} frames; pass 0 to {frames - 1}")
+
+
+def _check_conditions(arguments) -> None:
+    """``conditions``: LTXVideoCondition s, each an image or a clip at a frame index inside the video with a strength
+    in [0, 1], and no call-level ``frame_index`` / ``strength`` beside them (diffusers replaces those by the
+    conditions' own without a word: a value given there would be dropped)."""
+    conditions = arguments["conditions"]
+    conditions = list(conditions) if isinstance(conditions, (list, tuple)) else [conditions]
+    for name, default in (("frame_index", 0), ("strength", 1.0)):
+        if arguments.get(name, default) != default:
+            raise InputError(f"{name}={arguments[name]!r} applies to image= / video=; with conditions= set each "
+                             f"LTXVideoCondition's {name} (LTXVideoCondition(image=..., {name}=...))")
+    for c in conditions:
+        if not isinstance(c, LTXVideoCondition):
+            raise InputTypeError(f"conditions must be LTXVideoCondition s (eqxdiff.pipelines.ltx_condition: "
+                                 f"LTXVideoCondition(image=..., frame_index=..., strength=...)), got "
+                                 f"{type(c).__name__}")
+        if (c.image is None) == (c.video is None):
+            raise InputError("each condition holds an image or a video clip (one of them)")
+        if isinstance(c.frame_index, bool) or not isinstance(c.frame_index, (int, np.integer)) or c.frame_index < 0:
+            raise InputError(f"a condition's frame_index={c.frame_index!r}: give a frame index (an int >= 0)")
+        _check_index(int(c.frame_index), arguments.get("num_frames"))
+        s = c.strength
+        if isinstance(s, bool) or not isinstance(s, (int, float, np.integer, np.floating)) or not 0 <= s <= 1:
+            raise InputError(f"a condition's strength={s!r}: give a number in [0, 1] (1: the frames are given)")
 
 
 def _per_condition(value, count: int, name: str) -> list:

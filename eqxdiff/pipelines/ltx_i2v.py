@@ -29,7 +29,7 @@ from .._typing import PRNGKeyArray
 from ..schedulers import to_device
 from ._arguments import resolve_key
 from ._call import checked_call
-from ._checks import picture_size
+from ._checks import picture_size, prompt_count
 from ._latents import noise_draws
 from .ltx import (
     DEFAULT_FRAME_RATE,
@@ -95,6 +95,9 @@ class LTXImageToVideoPipeline(LTXPipeline):
                 image's latents).
         """
         size = picture_size(image)
+        prompts = prompt_count({"prompt": prompt, "prompt_embeds": prompt_embeds})
+        if prompts is not None:  # the image's count for the prompts, before anything is encoded
+            one_picture(image, "image", (height or size[0], width or size[1]), prompts=prompts)
         key = resolve_key(seed, key)
         positive, negative = self.prompts(
             num_videos_per_prompt, prompt=prompt, negative_prompt=negative_prompt, guided=guidance_scale > 1,

@@ -128,10 +128,7 @@ class LTXLatentUpsamplePipeline(LatentPipeline):
                       ) -> Array:
         """A clip's normalised latents ``[1, T, h, w, C]``, its posterior sampled with ``noise_draws(key, ...).image``
         (frames cut to ``8k + 1``, as diffusers does); ``height`` / ``width``: :meth:`check_size`."""
-        try:
-            pixels = to_model_range(video)
-        except ValueError as e:
-            raise InputError(f"video: {e}") from None
+        pixels = to_model_range(video, "video")
         self.check_size(height, width, pixels.shape[1:3], "the video's frames have")
         t, f = self.vae_temporal_factor, self.vae_scale_factor
         pixels = pixels[:(pixels.shape[0] - 1) // t * t + 1]

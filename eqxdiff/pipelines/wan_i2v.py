@@ -40,7 +40,7 @@ from ._arguments import resolve_key
 from ._call import checked_call
 from ._checks import InputError, picture_size, pixel_size
 from ._components import Component
-from ._images import to_model_range
+from ._images import pixel_array, to_model_range
 from .wan import DEFAULT_FRAMES, MAX_SEQUENCE_LENGTH, WanPipeline, token_mask
 
 __all__ = ["WanImageToVideoPipeline", "clip_image_embeds", "condition_latents", "frame_mask"]
@@ -103,11 +103,20 @@ class WanImageToVideoPipeline(WanPipeline):
 
     # -- the image ------------------------------------------------------------------------------------------------
 
+    def check_call(self, arguments) -> None:
+        """:meth:`WanPipeline.check_call`, and ``image`` / ``last_image`` each one picture (:func:`_one_picture`)
+        before anything is encoded: CLIP's image processor reads them first, and its errors name neither. (Named
+        explicitly, not through ``super()``: ``eqxdiff-generate`` calls it with a stand-in ``self`` before
+        loading.)"""
+        WanPipeline.check_call(self, arguments)
+        for name in ("image", "last_image"):
+            if arguments.get(name) is not None:
+                _one_picture(arguments[name], name)
+
     def _pixels(self, image, name: str, size: tuple[int, int] | None) -> Array:
         """One picture as ``[1, H, W, 3]`` in [-1, 1], checked against the video's ``size``."""
-        pixels = to_model_range(image)
-        if pixels.shape[0] != 1:
-            raise InputError(f"{name} holds {pixels.shape[0]} images; pass one picture (it starts every video)")
+        _one_picture(image, name)
+        pixels = to_model_range(image, name)
         if size is not None and tuple(pixels.shape[1:3]) != tuple(size):
             raise InputError(f"{name} has {pixel_size(*pixels.shape[1:3])} pixels but the video has "
                              f"{pixel_size(*size)}; resize or crop it to the video's size (eqxdiff does not resize "
@@ -222,6 +231,13 @@ class WanImageToVideoPipeline(WanPipeline):
                              guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2,
                              boundary_ratio=boundary_ratio, key=key, latents=latents, extra=extra,
                              image_embeds=tokens, output_type=output_type, progress=progress)
+
+
+def _one_picture(image, name: str) -> None:
+    """``image`` (argument ``name``) is one picture (:func:`~eqxdiff.pipelines._images.pixel_array`)."""
+    count = len(pixel_array(image, name))
+    if count != 1:
+        raise InputError(f"{name} holds {count} images; pass one picture (it starts every video)")
 
 
 def _picture(image):

@@ -30,7 +30,7 @@ import numpy as np
 from .._typing import PRNGKeyArray
 from ._arguments import prompt_list, resolve_key
 from ._call import checked_call
-from ._checks import InputError, pixel_size
+from ._checks import InputError, InputTypeError, pixel_size
 from ._images import clip_frames, to_model_range, video_clips
 from .wan import MAX_SEQUENCE_LENGTH, WanPipeline
 from .wan_i2v import condition_latents
@@ -63,9 +63,11 @@ class WanVideoToVideoPipeline(WanPipeline):
         if not clips:
             raise InputError("pass video= (the video to start from: frames [F, H, W, 3] or a list of PIL images)")
         try:
-            frames = [to_model_range(clip_frames(clip)) for clip in clips]
-        except ValueError as e:
-            raise InputError(f"video: {e} (a clip is frames [F, H, W, 3] or a list of PIL images)") from None
+            frames = [to_model_range(clip_frames(clip), "video") for clip in clips]
+        except ValueError as e:  # (a TypeError stays one)
+            raise (InputTypeError if isinstance(e, TypeError) else InputError)(
+                f"{e if isinstance(e, InputError) else f'video: {e}'} (a clip is frames [F, H, W, 3] or a list of "
+                "PIL images)") from None
         shapes = sorted({tuple(f.shape) for f in frames})
         if len(shapes) > 1:
             raise InputError(f"video: the clips differ in shape ({shapes}); pass clips of one frame count and size")
