@@ -57,6 +57,17 @@ def test_downsample_matches_diffusers():
                                       _processed(images, *size).numpy())
 
 
+def test_value_masks_match_diffusers():
+    """Masks given as float arrays or torch tensors (values in [0, 1], diffusers' nearest resize) as
+    ``IPAdapterMaskProcessor().preprocess`` makes them. Found by the masks fuzz: a float array was made into a PIL
+    image (all 0 after the 0.5 threshold) and a tensor was refused."""
+    values = np.random.default_rng(1).random((33, 17)).astype(np.float32)
+    for given in ([values, values[::-1]], [values[..., None]], [torch.from_numpy(values)[None]]):
+        for size in ((32, 32), (40, 24), (36, 30)):
+            np.testing.assert_array_equal(prepare_ip_adapter_masks(given, height=size[0], width=size[1]),
+                                          _processed(given, *size).numpy())
+
+
 @pytest.fixture(scope="module", params=["sd", "sdxl"])
 def pipes(request, tmp_path_factory):
     """(diffusers pipeline, eqxdiff pipeline, the adapter's folder), the same random IP-Adapter on each."""
