@@ -153,6 +153,8 @@ def test_bad_masks_name_the_fix(pipes):
             _ours(pipe, None, ip_adapter_masks=[masks[:, :1]], ip_adapter_image=PICTURE)
     finally:
         pipe.set_ip_adapter_scale(1.0)
+    with pytest.raises(InputError, match=r"down.block_\d=\[0.5, 0.6\] is one scale per masked image inside a per-bl"):
+        pipe.set_ip_adapter_scale({"down": [[0.5, 0.6]]})  # diffusers takes it: the message says so
     plain = type(pipe).from_pipe(pipe)
     plain.unload_ip_adapter()
     with pytest.raises(InputError, match="ip_adapter_masks: no IP-Adapter is loaded"):
