@@ -9,7 +9,11 @@ grid of about the mask's aspect with at most as many cells as queries, flattened
 and by the image's scale. Here the resized masks are computed once per call in NumPy (:func:`downsample_mask`: torch's
 bicubic to within 5e-7) for every resolution the UNet runs at, times the images' scales, and handed to the UNet as
 arrays (``{seq: [rows, images, seq]}`` per adapter): a new mask or scale is a new value and compiles nothing; a call
-with masks compiles once beside one without.
+with masks compiles once beside one without. Fuzzed against diffusers 0.42.1 at float32 (random tiny SD and SDXL
+UNets; text-to-image, image-to-image, inpainting with 4 and 9 channels, ControlNet and its image-to-image and
+inpainting; 1-2 adapters, plain and Plus, 1-3 images; masks of other sizes and aspects, soft, or none; scalar,
+per-image and per-block scales; guidance, several images per prompt, a LoRA, from_pipe): within 1/255, and new mask
+values or scales compiled nothing.
 """
 
 import math
