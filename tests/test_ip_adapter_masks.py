@@ -57,6 +57,17 @@ def test_downsample_matches_diffusers():
                                       _processed(images, *size).numpy())
 
 
+def test_value_masks_match_diffusers():
+    """Masks given as float arrays or torch tensors (values in [0, 1], diffusers' nearest resize) as
+    ``IPAdapterMaskProcessor().preprocess`` makes them. Found by the masks fuzz: a float array was made into a PIL
+    image (all 0 after the 0.5 threshold) and a tensor was refused."""
+    values = np.random.default_rng(1).random((33, 17)).astype(np.float32)
+    for given in ([values, values[::-1]], [values[..., None]], [torch.from_numpy(values)[None]]):
+        for size in ((32, 32), (40, 24), (36, 30)):
+            np.testing.assert_array_equal(prepare_ip_adapter_masks(given, height=size[0], width=size[1]),
+                                          _processed(given, *size).numpy())
+
+
 @pytest.fixture(scope="module", params=["sd", "sdxl"])
 def pipes(request, tmp_path_factory):
     """(diffusers pipeline, eqxdiff pipeline, the adapter's folder), the same random IP-Adapter on each."""
@@ -142,6 +153,8 @@ def test_bad_masks_name_the_fix(pipes):
             _ours(pipe, None, ip_adapter_masks=[masks[:, :1]], ip_adapter_image=PICTURE)
     finally:
         pipe.set_ip_adapter_scale(1.0)
+    with pytest.raises(InputError, match=r"down.block_\d=\[0.5, 0.6\] is one scale per masked image inside a per-bl"):
+        pipe.set_ip_adapter_scale({"down": [[0.5, 0.6]]})  # diffusers takes it: the message says so
     plain = type(pipe).from_pipe(pipe)
     plain.unload_ip_adapter()
     with pytest.raises(InputError, match="ip_adapter_masks: no IP-Adapter is loaded"):

@@ -14,7 +14,10 @@ holding one) with several adapters loaded applies to each of them; diffusers' ``
 ("Cannot assign 1 scale_configs to 2 IP-Adapter": its length check comes before its broadcast), so there give the list
 with one config per adapter, which both take alike. The image processor is ``CLIPImageProcessor`` at the image
 encoder's size; diffusers uses the pipeline's ``feature_extractor`` instead where its folder has one (SD 1.x's, for
-the safety checker: the same settings at 224 px, the size of the usual IP-Adapter encoders).
+the safety checker: the same settings at 224 px, the size of the usual IP-Adapter encoders). diffusers also takes
+per-image scales (for masked images) inside a per-block dict, one list per layer (``{"down": [[0.5, 0.6]]}``: those
+layers weight the masked images 0.5 and 0.6, the others 0); eqxdiff's per-image scales are one list per adapter for
+every layer (``[[0.5, 0.6]]``, the masks' weights), and it refuses them inside a dict by name.
 """
 
 import dataclasses
@@ -368,6 +371,10 @@ def _expand_scale(config, blocks: Sequence[tuple[str, int, int]]) -> np.ndarray:
                 raise InputError(f"set_ip_adapter_scale: {part}.block_{b} takes 1 or {n} scales (one per spatial "
                                  f"transformer), not {len(value)}")
             value = value[0] if len(value) == 1 else value[a]
+        if isinstance(value, (list, tuple)):
+            raise InputError(f"set_ip_adapter_scale: {part}.block_{b}={value!r} is one scale per masked image inside "
+                             "a per-block dict, which diffusers takes and eqxdiff does not (see the module docstring): "
+                             "give the adapter's per-image scales for every layer ([[s_1, ..., s_n]]), or numbers")
         out.append(_number(value, f"{part}.block_{b}"))
     return np.asarray(out, np.float32)
 
