@@ -9,13 +9,20 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-import eqxdiff
 from eqxdiff.pipelines import InputError, InputTypeError, downsample_mask, prepare_ip_adapter_masks
 from eqxdiff.pipelines._ip_adapter_masks import as_adapter_masks
 
-from ._ip_adapter_files import as_numpy, ip_adapter_state, save_ip_adapter
 from ._util import nhwc_to_nchw
-from .test_ip_adapter_pipeline import OTHER, PICTURE, STEPS, _build, _max_pixel_diff, _ours, _reference
+from .test_ip_adapter_pipeline import (
+    OTHER,
+    PICTURE,
+    STEPS,
+    _max_pixel_diff,
+    _ours,
+    _reference,
+    adapted_pipes,
+    second_adapter,
+)
 from .test_recompile import no_compile
 
 
@@ -71,13 +78,7 @@ def test_value_masks_match_diffusers():
 @pytest.fixture(scope="module", params=["sd", "sdxl"])
 def pipes(request, tmp_path_factory):
     """(diffusers pipeline, eqxdiff pipeline, the adapter's folder), the same random IP-Adapter on each."""
-    folder = tmp_path_factory.mktemp(f"ipmask_{request.param}")
-    ref = _build(request.param, folder)
-    save_ip_adapter(folder / "ip", ref.unet)
-    ref.load_ip_adapter(str(folder / "ip"), subfolder="", weight_name="ip-adapter.safetensors")
-    pipe = eqxdiff.load_pipeline(folder / "pipe")
-    pipe.load_ip_adapter(folder / "ip", subfolder="", weight_name="ip-adapter.safetensors")
-    return ref, pipe, folder / "ip"
+    return adapted_pipes(request.param, tmp_path_factory.mktemp(f"ipmask_{request.param}"))
 
 
 def _both(ref, pipe, latents, scale, masks, images=((PICTURE, OTHER),)):
@@ -118,18 +119,11 @@ def test_masks_and_per_image_scales_match_diffusers(pipes):
 def test_two_adapters_one_masked_match_diffusers(pipes):
     """Two adapters, the first unmasked (its image attended as before) and the second's two images masked."""
     ref, pipe, source = pipes
-    state = ip_adapter_state(ref.unet, seed=5)
-    try:
-        ref.load_ip_adapter([str(source), state], subfolder=["", None], weight_name=["ip-adapter.safetensors", None])
-        pipe.load_ip_adapter([source, as_numpy(state)], subfolder=["", None],
-                             weight_name=["ip-adapter.safetensors", None])
+    with second_adapter(ref, pipe, source):
         latents = np.random.default_rng(4).standard_normal((2, 16, 16, 4)).astype(np.float32)
         ours, expected = _both(ref, pipe, latents, [0.5, [0.8, 0.6]], [None, _processed([DISC, LEFT])],
                                images=[PICTURE, (OTHER, PICTURE)])
         assert _max_pixel_diff(ours, expected) <= 2
-    finally:
-        ref.load_ip_adapter(str(source), subfolder="", weight_name="ip-adapter.safetensors")
-        pipe.load_ip_adapter(source, subfolder="", weight_name="ip-adapter.safetensors")
 
 
 def test_bad_masks_name_the_fix(pipes):

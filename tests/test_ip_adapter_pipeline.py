@@ -2,6 +2,8 @@
 ``load_ip_adapter`` and ``ip_adapter_image`` / ``ip_adapter_image_embeds``, float32, tiny random pipelines, a random
 adapter and image encoder saved as diffusers reads them, guidance on, the same initial latents."""
 
+import contextlib
+
 import jax
 import numpy as np
 import pytest
@@ -37,13 +39,33 @@ def _build(kind, folder):
 def pipes(request, tmp_path_factory):
     """(diffusers pipeline, eqxdiff pipeline, the adapter's folder), each pipeline with the same random IP-Adapter
     loaded from that folder."""
-    folder = tmp_path_factory.mktemp(f"ip_{request.param}")
-    ref = _build(request.param, folder)
+    return adapted_pipes(request.param, tmp_path_factory.mktemp(f"ip_{request.param}"))
+
+
+def adapted_pipes(kind, folder):
+    """(diffusers pipeline, eqxdiff pipeline, the adapter's folder) of ``kind`` ("sd" or "sdxl") saved in
+    ``folder``, the same random IP-Adapter loaded on each."""
+    ref = _build(kind, folder)
     save_ip_adapter(folder / "ip", ref.unet)
     ref.load_ip_adapter(str(folder / "ip"), subfolder="", weight_name="ip-adapter.safetensors")
     pipe = eqxdiff.load_pipeline(folder / "pipe")
     pipe.load_ip_adapter(folder / "ip", subfolder="", weight_name="ip-adapter.safetensors")
     return ref, pipe, folder / "ip"
+
+
+@contextlib.contextmanager
+def second_adapter(ref, pipe, source):
+    """Both pipelines with a second random adapter (a state dict) after the fixture's file; the file alone again
+    after."""
+    state = ip_adapter_state(ref.unet, seed=5)
+    try:
+        ref.load_ip_adapter([str(source), state], subfolder=["", None], weight_name=["ip-adapter.safetensors", None])
+        pipe.load_ip_adapter([source, as_numpy(state)], subfolder=["", None],
+                             weight_name=["ip-adapter.safetensors", None])
+        yield
+    finally:
+        ref.load_ip_adapter(str(source), subfolder="", weight_name="ip-adapter.safetensors")
+        pipe.load_ip_adapter(source, subfolder="", weight_name="ip-adapter.safetensors")
 
 
 def _reference(ref, latents, **kwargs):
@@ -237,20 +259,13 @@ def test_two_adapters_with_one_and_two_images_match_diffusers(pipes):
     """Two adapters (the fixture's file and a state dict), 1 and 2 images: the second adapter's tokens, twice as
     many, after the first's."""
     ref, pipe, source = pipes
-    state = ip_adapter_state(ref.unet, seed=5)
-    try:
-        ref.load_ip_adapter([str(source), state], subfolder=["", None], weight_name=["ip-adapter.safetensors", None])
-        pipe.load_ip_adapter([source, as_numpy(state)], subfolder=["", None],
-                             weight_name=["ip-adapter.safetensors", None])
+    with second_adapter(ref, pipe, source):
         ref.set_ip_adapter_scale([0.9, 0.6])
         pipe.set_ip_adapter_scale([0.9, 0.6])
         latents = np.random.default_rng(4).standard_normal((2, 16, 16, 4)).astype(np.float32)
         images = [PICTURE, [OTHER, PICTURE]]
         assert _max_pixel_diff(_ours(pipe, latents, ip_adapter_image=images),
                                _reference(ref, latents, ip_adapter_image=images)) <= 2
-    finally:
-        ref.load_ip_adapter(str(source), subfolder="", weight_name="ip-adapter.safetensors")
-        pipe.load_ip_adapter(source, subfolder="", weight_name="ip-adapter.safetensors")
 
 
 def test_plus_adapter_from_a_dict_matches_diffusers(pipes):
