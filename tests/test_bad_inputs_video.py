@@ -121,6 +121,11 @@ CASES = [
      r"frame_index \(LTXVideoCondition\(image=..., frame_index=...\)\)$"),
     ("ltx-strength-beside-conditions", lambda c: _cond(c, LTXVideoCondition(image=SMALL), strength=0.5), InputError,
      r"^strength=0.5 applies to image= / video=; with conditions= set each LTXVideoCondition's strength"),
+    # a diffusers argument this pipeline does not take, inside its LoRA-scale dict: the keyword's own reason
+    ("ip-adapter-masks-in-attention-kwargs", lambda c: c.wan("a cat", attention_kwargs={"ip_adapter_masks": [None]},
+                                                           **WAN), InputError,
+     r"^attention_kwargs holds 'ip_adapter_masks': this pipeline takes no IP-Adapter \(eqxdiff's SD and SDXL "
+     r"pipelines do: load_ip_adapter\)"),
     ("i2v-images-for-prompts", lambda c: c.wan_i2v(np.zeros((3, 32, 32, 3), np.uint8), ["a", "b"], **WAN),
      InputError, r"^image holds 3 images; pass one picture \(it starts every video\)$"),
 ]

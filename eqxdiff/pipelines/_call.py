@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import jax
 
-from ._checks import InputTypeError
+from ._checks import InputError, InputTypeError
 from ._lora_scale import call_lora_scale
 
 __all__ = ["COMPILE_SUFFIX", "NOT_TAKEN", "call_argument_names", "check_call_class", "checked_call", "compile_seconds",
@@ -184,10 +184,15 @@ def checked_call(call):
 def _own_arguments(lora: str, value, kwargs: dict, bound, signature, cls: type, self, args) -> tuple:
     """``(value, kwargs, bound)`` with the keys of the LoRA-scale argument's dict that are this call's own arguments
     (diffusers' ``cross_attention_kwargs={"ip_adapter_masks": ...}``, which the UNet pipelines take as
-    ``ip_adapter_masks=``) moved to the call's keyword arguments."""
+    ``ip_adapter_masks=``) moved to the call's keyword arguments; a key that is one of diffusers' arguments this
+    pipeline does not take is refused with :data:`NOT_TAKEN`'s reason, as the keyword itself would be."""
     if not isinstance(value, Mapping):
         return value, kwargs, bound
-    own = sorted(set(value) & (call_argument_names(cls) - {"scale"}))
+    names = call_argument_names(cls)
+    refused = sorted(k for k in value if k in NOT_TAKEN and k not in names)
+    if refused:
+        raise InputError(f"{lora} holds {refused[0]!r}: {NOT_TAKEN[refused[0]]}")
+    own = sorted(set(value) & (names - {"scale"}))
     if not own:
         return value, kwargs, bound
     twice = [k for k in own if k in kwargs]

@@ -30,15 +30,13 @@ def call_lora_scale(argument: str, value: Any) -> float:
     """The LoRA scale a call's ``argument`` (``cross_attention_kwargs`` ...) gives: its ``"scale"`` (default 1.0).
     Any other key is an :class:`~eqxdiff.pipelines.InputError` naming it: diffusers hands those to attention
     processors, which eqxdiff does not have (:func:`~eqxdiff.pipelines.checked_call` has already moved the keys that
-    are the call's own arguments, such as the UNet pipelines' ``ip_adapter_masks``, to the call)."""
+    are the call's own arguments, such as the UNet pipelines' ``ip_adapter_masks``, to the call, and refused those
+    it does not take by design with their reason)."""
     if value is None:
         return 1.0
     if not isinstance(value, Mapping):
         raise InputTypeError(f"{argument}={value!r} must be a dict such as {{'scale': 0.5}} (the call's LoRA scale)")
     other = sorted(map(str, set(value) - {"scale"}))
-    if "ip_adapter_masks" in other:
-        raise InputError(f"{argument} holds 'ip_adapter_masks', which this pipeline does not take (it runs no "
-                         "IP-Adapters); leave them out")
     if other:
         raise InputError(f"{argument} holds {other}: eqxdiff takes only 'scale' there (the call's LoRA scale); "
                          "diffusers passes the other keys to attention processors, which eqxdiff does not have")
