@@ -120,7 +120,8 @@ def test_bad_videos_are_refused_with_the_fix(v2v):
         pipe([FRAMES, FRAMES[:5]], prompt=PROMPTS, num_inference_steps=2, progress=False)
     with pytest.raises(InputError, match=r"height=48 but the video is width 32, height 32 pixels; resize the video"):
         pipe(FRAMES, height=48, **call)
-    with pytest.raises(InputError, match=r"video is width 40, height 40 pixels; .*multiples of 16"):
+    with pytest.raises(InputError, match=r"video has width 40, height 40 pixels, not multiples of 16 "
+                                         r".*resize or crop it to width 32, height 32"):
         pipe(np.stack([np.pad(FRAMES, ((0, 0), (0, 8), (0, 8), (0, 0)))] * 2), prompt=PROMPTS,
              num_inference_steps=2, progress=False)
     with pytest.raises(ValueError, match=r"strength=0.2 with 2 steps leaves no denoising step"):

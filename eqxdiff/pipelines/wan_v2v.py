@@ -30,7 +30,7 @@ import numpy as np
 from .._typing import PRNGKeyArray
 from ._arguments import prompt_list, resolve_key
 from ._call import checked_call
-from ._checks import InputError, InputTypeError, pixel_size
+from ._checks import InputError, InputTypeError, check_image_size, pixel_size
 from ._images import clip_frames, to_model_range, video_clips
 from .wan import MAX_SEQUENCE_LENGTH, WanPipeline
 from .wan_i2v import condition_latents
@@ -88,10 +88,8 @@ class WanVideoToVideoPipeline(WanPipeline):
                 raise InputError(f"{name}={want} but the video is {pixel_size(*size)} pixels; resize the video "
                                  f"(eqxdiff does not resize input videos) or leave {name} unset")
         limits = self.call_limits()
-        factor = limits.size_factor
-        if factor and (size[0] % factor or size[1] % factor):
-            raise InputError(f"video is {pixel_size(*size)} pixels; {limits.why_size()}: both sides must be "
-                             f"multiples of {factor}; crop or resize it")
+        if limits.size_factor:
+            check_image_size("video", pixels[0], limits.size_factor, limits.why_size())
         return size
 
     @checked_call
