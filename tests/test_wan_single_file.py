@@ -221,7 +221,9 @@ def test_load_pipeline_from_a_vae_file(i2v, tmp_path):
 def test_a_cut_file_names_what_it_lacks(i2v, cut, tmp_path):
     """A file missing a tensor is read through the Wan part it fits best, so the error names the one missing
     tensor in the file's names (not every name of another layout), be it one of a repeated block's or a single
-    tensor such as head.modulation (which used to fail as a rule that matched nothing)."""
+    tensor such as head.modulation (which used to fail as a rule that matched nothing). Without head.modulation, a
+    Wan layout's signature, load_pipeline names the layout and the tensor (it used to say the file was in no layout
+    eqxdiff knows and list other families' prefixes)."""
     folder, state = i2v
     original = _original(state)
     del original[cut]
@@ -229,7 +231,12 @@ def test_a_cut_file_names_what_it_lacks(i2v, cut, tmp_path):
     missing = rf"WanTransformer3DModel in file .*: 1 tensor\(s\) missing: '{re.escape(cut)}'\. The file is incomplete"
     with pytest.raises(CheckpointError, match=missing):
         eqxdiff.load(path, config=folder / "transformer")
-    if cut != "head.modulation":  # a layout's signature: without it the file is no Wan layout
+    if cut == "head.modulation":  # a layout's signature: the pipeline loader says which layout and what it lacks
+        with pytest.raises(CheckpointError, match=r"is almost a Wan file \(the 'wan' layout\): it holds "
+                                                  r"'patch_embedding\.weight' but lacks 'head\.modulation', so the "
+                                                  r"file is incomplete or damaged; download it again"):
+            eqxdiff.load_pipeline(path, config=folder)
+    else:
         with pytest.raises(CheckpointError, match=rf"1 tensor\(s\) missing: '{re.escape(cut)}'"):
             eqxdiff.load_pipeline(path, config=folder)
         # a whole file with the config of another Wan model (text-to-video: no added k/v) says so, not 'rules'
