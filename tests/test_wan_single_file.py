@@ -247,6 +247,21 @@ def test_a_cut_file_names_what_it_lacks(i2v, cut, tmp_path):
             eqxdiff.load(_write(_original(state), tmp_path / "whole.safetensors"), config=t2v)
 
 
+def test_a_config_of_other_widths_names_the_files_tensors(i2v, tmp_path):
+    """A whole file read with the config of another size (here another feed-forward width) names the tensors of
+    another shape in the file's own names, a few of them, with the fix (it used to name them in diffusers' names,
+    one clause per tensor, from the model's fill)."""
+    folder, state = i2v
+    path = _write(_original(state), tmp_path / "whole.safetensors")
+    config = {**json.loads((folder / "transformer" / "config.json").read_text()), "ffn_dim": 8}
+    with pytest.raises(CheckpointError, match=r"WanTransformer3DModel in file .*: 6 tensor\(s\) of another shape: .*"
+                                              r"'blocks\.0\.ffn\.0\.weight' is \(32, 24\), the config gives "
+                                              r"\(8, 24\).* and 2 more\. .*pass config= the config of the model it "
+                                              r"holds$") as info:
+        eqxdiff.load(path, config=config)
+    assert "ffn.net" not in str(info.value)
+
+
 def test_a_scaled_float8_file_is_refused_by_name(i2v, tmp_path):
     """ComfyUI's *_fp8_scaled files store each float8 weight divided by a per-layer scale_weight (and a scaled_fp8
     marker): read without the scales the weights would be wrong (diffusers' from_single_file drops them with a
