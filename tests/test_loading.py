@@ -257,6 +257,11 @@ def test_lone_file_errors_say_what_to_pass(tmp_path):
     lone = _write_folder(tmp_path / "m") / "diffusion_pytorch_model.safetensors"
     with pytest.raises(CheckpointError, match=r"is a file; pass the model's folder.*model_class=.*config="):
         eqxdiff.load(lone)
+    # the class alone: the message says config= is what is missing, with that class in its example
+    with pytest.raises(CheckpointError, match=r"is a file and model_class='TinyModel' does not give its config "
+                                              r"\(widths, layers\): pass config= too, eqxdiff\.load\(file, "
+                                              r"model_class='TinyModel', config=config_or_folder\)"):
+        eqxdiff.load(lone, model_class="TinyModel")
     with pytest.raises(CheckpointError, match="is a file"):
         eqxdiff.load(_write_folder(tmp_path / "f") / "config.json")
     with pytest.raises(CheckpointError, match="not a .safetensors file"):

@@ -114,6 +114,21 @@ def test_fill_reports_missing_unexpected_and_wrong_shapes():
     fill_module(abstract, ok, ignore=[r"position_ids"])
 
 
+def test_fill_names_a_few_tensors_of_another_shape():
+    """A checkpoint of another width (every tensor of another shape: a file with the config of another size) is
+    one short line naming four and counting the rest, then the hint (it used to name every tensor: 9,000 characters
+    for a tiny LTX transformer read with another head count, a whole line per tensor of a real one)."""
+    abstract = eqx.filter_eval_shape(_Block, jax.random.key(0))
+    wider = _Checkpoint({k: np.zeros(tuple(d + 1 for d in v.shape), np.float32)
+                         for k, v in state_dict(_Block(jax.random.key(0))).items()})
+    with pytest.raises(CheckpointError) as info:
+        fill_module(abstract, wider, where="file 'x.safetensors'", hint="Pass the config of this file.")
+    msg = str(info.value)
+    assert msg.startswith("5 tensor(s) of another shape in the file 'x.safetensors': 'to_out.0.weight' has shape "
+                          "(4, 5) where the model expects (3, 4), ") and msg.count("has shape") == 4
+    assert msg.endswith(" ... and 1 more. Pass the config of this file.") and "\n" not in msg
+
+
 def test_wrong_input_shape_is_rejected_readably():
     conv = nn.Conv2d(3, 4, 3, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"Conv2d expects channels-last input \[batch, height, width, cin=3\], "

@@ -221,7 +221,9 @@ def test_load_pipeline_from_a_vae_file(i2v, tmp_path):
 def test_a_cut_file_names_what_it_lacks(i2v, cut, tmp_path):
     """A file missing a tensor is read through the Wan part it fits best, so the error names the one missing
     tensor in the file's names (not every name of another layout), be it one of a repeated block's or a single
-    tensor such as head.modulation (which used to fail as a rule that matched nothing)."""
+    tensor such as head.modulation (which used to fail as a rule that matched nothing). Without head.modulation, a
+    Wan layout's signature, load_pipeline names the layout and the tensor (it used to say the file was in no layout
+    eqxdiff knows and list other families' prefixes)."""
     folder, state = i2v
     original = _original(state)
     del original[cut]
@@ -229,7 +231,12 @@ def test_a_cut_file_names_what_it_lacks(i2v, cut, tmp_path):
     missing = rf"WanTransformer3DModel in file .*: 1 tensor\(s\) missing: '{re.escape(cut)}'\. The file is incomplete"
     with pytest.raises(CheckpointError, match=missing):
         eqxdiff.load(path, config=folder / "transformer")
-    if cut != "head.modulation":  # a layout's signature: without it the file is no Wan layout
+    if cut == "head.modulation":  # a layout's signature: the pipeline loader says which layout and what it lacks
+        with pytest.raises(CheckpointError, match=r"is almost a Wan file \(the 'wan' layout\): it holds "
+                                                  r"'patch_embedding\.weight' but lacks 'head\.modulation', so the "
+                                                  r"file is incomplete or damaged; download it again"):
+            eqxdiff.load_pipeline(path, config=folder)
+    else:
         with pytest.raises(CheckpointError, match=rf"1 tensor\(s\) missing: '{re.escape(cut)}'"):
             eqxdiff.load_pipeline(path, config=folder)
         # a whole file with the config of another Wan model (text-to-video: no added k/v) says so, not 'rules'
@@ -238,6 +245,21 @@ def test_a_cut_file_names_what_it_lacks(i2v, cut, tmp_path):
         with pytest.raises(CheckpointError, match=r"unexpected tensor.*add_k_proj.*original names, but its tensors "
                                                   r"are not those of the config passed: pass config="):
             eqxdiff.load(_write(_original(state), tmp_path / "whole.safetensors"), config=t2v)
+
+
+def test_a_config_of_other_widths_names_the_files_tensors(i2v, tmp_path):
+    """A whole file read with the config of another size (here another feed-forward width) names the tensors of
+    another shape in the file's own names, a few of them, with the fix (it used to name them in diffusers' names,
+    one clause per tensor, from the model's fill)."""
+    folder, state = i2v
+    path = _write(_original(state), tmp_path / "whole.safetensors")
+    config = {**json.loads((folder / "transformer" / "config.json").read_text()), "ffn_dim": 8}
+    with pytest.raises(CheckpointError, match=r"WanTransformer3DModel in file .*: 6 tensor\(s\) of another shape: .*"
+                                              r"'blocks\.0\.ffn\.0\.weight' is \(32, 24\), the config gives "
+                                              r"\(8, 24\).* and 2 more\. .*pass config= the config of the model it "
+                                              r"holds$") as info:
+        eqxdiff.load(path, config=config)
+    assert "ffn.net" not in str(info.value)
 
 
 def test_a_scaled_float8_file_is_refused_by_name(i2v, tmp_path):

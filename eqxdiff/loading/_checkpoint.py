@@ -278,10 +278,7 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
         if lone.suffix.lower() in PICKLE_SUFFIXES:
             raise pickle_error(lone)
         if config is None:
-            raise CheckpointError(
-                f"{os.fspath(path_or_hub_id)!r} is a file; pass the model's folder (the one holding config.json), "
-                "or say what the file holds: eqxdiff.load(file, model_class='CLIPTextModel', "
-                "config=config_or_folder, conversion=rules)")
+            raise _lone_file_error(path_or_hub_id, model_class)
         if lone.suffix != ".safetensors":
             raise CheckpointError(f"{os.fspath(lone)!r} is not a .safetensors file; eqxdiff reads safetensors")
         files, where = [lone], f"file {os.fspath(lone)!r}"
@@ -323,6 +320,20 @@ def load(path_or_hub_id, subfolder: str | None = None, *, dtype=None, revision: 
     keep = cls.keep_in_float32(dt) if hasattr(cls, "keep_in_float32") else ()
     return fill_module(abstract, checkpoint, dtype=dt, sharding=sharding,
                        ignore=getattr(cls, "CHECKPOINT_IGNORE", ()), where=where, hint=hint, keep_float32=keep)
+
+
+def _lone_file_error(path, model_class) -> CheckpointError:
+    """What a lone file loaded without ``config=`` lacks: the config (with ``model_class`` given: the class alone does
+    not give the widths), or both."""
+    if model_class is not None:
+        name = model_class if isinstance(model_class, str) else getattr(model_class, "__name__", model_class)
+        return CheckpointError(
+            f"{os.fspath(path)!r} is a file and model_class={name!r} does not give its config (widths, layers): pass "
+            f"config= too, eqxdiff.load(file, model_class={name!r}, config=config_or_folder), or the model's folder "
+            "(the one holding config.json)")
+    return CheckpointError(
+        f"{os.fspath(path)!r} is a file; pass the model's folder (the one holding config.json), or say what the file "
+        "holds: eqxdiff.load(file, model_class='CLIPTextModel', config=config_or_folder, conversion=rules)")
 
 
 def _config_source(config, subfolder: str | None, revision: str | None) -> ModelConfig | Mapping:

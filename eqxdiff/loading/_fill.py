@@ -58,12 +58,12 @@ def fill_module(abstract, checkpoint, *, dtype=None, sharding: Callable | None =
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensor(s) in the {where} that the model does not use: "
                         f"{_short(unexpected)}")
-    for leaf, spec in zip(leaves, specs):
-        want = spec.torch_shape(leaf.shape)
-        for name in spec.names:
-            if name in available and tuple(checkpoint.shape(name)) != want:
-                problems.append(f"tensor {name!r} has shape {tuple(checkpoint.shape(name))} in the {where} but "
-                                f"the model expects {want}")
+    wrong = [f"{name!r} has shape {tuple(checkpoint.shape(name))} where the model expects {want}"
+             for leaf, spec in zip(leaves, specs) for want in [spec.torch_shape(leaf.shape)] for name in spec.names
+             if name in available and tuple(checkpoint.shape(name)) != want]
+    if wrong:  # a few named, as the lists above: a whole model of other widths is every tensor
+        more = f" ... and {len(wrong) - 4} more" if len(wrong) > 4 else ""
+        problems.append(f"{len(wrong)} tensor(s) of another shape in the {where}: {', '.join(wrong[:4])}{more}")
     if problems:
         raise CheckpointError("; ".join(problems) + ". " + hint)
 

@@ -141,19 +141,27 @@ class Layout:
 
 def detect(view, where: str, layouts) -> Layout:
     """The first of ``layouts`` that the file ``view`` is in, checked complete; else a :class:`CheckpointError`
-    saying what the file holds and what eqxdiff knows."""
+    saying what the file holds and what eqxdiff knows, or, for a file that holds some of a layout's signature
+    (:func:`_nearest`: a Wan transformer without its ``head.modulation``), which layout and what it lacks."""
     for layout in layouts:
         if layout.matches(view):
             layout.check_complete(view, where)
             return layout
     names = view.names()
+    near = _nearest(names, layouts)
+    if near is not None:
+        layout, held, lacks = near
+        raise CheckpointError(
+            f"{where} is almost a {layout.family} file (the {layout.name!r} layout): it holds {short(held)} but lacks "
+            f"{short(lacks)}, so the file is incomplete or damaged; download it again (eqxdiff.load(file, config=...) "
+            "with its model's config names every tensor it lacks)")
     known = list(dict.fromkeys(p.prefix for layout in layouts for p in layout.parts if p.prefix))
     found = [p for p in known if any(n.startswith(p) for n in names)]
     if not found:
         raise CheckpointError(
             f"{where} is not in a single-file layout eqxdiff knows: no tensor name starts with any of "
-            f"{', '.join(repr(p) for p in known)} (it holds {short(sorted(names), 4)}). A file of one model in "
-            "diffusers' names loads with eqxdiff.load(file, model_class=..., config=...); other formats with "
+            f"{', '.join(repr(p) for p in known)} (it holds {short(sorted(names), 4) or 'no tensor'}). A file of one "
+            "model in diffusers' names loads with eqxdiff.load(file, model_class=..., config=...); other formats with "
             "conversion rules (eqxdiff.loading.formats)")
     told = {}  # what tells each layout (its variants, told apart by tensor sizes, under their plain name)
     for layout in layouts:
@@ -164,6 +172,21 @@ def detect(view, where: str, layouts) -> Layout:
         f"eqxdiff knows (what tells each: {signatures}). A model alone in such a file loads with "
         "eqxdiff.load(file, model_class=..., config=..., conversion=part.rules(config)), part the one of its prefix "
         "in a layout of eqxdiff.core.single_file_layouts()")
+
+
+def _nearest(names, layouts):
+    """``(layout, held, lacking)``: the layout whose signature the file holds all but the fewest names of (a family's
+    plain layout before its releases' variants), at least one held a whole tensor's name (not a prefix that other
+    families' files share, such as ``vae.decoder.``); ``None`` if there is none."""
+    best, best_rank = None, (0, 0)
+    for layout in layouts:
+        entries = [e for e in layout.signature if isinstance(e, str)]
+        held = [e for e in entries if any(n.startswith(e) for n in names)]
+        lacks = [e for e in entries if e not in held]
+        rank = (-len(lacks), -len(layout.signature))  # fewest lacking; a release's variant after its family's
+        if lacks and any(not e.endswith(".") for e in held) and (best is None or rank > best_rank):
+            best, best_rank = (layout, held, lacks), rank
+    return best
 
 
 # -- checking a file against a model, and writing a model in the layout ----------------------------------------------

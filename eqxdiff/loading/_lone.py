@@ -17,8 +17,9 @@ def part_rules(view, abstract, config, model_cls: type, *, where: str = "the che
     checkpoint's ``names()/shape()``): ``()`` if the checkpoint holds the model's own names, else the rules of the
     single-file part for ``model_cls`` under which it holds the most of the tensors the model needs (every one, for
     a whole file: a file missing some is then reported in its own layout); ``()`` if no part fits better than the
-    model's own names. A file that holds most but not all of a part's tensors is a :class:`CheckpointError` naming,
-    in the file's names, those it lacks (not a rule that matched nothing). A checkpoint that fits no part and is a
+    model's own names. A file that holds most but not all of a part's tensors, or some in other shapes (a config of
+    another size), is a :class:`CheckpointError` naming, in the file's names, those it lacks or holds in other
+    shapes (not a rule that matched nothing, nor the model's names). A checkpoint that fits no part and is a
     whole file of a layout without a ``model_cls`` (another family's file, ``where``) is a :class:`CheckpointError`
     saying what it holds."""
     names = set(view.names())
@@ -42,10 +43,10 @@ def part_rules(view, abstract, config, model_cls: type, *, where: str = "the che
                 best, best_rules = share, rules
     if best < 1.0:
         _check_family(view, model_cls, where)
-        if best_rules:  # the part it fits best, less some tensors: named in the file's own names
-            check_tensors(view, abstract, best_rules, where=where, what=f"the {model_cls.__name__}",
-                          hint="The file is incomplete or holds another model: download it again, or pass config= "
-                               "the config of the model it holds")
+    if best_rules:  # the part it fits best, less some tensors or some of other shapes: named in the file's own names
+        check_tensors(view, abstract, best_rules, where=where, what=f"the {model_cls.__name__}",
+                      hint="The file is incomplete or holds another model: download it again, or pass config= "
+                           "the config of the model it holds")
     return best_rules
 
 
