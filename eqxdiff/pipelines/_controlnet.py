@@ -28,7 +28,7 @@ from ._images import resize_nearest
 from ._unet import UNetDenoiser
 
 __all__ = ["CONTROLNET", "ControlInput", "ControlNetDenoiser", "ControlNetPipelineMixin", "control_input",
-           "control_scales", "images_per_prompt", "prepare_control_image"]
+           "control_scales", "prepare_control_image"]
 
 CONTROL_IMAGE = "controlnet_cond"  # cond keys controlnet_cond_0, controlnet_cond_1, ...: each net's control images
 
@@ -273,18 +273,20 @@ class ControlNetPipelineMixin:
             save_pretrained(net, Path(folder) / _net_folder(i), dtype=dtype)
         return ["diffusers", self.MULTI_CLASS.__name__]
 
-    def _with_control(self, image, *, scale, start, end, guess_mode, num_images_per_prompt: int,
-                      prompts: int | None = None):
+    def _with_control(self, image, prompt, passed: dict, *, scale, start, end, guess_mode):
         control = control_input(self.controlnet, image, scale=scale, start=start, end=end, guess_mode=guess_mode)
-        return self.bound(dataclasses.replace(control, num_images_per_prompt=num_images_per_prompt,
-                                              lowest=self.CONTROL_LOWEST, prompts=prompts))
+        return self.bound(control, prompt, passed)
 
-    def bound(self, control: ControlInput, **call_inputs):
+    def bound(self, control: ControlInput, prompt, passed: dict, **call_inputs):
         """This pipeline holding one call's ``control`` inputs (and a variant's own ``call_inputs``, set as
-        attributes), which :meth:`denoiser` reads inside the family's call. A shallow copy, not a pipeline built
-        through ``__init__``: for the length of one call it shares every component, their placement and
+        attributes), which :meth:`denoiser` reads inside the family's call. ``prompt`` and ``passed`` (the keywords
+        the call passes on to its family's call) give the inputs their prompt count and ``num_images_per_prompt``;
+        their lowest value is the class's ``CONTROL_LOWEST``. A shallow copy, not a pipeline built through
+        ``__init__``: for the length of one call it shares every component, their placement and
         :attr:`~eqxdiff.pipelines.DiffusionPipeline.timings` with this one, and nothing is placed again. Each control
         image's form, values and channels are checked here, before the call encodes anything."""
+        control = dataclasses.replace(control, num_images_per_prompt=_images_per_prompt(passed),
+                                      lowest=self.CONTROL_LOWEST, prompts=_call_prompts(prompt, passed))
         bound = copy.copy(self)
         bound._control = control
         for name, value in call_inputs.items():
@@ -329,13 +331,13 @@ class ControlNetPipelineMixin:
         return ControlNetDenoiser(self.unet, self.controlnet, scales, self._control.guess_mode)
 
 
-def call_prompts(prompt, kwargs: dict) -> int | None:
+def _call_prompts(prompt, kwargs: dict) -> int | None:
     """How many prompts a ControlNet call holds (:func:`~eqxdiff.pipelines._checks.prompt_count` of ``prompt`` and
     the ``prompt_embeds`` among the keywords it passes on), ``None`` if they do not say."""
     return prompt_count({"prompt": prompt, "prompt_embeds": kwargs.get("prompt_embeds")})
 
 
-def images_per_prompt(kwargs: dict) -> int:
+def _images_per_prompt(kwargs: dict) -> int:
     """A call's ``num_images_per_prompt`` among the keywords it passes on to its family's call (default 1)."""
     n = kwargs.get("num_images_per_prompt", 1)
     return n if isinstance(n, int) else 1
