@@ -20,6 +20,7 @@ layers weight the masked images 0.5 and 0.6, the others 0); eqxdiff's per-image 
 every layer (``[[0.5, 0.6]]``, the masks' weights), and it refuses them inside a dict by name.
 """
 
+import copy
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
@@ -230,15 +231,15 @@ class IPAdapterMixin:
         embeds = clip_image_embeds(encoder, pixels).astype(jnp.float32)
         return embeds, jnp.zeros_like(embeds)
 
-    def with_ip_adapter_tokens(self, embeds: Array, ip_adapter_image, ip_adapter_image_embeds, *, guided: bool,
-                               num_images_per_prompt: int) -> Array:
-        """``embeds`` (the text embeddings, ``[negative; positive]`` rows with guidance) with the IP-Adapters' image
-        tokens appended to each row (diffusers' ``prepare_ip_adapter_image_embeds`` and the UNet's projection);
-        unchanged without adapters. An adapter may take several images (diffusers' list of images per adapter, or
-        embeddings ``[.., images, ...]``): their tokens follow each other, and the UNet is set to read that many
-        (:func:`~eqxdiff.models.ip_adapter.with_image_counts`: a new count compiles, the same count does not)."""
+    def with_ip_adapter_tokens(self, embeds: Array, ip_adapter_image, ip_adapter_image_embeds, guided: bool, *,
+                               num_images_per_prompt: int) -> tuple[Array, "IPAdapterMixin"]:
+        """``(embeds, pipe)``: ``embeds`` (the text embeddings, ``[negative; positive]`` rows with guidance) with the
+        IP-Adapters' image tokens appended to each row (diffusers' ``prepare_ip_adapter_image_embeds`` and the
+        UNet's projection), and the pipeline to generate them with. An adapter may take several images (diffusers'
+        list of images per adapter, or embeddings ``[.., images, ...]``): their tokens follow each other, and
+        ``pipe``'s UNet reads that many (:meth:`reading_images`). Without adapters: ``embeds`` and ``self``."""
         if self.ip_adapter is None:
-            return embeds
+            return embeds, self
         n = len(self.ip_adapter.projections)
         rows = embeds.shape[0] // (2 if guided else 1)
         per_adapter = (self._embeds_of_images(ip_adapter_image, n) if ip_adapter_image is not None else
@@ -248,11 +249,23 @@ class IPAdapterMixin:
             pos, neg = (_rows(x, rows, num_images_per_prompt, a) for x in (pos, neg))
             positive.append(pos)
             negative.append(neg)
-        self.unet = ipa.with_image_counts(self.unet, [pos.shape[1] for pos in positive])
+        pipe = self.reading_images([pos.shape[1] for pos in positive])
         tokens = _project(self.ip_adapter.projections, positive)
         if guided:
             tokens = jnp.concatenate([_project(self.ip_adapter.projections, negative), tokens])
-        return jnp.concatenate([embeds, tokens.astype(embeds.dtype)], axis=1)
+        return jnp.concatenate([embeds, tokens.astype(embeds.dtype)], axis=1), pipe
+
+    def reading_images(self, counts: Sequence[int]) -> "IPAdapterMixin":
+        """This pipeline for one call whose adapters take ``counts[a]`` images each: itself if its UNet reads that
+        many, else a shallow copy (sharing every component and :attr:`~eqxdiff.pipelines.DiffusionPipeline.timings`)
+        whose UNet does (:func:`~eqxdiff.models.ip_adapter.with_image_counts`: static, so a new count compiles and
+        the same count does not). The pipeline itself is left as it is: a call's counts never reach another call."""
+        unet = ipa.with_image_counts(self.unet, counts)
+        if unet is self.unet:
+            return self
+        pipe = copy.copy(self)
+        pipe.unet = unet
+        return pipe
 
     def ip_adapter_conditioning(self, ip_adapter_masks, rows: int, height: int, width: int) -> dict:
         """The UNet's ``cross_attention_kwargs`` for this call's ``ip_adapter_masks`` (``rows``: the UNet's batch,
