@@ -41,7 +41,7 @@ from ..models import ip_adapter as ipa
 from ..parallel import shard_params, sharding_fn
 from ._arguments import host_array
 from ._checks import InputError, InputTypeError
-from ._ip_adapter_masks import as_adapter_masks, mask_weights, resolutions
+from ._ip_adapter_masks import AdapterMasks, as_adapter_masks, mask_weights, resolutions
 
 __all__ = ["IPAdapterMixin", "IPAdapters", "clip_hidden_states", "clip_image_embeds"]
 
@@ -283,10 +283,14 @@ class IPAdapterMixin:
 
     def _masks_and_scales(self, ip_adapter_masks, size: tuple[int, int] | None = None) -> tuple[list, tuple]:
         """``(masks, scales)`` per adapter (:func:`~eqxdiff.pipelines._ip_adapter_masks.as_adapter_masks` at the
-        output's ``size``, the per-image scales); an adapter with per-image scales needs a mask, as in diffusers."""
+        output's ``size``, the per-image scales); an adapter with per-image scales needs a mask, as in diffusers.
+        Masks the call's check resolved (:class:`~eqxdiff.pipelines._ip_adapter_masks.AdapterMasks`) were checked
+        there: only their mask images are made into masks at ``size``."""
         n = len(self.ip_adapter.projections)
-        masks = [None] * n if ip_adapter_masks is None else as_adapter_masks(ip_adapter_masks, n, size)
         scales = self.ip_adapter.image_scales or (None,) * n
+        if isinstance(ip_adapter_masks, AdapterMasks):
+            return as_adapter_masks(ip_adapter_masks, n, size), scales
+        masks = [None] * n if ip_adapter_masks is None else as_adapter_masks(ip_adapter_masks, n, size)
         for a, (mask, scale) in enumerate(zip(masks, scales)):
             if mask is None and scale is not None:
                 raise InputError(f"IP-Adapter {a} has one scale per image ({list(scale)}), which diffusers applies to "
@@ -294,17 +298,20 @@ class IPAdapterMixin:
                                  "(pipe.set_ip_adapter_scale)")
         return masks, scales
 
-    def check_ip_adapter_arguments(self, arguments: Mapping[str, Any]) -> None:
+    def check_ip_adapter_arguments(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """A call's ``ip_adapter_image`` / ``ip_adapter_image_embeds`` / ``ip_adapter_masks`` fit the loaded adapters
-        (checked before anything is encoded)."""
+        (checked before anything is encoded). Returns ``{"ip_adapter_masks": ...}`` resolved
+        (:class:`~eqxdiff.pipelines._ip_adapter_masks.AdapterMasks`) when the call gives masks, for the call to take
+        in their place (:meth:`~eqxdiff.pipelines.DiffusionPipeline.check_call`), else ``{}``."""
         image, embeds = arguments.get("ip_adapter_image"), arguments.get("ip_adapter_image_embeds")
-        given = image is not None or embeds is not None
+        given, masks = image is not None or embeds is not None, arguments.get("ip_adapter_masks")
         if self.ip_adapter is None:
-            if given or arguments.get("ip_adapter_masks") is not None:
+            if given or masks is not None:
                 what = "ip_adapter_image / ip_adapter_image_embeds" if given else "ip_adapter_masks"
                 raise InputError(f"{what}: no IP-Adapter is loaded; {_LOAD_FIRST}")
-            return
-        self._masks_and_scales(arguments.get("ip_adapter_masks"))
+            return {}
+        checked, _ = self._masks_and_scales(masks)
+        resolved = {} if masks is None else {"ip_adapter_masks": checked}
         if not given:
             raise InputError("this pipeline has an IP-Adapter loaded: pass ip_adapter_image= or "
                              "ip_adapter_image_embeds=, or call pipe.unload_ip_adapter()")
@@ -317,6 +324,7 @@ class IPAdapterMixin:
             self._given_embeds(embeds, len(self.ip_adapter.projections), guided=False)
         if image is not None:
             _per_adapter(image, len(self.ip_adapter.projections))
+        return resolved
 
     def _embeds_of_images(self, images, n: int) -> list:
         out = []
