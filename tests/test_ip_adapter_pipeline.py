@@ -244,6 +244,7 @@ def test_two_images_on_one_adapter_match_diffusers(pipes):
     expected = _reference(ref, latents, ip_adapter_image=[[PICTURE, OTHER]])
     ours = _ours(pipe, latents, ip_adapter_image=[[PICTURE, OTHER]])
     assert _max_pixel_diff(ours, expected) <= 2
+    assert ipa.image_counts(pipe.unet) == (1,)  # the call's count went with the call, not onto the pipeline
     assert np.abs(ours.astype(int) - _ours(pipe, latents, ip_adapter_image=PICTURE).astype(int)).max() > 2
     with torch.no_grad():
         embeds = ref.prepare_ip_adapter_image_embeds([[PICTURE, OTHER]], None, "cpu", 1, True)

@@ -244,9 +244,9 @@ class DiffusionPipeline(LoraMixin, DiffusersApiMixin):
         return self.limits_from(*(getattr(getattr(self, name, None), "config", None)
                                   for name in self.LIMIT_COMPONENTS))
 
-    def check_call(self, arguments: Mapping[str, Any]) -> None:
-        """Checks of a call that need this pipeline's components (its scheduler's schedule for the requested
-        steps ...), run after :meth:`check_arguments` and before anything is encoded or compiled."""
+    def check_call(self, arguments: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """Checks of a call that need its components (the schedule for the steps ...), before anything is encoded or
+        compiled; may return keyword arguments it resolved (``{name: value}``), which the call takes as they are."""
 
     @classmethod
     def folder_limits(cls, read_json: Callable[[str], Mapping | None]) -> CallLimits:

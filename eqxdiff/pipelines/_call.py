@@ -161,9 +161,9 @@ def checked_call(call):
         arguments = {k: v for k, v in bound.arguments.items() if k != params[0].name and k != var_keyword}
         arguments.update(bound.arguments.get(var_keyword, {}) if var_keyword else {})
         self.check_arguments(arguments, self.call_limits())
-        self.check_call(arguments)
+        resolved = self.check_call(arguments) or {}  # what the checks resolved: the call takes it as it is
         with self.lora_scaled(scale):
-            return call(self, *args, **kwargs)
+            return call(self, *args, **{**kwargs, **resolved})
 
     @functools.wraps(call)
     def checked(self, *args, **kwargs):

@@ -28,7 +28,7 @@ from ._images import resize_nearest
 from ._unet import UNetDenoiser
 
 __all__ = ["CONTROLNET", "ControlInput", "ControlNetDenoiser", "ControlNetPipelineMixin", "control_input",
-           "control_scales", "images_per_prompt", "prepare_control_image"]
+           "control_scales", "prepare_control_image"]
 
 CONTROL_IMAGE = "controlnet_cond"  # cond keys controlnet_cond_0, controlnet_cond_1, ...: each net's control images
 
@@ -42,9 +42,9 @@ def prepare_control_image(image, *, height: int | None = None, width: int | None
     (uint8, or floats in ``[lowest, 1]``, passed on as they are, as there: an inpainting net's condition marks the
     masked pixels -1; resized nearest-neighbour). ``height`` / ``width`` default to the image's size rounded down to
     a ``multiple`` (the VAE's factor)."""
+    pil = _is_pil(image)
     if isinstance(image, Image.Image):
         image = [image]
-    pil = isinstance(image, Sequence) and len(image) > 0 and all(isinstance(im, Image.Image) for im in image)
     if pil:
         w0, h0 = image[0].size
     else:
@@ -73,6 +73,12 @@ def prepare_control_image(image, *, height: int | None = None, width: int | None
     if arr.shape[1:3] != (height, width):
         arr = resize_nearest(arr, height, width)
     return arr
+
+
+def _is_pil(image) -> bool:
+    """Whether a control image is PIL image(s): one, or a non-empty list of them."""
+    return isinstance(image, Image.Image) or (isinstance(image, Sequence) and len(image) > 0 and
+                                              all(isinstance(im, Image.Image) for im in image))
 
 
 def per_output(images: np.ndarray, batch: int, num_images_per_prompt: int, where: str = "",
@@ -118,21 +124,31 @@ class ControlInput:
     num_images_per_prompt: int = 1
     lowest: float = 0.0  # the lowest value a float control image may hold (-1: an inpainting net's masked pixels)
     prompts: int | None = None  # the call's prompts, when its arguments say (each image: one, or one per prompt)
+    # each control image prepared at its own size, as the pipeline's bound() checked it (() : prepared when needed)
+    arrays: tuple[np.ndarray, ...] = dataclasses.field(default=(), compare=False, repr=False)
+
+    def native(self) -> tuple[np.ndarray, ...]:
+        """Each control image as :func:`prepare_control_image` makes it at its own size (``multiple=1``): the
+        :attr:`arrays` prepared when the call was checked, else prepared now."""
+        return self.arrays or tuple(prepare_control_image(im, multiple=1, lowest=self.lowest) for im in self.images)
 
     def size(self, height: int | None, width: int | None, multiple: int) -> tuple[int, int]:
         """The output size: ``height`` / ``width`` if given, else the first control image's (rounded down to a
         ``multiple``), as diffusers' ControlNet pipelines take it."""
         if height is not None and width is not None:
             return height, width
-        first = prepare_control_image(self.images[0], multiple=multiple, lowest=self.lowest)
-        return height or first.shape[1], width or first.shape[2]
+        h, w = self.native()[0].shape[1:3]
+        return height or h - h % multiple, width or w - w % multiple
 
     def prepared(self, *, batch: int, height: int, width: int, multiple: int) -> list[np.ndarray]:
         """Each net's control images ``[batch, height, width, c]``: one image for every output, or one per prompt
-        repeated ``num_images_per_prompt`` times (diffusers' ``prepare_image``)."""
+        repeated ``num_images_per_prompt`` times (diffusers' ``prepare_image``). Those of another size are resized:
+        PIL images from the originals (Lanczos), arrays nearest-neighbour (:func:`prepare_control_image`)."""
         out, num_images_per_prompt = [], self.num_images_per_prompt
-        for i, image in enumerate(self.images):
-            arr = prepare_control_image(image, height=height, width=width, multiple=multiple, lowest=self.lowest)
+        for i, (image, arr) in enumerate(zip(self.images, self.native())):
+            if arr.shape[1:3] != (height, width):
+                arr = (prepare_control_image(image, height=height, width=width, multiple=multiple, lowest=self.lowest)
+                       if _is_pil(image) else resize_nearest(arr, height, width))
             out.append(per_output(arr, batch, num_images_per_prompt, f"control image {i}: ", "image"))
         return out
 
@@ -273,23 +289,26 @@ class ControlNetPipelineMixin:
             save_pretrained(net, Path(folder) / _net_folder(i), dtype=dtype)
         return ["diffusers", self.MULTI_CLASS.__name__]
 
-    def _with_control(self, image, *, scale, start, end, guess_mode, num_images_per_prompt: int,
-                      prompts: int | None = None):
+    def _with_control(self, image, prompt, passed: dict, *, scale, start, end, guess_mode):
         control = control_input(self.controlnet, image, scale=scale, start=start, end=end, guess_mode=guess_mode)
-        return self.bound(dataclasses.replace(control, num_images_per_prompt=num_images_per_prompt,
-                                              lowest=self.CONTROL_LOWEST, prompts=prompts))
+        return self.bound(control, prompt, passed)
 
-    def bound(self, control: ControlInput, **call_inputs):
+    def bound(self, control: ControlInput, prompt, passed: dict, **call_inputs):
         """This pipeline holding one call's ``control`` inputs (and a variant's own ``call_inputs``, set as
-        attributes), which :meth:`denoiser` reads inside the family's call. A shallow copy, not a pipeline built
-        through ``__init__``: for the length of one call it shares every component, their placement and
+        attributes), which :meth:`denoiser` reads inside the family's call. ``prompt`` and ``passed`` (the keywords
+        the call passes on to its family's call) give the inputs their prompt count and ``num_images_per_prompt``;
+        their lowest value is the class's ``CONTROL_LOWEST``. A shallow copy, not a pipeline built through
+        ``__init__``: for the length of one call it shares every component, their placement and
         :attr:`~eqxdiff.pipelines.DiffusionPipeline.timings` with this one, and nothing is placed again. Each control
-        image's form, values and channels are checked here, before the call encodes anything."""
+        image's form, values and channels are checked here, before the call encodes anything, on the arrays the call
+        then takes (:attr:`ControlInput.arrays`: each image prepared once)."""
+        arrays = tuple(prepare_control_image(image, multiple=1, lowest=self.CONTROL_LOWEST) for image in control.images)
+        control = dataclasses.replace(control, num_images_per_prompt=_images_per_prompt(passed),
+                                      lowest=self.CONTROL_LOWEST, prompts=_call_prompts(prompt, passed), arrays=arrays)
         bound = copy.copy(self)
         bound._control = control
         for name, value in call_inputs.items():
             setattr(bound, name, value)
-        arrays = [prepare_control_image(image, multiple=1, lowest=control.lowest) for image in control.images]
         bound.check_control_channels(arr.shape[-1] for arr in arrays)
         for i, arr in enumerate(arrays):  # per_output's count, before the prompts are encoded
             if control.prompts is not None and len(arr) not in (1, control.prompts):
@@ -329,13 +348,13 @@ class ControlNetPipelineMixin:
         return ControlNetDenoiser(self.unet, self.controlnet, scales, self._control.guess_mode)
 
 
-def call_prompts(prompt, kwargs: dict) -> int | None:
+def _call_prompts(prompt, kwargs: dict) -> int | None:
     """How many prompts a ControlNet call holds (:func:`~eqxdiff.pipelines._checks.prompt_count` of ``prompt`` and
     the ``prompt_embeds`` among the keywords it passes on), ``None`` if they do not say."""
     return prompt_count({"prompt": prompt, "prompt_embeds": kwargs.get("prompt_embeds")})
 
 
-def images_per_prompt(kwargs: dict) -> int:
+def _images_per_prompt(kwargs: dict) -> int:
     """A call's ``num_images_per_prompt`` among the keywords it passes on to its family's call (default 1)."""
     n = kwargs.get("num_images_per_prompt", 1)
     return n if isinstance(n, int) else 1

@@ -20,6 +20,7 @@ layers weight the masked images 0.5 and 0.6, the others 0); eqxdiff's per-image 
 every layer (``[[0.5, 0.6]]``, the masks' weights), and it refuses them inside a dict by name.
 """
 
+import copy
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
@@ -40,7 +41,7 @@ from ..models import ip_adapter as ipa
 from ..parallel import shard_params, sharding_fn
 from ._arguments import host_array
 from ._checks import InputError, InputTypeError
-from ._ip_adapter_masks import as_adapter_masks, mask_weights, resolutions
+from ._ip_adapter_masks import AdapterMasks, as_adapter_masks, mask_weights, resolutions
 
 __all__ = ["IPAdapterMixin", "IPAdapters", "clip_hidden_states", "clip_image_embeds"]
 
@@ -230,15 +231,15 @@ class IPAdapterMixin:
         embeds = clip_image_embeds(encoder, pixels).astype(jnp.float32)
         return embeds, jnp.zeros_like(embeds)
 
-    def with_ip_adapter_tokens(self, embeds: Array, ip_adapter_image, ip_adapter_image_embeds, *, guided: bool,
-                               num_images_per_prompt: int) -> Array:
-        """``embeds`` (the text embeddings, ``[negative; positive]`` rows with guidance) with the IP-Adapters' image
-        tokens appended to each row (diffusers' ``prepare_ip_adapter_image_embeds`` and the UNet's projection);
-        unchanged without adapters. An adapter may take several images (diffusers' list of images per adapter, or
-        embeddings ``[.., images, ...]``): their tokens follow each other, and the UNet is set to read that many
-        (:func:`~eqxdiff.models.ip_adapter.with_image_counts`: a new count compiles, the same count does not)."""
+    def with_ip_adapter_tokens(self, embeds: Array, ip_adapter_image, ip_adapter_image_embeds, guided: bool, *,
+                               num_images_per_prompt: int) -> tuple[Array, "IPAdapterMixin"]:
+        """``(embeds, pipe)``: ``embeds`` (the text embeddings, ``[negative; positive]`` rows with guidance) with the
+        IP-Adapters' image tokens appended to each row (diffusers' ``prepare_ip_adapter_image_embeds`` and the
+        UNet's projection), and the pipeline to generate them with. An adapter may take several images (diffusers'
+        list of images per adapter, or embeddings ``[.., images, ...]``): their tokens follow each other, and
+        ``pipe``'s UNet reads that many (:meth:`reading_images`). Without adapters: ``embeds`` and ``self``."""
         if self.ip_adapter is None:
-            return embeds
+            return embeds, self
         n = len(self.ip_adapter.projections)
         rows = embeds.shape[0] // (2 if guided else 1)
         per_adapter = (self._embeds_of_images(ip_adapter_image, n) if ip_adapter_image is not None else
@@ -248,11 +249,23 @@ class IPAdapterMixin:
             pos, neg = (_rows(x, rows, num_images_per_prompt, a) for x in (pos, neg))
             positive.append(pos)
             negative.append(neg)
-        self.unet = ipa.with_image_counts(self.unet, [pos.shape[1] for pos in positive])
+        pipe = self.reading_images([pos.shape[1] for pos in positive])
         tokens = _project(self.ip_adapter.projections, positive)
         if guided:
             tokens = jnp.concatenate([_project(self.ip_adapter.projections, negative), tokens])
-        return jnp.concatenate([embeds, tokens.astype(embeds.dtype)], axis=1)
+        return jnp.concatenate([embeds, tokens.astype(embeds.dtype)], axis=1), pipe
+
+    def reading_images(self, counts: Sequence[int]) -> "IPAdapterMixin":
+        """This pipeline for one call whose adapters take ``counts[a]`` images each: itself if its UNet reads that
+        many, else a shallow copy (sharing every component and :attr:`~eqxdiff.pipelines.DiffusionPipeline.timings`)
+        whose UNet does (:func:`~eqxdiff.models.ip_adapter.with_image_counts`: static, so a new count compiles and
+        the same count does not). The pipeline itself is left as it is: a call's counts never reach another call."""
+        unet = ipa.with_image_counts(self.unet, counts)
+        if unet is self.unet:
+            return self
+        pipe = copy.copy(self)
+        pipe.unet = unet
+        return pipe
 
     def ip_adapter_conditioning(self, ip_adapter_masks, rows: int, height: int, width: int) -> dict:
         """The UNet's ``cross_attention_kwargs`` for this call's ``ip_adapter_masks`` (``rows``: the UNet's batch,
@@ -270,10 +283,14 @@ class IPAdapterMixin:
 
     def _masks_and_scales(self, ip_adapter_masks, size: tuple[int, int] | None = None) -> tuple[list, tuple]:
         """``(masks, scales)`` per adapter (:func:`~eqxdiff.pipelines._ip_adapter_masks.as_adapter_masks` at the
-        output's ``size``, the per-image scales); an adapter with per-image scales needs a mask, as in diffusers."""
+        output's ``size``, the per-image scales); an adapter with per-image scales needs a mask, as in diffusers.
+        Masks the call's check resolved (:class:`~eqxdiff.pipelines._ip_adapter_masks.AdapterMasks`) were checked
+        there: only their mask images are made into masks at ``size``."""
         n = len(self.ip_adapter.projections)
-        masks = [None] * n if ip_adapter_masks is None else as_adapter_masks(ip_adapter_masks, n, size)
         scales = self.ip_adapter.image_scales or (None,) * n
+        if isinstance(ip_adapter_masks, AdapterMasks):
+            return as_adapter_masks(ip_adapter_masks, n, size), scales
+        masks = [None] * n if ip_adapter_masks is None else as_adapter_masks(ip_adapter_masks, n, size)
         for a, (mask, scale) in enumerate(zip(masks, scales)):
             if mask is None and scale is not None:
                 raise InputError(f"IP-Adapter {a} has one scale per image ({list(scale)}), which diffusers applies to "
@@ -281,17 +298,20 @@ class IPAdapterMixin:
                                  "(pipe.set_ip_adapter_scale)")
         return masks, scales
 
-    def check_ip_adapter_arguments(self, arguments: Mapping[str, Any]) -> None:
+    def check_ip_adapter_arguments(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """A call's ``ip_adapter_image`` / ``ip_adapter_image_embeds`` / ``ip_adapter_masks`` fit the loaded adapters
-        (checked before anything is encoded)."""
+        (checked before anything is encoded). Returns ``{"ip_adapter_masks": ...}`` resolved
+        (:class:`~eqxdiff.pipelines._ip_adapter_masks.AdapterMasks`) when the call gives masks, for the call to take
+        in their place (:meth:`~eqxdiff.pipelines.DiffusionPipeline.check_call`), else ``{}``."""
         image, embeds = arguments.get("ip_adapter_image"), arguments.get("ip_adapter_image_embeds")
-        given = image is not None or embeds is not None
+        given, masks = image is not None or embeds is not None, arguments.get("ip_adapter_masks")
         if self.ip_adapter is None:
-            if given or arguments.get("ip_adapter_masks") is not None:
+            if given or masks is not None:
                 what = "ip_adapter_image / ip_adapter_image_embeds" if given else "ip_adapter_masks"
                 raise InputError(f"{what}: no IP-Adapter is loaded; {_LOAD_FIRST}")
-            return
-        self._masks_and_scales(arguments.get("ip_adapter_masks"))
+            return {}
+        checked, _ = self._masks_and_scales(masks)
+        resolved = {} if masks is None else {"ip_adapter_masks": checked}
         if not given:
             raise InputError("this pipeline has an IP-Adapter loaded: pass ip_adapter_image= or "
                              "ip_adapter_image_embeds=, or call pipe.unload_ip_adapter()")
@@ -304,6 +324,7 @@ class IPAdapterMixin:
             self._given_embeds(embeds, len(self.ip_adapter.projections), guided=False)
         if image is not None:
             _per_adapter(image, len(self.ip_adapter.projections))
+        return resolved
 
     def _embeds_of_images(self, images, n: int) -> list:
         out = []

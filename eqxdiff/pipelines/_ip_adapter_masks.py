@@ -25,7 +25,8 @@ from PIL import Image
 from ._arguments import host_array
 from ._checks import InputError
 
-__all__ = ["as_adapter_masks", "downsample_mask", "mask_weights", "prepare_ip_adapter_masks", "resolutions"]
+__all__ = ["AdapterMasks", "as_adapter_masks", "downsample_mask", "mask_weights", "prepare_ip_adapter_masks",
+           "resolutions"]
 
 _SHAPE = ("[1, images, height, width] (diffusers' IPAdapterMaskProcessor().preprocess(masks, height=, width=) "
           "reshaped to [1, n, h, w]; eqxdiff.pipelines.prepare_ip_adapter_masks)")
@@ -112,12 +113,28 @@ def _is_images(entry) -> bool:
         isinstance(x, Image.Image) or (np.ndim(x) in (2, 3) and np.asarray(x).dtype == np.uint8) for x in entry)
 
 
-def as_adapter_masks(masks, adapters: int, size: tuple[int, int] | None = None) -> list:
+class AdapterMasks(tuple):
+    """``ip_adapter_masks`` resolved by :func:`as_adapter_masks`: one entry per adapter, checked. A call's check
+    resolves them once and hands them on (:meth:`~eqxdiff.pipelines.DiffusionPipeline.check_call`); what takes
+    them afterwards takes them as they are."""
+
+
+def as_adapter_masks(masks, adapters: int, size: tuple[int, int] | None = None) -> AdapterMasks:
     """``ip_adapter_masks`` as one entry per adapter (``None`` or ``[1, images, h, w]`` float32), checked as diffusers
     checks them; a single array ``[adapters, 1, h, w]`` is one mask per adapter, as diffusers reads one. An entry may
     also be a list of mask images, one per image (eqxdiff-generate's ``--ip-adapter-mask`` files), made into masks
     at the output's ``size`` ``(height, width)`` (:func:`prepare_ip_adapter_masks`; without ``size`` kept as they
-    are)."""
+    are). Masks resolved already (:class:`AdapterMasks`) are not checked again: only their mask images are made
+    into masks at ``size``."""
+    masks = masks if isinstance(masks, AdapterMasks) else _checked_masks(masks, adapters)
+    if size is None:
+        return masks
+    return AdapterMasks(prepare_ip_adapter_masks(m, height=size[0], width=size[1]) if _is_images(m) else m
+                        for m in masks)
+
+
+def _checked_masks(masks, adapters: int) -> AdapterMasks:
+    """:func:`as_adapter_masks`'s checks and conversions, the lists of mask images kept as they are."""
     if not isinstance(masks, (list, tuple)):
         array = host_array(masks, np.float32)
         if array.ndim != 4:
@@ -129,16 +146,13 @@ def as_adapter_masks(masks, adapters: int, size: tuple[int, int] | None = None) 
                          "adapter (None for an adapter without a mask)")
     out = []
     for a, mask in enumerate(masks):
-        if _is_images(mask):
-            out.append(mask if size is None else prepare_ip_adapter_masks(mask, height=size[0], width=size[1]))
-            continue
-        if mask is not None:
+        if mask is not None and not _is_images(mask):
             mask = host_array(mask, np.float32)
             if mask.ndim != 4 or mask.shape[0] != 1:
                 raise InputError(f"ip_adapter_masks[{a}] has shape {tuple(mask.shape)}; each entry is {_SHAPE}, or "
                                  "a list of mask images")
         out.append(mask)
-    return out
+    return AdapterMasks(out)
 
 
 def mask_weights(masks: Sequence, counts: Sequence[int], scales: Sequence, rows: int,

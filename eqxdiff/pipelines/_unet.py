@@ -145,13 +145,14 @@ class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
                   if c.encoder]
         return cls._limits(vae.downsample_factor, unet.sample_size, layers)
 
-    def check_call(self, arguments) -> None:
+    def check_call(self, arguments) -> dict:
         """The schedule a call asks for exists (the steps, ``strength``, a hand-off's fractions, a custom
         schedule: :func:`~eqxdiff.pipelines.plan_schedule` on the host), before the prompt is encoded. A call that
         passes its arguments on to another ``__call__`` (a ControlNet pipeline's) leaves this to that one. Given
         ``masked_image_latents`` need an inpainting UNet and ``mask_image``; the IP-Adapter inputs fit the loaded
-        adapters (:meth:`~eqxdiff.pipelines._ip_adapter.IPAdapterMixin.check_ip_adapter_arguments`)."""
-        IPAdapterMixin.check_ip_adapter_arguments(self, arguments)  # (self may be eqxdiff-generate's unloaded class)
+        adapters (:meth:`~eqxdiff.pipelines._ip_adapter.IPAdapterMixin.check_ip_adapter_arguments`, whose resolved
+        ``ip_adapter_masks`` it returns for the call to take)."""
+        resolved = IPAdapterMixin.check_ip_adapter_arguments(self, arguments)  # (self: maybe eqxdiff-generate's class)
         if arguments.get("masked_image_latents") is not None and (
                 arguments.get("mask_image") is None or self.unet.config.in_channels != 2 * self.latent_channels + 1):
             raise InputError("masked_image_latents are an inpainting UNet's input (9 channels), with mask_image=; "
@@ -161,7 +162,7 @@ class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
         if arguments.get("mask_image") is not None and size is not None:
             mask_array(arguments["mask_image"], height=size[0], width=size[1])  # its form and size
         if "num_inference_steps" not in arguments:
-            return
+            return resolved
         strength = arguments.get("strength")
         if image is not None and strength is None:
             strength = self.DEFAULT_STRENGTH[arguments.get("mask_image") is not None]
@@ -170,6 +171,7 @@ class UNetPipeline(IPAdapterMixin, TextualInversionMixin, LatentPipeline):
                       denoising_start=arguments.get("denoising_start") if image is not None else None,
                       denoising_end=arguments.get("denoising_end"), timesteps=arguments.get("timesteps"),
                       sigmas=arguments.get("sigmas"))
+        return resolved
 
     @classmethod
     def _limits(cls, factor: int, sample_size, layers) -> CallLimits:

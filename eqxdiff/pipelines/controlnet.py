@@ -48,10 +48,8 @@ from ._controlnet import (
     ControlInput,
     ControlNetDenoiser,
     ControlNetPipelineMixin,
-    call_prompts,
     control_input,
     control_scales,
-    images_per_prompt,
     prepare_control_image,
 )
 from ._mask_crop import crop_region, resize_and_fill
@@ -83,10 +81,8 @@ class StableDiffusionControlNetPipeline(ControlNetPipelineMixin, StableDiffusion
     def __call__(self, prompt=None, negative_prompt=None, image=None, *, controlnet_conditioning_scale=None,
                  control_guidance_start=0.0, control_guidance_end=1.0, guess_mode: bool = False, height=None,
                  width=None, **kwargs):
-        bound = self._with_control(image, scale=self._scale(controlnet_conditioning_scale),
-                                   start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=images_per_prompt(kwargs),
-                                   prompts=call_prompts(prompt, kwargs))
+        bound = self._with_control(image, prompt, kwargs, scale=self._scale(controlnet_conditioning_scale),
+                                   start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode)
         height, width = bound._control.size(height, width, self.vae_scale_factor)
         return StableDiffusionPipeline.__call__(bound, prompt, negative_prompt, height=height, width=width, **kwargs)
 
@@ -109,10 +105,8 @@ class StableDiffusionControlNetImg2ImgPipeline(StableDiffusionControlNetPipeline
                  controlnet_conditioning_scale=None, control_guidance_start=0.0, control_guidance_end=1.0,
                  guess_mode: bool = False, **kwargs):
         self.check_inputs(image=image)
-        bound = self._with_control(control_image, scale=self._scale(controlnet_conditioning_scale),
-                                   start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=images_per_prompt(kwargs),
-                                   prompts=call_prompts(prompt, kwargs))
+        bound = self._with_control(control_image, prompt, kwargs, scale=self._scale(controlnet_conditioning_scale),
+                                   start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode)
         return StableDiffusionPipeline.__call__(bound, prompt, negative_prompt, image=image, **kwargs)
 
 
@@ -139,10 +133,8 @@ class StableDiffusionControlNetInpaintPipeline(StableDiffusionControlNetPipeline
         self.check_inputs(image=image, mask_image=mask_image)
         if padding_mask_crop is not None:
             control_image, kwargs = _cropped_control(self, control_image, image, mask_image, padding_mask_crop, kwargs)
-        bound = self._with_control(control_image, scale=self._scale(controlnet_conditioning_scale),
-                                   start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=images_per_prompt(kwargs),
-                                   prompts=call_prompts(prompt, kwargs))
+        bound = self._with_control(control_image, prompt, kwargs, scale=self._scale(controlnet_conditioning_scale),
+                                   start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode)
         return StableDiffusionPipeline.__call__(bound, prompt, negative_prompt, image=image, mask_image=mask_image,
                                                 padding_mask_crop=padding_mask_crop, **kwargs)
 
@@ -160,10 +152,8 @@ class StableDiffusionXLControlNetPipeline(ControlNetPipelineMixin, StableDiffusi
     def __call__(self, prompt=None, prompt_2=None, image=None, *, controlnet_conditioning_scale=1.0,
                  control_guidance_start=0.0, control_guidance_end=1.0, guess_mode: bool = False, height=None,
                  width=None, **kwargs):
-        bound = self._with_control(image, scale=controlnet_conditioning_scale, start=control_guidance_start,
-                                   end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=images_per_prompt(kwargs),
-                                   prompts=call_prompts(prompt, kwargs))
+        bound = self._with_control(image, prompt, kwargs, scale=controlnet_conditioning_scale,
+                                   start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode)
         height, width = bound._control.size(height, width, self.vae_scale_factor)
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, height=height, width=width, **kwargs)
 
@@ -187,10 +177,8 @@ class StableDiffusionXLControlNetImg2ImgPipeline(StableDiffusionXLControlNetPipe
                  controlnet_conditioning_scale=0.8, control_guidance_start=0.0, control_guidance_end=1.0,
                  guess_mode: bool = False, **kwargs):
         self.check_inputs(image=image)
-        bound = self._with_control(control_image, scale=controlnet_conditioning_scale, start=control_guidance_start,
-                                   end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=images_per_prompt(kwargs),
-                                   prompts=call_prompts(prompt, kwargs))
+        bound = self._with_control(control_image, prompt, kwargs, scale=controlnet_conditioning_scale,
+                                   start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode)
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, **kwargs)
 
 
@@ -221,10 +209,8 @@ class StableDiffusionXLControlNetInpaintPipeline(StableDiffusionXLControlNetPipe
         self.check_inputs(image=image, mask_image=mask_image)
         if padding_mask_crop is not None:
             control_image, kwargs = _cropped_control(self, control_image, image, mask_image, padding_mask_crop, kwargs)
-        bound = self._with_control(control_image, scale=controlnet_conditioning_scale, start=control_guidance_start,
-                                   end=control_guidance_end, guess_mode=guess_mode,
-                                   num_images_per_prompt=images_per_prompt(kwargs),
-                                   prompts=call_prompts(prompt, kwargs))
+        bound = self._with_control(control_image, prompt, kwargs, scale=controlnet_conditioning_scale,
+                                   start=control_guidance_start, end=control_guidance_end, guess_mode=guess_mode)
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, mask_image=mask_image,
                                                   padding_mask_crop=padding_mask_crop, **kwargs)
 

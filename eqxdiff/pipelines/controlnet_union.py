@@ -44,8 +44,6 @@ from ._controlnet import (
     ControlInput,
     ControlNetDenoiser,
     ControlNetPipelineMixin,
-    call_prompts,
-    images_per_prompt,
 )
 from .stable_diffusion_xl import (
     StableDiffusionXLImg2ImgPipeline,
@@ -119,17 +117,16 @@ class StableDiffusionXLControlNetUnionPipeline(ControlNetPipelineMixin, StableDi
             if kwargs.get(name) is not None:
                 raise InputError(f"{type(self).__name__} is text-to-image (diffusers' takes no {name}=); the control "
                                  "images go to control_image=")
-        bound = self._with_union_control(control_image, control_mode, scale=controlnet_conditioning_scale,
-                                         start=control_guidance_start, end=control_guidance_end,
-                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs),
-                                         prompts=call_prompts(prompt, kwargs))
+        bound = self._with_union_control(control_image, control_mode, prompt, kwargs,
+                                         scale=controlnet_conditioning_scale, start=control_guidance_start,
+                                         end=control_guidance_end, guess_mode=guess_mode)
         height, width = bound._control.size(height, width, self.vae_scale_factor)
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, height=height, width=width, **kwargs)
 
-    def _with_union_control(self, image, mode, *, scale, start, end, guess_mode, num_images_per_prompt: int,
-                            prompts: int | None = None):
+    def _with_union_control(self, image, mode, prompt, passed: dict, *, scale, start, end, guess_mode):
         """The call's control inputs checked as diffusers' ``check_inputs`` checks them, bound to a shallow copy of
-        the pipeline: one entry per control image."""
+        the pipeline (:meth:`bound`, with the call's ``prompt`` and ``passed`` keywords): one entry per control
+        image."""
         nets = self.nets
         if image is None:
             raise InputError(f"{type(self).__name__} needs control_image= (a control image, or a list of them)")
@@ -165,7 +162,7 @@ class StableDiffusionXLControlNetUnionPipeline(ControlNetPipelineMixin, StableDi
                                  "end <= 1")
         guess = bool(guess_mode) or nets[0].config.global_pool_conditions  # diffusers: the first net's
         return self.bound(ControlInput(tuple(images), scales, tuple(map(float, starts)), tuple(map(float, ends)),
-                                       guess, num_images_per_prompt, prompts=prompts), _modes=tuple(modes))
+                                       guess), prompt, passed, _modes=tuple(modes))
 
     def image_nets(self) -> tuple:
         nets = self.nets
@@ -204,10 +201,9 @@ class StableDiffusionXLControlNetUnionImg2ImgPipeline(StableDiffusionXLControlNe
                  control_guidance_start: float | Sequence[float] = 0.0,
                  control_guidance_end: float | Sequence[float] = 1.0, guess_mode: bool = False, **kwargs):
         self.check_inputs(image=image)
-        bound = self._with_union_control(control_image, control_mode, scale=controlnet_conditioning_scale,
-                                         start=control_guidance_start, end=control_guidance_end,
-                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs),
-                                         prompts=call_prompts(prompt, kwargs))
+        bound = self._with_union_control(control_image, control_mode, prompt, kwargs,
+                                         scale=controlnet_conditioning_scale, start=control_guidance_start,
+                                         end=control_guidance_end, guess_mode=guess_mode)
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, **kwargs)
 
 
@@ -244,9 +240,8 @@ class StableDiffusionXLControlNetUnionInpaintPipeline(StableDiffusionXLControlNe
         if channels != 4:
             raise InputError(f"{type(self).__name__} runs an ordinary 4-channel UNet, as diffusers' (the known region "
                              f"blended back); this UNet takes {channels} channels: load an SDXL base's UNet")
-        bound = self._with_union_control(control_image, control_mode, scale=controlnet_conditioning_scale,
-                                         start=control_guidance_start, end=control_guidance_end,
-                                         guess_mode=guess_mode, num_images_per_prompt=images_per_prompt(kwargs),
-                                         prompts=call_prompts(prompt, kwargs))
+        bound = self._with_union_control(control_image, control_mode, prompt, kwargs,
+                                         scale=controlnet_conditioning_scale, start=control_guidance_start,
+                                         end=control_guidance_end, guess_mode=guess_mode)
         return StableDiffusionXLPipeline.__call__(bound, prompt, prompt_2, image=image, mask_image=mask_image,
                                                   **kwargs)

@@ -164,11 +164,11 @@ class StableDiffusionPipeline(UNetPipeline):
             embeds = self._embeddings(prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, guidance,
                                       clip_skip)
             embeds = jnp.repeat(embeds, num_images_per_prompt, axis=0)
-            embeds = self.with_ip_adapter_tokens(embeds, ip_adapter_image, ip_adapter_image_embeds,
-                                                 guided=guidance.enabled, num_images_per_prompt=num_images_per_prompt)
+            embeds, pipe = self.with_ip_adapter_tokens(embeds, ip_adapter_image, ip_adapter_image_embeds,
+                                                       guidance.enabled, num_images_per_prompt=num_images_per_prompt)
         n, source, height, width, strength = self.image_inputs(embeds, guidance, image, mask_image, height, width,
                                                              strength)
-        return self.generate({"encoder_hidden_states": embeds}, guidance=guidance, guidance_scale=guidance_scale,
+        return pipe.generate({"encoder_hidden_states": embeds}, guidance=guidance, guidance_scale=guidance_scale,
                              batch=n, height=height, width=width, num_inference_steps=num_inference_steps, key=key,
                              latents=latents, image=source, mask_image=mask_image, strength=strength, eta=eta,
                              schedule={"timesteps": timesteps, "sigmas": sigmas}, output_type=output_type,

@@ -292,8 +292,8 @@ class StableDiffusionXLPipeline(UNetPipeline):
                 pooled_prompt_embeds=pooled_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds)
             embeds = jnp.repeat(embeds, num_images_per_prompt, axis=0)
             pooled = jnp.repeat(pooled, num_images_per_prompt, axis=0)
-            embeds = self.with_ip_adapter_tokens(embeds, ip_adapter_image, ip_adapter_image_embeds,
-                                                 guided=guidance.enabled, num_images_per_prompt=num_images_per_prompt)
+            embeds, pipe = self.with_ip_adapter_tokens(embeds, ip_adapter_image, ip_adapter_image_embeds,
+                                                       guidance.enabled, num_images_per_prompt=num_images_per_prompt)
         n, source, height, width, strength = self.image_inputs(embeds, guidance, image, mask_image, height, width,
                                                              strength)
         positive, negative = self.add_time_ids(
@@ -304,7 +304,7 @@ class StableDiffusionXLPipeline(UNetPipeline):
             pooled_dim=pooled.shape[-1])
         ids = np.stack([negative] * n + [positive] * n) if guidance.enabled else np.stack([positive] * n)
         cond = {"encoder_hidden_states": embeds, "text_embeds": pooled, "time_ids": jnp.asarray(ids)}
-        return self.generate(cond, guidance=guidance, guidance_scale=scale, batch=n, height=height, width=width,
+        return pipe.generate(cond, guidance=guidance, guidance_scale=scale, batch=n, height=height, width=width,
                              num_inference_steps=num_inference_steps, key=key, latents=latents, image=source,
                              mask_image=mask_image, strength=strength, denoising_start=denoising_start,
                              denoising_end=denoising_end, eta=eta, schedule={"timesteps": timesteps, "sigmas": sigmas},
