@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import eqxdiff
 from eqxdiff.pipelines import InputError, InputTypeError
@@ -129,6 +130,13 @@ BAD = [  # (id, class, call arguments, error type, message pattern)
     # an int64 0-255 map was refused as 'a float control image must lie in [0, 1]' (and 0/1 ints ran as floats)
     ("control-int64", "t2i", dict(control_image=np.full((32, 32, 3), 9, np.int64), control_mode=0), InputTypeError,
      r"^a control image of dtype int64: pass uint8 \(0-255\), floats in \[0, 1\] or PIL images"),
+    # a control image under the VAE's factor set the output size to 0: 'height=0 must be a positive multiple' (arrays)
+    # or PIL's own ValueError, though height was never passed
+    ("control-tiny", "t2i", dict(control_image=np.zeros((1, 3, 3), np.uint8), control_mode=0), InputError,
+     r"^the control image has width 3, height 1 pixels, under the VAE's factor \d+: it sets no output size; pass a "
+     r"larger control image or set height= and width=$"),
+    ("control-tiny-pil", "t2i", dict(control_image=Image.new("RGB", (3, 1)), control_mode=0), InputError,
+     r"^the control image has width 3, height 1 pixels, under the VAE's factor"),
     # a switch given as a word was truthy: guess_mode='no' ran in guess mode (and Kontext's _auto_resize='no' resized)
     ("guess-mode-word", "t2i", dict(control_image=PICTURE, control_mode=0, guess_mode="no"), InputTypeError,
      r"^guess_mode='no' must be True or False$"),

@@ -22,7 +22,7 @@ from .._typing import Array, Float
 from ..loading import CheckpointError, load, save_pretrained
 from ..models import ip_adapter as ipa
 from ..models.controlnet import ControlNetModel, MultiControlNetModel
-from ._checks import InputError, InputTypeError, prompt_count
+from ._checks import InputError, InputTypeError, pixel_size, prompt_count
 from ._components import Component
 from ._images import resize_nearest
 from ._unet import UNetDenoiser
@@ -138,6 +138,9 @@ class ControlInput:
         if height is not None and width is not None:
             return height, width
         h, w = self.native()[0].shape[1:3]
+        if (height is None and h < multiple) or (width is None and w < multiple):
+            raise InputError(f"the control image has {pixel_size(h, w)} pixels, under the VAE's factor {multiple}: "
+                             "it sets no output size; pass a larger control image or set height= and width=")
         return height or h - h % multiple, width or w - w % multiple
 
     def prepared(self, *, batch: int, height: int, width: int, multiple: int) -> list[np.ndarray]:
