@@ -92,6 +92,8 @@ class Prompted:
 
     def __init__(self, source, prompt: str):
         self.source, self.prompt = source, prompt
+        if hasattr(source, "record_transform"):  # a clip source's records take its own transform, captioned or not
+            self.record_transform = source.record_transform
 
     def __len__(self) -> int:
         return len(self.source)

@@ -145,6 +145,7 @@ class WanFlowMatching(TrainModel):
     OPTIONS: ClassVar = WanOptions
     CALL_OPTIONS: ClassVar = ("max_sequence_length",)
     CLEAN_CAPTION: ClassVar = staticmethod(clean_prompt)
+    VIDEO: ClassVar = True
 
     transformer: Any
     transformer_2: Any
