@@ -185,3 +185,29 @@ def test_generate_checks_the_boundary_before_loading(pipes, monkeypatch, capsys)
         generate.cli()
     lines = capsys.readouterr().err.splitlines()
     assert info.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: --boundary-ratio"), lines
+
+
+ONE_EXPERT = [  # (flag, value, the loaded pipeline's message) on a folder with one transformer
+    ("--boundary-ratio", "0.9", "boundary_ratio=0.9 switches to a second expert, but this pipeline has no "
+                                "transformer_2 (a Wan 2.2 A14B folder has one); leave boundary_ratio out"),
+    ("--guidance-scale-2", "3", "guidance_scale_2=3.0 applies to the low-noise expert (transformer_2), which runs "
+                                "only below a boundary_ratio; pass boundary_ratio= (0.875 is Wan 2.2's for "
+                                "text-to-video) or leave guidance_scale_2 out")]
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), ONE_EXPERT, ids=[c[0] for c in ONE_EXPERT])
+def test_generate_checks_the_experts_against_the_folder_before_loading(flag, value, message, pipes, monkeypatch):
+    """The experts' flags on a folder with one transformer were refused only once it was loaded: now from its
+    model_index.json, with the loaded pipeline's message in flags."""
+    from eqxdiff.cli import generate
+
+    name = flag[2:].replace("-", "_")
+    with pytest.raises(InputError) as loaded:
+        pipes.wan_i2v.check_call({name: float(value)})
+    assert str(loaded.value) == message
+    monkeypatch.setattr(generate, "load_pipeline", _no_stage)
+    with pytest.raises(InputError) as info:
+        generate.validate(["--model", str(pipes.root / "wan_i2v"), "--prompt", "a cat", "--image",
+                           str(pipes.root / "picture.png"), "--num-frames", "5", flag, value])
+    assert str(info.value).startswith(message.replace(f"{name}=", f"{flag} ").split(" (")[0])
+

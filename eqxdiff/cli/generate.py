@@ -185,6 +185,7 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, pars
     kwargs = one_adapter_images(kwargs)
     try:
         cls.check_arguments({**kwargs}, cls.folder_limits(read))
+        cls.check_folder_call({**kwargs}, read("model_index.json") or {})
         check_schedule(cls, scheduler, before_loading(run, kwargs), read)
     except InputError as e:
         raise in_flags(e, family, kwargs, nets) from None

@@ -160,6 +160,31 @@ def model_input(x, t, cond):
 # -- the pipeline -------------------------------------------------------------------------------------------------
 
 
+def _expert_boundary(boundary_ratio: float | None, folder_ratio: float | None, two_experts: bool) -> float | None:
+    """The expert boundary of a call (its ``boundary_ratio``, else the folder's ``folder_ratio``), checked against
+    the folder (``two_experts``: it has a ``transformer_2``)."""
+    ratio = folder_ratio if boundary_ratio is None else boundary_ratio
+    if ratio is None:
+        return None
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        raise InputError(f"boundary_ratio={ratio!r} must be a number in [0, 1]: the fraction of the training "
+                         "timesteps above which the high-noise expert runs (0.875 for Wan 2.2 text-to-video, 0.9 "
+                         "for image-to-video)")
+    if not two_experts:
+        raise InputError(f"boundary_ratio={ratio} switches to a second expert, but this pipeline has no "
+                         "transformer_2 (a Wan 2.2 A14B folder has one); leave boundary_ratio out")
+    return float(ratio)
+
+
+def _check_experts(arguments, folder_ratio: float | None, two_experts: bool) -> None:
+    """A call's ``boundary_ratio`` and ``guidance_scale_2`` fit a folder of ``folder_ratio`` and ``two_experts``."""
+    boundary = _expert_boundary(arguments.get("boundary_ratio"), folder_ratio, two_experts)
+    if arguments.get("guidance_scale_2") is not None and boundary is None:
+        raise InputError(f"guidance_scale_2={arguments['guidance_scale_2']} applies to the low-noise expert "
+                         "(transformer_2), which runs only below a boundary_ratio; pass boundary_ratio= (0.875 is "
+                         "Wan 2.2's for text-to-video) or leave guidance_scale_2 out")
+
+
 class WanPipeline(LatentPipeline):
     """Wan text-to-video (diffusers' ``WanPipeline``): uint8 frames ``[n, num_frames, height, width, 3]`` from
     prompts, with diffusers' argument names. See the module docstring for prompts, the two experts and the latents,
@@ -251,27 +276,20 @@ class WanPipeline(LatentPipeline):
             plan_schedule(self.scheduler, arguments["num_inference_steps"], sample_shape=(1, 1, 1, 1, 1),
                           strength=arguments.get("strength"), whole_steps=STRENGTH_WHOLE_STEPS,  # video-to-video's
                           timesteps=arguments.get("timesteps"))
-        if not hasattr(self, "transformer"):
-            return
-        boundary = self._boundary(arguments.get("boundary_ratio"))
-        if arguments.get("guidance_scale_2") is not None and boundary is None:
-            raise InputError(f"guidance_scale_2={arguments['guidance_scale_2']} applies to the low-noise expert "
-                             "(transformer_2), which runs only below a boundary_ratio; pass boundary_ratio= (0.875 is "
-                             "Wan 2.2's for text-to-video) or leave guidance_scale_2 out")
+        if hasattr(self, "transformer"):  # loaded (eqxdiff-generate checks a folder with check_folder_call)
+            _check_experts(arguments, self.boundary_ratio, getattr(self, "transformer_2", None) is not None)
+
+    @classmethod
+    def check_folder_call(cls, arguments, model_index) -> None:
+        """The experts' arguments against the folder's ``model_index.json``: its ``boundary_ratio`` and whether it
+        names a ``transformer_2``, as :meth:`check_call` checks them on the loaded pipeline."""
+        second = model_index.get("transformer_2")
+        _check_experts(arguments, model_index.get("boundary_ratio"),
+                       isinstance(second, (list, tuple)) and len(second) == 2 and second[1] is not None)
 
     def _boundary(self, boundary_ratio: float | None) -> float | None:
         """The expert boundary of a call (its ``boundary_ratio``, else the folder's), checked."""
-        ratio = self.boundary_ratio if boundary_ratio is None else boundary_ratio
-        if ratio is None:
-            return None
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-            raise InputError(f"boundary_ratio={ratio!r} must be a number in [0, 1]: the fraction of the training "
-                             "timesteps above which the high-noise expert runs (0.875 for Wan 2.2 text-to-video, 0.9 "
-                             "for image-to-video)")
-        if getattr(self, "transformer_2", None) is None:
-            raise InputError(f"boundary_ratio={ratio} switches to a second expert, but this pipeline has no "
-                             "transformer_2 (a Wan 2.2 A14B folder has one); leave boundary_ratio out")
-        return float(ratio)
+        return _expert_boundary(boundary_ratio, self.boundary_ratio, getattr(self, "transformer_2", None) is not None)
 
     # -- prompts -------------------------------------------------------------------------------------------------
 
