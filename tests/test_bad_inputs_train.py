@@ -96,6 +96,9 @@ CLI = [  # (id, argv of ws, error, match)
     ("prior-preservation-of-video", lambda ws: _wan(ws, "--class-prompt", "a clip"), InputError, r"^--class-prompt "
      r"'a clip' asks for prior preservation, whose class images the model draws, but WanFlowMatching trains on "
      r"video clips"),
+    ("frames-for-an-image-model", lambda ws: _sd(ws, "--frames.count", "9", "--frames.stride", "2"), InputError,
+     r"^--frames.count 9, --frames.stride 2 pick the frames of video clips, but LatentDiffusion trains on images: "
+     r"leave them out$"),
     ("lora-flag-on-a-full-fine-tune", lambda ws: _sd(ws, "--lora.alpha", "8", "--lora.dora"), ValueError,
      r"^--lora.alpha 8.0, --lora.dora True set LoRA adapters, but --lora.rank 0 trains the whole denoiser without "
      r"any: give --lora.rank 4 \(or another rank > 0\) for a LoRA, or drop them$"),
@@ -148,6 +151,27 @@ def test_a_batch_the_mesh_cannot_split_names_the_flag(ws, monkeypatch, capsys):
         "mesh's data/fsdp parallelism"]
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (lambda ws: _sd(ws, "--caption-column", "prompt", "--batch-size", "8", "--mesh.ici-data-parallelism", "8"),
+     "--caption-column 'prompt' names a field of a metadata.jsonl / metadata.csv, but {images} reads none (a .txt "
+     "caption beside each image): add such a file, or leave it out"),
+    (lambda ws: _wan(ws, "--caption-column", "prompt", "--image-column", "clip", "--batch-size", "8"),
+     "--caption-column 'prompt', video_column='clip' name a field of a metadata.jsonl / metadata.csv, but {clips} "
+     "reads none (a .txt caption beside each clip): add such a file, or leave them out"),
+    (lambda ws: [*_sd(ws)[:4], ws["images"] + "/gone", *_sd(ws, "--batch-size", "8")[5:]],
+     "--data '{images}/gone' names no folder: give 'digits', 'synthetic' or a folder of images or clips with "
+     "captions; for a Hugging Face dataset (a Hub id, parquet, json, csv or arrow files) use --hf-dataset")],
+    ids=["caption-column-without-metadata", "columns-without-metadata-of-clips", "data-folder-missing"])
+def test_data_flags_the_data_cannot_take_are_refused_before_loading(argv, message, ws, monkeypatch, capsys):
+    """Metadata columns given for a folder captioned by .txt files were dropped without a word; a --data path that
+    does not exist said it was no image folder."""
+    monkeypatch.setattr(run_module, "build", _must_not_load)
+    monkeypatch.setattr(sys, "argv", ["eqxdiff-train", *argv(ws)])
+    with pytest.raises(SystemExit):
+        train_cli.cli()
+    assert capsys.readouterr().err.splitlines() == [f"error: {message.format(**ws)}"]
+
+
 def _library(ws, tmp_path, model="wan", data="clips", **changes) -> TrainConfig:
     return TrainConfig(**{**dict(model=ws[model], data=ws[data], resolution=16, batch_size=2, steps=1,
                                  frames=FrameSampling(count=9), output_dir=tmp_path, export_scheduler=None,
@@ -172,8 +196,10 @@ def test_run_refuses_before_loading(ws, tmp_path, monkeypatch):
                                                                                 r"a DDPM target"),
         (dict(export_scheduler="ddim"), ValueError, r"^export_scheduler='ddim' cannot sample the model's noise"),
         (dict(class_prompt="a clip"), ValueError, r"^class_prompt='a clip' asks for prior preservation"),
-        (dict(model=ws["sd"]), DataError, r"^data='.*clips' holds video clips, but model='.*sd' trains "
-                                          r"LatentDiffusion on images"),
+        (dict(model=ws["sd"], data=ws["images"]), ValueError, r"^frames.count=9 picks the frames of video clips, but "
+                                                              r"LatentDiffusion trains on images: leave it out$"),
+        (dict(model=ws["sd"], frames=FrameSampling()), DataError, r"^data='.*clips' holds video clips, but "
+                                                                  r"model='.*sd' trains LatentDiffusion on images"),
     ]
     out = tmp_path / "run"
     for changes, error, match in cases:

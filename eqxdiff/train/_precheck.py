@@ -2,12 +2,14 @@
 from a local pipeline folder's ``model_index.json`` and ``scheduler/scheduler_config.json`` (a Hub id is checked
 once it loads): the family trains it, with options of that family that the folder can take
 (:meth:`~eqxdiff.train.TrainModel.check_folder`); the objective and ``export_scheduler`` fit its noise process
-(DDPM or rectified flow); its data is what the family trains on (video clips or images); and prior preservation is
-asked only of an image family. The from-scratch digits architecture is checked the same way, without a folder."""
+(DDPM or rectified flow); its data is what the family trains on (video clips or images, ``frames`` only for clips);
+and prior preservation is asked only of an image family. The from-scratch digits architecture is checked the same
+way, without a folder."""
 
+import dataclasses
 from pathlib import Path
 
-from ..data import VIDEO_EXTENSIONS, holds_videos
+from ..data import VIDEO_EXTENSIONS, FrameSampling, holds_videos
 from ..loading import PACKAGED_MODELS, read_config, resolve_folder
 from ..schedulers import DDPMScheduler
 from ._config import TrainConfig
@@ -50,6 +52,11 @@ def check_model(config: TrainConfig) -> type[TrainModel] | None:
     if config.export_scheduler is not None:
         named_scheduler(config.export_scheduler, predicting(noise, config.objective.prediction_type),
                         "export_scheduler")
+    frames = [f"frames.{f.name}={getattr(config.frames, f.name)}" for f in dataclasses.fields(FrameSampling)
+              if getattr(config.frames, f.name) != f.default]
+    if frames and not family.VIDEO:
+        raise ValueError(f"{', '.join(frames)} pick{'s' * (len(frames) == 1)} the frames of video clips, but "
+                         f"{family.__name__} trains on images: leave {'it' if len(frames) == 1 else 'them'} out")
     if config.class_prompt is not None and family.VIDEO:
         raise ValueError(f"class_prompt={config.class_prompt!r} asks for prior preservation, whose class images the "
                          f"model draws, but {family.__name__} trains on video clips: leave class_prompt out (prior "
