@@ -99,6 +99,9 @@ CLI = [  # (id, argv of ws, error, match)
     ("frames-for-an-image-model", lambda ws: _sd(ws, "--frames.count", "9", "--frames.stride", "2"), InputError,
      r"^--frames.count 9, --frames.stride 2 pick the frames of video clips, but LatentDiffusion trains on images: "
      r"leave them out$"),
+    ("fewer-steps-than-accumulation", lambda ws: _sd(ws, "--steps", "3"), InputError, r"^--steps 3 is fewer than "
+     r"--optimizer.accumulation-steps 4: no optimizer update would run \(the export would be the model as loaded\); "
+     r"give --steps 4 or more \(a multiple of 4\), or fewer accumulation steps$"),
     ("lora-flag-on-a-full-fine-tune", lambda ws: _sd(ws, "--lora.alpha", "8", "--lora.dora"), ValueError,
      r"^--lora.alpha 8.0, --lora.dora True set LoRA adapters, but --lora.rank 0 trains the whole denoiser without "
      r"any: give --lora.rank 4 \(or another rank > 0\) for a LoRA, or drop them$"),
@@ -138,6 +141,15 @@ def test_a_lora_preset_trains_in_full_with_rank_0(ws):
     assert train_cli.validate([*argv, "--lora.rank=0"]).lora == LoraConfig()
     with pytest.raises(ValueError, match=r"^--lora.targets \('mlp',\) sets LoRA adapters, but --lora.rank 0"):
         train_cli.validate([*argv, "--lora.rank", "0", "--lora.targets", "mlp"])
+
+
+def test_steps_past_the_last_update_are_noted(ws, monkeypatch, capsys):
+    """sd15 accumulates 4 micro-steps per update: --steps 10 leaves 2 whose gradient no update applies."""
+    monkeypatch.setattr(train_cli, "run", lambda config: None)
+    train_cli.main(_sd(ws, "--steps", "10"))
+    assert capsys.readouterr().err.splitlines() == [
+        "note: --steps 10 is not a multiple of --optimizer.accumulation-steps 4: the last 2 micro-step(s) accumulate "
+        "a gradient that no update applies"]
 
 
 def test_a_batch_the_mesh_cannot_split_names_the_flag(ws, monkeypatch, capsys):

@@ -190,6 +190,11 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
     the VAE can downsample. Raises a ``ValueError`` naming the flag."""
     argv = list(sys.argv[1:] if argv is None else argv)
     config = parse(argv, prog=prog)
+    k = config.optimizer.accumulation_steps
+    if config.steps < k:  # optax.MultiSteps applies an update every k micro-steps: none would run
+        raise InputError(f"--steps {config.steps} is fewer than --optimizer.accumulation-steps {k}: no optimizer "
+                         f"update would run (the export would be the model as loaded); give --steps {k} or more (a "
+                         f"multiple of {k}), or fewer accumulation steps")
     try:
         config.source  # noqa: B018 - a missing or conflicting data source raises ValueError
     except ValueError as e:
@@ -335,6 +340,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> None:
         if total is not None and total != config.steps:
             print(f"note: --optimizer.total-steps {total} differs from --steps {config.steps}: the learning-rate "
                   f"schedule spans {total} steps", file=sys.stderr)
+        k = config.optimizer.accumulation_steps
+        if config.steps % k:
+            print(f"note: --steps {config.steps} is not a multiple of --optimizer.accumulation-steps {k}: the last "
+                  f"{config.steps % k} micro-step(s) accumulate a gradient that no update applies", file=sys.stderr)
         try:
             run(config)
         except (MeshError, DataError) as e:  # --mesh.* sizes that do not fit the devices or the batch, bad data
