@@ -8,6 +8,7 @@ The pipeline folders hold configs only (a Wan 2.1-style text-to-video folder and
 
 import dataclasses
 import json
+import shutil
 import sys
 
 import diffusers
@@ -42,6 +43,13 @@ def ws(tmp_path_factory):
         "transformer": diffusers.WanTransformer3DModel(**_tiny_wan.T2V_PIPELINE),
         "vae": diffusers.AutoencoderKLWan(**_tiny_wan.VAE_21), "scheduler": _tiny_wan.scheduler()},
         transformer_2=[None, None], boundary_ratio=None, expand_timesteps=False)
+    experts = {}
+    for name, ratio in (("experts_apart", 1.5), ("experts_unsplit", None)):  # two experts, a boundary that is not one
+        shutil.copytree(wan, root / name)
+        index = json.loads((root / name / "model_index.json").read_text())
+        index.update(transformer_2=index["transformer"], boundary_ratio=ratio)
+        (root / name / "model_index.json").write_text(json.dumps(index))
+        experts[name] = str(root / name)
     sd = _tiny_sd.build_pipeline(root / "sd_full")  # its configs only, below
     sd_folder = _configs_only(root / "sd", "StableDiffusionPipeline", {
         "unet": sd.unet, "vae": sd.vae, "scheduler": sd.scheduler})
@@ -54,7 +62,8 @@ def ws(tmp_path_factory):
         (clips / f"{i}.txt").write_text("a grey clip")
         Image.fromarray(frames[i]).save(images / f"{i}.png")
         (images / f"{i}.txt").write_text("a grey square")
-    return {"wan": wan, "sd": sd_folder, "clips": str(clips), "images": str(images), "out": str(root / "out")}
+    return {**experts, "wan": wan, "sd": sd_folder, "clips": str(clips), "images": str(images),
+            "out": str(root / "out")}
 
 
 def _wan(ws, *flags, data="clips"):
@@ -96,6 +105,13 @@ CLI = [  # (id, argv of ws, error, match)
     ("prior-preservation-of-video", lambda ws: _wan(ws, "--class-prompt", "a clip"), InputError, r"^--class-prompt "
      r"'a clip' asks for prior preservation, whose class images the model draws, but WanFlowMatching trains on "
      r"video clips"),
+    ("expert-boundary-outside", lambda ws: ["wan2.2-a14b", "--model", ws["experts_apart"], *_wan(ws)[3:]],
+     InputError, r"^the folder's boundary_ratio=1.5 must be in \(0, 1\): the experts split the timesteps there, and "
+     r"outside it one of them trains on none \(Wan 2.2 A14B's is 0.875\); fix the folder's model_index.json$"),
+    ("two-experts-without-boundary", lambda ws: [*_wan(ws, "--family.expert", "high")[:2], ws["experts_unsplit"],
+                                                 *_wan(ws, "--family.expert", "high")[3:]], InputError,
+     r"^a Wan folder with transformer_2 needs boundary_ratio .*: got transformer_2 present, boundary_ratio=None; fix "
+     r"the folder's model_index.json$"),
     ("frames-for-an-image-model", lambda ws: _sd(ws, "--frames.count", "9", "--frames.stride", "2"), InputError,
      r"^--frames.count 9, --frames.stride 2 pick the frames of video clips, but LatentDiffusion trains on images: "
      r"leave them out$"),
