@@ -249,12 +249,6 @@ class DiffusionPipeline(LoraMixin, DiffusersApiMixin):
         steps ...), run after :meth:`check_arguments` and before anything is encoded or compiled."""
 
     @classmethod
-    def check_folder_call(cls, arguments: Mapping[str, Any], model_index: Mapping[str, Any]) -> None:
-        """What :meth:`check_call` checks of ``arguments`` against the folder's components and settings, from its
-        ``model_index.json`` (``model_index``; empty when there is none) before loading it: ``eqxdiff-generate``
-        runs this with :meth:`check_arguments`. Default: nothing (Wan: the experts' arguments)."""
-
-    @classmethod
     def folder_limits(cls, read_json: Callable[[str], Mapping | None]) -> CallLimits:
         """:meth:`call_limits` from the configs of a pipeline folder, before loading it: ``read_json(path)`` reads
         ``path`` (``"vae/config.json"``) relative to the folder, ``None`` if it is missing. Read the configs with
