@@ -211,11 +211,11 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
                              "yourself to replace the shipped model)")
     _check_family(config)
     _check_preset_folder(next(iter(split_cache_flags(argv)[1]), ""), config)
+    _check_clips(config)  # a --data folder of clips: in flags, with the sizes that fit
     try:  # the folder's configs against the family options, objective and schedulers; clips or images as it trains
         check_data_kind(config, check_model(config))
     except ValueError as e:
         raise InputError(str(in_flags(e, field_flags(config))) + _family_presets(config)) from None
-    _check_clips(config)
     try:  # an earlier run in --output-dir trained with other settings: refused now, not after minutes of loading
         resume_point(config)
         if config.model is None:

@@ -44,10 +44,12 @@ def check_model(config: TrainConfig) -> type[TrainModel] | None:
         family = train_family(name)
         options = family_options(config.family, family, f"model={config.model!r} (a {name})")
         family.check_folder(options, index)
-        folder = resolve_folder(config.model) / "scheduler"
-        if not (folder / "scheduler_config.json").is_file():
+        root = resolve_folder(config.model)
+        if family.VIDEO:
+            _check_clip_shape(config, family, root)
+        if not (root / "scheduler" / "scheduler_config.json").is_file():
             return family  # loading says what the folder lacks
-        noise = family.NOISE_SCHEDULER.from_config(read_config(folder, "scheduler_config.json"))
+        noise = family.NOISE_SCHEDULER.from_config(read_config(root / "scheduler", "scheduler_config.json"))
     check_objective(config.objective, noise)
     if config.export_scheduler is not None:
         named_scheduler(config.export_scheduler, predicting(noise, config.objective.prediction_type),
@@ -62,6 +64,22 @@ def check_model(config: TrainConfig) -> type[TrainModel] | None:
                          f"model draws, but {family.__name__} trains on video clips: leave class_prompt out (prior "
                          "preservation trains image models)")
     return family
+
+
+def _check_clip_shape(config: TrainConfig, family: type[TrainModel], root: Path) -> None:
+    """The clips' frame count and size are ones the folder's VAE and transformer take (its pipeline's limits, read
+    from the component configs), as ``eqxdiff-train`` checks a folder of clips."""
+    limits = family.pipeline_class().folder_limits(
+        lambda path: read_config(root, path) if (root / path).is_file() else None)
+    f, count = limits.frame_factor, config.frames.count
+    if f and (count - 1) % f:
+        low = 1 + (count - 1) // f * f
+        raise ValueError(f"frames.count={count} must be 1 + {f}k (the VAE keeps the first frame and compresses each "
+                         f"{f} after it into one latent frame); try frames.count={low} or {low + f}")
+    factor = limits.size_factor
+    if factor and any(side % factor for side in config.size):
+        sides = "a multiple" if isinstance(config.resolution, int) else "height and width multiples"
+        raise ValueError(f"resolution={config.resolution} must be {sides} of {factor} ({limits.why_size()})")
 
 
 def check_data_kind(config: TrainConfig, family: type[TrainModel] | None, source=None) -> None:
