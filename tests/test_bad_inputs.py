@@ -585,7 +585,8 @@ API = [
      r"architecture.vae_channels is empty"),
     ("optimizer-eps", lambda c: eqxdiff.train.OptimizerConfig(eps=0.0), ValueError, r"eps=0.0 must be > 0"),
     ("load-data-unknown", lambda c: eqxdiff.train.load_data(eqxdiff.train.TrainConfig(data="nowhere"), None),
-     DataError, r"data='nowhere' is not 'digits', 'synthetic' or an image folder"),
+     DataError, r"^data='nowhere' names no folder: give 'digits', 'synthetic' or a folder of images or clips with "
+     r"captions; for a Hugging Face dataset"),
 ]
 
 

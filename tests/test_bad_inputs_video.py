@@ -98,6 +98,12 @@ CASES = [
      r"must be numbers .*, got list \[\[0.0\], \[1.0, 2.0\]\]$"),
     ("ltx-decode-timestep-text", lambda c: c.ltx("a cat", decode_timestep="0.05", **LTX), InputTypeError,
      r"^decode_timestep must be numbers"),
+    # decode_timestep / decode_noise_scale outside [0, 1] ran (diffusers takes any float; no card or training does)
+    ("ltx-decode-timestep-negative", lambda c: c.ltx("a cat", decode_timestep=-0.05, **LTX), InputError,
+     r"^decode_timestep=-0.05 must be in \[0, 1\] \(got -0.05\): the decoder's timestep and the noise mixed in as "
+     r"fractions \(0 decodes the latents as they are, 0.03-0.05 is recommended\)$"),
+    ("ltx-decode-noise-scale-above-one", lambda c: c.ltx("a cat", decode_noise_scale=[0.05, 1.5], **LTX), InputError,
+     r"^decode_noise_scale=\[0.05, 1.5\] must be in \[0, 1\] \(got 1.5\)"),
     ("ltx-attention-mask-objects", lambda c: c.ltx(prompt_embeds=np.zeros((1, 4, 16), np.float32),
                                                    prompt_attention_mask=np.full((2, 3), None), **LTX),
      InputTypeError, r"^prompt_attention_mask must be numbers .*, got ndarray"),
@@ -185,3 +191,48 @@ def test_generate_checks_the_boundary_before_loading(pipes, monkeypatch, capsys)
         generate.cli()
     lines = capsys.readouterr().err.splitlines()
     assert info.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: --boundary-ratio"), lines
+
+
+ONE_EXPERT = [  # (flag, value, the loaded pipeline's message) on a folder with one transformer
+    ("--boundary-ratio", "0.9", "boundary_ratio=0.9 switches to a second expert, but this pipeline has no "
+                                "transformer_2 (a Wan 2.2 A14B folder has one); leave boundary_ratio out"),
+    ("--guidance-scale-2", "3", "guidance_scale_2=3.0 applies to the low-noise expert (transformer_2), which runs "
+                                "only below a boundary_ratio; pass boundary_ratio= (0.875 is Wan 2.2's for "
+                                "text-to-video) or leave guidance_scale_2 out")]
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), ONE_EXPERT, ids=[c[0] for c in ONE_EXPERT])
+def test_generate_checks_the_experts_against_the_folder_before_loading(flag, value, message, pipes, monkeypatch):
+    """The experts' flags on a folder with one transformer were refused only once it was loaded: now from its
+    model_index.json, with the loaded pipeline's message in flags."""
+    from eqxdiff.cli import generate
+
+    name = flag[2:].replace("-", "_")
+    with pytest.raises(InputError) as loaded:
+        pipes.wan_i2v.check_call({name: float(value)})
+    assert str(loaded.value) == message
+    monkeypatch.setattr(generate, "load_pipeline", _no_stage)
+    with pytest.raises(InputError) as info:
+        generate.validate(["--model", str(pipes.root / "wan_i2v"), "--prompt", "a cat", "--image",
+                           str(pipes.root / "picture.png"), "--num-frames", "5", flag, value])
+    assert str(info.value).startswith(message.replace(f"{name}=", f"{flag} ").split(" (")[0])
+
+
+@pytest.mark.parametrize(("frames", "fits"), [(17, "try 9 or 25"), (10, "try 9 or 25"), (5, "try 9"),
+                                             (33, "try 25 or 41")])
+def test_ltx_frames_make_whole_temporal_patches(frames, fits, pipes):
+    """A transformer with ``patch_size_t=2`` takes an even number of latent frames: ``num_frames`` 16k + 9 at the
+    VAE's factor 8. Another count got the transformer's reshape error; now the pipeline's one line names the nearest
+    counts that fit, before anything runs (and ``eqxdiff-generate`` reads the same limits from the folder)."""
+    from eqxdiff.models.ltx import LTXVideoTransformer3DConfig
+    from eqxdiff.pipelines.ltx import LTXPipeline
+
+    patched = LTXVideoTransformer3DConfig.from_dict(tiny_ltx.TRANSFORMER_PATCHED)
+    limits = LTXPipeline.limits_from(pipes.ltx.vae.config, patched)
+    with pytest.raises(InputError, match=rf"^num_frames={frames} must be 16k\+9 \(the VAE keeps the first frame and "
+                                         rf"compresses time by 8 after it, and the transformer takes patches of 2 "
+                                         rf"latent frames\); {fits}$"):
+        LTXPipeline.check_arguments({"num_frames": frames}, limits)
+    LTXPipeline.check_arguments({"num_frames": 25}, limits)
+    with pytest.raises(InputError, match=r"^num_frames=10 must be 8k\+1 .*; try 9 or 17$"):  # patch_size_t 1: as before
+        LTXPipeline.check_arguments({"num_frames": 10}, pipes.ltx.call_limits())

@@ -396,10 +396,11 @@ def test_run_config_errors_name_the_flag(sources, tmp_path):
                                       caption_column="prompt"), tok)
     with pytest.raises(DataError, match=r"no bytes feature caption_key='text'; its features are \['png', 'prompt'\]"):
         load_data(dataclasses.replace(RUN, tfrecord=sources["tfrecord"], image_key="png"), tok)
-    with pytest.raises(DataError, match=r"not 'digits', 'synthetic' or an image folder; for a Hugging Face dataset.*"
-                                        r"hf_dataset \(--hf-dataset\)"):
+    with pytest.raises(DataError, match=r"not 'digits', 'synthetic' or a folder of images or clips with captions; "
+                                        r"for a Hugging Face dataset.*use hf_dataset$"):
         load_data(dataclasses.replace(RUN, data=str(sources["parquet"])), tok)
-    with pytest.raises(DataError, match=r"not 'digits', 'synthetic' or an image folder; for TFRecord files"):
+    with pytest.raises(DataError, match=r"not 'digits', 'synthetic' or a folder of images or clips with "
+                                        r"captions; for TFRecord files"):
         load_data(dataclasses.replace(RUN, data=sources["tfrecord"][0]), tok)
     with pytest.raises(DataError, match="has 8 samples, fewer than batch_size=16"):
         load_data(dataclasses.replace(RUN, data=str(sources["folder"]), batch_size=16), tok)

@@ -292,11 +292,12 @@ def _check_options(scheduler, name: str | None, options: Mapping[str, Any], item
 
 class _BeforeLoading:
     """A pipeline class as its :meth:`~eqxdiff.pipelines.DiffusionPipeline.check_call` sees it before loading:
-    the scheduler built from the folder's config and the VAE's latent channels (its ``config.json`` read through
-    its config class); every other attribute is the class's."""
+    the scheduler built from the folder's config, the VAE's latent channels (its ``config.json`` read through
+    its config class) and the folder's ``model_index.json`` (``folder_index``); every other attribute is the class's."""
 
-    def __init__(self, cls: type, scheduler, latent_channels: int):
+    def __init__(self, cls: type, scheduler, latent_channels: int, folder_index: dict):
         self._cls, self.scheduler, self.latent_channels = cls, scheduler, latent_channels
+        self.folder_index = folder_index  # the folder's model_index.json: its components and settings
 
     def __getattr__(self, name: str):
         return getattr(self._cls, name)
@@ -313,7 +314,7 @@ def check_schedule(cls: type, scheduler, kwargs: Mapping[str, Any], read) -> Non
     vae = cls.folder_config(read, "vae")
     latent_channels = 4 if vae is None else vae.latent_channels
     try:
-        cls.check_call(_BeforeLoading(cls, scheduler, latent_channels), {**kwargs})
+        cls.check_call(_BeforeLoading(cls, scheduler, latent_channels, read("model_index.json") or {}), {**kwargs})
     except InputError:
         raise
     except ValueError as e:  # the scheduler's and plan_schedule's errors: the call's arguments cannot run

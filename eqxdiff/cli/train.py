@@ -44,10 +44,15 @@ from ..parallel import MeshError
 from ..pipelines import InputError
 from ..train import (
     CheckpointMismatchError,
+    DataError,
+    LoraConfig,
     TrainConfig,
     TrainingInterrupted,
     autoencoder_reuse,
+    check_data_kind,
+    check_model,
     family_options,
+    local_index,
     resume_point,
     run,
     train_family,
@@ -153,6 +158,9 @@ def parse(argv: Sequence[str] | None = None, *, prog: str | None = None) -> Trai
     # them in the command's description)
     presets = {name: (f"{text} {CACHE_HELP}" if argv and name == argv[0] else text, config)
                for name, (text, config) in PRESETS.items()}
+    if argv and argv[0] in PRESETS and _full_fine_tune(argv) and PRESETS[argv[0]][1].lora.enabled:
+        text, config = presets[argv[0]]  # a LoRA preset trained in full: its adapters' settings go too
+        presets[argv[0]] = text, dataclasses.replace(config, lora=LoraConfig())
     try:
         with config_errors_raise():
             return tyro.extras.overridable_config_cli(presets, args=argv, prog=prog, description=DESCRIPTION)
@@ -161,6 +169,13 @@ def parse(argv: Sequence[str] | None = None, *, prog: str | None = None) -> Trai
     except ValueError as e:  # a number that does not parse: in the flag's words (tyro's names neither)
         message = number_error(argv[1:], {flags[name]: kind for name, kind in field_types(preset).items()})
         raise (FlagError(message) if message else in_flags(e, flags)) from None
+
+
+def _full_fine_tune(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` sets ``--lora.rank 0`` (the last value given wins)."""
+    ranks = [b if a == "--lora.rank" else a.partition("=")[2] for a, b in zip(argv, [*argv[1:], ""])
+             if a == "--lora.rank" or a.startswith("--lora.rank=")]
+    return bool(ranks) and ranks[-1].strip() == "0"
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -175,6 +190,11 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
     the VAE can downsample. Raises a ``ValueError`` naming the flag."""
     argv = list(sys.argv[1:] if argv is None else argv)
     config = parse(argv, prog=prog)
+    k = config.optimizer.accumulation_steps
+    if config.steps < k:  # optax.MultiSteps applies an update every k micro-steps: none would run
+        raise InputError(f"--steps {config.steps} is fewer than --optimizer.accumulation-steps {k}: no optimizer "
+                         f"update would run (the export would be the model as loaded); give --steps {k} or more (a "
+                         f"multiple of {k}), or fewer accumulation steps")
     try:
         config.source  # noqa: B018 - a missing or conflicting data source raises ValueError
     except ValueError as e:
@@ -191,7 +211,11 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
                              "yourself to replace the shipped model)")
     _check_family(config)
     _check_preset_folder(next(iter(split_cache_flags(argv)[1]), ""), config)
-    _check_clips(config)
+    _check_clips(config)  # a --data folder of clips: in flags, with the sizes that fit
+    try:  # the folder's configs against the family options, objective and schedulers; clips or images as it trains
+        check_data_kind(config, check_model(config))
+    except ValueError as e:
+        raise InputError(str(in_flags(e, field_flags(config))) + _family_presets(config)) from None
     try:  # an earlier run in --output-dir trained with other settings: refused now, not after minutes of loading
         resume_point(config)
         if config.model is None:
@@ -258,7 +282,8 @@ def _check_clips(config: TrainConfig) -> None:
 
 def _check_family(config: TrainConfig) -> None:
     """A local ``--model`` folder's pipeline is one eqxdiff trains, and the preset's family options (``--family.*``)
-    are its family's (:func:`eqxdiff.train.family_options`), before anything is loaded."""
+    are its family's (:func:`eqxdiff.train.family_options`), before anything is loaded (what the folder can take of
+    them: :func:`eqxdiff.train.check_model`)."""
     if config.model is None or not _local(config.model):
         return
     index = resolve_folder(config.model) / "model_index.json"
@@ -273,10 +298,17 @@ def _check_family(config: TrainConfig) -> None:
         raise InputError(f"--model {config.model!r} is a {name}, which trains as {family.__name__}, but the "
                          f"preset's --family.* options are {type(config.family).__name__}, another family's; start "
                          f"from a preset of the model's family ({', '.join(presets)}) with --model") from None
-    try:
-        family.check_folder(config.family, read_config(index.parent, index.name))
-    except ValueError as e:
-        raise InputError(str(in_flags(e, field_flags(config)))) from None
+
+
+def _family_presets(config: TrainConfig) -> str:
+    """``; or start from a preset of the model's family (...)`` where the preset is another family's (``sd15 --model
+    WAN_FOLDER``: its objective and options are SD's), else ``""``."""
+    index = local_index(config.model) if config.model is not None else None
+    if index is None or index.get("_class_name") is None:
+        return ""
+    family = train_family(index["_class_name"])
+    presets = [p for p, (_, c) in PRESETS.items() if type(c.family) is family.OPTIONS is not type(config.family)]
+    return f"; or start from a preset of the model's family ({', '.join(presets)}) with --model" if presets else ""
 
 
 def _check_preset_folder(preset: str, config: TrainConfig) -> None:
@@ -308,9 +340,13 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> None:
         if total is not None and total != config.steps:
             print(f"note: --optimizer.total-steps {total} differs from --steps {config.steps}: the learning-rate "
                   f"schedule spans {total} steps", file=sys.stderr)
+        k = config.optimizer.accumulation_steps
+        if config.steps % k:
+            print(f"note: --steps {config.steps} is not a multiple of --optimizer.accumulation-steps {k}: the last "
+                  f"{config.steps % k} micro-step(s) accumulate a gradient that no update applies", file=sys.stderr)
         try:
             run(config)
-        except MeshError as e:  # --mesh.* sizes that do not fit this machine's devices (the preset's, maybe)
+        except (MeshError, DataError) as e:  # --mesh.* sizes that do not fit the devices or the batch, bad data
             raise in_flags(e, field_flags(config)) from None
 
 

@@ -43,6 +43,9 @@ def remat_policy(remat: Remat, names: Sequence[str] = ()):
     if remat in (Remat.NAMED, Remat.OFFLOAD_NAMED) and not names:
         raise ValueError(f"remat={remat.value!r} needs remat_names: the checkpoint names to keep (the models "
                          "declare theirs; eqxdiff.parallel.checkpoint_names(model) lists them)")
+    if names and remat not in (Remat.NAMED, Remat.OFFLOAD_NAMED):
+        raise ValueError(f"remat_names={tuple(names)} are kept by remat 'named' / 'offload_named', but remat="
+                         f"{remat.value!r} keeps none: use remat='named' (or 'offload_named') with them, or drop them")
     if remat is Remat.FULL:
         return None
     if remat is Remat.DOTS_NO_BATCH:
@@ -71,7 +74,7 @@ class Plan:
     def __post_init__(self):
         object.__setattr__(self, "remat", Remat(self.remat))
         object.__setattr__(self, "remat_names", tuple(self.remat_names))
-        if self.remat is not Remat.NONE:
+        if self.remat is not Remat.NONE or self.remat_names:
             remat_policy(self.remat, self.remat_names)  # raises on a bad combination now, not at trace time
 
     @property

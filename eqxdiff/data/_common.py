@@ -74,6 +74,16 @@ def with_txt_captions(files: Sequence[Path], root: Path) -> list[tuple[Path, str
     return rows
 
 
+def check_no_columns(root, columns: dict[str, str], defaults: dict[str, str], captions: str) -> None:
+    """``DataError`` for metadata ``columns`` set away from their ``defaults`` on a folder ``root`` that reads no
+    metadata (``captions``: where its captions come from instead), where they would be dropped without a word."""
+    given = [f"{k}={v!r}" for k, v in columns.items() if v != defaults[k]]
+    if given:
+        them = "it" if len(given) == 1 else "them"
+        raise DataError(f"{', '.join(given)} name{'s' * (len(given) == 1)} a field of a metadata.jsonl / "
+                        f"metadata.csv, but {root} reads none ({captions}): add such a file, or leave {them} out")
+
+
 def caption_problem(caption: Any) -> str | None:
     """Why ``caption`` cannot be used, or None. An empty string is allowed (unconditional training)."""
     if caption is None:

@@ -15,6 +15,7 @@ from ._common import (
     DataError,
     caption_problem,
     check_level,
+    check_no_columns,
     files_below,
     image_problems,
     raise_problems,
@@ -47,6 +48,10 @@ class ImageFolderSource:
         if caption is not None and (why := caption_problem(caption)):
             raise DataError(f"caption={caption!r}: {why}")
         metadata = [self.root / n for n in ("metadata.jsonl", "metadata.csv") if (self.root / n).is_file()]
+        if caption is not None or not metadata:
+            how = "one caption for every image" if caption is not None else "a .txt caption beside each image"
+            check_no_columns(self.root, {"caption_column": caption_column, "image_column": image_column},
+                             {"caption_column": "text", "image_column": "file_name"}, how)
         if caption is not None:
             self.index_file = None
             images = files_below(self.root, IMAGE_EXTENSIONS, f"no images with extensions {IMAGE_EXTENSIONS}")

@@ -24,6 +24,7 @@ from ._common import (
     IMAGE_EXTENSIONS,
     DataError,
     check_level,
+    check_no_columns,
     files_below,
     raise_problems,
     with_txt_captions,
@@ -176,6 +177,8 @@ class VideoFolderSource(ClipRecords, ImageFolderSource):
         if metadata:
             rows = self._read_metadata(metadata[0])
         else:
+            check_no_columns(self.root, {"caption_column": caption_column, "video_column": video_column},
+                             {"caption_column": "text", "video_column": "file_name"}, "a .txt caption beside each clip")
             how = f"no metadata.jsonl, metadata.csv or clips with extensions {VIDEO_EXTENSIONS}"
             rows = with_txt_captions(files_below(self.root, VIDEO_EXTENSIONS, how), self.root)
         self.paths = [str(p) for p, _ in rows]

@@ -57,7 +57,8 @@ class CallLimits:
     ``"the VAE downsamples by 8 and the transformer takes 2x2 patches"``); ``native_size``: the ``(height, width)``
     the model was trained at; ``max_clip_skip``: the largest ``clip_skip`` its text encoders have layers for;
     ``frame_factor``: videos have ``1 + k * frame_factor`` frames (``num_frames``: the VAE keeps the first frame and
-    compresses each ``frame_factor`` after it into one latent frame; 4 for Wan, 8 for LTX-Video). ``None``: not
+    compresses each ``frame_factor`` after it into one latent frame; 4 for Wan, 8 for LTX-Video), and their latent
+    frames a multiple of ``frame_patch`` (the transformer's temporal patch: LTX's ``patch_size_t``). ``None``: not
     known (not checked)."""
 
     size_factor: int | None = None
@@ -65,21 +66,24 @@ class CallLimits:
     max_clip_skip: int | None = None
     frame_factor: int | None = None
     size_why: str | None = None
+    frame_patch: int = 1
 
     def why_size(self) -> str:
         """Why sizes are multiples of :attr:`size_factor`."""
         return self.size_why or f"the VAE downsamples by {self.size_factor}"
 
     @classmethod
-    def of_patches(cls, vae, patch: tuple[int, int], *, native_size: tuple[int, int]) -> "CallLimits":
+    def of_patches(cls, vae, patch: tuple[int, int], *, native_size: tuple[int, int],
+                   frame_patch: int = 1) -> "CallLimits":
         """The limits of a video transformer taking ``patch`` (height, width) patches of ``vae``'s latents (its
-        config; ``None``: nothing known): sizes in multiples of the VAE's factor times the larger side, frames of the
-        VAE's temporal factor."""
+        config; ``None``: nothing known) and ``frame_patch`` latent frames a patch: sizes in multiples of the VAE's
+        factor times the larger side, frames of the VAE's temporal factor making whole temporal patches."""
         if vae is None:
             return cls()
         f, (ph, pw) = vae.downsample_factor, patch
         return cls(size_factor=f * max(ph, pw), native_size=native_size, frame_factor=vae.temporal_factor,
-                   size_why=f"the VAE downsamples by {f} and the transformer takes {ph}x{pw} patches")
+                   size_why=f"the VAE downsamples by {f} and the transformer takes {ph}x{pw} patches",
+                   frame_patch=frame_patch)
 
 
 def _is_int(value) -> bool:
@@ -128,12 +132,22 @@ def _size(name: str, value, limits: CallLimits) -> None:
 
 
 def _frames(name: str, value, limits: CallLimits) -> None:
+    """``1 + f k`` frames (``f``: the VAE's temporal factor), whose ``k + 1`` latent frames make whole temporal
+    patches of ``p`` (the transformer's): ``first + f p j`` with ``first = 1 + f (p - 1)``, the nearest named."""
     _int(name, value, 1, " (frames per video)")
-    f = limits.frame_factor
-    if f and (value - 1) % f:
-        low = 1 + (value - 1) // f * f
+    f, p = limits.frame_factor, limits.frame_patch
+    if not f:
+        return
+    step, first = f * p, 1 + f * (p - 1)
+    if value >= first and (value - first) % step == 0:
+        return
+    low = first + (value - first) // step * step if value >= first else None
+    fits = f"try {low} or {low + step}" if low is not None else f"try {first}"
+    if p == 1:
         raise InputError(f"{name}={value} must be {f}k+1 (the VAE keeps the first frame and compresses time by {f} "
-                         f"after it); try {low} or {low + f}")
+                         f"after it); {fits}")
+    raise InputError(f"{name}={value} must be {step}k+{first} (the VAE keeps the first frame and compresses time by "
+                     f"{f} after it, and the transformer takes patches of {p} latent frames); {fits}")
 
 
 def _clip_skip(name: str, value, limits: CallLimits) -> None:
@@ -187,6 +201,21 @@ def _numbers(name: str, value, limits) -> None:
                              f"{shown}")
 
 
+def _decode_fraction(name: str, value, limits) -> None:
+    """LTX-Video's ``decode_timestep`` / ``decode_noise_scale`` (one number, or one per prompt or video): numbers in
+    [0, 1], the decoder's timestep as a fraction of the schedule and the share of fresh noise mixed into the latents,
+    ``(1 - s) z + s noise``. diffusers takes any float (no check); outside [0, 1] the latents are extrapolated past
+    pure noise or past themselves, which no model card or training uses (0.03-0.05 are the recommended values)."""
+    _numbers(name, value, limits)
+    if hasattr(value, "detach"):  # a torch tensor: as NumPy
+        value = value.detach().cpu().numpy()
+    values = np.asarray(value, np.float64).reshape(-1)
+    bad = values[~((values >= 0.0) & (values <= 1.0))]
+    if bad.size:
+        raise InputError(f"{name}={value!r:.60} must be in [0, 1] (got {bad[0]:g}): the decoder's timestep and the "
+                         "noise mixed in as fractions (0 decodes the latents as they are, 0.03-0.05 is recommended)")
+
+
 def _bool(name: str, value, limits) -> None:
     """A switch is True or False: a string such as 'no' would be truthy."""
     if not isinstance(value, (bool, np.bool_)):
@@ -235,7 +264,8 @@ CHECKS = {
     "guess_mode": _bool, "_auto_resize": _bool, "progress": _bool,
     **dict.fromkeys(("latents", "prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
                      "negative_pooled_prompt_embeds", "prompt_attention_mask", "negative_prompt_attention_mask",
-                     "image_embeds", "decode_timestep", "decode_noise_scale"), _numbers),
+                     "image_embeds"), _numbers),
+    **dict.fromkeys(("decode_timestep", "decode_noise_scale"), _decode_fraction),
 }
 
 

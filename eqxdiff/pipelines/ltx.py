@@ -248,8 +248,8 @@ class LTXPipeline(LatentPipeline):
 
     @classmethod
     def limits_from(cls, vae, transformer) -> CallLimits:
-        patch = 1 if transformer is None else transformer.patch_size
-        return CallLimits.of_patches(vae, (patch, patch), native_size=DEFAULT_SIZE)
+        patch, frames = (1, 1) if transformer is None else (transformer.patch_size, transformer.patch_size_t)
+        return CallLimits.of_patches(vae, (patch, patch), native_size=DEFAULT_SIZE, frame_patch=frames)
 
     def check_call(self, arguments) -> None:
         """The schedule exists for the steps (or ``timesteps``) asked for (once loaded: ``eqxdiff-generate`` checks it

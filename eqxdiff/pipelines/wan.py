@@ -66,6 +66,7 @@ from ._denoise import Denoiser, Guidance, denoise_loop, plan_schedule
 from ._latents import LatentPipeline, noise_draws
 from ._progress import progress_bar
 from ._text import prompt_pair, tokens, zero_padding
+from ._wan_experts import expert_boundary
 
 try:  # diffusers cleans prompts with ftfy when it is installed: so do we, to read the same prompts
     import ftfy
@@ -244,34 +245,20 @@ class WanPipeline(LatentPipeline):
         return CallLimits.of_patches(vae, patch[1:], native_size=DEFAULT_SIZE)
 
     def check_call(self, arguments) -> None:
-        """The schedule exists for the steps asked for (and leaves a step after video-to-video's ``strength``), and
-        the experts' arguments fit the folder: ``boundary_ratio`` needs a ``transformer_2``, ``guidance_scale_2`` a
-        boundary (once loaded: ``eqxdiff-generate`` checks the schedule before)."""
+        """The schedule exists for the steps asked for (and leaves a step after video-to-video's ``strength``); the
+        experts' arguments fit the folder (``eqxdiff-generate``'s stand-in holds its ``folder_index``)."""
         if "num_inference_steps" in arguments:
             plan_schedule(self.scheduler, arguments["num_inference_steps"], sample_shape=(1, 1, 1, 1, 1),
                           strength=arguments.get("strength"), whole_steps=STRENGTH_WHOLE_STEPS,  # video-to-video's
                           timesteps=arguments.get("timesteps"))
-        if not hasattr(self, "transformer"):
+        index = getattr(self, "folder_index", None)  # eqxdiff-generate's stand-in: the folder's model_index.json
+        if index is None and not hasattr(self, "transformer"):
             return
-        boundary = self._boundary(arguments.get("boundary_ratio"))
-        if arguments.get("guidance_scale_2") is not None and boundary is None:
-            raise InputError(f"guidance_scale_2={arguments['guidance_scale_2']} applies to the low-noise expert "
-                             "(transformer_2), which runs only below a boundary_ratio; pass boundary_ratio= (0.875 is "
-                             "Wan 2.2's for text-to-video) or leave guidance_scale_2 out")
-
-    def _boundary(self, boundary_ratio: float | None) -> float | None:
-        """The expert boundary of a call (its ``boundary_ratio``, else the folder's), checked."""
-        ratio = self.boundary_ratio if boundary_ratio is None else boundary_ratio
-        if ratio is None:
-            return None
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-            raise InputError(f"boundary_ratio={ratio!r} must be a number in [0, 1]: the fraction of the training "
-                             "timesteps above which the high-noise expert runs (0.875 for Wan 2.2 text-to-video, 0.9 "
-                             "for image-to-video)")
-        if getattr(self, "transformer_2", None) is None:
-            raise InputError(f"boundary_ratio={ratio} switches to a second expert, but this pipeline has no "
-                             "transformer_2 (a Wan 2.2 A14B folder has one); leave boundary_ratio out")
-        return float(ratio)
+        second = getattr(self, "transformer_2", None) if index is None else index.get("transformer_2")
+        two = second[-1] is not None if isinstance(second, (list, tuple)) else second is not None
+        ratio = (self.boundary_ratio if index is None else index.get("boundary_ratio")) \
+            if arguments.get("boundary_ratio") is None else arguments["boundary_ratio"]
+        expert_boundary(ratio, two, arguments.get("guidance_scale_2"))
 
     # -- prompts -------------------------------------------------------------------------------------------------
 
@@ -343,7 +330,8 @@ class WanPipeline(LatentPipeline):
         (video-to-video, ``shape``): the start, noised to the first step the schedule keeps of ``strength``
         (:func:`~eqxdiff.pipelines.plan_schedule`, ``add_noise_at_step``), instead of the noise alone; ``timesteps``
         a custom schedule in place of ``num_inference_steps`` (for schedulers that take one)."""
-        boundary = self._boundary(boundary_ratio)
+        boundary = expert_boundary(self.boundary_ratio if boundary_ratio is None else boundary_ratio,
+                                    getattr(self, "transformer_2", None) is not None)
         schedule, guidance, high = self.experts_schedule(num_inference_steps, shape, guidance_scale=guidance_scale,
                                                          guidance_scale_2=guidance_scale_2, boundary=boundary,
                                                          strength=None if init_latents is None else strength,

@@ -216,6 +216,12 @@ class TrainConfig:
             if self.class_prompt is None:
                 raise ValueError(f"class_data_dir={str(self.class_data_dir)!r} holds prior preservation's class "
                                  "images; give class_prompt too (or leave class_data_dir out)")
+        scratch = [] if self.model is None else [f"{k}={v!r}" for k, v in flat_settings(run_settings(self)).items()
+                                                 if k.split(".")[0] in _SCRATCH and v != _SCRATCH_DEFAULTS[k]]
+        if scratch:
+            raise ValueError(f"{', '.join(scratch)} set{'s' * (len(scratch) == 1)} the from-scratch digits "
+                             f"architecture and its autoencoder stage, but model={self.model!r} is fine-tuned as it "
+                             "is: drop them (or the model, to train from scratch)")
         if self.model is None:
             what = {"lora.rank": self.lora.rank if self.lora.enabled else None, "class_prompt": self.class_prompt}
             given = {k: v for k, v in what.items() if v is not None}
@@ -295,6 +301,8 @@ class TrainConfig:
         return source
 
 
+# What only a from-scratch run (model=None) reads: a fine-tune would drop them without a word.
+_SCRATCH = ("architecture", "autoencoder_steps", "autoencoder_batch_size", "autoencoder_learning_rate", "kl_weight")
 _SOURCE_FLAGS = "data= (digits, synthetic or an image folder), hf_dataset= or tfrecord="
 
 
@@ -348,6 +356,11 @@ def flat_settings(settings: dict, prefix: str = "") -> dict:
         else:
             out[prefix + k] = v
     return out
+
+
+_SCRATCH_DEFAULTS = {k: v for k, v in flat_settings(json.loads(json.dumps(dataclasses.asdict(TrainConfig()),
+                                                                           default=str))).items()
+                     if k.split(".")[0] in _SCRATCH}
 
 
 def setting_changes(saved: dict, settings: dict, keys: tuple[str, ...] | None = None) -> dict:

@@ -99,6 +99,7 @@ class TrainModel(eqx.Module):
     OPTIONS: ClassVar[type[FamilyOptions]] = FamilyOptions
     CALL_OPTIONS: ClassVar[tuple[str, ...]] = ()  # options the pipeline's __call__ takes as trained (samples)
     LORA_KOHYA: ClassVar[tuple[Naming, ...]] = ()  # how kohya's LoRA files name each model (--lora.format kohya)
+    VIDEO: ClassVar[bool] = False  # trains on video clips (pixel_values [batch, frames, H, W, 3]), not on images
 
     options: FamilyOptions = eqx.field(static=True, default=None, kw_only=True)  # None: OPTIONS()
 

@@ -70,6 +70,14 @@ class LoraConfig:
         for target in self.targets:
             check_choice("lora.targets", target, TARGETS)
         check_choice("lora.format", self.format, FORMATS)
+        if self.rank == 0:  # a full fine-tune: a setting of the adapters would be dropped without a word
+            default = LoraConfig.__dataclass_fields__
+            given = [f"lora.{f}={getattr(self, f)!r}" for f in ("alpha", "targets", "dora", "text_encoders", "format")
+                     if getattr(self, f) != default[f].default]
+            if given:
+                raise ValueError(f"{', '.join(given)} set{'s' * (len(given) == 1)} LoRA adapters, but lora.rank=0 "
+                                 "trains the whole denoiser without any: give lora.rank=4 (or another rank > 0) for "
+                                 "a LoRA, or drop them")
 
     @property
     def enabled(self) -> bool:

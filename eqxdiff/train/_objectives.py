@@ -201,6 +201,35 @@ def _times(weights, sample_weights):
     return sample_weights if weights is None else weights * sample_weights
 
 
+def check_objective(objective: Objective, scheduler) -> None:
+    """``ValueError`` for ``objective`` settings of another noise process than ``scheduler``'s (the DDPM process, or
+    rectified flow: a ``FlowMatchEulerDiscreteScheduler``), naming them and what this one takes; checked by the
+    losses and, before anything loads, by :func:`eqxdiff.train.run` on the folder's scheduler config."""
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        ddpm = [f"snr_gamma={objective.snr_gamma}"] if objective.snr_gamma is not None else []
+        if objective.timestep_bias.strategy != "none":
+            ddpm.append(f"timestep_bias={objective.timestep_bias.strategy!r}")
+        if ddpm:
+            raise ValueError(f"{' and '.join(ddpm)}: snr_gamma and timestep_bias weight the DDPM process, but the "
+                             "model trains by flow matching, which takes weighting_scheme (one of "
+                             f"{list(WEIGHTING_SCHEMES)}): leave them out")
+        if objective.prediction_type not in (None, "flow_prediction"):
+            raise ValueError(f"prediction_type={objective.prediction_type!r} is a DDPM target; the model trains by "
+                             "flow matching, which predicts the velocity: set prediction_type='flow_prediction' or "
+                             "leave it out")
+        return
+    flow = [f"weighting_scheme={objective.weighting_scheme!r}"] if objective.weighting_scheme != "none" else []
+    if objective.prediction_type == "flow_prediction":
+        flow.append("prediction_type='flow_prediction'")
+    if flow:
+        raise ValueError(f"{type(scheduler).__name__} trains on the DDPM process, where {' and '.join(flow)} (flow "
+                         "matching's) does not apply: leave it out (the DDPM process takes snr_gamma and "
+                         "timestep_bias)")
+    kind = objective.prediction_type or scheduler.config.prediction_type
+    if objective.snr_gamma is not None:
+        check_min_snr(scheduler, kind)
+
+
 def diffusion_loss(denoiser: Callable, scheduler, objective: Objective, latents: Float[Array, "batch *dims"],
                    context, key: PRNGKeyArray, sample_weights: Float[Array, " batch"] | None = None,
                    inputs: Callable | None = None) -> Float[Array, ""]:
@@ -210,10 +239,7 @@ def diffusion_loss(denoiser: Callable, scheduler, objective: Objective, latents:
     called with and which elements the loss counts (:func:`model_inputs`)."""
     if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
         return flow_matching_loss(denoiser, scheduler, objective, latents, context, key, sample_weights, inputs)
-    if objective.weighting_scheme != "none" or objective.prediction_type == "flow_prediction":
-        raise ValueError(f"{type(scheduler).__name__} trains on the DDPM process: weighting_scheme="
-                         f"{objective.weighting_scheme!r} and prediction_type='flow_prediction' are flow-matching "
-                         "settings (use a FlowMatchEulerDiscreteScheduler, or snr_gamma / timestep_bias here)")
+    check_objective(objective, scheduler)
     k_t, k_noise = jax.random.split(key)
     n = scheduler.config.num_train_timesteps
     timesteps = sample_timesteps(k_t, latents.shape[0], n, objective.timestep_bias)
@@ -298,12 +324,7 @@ def flow_matching_loss(velocity_model: Callable, scheduler: FlowMatchEulerDiscre
     training timesteps drawn by :func:`flow_timesteps`, weighted by :func:`flow_loss_weights` (times
     ``sample_weights``, if given); ``inputs``: what the model is called with and which elements the loss counts
     (:func:`model_inputs`)."""
-    if objective.snr_gamma is not None or objective.timestep_bias.strategy != "none":
-        raise ValueError("snr_gamma and timestep_bias weight the DDPM process; flow matching takes "
-                         f"weighting_scheme (one of {list(WEIGHTING_SCHEMES)})")
-    if objective.prediction_type not in (None, "flow_prediction"):
-        raise ValueError(f"flow matching trains the velocity (prediction_type='flow_prediction' or None), got "
-                         f"prediction_type={objective.prediction_type!r}")
+    check_objective(objective, scheduler)
     k_t, k_noise = jax.random.split(key)
     timesteps, sigmas = flow_timesteps(k_t, x0.shape[0], scheduler, objective)
     if objective.noise_offset:

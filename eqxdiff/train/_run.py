@@ -31,6 +31,7 @@ from ._family import TrainModel
 from ._loop import fit, shard_state
 from ._lora import add_lora, lora_filter, save_lora
 from ._metrics import MetricsLogger, log_line
+from ._precheck import check_data_kind, check_model
 from ._resume import ResumePoint, autoencoder_reuse, resume_point
 from ._setup import Setup, autoencoder_stage, build, export_pipeline, sample_scheduler
 from ._sources import open_source
@@ -48,6 +49,8 @@ def run(config: TrainConfig):
     point = resume_point(config)  # a refused change raises here, before anything is loaded or written
     if config.model is None:
         autoencoder_reuse(config)  # so does an earlier autoencoder stage's VAE trained otherwise
+    family = check_model(config)  # the folder's configs against the options, objective and schedulers: unloaded
+    check_data_kind(config, family)  # a data folder of clips for a video family, of images for the others
     config = config.resolved()
     out = Path(config.output_dir)
     if point is not None:
@@ -61,11 +64,15 @@ def run(config: TrainConfig):
                 return None, None, []
     out.mkdir(parents=True, exist_ok=True)
     mesh = None if config.mesh is None else make_mesh(config.mesh)
-    if config.batch_size % batch_shards(mesh):
-        raise DataError(f"batch_size={config.batch_size} must be a multiple of {batch_shards(mesh)}: the mesh "
-                        f"{dict(mesh.shape)} splits each batch over its data x fsdp axes; change batch_size or "
-                        "the mesh's data/fsdp parallelism")
+    shards = batch_shards(mesh)
+    if config.batch_size % shards:
+        fits = max(shards, round(config.batch_size / shards) * shards)
+        raise DataError(f"batch_size={config.batch_size} must be a multiple of {shards}: the mesh "
+                        f"{dict(mesh.shape)} splits each batch over its data x fsdp axes; use batch_size={fits} (or "
+                        f"another multiple of {shards}), or change the mesh's data/fsdp parallelism")
     source = None if config.source == "digits" else open_source(config)[1]  # bad data fails before any loading
+    if source is not None:
+        check_data_kind(config, family, source)  # a Hugging Face dataset or TFRecords: known once opened
     setup = build(config, mesh)
     classes = class_images(config, setup) if config.class_prompt is not None else None  # drawn by the model itself
     setup, batches, encoders = _training_data(config, setup, source, classes)

@@ -185,7 +185,12 @@ def check_scheduler_fits(scheduler, noise_scheduler, what: str) -> None:
 def named_scheduler(name: str, noise_scheduler, option: str):
     """Scheduler ``name`` built on ``noise_scheduler``'s noise schedule, refused where it samples another noise
     process (:func:`check_scheduler_fits`; ``option``: the argument that named it, in the message)."""
-    scheduler = scheduler_from_config(noise_scheduler.config.to_dict(), name=name)
+    try:
+        scheduler = scheduler_from_config(noise_scheduler.config.to_dict(), name=name)
+    except ValueError:  # a scheduler whose config refuses the noise schedule's (DDIM: flow_prediction)
+        raise ValueError(f"{option}={name!r} cannot sample the model's noise schedule (its config refuses "
+                         f"{'a rectified-flow' if samples_flow(noise_scheduler) else 'the DDPM'} one); choose one of "
+                         f"{fitting_schedulers(noise_scheduler)} (or None: the folder's scheduler)") from None
     check_scheduler_fits(scheduler, noise_scheduler, f"{option}={name!r}")
     return scheduler
 

@@ -67,10 +67,11 @@ def open_source(config: TrainConfig, tokenizer=None):
         source = ImageFolderSource(config.data, **columns, caption=config.instance_prompt)
     else:
         name = config.data.lower()
-        hint = ("; for TFRecord files use tfrecord (--tfrecord)" if ".tfrecord" in name else
-                "; for a Hugging Face dataset (a Hub id, parquet, json, csv or arrow files) use hf_dataset "
-                "(--hf-dataset)")
-        raise DataError(f"data={config.data!r} is not 'digits', 'synthetic' or an image folder{hint}")
+        hint = ("; for TFRecord files use tfrecord" if ".tfrecord" in name else
+                "; for a Hugging Face dataset (a Hub id, parquet, json, csv or arrow files) use hf_dataset")
+        what = "is not 'digits', 'synthetic' or" if Path(config.data).exists() else "names no folder: give 'digits', " \
+            "'synthetic' or"
+        raise DataError(f"data={config.data!r} {what} a folder of images or clips with captions{hint}")
     if config.instance_prompt is not None and type(source) is not ImageFolderSource:  # it took the caption itself
         source = Prompted(source, config.instance_prompt)
     if len(source) < config.batch_size:
@@ -92,6 +93,8 @@ class Prompted:
 
     def __init__(self, source, prompt: str):
         self.source, self.prompt = source, prompt
+        if hasattr(source, "record_transform"):  # a clip source's records take its own transform, captioned or not
+            self.record_transform = source.record_transform
 
     def __len__(self) -> int:
         return len(self.source)

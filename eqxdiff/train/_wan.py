@@ -120,6 +120,19 @@ def prompt_mask(ids: Int[Array, "batch seq"], eos_token_id: int) -> Int[Array, "
     return (jnp.arange(n)[None, :] <= last[:, None]).astype(jnp.int32)
 
 
+def _check_boundary(two_experts: bool, ratio) -> None:
+    """``ValueError`` for a folder whose experts and ``boundary_ratio`` disagree: two experts need a ratio in (0, 1)
+    (at 0 or 1, or outside, one expert's timestep range is empty and it would train on nothing), one takes none."""
+    if two_experts != (ratio is not None):
+        raise ValueError("a Wan folder with transformer_2 needs boundary_ratio (and one with boundary_ratio needs "
+                         f"transformer_2): got transformer_2 {'present' if two_experts else 'absent'}, "
+                         f"boundary_ratio={ratio}; fix the folder's model_index.json")
+    if two_experts and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1):
+        raise ValueError(f"the folder's boundary_ratio={ratio!r} must be in (0, 1): the experts split the timesteps "
+                         "there, and outside it one of them trains on none (Wan 2.2 A14B's is 0.875); fix the folder's "
+                         "model_index.json")
+
+
 def _check_options(options: WanOptions, *, two_experts: bool, expand: bool) -> None:
     """``ValueError`` for options a folder cannot train: one expert picked of a single transformer, or first-frame
     conditioning without per-token timesteps."""
@@ -145,6 +158,7 @@ class WanFlowMatching(TrainModel):
     OPTIONS: ClassVar = WanOptions
     CALL_OPTIONS: ClassVar = ("max_sequence_length",)
     CLEAN_CAPTION: ClassVar = staticmethod(clean_prompt)
+    VIDEO: ClassVar = True
 
     transformer: Any
     transformer_2: Any
@@ -162,10 +176,12 @@ class WanFlowMatching(TrainModel):
 
     @classmethod
     def check_folder(cls, options, model_index):
-        """The folder's second expert (``transformer_2``) and ``expand_timesteps``, read from ``model_index.json``."""
+        """The folder's second expert (``transformer_2``) with its ``boundary_ratio``, and ``expand_timesteps``, read
+        from ``model_index.json``."""
         second = model_index.get("transformer_2")
-        _check_options(options, two_experts=isinstance(second, (list, tuple)) and second[0] is not None,
-                       expand=bool(model_index.get("expand_timesteps", False)))
+        two_experts = isinstance(second, (list, tuple)) and second[0] is not None
+        _check_boundary(two_experts, model_index.get("boundary_ratio"))
+        _check_options(options, two_experts=two_experts, expand=bool(model_index.get("expand_timesteps", False)))
 
     @property
     def first_frame_probability(self) -> float:
@@ -257,10 +273,7 @@ class WanFlowMatching(TrainModel):
         ``low``."""
         options = cls.OPTIONS() if options is None else options
         second, ratio = getattr(pipe, "transformer_2", None), getattr(pipe, "boundary_ratio", None)
-        if (second is None) != (ratio is None):
-            raise ValueError("a Wan folder with transformer_2 needs boundary_ratio (and one with boundary_ratio needs "
-                             f"transformer_2): got transformer_2 {'present' if second is not None else 'absent'}, "
-                             f"boundary_ratio={ratio}; fix the folder's model_index.json")
+        _check_boundary(second is not None, ratio)
         tokenizer = pipe.tokenizer
         length = cls.text_lengths({"tokenizer": tokenizer}, options)["input_ids"]
         raw = pipe.scheduler.config.to_dict()
