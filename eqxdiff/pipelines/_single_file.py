@@ -35,8 +35,9 @@ from ..loading import (
 from ..loading.single_file import Layout, Part, Shapes, check_tensors, detect_in, layout_shapes, layout_tensors
 from ..nn import build_abstract
 from ._components import build_scheduler, load_processor, load_tokenizer, pipeline_class_for
+from ._single_file_slots import assign_parts, file_targets, warn_same_class
 
-__all__ = ["SingleFile", "read_single_file", "save_single_file", "single_file_class"]
+__all__ = ["SingleFile", "read_single_file", "save_single_file", "single_file_class", "single_file_components"]
 
 _CONFIG_FILES = ["*.json", "*.txt", "*.model"]  # a pipeline's configs and tokenizers (T5's sentencepiece), no weights
 
@@ -86,13 +87,18 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
     loads the file as another class with the same components. ``config_overrides`` sets config keys of the models,
     per component, as for a folder (:func:`eqxdiff.load_pipeline`).
     """
-    path, file = _open(path)
-    where = f"file {os.fspath(path)!r}"
-    layout = detect_in(file, where, single_file_layouts())
-    held = [part for part in layout.parts if part.held(file)]
+    opened = _open_all(path)
+    layout, where = opened[0][3], _where(opened)
+    held = [part for *_, parts in opened for part in parts]
     source = _config_source(config, revision, layout, held, where)
     found = _layout_class(layout, source.index)
     cls = pipeline_class_for(found, pipeline_class, where=where, holds=found.__name__)
+    opened = [(p, file, lay, w, parts if target is None else [assign_parts(cls, target, parts, lay, source.index,
+                                                                            config, w)])
+              for target, p, file, lay, w, parts in opened]
+    held = [part for *_, parts in opened for part in parts]
+    if not isinstance(path, Mapping):
+        warn_same_class(cls, held, source.index, config, opened[0][0])
     source = _fetched(source, revision, cls, held)
     overrides = cls.check_config_overrides(config_overrides)
     _check_overrides_held(overrides, held, source, where)
@@ -104,7 +110,9 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
         return dict(dtype=weights_dtype, sharding=None if offload else sharding,
                     scan_layers=scan_layers and flags[name].scan, config_overrides=overrides.get(name))
 
-    components = _read_held(path, file, layout, held, source, where, load_kwargs)
+    components = {}
+    for p, file, lay, w, parts in opened:
+        components.update(_read_held(p, file, lay, parts, source, w, load_kwargs))
     components.update(_read_lacking(cls, layout, components, source, where, load_kwargs))
     components.update(_read_tokenizers(cls, layout, components, source, where))
     components.update(_read_processors(cls, source))
@@ -124,13 +132,22 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
 def single_file_class(path, *, config=None, revision: str | None = None) -> type:
     """The pipeline class ``load_pipeline(path, config=config)`` builds, read from the file's tensor names (and, for
     a layout that loads as several classes, ``config``'s ``model_index.json``: a Flux Kontext folder) without
-    loading it: what ``eqxdiff-generate`` takes a single file's options from."""
-    path, file = _open(path)
+    loading it: what ``eqxdiff-generate`` takes a single file's options from. A mapping ``{component: file}``: its
+    first file's."""
+    path, file = _open(file_targets(path)[0][1])
     where = f"file {os.fspath(path)!r}"
     layout = detect_in(file, where, single_file_layouts())
     if len(layout.pipelines) == 1 or config is None:
         return resolve_class(layout.pipelines[0])
     return _layout_class(layout, _config_source(config, revision, layout, (), where).index)
+
+
+def single_file_components(path) -> list[str]:
+    """The components a lone single file fills, as its layout names them (``["transformer"]``; an A1111 file's
+    ``["text_encoder", "unet", "vae"]``)."""
+    path, file = _open(path)
+    layout = detect_in(file, f"file {os.fspath(path)!r}", single_file_layouts())
+    return [part.name for part in layout.parts if part.held(file)]
 
 
 def save_single_file(pipe, path, *, dtype=None, layout: str | None = None) -> Path:
@@ -296,6 +313,27 @@ def _check_overrides_held(overrides: Mapping, held: list[Part], source: _Config,
 
 
 # -- the layout, the class and config= --------------------------------------------------------------------------------
+
+
+def _open_all(path) -> list[tuple]:
+    """``[(component or None, path, file, layout, where, held parts)]`` of ``path``: one file, or a mapping
+    ``{component: file}`` (:func:`file_targets`) whose files are of one family."""
+    opened = []
+    for target, given in file_targets(path):
+        p, file = _open(given)
+        where = f"file {os.fspath(p)!r}"
+        layout = detect_in(file, where, single_file_layouts())
+        opened.append((target, p, file, layout, where, [part for part in layout.parts if part.held(file)]))
+    families = {o[3].family for o in opened}
+    if len(families) > 1:
+        raise CheckpointError(f"{_where(opened)} are files of {' and '.join(sorted(families))} models, not of one "
+                              "pipeline; pass the files of one model family")
+    return opened
+
+
+def _where(opened: list[tuple]) -> str:
+    paths = [repr(os.fspath(o[1])) for o in opened]
+    return f"file {paths[0]}" if len(paths) == 1 else f"files {', '.join(paths)}"
 
 
 def _open(path) -> tuple[Path, SafetensorsFile]:
