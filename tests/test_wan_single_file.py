@@ -32,7 +32,7 @@ from eqxdiff.loading import (
     state_dict,
     write_safetensors,
 )
-from eqxdiff.pipelines import InputWarning, single_file_class
+from eqxdiff.pipelines import InputError, InputWarning, single_file_class
 from eqxdiff.pipelines.wan_i2v import WanImageToVideoPipeline
 
 from . import _tiny_wan as tiny
@@ -409,3 +409,25 @@ def test_bad_expert_mappings_say_the_fix(a14b, i2v, tmp_path):
     with pytest.raises(CheckpointError, match=r"lists no transformer_2 \(model_index\.json\).*pass config= a folder "
                                               r"of a pipeline with a transformer_2"):
         eqxdiff.load_pipeline({"transformer_2": files["low"]}, config=i2v[0])
+
+
+def test_generate_loads_the_expert_files(a14b, tmp_path):
+    """eqxdiff-generate --model high --component transformer_2=low --config folder loads the mapping
+    load_pipeline's test above proves (checked before loading); the flag without --config, in the wrong form, twice,
+    or naming --model's own component is one line naming the fix."""
+    from eqxdiff.cli import generate
+    from eqxdiff.cli._generate_flags import model_files
+
+    folder, files, _ = a14b
+    base = ["--model", str(files["high"]), "--prompt", "a fox", "--output-dir", str(tmp_path)]
+    checked = generate.validate([*base, "--config", str(folder), "--component", f"transformer_2={files['low']}"])
+    assert model_files(checked.args.run) == {"transformer": str(files["high"]), "transformer_2": str(files["low"])}
+    for flags, message in [
+        (["--component", f"transformer_2={files['low']}"], r"^--component goes with .* give both"),
+        (["--config", str(folder), "--component", "transformer_2"], r"must be COMPONENT=FILE"),
+        (["--config", str(folder), "--component", "transformer_2=a", "--component", "transformer_2=b"], "twice"),
+        (["--config", str(folder), "--component", f"transformer={files['low']}"],
+         r"^--component transformer=\.\.\. names the component --model's file fills"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            generate.validate([*base, *flags])
