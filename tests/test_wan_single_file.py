@@ -393,7 +393,7 @@ def test_expert_files_fill_the_components_named(a14b):
 def test_bad_expert_mappings_say_the_fix(a14b, i2v, tmp_path):
     """A mapping naming no model component, a component the file cannot be (a transformer file as the VAE), one
     the folder does not list (a Wan 2.1 folder has no transformer_2), a missing file or no mapping form: one line
-    naming the fix."""
+    naming the fix; so do files of two families."""
     folder, files, _ = a14b
     for mapping, message in [
         ({"transformer_3": files["low"]}, r"WanPipeline has no model component 'transformer_3'; name one of \["),
@@ -406,6 +406,14 @@ def test_bad_expert_mappings_say_the_fix(a14b, i2v, tmp_path):
         with pytest.raises(CheckpointError, match=message) as info:
             eqxdiff.load_pipeline(mapping, config=folder)
         assert "\n" not in str(info.value)
+    from . import _tiny_flux
+
+    flux = _tiny_flux.bfl_tensors(_tiny_flux.build_transformer(_tiny_flux.TRANSFORMER))
+    flux = _write(flux, tmp_path / "f.safetensors")
+    with pytest.raises(CheckpointError, match=r"^the mapping \{'transformer': .*high\.safetensors', 'transformer_2': "
+                                              r".*f\.safetensors'\} holds files of Flux and Wan models, not of one "
+                                              r"pipeline; map files of one model family$"):
+        eqxdiff.load_pipeline({"transformer": files["high"], "transformer_2": flux}, config=folder)
     with pytest.raises(CheckpointError, match=r"lists no transformer_2 \(model_index\.json\).*pass config= a folder "
                                               r"of a pipeline with a transformer_2"):
         eqxdiff.load_pipeline({"transformer_2": files["low"]}, config=i2v[0])

@@ -14,6 +14,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 from huggingface_hub import snapshot_download
@@ -86,19 +87,25 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
     (SDXL-Lightning: ``scheduler="euler", scheduler_options={"timestep_spacing": "trailing"}``). ``pipeline_class``
     loads the file as another class with the same components. ``config_overrides`` sets config keys of the models,
     per component, as for a folder (:func:`eqxdiff.load_pipeline`).
+
+    ``path`` may be a mapping ``{component: file}`` (files of one family, each holding one model, each checked as a
+    lone file is): each model is read as the component named (Wan 2.2 A14B's experts, two files of one architecture:
+    ``{"transformer": high_noise_file, "transformer_2": low_noise_file}``), refused if the pipeline has no such
+    model component, the model is of another class, or ``config=`` lists no such component. A lone file fills the
+    components its layout names; where ``config=`` lists another component of the class it fills, an
+    :class:`~eqxdiff.pipelines.InputWarning` names the one filled, the one read from ``config=`` and the mapping.
     """
     opened = _open_all(path)
-    layout, where = opened[0][3], _where(opened)
-    held = [part for *_, parts in opened for part in parts]
-    source = _config_source(config, revision, layout, held, where)
+    layout, where = opened[0].layout, _where(path, opened)
+    source = _config_source(config, revision, layout, [part for o in opened for part in o.parts], where)
     found = _layout_class(layout, source.index)
     cls = pipeline_class_for(found, pipeline_class, where=where, holds=found.__name__)
-    opened = [(p, file, lay, w, parts if target is None else [assign_parts(cls, target, parts, lay, source.index,
-                                                                            config, w)])
-              for target, p, file, lay, w, parts in opened]
-    held = [part for *_, parts in opened for part in parts]
+    opened = [o if o.target is None else o._replace(parts=[assign_parts(cls, o.target, o.parts, o.layout,
+                                                                        source.index, config, o.where)])
+              for o in opened]
+    held = [part for o in opened for part in o.parts]
     if not isinstance(path, Mapping):
-        warn_same_class(cls, held, source.index, config, opened[0][0])
+        warn_same_class(cls, held, source.index, config, opened[0].path)
     source = _fetched(source, revision, cls, held)
     overrides = cls.check_config_overrides(config_overrides)
     _check_overrides_held(overrides, held, source, where)
@@ -111,8 +118,8 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
                     scan_layers=scan_layers and flags[name].scan, config_overrides=overrides.get(name))
 
     components = {}
-    for p, file, lay, w, parts in opened:
-        components.update(_read_held(p, file, lay, parts, source, w, load_kwargs))
+    for o in opened:
+        components.update(_read_held(o.path, o.file, o.layout, o.parts, source, o.where, load_kwargs))
     components.update(_read_lacking(cls, layout, components, source, where, load_kwargs))
     components.update(_read_tokenizers(cls, layout, components, source, where))
     components.update(_read_processors(cls, source))
@@ -315,25 +322,40 @@ def _check_overrides_held(overrides: Mapping, held: list[Part], source: _Config,
 # -- the layout, the class and config= --------------------------------------------------------------------------------
 
 
-def _open_all(path) -> list[tuple]:
-    """``[(component or None, path, file, layout, where, held parts)]`` of ``path``: one file, or a mapping
-    ``{component: file}`` (:func:`file_targets`) whose files are of one family."""
+class _Opened(NamedTuple):
+    """One file to read: the component a mapping names for it (``None``: what its layout says), its path, tensors,
+    layout, name in messages and the parts it holds."""
+
+    target: str | None
+    path: Path
+    file: SafetensorsFile
+    layout: Layout
+    where: str
+    parts: list[Part]
+
+
+def _open_all(path) -> list[_Opened]:
+    """The files of ``path``: one file, or a mapping ``{component: file}`` (:func:`file_targets`) whose files are of
+    one family, each opened and its layout found."""
     opened = []
     for target, given in file_targets(path):
         p, file = _open(given)
         where = f"file {os.fspath(p)!r}"
         layout = detect_in(file, where, single_file_layouts())
-        opened.append((target, p, file, layout, where, [part for part in layout.parts if part.held(file)]))
-    families = {o[3].family for o in opened}
+        opened.append(_Opened(target, p, file, layout, where, [part for part in layout.parts if part.held(file)]))
+    families = sorted({o.layout.family for o in opened})
     if len(families) > 1:
-        raise CheckpointError(f"{_where(opened)} are files of {' and '.join(sorted(families))} models, not of one "
-                              "pipeline; pass the files of one model family")
+        raise CheckpointError(f"{_where(path, opened)} holds files of {' and '.join(families)} models, not of one "
+                              "pipeline; map files of one model family")
     return opened
 
 
-def _where(opened: list[tuple]) -> str:
-    paths = [repr(os.fspath(o[1])) for o in opened]
-    return f"file {paths[0]}" if len(paths) == 1 else f"files {', '.join(paths)}"
+def _where(path, opened: list[_Opened]) -> str:
+    """The file (``file 'x.safetensors'``) or mapping (``the mapping {'transformer': 'x.safetensors', ...}``) in
+    messages."""
+    if not isinstance(path, Mapping):
+        return opened[0].where
+    return "the mapping {" + ", ".join(f"{o.target!r}: {os.fspath(o.path)!r}" for o in opened) + "}"
 
 
 def _open(path) -> tuple[Path, SafetensorsFile]:
