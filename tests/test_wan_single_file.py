@@ -32,7 +32,7 @@ from eqxdiff.loading import (
     state_dict,
     write_safetensors,
 )
-from eqxdiff.pipelines import single_file_class
+from eqxdiff.pipelines import InputError, InputWarning, single_file_class
 from eqxdiff.pipelines.wan_i2v import WanImageToVideoPipeline
 
 from . import _tiny_wan as tiny
@@ -347,3 +347,95 @@ def test_released_files_suggest_their_own_hub_folder(release, hub_id):
         view = convert(Shapes(shapes), inverse(rules))
         file = Shapes({prefix + n: tuple(view.shape(n)) for n in view.names()})
         assert detect_in(file, "file", single_file_layouts()).hub_id == hub_id, prefix
+
+
+# -- Wan 2.2 A14B's two expert files ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def a14b(tmp_path_factory):
+    """A tiny Wan 2.2 A14B folder and two expert files (ComfyUI's names) of other random weights than its own."""
+    folder = tmp_path_factory.mktemp("wan_a14b")
+    tiny.build_a14b(folder, seed=3)
+    files, states = {}, {}
+    for name, seed in (("high", 21), ("low", 22)):
+        states[name] = _torch_state(tiny.build_transformer(tiny.T2V_PIPELINE, seed=seed))
+        files[name] = _write(_original(states[name], formats.WAN_DIFFUSION_MODEL), folder / f"{name}.safetensors")
+    return folder, files, states
+
+
+def test_expert_files_fill_the_components_named(a14b):
+    """load_pipeline({component: file}, config=folder) puts each expert file where the mapping says (both files,
+    or the low-noise one alone with the high-noise expert from the folder), each checked as a lone file is; a lone
+    expert file fills the transformer and says so (it used to be read as the high-noise expert without a word)."""
+    import warnings
+
+    folder, files, states = a14b
+    pipe = eqxdiff.load_pipeline({"transformer": files["high"], "transformer_2": files["low"]}, config=folder)
+    _assert_weights(pipe.transformer, states["high"], "high-noise file")
+    _assert_weights(pipe.transformer_2, states["low"], "low-noise file")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the mapping is explicit: no warning
+        pipe = eqxdiff.load_pipeline({"transformer_2": files["low"]}, config=folder)
+    _assert_weights(pipe.transformer_2, states["low"], "low-noise file alone")
+    _assert_weights(pipe.transformer, state_dict(eqxdiff.load(folder, "transformer")), "the folder's high-noise")
+    said = (r"holds one WanTransformer3DModel, read as the transformer; config=.* lists transformer_2 of the same "
+            r"class, read from it\. .*eqxdiff\.load_pipeline\(\{'transformer_2': .*low\.safetensors'\}, config=")
+    with pytest.warns(InputWarning, match=said):
+        pipe = eqxdiff.load_pipeline(files["low"], config=folder)
+    _assert_weights(pipe.transformer, states["low"], "lone file")
+    cut = {k: v for k, v in _original(states["low"], formats.WAN_DIFFUSION_MODEL).items() if "blocks.1.ffn.2" not in k}
+    with pytest.raises(CheckpointError, match=r"cut\.safetensors.*missing: 'model\.diffusion_model\.blocks\.1\.ffn"):
+        eqxdiff.load_pipeline({"transformer": files["high"], "transformer_2": _write(cut, folder / "cut.safetensors")},
+                              config=folder)
+
+
+def test_bad_expert_mappings_say_the_fix(a14b, i2v, tmp_path):
+    """A mapping naming no model component, a component the file cannot be (a transformer file as the VAE), one
+    the folder does not list (a Wan 2.1 folder has no transformer_2), a missing file or no mapping form: one line
+    naming the fix; so do files of two families."""
+    folder, files, _ = a14b
+    for mapping, message in [
+        ({"transformer_3": files["low"]}, r"WanPipeline has no model component 'transformer_3'; name one of \["),
+        ({"tokenizer": files["low"]}, r"has no model component 'tokenizer'"),
+        ({"vae": files["low"]}, r"holds a WanTransformer3DModel .*cannot be the vae of a WanPipeline \(a "
+                                r"AutoencoderKLWan\); map the file to 'transformer' or 'transformer_2'$"),
+        ({"transformer_2": tmp_path / "typo.safetensors"}, r"no file .*typo\.safetensors'; check its path"),
+        ({}, r"a mapping of single files is \{component name: \.safetensors file\}"),
+    ]:
+        with pytest.raises(CheckpointError, match=message) as info:
+            eqxdiff.load_pipeline(mapping, config=folder)
+        assert "\n" not in str(info.value)
+    from . import _tiny_flux
+
+    flux = _tiny_flux.bfl_tensors(_tiny_flux.build_transformer(_tiny_flux.TRANSFORMER))
+    flux = _write(flux, tmp_path / "f.safetensors")
+    with pytest.raises(CheckpointError, match=r"^the mapping \{'transformer': .*high\.safetensors', 'transformer_2': "
+                                              r".*f\.safetensors'\} holds files of Flux and Wan models, not of one "
+                                              r"pipeline; map files of one model family$"):
+        eqxdiff.load_pipeline({"transformer": files["high"], "transformer_2": flux}, config=folder)
+    with pytest.raises(CheckpointError, match=r"lists no transformer_2 \(model_index\.json\).*pass config= a folder "
+                                              r"of a pipeline with a transformer_2"):
+        eqxdiff.load_pipeline({"transformer_2": files["low"]}, config=i2v[0])
+
+
+def test_generate_loads_the_expert_files(a14b, tmp_path):
+    """eqxdiff-generate --model high --component transformer_2=low --config folder loads the mapping
+    load_pipeline's test above proves (checked before loading); the flag without --config, in the wrong form, twice,
+    or naming --model's own component is one line naming the fix."""
+    from eqxdiff.cli import generate
+    from eqxdiff.cli._generate_flags import model_files
+
+    folder, files, _ = a14b
+    base = ["--model", str(files["high"]), "--prompt", "a fox", "--output-dir", str(tmp_path)]
+    checked = generate.validate([*base, "--config", str(folder), "--component", f"transformer_2={files['low']}"])
+    assert model_files(checked.args.run) == {"transformer": str(files["high"]), "transformer_2": str(files["low"])}
+    for flags, message in [
+        (["--component", f"transformer_2={files['low']}"], r"^--component goes with .* give both"),
+        (["--config", str(folder), "--component", "transformer_2"], r"must be COMPONENT=FILE"),
+        (["--config", str(folder), "--component", "transformer_2=a", "--component", "transformer_2=b"], "twice"),
+        (["--config", str(folder), "--component", f"transformer={files['low']}"],
+         r"^--component transformer=\.\.\. names the component --model's file fills"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            generate.validate([*base, *flags])

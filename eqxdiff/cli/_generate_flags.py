@@ -19,7 +19,7 @@ from huggingface_hub import hf_hub_download
 from ..core import family_names, resolve_class
 from ..loading import CheckpointError, is_hub_id, read_config, read_json, resolve_folder
 from ..parallel import MeshConfig
-from ..pipelines import DiffusionPipeline, InputError, pipeline_class_for, single_file_class
+from ..pipelines import DiffusionPipeline, InputError, pipeline_class_for, single_file_class, single_file_components
 from ..schedulers import SCHEDULERS
 from ._command import DEBUG_HELP, CacheOptions, FlagError, config_errors_raise, python_flag
 from ._compose import ControlNetOptions, excluded_arguments, net_class, run_class
@@ -50,6 +50,11 @@ class RunOptions:
     config: str | None = None
     """With a single .safetensors --model (a Black Forest Labs Flux file, an A1111/ComfyUI checkpoint): a diffusers
     folder or Hub id giving what the file lacks (tokenizers, scheduler, configs, a Flux file's other models)."""
+    component: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """With a single .safetensors --model and --config: COMPONENT=FILE reads that pipeline component from another
+    single file, as eqxdiff.load_pipeline({component: file}, config=...) does (--model's file fills the component
+    its layout names); repeat the flag for several. Wan 2.2 A14B's two experts: --model high_noise.safetensors
+    --component transformer_2=low_noise.safetensors --config DIFFUSERS_FOLDER."""
     pipeline_class: str | None = None
     """Run the --model folder as another task of its family, as eqxdiff.load_pipeline(pipeline_class=...) does: a
     Wan 2.2 TI2V-5B folder as WanImageToVideoPipeline (--image), an LTX-Video folder as LTXImageToVideoPipeline or
@@ -235,6 +240,32 @@ def config_reader(model: str, revision: str | None = None, config: str | None = 
         return read
     folder = resolve_folder(model)
     return lambda path: read_json(folder / path) if (folder / path).is_file() else None
+
+
+def model_files(run: RunOptions) -> str | dict[str, str]:
+    """What ``eqxdiff-generate`` loads: ``--model``, or with ``--component`` flags the mapping ``{component: file}``
+    of ``eqxdiff.load_pipeline`` (``--model``'s file under the component its layout names)."""
+    if not run.component:
+        return run.model
+    if run.config is None or not Path(run.model).expanduser().is_file():
+        raise InputError("--component goes with a single .safetensors --model and --config (a diffusers folder or Hub "
+                         "id of the rest of the pipeline); give both, or leave out --component")
+    files: dict[str, str] = {}
+    for item in run.component:
+        name, sep, file = (part.strip() for part in item.partition("="))
+        if not sep or not name or not file:
+            raise InputError(f"--component {item!r} must be COMPONENT=FILE, e.g. transformer_2=low_noise.safetensors")
+        if name in files:
+            raise InputError(f"--component {name}= is given twice; give each component one file")
+        files[name] = file
+    own = single_file_components(run.model)
+    if len(own) != 1:
+        raise InputError(f"--model {run.model!r} holds {len(own)} models ({', '.join(own)}); --component goes with a "
+                         "--model file of one model")
+    if own[0] in files:
+        raise InputError(f"--component {own[0]}=... names the component --model's file fills; give the files of the "
+                         "other components")
+    return {own[0]: run.model, **files}
 
 
 def scheduler_options(items: Sequence[str]) -> dict[str, Any]:

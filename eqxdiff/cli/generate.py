@@ -86,6 +86,7 @@ from ._extras import before_loading, check_extras, extras_metadata, load_extras,
 from ._generate_flags import (
     Parsed,
     config_reader,
+    model_files,
     parse_command,
     pipeline_class,
     scheduler_options,
@@ -157,6 +158,7 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, pars
     if run.config is not None and not Path(run.model).expanduser().is_file():
         raise InputError(f"--config is for a single .safetensors --model (it gives what the file lacks); --model "
                          f"{run.model!r} holds its own configs: leave out --config")
+    model_files(run)  # --component's files, before loading
     read = config_reader(run.model, run.revision, run.config)
     loras = parse_specs(args.lora)  # the scales first: the files are checked once the other flags are
     if run.unet is not None:
@@ -363,7 +365,7 @@ def _generate(checked: Invocation) -> list[Path]:
               "attention": run.attention, "activations_dtype": run.activations_dtype, "mesh": mesh,
               "offload_encoders": run.offload_encoders, "scan_layers": run.scan_layers}
     controlnets = args.control.controlnet
-    pipe = load_pipeline(run.model, revision=run.revision, config=run.config,
+    pipe = load_pipeline(model_files(run), revision=run.revision, config=run.config,
                          **({"pipeline_class": checked.load_class} if checked.load_class else {}), **common)
     added = {}
     if controlnets:
@@ -442,6 +444,8 @@ def _parameters(checked: Invocation, pipe, outputs, refiner=None, loras=()) -> d
     if loras:
         extra.update(lora=list(loras), **({"fuse_lora": True} if args.lora.fuse_lora else {}))
     extra.update(extras_metadata(run))
+    if run.component:  # the files read beside --model's (Wan 2.2 A14B's second expert)
+        extra["component"] = list(run.component)
     if refiner is not None:
         extra.update(refiner=run.refiner, refiner_pipeline=type(refiner).__name__,
                      refiner_scheduler=scheduler_name(getattr(refiner, "scheduler", None)))

@@ -382,13 +382,15 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     of it, or another task of the same family (the same components, e.g. an SDXL base folder as image-to-image).
     A single ``.safetensors`` file in a layout a family declares (A1111 / ComfyUI / SGM, Black Forest Labs; see
     :data:`eqxdiff.core.SINGLE_FILE_LAYOUTS`) is read by :func:`eqxdiff.pipelines._single_file.read_single_file`;
-    ``config`` (a diffusers folder or Hub id) gives what such a file lacks (tokenizers, scheduler, configs).
-    """
+    ``config`` (a diffusers folder or Hub id) gives what such a file lacks (tokenizers, scheduler, configs). A file
+    fills the components its layout names; a mapping says which each file fills: Wan 2.2 A14B's two experts as
+    ``load_pipeline({"transformer": high_noise_file, "transformer_2": low_noise_file}, config=folder)`` (a lone
+    expert file fills ``transformer``, with an ``InputWarning`` naming the mapping that puts it elsewhere)."""
     weights_dtype = check_dtype(dtype) or check_dtype("float32")
     act_dtype = check_dtype(activations_dtype) or weights_dtype
-    if config is not None or Path(os.fspath(path_or_hub_id)).expanduser().is_file():  # config=: a single file
-        if mesh is not None and sharding is None:
-            sharding = sharding_fn(mesh, rules or DEFAULT_RULES)
+    if mesh is not None and sharding is None:
+        sharding = sharding_fn(mesh, rules or DEFAULT_RULES)
+    if config is not None or isinstance(path_or_hub_id, Mapping) or os.path.isfile(os.path.expanduser(path_or_hub_id)):
         from ._single_file import read_single_file  # here: a folder needs neither it nor huggingface_hub
         read = read_single_file(
             path_or_hub_id, config=config, revision=revision, dtype=weights_dtype, sharding=sharding,
@@ -400,8 +402,6 @@ def load_pipeline(path_or_hub_id, *, dtype=None, revision: str | None = None, va
     folder = resolve_folder(path_or_hub_id, revision=revision)
     index = read_config(folder, "model_index.json")
     cls, overrides = _folder_class(folder, index, pipeline_class, config_overrides)
-    if mesh is not None and sharding is None:
-        sharding = sharding_fn(mesh, rules or DEFAULT_RULES)
     components, extras = {}, {}
     for c in cls.COMPONENTS:
         if _index_entry(index, c.name) is None:

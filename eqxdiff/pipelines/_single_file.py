@@ -14,6 +14,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 from huggingface_hub import snapshot_download
@@ -35,8 +36,9 @@ from ..loading import (
 from ..loading.single_file import Layout, Part, Shapes, check_tensors, detect_in, layout_shapes, layout_tensors
 from ..nn import build_abstract
 from ._components import build_scheduler, load_processor, load_tokenizer, pipeline_class_for
+from ._single_file_slots import assign_parts, file_targets, warn_same_class
 
-__all__ = ["SingleFile", "read_single_file", "save_single_file", "single_file_class"]
+__all__ = ["SingleFile", "read_single_file", "save_single_file", "single_file_class", "single_file_components"]
 
 _CONFIG_FILES = ["*.json", "*.txt", "*.model"]  # a pipeline's configs and tokenizers (T5's sentencepiece), no weights
 
@@ -85,14 +87,25 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
     (SDXL-Lightning: ``scheduler="euler", scheduler_options={"timestep_spacing": "trailing"}``). ``pipeline_class``
     loads the file as another class with the same components. ``config_overrides`` sets config keys of the models,
     per component, as for a folder (:func:`eqxdiff.load_pipeline`).
+
+    ``path`` may be a mapping ``{component: file}`` (files of one family, each holding one model, each checked as a
+    lone file is): each model is read as the component named (Wan 2.2 A14B's experts, two files of one architecture:
+    ``{"transformer": high_noise_file, "transformer_2": low_noise_file}``), refused if the pipeline has no such
+    model component, the model is of another class, or ``config=`` lists no such component. A lone file fills the
+    components its layout names; where ``config=`` lists another component of the class it fills, an
+    :class:`~eqxdiff.pipelines.InputWarning` names the one filled, the one read from ``config=`` and the mapping.
     """
-    path, file = _open(path)
-    where = f"file {os.fspath(path)!r}"
-    layout = detect_in(file, where, single_file_layouts())
-    held = [part for part in layout.parts if part.held(file)]
-    source = _config_source(config, revision, layout, held, where)
+    opened = _open_all(path)
+    layout, where = opened[0].layout, _where(path, opened)
+    source = _config_source(config, revision, layout, [part for o in opened for part in o.parts], where)
     found = _layout_class(layout, source.index)
     cls = pipeline_class_for(found, pipeline_class, where=where, holds=found.__name__)
+    opened = [o if o.target is None else o._replace(parts=[assign_parts(cls, o.target, o.parts, o.layout,
+                                                                        source.index, config, o.where)])
+              for o in opened]
+    held = [part for o in opened for part in o.parts]
+    if not isinstance(path, Mapping):
+        warn_same_class(cls, held, source.index, config, opened[0].path)
     source = _fetched(source, revision, cls, held)
     overrides = cls.check_config_overrides(config_overrides)
     _check_overrides_held(overrides, held, source, where)
@@ -104,7 +117,9 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
         return dict(dtype=weights_dtype, sharding=None if offload else sharding,
                     scan_layers=scan_layers and flags[name].scan, config_overrides=overrides.get(name))
 
-    components = _read_held(path, file, layout, held, source, where, load_kwargs)
+    components = {}
+    for o in opened:
+        components.update(_read_held(o.path, o.file, o.layout, o.parts, source, o.where, load_kwargs))
     components.update(_read_lacking(cls, layout, components, source, where, load_kwargs))
     components.update(_read_tokenizers(cls, layout, components, source, where))
     components.update(_read_processors(cls, source))
@@ -124,13 +139,22 @@ def read_single_file(path, *, config=None, revision: str | None = None, dtype=No
 def single_file_class(path, *, config=None, revision: str | None = None) -> type:
     """The pipeline class ``load_pipeline(path, config=config)`` builds, read from the file's tensor names (and, for
     a layout that loads as several classes, ``config``'s ``model_index.json``: a Flux Kontext folder) without
-    loading it: what ``eqxdiff-generate`` takes a single file's options from."""
-    path, file = _open(path)
+    loading it: what ``eqxdiff-generate`` takes a single file's options from. A mapping ``{component: file}``: its
+    first file's."""
+    path, file = _open(file_targets(path)[0][1])
     where = f"file {os.fspath(path)!r}"
     layout = detect_in(file, where, single_file_layouts())
     if len(layout.pipelines) == 1 or config is None:
         return resolve_class(layout.pipelines[0])
     return _layout_class(layout, _config_source(config, revision, layout, (), where).index)
+
+
+def single_file_components(path) -> list[str]:
+    """The components a lone single file fills, as its layout names them (``["transformer"]``; an A1111 file's
+    ``["text_encoder", "unet", "vae"]``)."""
+    path, file = _open(path)
+    layout = detect_in(file, f"file {os.fspath(path)!r}", single_file_layouts())
+    return [part.name for part in layout.parts if part.held(file)]
 
 
 def save_single_file(pipe, path, *, dtype=None, layout: str | None = None) -> Path:
@@ -296,6 +320,42 @@ def _check_overrides_held(overrides: Mapping, held: list[Part], source: _Config,
 
 
 # -- the layout, the class and config= --------------------------------------------------------------------------------
+
+
+class _Opened(NamedTuple):
+    """One file to read: the component a mapping names for it (``None``: what its layout says), its path, tensors,
+    layout, name in messages and the parts it holds."""
+
+    target: str | None
+    path: Path
+    file: SafetensorsFile
+    layout: Layout
+    where: str
+    parts: list[Part]
+
+
+def _open_all(path) -> list[_Opened]:
+    """The files of ``path``: one file, or a mapping ``{component: file}`` (:func:`file_targets`) whose files are of
+    one family, each opened and its layout found."""
+    opened = []
+    for target, given in file_targets(path):
+        p, file = _open(given)
+        where = f"file {os.fspath(p)!r}"
+        layout = detect_in(file, where, single_file_layouts())
+        opened.append(_Opened(target, p, file, layout, where, [part for part in layout.parts if part.held(file)]))
+    families = sorted({o.layout.family for o in opened})
+    if len(families) > 1:
+        raise CheckpointError(f"{_where(path, opened)} holds files of {' and '.join(families)} models, not of one "
+                              "pipeline; map files of one model family")
+    return opened
+
+
+def _where(path, opened: list[_Opened]) -> str:
+    """The file (``file 'x.safetensors'``) or mapping (``the mapping {'transformer': 'x.safetensors', ...}``) in
+    messages."""
+    if not isinstance(path, Mapping):
+        return opened[0].where
+    return "the mapping {" + ", ".join(f"{o.target!r}: {os.fspath(o.path)!r}" for o in opened) + "}"
 
 
 def _open(path) -> tuple[Path, SafetensorsFile]:
