@@ -27,9 +27,9 @@ from ._data import cache_arrays as cache_arrays
 from ._data import cache_stream as cache_stream
 from ._data import check_batch as check_batch
 from ._digits import DigitsArchitecture as DigitsArchitecture
+from ._digits import build_digits_model as build_digits_model
 from ._dreambooth import PriorBatches as PriorBatches
 from ._dreambooth import class_images as class_images
-from ._digits import build_digits_model as build_digits_model
 from ._families import TRAIN_FAMILIES as TRAIN_FAMILIES
 from ._families import train_family as train_family
 from ._family import FamilyOptions as FamilyOptions
