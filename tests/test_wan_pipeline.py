@@ -1,10 +1,11 @@
 """The Wan pipelines end to end against diffusers 0.42 in float32 (every pixel within 2/255 from the same initial
 latents): text-to-video (Wan 2.1), the two experts of Wan 2.2 A14B (different weights, guidance_scale_2, the boundary
 inside one compiled loop; resident or offloaded), image-to-video with CLIP image tokens through added k/v (2.1),
-first-last-frame (FLF2V), and TI2V-5B's first frame through per-token timesteps. Prompts go through a character
-tokenizer saved in the folders (both sides tokenize alike), a tiny UMT5 with the attention mask and zero padding, and
-Wan's UniPC with flow sigmas. Then the same call on 8 simulated devices (FSDP 2 x context 2 x tensor 2) gives the one
-device's frames, eqxdiff-generate writes an MP4 that reads back, the flags come from the signatures, and the errors.
+first-last-frame (FLF2V), 2.2 A14B's two experts on image latents (no CLIP), and TI2V-5B's first frame through
+per-token timesteps. Prompts go through a character tokenizer saved in the folders (both sides tokenize alike), a
+tiny UMT5 with the attention mask and zero padding, and Wan's UniPC with flow sigmas. Then the same call on 8
+simulated devices (FSDP 2 x context 2 x tensor 2) gives the one device's frames, eqxdiff-generate writes an MP4 that
+reads back, the flags come from the signatures, and the errors.
 
 Tiny folders are built once for the module; every video has 9 frames of 32x32 pixels (3 latent frames) and every
 call 3 steps, so calls of one pipeline share their compiled programs.
@@ -301,6 +302,26 @@ def test_first_last_frame_matches_diffusers(i2v, tmp_path):
     expected = _run(ref, noise, image=Image.fromarray(first), last_image=Image.fromarray(last), prompt=PROMPTS,
                     negative_prompt=NEGATIVES, **kwargs)
     ours = flf2v(first, PROMPTS, last_image=last, negative_prompt=NEGATIVES, latents=noise, progress=False, **kwargs)
+    assert _pixels_off(ours, expected) <= 2
+
+
+def test_two_expert_image_to_video_matches_diffusers(i2v, tmp_path):
+    """Wan 2.2 I2V-A14B's layout: two experts (different weights) taking latents, mask and image latents (36
+    channels), no CLIP tokens, the boundary at 0.9 (at 3 steps one high-noise step, then two low-noise ones with
+    guidance_scale_2)."""
+    ref, pipe = i2v
+    experts = {name: tiny.build_transformer(dict(tiny.T2V_PIPELINE, in_channels=36), seed=seed)
+               for name, seed in (("transformer", 12), ("transformer_2", 13))}
+    for name, model in experts.items():
+        model.save_pretrained(tmp_path / name, safe_serialization=True)
+    a14b = WanImageToVideoPipeline.from_pipe(pipe, image_encoder=None, image_processor=None, boundary_ratio=0.9,
+                                             **{name: eqxdiff.load(tmp_path / name) for name in experts})
+    ref = type(ref)(**{**ref.components, **experts, "image_encoder": None, "image_processor": None},
+                    boundary_ratio=0.9)
+    image, noise = _picture(8), _noise(SHAPE, seed=5)
+    kwargs = dict(guidance_scale=4.0, guidance_scale_2=2.0, **VIDEO)
+    expected = _run(ref, noise, image=Image.fromarray(image), prompt=PROMPTS, negative_prompt=NEGATIVES, **kwargs)
+    ours = a14b(image, PROMPTS, negative_prompt=NEGATIVES, latents=noise, progress=False, **kwargs)
     assert _pixels_off(ours, expected) <= 2
 
 

@@ -11,8 +11,8 @@ guidance runs when ``guidance_scale > 1``, the negative prompt defaulting to ``"
 ``max_sequence_length``, as diffusers encodes it, beside ``prompt_embeds`` too), both halves in one batch; where the
 two differ in length (``prompt_embeds`` or ``negative_prompt_embeds`` of another length) they run apart, two model
 calls per step, as diffusers' two calls do. ``prompt_embeds`` / ``negative_prompt_embeds`` ``[n, seq, text_dim]``
-replace the encoder. The cross-attention keys
-and values of the prompts are computed once per call (``cross_attention_kv``), not at every step.
+replace the encoder, each row repeated per video as prompts are (diffusers repeats none: several rows fail with
+``num_videos_per_prompt > 1``). The prompts' cross-attention keys and values (``cross_attention_kv``): once per call.
 
 **Two experts (Wan 2.2 A14B).** With ``boundary_ratio`` (the folder's, or the call's) the steps whose timestep is at
 least ``boundary_ratio * num_train_timesteps`` run ``transformer`` (high noise) with ``guidance_scale``, the others
