@@ -42,6 +42,22 @@ def test_a_variable_frame_rate_clip_reads_each_frame_once(tmp_path):
     np.testing.assert_allclose(picked.mean(axis=(1, 2, 3)), LEVELS[[1, 4, 7]], atol=3)
 
 
+def test_a_gif_without_frame_delays_reads_every_frame(tmp_path):
+    """A GIF written without delays (GIF87a, Pillow's default writer): ffmpeg read its 5 frames as 1, so the folder
+    check said 1 frame and the reader failed; Pillow reads all 5, with the same frame sampling as other clips."""
+    clip = np.random.default_rng(0).integers(0, 256, (5, 16, 16, 3), dtype=np.uint8)  # 8x8 noise ffmpeg read right
+    frames = [Image.fromarray(f) for f in clip]
+    gif = tmp_path / "nodelay.gif"
+    frames[0].save(gif, save_all=True, append_images=frames[1:])
+    assert gif.read_bytes()[:6] == b"GIF87a"
+    (tmp_path / "nodelay.txt").write_text("noise")
+    source = VideoFolderSource(tmp_path, frames=FrameSampling(count=2, stride=2, start=1))
+    np.testing.assert_array_equal(read_frames(source[0]["video"], source.frames), clip[[1, 3]])  # 256 colours: exact
+    np.testing.assert_array_equal(read_video(gif), clip)
+    with pytest.raises(DataError, match=r"nodelay\.gif has 5 frames; .* needs 6"):
+        VideoFolderSource(tmp_path, frames=FrameSampling(count=3, stride=2, start=1))
+
+
 def test_videos_are_written_and_read_without_a_fork_warning(tmp_path):
     """imageio-ffmpeg starts ffmpeg in its own process group (``preexec_fn``), a fork JAX warned about ('os.fork()
     was called ... will likely lead to a deadlock') at every video an eqxdiff command wrote or read."""

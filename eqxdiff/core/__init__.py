@@ -10,7 +10,8 @@
 - the persistent compilation cache (:func:`enable_compilation_cache`), which the commands turn on, and
   :func:`program` (``eqx.filter_jit`` whose traced programs are kept there too: a later process skips tracing);
 - transformers imported for its tokenizers without its framework notice (:func:`import_transformers`);
-- imageio-ffmpeg as the video readers and writers use it (:func:`imageio_ffmpeg`, :data:`FFMPEG_AS_STORED`).
+- imageio-ffmpeg as the video readers and writers use it (:func:`imageio_ffmpeg`, :data:`FFMPEG_AS_STORED`),
+  and GIFs read with Pillow instead (:func:`gif_frames`, :func:`gif_frame_count`).
 """
 
 from ._cache import CacheWarning as CacheWarning
@@ -21,13 +22,15 @@ from ._cache import not_a_folder as not_a_folder
 from ._cache import write_probe as write_probe
 from ._config import ConfigError as ConfigError
 from ._config import ModelConfig as ModelConfig
-from ._ffmpeg import AS_STORED as FFMPEG_AS_STORED
-from ._ffmpeg import imageio_ffmpeg as imageio_ffmpeg
 from ._families import FAMILY_TABLE as FAMILY_TABLE
 from ._families import SINGLE_FILE_LAYOUTS as SINGLE_FILE_LAYOUTS
 from ._families import family_names as family_names
 from ._families import resolve_class as resolve_class
 from ._families import single_file_layouts as single_file_layouts
+from ._ffmpeg import AS_STORED as FFMPEG_AS_STORED
+from ._ffmpeg import gif_frame_count as gif_frame_count
+from ._ffmpeg import gif_frames as gif_frames
+from ._ffmpeg import imageio_ffmpeg as imageio_ffmpeg
 from ._naming import STACKED as STACKED
 from ._naming import LeafSpec as LeafSpec
 from ._naming import declared_axes as declared_axes

@@ -11,9 +11,16 @@ training clips).
   ``subprocess`` fork and run the fork hooks, and JAX warns at every video written or read that a deadlock is
   likely. The child only calls ``setpgrp`` before ``exec``; the warning is silenced for forks by ``subprocess``
   alone (a fork of the user's own still warns).
+- :func:`gif_frames`: a GIF's frames, read with Pillow, not ffmpeg. ffmpeg's GIF demuxer times frames by their
+  delays; a GIF written without any (GIF87a, Pillow's default writer) came out of ffmpeg as 1 frame of 5 (and
+  ``count_frames_and_secs`` said 1), while every GIF reader shows all of them. Pillow is already a dependency.
 """
 
 import warnings
+from collections.abc import Iterator
+
+import numpy as np
+from PIL import Image, ImageSequence
 
 AS_STORED = ("-fps_mode", "passthrough")
 
@@ -27,3 +34,17 @@ def imageio_ffmpeg(error: type[Exception] = ImportError):
     warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning,
                             module="subprocess")
     return module
+
+
+def gif_frames(path: str) -> Iterator[np.ndarray]:
+    """Each frame of the GIF at ``path`` once, as uint8 RGB ``[height, width, 3]``, whatever delays it says."""
+    with Image.open(path) as image:
+        for frame in ImageSequence.Iterator(image):
+            yield np.asarray(frame.convert("RGB"))
+
+
+def gif_frame_count(path: str) -> int:
+    """How many frames the GIF at ``path`` holds (read from its blocks, not decoded)."""
+    with Image.open(path) as image:
+        return getattr(image, "n_frames", 1)
+

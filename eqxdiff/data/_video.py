@@ -9,7 +9,8 @@ cover the training size, cropped at one place for all frames and flipped as one 
 Why ``imageio-ffmpeg``: it is a thin, well-kept binding over a bundled ffmpeg binary that eqxdiff already uses to
 write MP4 (:func:`eqxdiff.pipelines.write_video`), it reads every container ffmpeg reads, and it decodes frames
 as they stream out of one subprocess (a clip is read only up to its last sampled frame); PyAV would be a second,
-compiled dependency for the same job.
+compiled dependency for the same job. GIFs alone are read with Pillow (:func:`eqxdiff.core.gif_frames`): ffmpeg
+times a GIF's frames by their delays and read one written without any (GIF87a, Pillow's default) as a single frame.
 """
 
 import dataclasses
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core import FFMPEG_AS_STORED, imageio_ffmpeg
+from ..core import FFMPEG_AS_STORED, gif_frame_count, gif_frames, imageio_ffmpeg
 from ._common import (
     IMAGE_EXTENSIONS,
     DataError,
@@ -85,17 +86,15 @@ def read_frames(path, frames: FrameSampling = FrameSampling()) -> np.ndarray:
     wanted = set(frames.indices().tolist())
     taken, seen = [], 0
     try:
-        reader = _ffmpeg().read_frames(path, output_params=list(FFMPEG_AS_STORED))  # each frame once
-        meta = next(reader)
-        width, height = meta["size"]
+        clip = _clip_frames(path)
         try:
-            for seen, raw in enumerate(reader, 1):
+            for seen, frame in enumerate(clip, 1):
                 if seen - 1 in wanted:
-                    taken.append(np.frombuffer(raw, np.uint8).reshape(height, width, 3))
+                    taken.append(frame)
                 if seen >= frames.needed:
                     break
         finally:
-            reader.close()
+            clip.close()
     except DataError:
         raise
     except Exception as e:  # ffmpeg's errors come as RuntimeError / OSError / StopIteration with its stderr
@@ -103,6 +102,21 @@ def read_frames(path, frames: FrameSampling = FrameSampling()) -> np.ndarray:
     if len(taken) < frames.count:
         raise DataError(too_short(path, seen, frames))
     return np.stack(taken)
+
+
+def _clip_frames(path: str):
+    """Each frame of the clip at ``path`` once, as stored, uint8 ``[height, width, 3]``: a GIF's from Pillow (every
+    frame, delays or not), any other clip's streamed out of ffmpeg."""
+    if path.lower().endswith(".gif"):
+        yield from gif_frames(path)
+        return
+    reader = _ffmpeg().read_frames(path, output_params=list(FFMPEG_AS_STORED))  # each frame once
+    try:
+        width, height = next(reader)["size"]
+        for raw in reader:
+            yield np.frombuffer(raw, np.uint8).reshape(height, width, 3)
+    finally:
+        reader.close()
 
 
 def too_short(path: str, count: int, frames: FrameSampling) -> str:
@@ -122,8 +136,8 @@ def holds_videos(root) -> bool:
 
 
 def video_problem(path: str, frames: FrameSampling, check: str) -> str | None:
-    """Why the clip at ``path`` cannot train, or None: ``headers`` asks ffmpeg for its frame count (no decoding),
-    ``full`` decodes the frames taken."""
+    """Why the clip at ``path`` cannot train, or None: ``headers`` asks ffmpeg for its frame count (Pillow a GIF's;
+    no decoding), ``full`` decodes the frames taken."""
     if check == "index":
         return None
     if not os.path.isfile(path):
@@ -132,7 +146,10 @@ def video_problem(path: str, frames: FrameSampling, check: str) -> str | None:
         if check == "full":
             read_frames(path, frames)
             return None
-        count, _ = _ffmpeg().count_frames_and_secs(path)
+        if path.lower().endswith(".gif"):
+            count = gif_frame_count(path)
+        else:
+            count, _ = _ffmpeg().count_frames_and_secs(path)
     except DataError as e:
         return str(e)
     except (RuntimeError, OSError, ValueError) as e:  # ffmpeg's failure, with its stderr

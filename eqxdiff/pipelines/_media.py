@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from ..core import FFMPEG_AS_STORED, imageio_ffmpeg
+from ..core import FFMPEG_AS_STORED, gif_frames, imageio_ffmpeg
 from ._checks import InputError
 from ._images import next_index, output_folder, save_images
 
@@ -62,9 +62,11 @@ def write_video(frames: np.ndarray, path: str | os.PathLike, *, fps: float = DEF
 
 def read_video(path: str | os.PathLike) -> np.ndarray:
     """The frames of a video file as uint8 ``[F, H, W, 3]`` (any format the bundled ffmpeg reads), each frame once
-    as stored (a variable-frame-rate clip is not resampled to a constant rate)."""
+    as stored (a variable-frame-rate clip is not resampled to a constant rate; a GIF read with Pillow, every frame)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"video file {os.fspath(path)!r} not found")
+    if os.fspath(path).lower().endswith(".gif"):  # ffmpeg reads a GIF without frame delays as one frame
+        return np.stack(list(gif_frames(os.fspath(path))))
     reader = _ffmpeg().read_frames(os.fspath(path), output_params=list(FFMPEG_AS_STORED))
     meta = next(reader)
     width, height = meta["size"]
