@@ -87,7 +87,7 @@ def test_read_frames_errors(tmp_path):
     with pytest.raises(DataError, match="not found"):
         read_frames(tmp_path / "missing.mp4")
     (tmp_path / "broken.mp4").write_bytes(b"not a video at all" * 10)
-    with pytest.raises(DataError, match=r"unreadable video .*broken\.mp4"):
+    with pytest.raises(DataError, match=r"video .*broken\.mp4 cannot be decoded"):
         read_frames(tmp_path / "broken.mp4", FrameSampling(count=2))
     with pytest.raises(DataError, match=r"has 12 frames; .* needs 14 .*at most 6 fit"):
         read_frames(path, FrameSampling(count=7, stride=2, start=1))

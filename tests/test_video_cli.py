@@ -58,6 +58,21 @@ def test_a_gif_without_frame_delays_reads_every_frame(tmp_path):
         VideoFolderSource(tmp_path, frames=FrameSampling(count=3, stride=2, start=1))
 
 
+def test_a_corrupt_clip_is_one_short_line(tmp_path):
+    """A corrupt mp4, read or checked: one line naming the file, the problem and the fix, with ffmpeg's last line;
+    the message was the last 300 characters of ffmpeg's stderr, cut mid-word, five lines with ffmpeg's addresses."""
+    (tmp_path / "broken.mp4").write_bytes(b"not a video at all" * 10)
+    (tmp_path / "broken.txt").write_text("nothing")
+    expected = (r"video .*broken\.mp4 cannot be decoded \(Error opening input files: Invalid data found when "
+                r"processing input\); re-encode it \(.*\) or remove it from the folder")
+    for read in (lambda: read_frames(tmp_path / "broken.mp4", FrameSampling(count=2)),
+                 lambda: VideoFolderSource(tmp_path, frames=FrameSampling(count=2))):
+        with pytest.raises(DataError, match=expected) as caught:
+            read()
+        line = str(caught.value).splitlines()[-1]  # the folder check puts its own heading line above
+        assert "@ 0x" not in line and len(line) < 300, line
+
+
 def test_videos_are_written_and_read_without_a_fork_warning(tmp_path):
     """imageio-ffmpeg starts ffmpeg in its own process group (``preexec_fn``), a fork JAX warned about ('os.fork()
     was called ... will likely lead to a deadlock') at every video an eqxdiff command wrote or read."""

@@ -10,8 +10,8 @@
 - the persistent compilation cache (:func:`enable_compilation_cache`), which the commands turn on, and
   :func:`program` (``eqx.filter_jit`` whose traced programs are kept there too: a later process skips tracing);
 - transformers imported for its tokenizers without its framework notice (:func:`import_transformers`);
-- imageio-ffmpeg as the video readers and writers use it (:func:`imageio_ffmpeg`, :data:`FFMPEG_AS_STORED`),
-  and GIFs read with Pillow instead (:func:`gif_frames`, :func:`gif_frame_count`).
+- imageio-ffmpeg as the video readers and writers use it (:func:`imageio_ffmpeg`, :data:`FFMPEG_AS_STORED`,
+  :func:`ffmpeg_problem`), and GIFs read with Pillow instead (:func:`gif_frames`, :func:`gif_frame_count`).
 """
 
 from ._cache import CacheWarning as CacheWarning
@@ -28,6 +28,7 @@ from ._families import family_names as family_names
 from ._families import resolve_class as resolve_class
 from ._families import single_file_layouts as single_file_layouts
 from ._ffmpeg import AS_STORED as FFMPEG_AS_STORED
+from ._ffmpeg import ffmpeg_problem as ffmpeg_problem
 from ._ffmpeg import gif_frame_count as gif_frame_count
 from ._ffmpeg import gif_frames as gif_frames
 from ._ffmpeg import imageio_ffmpeg as imageio_ffmpeg

@@ -14,8 +14,11 @@ training clips).
 - :func:`gif_frames`: a GIF's frames, read with Pillow, not ffmpeg. ffmpeg's GIF demuxer times frames by their
   delays; a GIF written without any (GIF87a, Pillow's default writer) came out of ffmpeg as 1 frame of 5 (and
   ``count_frames_and_secs`` said 1), while every GIF reader shows all of them. Pillow is already a dependency.
+- :func:`ffmpeg_problem`: the last meaningful line of ffmpeg's stderr in one of imageio-ffmpeg's errors (they carry
+  its whole banner and configuration).
 """
 
+import re
 import warnings
 from collections.abc import Iterator
 
@@ -48,3 +51,14 @@ def gif_frame_count(path: str) -> int:
     with Image.open(path) as image:
         return getattr(image, "n_frames", 1)
 
+
+
+_ADDRESS = re.compile(r"^\[[^\]]*@ 0x[0-9a-f]+\]\s*")
+
+
+def ffmpeg_problem(error: BaseException) -> str:
+    """The last non-empty line of ``error``'s text (imageio-ffmpeg puts ffmpeg's whole stderr in it), without
+    ffmpeg's ``[in#0 @ 0x...]`` prefix and at most 160 characters; the exception's type name if it says nothing."""
+    lines = [_ADDRESS.sub("", line.strip()) for line in str(error).splitlines()]
+    lines = [line for line in lines if line and line != "=== stderr ==="]
+    return lines[-1][:160] if lines else type(error).__name__

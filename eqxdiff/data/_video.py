@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core import FFMPEG_AS_STORED, gif_frame_count, gif_frames, imageio_ffmpeg
+from ..core import FFMPEG_AS_STORED, ffmpeg_problem, gif_frame_count, gif_frames, imageio_ffmpeg
 from ._common import (
     IMAGE_EXTENSIONS,
     DataError,
@@ -98,7 +98,7 @@ def read_frames(path, frames: FrameSampling = FrameSampling()) -> np.ndarray:
     except DataError:
         raise
     except Exception as e:  # ffmpeg's errors come as RuntimeError / OSError / StopIteration with its stderr
-        raise DataError(f"unreadable video {path}: {type(e).__name__}: {str(e).strip()[-300:]}") from e
+        raise DataError(undecodable(path, e)) from e
     if len(taken) < frames.count:
         raise DataError(too_short(path, seen, frames))
     return np.stack(taken)
@@ -117,6 +117,13 @@ def _clip_frames(path: str):
             yield np.frombuffer(raw, np.uint8).reshape(height, width, 3)
     finally:
         reader.close()
+
+
+def undecodable(path: str, error: BaseException) -> str:
+    """One line for a clip ffmpeg (or Pillow, for a GIF) cannot decode: the file, the problem, the fix, and the last
+    meaningful line of the decoder's message (ffmpeg's whole stderr is dozens of lines of banner)."""
+    return (f"video {path} cannot be decoded ({ffmpeg_problem(error)}); re-encode it (e.g. ffmpeg -i IN -c:v libx264 "
+            "-pix_fmt yuv420p OUT.mp4) or remove it from the folder")
 
 
 def too_short(path: str, count: int, frames: FrameSampling) -> str:
@@ -153,7 +160,7 @@ def video_problem(path: str, frames: FrameSampling, check: str) -> str | None:
     except DataError as e:
         return str(e)
     except (RuntimeError, OSError, ValueError) as e:  # ffmpeg's failure, with its stderr
-        return f"unreadable video {path}: {type(e).__name__}: {str(e).strip()[-300:]}"
+        return undecodable(path, e)
     if count < frames.needed:
         return too_short(path, count, frames)
     return None
