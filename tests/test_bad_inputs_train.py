@@ -225,7 +225,10 @@ def test_run_refuses_before_loading(ws, tmp_path, monkeypatch):
         (dict(frames=FrameSampling(count=8)), ValueError, r"^frames.count=8 must be 1 \+ 4k \(the VAE keeps the first "
                                                           r"frame .*\); try frames.count=5 or 9$"),
         (dict(resolution=(16, 24)), ValueError, r"^resolution=\(16, 24\) must be height and width multiples of 16 "
-                                                r"\(the VAE downsamples by 8 and the transformer takes 2x2 patches\)$"),
+                                                r"\(the VAE downsamples by 8 and the transformer takes 2x2 patches\); "
+                                                r"try resolution=\(16, 16\)$"),
+        (dict(model=ws["sd"], data=ws["images"], frames=FrameSampling(), resolution=17), ValueError,
+         r"^resolution=17 must be a multiple of 2 \(the VAE downsamples by 2\); try resolution=16$"),
         (dict(export_scheduler="ddim"), ValueError, r"^export_scheduler='ddim' cannot sample the model's noise"),
         (dict(class_prompt="a clip"), ValueError, r"^class_prompt='a clip' asks for prior preservation"),
         (dict(model=ws["sd"], data=ws["images"]), ValueError, r"^frames.count=9 picks the frames of video clips, but "

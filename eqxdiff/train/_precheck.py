@@ -2,8 +2,9 @@
 from a local pipeline folder's ``model_index.json`` and ``scheduler/scheduler_config.json`` (a Hub id is checked
 once it loads): the family trains it, with options of that family that the folder can take
 (:meth:`~eqxdiff.train.TrainModel.check_folder`); the objective and ``export_scheduler`` fit its noise process
-(DDPM or rectified flow); its data is what the family trains on (video clips or images, ``frames`` only for clips);
-and prior preservation is asked only of an image family. The from-scratch digits architecture is checked the same
+(DDPM or rectified flow); the training size fits the folder's VAE (and a video transformer's patches); its data is
+what the family trains on (video clips or images, ``frames`` only for clips); and prior preservation is asked only of
+an image family. The from-scratch digits architecture is checked the same
 way, without a folder."""
 
 import dataclasses
@@ -47,6 +48,9 @@ def check_model(config: TrainConfig) -> type[TrainModel] | None:
         root = resolve_folder(config.model)
         if family.VIDEO:
             _check_clip_shape(config, family, root)
+        elif (root / "vae" / "config.json").is_file():
+            factor = 2 ** (len(read_config(root / "vae").get("block_out_channels", (0,) * 4)) - 1)
+            check_size(config, factor, f"the VAE downsamples by {factor}")
         if not (root / "scheduler" / "scheduler_config.json").is_file():
             return family  # loading says what the folder lacks
         noise = family.NOISE_SCHEDULER.from_config(read_config(root / "scheduler", "scheduler_config.json"))
@@ -76,10 +80,23 @@ def _check_clip_shape(config: TrainConfig, family: type[TrainModel], root: Path)
         low = 1 + (count - 1) // f * f
         raise ValueError(f"frames.count={count} must be 1 + {f}k (the VAE keeps the first frame and compresses each "
                          f"{f} after it into one latent frame); try frames.count={low} or {low + f}")
-    factor = limits.size_factor
-    if factor and any(side % factor for side in config.size):
-        sides = "a multiple" if isinstance(config.resolution, int) else "height and width multiples"
-        raise ValueError(f"resolution={config.resolution} must be {sides} of {factor} ({limits.why_size()})")
+    check_size(config, limits.size_factor, limits.why_size())
+
+
+def check_size(config: TrainConfig, factor: int | None, why: str) -> None:
+    """Both sides of ``resolution`` are multiples of ``factor`` (``why``), else a ``ValueError`` naming the nearest
+    size that is (the lower one on a tie), as ``eqxdiff-train`` says it of ``--resolution``."""
+    if not factor or not any(side % factor for side in config.size):
+        return
+
+    def nearest(side: int) -> int:
+        low = side // factor * factor
+        return max(factor, low if side - low <= low + factor - side else low + factor)
+
+    given = config.resolution
+    fits = nearest(given) if isinstance(given, int) else tuple(nearest(s) for s in given)
+    sides = "a multiple" if isinstance(given, int) else "height and width multiples"
+    raise ValueError(f"resolution={given} must be {sides} of {factor} ({why}); try resolution={fits}")
 
 
 def check_data_kind(config: TrainConfig, family: type[TrainModel] | None, source=None) -> None:
