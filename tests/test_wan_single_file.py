@@ -419,10 +419,11 @@ def test_bad_expert_mappings_say_the_fix(a14b, i2v, tmp_path):
         eqxdiff.load_pipeline({"transformer_2": files["low"]}, config=i2v[0])
 
 
-def test_generate_loads_the_expert_files(a14b, tmp_path):
+def test_generate_loads_the_expert_files(a14b, i2v, tmp_path):
     """eqxdiff-generate --model high --component transformer_2=low --config folder loads the mapping
     load_pipeline's test above proves (checked before loading); the flag without --config, in the wrong form, twice,
-    or naming --model's own component is one line naming the fix."""
+    naming --model's own component, a component the pipeline lacks or one --config does not list is one line naming
+    the fix, before anything loads."""
     from eqxdiff.cli import generate
     from eqxdiff.cli._generate_flags import model_files
 
@@ -436,6 +437,11 @@ def test_generate_loads_the_expert_files(a14b, tmp_path):
         (["--config", str(folder), "--component", "transformer_2=a", "--component", "transformer_2=b"], "twice"),
         (["--config", str(folder), "--component", f"transformer={files['low']}"],
          r"^--component transformer=\.\.\. names the component --model's file fills"),
+        (["--config", str(folder), "--component", f"transformer_3={files['low']}"],  # was refused once loading
+         r"^--component transformer_3=FILE: a WanPipeline has no model component 'transformer_3'; name one of \["),
+        (["--config", str(i2v[0]), "--component", f"transformer_2={files['low']}"],
+         r"^--component transformer_2=FILE: --config .* lists no transformer_2 \(model_index\.json\).*pass --config "
+         r"a folder of a pipeline with a transformer_2"),
     ]:
         with pytest.raises(InputError, match=message):
             generate.validate([*base, *flags])

@@ -59,6 +59,7 @@ from ..pipelines import (
     InputError,
     SchedulerConfigWarning,
     build_scheduler,
+    file_component_problem,
     load_pipeline,
     save_outputs,
     video_fps,
@@ -158,8 +159,9 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, pars
     if run.config is not None and not Path(run.model).expanduser().is_file():
         raise InputError(f"--config is for a single .safetensors --model (it gives what the file lacks); --model "
                          f"{run.model!r} holds its own configs: leave out --config")
-    model_files(run)  # --component's files, before loading
+    files = model_files(run)  # --component's files, before loading
     read = config_reader(run.model, run.revision, run.config)
+    _check_components(family.pipeline_class, files, run, read)
     loras = parse_specs(args.lora)  # the scales first: the files are checked once the other flags are
     if run.unet is not None:
         check_unet(family.pipeline_class, run.unet, config_reader, read)
@@ -205,6 +207,18 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, pars
     load_class = None if control.controlnet or cls is folder_class else cls
     return Invocation(family, args, kwargs, options, load_class, nets, refiner, parsed.given | set(control_arguments),
                       tuple(loras), _input_fps(family, args.pipeline))
+
+
+def _check_components(cls: type, files, run, read) -> None:
+    """Each ``--component NAME=FILE`` names a model component of ``cls`` that ``--config``'s ``model_index.json``
+    lists, as loading checks it (:func:`eqxdiff.pipelines.file_component_problem`), before anything is loaded."""
+    if not isinstance(files, Mapping):
+        return
+    index = read("model_index.json") or {}
+    for name in list(files)[1:]:  # the first is --model's own component, named by its layout
+        problem = file_component_problem(cls, name, index, run.config, flags=True)
+        if problem is not None:
+            raise InputError(problem)
 
 
 def _input_fps(family: FamilyOptions, parsed) -> float | None:

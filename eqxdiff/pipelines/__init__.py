@@ -52,7 +52,7 @@ from .stable_diffusion_xl import StableDiffusionXLPipeline as StableDiffusionXLP
 
 # Imported when first named: the single-file readers and writers, and huggingface_hub with them, are not needed to
 # load or run a pipeline folder (``import eqxdiff`` + ``load_pipeline("digits")``).
-_SINGLE_FILE = ("save_single_file", "single_file_class", "single_file_components")
+_SINGLE_FILE = ("file_component_problem", "save_single_file", "single_file_class", "single_file_components")
 
 
 def __getattr__(name: str):

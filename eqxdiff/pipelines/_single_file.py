@@ -36,9 +36,10 @@ from ..loading import (
 from ..loading.single_file import Layout, Part, Shapes, check_tensors, detect_in, layout_shapes, layout_tensors
 from ..nn import build_abstract
 from ._components import build_scheduler, load_processor, load_tokenizer, pipeline_class_for
-from ._single_file_slots import assign_parts, file_targets, warn_same_class
+from ._single_file_slots import assign_parts, file_component_problem, file_targets, warn_same_class
 
-__all__ = ["SingleFile", "read_single_file", "save_single_file", "single_file_class", "single_file_components"]
+__all__ = ["SingleFile", "file_component_problem", "read_single_file", "save_single_file", "single_file_class",
+           "single_file_components"]
 
 _CONFIG_FILES = ["*.json", "*.txt", "*.model"]  # a pipeline's configs and tokenizers (T5's sentencepiece), no weights
 

@@ -12,7 +12,7 @@ from ..loading import CheckpointError
 from ..loading.single_file import Layout, Part
 from ._checks import InputWarning
 
-__all__ = ["assign_parts", "file_targets", "warn_same_class"]
+__all__ = ["assign_parts", "file_component_problem", "file_targets", "warn_same_class"]
 
 
 def file_targets(path) -> list[tuple[str | None, object]]:
@@ -32,14 +32,31 @@ def _listed(index: Mapping, name: str) -> list | None:
     return entry if isinstance(entry, list) and entry and entry[0] is not None else None
 
 
+def file_component_problem(cls, target: str, index: Mapping, config, *, flags: bool = False) -> str | None:
+    """Why a file cannot fill the component ``target`` of ``cls`` by its name alone, or None: ``cls`` has no such
+    model component, or ``config``'s ``model_index.json`` (``index``; empty: not read) lists none. ``flags``: said
+    in ``eqxdiff-generate``'s words (``--component``, ``--config``), checked before loading; else
+    ``load_pipeline``'s."""
+    call = f"--component {target}=FILE" if flags else f"load_pipeline({{{target!r}: file}})"
+    given = f"--config {os.fspath(config)!r}" if flags else f"config={os.fspath(config)!r}"
+    models = [c.name for c in cls.COMPONENTS if c.kind == "model"]
+    if target not in models:
+        return f"{call}: a {cls.__name__} has no model component {target!r}; name one of {models}"
+    if index and _listed(index, target) is None:
+        return (f"{call}: {given} lists no {target} (model_index.json), so its pipeline would not run one; pass "
+                f"{'--config' if flags else 'config='} a folder of a pipeline with a {target}, or map the file to "
+                "another component")
+    return None
+
+
 def assign_parts(cls, target: str, parts: list[Part], layout: Layout, index: Mapping, config, where: str) -> Part:
     """The one model a file in the mapping holds (``parts``), as the component ``target`` of ``cls`` it fills:
     refused if ``cls`` has no such model component, the file holds several models or one of another class, or
     ``config=`` (its ``model_index.json``: ``index``) lists no ``target``."""
+    problem = file_component_problem(cls, target, index, config)
+    if problem is not None:
+        raise CheckpointError(problem)
     models = {c.name: c for c in cls.COMPONENTS if c.kind == "model"}
-    if target not in models:
-        raise CheckpointError(f"load_pipeline({{{target!r}: file}}): a {cls.__name__} has no model component "
-                              f"{target!r}; name one of {list(models)}")
     if len(parts) != 1:
         raise CheckpointError(f"{where} holds {len(parts)} models ({', '.join(p.name for p in parts)}), and a file "
                               f"in load_pipeline's mapping fills one component ({target!r}); pass this file alone: "
@@ -50,10 +67,6 @@ def assign_parts(cls, target: str, parts: list[Part], layout: Layout, index: Map
         raise CheckpointError(f"{where} holds a {part.model_class} (a {layout.family} {part.name}), which cannot be "
                               f"the {target} of a {cls.__name__} (a {' or '.join(classes)}); map the file to "
                               f"{' or '.join(map(repr, fits)) or 'another pipeline'}")
-    if index and _listed(index, target) is None:
-        raise CheckpointError(f"load_pipeline({{{target!r}: file}}): config={os.fspath(config)!r} lists no {target} "
-                              f"(model_index.json), so its pipeline would not run one; pass config= a folder of a "
-                              f"pipeline with a {target}, or map the file to another component")
     return dataclasses.replace(part, name=target)
 
 
