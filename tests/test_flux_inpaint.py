@@ -24,7 +24,7 @@ import eqxdiff
 from eqxdiff.cli import generate
 from eqxdiff.cli._command import FlagError
 from eqxdiff.loading import CheckpointError, state_dict, write_safetensors
-from eqxdiff.pipelines import InputError, InputTypeError, save_pipeline
+from eqxdiff.pipelines import InputError, save_pipeline
 from eqxdiff.pipelines._latents import noise_draws
 from eqxdiff.pipelines.flux import FluxPipeline
 from eqxdiff.pipelines.flux_inpaint import FluxFillPipeline, FluxInpaintPipeline
@@ -136,6 +136,48 @@ def test_fill_matches_diffusers(fill, monkeypatch):
     assert _pixels_off(other, expected) > 2  # the mask steers the transformer
 
 
+def _unpacked(packed, h: int, w: int) -> np.ndarray:
+    """diffusers' packed ``[n, h/2 * w/2, 4 * c]`` tokens as unpacked channels-last latents ``[n, h, w, c]``."""
+    x = np.asarray(packed)
+    n, c = x.shape[0], x.shape[-1] // 4
+    return x.reshape(n, h // 2, w // 2, c, 2, 2).transpose(0, 1, 4, 2, 5, 3).reshape(n, h, w, c)
+
+
+def test_masked_image_latents(fill, schnell, monkeypatch):
+    """Fill from the masked_image_latents diffusers computes from the image and mask (its prepare_mask_latents'
+    packed pair, unpacked: [masked-image latents, mask patches]) gives diffusers' images from the image and mask;
+    Inpaint checks them and, as diffusers, does not use them. Wrong shapes or mixed inputs: one line with the fix."""
+    made, reference = [], fill.ref
+    keep = reference.prepare_mask_latents
+    monkeypatch.setattr(reference, "prepare_mask_latents", lambda *a, **k: made.append(keep(*a, **k)) or made[-1])
+    expected = _expected(pipeline_flux_fill, reference, monkeypatch, seed=7, prompt=PROMPTS, guidance_scale=30.0,
+                         image=[Image.fromarray(a) for a in IMAGE], mask_image=[Image.fromarray(m) for m in MASK],
+                         **SIZE, **COMMON)
+    mask, masked = made[-1]
+    condition = np.concatenate([_unpacked(masked, 8, 8), _unpacked(mask, 8, 8)], axis=-1)  # [2, 8, 8, 2 + 2 * 2]
+    ours = fill.pipe(PROMPTS, masked_image_latents=condition, latents=NOISE, seed=7, guidance_scale=30.0,
+                     progress=False, **COMMON)
+    assert ours.shape == (2, 16, 16, 3) and _pixels_off(ours, expected) <= 2
+    for kwargs, message in [
+        (dict(masked_image_latents=condition[..., :5]), r"masked_image_latents must be floats \[1 or 2, 8, 8, 6\] "
+                                                        r"\(unpacked, channels-last.*got shape \(2, 8, 8, 5\)"),
+        (dict(masked_image_latents=condition.astype(np.uint8)), r"must be floats .*got shape \(2, 8, 8, 6\) uint8"),
+        (dict(masked_image_latents=condition, image=IMAGE), r"pass image= or masked_image_latents=, not both"),
+        (dict(masked_image_latents=condition, mask_image=MASK), r"pass mask_image= or .*holds the mask too"),
+        (dict(masked_image_latents=condition, strength=0.6), r"strength=0\.6 starts from the image's latents"),
+        (dict(masked_image_latents=condition, height=32), r"height=32 but masked_image_latents give height 16"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            fill.pipe(PROMPTS, progress=False, **COMMON, **kwargs)
+
+    pipe = FluxInpaintPipeline.from_pipe(schnell.pipe)
+    kwargs = dict(image=IMAGE, mask_image=MASK, latents=NOISE, seed=3, strength=1.0, progress=False, **COMMON)
+    plain = pipe(PROMPTS, **kwargs)
+    np.testing.assert_array_equal(pipe(PROMPTS, masked_image_latents=NOISE[:1], **kwargs), plain)
+    with pytest.raises(InputError, match=r"masked_image_latents must be floats \[1 or 2, 8, 8, 2\]"):
+        pipe(PROMPTS, masked_image_latents=np.zeros((2, 2, 8, 8), np.float32), **kwargs)
+
+
 def test_fill_bfl_file_saved_folder_and_generate(fill, tmp_path):
     """A Black Forest Labs Fill file (img_in reading 32 = 8 + 8 + 16 channels, final_layer writing 8) loads with
     config= the Fill folder as FluxFillPipeline with the folder's weights; the pipeline saved lists the components
@@ -186,8 +228,6 @@ def test_errors_name_the_problem_and_the_fix(schnell, fill, tmp_path):
         with pytest.raises(InputError, match="mask_image has width 8, height 8 but the image has width 16, "
                                              "height 16; resize the mask"):
             pipe(PROMPTS, image=IMAGE, mask_image=MASK[:, :8, :8], progress=False, **COMMON)
-        with pytest.raises(InputTypeError, match="masked_image_latents.*pass image= and mask_image="):
-            pipe("a cat", image=IMAGE, mask_image=MASK, masked_image_latents=NOISE)
     with pytest.raises(InputError, match="FluxFillPipeline needs image= as pixels"):
         fill.pipe(PROMPTS, image=NOISE, mask_image=MASK, progress=False, **COMMON)
     # a Fill transformer where a text-to-image one goes, and the other way round

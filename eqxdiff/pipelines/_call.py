@@ -71,7 +71,7 @@ NOT_TAKEN: dict[str, str] = {
     "negative_ip_adapter_image": _NO_IP_ADAPTER,
     "negative_ip_adapter_image_embeds": _NO_IP_ADAPTER,
     "masked_image_latents": "this pipeline takes no masked-image latents (the UNet inpainting pipelines do, for a "
-                            "9-channel UNet): pass image= and mask_image=",
+                            "9-channel UNet, and Flux's Inpaint and Fill): pass image= and mask_image=",
     "padding_mask_crop": "this pipeline does not crop around the mask (diffusers' namesake neither); the inpainting "
                          "pipelines take padding_mask_crop=",
 }
