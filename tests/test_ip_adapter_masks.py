@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from eqxdiff.models import ip_adapter as ipa
 from eqxdiff.pipelines import InputError, InputTypeError, downsample_mask, prepare_ip_adapter_masks
 from eqxdiff.pipelines import _ip_adapter_masks as masks_module
 from eqxdiff.pipelines._ip_adapter_masks import as_adapter_masks
@@ -117,6 +118,26 @@ def test_masks_and_per_image_scales_match_diffusers(pipes):
         assert _max_pixel_diff(ours, expected) <= 2
 
 
+def test_per_image_scales_in_a_per_block_dict_match_diffusers(pipes):
+    """diffusers' per-image scales inside a per-block dict: a part's list (every block of it), a block's list, the
+    mid block's, the other layers 0 (or a number for every image), as values (nothing compiles after the per-image
+    scales of the test before). Before, eqxdiff refused them by name."""
+    ref, pipe, _ = pipes
+    latents = np.random.default_rng(5).standard_normal((2, 16, 16, 4)).astype(np.float32)
+    masks = [_processed([LEFT, DISC])]
+    up = sorted({b for part, b, _ in ipa.cross_attention_blocks(pipe.unet) if part == "up"})
+    scales = ({"down": [[0.7, 0.2]], "mid": [[0.3, 0.9]], "up": {f"block_{up[-1]}": [[0.1, 0.8]]}},
+              {"up": {f"block_{up[0]}": [[0.9, 0.5]]}, "mid": 0.6})
+    with no_compile("per-image scales in a dict"):
+        for scale in scales:
+            ours, expected = _both(ref, pipe, latents, scale, masks)
+            assert _max_pixel_diff(ours, expected) <= 2, scale
+    plain, _ = _both(ref, pipe, latents, 0.5, masks)
+    assert np.abs(plain.astype(int) - ours.astype(int)).max() > 2  # the per-block per-image scales matter
+    with pytest.raises(InputError, match=r"per-image scales have \[2, 3\] entries in different layers"):
+        pipe.set_ip_adapter_scale({"down": [[0.7, 0.2]], "mid": [[0.3, 0.9, 0.1]]})
+
+
 def test_two_adapters_one_masked_match_diffusers(pipes):
     """Two adapters, the first unmasked (its image attended as before) and the second's two images masked."""
     ref, pipe, source = pipes
@@ -146,10 +167,13 @@ def test_bad_masks_name_the_fix(pipes):
             _ours(pipe, None, **call)
         with pytest.raises(InputError, match="2 per-image scales for 1 masked image"):
             _ours(pipe, None, ip_adapter_masks=[masks[:, :1]], ip_adapter_image=PICTURE)
+        pipe.set_ip_adapter_scale({"down": [[0.5, 0.6]]})  # per-image scales in some layers: masks needed there too
+        with pytest.raises(InputError, match=r"one scale per image \(\[0.5, 0.6\]\).*masked images only"):
+            _ours(pipe, None, **call)
+        pipe.set_ip_adapter_scale({"down": [[0.0, 0.0]]})  # all 0: diffusers skips those layers, no mask needed
+        pipe.check_ip_adapter_arguments(call)
     finally:
         pipe.set_ip_adapter_scale(1.0)
-    with pytest.raises(InputError, match=r"down.block_\d=\[0.5, 0.6\] is one scale per masked image inside a per-bl"):
-        pipe.set_ip_adapter_scale({"down": [[0.5, 0.6]]})  # diffusers takes it: the message says so
     plain = type(pipe).from_pipe(pipe)
     plain.unload_ip_adapter()
     with pytest.raises(InputError, match="ip_adapter_masks: no IP-Adapter is loaded"):

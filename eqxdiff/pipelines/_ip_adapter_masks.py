@@ -2,18 +2,18 @@
 masks are.
 
 diffusers takes ``cross_attention_kwargs={"ip_adapter_masks": [masks_0, ...]}``, one entry per adapter (``None``: no
-mask), each ``[1, images, height, width]`` (``IPAdapterMaskProcessor().preprocess`` of the mask images, reshaped).
-Its attention processor (``IPAdapterAttnProcessor2_0``) then attends to each image of a masked adapter alone and
-multiplies that output by the mask resized to the layer's queries (``IPAdapterMaskProcessor.downsample``: bicubic to a
-grid of about the mask's aspect with at most as many cells as queries, flattened, zero-padded to the query count)
-and by the image's scale. Here the resized masks are computed once per call in NumPy (:func:`downsample_mask`: torch's
-bicubic to within 5e-7) for every resolution the UNet runs at, times the images' scales, and handed to the UNet as
-arrays (``{seq: [rows, images, seq]}`` per adapter): a new mask or scale is a new value and compiles nothing; a call
-with masks compiles once beside one without. Fuzzed against diffusers 0.42.1 at float32 (random tiny SD and SDXL
-UNets; text-to-image, image-to-image, inpainting with 4 and 9 channels, ControlNet and its image-to-image and
-inpainting; 1-2 adapters, plain and Plus, 1-3 images; masks of other sizes and aspects, soft, or none; scalar,
-per-image and per-block scales; guidance, several images per prompt, a LoRA, from_pipe): within 1/255, and new mask
-values or scales compiled nothing.
+mask), each ``[1, images, height, width]`` (``IPAdapterMaskProcessor().preprocess`` of the mask images, reshaped). Its
+attention processor (``IPAdapterAttnProcessor2_0``) then attends to each image of a masked adapter alone and multiplies
+that output by the mask resized to the layer's queries (``IPAdapterMaskProcessor.downsample``: bicubic to a grid of
+about the mask's aspect with at most as many cells as queries, flattened, zero-padded to the query count) and by the
+image's scale. Here the resized masks are computed once per call in NumPy (:func:`downsample_mask`: torch's bicubic to
+within 5e-7) for every resolution the UNet runs at, and handed to the UNet as arrays (``{seq: [rows, images, seq]}`` per
+adapter; the scales, per layer and image, are values in the UNet): a new mask or scale is a new value and compiles
+nothing; a call with masks compiles once beside one without. Fuzzed against diffusers 0.42.1 at float32 (random tiny SD
+and SDXL UNets; text-to-image, image-to-image, inpainting with 4 and 9 channels, ControlNet and its image-to-image and
+inpainting; 1-2 adapters, plain and Plus, 1-3 images; masks of other sizes and aspects, soft, or none; scalar, per-image
+and per-block scales; guidance, several images per prompt, a LoRA, from_pipe): within 1/255, and new mask values or
+scales compiled nothing.
 """
 
 import math
@@ -158,9 +158,9 @@ def _checked_masks(masks, adapters: int) -> AdapterMasks:
 def mask_weights(masks: Sequence, counts: Sequence[int], scales: Sequence, rows: int,
                  queries: Sequence[int]) -> tuple:
     """The UNet's ``ip_adapter_masks``: per adapter ``None`` (no mask) or ``{seq: [rows, images, seq]}``, each
-    image's mask downsampled to ``seq`` queries (:func:`downsample_mask`) times its scale (``scales[a]``: one per
-    image, or ``None`` for 1; ignored without a mask). ``counts[a]``: the adapter's images, which its masks must
-    match."""
+    image's mask downsampled to ``seq`` queries (:func:`downsample_mask`). ``counts[a]``: the adapter's images, which
+    its masks must match, and ``scales[a]`` its per-image scales (``None``: none), checked to match too: the UNet
+    applies them (``ip_image_scale``, per layer)."""
     out = []
     for a, (mask, count, scale) in enumerate(zip(masks, counts, scales)):
         if mask is None:
@@ -172,9 +172,8 @@ def mask_weights(masks: Sequence, counts: Sequence[int], scales: Sequence, rows:
         if scale is not None and len(scale) != count:
             raise InputError(f"IP-Adapter {a} has {len(scale)} per-image scales for {count} masked image(s): give one "
                              "scale per image (set_ip_adapter_scale([[s_1, ..., s_n]]))")
-        factors = np.ones(count, np.float32) if scale is None else np.asarray(scale, np.float32)
-        out.append({q: np.broadcast_to(np.stack([downsample_mask(m, q) for m in mask[0]]) * factors[:, None],
-                                       (rows, count, q)) for q in queries})
+        out.append({q: np.broadcast_to(np.stack([downsample_mask(m, q) for m in mask[0]]), (rows, count, q))
+                    for q in queries})
     return tuple(out)
 
 
