@@ -138,6 +138,22 @@ def test_per_image_scales_in_a_per_block_dict_match_diffusers(pipes):
         pipe.set_ip_adapter_scale({"down": [[0.7, 0.2]], "mid": [[0.3, 0.9, 0.1]]})
 
 
+def test_a_mask_per_row_matches_diffusers(pipes):
+    """A mask entry with one row per row of the UNet's batch (guidance: [negative; positive], 2 images per prompt:
+    4 rows), each row its own masks, as diffusers' attention reads them; 2 rows (per image, without guidance's
+    halves), on which diffusers fails, are refused naming the counts. Before, any first dim but 1 was refused."""
+    ref, pipe, _ = pipes
+    latents = np.random.default_rng(7).standard_normal((2, 16, 16, 4)).astype(np.float32)
+    pairs = ([LEFT, DISC], [DISC, LEFT], [LEFT, LEFT], [DISC, DISC])
+    per_row = torch.cat([_processed(list(pair)) for pair in pairs])
+    ours, expected = _both(ref, pipe, latents, [[0.8, 0.5]], [per_row])
+    assert _max_pixel_diff(ours, expected) <= 2
+    one, _ = _both(ref, pipe, latents, [[0.8, 0.5]], [per_row[:1]])
+    assert np.abs(one.astype(int) - ours.astype(int)).max() > 2  # the rows matter
+    with pytest.raises(InputError, match=r"ip_adapter_masks\[0\] has 2 rows for the UNet's batch of 4"):
+        _ours(pipe, latents, ip_adapter_image=[[PICTURE, OTHER]], ip_adapter_masks=[per_row[:2].numpy()])
+
+
 def test_two_adapters_one_masked_match_diffusers(pipes):
     """Two adapters, the first unmasked (its image attended as before) and the second's two images masked."""
     ref, pipe, source = pipes
