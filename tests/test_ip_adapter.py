@@ -234,8 +234,10 @@ def test_masked_images_match_diffusers(unets):
     unet, projections = ipa.load_ip_adapters(ours, [as_numpy(s) for s in states])
     embeds = [rng.standard_normal((2, n, EMBED)).astype(np.float32) for n in (1, 2)]
     masks = [None, rng.random((1, 2, 24, 40)).astype(np.float32)]
-    unet = ipa.with_image_counts(ipa.with_ip_adapter_scales(unet, np.broadcast_to(
-        np.float32([0.6, 1.0]), ipa.ip_adapter_scales(unet).shape)), (1, 2))
+    shape = ipa.ip_adapter_scales(unet).shape
+    unet = ipa.with_image_counts(ipa.with_ip_adapter_scales(unet, np.broadcast_to(np.float32([0.6, 1.0]), shape),
+                                                            np.broadcast_to(np.float32([[1, 1], [0.9, 0.4]]),
+                                                                            (*shape, 2))), (1, 2))
     weights = mask_weights(masks, (1, 2), (None, (0.9, 0.4)), 2, resolutions(unet, 8, 8))
     args = (unet, projections, nchw_to_nhwc(sample), 500, jnp.asarray(text), [jnp.asarray(e) for e in embeds])
     got = _run_images(*args, {"ip_adapter_masks": jax.tree.map(jnp.asarray, weights)})

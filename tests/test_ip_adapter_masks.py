@@ -2,6 +2,7 @@
 and per-image scales on the Stable Diffusion and SDXL pipelines against diffusers, float32, tiny random pipelines and
 adapters, guidance on, the same initial latents; the mask resizing against ``IPAdapterMaskProcessor``."""
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from eqxdiff.models import ip_adapter as ipa
 from eqxdiff.pipelines import InputError, InputTypeError, downsample_mask, prepare_ip_adapter_masks
 from eqxdiff.pipelines import _ip_adapter_masks as masks_module
 from eqxdiff.pipelines._ip_adapter_masks import as_adapter_masks
@@ -117,6 +119,42 @@ def test_masks_and_per_image_scales_match_diffusers(pipes):
         assert _max_pixel_diff(ours, expected) <= 2
 
 
+def test_per_image_scales_in_a_per_block_dict_match_diffusers(pipes):
+    """diffusers' per-image scales inside a per-block dict: a part's list (every block of it), a block's list, the
+    mid block's, the other layers 0 (or a number for every image), as values (new ones compile nothing). Before,
+    eqxdiff refused them by name."""
+    ref, pipe, _ = pipes
+    latents = np.random.default_rng(5).standard_normal((2, 16, 16, 4)).astype(np.float32)
+    masks = [_processed([LEFT, DISC])]
+    up = sorted({b for part, b, _ in ipa.cross_attention_blocks(pipe.unet) if part == "up"})
+    scales = ({"down": [[0.7, 0.2]], "mid": [[0.3, 0.9]], "up": {f"block_{up[-1]}": [[0.1, 0.8]]}},
+              {"up": {f"block_{up[0]}": [[0.9, 0.5]]}, "mid": 0.6})
+    for i, scale in enumerate(scales):  # the second: new values, compiles nothing
+        with no_compile("new per-image scales in a dict") if i else contextlib.nullcontext():
+            ours, expected = _both(ref, pipe, latents, scale, masks)
+        assert _max_pixel_diff(ours, expected) <= 2, scale
+    plain, _ = _both(ref, pipe, latents, 0.5, masks)
+    assert np.abs(plain.astype(int) - ours.astype(int)).max() > 2  # the per-block per-image scales matter
+    with pytest.raises(InputError, match=r"per-image scales have \[2, 3\] entries in different layers"):
+        pipe.set_ip_adapter_scale({"down": [[0.7, 0.2]], "mid": [[0.3, 0.9, 0.1]]})
+
+
+def test_a_mask_per_row_matches_diffusers(pipes):
+    """A mask entry with one row per row of the UNet's batch (guidance: [negative; positive], 2 images per prompt:
+    4 rows), each row its own masks, as diffusers' attention reads them; 2 rows (per image, without guidance's
+    halves), on which diffusers fails, are refused naming the counts. Before, any first dim but 1 was refused."""
+    ref, pipe, _ = pipes
+    latents = np.random.default_rng(7).standard_normal((2, 16, 16, 4)).astype(np.float32)
+    pairs = ([LEFT, DISC], [DISC, LEFT], [LEFT, LEFT], [DISC, DISC])
+    per_row = torch.cat([_processed(list(pair)) for pair in pairs])
+    ours, expected = _both(ref, pipe, latents, [[0.8, 0.5]], [per_row])
+    assert _max_pixel_diff(ours, expected) <= 2
+    one, _ = _both(ref, pipe, latents, [[0.8, 0.5]], [per_row[:1]])
+    assert np.abs(one.astype(int) - ours.astype(int)).max() > 2  # the rows matter
+    with pytest.raises(InputError, match=r"ip_adapter_masks\[0\] has 2 rows for the UNet's batch of 4"):
+        _ours(pipe, latents, ip_adapter_image=[[PICTURE, OTHER]], ip_adapter_masks=[per_row[:2].numpy()])
+
+
 def test_two_adapters_one_masked_match_diffusers(pipes):
     """Two adapters, the first unmasked (its image attended as before) and the second's two images masked."""
     ref, pipe, source = pipes
@@ -146,10 +184,13 @@ def test_bad_masks_name_the_fix(pipes):
             _ours(pipe, None, **call)
         with pytest.raises(InputError, match="2 per-image scales for 1 masked image"):
             _ours(pipe, None, ip_adapter_masks=[masks[:, :1]], ip_adapter_image=PICTURE)
+        pipe.set_ip_adapter_scale({"down": [[0.5, 0.6]]})  # per-image scales in some layers: masks needed there too
+        with pytest.raises(InputError, match=r"one scale per image \(\[0.5, 0.6\]\).*masked images only"):
+            _ours(pipe, None, **call)
+        pipe.set_ip_adapter_scale({"down": [[0.0, 0.0]]})  # all 0: diffusers skips those layers, no mask needed
+        pipe.check_ip_adapter_arguments(call)
     finally:
         pipe.set_ip_adapter_scale(1.0)
-    with pytest.raises(InputError, match=r"down.block_\d=\[0.5, 0.6\] is one scale per masked image inside a per-bl"):
-        pipe.set_ip_adapter_scale({"down": [[0.5, 0.6]]})  # diffusers takes it: the message says so
     plain = type(pipe).from_pipe(pipe)
     plain.unload_ip_adapter()
     with pytest.raises(InputError, match="ip_adapter_masks: no IP-Adapter is loaded"):

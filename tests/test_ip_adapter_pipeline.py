@@ -362,6 +362,46 @@ def test_generate_takes_an_ip_adapter(tmp_path):
             generate.validate([*argv, *extra])
 
 
+def test_generate_takes_several_ip_adapters(tmp_path):
+    """eqxdiff-generate's --ip-adapter repeated: the adapters loaded together, one --ip-adapter-image (and mask) each
+    in their order, --ip-adapter-scale one per adapter: the Python API's image, recorded as lists; wrong counts are
+    refused before loading. Before, --ip-adapter took one file and --ip-adapter-scale one number."""
+    from eqxdiff.cli import generate
+    from eqxdiff.pipelines import read_parameters
+
+    ref = build_pipeline(tmp_path / "pipe")
+    for name, seed in (("ip", 2), ("ip2", 7)):
+        save_ip_adapter(tmp_path / name, ref.unet, seed=seed)
+    PICTURE.save(tmp_path / "picture.png")
+    OTHER.save(tmp_path / "other.png")
+    adapters = [tmp_path / name / "ip-adapter.safetensors" for name in ("ip", "ip2")]
+    argv = ["--model", str(tmp_path / "pipe"), "--prompt", "a red cat", "--height", "32", "--width", "32",
+            "--num-inference-steps", "2", "--seed", "0"]
+    ip = ["--ip-adapter", str(adapters[0]), "--ip-adapter", str(adapters[1]),
+          "--ip-adapter-image", str(tmp_path / "picture.png"), "--ip-adapter-image", str(tmp_path / "other.png")]
+    scales = ["--ip-adapter-scale", "0.6", "--ip-adapter-scale", "0.3"]
+    paths = generate.main([*argv, *ip, *scales, "--output-dir", str(tmp_path / "out")])
+    params = read_parameters(paths[0])
+    assert params["ip_adapter"] == [str(a) for a in adapters] and params["ip_adapter_scale"] == [0.6, 0.3]
+    pipe = eqxdiff.load_pipeline(tmp_path / "pipe")
+    pipe.load_ip_adapter([tmp_path / "ip", tmp_path / "ip2"], weight_name="ip-adapter.safetensors")
+    pipe.set_ip_adapter_scale([0.6, 0.3])
+    expected = pipe("a red cat", height=32, width=32, num_inference_steps=2, seed=0, progress=False,
+                    ip_adapter_image=[Image.open(tmp_path / "picture.png"), Image.open(tmp_path / "other.png")])
+    np.testing.assert_array_equal(np.asarray(Image.open(paths[0]).convert("RGB")), expected[0])
+    masks = ["--ip-adapter-mask", str(tmp_path / "picture.png")] * 2
+    checked = generate.validate([*argv, *ip, *masks]).kwargs
+    assert len(checked["ip_adapter_masks"]) == 2 and all(len(m) == 1 for m in checked["ip_adapter_masks"])
+    for extra, match in [
+        (ip[:6], r"--ip-adapter-image given 1 time\(s\) for 2 --ip-adapter: give one per adapter"),
+        ([*ip, *masks[:2]], r"--ip-adapter-mask given 1 time\(s\) for 2 --ip-adapter"),
+        ([*ip, *scales, *scales[:2]], "--ip-adapter-scale given 3 times for 2 --ip-adapter"),
+        (scales, "--ip-adapter-scale needs --ip-adapter"),
+    ]:
+        with pytest.raises(InputError, match=match):
+            generate.validate([*argv, *extra])
+
+
 def test_controlnet_takes_the_adapter_as_diffusers(tmp_path):
     """A ControlNet pipeline with an IP-Adapter: the UNet reads the image tokens, the net the text alone, as in
     diffusers' StableDiffusionControlNetPipeline (within 2/255, guidance on), here with two images on the adapter (the

@@ -1,7 +1,8 @@
 """What eqxdiff-generate puts on the --model pipeline besides LoRAs: textual-inversion embeddings
-(``--textual-inversion``), FreeU (``--freeu``) and an IP-Adapter (``--ip-adapter``, ``--ip-adapter-scale``; the image
-prompt is the call's ``--ip-adapter-image``): each checked against the pipeline class before anything loads, put on
-the loaded pipeline, and recorded in the outputs' parameters."""
+(``--textual-inversion``), FreeU (``--freeu``) and IP-Adapters (``--ip-adapter``, repeated for several, and
+``--ip-adapter-scale``, one for all or one per adapter; the image prompt is the call's ``--ip-adapter-image``: one
+adapter's images, or one per adapter with several): each checked against the pipeline class before anything loads,
+put on the loaded pipeline, and recorded in the outputs' parameters."""
 
 import math
 from collections.abc import Mapping, Sequence
@@ -55,29 +56,55 @@ def check_extras(cls: type, run, kwargs: Mapping[str, Any]) -> None:
     for source, _ in textual_inversions(run.textual_inversion):
         if Path(source).expanduser().exists() or not is_hub_id(source):
             embedding_path(source)
-    if run.ip_adapter is None:
+    if not run.ip_adapter:
         for name in ("ip_adapter_image", "ip_adapter_masks"):
             if kwargs.get(name) is not None:
                 raise InputError(f"--{name.replace('_', '-')} needs --ip-adapter ({_IP_ADAPTER_FORM})")
+        if run.ip_adapter_scale:
+            raise InputError("--ip-adapter-scale needs --ip-adapter")
         return
     if not hasattr(cls, "load_ip_adapter"):
         raise InputError(f"--ip-adapter: {cls.__name__} takes no IP-Adapter (SD and SDXL pipelines do); leave it out")
-    ip_adapter_source(run.ip_adapter)
+    for value in run.ip_adapter:
+        ip_adapter_source(value)
     if kwargs.get("ip_adapter_image") is None:
         raise InputError("--ip-adapter needs --ip-adapter-image (the image prompt)")
-    if not math.isfinite(run.ip_adapter_scale):
-        raise InputError(f"--ip-adapter-scale {run.ip_adapter_scale}: give a finite number")
+    ip_adapter_scales(run)
+    n = len(run.ip_adapter)
+    for name in ("ip_adapter_image", "ip_adapter_masks"):
+        given = kwargs.get(name)
+        count = len(given) if isinstance(given, list) else 1
+        if n > 1 and given is not None and count != n:
+            raise InputError(f"--{name.replace('_', '-').removesuffix('s')} given {count} time(s) for {n} "
+                             "--ip-adapter: give one per adapter, in their order (one adapter takes several images)")
 
 
-def one_adapter_images(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The call's arguments with a repeated --ip-adapter-image as the images of the command's one adapter (diffusers'
-    ``[[a, b]]``: their tokens read together; a plain list would give one image to each of several adapters), and
-    the --ip-adapter-mask files as that adapter's masks (``[[mask_a, mask_b]]``)."""
+def ip_adapter_scales(run) -> float | list[float]:
+    """--ip-adapter-scale as ``set_ip_adapter_scale`` takes it: one number (1 by default) or one per adapter."""
+    scales, n = list(run.ip_adapter_scale), len(run.ip_adapter)
+    if len(scales) not in (0, 1, n):
+        raise InputError(f"--ip-adapter-scale given {len(scales)} times for {n} --ip-adapter: give one for all, or "
+                         "one per adapter in their order")
+    for scale in scales:
+        if not math.isfinite(scale):
+            raise InputError(f"--ip-adapter-scale {scale}: give a finite number")
+    return scales if len(scales) > 1 else (scales or [1.0])[0]
+
+
+def adapter_images(run, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The call's arguments with the --ip-adapter-image files in diffusers' list per adapter: with one adapter a
+    repeated --ip-adapter-image gives it several images (``[[a, b]]``: their tokens read together; a plain list
+    would give one image to each of several adapters) and the --ip-adapter-mask files are its masks
+    (``[[mask_a, mask_b]]``); with several adapters each takes one image (``[a, b]``) and its mask (``[[m_a],
+    [m_b]]``)."""
     out = dict(kwargs)
-    images = kwargs.get("ip_adapter_image")
+    images, masks = kwargs.get("ip_adapter_image"), kwargs.get("ip_adapter_masks")
+    if len(run.ip_adapter) > 1:
+        if masks is not None:
+            out["ip_adapter_masks"] = [[m] for m in masks]
+        return out
     if isinstance(images, list):
         out["ip_adapter_image"] = [images]
-    masks = kwargs.get("ip_adapter_masks")
     if masks is not None:  # the one adapter's mask images, made into masks at the output size by the call
         out["ip_adapter_masks"] = [masks if isinstance(masks, list) else [masks]]
     return out
@@ -86,7 +113,7 @@ def one_adapter_images(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 def before_loading(run, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The call's arguments as the class's checks see them before loading: with --ip-adapter, without the image
     prompt and masks (the adapter's checks need it loaded; they run at the call)."""
-    if run.ip_adapter is None:
+    if not run.ip_adapter:
         return dict(kwargs)
     return {k: v for k, v in kwargs.items() if k not in ("ip_adapter_image", "ip_adapter_masks")}
 
@@ -95,10 +122,10 @@ def load_extras(pipe, run) -> None:
     """Put --textual-inversion, --ip-adapter and --freeu on the loaded pipeline."""
     for source, token in textual_inversions(run.textual_inversion):
         pipe.load_textual_inversion(source, token=token)
-    if run.ip_adapter is not None:
-        source, subfolder, weight_name = ip_adapter_source(run.ip_adapter)
-        pipe.load_ip_adapter(source, subfolder=subfolder, weight_name=weight_name)
-        pipe.set_ip_adapter_scale(run.ip_adapter_scale)
+    if run.ip_adapter:
+        sources, subfolders, weight_names = zip(*map(ip_adapter_source, run.ip_adapter))
+        pipe.load_ip_adapter(list(sources), subfolder=list(subfolders), weight_name=list(weight_names))
+        pipe.set_ip_adapter_scale(ip_adapter_scales(run))
     if run.freeu is not None:
         pipe.enable_freeu(*run.freeu)
 
@@ -108,12 +135,13 @@ def extras_metadata(run) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if run.textual_inversion:
         out["textual_inversion"] = list(run.textual_inversion)
-    if run.ip_adapter is not None:
-        out.update(ip_adapter=run.ip_adapter, ip_adapter_scale=run.ip_adapter_scale)
+    if run.ip_adapter:  # one adapter: its file and scale as before; several: lists
+        out.update(ip_adapter=run.ip_adapter[0] if len(run.ip_adapter) == 1 else list(run.ip_adapter),
+                   ip_adapter_scale=ip_adapter_scales(run))
     if run.freeu is not None:
         out["freeu"] = list(run.freeu)
     return out
 
 
-__all__ = ["before_loading", "check_extras", "extras_metadata", "ip_adapter_source", "load_extras",
-           "one_adapter_images", "textual_inversions"]
+__all__ = ["adapter_images", "before_loading", "check_extras", "extras_metadata", "ip_adapter_scales",
+           "ip_adapter_source", "load_extras", "textual_inversions"]

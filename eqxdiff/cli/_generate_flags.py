@@ -95,12 +95,14 @@ class RunOptions:
     """A textual-inversion embedding for the --model pipeline (SD, SDXL, Flux): a .safetensors file, or a folder or
     Hub id holding learned_embeds.safetensors, with =TOKEN the token prompts use (default: the file's own key; an
     A1111 file needs one: charturner.safetensors=<charturner>); repeat the flag for several."""
-    ip_adapter: str | None = None
+    ip_adapter: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
     """An IP-Adapter for the --model pipeline (SD, SDXL, with --controlnet too), its image prompt --ip-adapter-image:
     a .safetensors file beside its image_encoder folder, or OWNER/NAME/[SUBFOLDER/]FILE.safetensors on the Hub
-    (h94/IP-Adapter/models/ip-adapter_sd15.safetensors, whose models/image_encoder is read too)."""
-    ip_adapter_scale: float = 1.0
-    """The IP-Adapter's strength (diffusers' set_ip_adapter_scale; 0.5-0.7 leaves the prompt more say)."""
+    (h94/IP-Adapter/models/ip-adapter_sd15.safetensors, whose models/image_encoder is read too); repeat the flag for
+    several (the first one's image encoder serves all), each with one --ip-adapter-image, in the same order."""
+    ip_adapter_scale: Annotated[tuple[float, ...], tyro.conf.UseAppendAction] = ()
+    """The IP-Adapter's strength (diffusers' set_ip_adapter_scale; 0.5-0.7 leaves the prompt more say; default 1);
+    with several --ip-adapter, one for all or repeated with one per adapter, in their order."""
     freeu: tuple[float, float, float, float] | None = None
     """FreeU's s1 s2 b1 b2 on the --model pipeline's UNet (SD, SDXL), as diffusers' enable_freeu (SD 1.5: 0.9 0.2
     1.2 1.4; SDXL: 0.6 0.4 1.1 1.2)."""

@@ -56,8 +56,8 @@ MEDIA_INPUTS: Mapping[str, str] = {
 }
 
 # Media inputs whose flag repeats though the signature does not say so: the command's one IP-Adapter reads the
-# images of a repeated --ip-adapter-image together, each masked by the --ip-adapter-mask of its place
-# (eqxdiff.cli._extras.one_adapter_images).
+# images of a repeated --ip-adapter-image together, each masked by the --ip-adapter-mask of its place; several
+# adapters take one each (eqxdiff.cli._extras.adapter_images).
 SEVERAL_MEDIA = ("ip_adapter_image", "ip_adapter_masks")
 
 # Arguments the command decides itself: it saves uint8 images or frames.
@@ -85,7 +85,8 @@ COMMON_HELP: Mapping[str, str] = {
     "mask_image": "A mask image file (white = repaint).",
     "control_image": "A control image file (edges, depth, pose ...).",
     "last_image": "The last frame, as an image file (first-last-frame-to-video).",
-    "ip_adapter_image": "An image file for the IP-Adapter (repeated: several images, read together).",
+    "ip_adapter_image": "An image file for the IP-Adapter (repeated: several images, read together; with several "
+                        "--ip-adapter: one per adapter).",
     "ip_adapter_masks": "A mask image file (white: where the image acts) for the --ip-adapter-image of its place "
                         "(repeated: one per image), as diffusers' IPAdapterMaskProcessor reads it at the output size.",
     "video": "An input video file.",

@@ -83,7 +83,7 @@ from ._compose import (
     refiner_class,
     refiner_kwargs,
 )
-from ._extras import before_loading, check_extras, extras_metadata, load_extras, one_adapter_images
+from ._extras import adapter_images, before_loading, check_extras, extras_metadata, load_extras
 from ._generate_flags import (
     Parsed,
     config_reader,
@@ -186,7 +186,7 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None, pars
     if run.vae_tiling and not hasattr(cls, "enable_vae_tiling"):
         raise InputError(f"--vae-tiling: {cls.__name__} has no VAE tiling; leave the flag out")
     check_extras(cls, run, kwargs)
-    kwargs = one_adapter_images(kwargs)
+    kwargs = adapter_images(run, kwargs)
     try:
         cls.check_arguments({**kwargs}, cls.folder_limits(read))
         check_schedule(cls, scheduler, before_loading(run, kwargs), read)

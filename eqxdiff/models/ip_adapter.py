@@ -97,12 +97,15 @@ def image_projection(state: Mapping[str, np.ndarray], *, dtype=jnp.float32):
 class IPAdapterAttention(AbstractAttention):
     """A UNet cross-attention (``attn2``) with IP-Adapters: the text attention of :class:`~eqxdiff.nn.CrossAttention`
     plus, for each adapter ``i``, the queries' attention to its image tokens through ``to_k_ip[i]`` / ``to_v_ip[i]``,
-    times ``ip_scale[i]``, summed before ``to_out`` (diffusers' ``IPAdapterAttnProcessor2_0``). The context is the
+    times ``ip_scale[i]``, summed before ``to_out`` (diffusers' ``IPAdapterAttnProcessor2_0``); a masked adapter's
+    image ``j`` also times ``ip_image_scale[i, j]`` (diffusers' per-image scales; 1 for each image where the adapter's
+    scale is a number; ``K``, the most per-image scales set, is a shape: the first per-image scales compile once,
+    other values nothing). The context is the
     text tokens followed by each adapter's image tokens: ``num_images[i]`` images of ``num_tokens[i]`` tokens each,
     one after the other (diffusers' ``[batch, images, tokens, dim]`` through ``to_k_ip``, which attends to the images'
     tokens together). The image counts are shapes (:func:`with_image_counts`; a new count compiles)."""
 
-    PARAM_AXES: ClassVar = {"ip_scale": (None,)}  # a few scalars: replicated
+    PARAM_AXES: ClassVar = {"ip_scale": (None,), "ip_image_scale": (None, None)}  # a few scalars: replicated
 
     to_q: Linear
     to_k: Linear
@@ -111,6 +114,7 @@ class IPAdapterAttention(AbstractAttention):
     to_k_ip: tuple[Linear, ...]
     to_v_ip: tuple[Linear, ...]
     ip_scale: Float[Array, " adapters"]
+    ip_image_scale: Float[Array, "adapters K"]
     num_tokens: tuple[int, ...] = eqx.field(static=True)
     num_images: tuple[int, ...] = eqx.field(static=True)
 
@@ -124,6 +128,7 @@ class IPAdapterAttention(AbstractAttention):
         self.to_q, self.to_k, self.to_v, self.to_out = attention.to_q, attention.to_k, attention.to_v, attention.to_out
         self.to_k_ip, self.to_v_ip = tuple(to_k_ip), tuple(to_v_ip)
         self.ip_scale = jnp.ones((len(self.to_k_ip),), jnp.float32)
+        self.ip_image_scale = jnp.ones((len(self.to_k_ip), 1), jnp.float32)
         self.num_tokens = tuple(int(n) for n in num_tokens)
         self.num_images = (1,) * len(self.num_tokens)
 
@@ -174,7 +179,8 @@ class IPAdapterAttention(AbstractAttention):
             if weights is None:
                 ip = attend(self, q, self._heads(k), self._heads(v))
             else:
-                ip = self._masked(q, k, v, self._weights(weights, x.shape[1], i), self.num_tokens[i])
+                ip = self._masked(q, k, v, self._weights(weights, x.shape[1], i), self.num_tokens[i],
+                                  self.ip_image_scale[i])
             out = out + self.ip_scale[i].astype(out.dtype) * ip
         return self._output(self.to_out, out)
 
@@ -184,9 +190,10 @@ class IPAdapterAttention(AbstractAttention):
                              f"queries, this cross-attention has {seq}: downsample the masks for the latents' size")
         return weights[seq]
 
-    def _masked(self, q: Array, k: Array, v: Array, weights: Array, per_image: int) -> Array:
+    def _masked(self, q: Array, k: Array, v: Array, weights: Array, per_image: int, scales: Array) -> Array:
         """Each image's attention alone (keys ``k`` / values ``v`` ``[batch, images * per_image, inner]``), times
-        its ``weights`` ``[batch, images, seq]``, summed (diffusers' masked path)."""
+        its ``weights`` ``[batch, images, seq]`` and its scale (``scales[j]``; one scale: every image's), summed
+        (diffusers' masked path)."""
         if weights.shape[1] * per_image != k.shape[1]:
             raise ValueError(f"IPAdapterAttention: masks for {weights.shape[1]} images, the adapter reads "
                              f"{k.shape[1] // per_image}: give one mask per image")
@@ -194,7 +201,8 @@ class IPAdapterAttention(AbstractAttention):
         for j in range(weights.shape[1]):
             part = slice(j * per_image, (j + 1) * per_image)
             ip = attend(self, q, self._heads(k[:, part]), self._heads(v[:, part]))
-            out = out + ip * weights[:, j, :, None].astype(ip.dtype)
+            scale = scales[j if j < scales.shape[0] else 0]
+            out = out + ip * (weights[:, j, :, None] * scale).astype(ip.dtype)
         return out
 
 
@@ -317,36 +325,43 @@ def with_image_counts(unet, counts: Sequence[int]):
                        unet)
 
 
-def _scale_sites(unet):
-    """``(where, layers)`` per spatial transformer: ``where(unet)`` its adapter scales (one ``[layers, adapters]``
-    array when its blocks are stacked, else a list of ``[adapters]`` arrays), in diffusers' order."""
+def _scale_sites(unet, name: str = "ip_scale"):
+    """``(where, layers)`` per spatial transformer: ``where(unet)`` its adapter scales ``name`` (one ``[layers,
+    adapters, ...]`` array when its blocks are stacked, else a list of ``[adapters, ...]`` arrays), in diffusers'
+    order."""
     sites = []
     for t, transformer in enumerate(_transformers(unet)):
         blocks = transformer.transformer_blocks
         if isinstance(blocks, nn.Stacked):
-            sites.append((lambda u, t=t: _transformers(u)[t].transformer_blocks.layers.attn2.ip_scale, len(blocks)))
+            sites.append((lambda u, t=t: getattr(_transformers(u)[t].transformer_blocks.layers.attn2, name),
+                          len(blocks)))
         else:
-            sites.append((lambda u, t=t: [b.attn2.ip_scale for b in _transformers(u)[t].transformer_blocks],
+            sites.append((lambda u, t=t: [getattr(b.attn2, name) for b in _transformers(u)[t].transformer_blocks],
                           len(blocks)))
     return sites
 
 
-def ip_adapter_scales(unet) -> np.ndarray:
-    """The adapter scales ``[cross-attentions, adapters]`` (diffusers' order)."""
-    return np.concatenate([np.reshape(np.asarray(jax.device_get(where(unet))), (n, -1))
-                           for where, n in _scale_sites(unet)])
+def ip_adapter_scales(unet, image_scales: bool = False) -> np.ndarray:
+    """The adapter scales ``[cross-attentions, adapters]`` (diffusers' order); with ``image_scales`` the masked
+    images' scales ``[cross-attentions, adapters, K]`` instead."""
+    sites = _scale_sites(unet, "ip_image_scale" if image_scales else "ip_scale")
+    return np.concatenate([np.asarray(jax.device_get(where(unet))) for where, _ in sites])
 
 
-def with_ip_adapter_scales(unet, scales: np.ndarray):
-    """``unet`` with the adapter scales ``scales`` ``[cross-attentions, adapters]`` (values only, placed as the old
-    ones: nothing compiles)."""
-    scales, start = np.asarray(scales, np.float32), 0
-    for where, n in _scale_sites(unet):
-        old, part = where(unet), scales[start:start + n]
-        start += n
-        new = (nn.place_like(part, old) if not isinstance(old, list) else
-               [nn.place_like(row, o) for row, o in zip(part, old)])
-        unet = eqx.tree_at(where, unet, new)
+def with_ip_adapter_scales(unet, scales: np.ndarray, image_scales: np.ndarray | None = None):
+    """``unet`` with the adapter scales ``scales`` ``[cross-attentions, adapters]`` and, if given, the masked
+    images' scales ``image_scales`` ``[cross-attentions, adapters, K]`` (values only, placed as the old ones: nothing
+    compiles; a new ``K`` is a new shape)."""
+    for name, values in (("ip_scale", scales), ("ip_image_scale", image_scales)):
+        if values is None:
+            continue
+        values, start = np.asarray(values, np.float32), 0
+        for where, n in _scale_sites(unet, name):
+            old, part = where(unet), values[start:start + n]
+            start += n
+            new = (nn.place_like(part, old) if not isinstance(old, list) else
+                   [nn.place_like(row, o) for row, o in zip(part, old)])
+            unet = eqx.tree_at(where, unet, new)
     return unet
 
 

@@ -14,10 +14,10 @@ holding one) with several adapters loaded applies to each of them; diffusers' ``
 ("Cannot assign 1 scale_configs to 2 IP-Adapter": its length check comes before its broadcast), so there give the list
 with one config per adapter, which both take alike. The image processor is ``CLIPImageProcessor`` at the image
 encoder's size; diffusers uses the pipeline's ``feature_extractor`` instead where its folder has one (SD 1.x's, for
-the safety checker: the same settings at 224 px, the size of the usual IP-Adapter encoders). diffusers also takes
-per-image scales (for masked images) inside a per-block dict, one list per layer (``{"down": [[0.5, 0.6]]}``: those
-layers weight the masked images 0.5 and 0.6, the others 0); eqxdiff's per-image scales are one list per adapter for
-every layer (``[[0.5, 0.6]]``, the masks' weights), and it refuses them inside a dict by name.
+the safety checker: the same settings at 224 px, the size of the usual IP-Adapter encoders). Per-image scales (for
+masked images) are one list per adapter for every layer (``[[0.5, 0.6]]``) or, as diffusers takes them, inside a
+per-block dict for the layers given (``{"down": [[0.5, 0.6]]}``: the down blocks weight the masked images 0.5 and
+0.6, the other layers 0); values in the UNet per layer and image.
 """
 
 import copy
@@ -186,17 +186,24 @@ class IPAdapterMixin:
         number per part or block, or a list with one per spatial transformer of the block; what it leaves out is 0).
         An adapter's list of numbers (``[[0.7, 0.4]]``) is one scale per image, which diffusers applies to masked
         images only (:mod:`~eqxdiff.pipelines._ip_adapter_masks`): a call then needs that adapter's
-        ``ip_adapter_masks``. Values only: nothing compiles."""
+        ``ip_adapter_masks``. Inside a per-block dict such a list holds for the layers it is given to
+        (``{"down": {"block_2": [[0.5, 0.6]]}}``: block 2's transformers; ``{"down": [[0.5, 0.6]]}``: every down
+        block's; ``{"mid": [[0.5, 0.6]]}``); the other layers take their numbers for every masked image. Values only:
+        nothing compiles, except the first time an adapter gets more per-image scales than before (a shape)."""
         if self.ip_adapter is None:
             raise InputError(f"set_ip_adapter_scale: no IP-Adapter is loaded; {_LOAD_FIRST}")
         configs = _as_list(scale, len(self.ip_adapter.projections), "set_ip_adapter_scale's list")
-        per_image = tuple(tuple(_number(s, "scale") for s in c) if isinstance(c, (list, tuple)) else None
-                          for c in configs)  # applied with the masks (the layers' scale then 1)
         blocks = ipa.cross_attention_blocks(self.unet)
-        rows = np.stack([_expand_scale(1.0 if each else c, blocks) for c, each in zip(configs, per_image)],
-                        axis=1)  # [cross-attentions, adapters]
-        self.unet = ipa.with_ip_adapter_scales(self.unet, rows)
-        self.rewrite_lora_copies("unet", lambda kept: ipa.with_ip_adapter_scales(kept, rows))
+        per_layer = [_expand_scale(c, blocks) for c in configs]  # per adapter: a number or a tuple per layer
+        per_image = tuple(_image_scales(values, a) for a, values in enumerate(per_layer))
+        width = max([1, ipa.ip_adapter_scales(self.unet, image_scales=True).shape[2],
+                     *(len(v) for values in per_layer for v in values if isinstance(v, tuple))])
+        rows = np.stack([[float(any(v)) if isinstance(v, tuple) else v for v in values] for values in per_layer],
+                        axis=1)  # [cross-attentions, adapters]: a per-image layer's scale is 1 (0 if all its are 0)
+        images = np.stack([[np.pad(np.float32(v), (0, width - len(v)), constant_values=1.0) if isinstance(v, tuple)
+                            else np.ones(width, np.float32) for v in values] for values in per_layer], axis=1)
+        self.unet = ipa.with_ip_adapter_scales(self.unet, rows, images)
+        self.rewrite_lora_copies("unet", lambda kept: ipa.with_ip_adapter_scales(kept, rows, images))
         self.ip_adapter = dataclasses.replace(self.ip_adapter, image_scales=per_image)
 
     def encode_image(self, image, output_hidden_states: bool = False) -> tuple[Array, Array]:
@@ -270,7 +277,7 @@ class IPAdapterMixin:
     def ip_adapter_conditioning(self, ip_adapter_masks, rows: int, height: int, width: int) -> dict:
         """The UNet's ``cross_attention_kwargs`` for this call's ``ip_adapter_masks`` (``rows``: the UNet's batch,
         ``height`` x ``width``: the latents), as conditioning arrays: ``{}`` without masks, else the masks resized
-        to every resolution of the UNet, times the per-image scales (:func:`~eqxdiff.pipelines._ip_adapter_masks.
+        to every resolution of the UNet, the per-image scales checked (:func:`~eqxdiff.pipelines._ip_adapter_masks.
         mask_weights`; values: a new mask compiles nothing)."""
         if self.ip_adapter is None:
             return {}
@@ -366,10 +373,13 @@ def _number(value, where: str) -> float:
     return float(value)
 
 
-def _expand_scale(config, blocks: Sequence[tuple[str, int, int]]) -> np.ndarray:
-    """One adapter's scale per cross-attention from a number or diffusers' per-block dict (unset parts 0)."""
+def _expand_scale(config, blocks: Sequence[tuple[str, int, int]]) -> list:
+    """One adapter's scale per cross-attention from a number, a list of per-image scales or diffusers' per-block dict
+    (unset parts 0): a number, or a tuple of per-image scales, per cross-attention."""
+    if isinstance(config, (list, tuple)):
+        return [tuple(_number(s, "per-image scale") for s in config)] * len(blocks)
     if not isinstance(config, Mapping):
-        return np.full(len(blocks), _number(config, "scale"), np.float32)
+        return [_number(config, "scale")] * len(blocks)
     unknown = sorted(map(str, set(config) - {"down", "mid", "up"}))
     if unknown:
         raise InputError(f"set_ip_adapter_scale: {unknown} are not parts of the UNet; use 'down', 'mid' and 'up'")
@@ -392,12 +402,22 @@ def _expand_scale(config, blocks: Sequence[tuple[str, int, int]]) -> np.ndarray:
                 raise InputError(f"set_ip_adapter_scale: {part}.block_{b} takes 1 or {n} scales (one per spatial "
                                  f"transformer), not {len(value)}")
             value = value[0] if len(value) == 1 else value[a]
-        if isinstance(value, (list, tuple)):
-            raise InputError(f"set_ip_adapter_scale: {part}.block_{b}={value!r} is one scale per masked image inside "
-                             "a per-block dict, which diffusers takes and eqxdiff does not (see the module docstring): "
-                             "give the adapter's per-image scales for every layer ([[s_1, ..., s_n]]), or numbers")
-        out.append(_number(value, f"{part}.block_{b}"))
-    return np.asarray(out, np.float32)
+        if isinstance(value, (list, tuple)):  # one scale per masked image
+            out.append(tuple(_number(s, f"{part}.block_{b}'s per-image scale") for s in value))
+        else:
+            out.append(_number(value, f"{part}.block_{b}"))
+    return out
+
+
+def _image_scales(values: Sequence, adapter: int) -> tuple[float, ...] | None:
+    """An adapter's per-image scales as its masks check them (``None``: none that weigh, so no mask needed, as
+    diffusers skips a layer whose scales are all 0); every layer's list must have one scale per masked image."""
+    lists = [v for v in values if isinstance(v, tuple)]
+    if len({len(v) for v in lists}) > 1:
+        raise InputError(f"set_ip_adapter_scale: IP-Adapter {adapter}'s per-image scales have "
+                         f"{sorted({len(v) for v in lists})} entries in different layers: give each layer one scale "
+                         "per masked image of the adapter")
+    return next((v for v in lists if any(v)), None)
 
 
 def _per_adapter(images, n: int) -> list:

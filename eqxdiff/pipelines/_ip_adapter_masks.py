@@ -2,18 +2,18 @@
 masks are.
 
 diffusers takes ``cross_attention_kwargs={"ip_adapter_masks": [masks_0, ...]}``, one entry per adapter (``None``: no
-mask), each ``[1, images, height, width]`` (``IPAdapterMaskProcessor().preprocess`` of the mask images, reshaped).
-Its attention processor (``IPAdapterAttnProcessor2_0``) then attends to each image of a masked adapter alone and
-multiplies that output by the mask resized to the layer's queries (``IPAdapterMaskProcessor.downsample``: bicubic to a
-grid of about the mask's aspect with at most as many cells as queries, flattened, zero-padded to the query count)
-and by the image's scale. Here the resized masks are computed once per call in NumPy (:func:`downsample_mask`: torch's
-bicubic to within 5e-7) for every resolution the UNet runs at, times the images' scales, and handed to the UNet as
-arrays (``{seq: [rows, images, seq]}`` per adapter): a new mask or scale is a new value and compiles nothing; a call
-with masks compiles once beside one without. Fuzzed against diffusers 0.42.1 at float32 (random tiny SD and SDXL
-UNets; text-to-image, image-to-image, inpainting with 4 and 9 channels, ControlNet and its image-to-image and
-inpainting; 1-2 adapters, plain and Plus, 1-3 images; masks of other sizes and aspects, soft, or none; scalar,
-per-image and per-block scales; guidance, several images per prompt, a LoRA, from_pipe): within 1/255, and new mask
-values or scales compiled nothing.
+mask), each ``[1, images, height, width]`` (``IPAdapterMaskProcessor().preprocess`` of the mask images, reshaped). Its
+attention processor (``IPAdapterAttnProcessor2_0``) then attends to each image of a masked adapter alone and multiplies
+that output by the mask resized to the layer's queries (``IPAdapterMaskProcessor.downsample``: bicubic to a grid of
+about the mask's aspect with at most as many cells as queries, flattened, zero-padded to the query count) and by the
+image's scale. Here the resized masks are computed once per call in NumPy (:func:`downsample_mask`: torch's bicubic to
+within 5e-7) for every resolution the UNet runs at, and handed to the UNet as arrays (``{seq: [rows, images, seq]}`` per
+adapter; the scales, per layer and image, are values in the UNet): a new mask or scale is a new value and compiles
+nothing; a call with masks compiles once beside one without. Fuzzed against diffusers 0.42.1 at float32 (random tiny SD
+and SDXL UNets; text-to-image, image-to-image, inpainting with 4 and 9 channels, ControlNet and its image-to-image and
+inpainting; 1-2 adapters, plain and Plus, 1-3 images; masks of other sizes and aspects, soft, or none; scalar, per-image
+and per-block scales; guidance, several images per prompt, a LoRA, from_pipe): within 1/255, and new mask values or
+scales compiled nothing.
 """
 
 import math
@@ -29,7 +29,8 @@ __all__ = ["AdapterMasks", "as_adapter_masks", "downsample_mask", "mask_weights"
            "resolutions"]
 
 _SHAPE = ("[1, images, height, width] (diffusers' IPAdapterMaskProcessor().preprocess(masks, height=, width=) "
-          "reshaped to [1, n, h, w]; eqxdiff.pipelines.prepare_ip_adapter_masks)")
+          "reshaped to [1, n, h, w]; eqxdiff.pipelines.prepare_ip_adapter_masks), or [rows, images, height, width] "
+          "with one row per row of the UNet's batch")
 
 
 def _f32(x) -> np.ndarray:
@@ -120,7 +121,8 @@ class AdapterMasks(tuple):
 
 
 def as_adapter_masks(masks, adapters: int, size: tuple[int, int] | None = None) -> AdapterMasks:
-    """``ip_adapter_masks`` as one entry per adapter (``None`` or ``[1, images, h, w]`` float32), checked as diffusers
+    """``ip_adapter_masks`` as one entry per adapter (``None`` or ``[1 or rows, images, h, w]`` float32: one row for
+    every row of the UNet's batch, or one per row, :func:`mask_weights`), checked as diffusers
     checks them; a single array ``[adapters, 1, h, w]`` is one mask per adapter, as diffusers reads one. An entry may
     also be a list of mask images, one per image (eqxdiff-generate's ``--ip-adapter-mask`` files), made into masks
     at the output's ``size`` ``(height, width)`` (:func:`prepare_ip_adapter_masks`; without ``size`` kept as they
@@ -148,7 +150,7 @@ def _checked_masks(masks, adapters: int) -> AdapterMasks:
     for a, mask in enumerate(masks):
         if mask is not None and not _is_images(mask):
             mask = host_array(mask, np.float32)
-            if mask.ndim != 4 or mask.shape[0] != 1:
+            if mask.ndim != 4 or mask.shape[0] < 1:
                 raise InputError(f"ip_adapter_masks[{a}] has shape {tuple(mask.shape)}; each entry is {_SHAPE}, or "
                                  "a list of mask images")
         out.append(mask)
@@ -158,9 +160,13 @@ def _checked_masks(masks, adapters: int) -> AdapterMasks:
 def mask_weights(masks: Sequence, counts: Sequence[int], scales: Sequence, rows: int,
                  queries: Sequence[int]) -> tuple:
     """The UNet's ``ip_adapter_masks``: per adapter ``None`` (no mask) or ``{seq: [rows, images, seq]}``, each
-    image's mask downsampled to ``seq`` queries (:func:`downsample_mask`) times its scale (``scales[a]``: one per
-    image, or ``None`` for 1; ignored without a mask). ``counts[a]``: the adapter's images, which its masks must
-    match."""
+    image's mask downsampled to ``seq`` queries (:func:`downsample_mask`). ``counts[a]``: the adapter's images, which
+    its masks must match, and ``scales[a]`` its per-image scales (``None``: none), checked to match too: the UNet
+    applies them (``ip_image_scale``, per layer). A mask entry ``[1, images, h, w]`` holds for every row of the
+    UNet's batch (``rows``); ``[rows, images, h, w]`` holds one mask per row, row ``r`` for the UNet's row ``r``
+    (with guidance ``[negative; positive]``, each half prompt by prompt, ``num_images_per_prompt`` rows each), as
+    diffusers' ``IPAdapterMaskProcessor.downsample`` and attention read it. Other row counts are refused: diffusers
+    tiles them ``rows`` times and fails to broadcast them against the batch."""
     out = []
     for a, (mask, count, scale) in enumerate(zip(masks, counts, scales)):
         if mask is None:
@@ -172,8 +178,11 @@ def mask_weights(masks: Sequence, counts: Sequence[int], scales: Sequence, rows:
         if scale is not None and len(scale) != count:
             raise InputError(f"IP-Adapter {a} has {len(scale)} per-image scales for {count} masked image(s): give one "
                              "scale per image (set_ip_adapter_scale([[s_1, ..., s_n]]))")
-        factors = np.ones(count, np.float32) if scale is None else np.asarray(scale, np.float32)
-        out.append({q: np.broadcast_to(np.stack([downsample_mask(m, q) for m in mask[0]]) * factors[:, None],
+        if mask.shape[0] not in (1, rows):
+            raise InputError(f"ip_adapter_masks[{a}] has {mask.shape[0]} rows for the UNet's batch of {rows} (with "
+                             "guidance [negative; positive], num_images_per_prompt rows per prompt): give 1 row, or "
+                             f"one per UNet row ({rows}), as diffusers, which fails on other counts")
+        out.append({q: np.broadcast_to(np.stack([[downsample_mask(m, q) for m in row] for row in mask]),
                                        (rows, count, q)) for q in queries})
     return tuple(out)
 
