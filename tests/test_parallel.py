@@ -447,3 +447,22 @@ def test_load_straight_onto_fsdp_mesh(tiny_sd):
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(ref))
     fc1 = clip.text_model.layers[0].mlp.fc1.weight  # [64, 32]: ("mlp", "embed") -> P(None, "fsdp")
     assert fc1.sharding.spec == P(None, "fsdp") and fc1.addressable_shards[0].data.shape == (64, 4)
+
+
+@pytest.mark.parametrize("implementation", ["ring", "ulysses"])
+def test_context_kernel_on_a_layer_that_keeps_its_tokens_whole(getkey, implementation):
+    """``load_pipeline(attention="ring", mesh=)`` names the kernel of every model, the VAE's attention over one image
+    too (``token_axis=None``: its tokens stay whole). That layer runs the default local kernel: the Wan VAE's decode
+    raised "ring attention needs mesh=... with a 'context' axis" on a mesh that had one, after the whole denoising
+    loop (found by the random-mesh fuzz). A mesh whose context axis has one device is refused, naming the axis."""
+    x = jax.random.normal(getkey(), (2, 6, 16))
+    for token_axis in (None, "seq"):
+        layer = eqxdiff.nn.ProjectedAttention(16, heads=4, dim_head=4, pre_only=True, token_axis=token_axis,
+                                              implementation=implementation, key=getkey())
+        mesh = make_mesh(STRATEGIES["fsdp+context+tensor"])
+        got = eqx.filter_jit(lambda m, a: m(a, a, a))(with_plan(layer, Plan(mesh)), x)
+        expected = eqx.filter_jit(lambda m, a: m(a, a, a))(eqxdiff.nn.with_attention_implementation(layer, None), x)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    flat = with_plan(layer, Plan(make_mesh(STRATEGIES["tensor"])))
+    with pytest.raises(ValueError, match=r"mesh's 'context' axis, but it has 1 device.*ici_context_parallelism"):
+        flat(x, x, x)

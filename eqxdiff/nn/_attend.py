@@ -23,6 +23,7 @@ import equinox as eqx
 from .._typing import Array, Bool, Float, typechecked
 from ..core import Plan, constrain, map_modules, replace_static
 from ..core import has_field as _has_field
+from ..kernels import AttentionUnavailableError
 from ..kernels import attention as attention_op
 from ._layers import Linear, RMSNorm
 from ._rope import Rope, apply_rope
@@ -127,7 +128,10 @@ def attend(layer: AbstractAttention, q: Float[Array, "batch seq heads head_dim"]
 
     Queries, keys and values are constrained to ``layer.plan``'s shardings (keys and values over ``kv_seq``: whole,
     unless a ring/Ulysses kernel keeps them split); with a ``context`` mesh axis the kernel's default choice is
-    ring/Ulysses over it, and a named local kernel (e.g. ``"xla"``) sees all-gathered keys and values instead."""
+    ring/Ulysses over it, and a named local kernel (e.g. ``"xla"``) sees all-gathered keys and values instead. A layer
+    named "ring" or "ulysses" that keeps its tokens whole (``token_axis=None``: a VAE's attention over one image, as
+    ``load_pipeline(attention="ring", mesh=)`` sets every model's) has nothing to split and runs the default local
+    kernel."""
     if norm_q is not None:
         q = norm_q(q)
     if norm_k is not None:
@@ -139,11 +143,27 @@ def attend(layer: AbstractAttention, q: Float[Array, "batch seq heads head_dim"]
     q = constrain(q, plan, ("batch", seq, "heads", "head_dim"))
     k, v = (constrain(t, plan, ("batch", kv_seq, "heads", "head_dim")) for t in (k, v))
     split = plan is not None and plan.context > 1 and seq is not None
+    implementation = _implementation(layer, split)
     kwargs = {} if bias is None else {"bias": bias}
-    out = attention_op(q, k, v, mask=mask, scale=layer.scale, causal=causal, implementation=layer.implementation,
+    out = attention_op(q, k, v, mask=mask, scale=layer.scale, causal=causal, implementation=implementation,
                        mesh=plan.mesh if split else None, **kwargs)
     out = constrain(out, plan, ("batch", seq, "heads", "head_dim"))
     return layer._output(to_out, out)
+
+
+def _implementation(layer: AbstractAttention, split: bool) -> str | None:
+    """``layer``'s kernel for this call: a context-parallel one ("ring", "ulysses") only where the tokens are split
+    over the plan's ``context`` axis (a layer that keeps them whole gets the default local choice); a clear error
+    for a mesh whose ``context`` axis has one device."""
+    plan, impl = layer.plan, layer.implementation
+    if impl not in ("ring", "ulysses") or split or plan is None or plan.mesh is None:
+        return impl
+    if layer.token_axis is None:
+        return None
+    raise AttentionUnavailableError(
+        f"{type(layer).__name__}: implementation={impl!r} splits the tokens over the mesh's 'context' axis, but it has "
+        f"{plan.context} device(s) (mesh {dict(plan.mesh.shape)}); give the mesh a context axis > 1 "
+        f"(MeshConfig(ici_context_parallelism=...)) or choose a local kernel (implementation=None)")
 
 
 def with_attention_implementation(model, implementation: str | None):
