@@ -50,7 +50,9 @@ from ..train import (
     TrainingInterrupted,
     autoencoder_reuse,
     check_data_kind,
+    check_frame_count,
     check_model,
+    check_size,
     family_options,
     local_index,
     resume_point,
@@ -235,20 +237,16 @@ def validate(argv: Sequence[str] | None = None, *, prog: str | None = None) -> T
     return config
 
 
+def _flag(field: str, value) -> str:
+    """A setting's value as its flag gives it (``--resolution 32 48``), for the library's checks' messages."""
+    shown = " ".join(map(str, value)) if isinstance(value, (tuple, list)) else value
+    return f"--{field.replace('_', '-')} {shown}"
+
+
 def _check_size(config: TrainConfig, factor: int | None, why: str) -> None:
     """Both sides of ``--resolution`` (one size, or height and width) are multiples of ``factor`` (``why``), else an
     :class:`InputError` naming the nearest size that is (the lower one on a tie)."""
-    if not factor or not any(side % factor for side in config.size):
-        return
-
-    def nearest(side: int) -> int:
-        low = side // factor * factor
-        return max(factor, low if side - low <= low + factor - side else low + factor)
-
-    given = config.resolution if isinstance(config.resolution, int) else " ".join(map(str, config.resolution))
-    fits = nearest(given) if isinstance(given, int) else " ".join(str(nearest(s)) for s in config.resolution)
-    sides = "a multiple" if isinstance(given, int) else "height and width multiples"
-    raise InputError(f"--resolution {given} must be {sides} of {factor} ({why}); try --resolution {fits}")
+    check_size(config, factor, why, spell=_flag, error=InputError)
 
 
 def _local(model: str) -> bool:
@@ -272,11 +270,7 @@ def _check_clips(config: TrainConfig) -> None:
             or not holds_videos(config.data):
         return
     limits = pipeline_class(config.model).folder_limits(config_reader(config.model))
-    f, count = limits.frame_factor, config.frames.count
-    if f and (count - 1) % f:
-        low = 1 + (count - 1) // f * f
-        raise InputError(f"--frames.count {count} must be 1 + {f}k (the VAE keeps the first frame and compresses "
-                         f"each {f} after it into one latent frame); try --frames.count {low} or {low + f}")
+    check_frame_count(config.frames.count, limits.frame_factor, spell=_flag, error=InputError)
     _check_size(config, limits.size_factor, limits.why_size())
 
 

@@ -68,7 +68,9 @@ from ._objectives import sample_timesteps as sample_timesteps
 from ._objectives import snr as snr
 from ._objectives import target as target
 from ._precheck import check_data_kind as check_data_kind
+from ._precheck import check_frame_count as check_frame_count
 from ._precheck import check_model as check_model
+from ._precheck import check_size as check_size
 from ._precheck import local_index as local_index
 from ._resume import ResumePoint as ResumePoint
 from ._resume import autoencoder_reuse as autoencoder_reuse

@@ -75,17 +75,30 @@ def _check_clip_shape(config: TrainConfig, family: type[TrainModel], root: Path)
     from the component configs), as ``eqxdiff-train`` checks a folder of clips."""
     limits = family.pipeline_class().folder_limits(
         lambda path: read_config(root, path) if (root / path).is_file() else None)
-    f, count = limits.frame_factor, config.frames.count
-    if f and (count - 1) % f:
-        low = 1 + (count - 1) // f * f
-        raise ValueError(f"frames.count={count} must be 1 + {f}k (the VAE keeps the first frame and compresses each "
-                         f"{f} after it into one latent frame); try frames.count={low} or {low + f}")
+    check_frame_count(config.frames.count, limits.frame_factor)
     check_size(config, limits.size_factor, limits.why_size())
 
 
-def check_size(config: TrainConfig, factor: int | None, why: str) -> None:
-    """Both sides of ``resolution`` are multiples of ``factor`` (``why``), else a ``ValueError`` naming the nearest
-    size that is (the lower one on a tie), as ``eqxdiff-train`` says it of ``--resolution``."""
+def library_spelling(field: str, value) -> str:
+    """How the library's errors name a setting's value (``resolution=(32, 48)``); ``eqxdiff-train`` passes its flags'
+    spelling (``--resolution 32 48``) to the checks below."""
+    return f"{field}={value}"
+
+
+def check_frame_count(count: int, factor: int | None, spell=library_spelling, error: type = ValueError) -> None:
+    """``frames.count`` is 1 + ``factor`` k (the VAE's temporal compression), else ``error`` naming the counts
+    either side (``spell``: how the message names the setting)."""
+    if factor and (count - 1) % factor:
+        low = 1 + (count - 1) // factor * factor
+        raise error(f"{spell('frames.count', count)} must be 1 + {factor}k (the VAE keeps the first frame and "
+                    f"compresses each {factor} after it into one latent frame); try {spell('frames.count', low)} or "
+                    f"{low + factor}")
+
+
+def check_size(config: TrainConfig, factor: int | None, why: str, spell=library_spelling,
+               error: type = ValueError) -> None:
+    """Both sides of ``resolution`` are multiples of ``factor`` (``why``), else ``error`` naming the nearest size
+    that is (the lower one on a tie; ``spell``: how the message names the setting)."""
     if not factor or not any(side % factor for side in config.size):
         return
 
@@ -96,7 +109,7 @@ def check_size(config: TrainConfig, factor: int | None, why: str) -> None:
     given = config.resolution
     fits = nearest(given) if isinstance(given, int) else tuple(nearest(s) for s in given)
     sides = "a multiple" if isinstance(given, int) else "height and width multiples"
-    raise ValueError(f"resolution={given} must be {sides} of {factor} ({why}); try resolution={fits}")
+    raise error(f"{spell('resolution', given)} must be {sides} of {factor} ({why}); try {spell('resolution', fits)}")
 
 
 def check_data_kind(config: TrainConfig, family: type[TrainModel] | None, source=None) -> None:
