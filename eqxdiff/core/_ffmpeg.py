@@ -52,7 +52,6 @@ def gif_frame_count(path: str) -> int:
         return getattr(image, "n_frames", 1)
 
 
-
 _ADDRESS = re.compile(r"^\[[^\]]*@ 0x[0-9a-f]+\]\s*")
 
 

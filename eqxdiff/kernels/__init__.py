@@ -6,4 +6,5 @@ from ._api import attention as attention
 from ._api import explain_choice as explain_choice
 from ._block_sizes import BlockSizes as BlockSizes
 from ._common import AttentionUnavailableError as AttentionUnavailableError
+from ._context import CONTEXT_KERNELS as CONTEXT_KERNELS
 from ._reference import reference_attention as reference_attention

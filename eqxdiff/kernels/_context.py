@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from ._common import AttentionUnavailableError, key_valid, pad_axis, round_up
 
 CONTEXT_AXIS = "context"
+CONTEXT_KERNELS = ("ring", "ulysses")  # the implementations that split the sequence over CONTEXT_AXIS
 BATCH_AXES = ("data", "fsdp")
 HEAD_AXIS = "tensor"
 

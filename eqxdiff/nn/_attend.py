@@ -23,7 +23,7 @@ import equinox as eqx
 from .._typing import Array, Bool, Float, typechecked
 from ..core import Plan, constrain, map_modules, replace_static
 from ..core import has_field as _has_field
-from ..kernels import AttentionUnavailableError
+from ..kernels import CONTEXT_KERNELS, AttentionUnavailableError
 from ..kernels import attention as attention_op
 from ._layers import Linear, RMSNorm
 from ._rope import Rope, apply_rope
@@ -152,11 +152,11 @@ def attend(layer: AbstractAttention, q: Float[Array, "batch seq heads head_dim"]
 
 
 def _implementation(layer: AbstractAttention, split: bool) -> str | None:
-    """``layer``'s kernel for this call: a context-parallel one ("ring", "ulysses") only where the tokens are split
+    """``layer``'s kernel for this call: a context-parallel one (``CONTEXT_KERNELS``) only where the tokens are split
     over the plan's ``context`` axis (a layer that keeps them whole gets the default local choice); a clear error
     for a mesh whose ``context`` axis has one device."""
     plan, impl = layer.plan, layer.implementation
-    if impl not in ("ring", "ulysses") or split or plan is None or plan.mesh is None:
+    if impl not in CONTEXT_KERNELS or split or plan is None or plan.mesh is None:
         return impl
     if layer.token_axis is None:
         return None
