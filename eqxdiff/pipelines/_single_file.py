@@ -142,9 +142,7 @@ def single_file_class(path, *, config=None, revision: str | None = None) -> type
     a layout that loads as several classes, ``config``'s ``model_index.json``: a Flux Kontext folder) without
     loading it: what ``eqxdiff-generate`` takes a single file's options from. A mapping ``{component: file}``: its
     first file's."""
-    path, file = _open(file_targets(path)[0][1])
-    where = f"file {os.fspath(path)!r}"
-    layout = detect_in(file, where, single_file_layouts())
+    layout, where = (one := _open_one(None, file_targets(path)[0][1])).layout, one.where
     if len(layout.pipelines) == 1 or config is None:
         return resolve_class(layout.pipelines[0])
     return _layout_class(layout, _config_source(config, revision, layout, (), where).index)
@@ -153,9 +151,7 @@ def single_file_class(path, *, config=None, revision: str | None = None) -> type
 def single_file_components(path) -> list[str]:
     """The components a lone single file fills, as its layout names them (``["transformer"]``; an A1111 file's
     ``["text_encoder", "unet", "vae"]``)."""
-    path, file = _open(path)
-    layout = detect_in(file, f"file {os.fspath(path)!r}", single_file_layouts())
-    return [part.name for part in layout.parts if part.held(file)]
+    return [part.name for part in _open_one(None, path).parts]
 
 
 def save_single_file(pipe, path, *, dtype=None, layout: str | None = None) -> Path:
@@ -338,17 +334,20 @@ class _Opened(NamedTuple):
 def _open_all(path) -> list[_Opened]:
     """The files of ``path``: one file, or a mapping ``{component: file}`` (:func:`file_targets`) whose files are of
     one family, each opened and its layout found."""
-    opened = []
-    for target, given in file_targets(path):
-        p, file = _open(given)
-        where = f"file {os.fspath(p)!r}"
-        layout = detect_in(file, where, single_file_layouts())
-        opened.append(_Opened(target, p, file, layout, where, [part for part in layout.parts if part.held(file)]))
+    opened = [_open_one(target, given) for target, given in file_targets(path)]
     families = sorted({o.layout.family for o in opened})
     if len(families) > 1:
         raise CheckpointError(f"{_where(path, opened)} holds files of {' and '.join(families)} models, not of one "
                               "pipeline; map files of one model family")
     return opened
+
+
+def _open_one(target: str | None, given) -> _Opened:
+    """The file ``given`` opened, its layout found and the parts it holds, for the component ``target``."""
+    path, file = _open(given)
+    where = f"file {os.fspath(path)!r}"
+    layout = detect_in(file, where, single_file_layouts())
+    return _Opened(target, path, file, layout, where, [part for part in layout.parts if part.held(file)])
 
 
 def _where(path, opened: list[_Opened]) -> str:
